@@ -58,3 +58,28 @@ else:
             return builder.bitcast(args[0], context.get_value_type(types.float32))
 
         return sig, codegen
+
+
+from numba import cuda, float32, uint16, uint32  # noqa: E402
+
+
+@cuda.jit(device=True, inline=True)
+def bf16_bits_to_f32(bits):
+    """Widen a bfloat16 (given as its uint16 bits) to float32: the bits become the top half."""
+    return u32_as_f32(uint32(bits) << uint32(16))
+
+
+@cuda.jit(device=True, inline=True)
+def f32_to_bf16_bits(x):
+    """Narrow a float32 to bfloat16 bits, rounding to nearest even; NaN stays NaN."""
+    bits = f32_as_u32(x)
+    if (bits & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
+        return uint16(0x7FC0)
+    round_up = uint32(0x7FFF) + ((bits >> uint32(16)) & uint32(1))
+    return uint16((bits + round_up) >> uint32(16))
+
+
+@cuda.jit(device=True, inline=True)
+def to_f32(x):
+    """Widen a float16 or float32 element to float32."""
+    return float32(x)
