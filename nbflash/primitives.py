@@ -83,3 +83,362 @@ def f32_to_bf16_bits(x):
 def to_f32(x):
     """Widen a float16 or float32 element to float32."""
     return float32(x)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tensor-core tile primitives
+#
+# The fast forward kernel (kernels/forward_mma.py) is written against these few warp-level operations.
+# Fragment layouts follow the PTX ISA ("Matrix fragments for mma.m16n8k16 with floating point type" and
+# "Warp-level matrix load instruction: ldmatrix"). With ``g = lane >> 2`` (the lane's quad, 0..7) and
+# ``t = lane & 3`` (its place in the quad, 0..3), and "2 halves" meaning a uint32 whose low 16 bits hold
+# the lower-index element:
+#
+#   A (16x16, row-major)   a0 = A[g, 2t:2t+2]  a1 = A[g+8, 2t:2t+2]  a2 = A[g, 2t+8:2t+10]  a3 = A[g+8, 2t+8:2t+10]
+#   B (16x8, "col")        b0 = B[2t:2t+2, g]  b1 = B[2t+8:2t+10, g]
+#   C, D (16x8, float32)   c0, c1 = C[g, 2t], C[g, 2t+1]      c2, c3 = C[g+8, 2t], C[g+8, 2t+1]
+#
+#   ldmatrix .x4: lanes 8i..8i+7 give the shared addresses of the 8 rows (16 bytes each) of matrix i;
+#   register i of every lane receives M_i[g, 2t:2t+2], or M_i[2t:2t+2, g] with .trans.
+#
+# Shared memory is addressed by 32-bit shared-window addresses (``shared_address(arr)`` plus a byte
+# offset), which is what ldmatrix and cp.async take.
+# ---------------------------------------------------------------------------------------------------
+
+if SIMULATOR:
+    import ctypes
+    import threading
+
+    # --- Warp collectives in the simulator -------------------------------------------------------
+    # The simulator runs each CUDA thread as a Python thread and one block at a time. A collective
+    # (mma, ldmatrix, shuffle) needs the values of all lanes of the warp, so the lanes meet at a
+    # per-warp barrier: each posts its operands, the barrier's action (run once, by one thread, when
+    # all lanes have arrived) computes every lane's result, and a second barrier keeps the next
+    # collective from overwriting the results before every lane has read its own. The kernels call
+    # collectives in warp-uniform control flow, as the hardware's .sync.aligned forms require.
+
+    class _WarpExchange:
+        def __init__(self, lanes):
+            self.lanes = lanes
+            self.posted = [None] * lanes
+            self.results = None
+            self.arrived = threading.Barrier(lanes, action=self._combine, timeout=600)
+            self.read = threading.Barrier(lanes, timeout=600)
+
+        def _combine(self):
+            combine = self.posted[0][0]
+            self.results = combine([value for _, value in self.posted])
+
+    _exchange_lock = threading.Lock()
+
+    def _warp_collective(combine, value):
+        """Post ``value``; return this lane's entry of ``combine(values of lanes 0..31)``."""
+        thread = threading.current_thread()
+        manager = thread._manager  # one BlockManager per block: the exchanges die with the block
+        warp, lane = divmod(thread.thread_id, 32)
+        with _exchange_lock:
+            exchanges = manager.__dict__.setdefault("_nbflash_warps", {})
+            exchange = exchanges.get(warp)
+            if exchange is None:
+                block_threads = int(np.prod(manager._block_dim))
+                exchange = exchanges[warp] = _WarpExchange(min(32, block_threads - 32 * warp))
+        exchange.posted[lane] = (combine, value)
+        exchange.arrived.wait()
+        result = exchange.results[lane]
+        exchange.read.wait()
+        return result
+
+    _LANE = np.arange(32)
+    _G = _LANE >> 2
+    _T = _LANE & 3
+
+    # --- Shared-memory addresses -----------------------------------------------------------------
+    # A shared-window address is emulated by the host address of the simulator's shared buffer, so
+    # ldmatrix and cp.async read and write exactly the bytes the kernel's other views of that buffer
+    # see. Every access is checked to lie inside an array handed to shared_address, and aligned.
+
+    _shared_ranges = {}
+
+    def shared_address(arr):
+        """The shared-window address of ``arr[0]`` (a host address in the simulator)."""
+        start = arr.ctypes.data
+        _shared_ranges[start] = start + arr.nbytes
+        return np.uint64(start)
+
+    def _shared_bytes(addr, nbytes):
+        addr = int(addr)
+        if addr % 16:
+            raise ValueError(f"shared address {addr:#x} is not 16-byte aligned")
+        for start, end in _shared_ranges.items():
+            if start <= addr and addr + nbytes <= end:
+                return (ctypes.c_uint8 * nbytes).from_address(addr)
+        raise IndexError(f"shared address {addr:#x} (+{nbytes}) is outside every shared array")
+
+    # --- cp.async: emulated as an immediate copy ---------------------------------------------------
+
+    def cp_async_16(dst, src, i0, i1, i2, i3, src_bytes):
+        """Copy the 16 bytes ``src[i0, i1, i2, i3:i3+8]`` to shared address ``dst``; zero-fill
+        instead when ``src_bytes`` is 0 (then ``src`` is not read)."""
+        out = np.frombuffer(_shared_bytes(dst, 16), dtype=np.uint8)
+        if int(src_bytes) == 0:
+            out[:] = 0
+            return
+        assert int(src_bytes) == 16, "cp_async_16 copies 16 bytes or zero-fills"
+        row = np.asarray([src[i0, i1, i2, i3 + e] for e in range(8)])
+        assert row.dtype.itemsize == 2
+        out[:] = row.view(np.uint8)
+
+    def cp_async_commit():
+        """Close the group of cp.async copies issued so far (nothing to do: copies were immediate)."""
+
+    def cp_async_wait(n):
+        """Wait until at most ``n`` committed groups are pending (immediate copies: nothing to do)."""
+
+    # --- ldmatrix ---------------------------------------------------------------------------------
+
+    def _ldmatrix_combine(transpose, addresses):
+        regs = np.empty((32, 4), dtype=np.uint32)
+        for i in range(4):
+            m = np.stack([np.frombuffer(_shared_bytes(a, 16), dtype=np.uint16).copy()
+                          for a in addresses[8 * i:8 * i + 8]]).astype(np.uint32)
+            if transpose:
+                m = m.T
+            regs[:, i] = m[_G, 2 * _T] | (m[_G, 2 * _T + 1] << np.uint32(16))
+        return [tuple(np.uint32(r) for r in regs[lane]) for lane in range(32)]
+
+    def ldmatrix_x4(addr):
+        """Four 8x8 16-bit matrices from shared memory; lane 8i+r gives the address of row r of
+        matrix i. Returns this lane's four registers (see the layout table above)."""
+        return _warp_collective(lambda posted: _ldmatrix_combine(False, posted), int(addr))
+
+    def ldmatrix_x4_trans(addr):
+        """As ldmatrix_x4, each matrix transposed."""
+        return _warp_collective(lambda posted: _ldmatrix_combine(True, posted), int(addr))
+
+    # --- mma.sync m16n8k16 ------------------------------------------------------------------------
+
+    def _halves(words):
+        words = np.asarray(words, dtype=np.uint32)
+        return (words & np.uint32(0xFFFF)).astype(np.uint16), (words >> np.uint32(16)).astype(np.uint16)
+
+    def _decode_f16(bits):
+        return bits.view(np.float16).astype(np.float64)
+
+    def _decode_bf16(bits):
+        return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+
+    def _mma_combine(decode, posted):
+        r = np.asarray([[int(x) for x in p[:6]] for p in posted], dtype=np.uint32)
+        c = np.asarray([[float(x) for x in p[6:]] for p in posted], dtype=np.float32)
+        A = np.zeros((16, 16))
+        B = np.zeros((16, 8))
+        C = np.zeros((16, 8))
+        for reg, (row, col) in enumerate([(0, 0), (8, 0), (0, 8), (8, 8)]):
+            lo, hi = _halves(r[:, reg])
+            A[_G + row, 2 * _T + col] = decode(lo)
+            A[_G + row, 2 * _T + col + 1] = decode(hi)
+        for reg, k in [(4, 0), (5, 8)]:
+            lo, hi = _halves(r[:, reg])
+            B[2 * _T + k, _G] = decode(lo)
+            B[2 * _T + k + 1, _G] = decode(hi)
+        C[_G, 2 * _T], C[_G, 2 * _T + 1] = c[:, 0], c[:, 1]
+        C[_G + 8, 2 * _T], C[_G + 8, 2 * _T + 1] = c[:, 2], c[:, 3]
+        D = (A @ B + C).astype(np.float32)
+        return [(D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1])
+                for g, t in zip(_G, _T)]
+
+    def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A @ B + C for one warp: A 16x16 and B 16x8 float16 fragments, C and D 16x8 float32."""
+        return _warp_collective(lambda posted: _mma_combine(_decode_f16, posted),
+                                (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
+
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """As mma_f16, with bfloat16 fragments."""
+        return _warp_collective(lambda posted: _mma_combine(_decode_bf16, posted),
+                                (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
+
+    # --- Packing, exp2, quad reductions -----------------------------------------------------------
+
+    def pack_f16x2(lo, hi):
+        """Two float32 rounded to float16 (nearest even), packed: ``lo`` in the low 16 bits."""
+        bits = np.array([lo, hi], dtype=np.float32).astype(np.float16).view(np.uint16)
+        return np.uint32(int(bits[0]) | (int(bits[1]) << 16))
+
+    def pack_bf16x2(lo, hi):
+        """Two float32 rounded to bfloat16 (nearest even), packed: ``lo`` in the low 16 bits."""
+        return np.uint32(int(f32_to_bf16_bits(np.float32(lo))) | (int(f32_to_bf16_bits(np.float32(hi))) << 16))
+
+    def exp2_approx(x):
+        """2**x in float32 (ex2.approx.ftz on the GPU: about 2 ulp, subnormals flushed)."""
+        with np.errstate(over="ignore"):
+            return np.exp2(np.float32(x))
+
+    def _quad_combine(op, posted):
+        x = np.asarray(posted, dtype=np.float32)
+        x = op(x, x[_LANE ^ 1])  # the butterfly's two steps, in the hardware's order
+        x = op(x, x[_LANE ^ 2])
+        return list(x)
+
+    def quad_max(x):
+        """Maximum of ``x`` over the 4 lanes of this lane's quad (lanes 4g..4g+3)."""
+        return _warp_collective(lambda posted: _quad_combine(np.maximum, posted), np.float32(x))
+
+    def quad_sum(x):
+        """Sum of ``x`` over the 4 lanes of this lane's quad, in butterfly order."""
+        return _warp_collective(lambda posted: _quad_combine(np.add, posted), np.float32(x))
+
+else:
+    from llvmlite import ir
+    from numba.cuda import cgutils
+
+    _i32 = ir.IntType(32)
+    _i64 = ir.IntType(64)
+    _f32 = ir.FloatType()
+
+    def _asm(builder, ret, args, text, constraints, side_effect=False):
+        ftype = ir.FunctionType(ret, [a.type for a in args])
+        return builder.asm(ftype, text, constraints, list(args), side_effect)
+
+    def _tuple(context, builder, tuple_type, struct, n):
+        values = [builder.extract_value(struct, i) for i in range(n)]
+        return context.make_tuple(builder, tuple_type, values)
+
+    @intrinsic
+    def shared_address(typingctx, arr):
+        """The 32-bit shared-window address of ``arr[0]``, for a shared-memory array ``arr``."""
+        sig = types.uint32(arr)
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            generic = builder.ptrtoint(data, _i64)
+            window = _asm(builder, _i64, [generic], "cvta.to.shared.u64 $0, $1;", "=l,l")
+            return builder.trunc(window, _i32)
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_16(typingctx, dst, src, i0, i1, i2, i3, src_bytes):
+        """Copy the 16 bytes ``src[i0, i1, i2, i3:i3+8]`` to shared address ``dst`` asynchronously
+        (cp.async.cg, bypassing L1); zero-fill instead when ``src_bytes`` is 0."""
+        sig = types.void(types.uint32, src, types.intp, types.intp, types.intp, types.intp, types.uint32)
+
+        def codegen(context, builder, signature, args):
+            aryty = signature.args[1]
+            ary = context.make_array(aryty)(context, builder, args[1])
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, args[2:6])
+            _asm(builder, ir.VoidType(), [args[0], builder.ptrtoint(ptr, _i64), args[6]],
+                 "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_commit(typingctx):
+        """Close the group of cp.async copies this thread issued since the last commit."""
+        sig = types.void()
+
+        def codegen(context, builder, signature, args):
+            _asm(builder, ir.VoidType(), [], "cp.async.commit_group;", "~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_wait(typingctx, n):
+        """Wait until at most ``n`` (a compile-time integer) of this thread's committed groups are
+        still in flight. Other threads' copies become visible only after a barrier."""
+        if not isinstance(n, types.IntegerLiteral):
+            return None
+        sig = types.void(n)
+        pending = int(n.literal_value)
+
+        def codegen(context, builder, signature, args):
+            _asm(builder, ir.VoidType(), [], f"cp.async.wait_group {pending};", "~{memory}",
+                 side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _ldmatrix(transpose):
+        suffix = ".trans" if transpose else ""
+        text = f"ldmatrix.sync.aligned.m8n8.x4{suffix}.shared.b16 {{$0, $1, $2, $3}}, [$4];"
+
+        def typer(typingctx, addr):
+            ret = types.UniTuple(types.uint32, 4)
+            sig = ret(types.uint32)
+
+            def codegen(context, builder, signature, args):
+                struct = _asm(builder, ir.LiteralStructType([_i32] * 4), [args[0]], text,
+                              "=r,=r,=r,=r,r", side_effect=True)  # volatile: ordered after waits/barriers
+                return _tuple(context, builder, ret, struct, 4)
+
+            return sig, codegen
+
+        return typer
+
+    ldmatrix_x4 = intrinsic(_ldmatrix(False))
+    ldmatrix_x4_trans = intrinsic(_ldmatrix(True))
+
+    def _mma(kind):
+        text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+                "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+
+        def typer(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            ret = types.UniTuple(types.float32, 4)
+            sig = ret(*([types.uint32] * 6 + [types.float32] * 4))
+
+            def codegen(context, builder, signature, args):
+                struct = _asm(builder, ir.LiteralStructType([_f32] * 4), args, text,
+                              "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                return _tuple(context, builder, ret, struct, 4)
+
+            return sig, codegen
+
+        return typer
+
+    mma_f16 = intrinsic(_mma("f16"))
+    mma_bf16 = intrinsic(_mma("bf16"))
+
+    def _pack(kind):
+        # cvt.rn.{f16x2,bf16x2}.f32 d, a, b puts a in the upper half and b in the lower.
+        text = f"cvt.rn.{kind}.f32 $0, $2, $1;"
+
+        def typer(typingctx, lo, hi):
+            sig = types.uint32(types.float32, types.float32)
+
+            def codegen(context, builder, signature, args):
+                return _asm(builder, _i32, args, text, "=r,f,f")
+
+            return sig, codegen
+
+        return typer
+
+    pack_f16x2 = intrinsic(_pack("f16x2"))
+    pack_bf16x2 = intrinsic(_pack("bf16x2"))
+
+    @intrinsic
+    def exp2_approx(typingctx, x):
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            return _asm(builder, _f32, args, "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+
+        return sig, codegen
+
+    def _quad(op):
+        text = ("{ .reg .f32 t; "
+                f"shfl.sync.bfly.b32 t, $1, 1, 0x1f, 0xffffffff; {op}.f32 $0, $1, t; "
+                f"shfl.sync.bfly.b32 t, $0, 2, 0x1f, 0xffffffff; {op}.f32 $0, $0, t; }}")
+
+        def typer(typingctx, x):
+            sig = types.float32(types.float32)
+
+            def codegen(context, builder, signature, args):
+                return _asm(builder, _f32, args, text, "=f,f", side_effect=True)
+
+            return sig, codegen
+
+        return typer
+
+    quad_max = intrinsic(_quad("max"))
+    quad_sum = intrinsic(_quad("add"))

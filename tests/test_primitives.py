@@ -1,0 +1,200 @@
+"""The tile primitives against NumPy.
+
+Each check launches a one-warp kernel that builds the operands lane by lane, following the PTX ISA's
+fragment layouts as written out in nbflash/primitives.py, calls the primitive, and scatters the
+result back the same way. Without a GPU (Numba's simulator) this checks the plain-Python emulations;
+on a GPU the same checks run against the inline-PTX intrinsics, which is what makes the emulations
+trustworthy: both must agree with the one NumPy statement of the layout. The ``gpu``-marked test
+repeats every check over many random draws on the hardware.
+"""
+
+import numpy as np
+import pytest
+from numba import cuda, uint16, uint32
+
+from nbflash import primitives as P
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+LANE = np.arange(32)
+G, T = LANE >> 2, LANE & 3
+
+
+def _bits(x, dtype):
+    """uint16 bits of float values rounded to ``dtype`` ('float16' or 'bfloat16')."""
+    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    return np.asarray(x, dtype=np.float32).astype(np_dtype).view(np.uint16)
+
+
+def _values(bits, dtype):
+    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    return bits.view(np_dtype).astype(np.float64)
+
+
+def _pairs(lo, hi):
+    return lo.astype(np.uint32) | (hi.astype(np.uint32) << 16)
+
+
+# --- mma.sync m16n8k16 -------------------------------------------------------------------------------
+
+@cuda.jit
+def _mma_f16_kernel(a_regs, b_regs, c, d):
+    lane = cuda.threadIdx.x
+    r = P.mma_f16(a_regs[lane, 0], a_regs[lane, 1], a_regs[lane, 2], a_regs[lane, 3],
+                  b_regs[lane, 0], b_regs[lane, 1], c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3])
+    for i in range(4):
+        d[lane, i] = r[i]
+
+
+@cuda.jit
+def _mma_bf16_kernel(a_regs, b_regs, c, d):
+    lane = cuda.threadIdx.x
+    r = P.mma_bf16(a_regs[lane, 0], a_regs[lane, 1], a_regs[lane, 2], a_regs[lane, 3],
+                   b_regs[lane, 0], b_regs[lane, 1], c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3])
+    for i in range(4):
+        d[lane, i] = r[i]
+
+
+def check_mma(dtype, rng):
+    A = _bits(rng.standard_normal((16, 16)), dtype)
+    B = _bits(rng.standard_normal((16, 8)), dtype)
+    C = rng.standard_normal((16, 8)).astype(np.float32)
+    a_regs = np.stack([_pairs(A[G + r, 2 * T + k], A[G + r, 2 * T + k + 1])
+                       for r, k in [(0, 0), (8, 0), (0, 8), (8, 8)]], axis=1)
+    b_regs = np.stack([_pairs(B[2 * T + k, G], B[2 * T + k + 1, G]) for k in (0, 8)], axis=1)
+    c_regs = np.stack([C[G, 2 * T], C[G, 2 * T + 1], C[G + 8, 2 * T], C[G + 8, 2 * T + 1]], axis=1)
+    d_regs = np.full((32, 4), np.nan, dtype=np.float32)
+    kernel = _mma_f16_kernel if dtype == "float16" else _mma_bf16_kernel
+    kernel[1, 32](a_regs, b_regs, c_regs, d_regs)
+    D = np.empty((16, 8))
+    D[G, 2 * T], D[G, 2 * T + 1] = d_regs[:, 0], d_regs[:, 1]
+    D[G + 8, 2 * T], D[G + 8, 2 * T + 1] = d_regs[:, 2], d_regs[:, 3]
+    expected = _values(A, dtype) @ _values(B, dtype) + C
+    np.testing.assert_allclose(D, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mma(dtype):
+    check_mma(dtype, np.random.default_rng(0))
+
+
+# --- ldmatrix x4 (and .trans) ------------------------------------------------------------------------
+
+def _make_ldmatrix_kernel(transpose):
+    load = P.ldmatrix_x4_trans if transpose else P.ldmatrix_x4
+
+    @cuda.jit
+    def kernel(rows, order, regs):
+        # rows: 32 rows of 8 uint16 (4 matrices of 8 rows), stored in shared memory in the permuted
+        # row order `order`, so the lanes' addresses are not simply consecutive.
+        lane = cuda.threadIdx.x
+        smem = cuda.shared.array(0, uint16)
+        for e in range(8):
+            smem[order[lane] * 8 + e] = rows[lane, e]
+        cuda.syncthreads()  # every row stored before any lane's ldmatrix reads it
+        r = load(P.shared_address(smem) + uint32(order[lane] * 16))
+        for i in range(4):
+            regs[lane, i] = r[i]
+
+    return kernel
+
+
+_ldmatrix_kernels = {False: _make_ldmatrix_kernel(False), True: _make_ldmatrix_kernel(True)}
+
+
+def check_ldmatrix(transpose, rng):
+    rows = rng.integers(0, 1 << 16, size=(32, 8), dtype=np.uint16)
+    order = rng.permutation(32).astype(np.int32)
+    regs = np.zeros((32, 4), dtype=np.uint32)
+    _ldmatrix_kernels[transpose][1, 32, 0, 32 * 16](rows, order, regs)
+    for i in range(4):
+        m = rows[8 * i:8 * i + 8]
+        if transpose:
+            m = m.T
+        np.testing.assert_array_equal(regs[:, i], _pairs(m[G, 2 * T], m[G, 2 * T + 1]))
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_ldmatrix(transpose):
+    check_ldmatrix(transpose, np.random.default_rng(1))
+
+
+# --- cp.async 16 bytes, zero-fill, commit / wait ------------------------------------------------------
+
+@cuda.jit
+def _cp_async_kernel(src, coords, out):
+    # Lane i copies src[coords[i]] (8 elements) to 16-byte slot i of shared memory, or zero-fills the
+    # slot when coords[i, 4] is 0; then every lane reads back all slots.
+    lane = cuda.threadIdx.x
+    smem = cuda.shared.array(0, uint16)
+    base = P.shared_address(smem)
+    P.cp_async_16(base + uint32(lane * 16), src, coords[lane, 0], coords[lane, 1], coords[lane, 2],
+                  coords[lane, 3], uint32(coords[lane, 4]))
+    P.cp_async_commit()
+    P.cp_async_wait(0)
+    cuda.syncthreads()  # other lanes' copies are visible only after the barrier
+    for e in range(8):
+        out[lane, e] = smem[lane * 8 + e]
+
+
+def check_cp_async(rng):
+    src = rng.standard_normal((2, 3, 4, 24)).astype(np.float16)
+    coords = np.stack([rng.integers(0, 2, 32), rng.integers(0, 3, 32), rng.integers(0, 4, 32),
+                       8 * rng.integers(0, 3, 32), 16 * rng.integers(0, 2, 32)], axis=1).astype(np.int64)
+    out = np.full((32, 8), 0xFFFF, dtype=np.uint16)
+    _cp_async_kernel[1, 32, 0, 32 * 16](src, coords, out)
+    for lane in range(32):
+        b, s, h, d, nbytes = coords[lane]
+        expected = src[b, s, h, d:d + 8].view(np.uint16) if nbytes else np.zeros(8, np.uint16)
+        np.testing.assert_array_equal(out[lane], expected)
+
+
+def test_cp_async():
+    check_cp_async(np.random.default_rng(2))
+
+
+# --- packing, exp2, quad reductions -------------------------------------------------------------------
+
+@cuda.jit
+def _pointwise_kernel(x, y, packed_f16, packed_bf16, exp2, qmax, qsum):
+    lane = cuda.threadIdx.x
+    packed_f16[lane] = P.pack_f16x2(x[lane], y[lane])
+    packed_bf16[lane] = P.pack_bf16x2(x[lane], y[lane])
+    exp2[lane] = P.exp2_approx(x[lane])
+    qmax[lane] = P.quad_max(y[lane])
+    qsum[lane] = P.quad_sum(y[lane])
+
+
+def check_pointwise(rng):
+    x = (rng.standard_normal(32) * 20).astype(np.float32)
+    y = (rng.standard_normal(32) * 1e3).astype(np.float32)
+    x[0], y[1], y[4:8] = -np.inf, -np.inf, -np.inf  # exp2(-inf) = 0; a quad of -inf stays -inf
+    outs = [np.zeros(32, np.uint32), np.zeros(32, np.uint32)] + [np.full(32, np.nan, np.float32) for _ in range(3)]
+    _pointwise_kernel[1, 32](x, y, *outs)
+    packed_f16, packed_bf16, exp2, qmax, qsum = outs
+    np.testing.assert_array_equal(packed_f16, _pairs(_bits(x, "float16"), _bits(y, "float16")))
+    np.testing.assert_array_equal(packed_bf16, _pairs(_bits(x, "bfloat16"), _bits(y, "bfloat16")))
+    np.testing.assert_allclose(exp2, np.exp2(x.astype(np.float64)), rtol=2e-6)
+    quads = y.reshape(8, 4)
+    np.testing.assert_array_equal(qmax, np.repeat(quads.max(axis=1), 4))
+    expected_sum = np.repeat((quads[:, 0] + quads[:, 1]) + (quads[:, 2] + quads[:, 3]), 4)
+    np.testing.assert_allclose(qsum, expected_sum, rtol=1e-6)
+
+
+def test_pointwise():
+    check_pointwise(np.random.default_rng(3))
+
+
+# --- On the GPU: every check, many draws ---------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(P.SIMULATOR, reason="checks the inline-PTX intrinsics; needs a GPU")
+def test_intrinsics_match_layouts_on_gpu():
+    rng = np.random.default_rng(4)
+    for _ in range(20):
+        for dtype in ("float16", "bfloat16"):
+            check_mma(dtype, rng)
+        for transpose in (False, True):
+            check_ldmatrix(transpose, rng)
+        check_cp_async(rng)
+        check_pointwise(rng)
