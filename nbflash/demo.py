@@ -1,0 +1,148 @@
+"""The demo behind ``python -m nbflash``: nbflash's forward next to naive attention.
+
+Naive attention is what a CuPy user writes today: S = Q K^T, softmax, P V, with S and P as full
+N x N matrices. nbflash computes the same thing exactly without ever storing them. For each length the
+table gives time, peak extra device memory, the max error of each against float64, and the N x N
+memory the naive path needs, up to a length where naive attention runs out of memory.
+
+With no GPU the same demo runs in Numba's CUDA simulator at a small size (times are then CPU times
+of the simulator, and only the N x N bytes are given, computed rather than measured).
+"""
+
+import argparse
+import math
+import time
+
+import numpy as np
+from tabulate import tabulate
+
+from . import runtime
+from .dtypes import SUPPORTED
+from .interface import flash_attn_func
+from .reference import attention_reference
+
+
+def naive_attention(q, k, v, causal=False):
+    """softmax(q k^T / sqrt(d)) v with the N x N matrices materialized (float32 softmax)."""
+    xp = np if runtime.SIMULATOR else runtime.cupy()
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    qh, kh, vh = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # (batch, heads, seqlen, headdim)
+    s = (qh @ kh.transpose(0, 1, 3, 2)).astype(xp.float32) * scale
+    if causal:
+        n_q, n_k = s.shape[-2:]
+        s = xp.where(xp.arange(n_k)[None, :] <= xp.arange(n_q)[:, None] + n_k - n_q, s, -xp.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    p = xp.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return (p.astype(q.dtype) @ vh).transpose(0, 2, 1, 3)
+
+
+def _max_error(out, q, k, v, causal):
+    """Max |out - float64 reference| over the first (batch, head) pair (enough to show exactness)."""
+    sl = (slice(0, 1), slice(None), slice(0, 1), slice(None))
+    ref = attention_reference(q[sl], k[sl], v[sl], causal=causal)
+    err = abs(out[sl].astype(ref.dtype) - ref).max()
+    return float(err)
+
+
+class _GpuMeter:
+    """Times a call with CUDA events and reads the extra memory CuPy's pool had to hold for it."""
+
+    def __init__(self):
+        self.cupy = runtime.cupy()
+        self.pool = self.cupy.get_default_memory_pool()
+
+    def run(self, fn, repeats=3):
+        cp = self.cupy
+        fn()  # warm-up: compilation and first-touch out of the timing
+        cp.cuda.Device().synchronize()
+        self.pool.free_all_blocks()
+        before = self.pool.total_bytes()
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        times = []
+        for _ in range(repeats):
+            start.record()
+            out = fn()
+            stop.record()
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop))
+        peak = self.pool.total_bytes() - before
+        return out, float(np.median(times)), peak
+
+
+def _fmt_bytes(n):
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def run_demo(seqlens, batch, nheads, headdim, dtype, causal):
+    on_gpu = not runtime.SIMULATOR
+    xp = runtime.cupy() if on_gpu else np
+    meter = _GpuMeter() if on_gpu else None
+    rows = []
+    for n in seqlens:
+        rng = np.random.default_rng(n)
+        q, k, v = (
+            xp.asarray(rng.standard_normal((batch, n, nheads, headdim), dtype=np.float32).astype(dtype))
+            for _ in range(3)
+        )
+        nxn_bytes = batch * nheads * n * n * (2 * np.dtype(dtype).itemsize + 4)  # S, P in dtype; fp32 softmax
+        row = {"seqlen": n, "naive N x N needs": _fmt_bytes(nxn_bytes)}
+        for name, fn in (
+            ("nbflash", lambda: flash_attn_func(q, k, v, causal=causal)),
+            ("naive", lambda: naive_attention(q, k, v, causal)),
+        ):
+            out = None
+            try:
+                if on_gpu:
+                    out, ms, peak = meter.run(fn)
+                else:
+                    t0 = time.perf_counter()
+                    out, peak = fn(), None
+                    ms = (time.perf_counter() - t0) * 1e3
+                row[f"{name} ms"] = f"{ms:.3f}"
+                row[f"{name} peak mem"] = _fmt_bytes(peak)
+                row[f"{name} max err"] = f"{_max_error(out, q, k, v, causal):.2e}"
+            except Exception as error:  # naive attention running out of memory is the point
+                if "OutOfMemory" not in type(error).__name__ and "out of memory" not in str(error):
+                    raise
+                row[f"{name} ms"] = "out of memory"
+                row[f"{name} peak mem"] = row[f"{name} max err"] = "-"
+                if on_gpu:
+                    meter.pool.free_all_blocks()
+            del out
+        rows.append(row)
+        print(f"  seqlen {n} done", flush=True)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m nbflash", description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlens", type=int, nargs="+", help="sequence lengths to run")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--nheads", type=int)
+    parser.add_argument("--headdim", type=int)
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--causal", action="store_true")
+    args = parser.parse_args(argv)
+
+    if runtime.SIMULATOR:
+        print("No CUDA GPU found: running the demo in Numba's CUDA simulator (on the CPU, small size).")
+        defaults = dict(seqlens=[32, 96], nheads=2, headdim=32)
+    else:
+        device = runtime.cupy().cuda.runtime.getDeviceProperties(0)["name"].decode()
+        print(f"GPU: {device}")
+        defaults = dict(seqlens=[1024, 4096, 16384, 32768, 65536], nheads=16, headdim=64)
+    seqlens = args.seqlens or defaults["seqlens"]
+    nheads = args.nheads or defaults["nheads"]
+    headdim = args.headdim or defaults["headdim"]
+    print(
+        f"batch {args.batch}, {nheads} heads, headdim {headdim}, {args.dtype}, "
+        f"causal={args.causal}; error is max |out - float64| over one head"
+    )
+    rows = run_demo(seqlens, args.batch, nheads, headdim, SUPPORTED[args.dtype], args.causal)
+    print(tabulate(rows, headers="keys"))

@@ -1,0 +1,37 @@
+"""The element types nbflash accepts, and how each one reaches a kernel.
+
+NumPy has no bfloat16; ml_dtypes supplies one, and CuPy uses the same type for its bfloat16 arrays.
+Kernels see bfloat16 tensors as uint16 arrays holding the raw bits (see ``primitives``).
+"""
+
+import ml_dtypes
+import numpy as np
+
+FLOAT16 = np.dtype(np.float16)
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT32 = np.dtype(np.float32)
+
+SUPPORTED = {"float16": FLOAT16, "bfloat16": BFLOAT16, "float32": FLOAT32}
+
+# The dtype each kind of tensor is handed to the kernels as.
+KERNEL_DTYPE = {"float16": FLOAT16, "bfloat16": np.dtype(np.uint16), "float32": FLOAT32}
+
+
+def dtype_name(dtype):
+    """'float16', 'bfloat16' or 'float32' for a supported dtype, else None."""
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        return None
+    for name, supported in SUPPORTED.items():
+        if dtype == supported:
+            return name
+    return None
+
+
+def as_numpy_dtype(dtype):
+    """The NumPy dtype for ``dtype`` (a NumPy dtype, a name, or a dtype of a supported array)."""
+    name = dtype_name(dtype)
+    if name is None:
+        raise TypeError(f"unsupported dtype {dtype!r}; expected float16, bfloat16 or float32")
+    return SUPPORTED[name]

@@ -1,0 +1,61 @@
+"""The public attention functions. Names and arguments follow flash-attn's Python interface."""
+
+import math
+
+import numpy as np
+
+from . import configs, launch, validation
+from .dtypes import FLOAT32
+
+
+def _flash_attn_forward(problem, q, k, v, family=None):
+    """Run the forward pass on validated inputs; returns (out, lse) as backend arrays."""
+    config = configs.plan_forward(problem, family)
+    out = launch.empty(q.shape, q.dtype)
+    lse = launch.empty((problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
+    scale_log2 = np.float32(problem.softmax_scale * math.log2(math.e))
+    args = [launch.kernel_array(x, problem.dtype) for x in (q, k, v, out)]
+    args += [launch.kernel_array(lse, "float32"), scale_log2]
+    launch.launch(config, config.grid(problem.batch, problem.seqlen_q, problem.nheads), args)
+    return out, lse
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+    """Exact scaled dot-product attention, softmax(q k^T * softmax_scale) v, in O(seqlen) memory.
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim)
+        k: (batch, seqlen_k, nheads_k, headdim)
+        v: (batch, seqlen_k, nheads_k, headdim)
+            float16, bfloat16 or float32, all the same; headdim 1 to 256. nheads must be a multiple
+            of nheads_k (grouped-query / multi-query attention): query head h uses key/value head
+            h // (nheads // nheads_k). Any strides, but the last dim contiguous. On a GPU: CuPy
+            arrays, or any GPU array exporting DLPack or __cuda_array_interface__ (a PyTorch
+            tensor is used without a copy). Under Numba's CUDA simulator: NumPy arrays.
+        softmax_scale: float. Default 1 / sqrt(headdim).
+        causal: bool. Causal mask aligned to the bottom-right corner of the score matrix, as in
+            flash-attn >= 2.1. For seqlen_q = 2, seqlen_k = 5 (1 = kept, 0 = masked)::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+            and for seqlen_q = 5, seqlen_k = 2::
+
+                0 0
+                0 0
+                0 0
+                1 0
+                1 1
+
+            A query row that sees no key gets output 0 (and lse -inf).
+        return_lse: bool. Also return the log-sum-exp of each score row.
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim), q's dtype; a CuPy array (NumPy under the simulator).
+        lse: (batch, nheads, seqlen_q), float32, natural log; only with return_lse=True.
+
+    The work is queued on CuPy's current stream; the call does not wait for it.
+    """
+    problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal)
+    out, lse = _flash_attn_forward(problem, q, k, v)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,1 @@
+"""Device code only: one module per kernel family, each with a cached ``build_...(config)`` factory."""

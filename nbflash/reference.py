@@ -1,0 +1,116 @@
+"""Float64 reference attention: the oracle for the tests, the demo and the benchmarks.
+
+Plain array code, written for clarity. It works on NumPy arrays, and on CuPy arrays when given them
+(float64 on the GPU is fast enough for test sizes). Like the kernels, it never holds an N x N matrix
+for the whole problem: it walks the (batch, head) pairs and blocks of query rows, so its extra memory
+is ``query_block * seqlen_k`` numbers.
+
+Shapes follow flash-attn: q is (batch, seqlen_q, nheads, headdim), k and v are
+(batch, seqlen_k, nheads_k, headdim) with ``nheads % nheads_k == 0``.
+"""
+
+import math
+
+import numpy as np
+
+from .dtypes import as_numpy_dtype
+
+QUERY_BLOCK = 1024
+
+
+def _array_module(x):
+    """NumPy, or CuPy when ``x`` is a CuPy array."""
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def causal_visible(seqlen_q, seqlen_k, xp=np, rows=None):
+    """Boolean (len(rows), seqlen_k) mask: True where query row i may attend to key j.
+
+    Causal attention is aligned to the bottom-right corner, as in flash-attn >= 2.1: query i sees
+    key j when ``j <= i + seqlen_k - seqlen_q``. For seqlen_q = 2, seqlen_k = 5 (1 = visible)::
+
+        1 1 1 1 0
+        1 1 1 1 1
+
+    and for seqlen_q = 5, seqlen_k = 2 the first three rows see no key at all::
+
+        0 0
+        0 0
+        0 0
+        1 0
+        1 1
+    """
+    if rows is None:
+        rows = xp.arange(seqlen_q)
+    return xp.arange(seqlen_k)[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
+
+
+def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+    """Exact attention in float64.
+
+    Returns ``out`` (float64, q's shape) and, with ``return_lse``, ``lse`` (float64,
+    (batch, nheads, seqlen_q), natural log). Rows that see no key give out = 0 and lse = -inf.
+    """
+    xp = _array_module(q)
+    q, k, v = (xp.asarray(x).astype(xp.float64) for x in (q, k, v))
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    group = nheads // nheads_k
+    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+
+    out = xp.zeros(q.shape, xp.float64)
+    lse = xp.full((batch, nheads, seqlen_q), -xp.inf, xp.float64)
+    for b in range(batch):
+        for h in range(nheads):
+            k_h, v_h = k[b, :, h // group], v[b, :, h // group]
+            for start in range(0, seqlen_q, QUERY_BLOCK):
+                rows = xp.arange(start, min(start + QUERY_BLOCK, seqlen_q))
+                s = (q[b, rows, h] @ k_h.T) * scale
+                if causal:
+                    s = xp.where(causal_visible(seqlen_q, seqlen_k, xp, rows), s, -xp.inf)
+                row_max = s.max(axis=1, keepdims=True)
+                seen = xp.isfinite(row_max)[:, 0]  # rows that see at least one key
+                row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
+                p = xp.exp(s - row_max)
+                row_sum = p.sum(axis=1, keepdims=True)
+                safe_sum = xp.where(row_sum > 0, row_sum, 1.0)
+                out[b, rows, h] = xp.where(seen[:, None], (p @ v_h) / safe_sum, 0.0)
+                lse[b, h, rows] = xp.where(seen, row_max[:, 0] + xp.log(safe_sum[:, 0]), -xp.inf)
+    return (out, lse) if return_lse else out
+
+
+def attention_naive(q, k, v, softmax_scale=None, causal=False):
+    """Attention as a same-precision naive implementation computes it, for error budgets.
+
+    Matmuls accumulate in float32 and round their result to the input dtype, the softmax runs in
+    float32 and its result is rounded to the input dtype, as a framework's fp16/bf16 attention
+    does. flash-attn's test rule: a kernel may be off from float64 by at most twice this.
+    """
+    xp = _array_module(q)
+    dtype = as_numpy_dtype(q.dtype)
+
+    def rounded(x):
+        return x.astype(dtype).astype(xp.float32)
+
+    q, k, v = (rounded(xp.asarray(x).astype(xp.float32)) for x in (q, k, v))
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    group = nheads // nheads_k
+    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+    out = xp.zeros(q.shape, xp.float32)
+    for b in range(batch):
+        for h in range(nheads):
+            s = rounded((q[b, :, h] @ k[b, :, h // group].T) * xp.float32(scale))
+            if causal:
+                s = xp.where(causal_visible(seqlen_q, seqlen_k, xp), s, -xp.inf)
+            row_max = s.max(axis=1, keepdims=True)
+            row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
+            p = xp.exp(s - row_max)
+            row_sum = p.sum(axis=1, keepdims=True)
+            p = rounded(p / xp.where(row_sum > 0, row_sum, 1.0))
+            out[b, :, h] = rounded(p @ v[b, :, h // group])
+    return out

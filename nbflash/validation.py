@@ -1,0 +1,162 @@
+"""Input validation: every argument is checked once, here, and errors name the argument and the fix.
+
+On a GPU, inputs are CuPy arrays or anything CuPy can wrap without a copy: objects exporting DLPack
+(PyTorch tensors, JAX arrays) or ``__cuda_array_interface__`` (Numba device arrays). Under Numba's
+CUDA simulator, inputs are NumPy arrays. Either way, the result is a ``Problem`` describing the call
+and the inputs as arrays of the backend (CuPy on a GPU, NumPy in the simulator).
+"""
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import runtime
+from .dtypes import dtype_name
+
+MAX_HEADDIM = 256
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The shape of one attention call, after validation."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    headdim: int
+    dtype: str  # 'float16', 'bfloat16' or 'float32'
+    causal: bool
+    softmax_scale: float
+
+
+def _device_array(x, name):
+    """``x`` as a CuPy array sharing its memory, or a TypeError naming ``name``."""
+    cupy = runtime.cupy()
+    if isinstance(x, cupy.ndarray):
+        return x
+    if isinstance(x, np.ndarray):
+        raise TypeError(
+            f"{name} is a NumPy (host) array; nbflash runs on the GPU: pass cupy.asarray({name})"
+        )
+    if hasattr(x, "__dlpack_device__"):
+        device_type = int(x.__dlpack_device__()[0])
+        if device_type not in (runtime.DLPACK_CUDA, runtime.DLPACK_CUDA_MANAGED):
+            raise TypeError(
+                f"{name} lives in host memory (DLPack device type {device_type}); "
+                f"move it to the GPU first (for a PyTorch tensor: {name}.cuda())"
+            )
+        try:
+            return cupy.from_dlpack(x)
+        except Exception as error:  # CuPy refuses some dtypes; say which argument it was
+            raise TypeError(f"{name} could not be wrapped as a CuPy array via DLPack: {error}")
+    if hasattr(x, "__cuda_array_interface__"):
+        try:
+            return cupy.asarray(x)
+        except Exception as error:
+            raise TypeError(f"{name} could not be wrapped as a CuPy array: {error}")
+    raise TypeError(
+        f"{name} must be a CuPy array or a GPU array exporting DLPack or "
+        f"__cuda_array_interface__, got {type(x).__name__}"
+    )
+
+
+def _host_array(x, name):
+    """Under the simulator, ``x`` must be a NumPy array (the simulator runs on the CPU)."""
+    if isinstance(x, np.ndarray):
+        return x
+    raise TypeError(
+        f"{name} must be a NumPy array when running in Numba's CUDA simulator, "
+        f"got {type(x).__name__}"
+    )
+
+
+def as_backend_array(x, name):
+    """The array the kernels can take: CuPy on a GPU, NumPy under the simulator."""
+    return _host_array(x, name) if runtime.SIMULATOR else _device_array(x, name)
+
+
+def _check_layout(x, name, dims):
+    if x.ndim != 4:
+        raise ValueError(f"{name} must have 4 dims {dims}, got shape {tuple(x.shape)}")
+    if 0 in x.shape:
+        raise ValueError(f"{name} has a zero-size dimension: shape {tuple(x.shape)} {dims}")
+    if x.shape[3] > 1 and x.strides[3] != x.itemsize:
+        raise ValueError(
+            f"{name}'s last dim (headdim) must be contiguous (stride {x.itemsize} bytes), got "
+            f"strides {tuple(x.strides)}; pass {name} with a contiguous last dim "
+            f"(e.g. cupy.ascontiguousarray({name}))"
+        )
+
+
+def check_softmax_scale(softmax_scale, headdim):
+    """The softmax scale to use: 1 / sqrt(headdim) by default, else a finite real number."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(headdim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None, got {softmax_scale!r}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def check_forward(q, k, v, softmax_scale, causal):
+    """Validate a forward call. Returns (problem, q, k, v) with the arrays on the backend."""
+    q = as_backend_array(q, "q")
+    k = as_backend_array(k, "k")
+    v = as_backend_array(v, "v")
+    _check_layout(q, "q", "(batch, seqlen_q, nheads, headdim)")
+    _check_layout(k, "k", "(batch, seqlen_k, nheads_k, headdim)")
+    _check_layout(v, "v", "(batch, seqlen_k, nheads_k, headdim)")
+
+    dtype = dtype_name(q.dtype)
+    if dtype is None:
+        raise TypeError(f"q.dtype={q.dtype} is not supported; expected float16, bfloat16 or float32")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype={x.dtype} differs from q.dtype={q.dtype}; they must match")
+
+    batch, seqlen_q, nheads, headdim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
+    if k.shape[0] != batch:
+        raise ValueError(f"batch differs: q has {batch} (q.shape[0]), k and v have {k.shape[0]}")
+    if k.shape[3] != headdim:
+        raise ValueError(f"headdim differs: q has {headdim} (q.shape[3]), k and v have {k.shape[3]}")
+    if headdim > MAX_HEADDIM:
+        raise ValueError(f"{headdim=} exceeds {MAX_HEADDIM}")
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    if nheads % nheads_k:
+        raise ValueError(
+            f"nheads={nheads} (q.shape[2]) must be a multiple of nheads_k={nheads_k} (k.shape[2]) "
+            f"for grouped-query attention"
+        )
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+
+    if not runtime.SIMULATOR:
+        devices = {name: x.device.id for name, x in (("q", q), ("k", k), ("v", v))}
+        if len(set(devices.values())) > 1:
+            raise ValueError(f"q, k and v must be on one GPU, got devices {devices}")
+        current = runtime.cupy().cuda.Device().id
+        if devices["q"] != current:
+            raise ValueError(
+                f"q is on GPU {devices['q']} but the current CuPy device is {current}; "
+                f"call inside `with cupy.cuda.Device({devices['q']}):`"
+            )
+
+    problem = Problem(
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        nheads=nheads,
+        nheads_k=nheads_k,
+        headdim=headdim,
+        dtype=dtype,
+        causal=bool(causal),
+        softmax_scale=check_softmax_scale(softmax_scale, headdim),
+    )
+    return problem, q, k, v

@@ -1,0 +1,142 @@
+"""Forward throughput over flash-attn's benchmark grid, next to the anchors, in one run.
+
+Grid (flash-attn's): hidden size 2048, so nheads = 2048 / headdim; batch = 16384 / seqlen; seqlen
+512 ... 16k; headdim 64, 128, 256; causal and not; fp16 and bf16 (fp32 too for our portable path).
+FLOPs = 4 * batch * nheads * seqlen^2 * headdim, halved when causal.
+
+Anchors measured in the same process: PyTorch SDPA's flash and cuDNN backends (when torch is
+importable), naive CuPy attention (matmul, float32 softmax, matmul) and each nbflash kernel family.
+Times: CUDA events around each call after a warm-up, median of the repeats. Ratios are printed as
+columns. Example:
+
+    python scripts/bench.py --headdims 64 128 --seqlens 1024 4096 16384 --dtypes float16 float32
+"""
+
+import argparse
+import sys
+import time
+
+import cupy
+import numpy as np
+from tabulate import tabulate
+
+import nbflash
+from nbflash import configs
+from nbflash.demo import naive_attention
+from nbflash.dtypes import SUPPORTED
+from nbflash.interface import _flash_attn_forward
+from nbflash.validation import check_forward
+
+
+def time_ms(fn, warmup=2, repeats=10, budget_s=3.0):
+    """Median milliseconds of ``fn`` on the current stream, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    times = []
+    t_end = time.perf_counter() + budget_s
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    while len(times) < repeats and (len(times) < 3 or time.perf_counter() < t_end):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def nbflash_runner(family):
+    def run(q, k, v, causal):
+        problem, q_, k_, v_ = check_forward(q, k, v, None, causal)
+        return lambda: _flash_attn_forward(problem, q_, k_, v_, family=family)
+
+    return run
+
+
+def sdpa_runner(backend_name):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def run(q, k, v, causal):
+        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+
+        def call():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+        return call
+
+    return run
+
+
+def naive_runner(q, k, v, causal):
+    return lambda: naive_attention(q, k, v, causal)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
+    parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    parser.add_argument("--families", nargs="+", default=list(configs.FAMILIES))
+    parser.add_argument("--no-naive", action="store_true")
+    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per entry")
+    args = parser.parse_args(argv)
+
+    runners = {f"nbflash {f}": nbflash_runner(f) for f in args.families}
+    if not args.no_torch:
+        try:
+            import torch  # noqa: F401
+
+            runners["SDPA flash"] = sdpa_runner("FLASH_ATTENTION")
+            runners["SDPA cuDNN"] = sdpa_runner("CUDNN_ATTENTION")
+        except ImportError:
+            print("torch not importable: no SDPA anchors", file=sys.stderr)
+    if not args.no_naive:
+        runners["naive CuPy"] = naive_runner
+
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    cases = [
+        (d, n, c, dt) for dt in args.dtypes for d in args.headdims for c in causals for n in args.seqlens
+    ]
+    rows = []
+    for index, (headdim, seqlen, causal, dtype) in enumerate(cases):
+        nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
+        flops = 4 * batch * nheads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
+        rng = np.random.default_rng(index)
+        q, k, v = (
+            cupy.asarray(rng.standard_normal((batch, seqlen, nheads, headdim), np.float32)).astype(
+                SUPPORTED[dtype]
+            )
+            for _ in range(3)
+        )
+        row = {"dtype": dtype, "hdim": headdim, "seqlen": seqlen, "causal": causal}
+        for name, make in runners.items():
+            if name.startswith("SDPA") and dtype == "float32":
+                row[name] = "-"
+                continue
+            try:
+                ms = time_ms(make(q, k, v, causal), budget_s=args.budget)
+                row[name] = round(flops / ms / 1e9, 1)
+            except Exception as error:  # out of memory, unsupported by a backend, ...
+                row[name] = "oom" if "memory" in str(error).lower() else "n/a"
+                print(f"  {name}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+            cupy.get_default_memory_pool().free_all_blocks()
+        ours = [row[n] for n in runners if n.startswith("nbflash") and isinstance(row[n], float)]
+        for anchor in ("SDPA flash", "naive CuPy"):
+            if ours and isinstance(row.get(anchor), float):
+                row[f"best/{anchor}"] = round(max(ours) / row[anchor], 2)
+        rows.append(row)
+        print(f"[{index + 1}/{len(cases)}] {row}", file=sys.stderr, flush=True)
+    print(f"GPU: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, nbflash {nbflash.__version__}")
+    print("forward TFLOP/s (FLOPs = 4 B H N^2 D, x0.5 causal); ratios of nbflash's best family")
+    print(tabulate(rows, headers="keys"))
+
+
+if __name__ == "__main__":
+    main()
+

@@ -1,0 +1,55 @@
+"""Shared test helpers: random inputs in any layout, poisoned outputs, the flash-attn error rule."""
+
+import numpy as np
+
+import nbflash
+from nbflash.dtypes import SUPPORTED
+
+# Absolute floor added to the error budget (flash-attn's rule is "at most twice the error of a
+# same-precision naive implementation"; a float32 naive path can be nearly exact on easy inputs).
+ERROR_FLOOR = {"float32": 1e-5, "float16": 1e-4, "bfloat16": 1e-3}
+
+
+def random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, heads_first=False):
+    """Fresh standard-normal q, k, v on the backend.
+
+    With ``heads_first`` the arrays are stored as (batch, nheads, seqlen, headdim) and handed over as
+    transposed views, the layout many models keep their tensors in.
+    """
+
+    def draw(seqlen, heads):
+        shape = (batch, heads, seqlen, headdim) if heads_first else (batch, seqlen, heads, headdim)
+        x = xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(SUPPORTED[dtype]))
+        return x.transpose(0, 2, 1, 3) if heads_first else x
+
+    return draw(seqlen_q, nheads), draw(seqlen_k, nheads_k), draw(seqlen_k, nheads_k)
+
+
+def to_numpy(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def assert_attention_close(out, lse, q, k, v, causal, softmax_scale=None):
+    """out (and lse, if given) against float64, under flash-attn's twice-the-naive-error rule."""
+    dtype = nbflash.dtypes.dtype_name(q.dtype)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref, ref_lse = nbflash.attention_reference(q, k, v, softmax_scale, causal, return_lse=True)
+    naive = nbflash.attention_naive(q, k, v, softmax_scale, causal)
+    out64 = to_numpy(out).astype(np.float64)
+    ref, ref_lse, naive = to_numpy(ref), to_numpy(ref_lse), to_numpy(naive)
+    assert not np.isnan(out64).any(), "out has NaN (an element left unwritten, or a 0/0)"
+    error = np.abs(out64 - ref).max()
+    naive_error = np.abs(naive.astype(np.float64) - ref).max()
+    budget = 2 * naive_error + ERROR_FLOOR[dtype]
+    assert error <= budget, f"max error {error:.3g} > budget {budget:.3g} (naive {naive_error:.3g})"
+    if lse is not None:
+        lse = to_numpy(lse)
+        assert lse.shape == ref_lse.shape and lse.dtype == np.float32
+        assert not np.isnan(lse).any()
+        no_key = np.isneginf(ref_lse)
+        assert np.array_equal(np.isneginf(lse), no_key), "lse = -inf exactly where a row sees no key"
+        assert (out64[np.transpose(no_key, (0, 2, 1))] == 0).all(), "rows that see no key must be 0"
+        finite = ~no_key
+        lse_error = np.abs(lse[finite] - ref_lse[finite]) / np.maximum(1.0, np.abs(ref_lse[finite]))
+        assert lse_error.max(initial=0.0) <= 1e-5, f"lse relative error {lse_error.max():.3g}"
+    return error, naive_error

@@ -1,0 +1,148 @@
+"""Bad input raises TypeError or ValueError naming the argument; never a crash or a wrong answer."""
+
+import pytest
+
+import nbflash
+
+from .conftest import SIMULATOR
+from .helpers import random_qkv
+
+
+@pytest.fixture
+def qkv(rng, xp):
+    return random_qkv(rng, xp, 2, 8, 6, 4, 2, 16, "float16")
+
+
+def call(q, k, v, **kwargs):
+    return nbflash.flash_attn_func(q, k, v, **kwargs)
+
+
+def test_wrong_number_of_dims(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match=r"q must have 4 dims \(batch, seqlen_q, nheads, headdim\)"):
+        call(q[0], k, v)
+    with pytest.raises(ValueError, match="k must have 4 dims"):
+        call(q, k[None], v)
+
+
+def test_batch_mismatch(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="batch differs"):
+        call(q, k[:1], v[:1])
+
+
+def test_headdim_mismatch(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="headdim differs"):
+        call(q, k[..., :8], v[..., :8])
+
+
+def test_dtype_mismatch(qkv, xp):
+    q, k, v = qkv
+    with pytest.raises(TypeError, match=r"k.dtype=float32 differs from q.dtype=float16"):
+        call(q, k.astype(xp.float32), v)
+    with pytest.raises(TypeError, match=r"v.dtype=float32 differs"):
+        call(q, k, v.astype(xp.float32))
+
+
+def test_k_v_shapes_differ(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        call(q, k, v[:, :5])
+
+
+def test_heads_not_divisible(rng, xp):
+    q, k, v = random_qkv(rng, xp, 1, 8, 8, 5, 2, 16, "float16")
+    with pytest.raises(ValueError, match=r"nheads=5 \(q.shape\[2\]\) must be a multiple of nheads_k=2"):
+        call(q, k, v)
+
+
+def test_headdim_too_large(rng, xp):
+    q, k, v = random_qkv(rng, xp, 1, 2, 2, 1, 1, 257, "float16")
+    with pytest.raises(ValueError, match="headdim=257 exceeds 256"):
+        call(q, k, v)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, 3])
+def test_zero_size_dims(qkv, dim):
+    q, k, v = qkv
+    index = [slice(None)] * 4
+    index[dim] = slice(0, 0)
+    with pytest.raises(ValueError, match="q has a zero-size dimension"):
+        call(q[tuple(index)], k, v)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "float64", "int8", "complex64", "bool"])
+def test_unsupported_dtypes(xp, dtype):
+    q = xp.ones((1, 4, 1, 8), dtype=dtype)
+    with pytest.raises(TypeError, match=f"q.dtype={dtype} is not supported"):
+        call(q, q, q)
+
+
+def test_last_dim_not_contiguous(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="q's last dim \\(headdim\\) must be contiguous"):
+        call(q[..., ::2], k[..., :8], v[..., :8])
+
+
+def test_not_an_array(qkv):
+    q, k, v = qkv
+    with pytest.raises(TypeError, match="k must be"):
+        call(q, [[1.0]], v)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf")])
+def test_softmax_scale_not_finite(qkv, scale):
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        call(*qkv, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", ["0.1", True, [0.1]])
+def test_softmax_scale_wrong_type(qkv, scale):
+    with pytest.raises(TypeError, match="softmax_scale must be a real number"):
+        call(*qkv, softmax_scale=scale)
+
+
+def test_causal_not_bool(qkv):
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        call(*qkv, causal="yes")
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="simulator only")
+def test_device_array_in_simulator_is_refused(qkv):
+    class FakeGpuArray:
+        __cuda_array_interface__ = {}
+
+    q, k, v = qkv
+    with pytest.raises(TypeError, match="v must be a NumPy array when running in Numba's CUDA simulator"):
+        call(q, k, FakeGpuArray())
+
+
+@pytest.mark.gpu
+def test_host_array_on_gpu_is_refused(qkv):
+    q, k, v = qkv
+    with pytest.raises(TypeError, match=r"q is a NumPy \(host\) array.*cupy.asarray\(q\)"):
+        call(q.get(), k, v)
+
+
+@pytest.mark.gpu
+def test_host_torch_tensor_on_gpu_is_refused(qkv):
+    torch = pytest.importorskip("torch")
+    q, k, v = qkv
+    with pytest.raises(TypeError, match="k lives in host memory"):
+        call(q, torch.zeros(tuple(k.shape), dtype=torch.float16), v)
+
+
+@pytest.mark.gpu
+def test_arrays_on_different_devices(qkv):
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    q, k, v = qkv
+    with cupy.cuda.Device(1):
+        k1 = cupy.asarray(k)
+    with pytest.raises(ValueError, match="must be on one GPU"):
+        call(q, k1, v)
+
+

@@ -1,0 +1,126 @@
+"""Forward pass against float64: dtypes, causal, GQA/MQA, head dims, awkward lengths, layouts.
+
+In the simulator the cases are few and small; with a GPU (`pytest -m gpu`) the full grid runs.
+"""
+
+
+import numpy as np
+import pytest
+
+import nbflash
+from nbflash import launch
+
+from .conftest import SIMULATOR
+from .helpers import assert_attention_close, random_qkv
+
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch, xp):
+    """Every output buffer the library allocates starts as NaN, so an unwritten element shows."""
+
+    def empty_poisoned(shape, dtype):
+        out = xp.empty(shape, dtype)
+        out[...] = np.nan
+        return out
+
+    monkeypatch.setattr(launch, "empty", empty_poisoned)
+
+
+def run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal, heads_first=False):
+    q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, heads_first)
+    out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert lse.shape == (batch, nheads, seqlen_q)
+    assert_attention_close(out, lse, q, k, v, causal)
+
+
+# ---- Simulator: small shapes, every feature touched once -------------------------------------
+
+SMALL_CASES = [
+    # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim
+    (1, 13, 29, 2, 1, 16),  # MQA, seqlen_q < seqlen_k
+    (2, 29, 13, 2, 2, 8),  # seqlen_q > seqlen_k: under causal the first rows see no key
+    (1, 1, 1, 1, 1, 5),
+    (1, 40, 40, 3, 1, 40),
+]
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SMALL_CASES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_small(rng, xp, shape, causal, dtype):
+    run_case(rng, xp, *shape, dtype, causal)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+@pytest.mark.parametrize("headdim", [59, 96, 256])
+def test_forward_small_headdims(rng, xp, headdim):
+    run_case(rng, xp, 1, 9, 17, 1, 1, headdim, "float16", True)
+
+
+def test_forward_transposed_view(rng, xp):
+    """A (batch, nheads, seqlen, headdim) tensor passed as a transposed view, without a copy."""
+    run_case(rng, xp, 1, 17, 11, 2, 1, 8, "float32", True, heads_first=True)
+
+
+def test_forward_softmax_scale(rng, xp):
+    q, k, v = random_qkv(rng, xp, 1, 7, 9, 1, 1, 8, "float32")
+    out = nbflash.flash_attn_func(q, k, v, softmax_scale=0.37)
+    assert_attention_close(out, None, q, k, v, False, softmax_scale=0.37)
+
+
+def test_forward_causal_rows_without_keys_are_zero(rng, xp):
+    """seqlen_q > seqlen_k, causal: the first seqlen_q - seqlen_k rows see nothing: 0, lse -inf."""
+    q, k, v = random_qkv(rng, xp, 1, 12, 4, 1, 1, 8, "float16")
+    out, lse = nbflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    out, lse = (x.get() if hasattr(x, "get") else x for x in (out, lse))
+    assert (out[:, :8] == 0).all() and np.isneginf(lse[:, :, :8]).all()
+    assert np.isfinite(lse[:, :, 8:]).all()
+
+
+# ---- GPU: the full grid ---------------------------------------------------------------------
+
+SEQLENS = [(1, 1), (113, 203), (203, 113), (1023, 1024), (1024, 1023), (128, 2048), (2048, 2048)]
+HEADDIMS = [40, 59, 64, 96, 128, 256]
+HEADS = [(4, 4), (6, 2), (4, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", HEADDIMS)
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_forward_gpu(rng, xp, seqlens, headdim, causal, dtype):
+    # Cycle the head layouts through the grid instead of multiplying it by three.
+    nheads, nheads_k = HEADS[(SEQLENS.index(seqlens) + HEADDIMS.index(headdim)) % len(HEADS)]
+    heads_first = headdim in (59, 128)
+    run_case(rng, xp, 2, *seqlens, nheads, nheads_k, headdim, dtype, causal, heads_first)
+
+
+@pytest.mark.gpu
+def test_forward_gpu_torch_tensor_without_copy():
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.randn(2, 100, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = nbflash.flash_attn_func(q, k, v, causal=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(1, 2).float() for x in (q, k, v)), is_causal=True
+    ).transpose(1, 2)
+    got = torch.from_dlpack(out).float()
+    assert (got - expected).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+def test_forward_gpu_on_current_stream(rng, xp):
+    """The kernel is queued on CuPy's current stream: results are ready after that stream syncs."""
+    import cupy
+
+    q, k, v = random_qkv(rng, xp, 2, 512, 512, 4, 4, 64, "float16")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out = nbflash.flash_attn_func(q, k, v)
+    stream.synchronize()
+    assert_attention_close(out, None, q, k, v, False)
+
+
