@@ -442,3 +442,74 @@ else:
 
     quad_max = intrinsic(_quad("max"))
     quad_sum = intrinsic(_quad("add"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compile-time loop unrolling
+#
+# A warp's tiles live in `cuda.local.array`s that must be indexed with constants to stay in registers.
+# LLVM fully unrolls only small loop nests, and the tensor-core kernel's nests hold 64 mma.sync each,
+# so loops over tiles are written `for i in static_range(N)` (N a constant: a literal or a closure /
+# global name) and the function is decorated with `@unroll` under its `@cuda.jit`: the decorator
+# rewrites such loops into N copies of their body with `i` replaced by 0 .. N-1, like Triton's
+# `tl.static_range`.
+# ---------------------------------------------------------------------------------------------------
+
+import ast  # noqa: E402
+import copy  # noqa: E402
+import inspect  # noqa: E402
+import textwrap  # noqa: E402
+
+
+def static_range(*args):
+    """``range`` whose loop `@unroll` expands at compile time."""
+    return range(*args)
+
+
+class _SubstituteName(ast.NodeTransformer):
+    def __init__(self, name, value):
+        self.name, self.value = name, value
+
+    def visit_Name(self, node):
+        if node.id == self.name:
+            if not isinstance(node.ctx, ast.Load):
+                raise SyntaxError(f"static_range loop variable {self.name!r} is assigned in its body")
+            return ast.copy_location(ast.Constant(self.value), node)
+        return node
+
+
+class _UnrollStaticRanges(ast.NodeTransformer):
+    def __init__(self, namespace):
+        self.namespace = namespace
+
+    def visit_For(self, node):
+        it = node.iter
+        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "static_range"):
+            self.generic_visit(node)
+            return node
+        if node.orelse or not isinstance(node.target, ast.Name):
+            raise SyntaxError("static_range loops take one plain variable and no else branch")
+        for inner in ast.walk(node):
+            if isinstance(inner, (ast.Break, ast.Continue)):
+                raise SyntaxError("static_range loops cannot break or continue")
+        bounds = [eval(compile(ast.Expression(a), "<static_range>", "eval"), self.namespace) for a in it.args]
+        unrolled = []
+        for value in range(*bounds):
+            for stmt in node.body:
+                stmt = _SubstituteName(node.target.id, value).visit(copy.deepcopy(stmt))
+                result = self.visit(stmt)  # inner static_range loops, now with constant bounds
+                unrolled.extend(result if isinstance(result, list) else [result])
+        return unrolled or [ast.Pass()]
+
+
+def unroll(fn):
+    """Expand the ``static_range`` loops of ``fn`` (see above); returns a new function. Also under
+    the simulator, so that CI runs the very code the GPU compiles."""
+    namespace = dict(fn.__globals__)
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        namespace[name] = cell.cell_contents
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    tree.body[0].decorator_list = []
+    tree = ast.fix_missing_locations(_UnrollStaticRanges(namespace).visit(tree))
+    exec(compile(tree, f"<unrolled {fn.__qualname__}>", "exec"), namespace)
+    return namespace[fn.__name__]

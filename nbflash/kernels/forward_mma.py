@@ -1,0 +1,419 @@
+"""FlashAttention-2 forward on tensor cores (fp16 / bf16 inputs, float32 accumulation).
+
+The algorithm is the paper's Algorithm 1 (Dao, 2023), with the work split as in flash-attn 2:
+
+    for each block of block_m query rows (one thread block):
+        m_i = -inf, l_i = 0, acc = 0                                  (registers)
+        for each block of block_n keys K_j, V_j (double-buffered in shared memory, cp.async):
+            S    = Q_i K_j^T                                          (mma.sync, registers)
+            S    = mask(S)                    only on tiles that cross the causal diagonal or the tail
+            m_new = max(m_i, rowmax(S));  alpha = exp2((m_i - m_new) * scale_log2)
+            P    = exp2(S * scale_log2 - m_new * scale_log2)          (registers, then packed to 16 bit)
+            l_i  = alpha * l_i + rowsum(P);   acc = alpha * acc + P V_j   (mma.sync)
+            m_i  = m_new
+        O_i = acc / l_i;   lse_i = (m_i * scale_log2 + log2(l_i)) * ln(2)
+
+Grid and threads: grid = (ceil(seqlen_q / block_m), nheads, batch); block = 32 * num_warps threads.
+Warp w owns query rows [w * rows_per_warp, (w + 1) * rows_per_warp) of the block's tile, in m_tiles
+slices of 16 rows (one mma.sync row tile each). Within a warp, lane = 4 * g + t holds, for each
+16-row slice, rows g and g + 8, and in each 8-column tile of S or O the columns 2t and 2t + 1 (the
+mma.sync C-fragment layout; nbflash/primitives.py draws it). So a row's max and sum are reduced over
+the 4 lanes of a quad, and the S accumulator turns into the A operand of P V without leaving registers.
+
+Memory: q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_k, headdim), any
+strides with the last dimension contiguous; float16 arrays, or uint16 arrays holding bfloat16 bits.
+out like q; lse float32 (batch, nheads, seqlen_q), natural log. Query head h reads key/value head
+h // (nheads // nheads_k). Causal is bottom-right aligned: query i sees key j iff
+j <= i + seqlen_k - seqlen_q; a row that sees no key gets out = 0 and lse = -inf.
+
+Shared memory (dynamic, 16-bit elements): the Q tile (block_m rows), then two K tiles and two V tiles
+(block_n rows each). A row holds headdim zero-padded to a multiple of 16 (the mma k-step), plus 8
+elements of padding so that the 8 rows one ldmatrix reads fall in different banks.
+
+Two load paths, chosen by ``MmaForwardConfig.aligned``:
+  aligned=True  16-byte cp.async copies, asynchronous and double-buffered. Requires headdim % 8 == 0
+                and every row start (q, k, v) 16-byte aligned: data pointers and the strides of
+                dimensions 0-2 multiples of 8 elements. The caller checks this.
+  aligned=False element-by-element loads into shared memory (synchronous), for any headdim 1..256
+                and any strides. Same kernel otherwise.
+"""
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from numba import cuda, float32, uint16, uint32
+from numba.types import float16
+
+from nbflash.primitives import (
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait,
+    exp2_approx,
+    f32_to_bf16_bits,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    mma_bf16,
+    mma_f16,
+    pack_bf16x2,
+    pack_f16x2,
+    quad_max,
+    quad_sum,
+    shared_address,
+    static_range,
+    unroll,
+)
+
+LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class MmaForwardConfig:
+    """One compiled variant of the tensor-core forward kernel."""
+
+    dtype: str  # 'float16' or 'bfloat16'
+    headdim: int  # 1 .. 256
+    causal: bool
+    block_m: int = 128  # query rows per thread block
+    block_n: int = 64  # keys per K/V tile
+    num_warps: int = 8  # block_m must be a multiple of 16 * num_warps
+    aligned: bool = True  # cp.async path (see the module docstring for its requirements)
+
+    def __post_init__(self):
+        if self.dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
+        if not 1 <= self.headdim <= 256:
+            raise ValueError(f"{self.headdim=} must be in 1..256")
+        if self.block_m % (16 * self.num_warps):
+            raise ValueError(f"{self.block_m=} must be a multiple of 16 * {self.num_warps=}")
+        if self.block_n % 16 or self.block_n <= 0:
+            raise ValueError(f"{self.block_n=} must be a positive multiple of 16")
+        if self.aligned and self.headdim % 8:
+            raise ValueError(f"aligned=True needs headdim % 8 == 0, got {self.headdim=}")
+
+    @property
+    def headdim_padded(self):
+        """headdim rounded up to the mma k-step (16)."""
+        return -(-self.headdim // 16) * 16
+
+    @property
+    def row_elems(self):
+        """Elements per shared-memory row: padded headdim plus 16 bytes against bank conflicts."""
+        return self.headdim_padded + 8
+
+    @property
+    def threads(self):
+        return 32 * self.num_warps
+
+    @property
+    def shared_bytes(self):
+        """Dynamic shared memory per block: the Q tile and two K and two V tiles, 2 bytes each."""
+        return (self.block_m + 4 * self.block_n) * self.row_elems * 2
+
+    def grid(self, batch, nheads, seqlen_q):
+        return (-(-seqlen_q // self.block_m), nheads, batch)
+
+
+@lru_cache(maxsize=None)
+def build_forward_mma(config: MmaForwardConfig):
+    """Compile-time constants of ``config`` captured in a fresh ``@cuda.jit`` kernel."""
+    BM, BN, HD = config.block_m, config.block_n, config.headdim
+    HDP, ROW = config.headdim_padded, config.row_elems
+    WARPS, THREADS = config.num_warps, config.threads
+    ROWS_PER_WARP = BM // WARPS
+    MT = ROWS_PER_WARP // 16  # 16-row slices per warp
+    KT = HDP // 16  # k-steps of S = Q K^T (over headdim)
+    NT = BN // 8  # 8-key column tiles of S
+    PT = BN // 16  # k-steps of O += P V (over keys)
+    DT = HDP // 8  # 8-column tiles of O (over headdim)
+    CAUSAL, ALIGNED = config.causal, config.aligned
+    ROW_BYTES = ROW * 2
+    Q_BYTES, KV_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
+    CHUNKS = HDP // 8  # 16-byte chunks per row
+    Q_COPIES = -(-BM * CHUNKS // THREADS)  # cp.async rounds to fill a tile
+    KV_COPIES = -(-BN * CHUNKS // THREADS)
+    Q_ELEMS = -(-BM * HDP // THREADS)  # element rounds (unaligned path)
+    KV_ELEMS = -(-BN * HDP // THREADS)
+    Q_FRAG = (MT, KT, 4)
+    S_ACC = (MT, NT, 4)
+    O_ACC = (MT, DT, 4)
+    ROW_STAT = (MT, 2)
+    P_FRAG = (MT, 4)
+    NEG_INF = float32(-math.inf)
+
+    if config.dtype == "float16":
+        ELEM, mma, pack = float16, mma_f16, pack_f16x2
+    else:
+        ELEM, mma, pack = uint16, mma_bf16, pack_bf16x2
+    IS_F16 = config.dtype == "float16"
+
+    # -----------------------------------------------------------------------------------------------
+    # Tile loads: global rows [row0, row0 + rows) of one head into a shared tile, zero-padded
+    # (rows past the sequence end, columns past headdim).
+    # -----------------------------------------------------------------------------------------------
+
+    @cuda.jit(device=True, inline=True)
+    def copy_tile_async(tile, x, b, row0, h, valid_rows, rounds, tile_rows):
+        """cp.async, 16 bytes per copy; thread `tid` copies chunks tid, tid + THREADS, ..."""
+        tid = cuda.threadIdx.x
+        for i in range(rounds):
+            chunk = i * THREADS + tid
+            if chunk < tile_rows * CHUNKS:
+                r = chunk // CHUNKS
+                col = (chunk % CHUNKS) * 8
+                if r < valid_rows and col < HD:
+                    cp_async_16(tile + uint32(r * ROW_BYTES + col * 2), x, b, row0 + r, h, col, uint32(16))
+                else:
+                    cp_async_16(tile + uint32(r * ROW_BYTES + col * 2), x, b, 0, h, 0, uint32(0))
+
+    @cuda.jit(device=True, inline=True)
+    def copy_tile_elementwise(smem, tile_elem0, x, b, row0, h, valid_rows, rounds, tile_rows):
+        """Plain loads and stores, one element each: any strides, any headdim."""
+        tid = cuda.threadIdx.x
+        for i in range(rounds):
+            e = i * THREADS + tid
+            if e < tile_rows * HDP:
+                r = e // HDP
+                col = e % HDP
+                value = ELEM(0)
+                if r < valid_rows and col < HD:
+                    value = x[b, row0 + r, h, col]
+                smem[tile_elem0 + r * ROW + col] = value
+
+    @cuda.jit(device=True, inline=True)
+    def load_q_tile(smem, base, q, b, m_start, h, seqlen_q):
+        if ALIGNED:
+            copy_tile_async(base, q, b, m_start, h, seqlen_q - m_start, Q_COPIES, BM)
+        else:
+            copy_tile_elementwise(smem, 0, q, b, m_start, h, seqlen_q - m_start, Q_ELEMS, BM)
+
+    @cuda.jit(device=True, inline=True)
+    def load_kv_tiles(smem, base, k, v, b, n_start, hk, seqlen_k, buf):
+        k_off = Q_BYTES + buf * KV_BYTES
+        v_off = Q_BYTES + (2 + buf) * KV_BYTES
+        if ALIGNED:
+            copy_tile_async(base + uint32(k_off), k, b, n_start, hk, seqlen_k - n_start, KV_COPIES, BN)
+            copy_tile_async(base + uint32(v_off), v, b, n_start, hk, seqlen_k - n_start, KV_COPIES, BN)
+        else:
+            copy_tile_elementwise(smem, k_off // 2, k, b, n_start, hk, seqlen_k - n_start, KV_ELEMS, BN)
+            copy_tile_elementwise(smem, v_off // 2, v, b, n_start, hk, seqlen_k - n_start, KV_ELEMS, BN)
+
+    # -----------------------------------------------------------------------------------------------
+    # Warp tile operations. `row0` is the warp's first row in the Q tile; lane = 4 * g + t.
+    # -----------------------------------------------------------------------------------------------
+
+    @cuda.jit(device=True, inline=True)
+    @unroll
+    def load_q_fragments(q_frag, base, row0, lane):
+        """Q_i (the warp's rows) from shared memory into A-operand registers, once per block."""
+        for mt in static_range(MT):
+            r = row0 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8
+            for kt in static_range(KT):
+                col = kt * 16 + (lane >> 4) * 8
+                a = ldmatrix_x4(base + uint32(r * ROW_BYTES + col * 2))
+                for i in static_range(4):
+                    q_frag[mt, kt, i] = a[i]
+
+    @cuda.jit(device=True, inline=True)
+    @unroll
+    def mma_q_kt(s, q_frag, k_tile, lane):
+        """S = Q_i K_j^T: K rows (keys) are the B operand's columns; ldmatrix without transpose."""
+        for mt in static_range(MT):
+            for nt in static_range(NT):
+                for i in static_range(4):
+                    s[mt, nt, i] = float32(0)
+        for kt in static_range(KT):
+            for np2 in static_range(NT // 2):
+                key = np2 * 16 + (lane & 7) + (lane >> 4) * 8
+                col = kt * 16 + ((lane >> 3) & 1) * 8
+                kf = ldmatrix_x4(k_tile + uint32(key * ROW_BYTES + col * 2))
+                for half in static_range(2):
+                    nt = np2 * 2 + half
+                    for mt in static_range(MT):
+                        d = mma(q_frag[mt, kt, 0], q_frag[mt, kt, 1], q_frag[mt, kt, 2], q_frag[mt, kt, 3],
+                                kf[2 * half], kf[2 * half + 1],
+                                s[mt, nt, 0], s[mt, nt, 1], s[mt, nt, 2], s[mt, nt, 3])
+                        for i in static_range(4):
+                            s[mt, nt, i] = d[i]
+
+    @cuda.jit(device=True, inline=True)
+    @unroll
+    def mask_scores(s, first_row, n_start, seqlen_k, seqlen_q, g, t):
+        """-inf where the key is past the end, or (causal) right of the row's diagonal."""
+        for mt in static_range(MT):
+            for r in static_range(2):
+                row = first_row + mt * 16 + g + 8 * r
+                last_key = seqlen_k - 1
+                if CAUSAL:
+                    last_key = min(last_key, row + seqlen_k - seqlen_q)
+                for nt in static_range(NT):
+                    for e in static_range(2):
+                        if n_start + nt * 8 + 2 * t + e > last_key:
+                            s[mt, nt, 2 * r + e] = NEG_INF
+
+    @cuda.jit(device=True, inline=True)
+    @unroll
+    def online_softmax(s, m_i, l_i, acc, scale_log2):
+        """S -> P = exp2(S * scale_log2 - m_new * scale_log2) in place; rescale l_i and acc by
+        alpha = exp2((m_i - m_new) * scale_log2). l_i stays a per-lane partial sum until the end."""
+        for mt in static_range(MT):
+            for r in static_range(2):
+                m_prev = m_i[mt, r]
+                m_new = m_prev
+                for nt in static_range(NT):
+                    m_new = max(m_new, max(s[mt, nt, 2 * r], s[mt, nt, 2 * r + 1]))
+                m_new = quad_max(m_new)
+                # A row that has seen only masked keys keeps m = -inf; subtract 0 then, not -inf.
+                m_scaled = m_new * scale_log2 if m_new != NEG_INF else float32(0)
+                alpha = exp2_approx(m_prev * scale_log2 - m_scaled)
+                row_sum = float32(0)
+                for nt in static_range(NT):
+                    for e in static_range(2):
+                        p = exp2_approx(s[mt, nt, 2 * r + e] * scale_log2 - m_scaled)
+                        s[mt, nt, 2 * r + e] = p
+                        row_sum += p
+                l_i[mt, r] = l_i[mt, r] * alpha + row_sum
+                m_i[mt, r] = m_new
+                for dt in static_range(DT):
+                    acc[mt, dt, 2 * r] *= alpha
+                    acc[mt, dt, 2 * r + 1] *= alpha
+
+    @cuda.jit(device=True, inline=True)
+    @unroll
+    def mma_p_v(acc, s, v_tile, lane):
+        """acc += P V_j: P's A fragments are S's C fragments packed to 16 bit; V via ldmatrix.trans."""
+        for pt in static_range(PT):
+            p_frag = cuda.local.array(P_FRAG, uint32)
+            for mt in static_range(MT):
+                p_frag[mt, 0] = pack(s[mt, 2 * pt, 0], s[mt, 2 * pt, 1])
+                p_frag[mt, 1] = pack(s[mt, 2 * pt, 2], s[mt, 2 * pt, 3])
+                p_frag[mt, 2] = pack(s[mt, 2 * pt + 1, 0], s[mt, 2 * pt + 1, 1])
+                p_frag[mt, 3] = pack(s[mt, 2 * pt + 1, 2], s[mt, 2 * pt + 1, 3])
+            for dp2 in static_range(DT // 2):
+                key = pt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8
+                col = dp2 * 16 + (lane >> 4) * 8
+                vf = ldmatrix_x4_trans(v_tile + uint32(key * ROW_BYTES + col * 2))
+                for half in static_range(2):
+                    dt = dp2 * 2 + half
+                    for mt in static_range(MT):
+                        d = mma(p_frag[mt, 0], p_frag[mt, 1], p_frag[mt, 2], p_frag[mt, 3],
+                                vf[2 * half], vf[2 * half + 1],
+                                acc[mt, dt, 0], acc[mt, dt, 1], acc[mt, dt, 2], acc[mt, dt, 3])
+                        for i in static_range(4):
+                            acc[mt, dt, i] = d[i]
+
+    @cuda.jit(device=True, inline=True)
+    def store_element(out, b, row, h, col, value):
+        if IS_F16:
+            out[b, row, h, col] = float16(value)
+        else:
+            out[b, row, h, col] = f32_to_bf16_bits(value)
+
+    @cuda.jit(device=True, inline=True)
+    @unroll
+    def write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, scale_log2, g, t):
+        """O_i = acc / l_i and lse_i, for rows inside the sequence; 0 and -inf for rows with no key."""
+        for mt in static_range(MT):
+            for r in static_range(2):
+                l_row = quad_sum(l_i[mt, r])  # every lane of the warp takes part in the shuffle
+                row = first_row + mt * 16 + g + 8 * r
+                inv_l = float32(1) / l_row if l_row > float32(0) else float32(0)
+                if row < seqlen_q:
+                    for dt in static_range(DT):
+                        for e in static_range(2):
+                            col = dt * 8 + 2 * t + e
+                            if col < HD:
+                                store_element(out, b, row, h, col, acc[mt, dt, 2 * r + e] * inv_l)
+                    if t == 0:
+                        if l_row > float32(0):
+                            lse[b, h, row] = (m_i[mt, r] * scale_log2 + math.log2(l_row)) * float32(LN2)
+                        else:
+                            lse[b, h, row] = NEG_INF
+
+    # -----------------------------------------------------------------------------------------------
+    # The kernel
+    # -----------------------------------------------------------------------------------------------
+
+    @cuda.jit
+    @unroll
+    def forward_mma(q, k, v, out, lse, scale_log2):
+        m_block, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane >> 2, lane & 3
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        hk = h // (q.shape[2] // k.shape[2])  # GQA: the key/value head this query head reads
+        m_start = m_block * BM
+        warp_row0 = warp * ROWS_PER_WARP  # the warp's first row within the Q tile
+        first_row = m_start + warp_row0  # ... and within the sequence
+
+        smem = cuda.shared.array(0, ELEM)
+        base = shared_address(smem)
+
+        # ---- Which key tiles this block visits: all, or (causal) those left of the diagonal ----
+        n_end = seqlen_k
+        if CAUSAL:
+            n_end = min(seqlen_k, m_start + BM + seqlen_k - seqlen_q)
+        n_tiles = (n_end + BN - 1) // BN if n_end > 0 else 0
+
+        # ---- Prologue: Q_i and the first K/V tile in flight; Q_i into registers ----
+        load_q_tile(smem, base, q, b, m_start, h, seqlen_q)
+        cp_async_commit()
+        if n_tiles > 0:
+            load_kv_tiles(smem, base, k, v, b, 0, hk, seqlen_k, 0)
+        cp_async_commit()
+        cp_async_wait(1)  # this thread's Q copies have landed (the K/V group may be in flight)
+        cuda.syncthreads()  # ... and every other thread's, before ldmatrix reads the Q tile
+
+        q_frag = cuda.local.array(Q_FRAG, uint32)
+        load_q_fragments(q_frag, base, warp_row0, lane)
+
+        s = cuda.local.array(S_ACC, float32)
+        acc = cuda.local.array(O_ACC, float32)
+        m_i = cuda.local.array(ROW_STAT, float32)
+        l_i = cuda.local.array(ROW_STAT, float32)
+        for mt in static_range(MT):
+            for r in static_range(2):
+                m_i[mt, r] = NEG_INF
+                l_i[mt, r] = float32(0)
+            for dt in static_range(DT):
+                for i in static_range(4):
+                    acc[mt, dt, i] = float32(0)
+
+        # ---- Main loop over key tiles K_j, V_j ----
+        for j in range(n_tiles):
+            buf = j & 1
+            n_start = j * BN
+            # Prefetch tile j + 1 into the other buffer (released by the barrier ending iteration j - 1).
+            if j + 1 < n_tiles:
+                load_kv_tiles(smem, base, k, v, b, n_start + BN, hk, seqlen_k, 1 - buf)
+            cp_async_commit()  # possibly empty: keeps "all but the newest group" meaning tile j
+            cp_async_wait(1)  # this thread's copies of tile j have landed
+            cuda.syncthreads()  # ... and every thread's: tile j is complete in shared memory
+
+            k_tile = base + uint32(Q_BYTES + buf * KV_BYTES)
+            v_tile = base + uint32(Q_BYTES + (2 + buf) * KV_BYTES)
+
+            # S = Q_i K_j^T
+            mma_q_kt(s, q_frag, k_tile, lane)
+
+            # Mask only the tiles that reach past the sequence end or the causal diagonal.
+            tile_last_key = n_start + BN - 1
+            needs_mask = tile_last_key >= seqlen_k
+            if CAUSAL:
+                needs_mask = needs_mask or tile_last_key > m_start + seqlen_k - seqlen_q
+            if needs_mask:
+                mask_scores(s, first_row, n_start, seqlen_k, seqlen_q, g, t)
+
+            # m_i, l_i, acc rescaled; S becomes P
+            online_softmax(s, m_i, l_i, acc, scale_log2)
+
+            # acc += P V_j
+            mma_p_v(acc, s, v_tile, lane)
+
+            cuda.syncthreads()  # every warp is done reading buffer `buf` before it is refilled
+
+        # ---- Epilogue: normalise and write O_i and lse_i ----
+        write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, scale_log2, g, t)
+
+    return forward_mma

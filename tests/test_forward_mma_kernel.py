@@ -1,0 +1,130 @@
+"""The tensor-core forward kernel, launched directly, against a float64 NumPy reference.
+
+Without a GPU these run in Numba's simulator (tiny shapes; the primitives are emulated); on a GPU the
+same tests run on the hardware. Outputs are poisoned with NaN before each launch, so an unwritten
+element fails. Tolerance follows flash-attn's rule: at most twice the error of a naive implementation
+in the same precision (16-bit inputs and P, float32 accumulation), both measured against float64.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from nbflash.kernels.forward_mma import MmaForwardConfig, build_forward_mma
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+NP_DTYPE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def reference(q, k, v, scale, causal, p_dtype=None):
+    """Attention in float64 (or, with p_dtype, the naive low-precision version), out and lse."""
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    work = np.float64 if p_dtype is None else np.float32
+    q, k, v = (x.astype(work) for x in (q, k, v))
+    k = np.repeat(k, nheads // nheads_k, axis=2)
+    v = np.repeat(v, nheads // nheads_k, axis=2)
+    s = np.einsum("bihd,bjhd->bhij", q, k) * scale
+    if causal:
+        i = np.arange(seqlen_q)[:, None]
+        j = np.arange(seqlen_k)[None, :]
+        s = np.where(j <= i + seqlen_k - seqlen_q, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    p = p / np.where(l > 0, l, 1)
+    if p_dtype is not None:
+        p = p.astype(p_dtype).astype(work)
+    out = np.einsum("bhij,bjhd->bihd", p, v)
+    with np.errstate(divide="ignore"):
+        lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(l[..., 0]), -np.inf)
+    return out, lse
+
+
+def run_kernel(config, q, k, v, scale, kernel_args=None):
+    """Launch on host arrays (the simulator, or Numba's automatic transfers on a GPU); kernel_args,
+    when given, replaces (q, k, v) as the kernel's inputs (device views with other strides)."""
+    bits = config.dtype == "bfloat16"
+    as_kernel = (lambda x: x.view(np.uint16)) if bits else (lambda x: x)
+    if kernel_args is None:
+        kernel_args = tuple(as_kernel(x) for x in (q, k, v))
+    batch, seqlen_q, nheads, _ = q.shape
+    out = np.empty(q.shape, dtype=q.dtype)
+    out.view(np.uint16)[...] = 0x7FC0 if bits else 0x7E00  # NaN
+    lse = np.full((batch, nheads, seqlen_q), np.nan, dtype=np.float32)
+    kernel = build_forward_mma(config)
+    kernel[config.grid(batch, nheads, seqlen_q), config.threads, 0, config.shared_bytes](
+        *kernel_args, as_kernel(out), lse, np.float32(scale * math.log2(math.e)))
+    return out, lse
+
+
+def check(config, batch=1, seqlen_q=20, seqlen_k=33, nheads=2, nheads_k=1, seed=0, row_pad=0):
+    rng = np.random.default_rng(seed)
+    D, dt = config.headdim, NP_DTYPE[config.dtype]
+    q = rng.standard_normal((batch, seqlen_q, nheads, D)).astype(dt)
+    k = rng.standard_normal((batch, seqlen_k, nheads_k, D)).astype(dt)
+    v = rng.standard_normal((batch, seqlen_k, nheads_k, D)).astype(dt)
+    kernel_args = None
+    if row_pad:
+        # Each row stored in a longer one: strides of dims 0-2 are not the packed ones.
+        stores = [np.zeros(x.shape[:3] + (D + row_pad,), dtype=dt) for x in (q, k, v)]
+        for store, x in zip(stores, (q, k, v)):
+            store[..., :D] = x
+        kernel_args = tuple(cuda.to_device(store)[..., :D] for store in stores)
+    scale = 1.0 / math.sqrt(D)
+    out, lse = run_kernel(config, q, k, v, scale, kernel_args)
+    out_ref, lse_ref = reference(q, k, v, scale, config.causal)
+    out_naive, _ = reference(q, k, v, scale, config.causal, p_dtype=dt)
+    naive_err = np.abs(out_naive.astype(dt).astype(np.float64) - out_ref).max()
+    err = np.abs(out.astype(np.float64) - out_ref)
+    assert not np.isnan(out.astype(np.float32)).any(), "unwritten or NaN output"
+    assert err.max() <= 2 * naive_err + 1e-3, (err.max(), naive_err)
+    assert not np.isnan(lse).any(), "unwritten or NaN lse"
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+    finite = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse[finite], lse_ref[finite], rtol=1e-4, atol=1e-4)
+    return out, lse, lse_ref
+
+
+SMALL = dict(block_m=32, block_n=16, num_warps=2)  # two warps, one 16-row slice each
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_basic(dtype, causal):
+    check(MmaForwardConfig(dtype, 16, causal, **SMALL), seqlen_q=20, seqlen_k=33)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (37, 21), (33, 40), (16, 16)])
+def test_lengths_causal(seqlen_q, seqlen_k):
+    # seqlen_q > seqlen_k: the first rows see no key (out 0, lse -inf); tails on both sides.
+    _, lse, lse_ref = check(MmaForwardConfig("float16", 16, True, **SMALL), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                            nheads=1, nheads_k=1, seed=seqlen_q)
+    if seqlen_q > seqlen_k:
+        assert np.isneginf(lse_ref).any() and np.isneginf(lse).any()
+
+
+def test_headdim_40_gqa_batch():
+    check(MmaForwardConfig("bfloat16", 40, False, **SMALL), batch=2, seqlen_q=17, seqlen_k=9, nheads=4, nheads_k=2)
+
+
+def test_two_slices_per_warp():
+    # block_m = 64 with 2 warps: each warp owns two 16-row slices (m_tiles = 2); block_n = 32.
+    check(MmaForwardConfig("float16", 16, True, block_m=64, block_n=32, num_warps=2), seqlen_q=40, seqlen_k=40)
+
+
+@pytest.mark.parametrize("headdim", [59, 8])
+def test_unaligned_path(headdim):
+    # Element-wise loads: headdim not a multiple of 8, rows not 16-byte aligned.
+    check(MmaForwardConfig("float16", headdim, True, aligned=False, **SMALL), seqlen_q=21, seqlen_k=26)
+
+
+@pytest.mark.parametrize("aligned, row_pad", [(True, 8), (False, 3)])
+def test_strided_inputs(aligned, row_pad):
+    # Padded rows: strides of dims 0-2 not the packed ones (still 16-byte multiples when aligned).
+    check(MmaForwardConfig("float16", 16, False, aligned=aligned, **SMALL), seqlen_q=19, seqlen_k=23,
+          row_pad=row_pad)
