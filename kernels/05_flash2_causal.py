@@ -10,7 +10,10 @@ global memory after each tile, and one block did all the work. FlashAttention-2 
     O_i = acc / l_i, written once
 
 Now m_i, l_i and acc live in registers for the whole kernel and O_i is written once; there are
-seqlen_q / block_m blocks, enough to fill a GPU; and no global scratch at all.
+seqlen_q / block_m blocks instead of one; and no global scratch at all. (Still one thread per query
+row: with one head at seqlen 2048 that is 2048 threads on a GPU that holds over 200,000, so this
+lesson moves far less memory than lesson 03 but is not faster there. nbflash's kernels give each row
+several threads or a share of a warp's tensor cores, and run batch x heads times as many blocks.)
 
 Causal (bottom-right aligned: query i sees key j when j <= i + seqlen_k - seqlen_q): the last row of
 the block, row0 + block_m - 1, sees keys up to row0 + block_m - 1 + seqlen_k - seqlen_q. Every K/V
