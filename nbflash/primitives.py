@@ -513,3 +513,15 @@ def unroll(fn):
     tree = ast.fix_missing_locations(_UnrollStaticRanges(namespace).visit(tree))
     exec(compile(tree, f"<unrolled {fn.__qualname__}>", "exec"), namespace)
     return namespace[fn.__name__]
+
+
+def inline_device(fn):
+    """``@cuda.jit(device=True)`` whose calls are always inlined by NVVM (``forceinline``), so the
+    caller's register arrays passed in stay registers; Numba's own IR-level inlining would do the
+    same but compiles the unrolled tile loops several times slower. The simulator's jit takes no
+    ``forceinline``."""
+    from numba import cuda as _cuda
+
+    if SIMULATOR:
+        return _cuda.jit(device=True)(fn)
+    return _cuda.jit(device=True, forceinline=True)(fn)

@@ -51,6 +51,7 @@ from nbflash.primitives import (
     cp_async_wait,
     exp2_approx,
     f32_to_bf16_bits,
+    inline_device,
     ldmatrix_x4,
     ldmatrix_x4_trans,
     mma_bf16,
@@ -78,6 +79,7 @@ class MmaForwardConfig:
     block_n: int = 64  # keys per K/V tile
     num_warps: int = 8  # block_m must be a multiple of 16 * num_warps
     aligned: bool = True  # cp.async path (see the module docstring for its requirements)
+    q_in_registers: bool = True  # Q_i's fragments loaded once; else re-read from shared per K tile
 
     def __post_init__(self):
         if self.dtype not in ("float16", "bfloat16"):
@@ -126,7 +128,7 @@ def build_forward_mma(config: MmaForwardConfig):
     NT = BN // 8  # 8-key column tiles of S
     PT = BN // 16  # k-steps of O += P V (over keys)
     DT = HDP // 8  # 8-column tiles of O (over headdim)
-    CAUSAL, ALIGNED = config.causal, config.aligned
+    CAUSAL, ALIGNED, Q_IN_REGISTERS = config.causal, config.aligned, config.q_in_registers
     ROW_BYTES = ROW * 2
     Q_BYTES, KV_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
     CHUNKS = HDP // 8  # 16-byte chunks per row
@@ -152,7 +154,7 @@ def build_forward_mma(config: MmaForwardConfig):
     # (rows past the sequence end, columns past headdim).
     # -----------------------------------------------------------------------------------------------
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def copy_tile_async(tile, x, b, row0, h, valid_rows, rounds, tile_rows):
         """cp.async, 16 bytes per copy; thread `tid` copies chunks tid, tid + THREADS, ..."""
         tid = cuda.threadIdx.x
@@ -166,7 +168,7 @@ def build_forward_mma(config: MmaForwardConfig):
                 else:
                     cp_async_16(tile + uint32(r * ROW_BYTES + col * 2), x, b, 0, h, 0, uint32(0))
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def copy_tile_elementwise(smem, tile_elem0, x, b, row0, h, valid_rows, rounds, tile_rows):
         """Plain loads and stores, one element each: any strides, any headdim."""
         tid = cuda.threadIdx.x
@@ -180,14 +182,14 @@ def build_forward_mma(config: MmaForwardConfig):
                     value = x[b, row0 + r, h, col]
                 smem[tile_elem0 + r * ROW + col] = value
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def load_q_tile(smem, base, q, b, m_start, h, seqlen_q):
         if ALIGNED:
             copy_tile_async(base, q, b, m_start, h, seqlen_q - m_start, Q_COPIES, BM)
         else:
             copy_tile_elementwise(smem, 0, q, b, m_start, h, seqlen_q - m_start, Q_ELEMS, BM)
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def load_kv_tiles(smem, base, k, v, b, n_start, hk, seqlen_k, buf):
         k_off = Q_BYTES + buf * KV_BYTES
         v_off = Q_BYTES + (2 + buf) * KV_BYTES
@@ -199,34 +201,39 @@ def build_forward_mma(config: MmaForwardConfig):
             copy_tile_elementwise(smem, v_off // 2, v, b, n_start, hk, seqlen_k - n_start, KV_ELEMS, BN)
 
     # -----------------------------------------------------------------------------------------------
-    # Warp tile operations. `row0` is the warp's first row in the Q tile; lane = 4 * g + t.
+    # Warp tile operations. Shared tiles are addressed by shared-window byte addresses; q_warp is the
+    # warp's first row of the Q tile, and *_lane the byte offset of the row this lane hands ldmatrix.
     # -----------------------------------------------------------------------------------------------
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     @unroll
-    def load_q_fragments(q_frag, base, row0, lane):
-        """Q_i (the warp's rows) from shared memory into A-operand registers, once per block."""
+    def load_q_fragments(q_frag, q_warp, q_lane):
+        """Q_i's A-operand fragments from the warp's rows of the shared Q tile: ldmatrix matrices
+        0-3 are rows 0-7 / 8-15 by columns 0-7 / 8-15 of each 16x16 block."""
         for mt in static_range(MT):
-            r = row0 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8
             for kt in static_range(KT):
-                col = kt * 16 + (lane >> 4) * 8
-                a = ldmatrix_x4(base + uint32(r * ROW_BYTES + col * 2))
+                a = ldmatrix_x4(q_warp + q_lane + uint32(mt * 16 * ROW_BYTES + kt * 32))
                 for i in static_range(4):
                     q_frag[mt, kt, i] = a[i]
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     @unroll
-    def mma_q_kt(s, q_frag, k_tile, lane):
-        """S = Q_i K_j^T: K rows (keys) are the B operand's columns; ldmatrix without transpose."""
+    def mma_q_kt(s, q_frag, q_warp, q_lane, k_tile, k_lane):
+        """S = Q_i K_j^T. K's rows (keys) are the B operand's columns, so ldmatrix without transpose
+        gives B fragments: matrices 0-3 are keys 0-7 / 8-15 (of a 16-key pair of tiles) by headdim
+        columns 0-7 / 8-15 (of the k-step)."""
         for mt in static_range(MT):
             for nt in static_range(NT):
                 for i in static_range(4):
                     s[mt, nt, i] = float32(0)
         for kt in static_range(KT):
+            if not Q_IN_REGISTERS:  # this k-step's Q_i fragments, re-read for every K tile
+                for mt in static_range(MT):
+                    a = ldmatrix_x4(q_warp + q_lane + uint32(mt * 16 * ROW_BYTES + kt * 32))
+                    for i in static_range(4):
+                        q_frag[mt, kt, i] = a[i]
             for np2 in static_range(NT // 2):
-                key = np2 * 16 + (lane & 7) + (lane >> 4) * 8
-                col = kt * 16 + ((lane >> 3) & 1) * 8
-                kf = ldmatrix_x4(k_tile + uint32(key * ROW_BYTES + col * 2))
+                kf = ldmatrix_x4(k_tile + k_lane + uint32(np2 * 16 * ROW_BYTES + kt * 32))
                 for half in static_range(2):
                     nt = np2 * 2 + half
                     for mt in static_range(MT):
@@ -236,7 +243,7 @@ def build_forward_mma(config: MmaForwardConfig):
                         for i in static_range(4):
                             s[mt, nt, i] = d[i]
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     @unroll
     def mask_scores(s, first_row, n_start, seqlen_k, seqlen_q, g, t):
         """-inf where the key is past the end, or (causal) right of the row's diagonal."""
@@ -251,7 +258,7 @@ def build_forward_mma(config: MmaForwardConfig):
                         if n_start + nt * 8 + 2 * t + e > last_key:
                             s[mt, nt, 2 * r + e] = NEG_INF
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     @unroll
     def online_softmax(s, m_i, l_i, acc, scale_log2):
         """S -> P = exp2(S * scale_log2 - m_new * scale_log2) in place; rescale l_i and acc by
@@ -278,10 +285,12 @@ def build_forward_mma(config: MmaForwardConfig):
                     acc[mt, dt, 2 * r] *= alpha
                     acc[mt, dt, 2 * r + 1] *= alpha
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     @unroll
-    def mma_p_v(acc, s, v_tile, lane):
-        """acc += P V_j: P's A fragments are S's C fragments packed to 16 bit; V via ldmatrix.trans."""
+    def mma_p_v(acc, s, v_tile, v_lane):
+        """acc += P V_j. P's A fragments are S's C fragments packed to 16 bit, two 8-key tiles per
+        k-step; V's B fragments come from ldmatrix.trans: matrices 0-3 are keys 0-7 / 8-15 by headdim
+        columns 0-7 / 8-15 (of a 16-column pair of tiles)."""
         for pt in static_range(PT):
             p_frag = cuda.local.array(P_FRAG, uint32)
             for mt in static_range(MT):
@@ -290,9 +299,7 @@ def build_forward_mma(config: MmaForwardConfig):
                 p_frag[mt, 2] = pack(s[mt, 2 * pt + 1, 0], s[mt, 2 * pt + 1, 1])
                 p_frag[mt, 3] = pack(s[mt, 2 * pt + 1, 2], s[mt, 2 * pt + 1, 3])
             for dp2 in static_range(DT // 2):
-                key = pt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8
-                col = dp2 * 16 + (lane >> 4) * 8
-                vf = ldmatrix_x4_trans(v_tile + uint32(key * ROW_BYTES + col * 2))
+                vf = ldmatrix_x4_trans(v_tile + v_lane + uint32(pt * 16 * ROW_BYTES + dp2 * 32))
                 for half in static_range(2):
                     dt = dp2 * 2 + half
                     for mt in static_range(MT):
@@ -302,14 +309,14 @@ def build_forward_mma(config: MmaForwardConfig):
                         for i in static_range(4):
                             acc[mt, dt, i] = d[i]
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def store_element(out, b, row, h, col, value):
         if IS_F16:
             out[b, row, h, col] = float16(value)
         else:
             out[b, row, h, col] = f32_to_bf16_bits(value)
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     @unroll
     def write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, scale_log2, g, t):
         """O_i = acc / l_i and lse_i, for rows inside the sequence; 0 and -inf for rows with no key."""
@@ -365,8 +372,15 @@ def build_forward_mma(config: MmaForwardConfig):
         cp_async_wait(1)  # this thread's Q copies have landed (the K/V group may be in flight)
         cuda.syncthreads()  # ... and every other thread's, before ldmatrix reads the Q tile
 
+        # Per-lane byte offsets of the rows each lane addresses in ldmatrix (see the helpers).
+        q_lane = uint32(((lane & 7) + ((lane >> 3) & 1) * 8) * ROW_BYTES + (lane >> 4) * 16)
+        k_lane = uint32(((lane & 7) + (lane >> 4) * 8) * ROW_BYTES + ((lane >> 3) & 1) * 16)
+        v_lane = q_lane
+        q_warp = base + uint32(warp_row0 * ROW_BYTES)
+
         q_frag = cuda.local.array(Q_FRAG, uint32)
-        load_q_fragments(q_frag, base, warp_row0, lane)
+        if Q_IN_REGISTERS:
+            load_q_fragments(q_frag, q_warp, q_lane)
 
         s = cuda.local.array(S_ACC, float32)
         acc = cuda.local.array(O_ACC, float32)
@@ -395,7 +409,7 @@ def build_forward_mma(config: MmaForwardConfig):
             v_tile = base + uint32(Q_BYTES + (2 + buf) * KV_BYTES)
 
             # S = Q_i K_j^T
-            mma_q_kt(s, q_frag, k_tile, lane)
+            mma_q_kt(s, q_frag, q_warp, q_lane, k_tile, k_lane)
 
             # Mask only the tiles that reach past the sequence end or the causal diagonal.
             tile_last_key = n_start + BN - 1
@@ -409,7 +423,7 @@ def build_forward_mma(config: MmaForwardConfig):
             online_softmax(s, m_i, l_i, acc, scale_log2)
 
             # acc += P V_j
-            mma_p_v(acc, s, v_tile, lane)
+            mma_p_v(acc, s, v_tile, v_lane)
 
             cuda.syncthreads()  # every warp is done reading buffer `buf` before it is refilled
 
