@@ -5,9 +5,17 @@
 See ``flash_attn_func`` for shapes, dtypes and the causal convention.
 """
 
-from .interface import flash_attn_func
+from .configs import kernel_family
+from .interface import explain, flash_attn_func
 from .reference import attention_naive, attention_reference
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attn_func", "attention_reference", "attention_naive", "__version__"]
+__all__ = [
+    "flash_attn_func",
+    "explain",
+    "kernel_family",
+    "attention_reference",
+    "attention_naive",
+    "__version__",
+]

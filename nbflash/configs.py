@@ -1,10 +1,27 @@
 """Kernel configurations: the one table of block sizes, and the choice of kernel family.
 
 Every heuristic lives here. ``plan_forward`` turns a validated problem into a frozen config that the
-launcher compiles (once per config) and launches.
+launcher compiles (once per config) and launches. Two kernel families:
+
+- ``"mma"``: tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py); float16 and
+  bfloat16 on GPUs of compute capability 8.0 and newer. Chosen whenever it applies.
+- ``"portable"``: scalar float32 arithmetic (nbflash/kernels/forward_portable.py); any dtype, any
+  GPU. Serves float32 and older GPUs.
+
+``kernel_family(name)`` forces a family inside a ``with`` block (as PyTorch's ``sdpa_kernel`` does).
 """
 
+import contextlib
+import contextvars
+from functools import lru_cache
+
+from . import runtime
+from .kernels.forward_mma import MmaForwardConfig
 from .kernels.forward_portable import PortableForwardConfig, shared_bytes
+
+FAMILIES = ("mma", "portable")
+MMA_DTYPES = ("float16", "bfloat16")
+MMA_MIN_COMPUTE_CAPABILITY = (8, 0)
 
 # Shared memory a block may use without opting in: every CUDA GPU offers it, so the portable path
 # stays within it.
@@ -21,9 +38,55 @@ PORTABLE_FORWARD = [
     (256, 8, 16),
 ]
 
-FAMILIES = ("portable",)
+# Tensor-core forward: (largest headdim, block_m, block_n, num_warps), for both float16 and bfloat16,
+# causal or not. See docs/perf-notes.md for the measurements behind each row.
+MMA_FORWARD = [
+    (64, 128, 64, 8),
+    (128, 128, 64, 8),
+    (256, 64, 32, 4),
+]
+
+_forced_family = contextvars.ContextVar("nbflash_kernel_family", default=None)
 
 
+@contextlib.contextmanager
+def kernel_family(family):
+    """Run the calls inside the ``with`` block on one kernel family: ``"mma"`` or ``"portable"``.
+
+    A call the forced family cannot serve (float32 on ``"mma"``, say) raises ValueError.
+    """
+    _check_family(family)
+    token = _forced_family.set(family)
+    try:
+        yield
+    finally:
+        _forced_family.reset(token)
+
+
+def _check_family(family):
+    if family not in FAMILIES:
+        raise ValueError(f"{family=} is not a kernel family; expected one of {FAMILIES}")
+
+
+@lru_cache(maxsize=None)
+def _compute_capability(device):
+    if runtime.SIMULATOR:
+        return (9, 0)  # the simulator runs every kernel; emulate a current GPU
+    props = runtime.cupy().cuda.runtime.getDeviceProperties(device)
+    return (props["major"], props["minor"])
+
+
+def mma_unsupported_reason(dtype, device=0):
+    """Why the tensor-core family cannot run this call, or None when it can."""
+    if dtype not in MMA_DTYPES:
+        return f"the tensor-core kernel takes float16 or bfloat16, not {dtype}"
+    cc = _compute_capability(device)
+    if cc < MMA_MIN_COMPUTE_CAPABILITY:
+        return f"the tensor-core kernel needs compute capability >= 8.0, this GPU has {cc[0]}.{cc[1]}"
+    return None
+
+
+@lru_cache(maxsize=None)
 def portable_forward_config(dtype, headdim, causal):
     for max_headdim, threads_per_row, block_m in PORTABLE_FORWARD:
         if headdim <= max_headdim:
@@ -34,8 +97,36 @@ def portable_forward_config(dtype, headdim, causal):
     return PortableForwardConfig(dtype, headdim, causal, block_m, block_n, threads_per_row)
 
 
-def plan_forward(problem, family=None):
-    """The config to run ``problem`` (a validation.Problem) with; ``family`` forces a kernel family."""
-    if family not in (None, "portable"):
-        raise ValueError(f"{family=} is not a kernel family; expected one of {FAMILIES} or None")
+@lru_cache(maxsize=None)
+def mma_forward_config(dtype, headdim, causal, aligned):
+    for max_headdim, block_m, block_n, num_warps in MMA_FORWARD:
+        if headdim <= max_headdim:
+            break
+    return MmaForwardConfig(
+        dtype=dtype,
+        headdim=headdim,
+        causal=causal,
+        block_m=block_m,
+        block_n=block_n,
+        num_warps=num_warps,
+        aligned=aligned and headdim % 8 == 0,
+    )
+
+
+def plan_forward(problem, family=None, device=0):
+    """The config to run ``problem`` (a validation.Problem) with.
+
+    ``family`` (or an enclosing ``kernel_family`` block) forces a kernel family; by default the
+    tensor-core family runs whenever it applies, the portable one otherwise.
+    """
+    family = family or _forced_family.get()
+    if family is None:
+        family = "portable" if mma_unsupported_reason(problem.dtype, device) else "mma"
+    else:
+        _check_family(family)
+    if family == "mma":
+        reason = mma_unsupported_reason(problem.dtype, device)
+        if reason:
+            raise ValueError(f"kernel family 'mma' cannot run this call: {reason}")
+        return mma_forward_config(problem.dtype, problem.headdim, problem.causal, problem.aligned)
     return portable_forward_config(problem.dtype, problem.headdim, problem.causal)

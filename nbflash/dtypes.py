@@ -17,16 +17,18 @@ SUPPORTED = {"float16": FLOAT16, "bfloat16": BFLOAT16, "float32": FLOAT32}
 KERNEL_DTYPE = {"float16": FLOAT16, "bfloat16": np.dtype(np.uint16), "float32": FLOAT32}
 
 
+_NAMES = {dtype: name for name, dtype in SUPPORTED.items()}
+
+
 def dtype_name(dtype):
     """'float16', 'bfloat16' or 'float32' for a supported dtype, else None."""
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:
-        return None
-    for name, supported in SUPPORTED.items():
-        if dtype == supported:
-            return name
-    return None
+    name = _NAMES.get(dtype)  # the fast path: a NumPy dtype object
+    if name is None:
+        try:
+            name = _NAMES.get(np.dtype(dtype))
+        except TypeError:
+            return None
+    return name
 
 
 def as_numpy_dtype(dtype):

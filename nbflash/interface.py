@@ -1,22 +1,22 @@
 """The public attention functions. Names and arguments follow flash-attn's Python interface."""
 
+import dataclasses
 import math
-
-import numpy as np
 
 from . import configs, launch, validation
 from .dtypes import FLOAT32
+
+LOG2_E = math.log2(math.e)
 
 
 def _flash_attn_forward(problem, q, k, v, family=None):
     """Run the forward pass on validated inputs; returns (out, lse) as backend arrays."""
     config = configs.plan_forward(problem, family)
+    kernel = launch.compiled(config)
     out = launch.empty(q.shape, q.dtype)
     lse = launch.empty((problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
-    scale_log2 = np.float32(problem.softmax_scale * math.log2(math.e))
-    args = [launch.kernel_array(x, problem.dtype) for x in (q, k, v, out)]
-    args += [launch.kernel_array(lse, "float32"), scale_log2]
-    launch.launch(config, config.grid(problem.batch, problem.seqlen_q, problem.nheads), args)
+    grid = config.grid(problem.batch, problem.nheads, problem.seqlen_q)
+    kernel.launch(grid, (q, k, v, out, lse), problem.softmax_scale * LOG2_E)
     return out, lse
 
 
@@ -59,3 +59,26 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
     problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal)
     out, lse = _flash_attn_forward(problem, q, k, v)
     return (out, lse) if return_lse else out
+
+
+def explain(q, k, v, softmax_scale=None, causal=False):
+    """Which kernel and configuration ``flash_attn_func(q, k, v, ...)`` runs, without running it.
+
+    Returns a dict: ``family`` ('mma' or 'portable'), ``config`` (the block configuration), ``grid``,
+    ``block``, ``dynamic_shared_bytes``, and, on a GPU, the compiled kernel's ``registers`` per
+    thread, ``static_shared_bytes`` and ``local_bytes`` per thread (spills). Compiles the kernel if it
+    is not compiled yet. Honors an enclosing ``nbflash.kernel_family`` block.
+    """
+    problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal)
+    config = configs.plan_forward(problem)
+    kernel = launch.compiled(config)
+    return {
+        "family": "mma" if isinstance(config, configs.MmaForwardConfig) else "portable",
+        "config": dataclasses.asdict(config),
+        "grid": config.grid(problem.batch, problem.nheads, problem.seqlen_q),
+        "block": (config.threads, 1, 1),
+        "dynamic_shared_bytes": kernel.dynamic_shared,
+        "static_shared_bytes": kernel.static_shared,
+        "registers": kernel.registers,
+        "local_bytes": kernel.local_bytes,
+    }

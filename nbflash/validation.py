@@ -8,7 +8,7 @@ and the inputs as arrays of the backend (CuPy on a GPU, NumPy in the simulator).
 
 import math
 import numbers
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -18,8 +18,7 @@ from .dtypes import dtype_name
 MAX_HEADDIM = 256
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(NamedTuple):
     """The shape of one attention call, after validation."""
 
     batch: int
@@ -31,6 +30,14 @@ class Problem:
     dtype: str  # 'float16', 'bfloat16' or 'float32'
     causal: bool
     softmax_scale: float
+    aligned: bool  # every row of q, k and v starts on a 16-byte boundary (vector loads allowed)
+
+
+def _rows_aligned(x):
+    """True when every (batch, seqlen, head) row of x starts on a 16-byte boundary."""
+    if runtime.SIMULATOR:
+        return all(s % 16 == 0 for s in x.strides[:3]) and x.ctypes.data % 16 == 0
+    return all(s % 16 == 0 for s in x.strides[:3]) and x.data.ptr % 16 == 0
 
 
 def _device_array(x, name):
@@ -158,5 +165,6 @@ def check_forward(q, k, v, softmax_scale, causal):
         dtype=dtype,
         causal=bool(causal),
         softmax_scale=check_softmax_scale(softmax_scale, headdim),
+        aligned=_rows_aligned(q) and _rows_aligned(k) and _rows_aligned(v),
     )
     return problem, q, k, v

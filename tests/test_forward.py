@@ -28,9 +28,14 @@ def poisoned_outputs(monkeypatch, xp):
     monkeypatch.setattr(launch, "empty", empty_poisoned)
 
 
-def run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal, heads_first=False):
+def run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal, heads_first=False, family=None):
     q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, heads_first)
-    out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    if family is None:
+        out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    else:
+        with nbflash.kernel_family(family):
+            assert nbflash.explain(q, k, v, causal=causal)["family"] == family
+            out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     assert lse.shape == (batch, nheads, seqlen_q)
     assert_attention_close(out, lse, q, k, v, causal)
 
@@ -50,14 +55,32 @@ SMALL_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SMALL_CASES, ids=lambda s: "x".join(map(str, s)))
-def test_forward_small(rng, xp, shape, causal, dtype):
-    run_case(rng, xp, *shape, dtype, causal)
+def test_forward_small_portable(rng, xp, shape, causal, dtype):
+    run_case(rng, xp, *shape, dtype, causal, family="portable")
+
+
+# The tensor-core kernel is slow to emulate (every warp-level primitive is a 32-thread rendezvous):
+# fewer cases, chosen to touch MQA, tails, rows without keys and an unaligned headdim.
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [SMALL_CASES[0], SMALL_CASES[1]], ids=lambda s: "x".join(map(str, s)))
+def test_forward_small_mma(rng, xp, shape, causal, dtype):
+    run_case(rng, xp, *shape, dtype, causal, family="mma")
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+@pytest.mark.parametrize("family", ["portable", "mma"])
 @pytest.mark.parametrize("headdim", [59, 96, 256])
-def test_forward_small_headdims(rng, xp, headdim):
-    run_case(rng, xp, 1, 9, 17, 1, 1, headdim, "float16", True)
+def test_forward_small_headdims(rng, xp, headdim, family):
+    run_case(rng, xp, 1, 9, 17, 1, 1, headdim, "float16", True, family=family)
+
+
+def test_default_family_is_mma_for_16_bit(rng, xp):
+    q, k, v = random_qkv(rng, xp, 1, 4, 4, 1, 1, 8, "bfloat16")
+    assert nbflash.explain(q, k, v)["family"] == "mma"
+    q, k, v = random_qkv(rng, xp, 1, 4, 4, 1, 1, 8, "float32")
+    assert nbflash.explain(q, k, v)["family"] == "portable"
 
 
 def test_forward_transposed_view(rng, xp):
@@ -88,15 +111,29 @@ HEADS = [(4, 4), (6, 2), (4, 1)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "family, dtype", [("mma", "float16"), ("mma", "bfloat16")] + [("portable", d) for d in DTYPES]
+)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("headdim", HEADDIMS)
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_forward_gpu(rng, xp, seqlens, headdim, causal, dtype):
+def test_forward_gpu(rng, xp, seqlens, headdim, causal, family, dtype):
     # Cycle the head layouts through the grid instead of multiplying it by three.
     nheads, nheads_k = HEADS[(SEQLENS.index(seqlens) + HEADDIMS.index(headdim)) % len(HEADS)]
     heads_first = headdim in (59, 128)
-    run_case(rng, xp, 2, *seqlens, nheads, nheads_k, headdim, dtype, causal, heads_first)
+    run_case(rng, xp, 2, *seqlens, nheads, nheads_k, headdim, dtype, causal, heads_first, family)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim", [16, 64, 128])
+def test_forward_gpu_unaligned_rows_mma(rng, xp, headdim):
+    """Rows that do not start on 16-byte boundaries take the tensor-core kernel's element-wise path."""
+    q, k, v = random_qkv(rng, xp, 1, 300, 300, 2, 2, headdim + 1, "float16")
+    q, k, v = (x[..., 1:] for x in (q, k, v))
+    with nbflash.kernel_family("mma"):
+        assert not nbflash.explain(q, k, v)["config"]["aligned"]
+        out = nbflash.flash_attn_func(q, k, v, causal=True)
+    assert_attention_close(out, None, q, k, v, True)
 
 
 @pytest.mark.gpu

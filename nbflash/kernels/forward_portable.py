@@ -70,15 +70,16 @@ class PortableForwardConfig:
     threads_per_row: int
 
     @property
-    def num_threads(self):
+    def threads(self):
         return self.block_m * self.threads_per_row
 
     @property
-    def shared_bytes(self):
-        """Static shared memory of the kernel (the launch passes no dynamic shared memory)."""
+    def static_shared_bytes(self):
         return shared_bytes(self.headdim, self.block_m, self.block_n)
 
-    def grid(self, batch, seqlen_q, nheads):
+    dynamic_shared_bytes = 0  # all tiles are static shared arrays, within the 48 KB every GPU has
+
+    def grid(self, batch, nheads, seqlen_q):
         return ((seqlen_q + self.block_m - 1) // self.block_m, nheads, batch)
 
 
@@ -95,7 +96,7 @@ def build_forward_portable(config):
     BLOCK_M = config.block_m
     BLOCK_N = config.block_n
     THREADS_PER_ROW = config.threads_per_row
-    NUM_THREADS = config.num_threads
+    NUM_THREADS = config.threads
     FEATURES_PER_THREAD = (HEADDIM + THREADS_PER_ROW - 1) // THREADS_PER_ROW
     COLUMNS_PER_THREAD = BLOCK_N // THREADS_PER_ROW
     HEADDIM_PAD = HEADDIM + 1
