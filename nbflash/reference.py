@@ -114,3 +114,92 @@ def attention_naive(q, k, v, softmax_scale=None, causal=False):
             p = rounded(p / xp.where(row_sum > 0, row_sum, 1.0))
             out[b, :, h] = rounded(p @ v[b, :, h // group])
     return out
+
+
+def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False):
+    """Gradients of exact attention in float64: returns ``(dq, dk, dv)``, float64, shaped like q, k, v.
+
+    ``dout`` is the gradient of the loss with respect to ``out`` (q's shape). With
+    ``P = softmax(q k^T * scale)`` per (batch, head) and ``out = P v``::
+
+        dv = P^T dout                dp = dout v^T
+        ds = P * (dp - rowsum(dout * out))
+        dq = ds k * scale            dk = ds^T q * scale
+
+    Under grouped-query attention, dk and dv of a key/value head are summed over the query heads that
+    share it. Rows that see no key contribute nothing (their P row is 0). Chunked like the forward:
+    extra memory is ``query_block * seqlen_k`` numbers.
+    """
+    xp = _array_module(q)
+    dout, q, k, v = (xp.asarray(x).astype(xp.float64) for x in (dout, q, k, v))
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    group = nheads // nheads_k
+    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+
+    dq = xp.zeros(q.shape, xp.float64)
+    dk = xp.zeros(k.shape, xp.float64)
+    dv = xp.zeros(v.shape, xp.float64)
+    for b in range(batch):
+        for h in range(nheads):
+            k_h, v_h = k[b, :, h // group], v[b, :, h // group]
+            for start in range(0, seqlen_q, QUERY_BLOCK):
+                rows = xp.arange(start, min(start + QUERY_BLOCK, seqlen_q))
+                s = (q[b, rows, h] @ k_h.T) * scale
+                if causal:
+                    s = xp.where(causal_visible(seqlen_q, seqlen_k, xp, rows), s, -xp.inf)
+                row_max = s.max(axis=1, keepdims=True)
+                row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
+                p = xp.exp(s - row_max)  # rows that see no key are all 0
+                row_sum = p.sum(axis=1, keepdims=True)
+                p = p / xp.where(row_sum > 0, row_sum, 1.0)
+                do = dout[b, rows, h]
+                dp = do @ v_h.T
+                delta = (p * dp).sum(axis=1, keepdims=True)  # = rowsum(dout * out)
+                ds = p * (dp - delta)
+                dq[b, rows, h] = (ds @ k_h) * scale
+                dk[b, :, h // group] += (ds.T @ q[b, rows, h]) * scale
+                dv[b, :, h // group] += p.T @ do
+    return dq, dk, dv
+
+
+def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False):
+    """Gradients as a same-precision naive implementation computes them, for error budgets.
+
+    The forward of ``attention_naive``, then each backward matmul accumulating in float32 and rounding
+    its result to the input dtype, as a framework's fp16/bf16 autograd does. Returns float32
+    ``(dq, dk, dv)``. Not chunked: for test sizes only.
+    """
+    xp = _array_module(q)
+    dtype = as_numpy_dtype(q.dtype)
+
+    def rounded(x):
+        return x.astype(dtype).astype(xp.float32)
+
+    dout, q, k, v = (rounded(xp.asarray(x).astype(xp.float32)) for x in (dout, q, k, v))
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    group = nheads // nheads_k
+    scale = xp.float32(1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale))
+    dq = xp.zeros(q.shape, xp.float32)
+    dk = xp.zeros(k.shape, xp.float32)
+    dv = xp.zeros(v.shape, xp.float32)
+    for b in range(batch):
+        for h in range(nheads):
+            k_h, v_h, do = k[b, :, h // group], v[b, :, h // group], dout[b, :, h]
+            s = rounded((q[b, :, h] @ k_h.T) * scale)
+            if causal:
+                s = xp.where(causal_visible(seqlen_q, seqlen_k, xp), s, -xp.inf)
+            row_max = s.max(axis=1, keepdims=True)
+            row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
+            p = xp.exp(s - row_max)
+            row_sum = p.sum(axis=1, keepdims=True)
+            p = rounded(p / xp.where(row_sum > 0, row_sum, 1.0))
+            out = rounded(p @ v_h)
+            dv[b, :, h // group] += rounded(p.T @ do)
+            dp = rounded(do @ v_h.T)
+            delta = (do * out).sum(axis=1, keepdims=True)
+            ds = rounded(p * (dp - delta))
+            dq[b, :, h] = rounded((ds @ k_h) * scale)
+            dk[b, :, h // group] += rounded((ds.T @ q[b, :, h]) * scale)
+    return dq, dk, dv
