@@ -113,20 +113,24 @@ def mma_forward_config(dtype, headdim, causal, aligned):
     )
 
 
-def plan_forward(problem, family=None, device=0):
-    """The config to run ``problem`` (a validation.Problem) with.
+def forced_family():
+    """The family forced by an enclosing ``kernel_family`` block, or None."""
+    return _forced_family.get()
 
-    ``family`` (or an enclosing ``kernel_family`` block) forces a kernel family; by default the
-    tensor-core family runs whenever it applies, the portable one otherwise.
+
+def plan_forward(dtype, headdim, causal, aligned, family=None, device=0):
+    """The config to run a forward call with (``aligned``: every q, k, v row 16-byte aligned).
+
+    ``family`` forces a kernel family; by default the tensor-core family runs whenever it applies,
+    the portable one otherwise.
     """
-    family = family or _forced_family.get()
     if family is None:
-        family = "portable" if mma_unsupported_reason(problem.dtype, device) else "mma"
+        family = "portable" if mma_unsupported_reason(dtype, device) else "mma"
     else:
         _check_family(family)
     if family == "mma":
-        reason = mma_unsupported_reason(problem.dtype, device)
+        reason = mma_unsupported_reason(dtype, device)
         if reason:
             raise ValueError(f"kernel family 'mma' cannot run this call: {reason}")
-        return mma_forward_config(problem.dtype, problem.headdim, problem.causal, problem.aligned)
-    return portable_forward_config(problem.dtype, problem.headdim, problem.causal)
+        return mma_forward_config(dtype, headdim, causal, aligned)
+    return portable_forward_config(dtype, headdim, causal)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+from functools import lru_cache
 
 from . import configs, launch, validation
 from .dtypes import FLOAT32
@@ -9,10 +10,23 @@ from .dtypes import FLOAT32
 LOG2_E = math.log2(math.e)
 
 
+@lru_cache(maxsize=None)
+def _forward_kernel(dtype, headdim, causal, aligned, family, device):
+    """The compiled kernel for a call; one cache lookup per call on plain values."""
+    config = configs.plan_forward(dtype, headdim, causal, aligned, family, device)
+    return launch.compiled(config, device)
+
+
+def _kernel_for(problem, family=None):
+    family = family or configs.forced_family()
+    p = problem
+    return _forward_kernel(p.dtype, p.headdim, p.causal, p.aligned, family, p.device)
+
+
 def _flash_attn_forward(problem, q, k, v, family=None):
     """Run the forward pass on validated inputs; returns (out, lse) as backend arrays."""
-    config = configs.plan_forward(problem, family)
-    kernel = launch.compiled(config)
+    kernel = _kernel_for(problem, family)
+    config = kernel.config
     out = launch.empty(q.shape, q.dtype)
     lse = launch.empty((problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
     grid = config.grid(problem.batch, problem.nheads, problem.seqlen_q)
@@ -70,8 +84,8 @@ def explain(q, k, v, softmax_scale=None, causal=False):
     is not compiled yet. Honors an enclosing ``nbflash.kernel_family`` block.
     """
     problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal)
-    config = configs.plan_forward(problem)
-    kernel = launch.compiled(config)
+    kernel = _kernel_for(problem)
+    config = kernel.config
     return {
         "family": "mma" if isinstance(config, configs.MmaForwardConfig) else "portable",
         "config": dataclasses.asdict(config),

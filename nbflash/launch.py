@@ -126,8 +126,11 @@ class CompiledKernel:
 
         # Parameter buffer: every array field is 8 bytes; the trailing float32 scalar takes 4.
         n_words = sum(_array_fields(n) for n in array_ndims)
-        self._format = f"<{n_words}qf"
-        self._buffer = ctypes.create_string_buffer(struct.calcsize(self._format))
+        packer = struct.Struct(f"<{n_words}qf")
+        self._pack = packer.pack_into
+        self._buffer = ctypes.create_string_buffer(packer.size)
+        self._launch = _driver().cuLaunchKernel
+        self._current_stream = runtime.cupy().cuda.get_current_stream
         base = ctypes.addressof(self._buffer)
         self._params = (ctypes.c_void_p * (n_words + 1))(*(base + 8 * i for i in range(n_words + 1)))
 
@@ -140,12 +143,20 @@ class CompiledKernel:
         fields = []
         for a in arrays:
             fields += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
-        struct.pack_into(self._format, self._buffer, 0, *fields, scale)
-        stream = runtime.cupy().cuda.get_current_stream().ptr
-        status = _driver().cuLaunchKernel(
-            self.function, *grid, self.config.threads, 1, 1, self.dynamic_shared, stream, self._params, None
+        self._pack(self._buffer, 0, *fields, scale)
+        status = self._launch(
+            self.function,
+            *grid,
+            self.config.threads,
+            1,
+            1,
+            self.dynamic_shared,
+            self._current_stream().ptr,
+            self._params,
+            None,
         )
-        _check(status, "cuLaunchKernel")
+        if status:
+            _check(status, "cuLaunchKernel")
 
 
 def _simulator_array(x):

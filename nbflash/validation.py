@@ -31,13 +31,7 @@ class Problem(NamedTuple):
     causal: bool
     softmax_scale: float
     aligned: bool  # every row of q, k and v starts on a 16-byte boundary (vector loads allowed)
-
-
-def _rows_aligned(x):
-    """True when every (batch, seqlen, head) row of x starts on a 16-byte boundary."""
-    if runtime.SIMULATOR:
-        return all(s % 16 == 0 for s in x.strides[:3]) and x.ctypes.data % 16 == 0
-    return all(s % 16 == 0 for s in x.strides[:3]) and x.data.ptr % 16 == 0
+    device: int  # the GPU the arrays live on (0 under the simulator)
 
 
 def _device_array(x, name):
@@ -87,22 +81,27 @@ def as_backend_array(x, name):
 
 
 def _check_layout(x, name, dims):
-    if x.ndim != 4:
-        raise ValueError(f"{name} must have 4 dims {dims}, got shape {tuple(x.shape)}")
-    if 0 in x.shape:
-        raise ValueError(f"{name} has a zero-size dimension: shape {tuple(x.shape)} {dims}")
-    if x.shape[3] > 1 and x.strides[3] != x.itemsize:
+    """Shape and strides of a 4-dim array with a contiguous last dim, or an error naming ``name``."""
+    shape, strides = x.shape, x.strides
+    if len(shape) != 4:
+        raise ValueError(f"{name} must have 4 dims {dims}, got shape {tuple(shape)}")
+    if 0 in shape:
+        raise ValueError(f"{name} has a zero-size dimension: shape {tuple(shape)} {dims}")
+    if shape[3] > 1 and strides[3] != x.itemsize:
         raise ValueError(
             f"{name}'s last dim (headdim) must be contiguous (stride {x.itemsize} bytes), got "
-            f"strides {tuple(x.strides)}; pass {name} with a contiguous last dim "
+            f"strides {tuple(strides)}; pass {name} with a contiguous last dim "
             f"(e.g. cupy.ascontiguousarray({name}))"
         )
+    return shape, strides
 
 
 def check_softmax_scale(softmax_scale, headdim):
     """The softmax scale to use: 1 / sqrt(headdim) by default, else a finite real number."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(headdim)
+    if type(softmax_scale) is float and math.isfinite(softmax_scale):
+        return softmax_scale
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number or None, got {softmax_scale!r}")
     if not math.isfinite(softmax_scale):
@@ -115,9 +114,9 @@ def check_forward(q, k, v, softmax_scale, causal):
     q = as_backend_array(q, "q")
     k = as_backend_array(k, "k")
     v = as_backend_array(v, "v")
-    _check_layout(q, "q", "(batch, seqlen_q, nheads, headdim)")
-    _check_layout(k, "k", "(batch, seqlen_k, nheads_k, headdim)")
-    _check_layout(v, "v", "(batch, seqlen_k, nheads_k, headdim)")
+    (batch, seqlen_q, nheads, headdim), q_strides = _check_layout(q, "q", "(batch, seqlen_q, nheads, headdim)")
+    k_shape, k_strides = _check_layout(k, "k", "(batch, seqlen_k, nheads_k, headdim)")
+    v_shape, v_strides = _check_layout(v, "v", "(batch, seqlen_k, nheads_k, headdim)")
 
     dtype = dtype_name(q.dtype)
     if dtype is None:
@@ -126,45 +125,54 @@ def check_forward(q, k, v, softmax_scale, causal):
         if x.dtype != q.dtype:
             raise TypeError(f"{name}.dtype={x.dtype} differs from q.dtype={q.dtype}; they must match")
 
-    batch, seqlen_q, nheads, headdim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
-    if k.shape[0] != batch:
-        raise ValueError(f"batch differs: q has {batch} (q.shape[0]), k and v have {k.shape[0]}")
-    if k.shape[3] != headdim:
-        raise ValueError(f"headdim differs: q has {headdim} (q.shape[3]), k and v have {k.shape[3]}")
+    if k_shape != v_shape:
+        raise ValueError(f"k and v must have the same shape, got k {k_shape} and v {v_shape}")
+    _, seqlen_k, nheads_k, headdim_k = k_shape
+    if k_shape[0] != batch:
+        raise ValueError(f"batch differs: q has {batch} (q.shape[0]), k and v have {k_shape[0]}")
+    if headdim_k != headdim:
+        raise ValueError(f"headdim differs: q has {headdim} (q.shape[3]), k and v have {headdim_k}")
     if headdim > MAX_HEADDIM:
         raise ValueError(f"{headdim=} exceeds {MAX_HEADDIM}")
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
     if nheads % nheads_k:
         raise ValueError(
             f"nheads={nheads} (q.shape[2]) must be a multiple of nheads_k={nheads_k} (k.shape[2]) "
             f"for grouped-query attention"
         )
-    if not isinstance(causal, (bool, np.bool_)):
+    if causal is not True and causal is not False and not isinstance(causal, np.bool_):
         raise TypeError(f"causal must be a bool, got {causal!r}")
 
-    if not runtime.SIMULATOR:
-        devices = {name: x.device.id for name, x in (("q", q), ("k", k), ("v", v))}
-        if len(set(devices.values())) > 1:
+    if runtime.SIMULATOR:
+        device = 0
+        pointers = (q.ctypes.data, k.ctypes.data, v.ctypes.data)
+    else:
+        device = q.data.device_id
+        if k.data.device_id != device or v.data.device_id != device:
+            devices = {"q": device, "k": k.data.device_id, "v": v.data.device_id}
             raise ValueError(f"q, k and v must be on one GPU, got devices {devices}")
-        current = runtime.cupy().cuda.Device().id
-        if devices["q"] != current:
+        current = runtime.cupy().cuda.runtime.getDevice()
+        if device != current:
             raise ValueError(
-                f"q is on GPU {devices['q']} but the current CuPy device is {current}; "
-                f"call inside `with cupy.cuda.Device({devices['q']}):`"
+                f"q is on GPU {device} but the current CuPy device is {current}; "
+                f"call inside `with cupy.cuda.Device({device}):`"
             )
+        pointers = (q.data.ptr, k.data.ptr, v.data.ptr)
+    # Every (batch, seqlen, head) row starts on a 16-byte boundary: vector copies are allowed.
+    aligned = not any(p % 16 for p in pointers) and not any(
+        s % 16 for strides in (q_strides, k_strides, v_strides) for s in strides[:3]
+    )
 
     problem = Problem(
-        batch=batch,
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
-        nheads=nheads,
-        nheads_k=nheads_k,
-        headdim=headdim,
-        dtype=dtype,
-        causal=bool(causal),
-        softmax_scale=check_softmax_scale(softmax_scale, headdim),
-        aligned=_rows_aligned(q) and _rows_aligned(k) and _rows_aligned(v),
+        batch,
+        seqlen_q,
+        seqlen_k,
+        nheads,
+        nheads_k,
+        headdim,
+        dtype,
+        bool(causal),
+        check_softmax_scale(softmax_scale, headdim),
+        aligned,
+        device,
     )
     return problem, q, k, v

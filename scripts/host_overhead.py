@@ -1,18 +1,35 @@
 """Host time of one nbflash call on a tiny problem, next to a trivial CuPy ElementwiseKernel launch.
 
 Both are timed in the same run on the same arrays (the host is noisy: compare within a run): the
-median of many back-to-back calls, host clock, without synchronizing inside the loop. Also reports
-the first call's time (compilation) for one fresh configuration.
+median over rounds of many back-to-back calls, host clock, without synchronizing inside a round.
+Then the first call's time in fresh processes: cold (empty on-disk kernel cache) and warm (the cache
+filled by the cold run).
 
     python scripts/host_overhead.py
 """
 
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import cupy
 import numpy as np
 
 import nbflash
+
+FIRST_CALL = """
+import time
+t0 = time.perf_counter()
+import cupy, nbflash
+q = cupy.random.standard_normal((1, 16, 1, 64), dtype=cupy.float32).astype(cupy.{dtype})
+t1 = time.perf_counter()
+nbflash.flash_attn_func(q, q, q, causal=True)
+cupy.cuda.Device().synchronize()
+t2 = time.perf_counter()
+print(f"{{t1 - t0:.2f}} {{t2 - t1:.2f}}")
+"""
 
 
 def host_us(fn, calls=2000, rounds=7):
@@ -28,23 +45,39 @@ def host_us(fn, calls=2000, rounds=7):
     return float(np.median(per_round))
 
 
+def first_call_seconds(dtype):
+    """(import seconds, first-call seconds) for a cold and then a warm on-disk cache."""
+    results = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        for _ in ("cold", "warm"):
+            run = subprocess.run(
+                [sys.executable, "-c", FIRST_CALL.format(dtype=dtype)], env=env, capture_output=True, text=True
+            )
+            if run.returncode:
+                results.append(("failed", run.stderr.strip().splitlines()[-1]))
+            else:
+                results.append(tuple(run.stdout.split()))
+    return results
+
+
 def main():
-    q, k, v = (cupy.random.standard_normal((1, 16, 1, 16), dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
-    t0 = time.perf_counter()
-    nbflash.flash_attn_func(q, k, v, causal=True)
-    cupy.cuda.get_current_stream().synchronize()
-    first = time.perf_counter() - t0
+    q, k, v = (cupy.random.standard_normal((1, 16, 1, 64), dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
     trivial = cupy.ElementwiseKernel("T q, T k", "T out", "out = q + k", "nbflash_trivial")
     out = cupy.empty_like(q)
     rows = [
         ("cupy ElementwiseKernel (q + k)", host_us(lambda: trivial(q, k, out))),
         ("nbflash.flash_attn_func", host_us(lambda: nbflash.flash_attn_func(q, k, v))),
         ("nbflash.flash_attn_func causal", host_us(lambda: nbflash.flash_attn_func(q, k, v, causal=True))),
+        ("cupy ElementwiseKernel (q + k), again", host_us(lambda: trivial(q, k, out))),
     ]
     base = rows[0][1]
-    print(f"first call (compile + launch): {first:.2f} s")
+    print("host time per call, tiny problem (1, 16, 1, 64) float16:")
     for name, us in rows:
-        print(f"{name:40s} {us:8.1f} us/call  {us / base:5.2f}x")
+        print(f"  {name:40s} {us:8.1f} us  {us / base:5.2f}x")
+    for dtype in ("float16", "float32"):
+        (cold, warm) = first_call_seconds(dtype)
+        print(f"first call {dtype}: cold cache import {cold[0]} s, call {cold[1]} s; warm cache import {warm[0]} s, call {warm[1]} s")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,253 @@
+"""The backward pass: gradients of flash_attn_func, for training.
+
+``flash_attn_backward`` follows flash-attn's ``_flash_attn_backward``: it takes the forward's output
+and log-sum-exp (``flash_attn_func(..., return_lse=True)``) and recomputes the attention probabilities
+tile by tile from them, so its extra memory is O(batch * nheads * seqlen_q), never N x N.
+"""
+
+import ctypes
+import math
+import struct
+from functools import lru_cache
+
+import numpy as np
+
+from . import launch, runtime, validation
+from .dtypes import FLOAT32, KERNEL_DTYPE
+from .kernels.backward_portable import PortableBackwardConfig, build_backward_portable, shared_bytes
+
+LOG2_E = math.log2(math.e)
+
+# ---------------------------------------------------------------------------------------------------
+# Planning. TODO(configs): this table belongs in configs.py with the forward's; it sits here until the
+# planner there grows a backward entry point.
+# ---------------------------------------------------------------------------------------------------
+
+# Shared memory the portable path stays within (every CUDA GPU offers it without opting in).
+PORTABLE_SHARED_LIMIT = 48 * 1024
+
+# Portable dK/dV kernel: (largest headdim, threads per key row, key rows per block). The query tile
+# height is then the largest power of two from 64 down that fits the shared-memory limit. Each
+# thread holds two slices (dK and dV) of its key row, of headdim / threads_per_row floats each.
+PORTABLE_BACKWARD_DKDV = [
+    (32, 4, 64),
+    (64, 4, 64),
+    (128, 8, 32),
+    (256, 8, 8),
+]
+
+# Portable dQ kernel (deterministic mode): (largest headdim, threads per query row, query rows per
+# block); the key tile height is fitted the same way.
+PORTABLE_BACKWARD_DQ = [
+    (32, 4, 64),
+    (64, 4, 32),
+    (128, 8, 16),
+    (256, 8, 8),
+]
+
+# Preprocess and dq conversion: query rows per block and threads per row (memory-bound, tiny).
+PORTABLE_BACKWARD_ROWS = (32, 8)
+
+
+def _fit(kernel, headdim, threads_per_row, fixed, fixed_is_m):
+    """The largest power-of-two tile height from 64 down (at least threads_per_row) that keeps the
+    kernel within PORTABLE_SHARED_LIMIT, the other tile height being ``fixed``."""
+    size = 64
+    while size > threads_per_row:
+        block_m, block_n = (fixed, size) if fixed_is_m else (size, fixed)
+        if shared_bytes(kernel, headdim, block_m, block_n, threads_per_row) <= PORTABLE_SHARED_LIMIT:
+            break
+        size //= 2
+    return size
+
+
+def _row(table, headdim):
+    for entry in table:
+        if headdim <= entry[0]:
+            return entry
+    raise ValueError(f"{headdim=} exceeds {table[-1][0]}")
+
+
+def plan_backward(problem, deterministic):
+    """The kernel configs (preprocess, dkdv, dq or convert_dq) for ``problem``."""
+    atomic = not deterministic
+    common = dict(dtype=problem.dtype, headdim=problem.headdim, causal=problem.causal, atomic_dq=atomic)
+    rows, rows_threads = PORTABLE_BACKWARD_ROWS
+    preprocess = PortableBackwardConfig("preprocess", block_m=rows, block_n=rows,
+                                        threads_per_row=rows_threads, **common)
+
+    _, threads, block_n = _row(PORTABLE_BACKWARD_DKDV, problem.headdim)
+    block_m = _fit("dkdv", problem.headdim, threads, block_n, fixed_is_m=False)
+    dkdv = PortableBackwardConfig("dkdv", block_m=block_m, block_n=block_n, threads_per_row=threads,
+                                  **common)
+    if atomic:
+        dq = PortableBackwardConfig("convert_dq", block_m=rows, block_n=rows,
+                                    threads_per_row=rows_threads, **common)
+    else:
+        _, threads, block_m = _row(PORTABLE_BACKWARD_DQ, problem.headdim)
+        block_n = _fit("dq", problem.headdim, threads, block_m, fixed_is_m=True)
+        dq = PortableBackwardConfig("dq", block_m=block_m, block_n=block_n, threads_per_row=threads,
+                                    **common)
+    return preprocess, dkdv, dq
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation of the backward-only arguments
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_backward(problem, q, dout, out, lse, deterministic):
+    """Validate dout, out and lse against the (already checked) q. Returns them as backend arrays."""
+    dims = "(batch, seqlen_q, nheads, headdim)"
+    checked = []
+    for name, x in (("dout", dout), ("out", out)):
+        x = validation.as_backend_array(x, name)
+        validation._check_layout(x, name, dims)
+        if x.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)} {dims}, got {tuple(x.shape)}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype={x.dtype} differs from q.dtype={q.dtype}; they must match")
+        checked.append(x)
+
+    lse = validation.as_backend_array(lse, "lse")
+    expected = (problem.batch, problem.nheads, problem.seqlen_q)
+    if lse.dtype != FLOAT32:
+        raise TypeError(f"lse.dtype={lse.dtype} must be float32 (as flash_attn_func returns it)")
+    if tuple(lse.shape) != expected:
+        raise ValueError(
+            f"lse must have shape (batch, nheads, seqlen_q) = {expected}, got {tuple(lse.shape)}"
+        )
+    checked.append(lse)
+
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    if not runtime.SIMULATOR:
+        for name, x in zip(("dout", "out", "lse"), checked):
+            if x.device.id != q.device.id:
+                raise ValueError(f"{name} is on GPU {x.device.id} but q is on GPU {q.device.id}")
+    return checked
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compiling and launching. TODO(launch): launch.CompiledKernel compiles every config for the forward's
+# one signature; once it takes the signature from the config, this collapses into launch.compiled.
+# Until then this mirrors it: one signature per config, a prepacked parameter buffer, cuLaunchKernel
+# on CuPy's current stream (no dispatcher on the per-call path).
+# ---------------------------------------------------------------------------------------------------
+
+
+def _signature(config):
+    """The one Numba signature a backward config is compiled for. Inputs take any strides (last
+    dim contiguous, checked by validation); buffers the library allocates are C-contiguous."""
+    t = KERNEL_DTYPE[config.dtype].name
+    inputs = ", ".join([f"{t}[:,:,:,:]"] * 4)  # q, k, v, dout (or out, dout)
+    accum = "float32[:,:,:,::1]" if config.atomic_dq else "float32[:,:,::1]"  # dq_accum or stand-in
+    grad = f"{t}[:,:,:,::1]"
+    if config.kernel == "preprocess":
+        return f"void({t}[:,:,:,:], {t}[:,:,:,:], float32[:,:,::1], {accum})"
+    if config.kernel == "dkdv":
+        return f"void({inputs}, float32[:,:,:], float32[:,:,::1], {grad}, {grad}, {accum}, float32, float32)"
+    if config.kernel == "dq":
+        return f"void({inputs}, float32[:,:,:], float32[:,:,::1], {grad}, float32, float32)"
+    return f"void(float32[:,:,:,::1], {grad}, float32)"
+
+
+class _CompiledBackward:
+    """One backward config's kernel, compiled for its signature, with its launch parameter buffer."""
+
+    def __init__(self, config):
+        self.config = config
+        self.kernel = build_backward_portable(config)
+        if runtime.SIMULATOR:
+            return
+        signature = _signature(config)
+        overload = self.kernel.compile(signature)
+        overload.bind()
+        self.function = launch._function_handle(overload)
+        # Numba flattens an n-dim array into 5 + 2n 8-byte parameters; a float32 takes one slot.
+        arrays = signature[len("void("):-1].split(", ")
+        words = sum(5 + 2 * a.count(":") for a in arrays if "[" in a)
+        scalars = sum(1 for a in arrays if "[" not in a)
+        self._format = f"<{words}q" + "f4x" * scalars
+        self._buffer = ctypes.create_string_buffer(struct.calcsize(self._format))
+        base = ctypes.addressof(self._buffer)
+        self._params = (ctypes.c_void_p * (words + scalars))(*(base + 8 * i for i in range(words + scalars)))
+
+    def launch(self, grid, arrays, scalars):
+        """Queue the kernel on CuPy's current stream. ``arrays`` are backend arrays."""
+        if runtime.SIMULATOR:
+            self.kernel[grid, self.config.threads](*(launch._simulator_array(a) for a in arrays), *scalars)
+            return
+        fields = []
+        for a in arrays:
+            fields += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
+        struct.pack_into(self._format, self._buffer, 0, *fields, *scalars)
+        stream = runtime.cupy().cuda.get_current_stream().ptr
+        status = launch._driver().cuLaunchKernel(
+            self.function, *grid, self.config.threads, 1, 1, 0, stream, self._params, None
+        )
+        launch._check(status, "cuLaunchKernel")
+
+
+@lru_cache(maxsize=None)
+def _compiled(config, device=0):
+    return _CompiledBackward(config)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The backward pass
+# ---------------------------------------------------------------------------------------------------
+
+
+def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
+    """Run the backward pass on validated inputs; returns (dq, dk, dv) as backend arrays."""
+    configs = plan_backward(problem, deterministic)
+    device = 0 if runtime.SIMULATOR else runtime.cupy().cuda.Device().id
+    preprocess, dkdv, dq_kernel = (_compiled(config, device) for config in configs)
+    dq = launch.empty(q.shape, q.dtype)
+    dk = launch.empty(k.shape, k.dtype)
+    dv = launch.empty(v.shape, v.dtype)
+    delta = launch.empty((problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
+    # dq_accum is only used with atomics; delta stands in for it otherwise (one signature per config).
+    dq_accum = delta if deterministic else launch.empty(q.shape, FLOAT32)
+
+    scale = np.float32(problem.softmax_scale)
+    scale_log2 = np.float32(problem.softmax_scale * LOG2_E)
+    shape = (problem.batch, problem.nheads, problem.nheads_k, problem.seqlen_q, problem.seqlen_k)
+
+    # D = rowsum(dO * O); with atomics, dq_accum zeroed too.
+    preprocess.launch(preprocess.config.grid(*shape), (out, dout, delta, dq_accum), ())
+    dkdv.launch(dkdv.config.grid(*shape), (q, k, v, dout, lse, delta, dk, dv, dq_accum), (scale_log2, scale))
+    if deterministic:
+        dq_kernel.launch(dq_kernel.config.grid(*shape), (q, k, v, dout, lse, delta, dq), (scale_log2, scale))
+    else:
+        dq_kernel.launch(dq_kernel.config.grid(*shape), (dq_accum, dq), (scale,))
+    return dq, dk, dv
+
+
+def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False, deterministic=False):
+    """Gradients of ``flash_attn_func`` with respect to q, k and v.
+
+    Arguments:
+        dout: (batch, seqlen_q, nheads, headdim), the gradient of the loss with respect to ``out``.
+        q, k, v, softmax_scale, causal: exactly as given to ``flash_attn_func`` (same shapes, dtypes,
+            strides rules, grouped-query attention and bottom-right causal alignment).
+        out: (batch, seqlen_q, nheads, headdim), q's dtype: the forward's output.
+        lse: (batch, nheads, seqlen_q), float32: the forward's log-sum-exp
+            (``flash_attn_func(..., return_lse=True)``).
+        deterministic: bool. By default dq is accumulated with float32 atomics, whose order varies
+            from run to run (so do the last bits of dq). With True, dq comes from a separate pass
+            in a fixed order and every gradient is bit-identical run to run, at some extra cost.
+
+    Returns:
+        dq, dk, dv: shaped and typed like q, k, v (fresh contiguous arrays). Under grouped-query
+        attention, dk and dv of a key/value head are summed over the query heads that share it.
+        Query rows that see no key (causal, seqlen_q > seqlen_k) get dq = 0 and contribute nothing.
+
+    Extra memory: float32 (batch, nheads, seqlen_q) for rowsum(dout * out), plus a float32 copy of
+    dq's shape for the atomics (not in deterministic mode). The work is queued on CuPy's current
+    stream; the call does not wait for it.
+    """
+    problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal)
+    dout, out, lse = _check_backward(problem, q, dout, out, lse, deterministic)
+    return _flash_attn_backward(problem, dout, q, k, v, out, lse, bool(deterministic))

@@ -1,0 +1,448 @@
+"""Portable FlashAttention backward: plain float32 arithmetic, runs on any CUDA GPU Numba supports.
+
+The companion of ``forward_portable`` (read that first; this file keeps its layout and names). It is
+FlashAttention-2's backward (Algorithm 2): no N x N matrix is stored; the probabilities are recomputed
+tile by tile from the forward's log-sum-exp, ``P = exp(S * scale - lse)``.
+
+With ``dO`` the gradient of the output, per (batch, head)::
+
+    D   = rowsum(dO * O)                            (preprocess: one number per query row)
+    P   = exp2(Q K^T * scale * log2(e) - lse * log2(e))
+    dV  = P^T dO                dP = dO V^T
+    dS  = P * (dP - D)
+    dQ  = dS K * scale          dK = dS^T Q * scale
+
+Four kernels, picked by ``PortableBackwardConfig.kernel``:
+
+``preprocess``  grid (cdiv(seqlen_q, BLOCK_M), nheads, batch). D for BLOCK_M query rows; with
+                ``atomic_dq`` it also zeroes those rows of the float32 dQ accumulator.
+``dkdv``        grid (cdiv(seqlen_k, BLOCK_N), nheads_k, batch). One block per key/value tile K_j, V_j
+                of one key/value head. It loops over the query heads that share that key/value head
+                (grouped-query attention) and, for each, over the query tiles Q_i that see the tile;
+                dK_j and dV_j stay in registers for the whole loop, so their sum over the group is
+                formed in a fixed order, without atomics. With ``atomic_dq``, each tile's
+                contribution dS K_j to dQ_i is added into the float32 accumulator with atomics.
+``dq``          grid (cdiv(seqlen_q, BLOCK_M), nheads, batch). The deterministic dQ: one block per query
+                tile Q_i loops over the key tiles (the forward's loop order) with dQ_i in registers.
+                Used instead of the atomics when bit-identical results are asked for.
+``convert_dq``  grid (cdiv(seqlen_q, BLOCK_M), nheads, batch). dq = dq_accum * scale, in the input dtype.
+
+Threads: the block is ROWS * THREADS_PER_ROW threads, ROWS = BLOCK_N for ``dkdv`` (thread ``t`` owns key
+row ``t // THREADS_PER_ROW`` of K_j), else BLOCK_M (it owns a query row). Lane
+``lane = t % THREADS_PER_ROW`` computes the tile columns ``lane, lane + THREADS_PER_ROW, ...`` and the
+features ``lane, lane + THREADS_PER_ROW, ...`` of its row, as in the forward.
+
+Shared memory of ``dkdv`` (float32, rows padded by one word against bank conflicts)::
+
+    Q_s, dO_s    (BLOCK_M, HEADDIM + 1)   the current query tile and its output gradient
+    K_s, V_s     (BLOCK_N, HEADDIM + 1)   this block's key/value tile, loaded once
+    P_s, dS_s    (BLOCK_N, BLOCK_M + 1)   P^T and dS^T of the current tile pair
+    lse_s, D_s   (BLOCK_M,)               lse * log2(e) and D of the current query rows
+
+and of ``dq``: Q_s, dO_s, K_s, V_s as above and dS_s (BLOCK_M, BLOCK_N + 1).
+
+Causal attention is aligned to the bottom-right corner: query i sees key j iff
+``j <= i + seqlen_k - seqlen_q``; tile pairs wholly above the diagonal are never visited and those wholly
+below it skip the mask test. A query row that sees no key has ``lse = -inf`` from the forward; it is
+loaded as ``+inf`` so that its P row is exp2(-inf) = 0 and its gradients are exactly 0 (never NaN).
+Query rows past seqlen_q are loaded the same way (Q, dO and D as 0), so they need no mask either.
+
+Arguments: ``q``, ``dout`` (batch, seqlen_q, nheads, headdim), ``k``, ``v`` (batch, seqlen_k, nheads_k,
+headdim), any strides; ``lse``, ``delta`` float32 (batch, nheads, seqlen_q); ``dq``, ``dk``, ``dv`` like
+q, k, v; ``dq_accum`` float32 like q; ``scale_log2`` the softmax scale times log2(e), ``scale`` the
+softmax scale. bfloat16 tensors arrive as uint16 arrays of raw bits.
+"""
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from numba import cuda, float32
+
+from ..primitives import bf16_bits_to_f32, f32_to_bf16_bits, to_f32
+
+LOG2E = math.log2(math.e)
+NEG_INF = float32(-math.inf)
+POS_INF = float32(math.inf)
+
+KERNELS = ("preprocess", "dkdv", "dq", "convert_dq")
+
+
+@dataclass(frozen=True)
+class PortableBackwardConfig:
+    """One compiled variant of one of the portable backward kernels."""
+
+    kernel: str  # one of KERNELS
+    dtype: str  # 'float16', 'bfloat16' or 'float32'
+    headdim: int
+    causal: bool
+    block_m: int  # query rows per tile
+    block_n: int  # key/value rows per tile
+    threads_per_row: int
+    atomic_dq: bool  # dQ through float32 atomics (else by the deterministic ``dq`` kernel)
+
+    @property
+    def rows(self):
+        """The tile rows the block's threads are spread over: key rows for dkdv, else query rows."""
+        return self.block_n if self.kernel == "dkdv" else self.block_m
+
+    @property
+    def threads(self):
+        return self.rows * self.threads_per_row
+
+    @property
+    def static_shared_bytes(self):
+        return shared_bytes(self.kernel, self.headdim, self.block_m, self.block_n, self.threads_per_row)
+
+    dynamic_shared_bytes = 0  # all tiles are static shared arrays, within the 48 KB every GPU has
+
+    def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
+        if self.kernel == "dkdv":
+            return ((seqlen_k + self.block_n - 1) // self.block_n, nheads_k, batch)
+        return ((seqlen_q + self.block_m - 1) // self.block_m, nheads, batch)
+
+
+def shared_bytes(kernel, headdim, block_m, block_n, threads_per_row):
+    """Bytes of a kernel's float32 shared arrays (see the module docstring for the padding)."""
+    tiles = 2 * (block_m + block_n) * (headdim + 1)  # Q_s, dO_s, K_s, V_s
+    if kernel == "dkdv":
+        return 4 * (tiles + 2 * block_n * (block_m + 1) + 2 * block_m)
+    if kernel == "dq":
+        return 4 * (tiles + block_m * (block_n + 1))
+    if kernel == "preprocess":
+        return 4 * block_m * (threads_per_row + 1)
+    return 0
+
+
+@lru_cache(maxsize=None)
+def build_backward_portable(config):
+    """Compile-time specialization: returns the ``@cuda.jit`` kernel for ``config``."""
+    if config.kernel not in KERNELS:
+        raise ValueError(f"config.kernel={config.kernel!r} is not one of {KERNELS}")
+    HEADDIM = config.headdim
+    CAUSAL = config.causal
+    BLOCK_M = config.block_m
+    BLOCK_N = config.block_n
+    THREADS_PER_ROW = config.threads_per_row
+    NUM_THREADS = config.threads
+    ATOMIC_DQ = config.atomic_dq
+    FEATURES_PER_THREAD = (HEADDIM + THREADS_PER_ROW - 1) // THREADS_PER_ROW
+    HEADDIM_PAD = HEADDIM + 1
+    BLOCK_M_PAD = BLOCK_M + 1
+    BLOCK_N_PAD = BLOCK_N + 1
+    THREADS_PER_ROW_PAD = THREADS_PER_ROW + 1
+    if config.dtype == "bfloat16":
+        load, store = bf16_bits_to_f32, f32_to_bf16_bits
+    else:
+        load, store = to_f32, to_f32  # float16 outputs are narrowed by the array store itself
+
+    # ------------------------------------------------------------------------------------------
+    # Helpers: tile operations, each done by the whole block or by the threads of one row
+    # ------------------------------------------------------------------------------------------
+
+    @cuda.jit(device=True, inline=True)
+    def load_tile(src, batch, start, head, rows, tile):
+        """tile[r, d] = src[batch, start + r, head, d], zero beyond the ``rows`` valid rows.
+
+        Consecutive threads read consecutive features of a row: coalesced global reads.
+        """
+        for i in range(cuda.threadIdx.x, tile.shape[0] * HEADDIM, NUM_THREADS):
+            r = i // HEADDIM
+            d = i - r * HEADDIM
+            if r < rows:
+                tile[r, d] = load(src[batch, start + r, head, d])
+            else:
+                tile[r, d] = float32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def lse_log2(lse, batch, head, q_idx, seqlen_q):
+        """lse of a query row in base 2, as P's subtrahend; +inf (so P = 0) for a row that sees no
+        key (lse = -inf) and for rows past seqlen_q."""
+        if q_idx >= seqlen_q:
+            return POS_INF
+        x = lse[batch, head, q_idx]
+        return x * float32(LOG2E) if x != NEG_INF else POS_INF
+
+    @cuda.jit(device=True, inline=True)
+    def dot_pair(A_s, a, B_s, b, C_s, c, D_s, d_row):
+        """(A_s[a] . B_s[b], C_s[c] . D_s[d_row]) over the head dim: a score and its dP together."""
+        s = float32(0.0)
+        dp = float32(0.0)
+        for d in range(HEADDIM):
+            s += A_s[a, d] * B_s[b, d]
+            dp += C_s[c, d] * D_s[d_row, d]
+        return s, dp
+
+    @cuda.jit(device=True, inline=True)
+    def zero(acc):
+        for f in range(FEATURES_PER_THREAD):
+            acc[f] = float32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def store_row(dst, batch, idx, head, lane, acc, scale):
+        """dst[batch, idx, head, d] = acc * scale for this thread's features d."""
+        for f in range(FEATURES_PER_THREAD):
+            d = lane + f * THREADS_PER_ROW
+            if d < HEADDIM:
+                dst[batch, idx, head, d] = store(acc[f] * scale)
+
+    # ------------------------------------------------------------------------------------------
+    # Preprocess: D = rowsum(dO * O)
+    # ------------------------------------------------------------------------------------------
+
+    @cuda.jit
+    def backward_preprocess(out, dout, delta, dq_accum):
+        seqlen_q = out.shape[1]
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        row = cuda.threadIdx.x // THREADS_PER_ROW
+        lane = cuda.threadIdx.x % THREADS_PER_ROW
+        q_idx = cuda.blockIdx.x * BLOCK_M + row
+        partial_s = cuda.shared.array((BLOCK_M, THREADS_PER_ROW_PAD), float32)
+
+        partial = float32(0.0)
+        if q_idx < seqlen_q:
+            for f in range(FEATURES_PER_THREAD):
+                d = lane + f * THREADS_PER_ROW
+                if d < HEADDIM:
+                    partial += load(out[batch, q_idx, head, d]) * load(dout[batch, q_idx, head, d])
+                    if ATOMIC_DQ:
+                        dq_accum[batch, q_idx, head, d] = float32(0.0)
+        partial_s[row, lane] = partial
+        cuda.syncthreads()  # every lane's partial sum of the row is in shared memory
+
+        if lane == 0 and q_idx < seqlen_q:
+            total = float32(0.0)
+            for i in range(THREADS_PER_ROW):  # a fixed order: D is the same bits on every run
+                total += partial_s[row, i]
+            delta[batch, head, q_idx] = total
+
+    # ------------------------------------------------------------------------------------------
+    # dK, dV (and, with atomics, dQ): one block per key/value tile
+    # ------------------------------------------------------------------------------------------
+
+    @cuda.jit(device=True, inline=True)
+    def probabilities_column(Q_s, dO_s, K_s, V_s, P_s, dS_s, lse_s, D_s, row, lane, k_idx, q_start,
+                             seqlen_k, offset, scale_log2, masked):
+        """P_s[row, c] = P[c, row] and dS_s[row, c] = dS[c, row] for this thread's query columns c.
+
+        ``row`` is a key row of the tile (key ``k_idx``); ``offset = seqlen_k - seqlen_q``. Masked
+        entries (keys past seqlen_k, keys after the causal diagonal) get P = dS = 0.
+        """
+        for i in range(BLOCK_M // THREADS_PER_ROW):
+            c = lane + i * THREADS_PER_ROW
+            s, dp = dot_pair(Q_s, c, K_s, row, dO_s, c, V_s, row)
+            p = math.exp2(s * scale_log2 - lse_s[c])
+            if masked:
+                if k_idx >= seqlen_k or (CAUSAL and k_idx > q_start + c + offset):
+                    p = float32(0.0)
+            P_s[row, c] = p
+            dS_s[row, c] = p * (dp - D_s[c])
+
+    @cuda.jit(device=True, inline=True)
+    def accumulate_dkdv(P_s, dS_s, Q_s, dO_s, row, lane, dk_acc, dv_acc):
+        """dv_acc += P^T dO and dk_acc += dS^T Q, for this thread's key row and features."""
+        for c in range(BLOCK_M):
+            p = P_s[row, c]
+            ds = dS_s[row, c]
+            for f in range(FEATURES_PER_THREAD):
+                d = lane + f * THREADS_PER_ROW
+                if d < HEADDIM:
+                    dv_acc[f] += p * dO_s[c, d]
+                    dk_acc[f] += ds * Q_s[c, d]
+
+    @cuda.jit(device=True, inline=True)
+    def add_dq_tile(dS_s, K_s, dq_accum, batch, q_start, head, q_rows):
+        """dq_accum[Q_i rows] += dS K_j (unscaled), one float32 atomic per element of the tile.
+
+        Consecutive threads take consecutive features of one query row: coalesced atomics.
+        """
+        for i in range(cuda.threadIdx.x, BLOCK_M * HEADDIM, NUM_THREADS):
+            c = i // HEADDIM
+            d = i - c * HEADDIM
+            if c < q_rows:
+                acc = float32(0.0)
+                for r in range(BLOCK_N):
+                    acc += dS_s[r, c] * K_s[r, d]
+                cuda.atomic.add(dq_accum, (batch, q_start + c, head, d), acc)
+
+    @cuda.jit
+    def backward_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_accum, scale_log2, scale):
+        # dq_accum is only touched with ATOMIC_DQ; otherwise the caller passes any array.
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        head_k = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        group = q.shape[2] // k.shape[2]  # GQA: the query heads head_k * group ... share this tile
+        row = cuda.threadIdx.x // THREADS_PER_ROW
+        lane = cuda.threadIdx.x % THREADS_PER_ROW
+        offset = seqlen_k - seqlen_q
+
+        k_start = cuda.blockIdx.x * BLOCK_N
+        k_rows = min(BLOCK_N, seqlen_k - k_start)
+        k_idx = k_start + row
+
+        Q_s = cuda.shared.array((BLOCK_M, HEADDIM_PAD), float32)
+        dO_s = cuda.shared.array((BLOCK_M, HEADDIM_PAD), float32)
+        K_s = cuda.shared.array((BLOCK_N, HEADDIM_PAD), float32)
+        V_s = cuda.shared.array((BLOCK_N, HEADDIM_PAD), float32)
+        P_s = cuda.shared.array((BLOCK_N, BLOCK_M_PAD), float32)
+        dS_s = cuda.shared.array((BLOCK_N, BLOCK_M_PAD), float32)
+        lse_s = cuda.shared.array(BLOCK_M, float32)
+        D_s = cuda.shared.array(BLOCK_M, float32)
+        dk_acc = cuda.local.array(FEATURES_PER_THREAD, float32)
+        dv_acc = cuda.local.array(FEATURES_PER_THREAD, float32)
+        zero(dk_acc)
+        zero(dv_acc)
+
+        # ---- Which query tiles see this key tile -------------------------------------------------
+        # Non-causal: all of them. Causal: none before the first query that sees key k_start; and
+        # tiles from the first query that sees the tile's last key on need no causal mask. The
+        # last key tile always masks its rows past seqlen_k.
+        num_q_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+        first_tile = 0
+        first_unmasked_tile = 0
+        if CAUSAL:
+            first_tile = max(0, k_start - offset) // BLOCK_M
+            first_unmasked_tile = (max(0, k_start + k_rows - 1 - offset) + BLOCK_M - 1) // BLOCK_M
+        tail = k_rows < BLOCK_N
+
+        # ---- Load K_j, V_j once -------------------------------------------------------------------
+        load_tile(k, batch, k_start, head_k, k_rows, K_s)
+        load_tile(v, batch, k_start, head_k, k_rows, V_s)
+
+        # ---- Loop over the query heads of the group, and over their Q_i, dO_i -------------------
+        for head in range(head_k * group, head_k * group + group):
+            for i in range(first_tile, num_q_tiles):
+                q_start = i * BLOCK_M
+                q_rows = min(BLOCK_M, seqlen_q - q_start)
+                load_tile(q, batch, q_start, head, q_rows, Q_s)
+                load_tile(dout, batch, q_start, head, q_rows, dO_s)
+                for c in range(cuda.threadIdx.x, BLOCK_M, NUM_THREADS):
+                    lse_s[c] = lse_log2(lse, batch, head, q_start + c, seqlen_q)
+                    D_s[c] = delta[batch, head, q_start + c] if c < q_rows else float32(0.0)
+                cuda.syncthreads()  # Q_i, dO_i, lse, D (and K_j, V_j on the first pass) have landed
+
+                masked = tail or (CAUSAL and i < first_unmasked_tile)
+                probabilities_column(Q_s, dO_s, K_s, V_s, P_s, dS_s, lse_s, D_s, row, lane, k_idx,
+                                     q_start, seqlen_k, offset, scale_log2, masked)
+                cuda.syncthreads()  # P^T and dS^T rows, written by all their threads, are complete
+
+                accumulate_dkdv(P_s, dS_s, Q_s, dO_s, row, lane, dk_acc, dv_acc)
+                if ATOMIC_DQ:
+                    add_dq_tile(dS_s, K_s, dq_accum, batch, q_start, head, q_rows)
+                cuda.syncthreads()  # everyone is done with Q_s, dO_s, P_s, dS_s before the next tile
+
+        # ---- Write dK_j, dV_j (keys no query sees get 0) -----------------------------------------
+        if k_idx < seqlen_k:
+            store_row(dk, batch, k_idx, head_k, lane, dk_acc, scale)
+            store_row(dv, batch, k_idx, head_k, lane, dv_acc, float32(1.0))
+
+    # ------------------------------------------------------------------------------------------
+    # Deterministic dQ: one block per query tile, looping over the key tiles
+    # ------------------------------------------------------------------------------------------
+
+    @cuda.jit(device=True, inline=True)
+    def ds_row(Q_s, dO_s, K_s, V_s, dS_s, row, lane, k_start, seqlen_k, diagonal, lse_row, delta_row,
+               scale_log2, masked):
+        """dS_s[row, c] = P * (dP - D) for this thread's key columns c; 0 where masked."""
+        for i in range(BLOCK_N // THREADS_PER_ROW):
+            c = lane + i * THREADS_PER_ROW
+            s, dp = dot_pair(Q_s, row, K_s, c, dO_s, row, V_s, c)
+            p = math.exp2(s * scale_log2 - lse_row)
+            if masked:
+                k_idx = k_start + c
+                if k_idx >= seqlen_k or (CAUSAL and k_idx > diagonal):
+                    p = float32(0.0)
+            dS_s[row, c] = p * (dp - delta_row)
+
+    @cuda.jit(device=True, inline=True)
+    def accumulate_dq(dS_s, K_s, row, lane, dq_acc):
+        """dq_acc += dS K_j for this thread's query row and features."""
+        for c in range(BLOCK_N):
+            ds = dS_s[row, c]
+            for f in range(FEATURES_PER_THREAD):
+                d = lane + f * THREADS_PER_ROW
+                if d < HEADDIM:
+                    dq_acc[f] += ds * K_s[c, d]
+
+    @cuda.jit
+    def backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, scale):
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        head_k = head // (q.shape[2] // k.shape[2])
+        row = cuda.threadIdx.x // THREADS_PER_ROW
+        lane = cuda.threadIdx.x % THREADS_PER_ROW
+
+        q_start = cuda.blockIdx.x * BLOCK_M
+        q_idx = q_start + row
+        q_rows = min(BLOCK_M, seqlen_q - q_start)
+        diagonal = q_idx + seqlen_k - seqlen_q  # last key this row sees under causal attention
+        lse_row = lse_log2(lse, batch, head, q_idx, seqlen_q)
+        delta_row = delta[batch, head, q_idx] if q_idx < seqlen_q else float32(0.0)
+
+        Q_s = cuda.shared.array((BLOCK_M, HEADDIM_PAD), float32)
+        dO_s = cuda.shared.array((BLOCK_M, HEADDIM_PAD), float32)
+        K_s = cuda.shared.array((BLOCK_N, HEADDIM_PAD), float32)
+        V_s = cuda.shared.array((BLOCK_N, HEADDIM_PAD), float32)
+        dS_s = cuda.shared.array((BLOCK_M, BLOCK_N_PAD), float32)
+        dq_acc = cuda.local.array(FEATURES_PER_THREAD, float32)
+        zero(dq_acc)
+
+        # ---- Which key tiles this query tile visits (as in the forward) --------------------------
+        k_end = seqlen_k
+        k_unmasked_end = seqlen_k
+        if CAUSAL:
+            k_end = max(0, min(seqlen_k, q_start + q_rows + seqlen_k - seqlen_q))
+            k_unmasked_end = max(0, min(seqlen_k, q_start + 1 + seqlen_k - seqlen_q))
+        num_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
+        num_unmasked_tiles = k_unmasked_end // BLOCK_N
+
+        # ---- Load Q_i, dO_i once -----------------------------------------------------------------
+        load_tile(q, batch, q_start, head, q_rows, Q_s)
+        load_tile(dout, batch, q_start, head, q_rows, dO_s)
+
+        # ---- Loop over K_j, V_j ------------------------------------------------------------------
+        for j in range(num_tiles):
+            k_start = j * BLOCK_N
+            k_rows = min(BLOCK_N, seqlen_k - k_start)
+            load_tile(k, batch, k_start, head_k, k_rows, K_s)
+            load_tile(v, batch, k_start, head_k, k_rows, V_s)
+            cuda.syncthreads()  # K_j, V_j (and Q_i, dO_i on the first pass) are in shared memory
+
+            masked = j >= num_unmasked_tiles
+            ds_row(Q_s, dO_s, K_s, V_s, dS_s, row, lane, k_start, seqlen_k, diagonal, lse_row,
+                   delta_row, scale_log2, masked)
+            cuda.syncthreads()  # the row's dS, written by all its threads, is complete
+
+            accumulate_dq(dS_s, K_s, row, lane, dq_acc)
+            cuda.syncthreads()  # everyone is done with K_s, V_s, dS_s before the next tile lands
+
+        # ---- Write dQ_i (rows that see no key get 0) ---------------------------------------------
+        if q_idx < seqlen_q:
+            store_row(dq, batch, q_idx, head, lane, dq_acc, scale)
+
+    # ------------------------------------------------------------------------------------------
+    # dq = dq_accum * scale, in the input dtype
+    # ------------------------------------------------------------------------------------------
+
+    @cuda.jit
+    def backward_convert_dq(dq_accum, dq, scale):
+        seqlen_q = dq.shape[1]
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        q_start = cuda.blockIdx.x * BLOCK_M
+        for i in range(cuda.threadIdx.x, BLOCK_M * HEADDIM, NUM_THREADS):
+            r = i // HEADDIM
+            d = i - r * HEADDIM
+            if q_start + r < seqlen_q:
+                dq[batch, q_start + r, head, d] = store(dq_accum[batch, q_start + r, head, d] * scale)
+
+    return {
+        "preprocess": backward_preprocess,
+        "dkdv": backward_dkdv,
+        "dq": backward_dq,
+        "convert_dq": backward_convert_dq,
+    }[config.kernel]
