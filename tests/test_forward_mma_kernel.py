@@ -74,7 +74,7 @@ def check(config, batch=1, seqlen_q=20, seqlen_k=33, nheads=2, nheads_k=1, seed=
         stores = [np.zeros(x.shape[:3] + (D + row_pad,), dtype=dt) for x in (q, k, v)]
         for store, x in zip(stores, (q, k, v)):
             store[..., :D] = x
-        kernel_args = tuple(cuda.to_device(store)[..., :D] for store in stores)
+        kernel_args = tuple(cuda.to_device(store)[:, :, :, :D] for store in stores)
     scale = 1.0 / math.sqrt(D)
     out, lse = run_kernel(config, q, k, v, scale, kernel_args)
     out_ref, lse_ref = reference(q, k, v, scale, config.causal)
@@ -115,6 +115,13 @@ def test_headdim_40_gqa_batch():
 def test_two_slices_per_warp():
     # block_m = 64 with 2 warps: each warp owns two 16-row slices (m_tiles = 2); block_n = 32.
     check(MmaForwardConfig("float16", 16, True, block_m=64, block_n=32, num_warps=2), seqlen_q=40, seqlen_k=40)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(40, 37), (25, 40)])
+def test_sub_tiles(seqlen_q, seqlen_k):
+    # K/V tiles of 32 keys consumed 16 at a time; 4 warps, so warps skip sub-tiles past their diagonal.
+    config = MmaForwardConfig("float16", 16, True, block_m=64, block_n=32, num_warps=4, sub_n=16)
+    check(config, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=1, nheads_k=1)
 
 
 @pytest.mark.parametrize("headdim", [59, 8])
