@@ -40,7 +40,13 @@ VARIANTS = {
     "m128n32w8": dict(block_m=128, block_n=32, num_warps=8),
     "m128n128w8-qsmem": dict(block_m=128, block_n=128, num_warps=8, q_in_registers=False),
     "m128n64w4-qsmem": dict(block_m=128, block_n=64, num_warps=4, q_in_registers=False),
+    "m128n64s32w8": dict(block_m=128, block_n=64, sub_n=32, num_warps=8),
+    "m128n64s32w4-qsmem": dict(block_m=128, block_n=64, sub_n=32, num_warps=4, q_in_registers=False),
+    "m128n32w4-qsmem": dict(block_m=128, block_n=32, num_warps=4, q_in_registers=False),
+    "m128n128s32w8-qsmem": dict(block_m=128, block_n=128, sub_n=32, num_warps=8, q_in_registers=False),
 }
+DEFAULT_VARIANTS = ["m128n64w8", "m128n32w8", "m128n64s32w8", "m128n64s32w4-qsmem", "m128n32w4-qsmem",
+                    "m128n64w4-qsmem"]
 HEADDIMS = (64, 128)
 SEQLENS = (1024, 4096, 16384)
 
@@ -95,6 +101,10 @@ def _build_one(job):
 
     config = make_config(name, dtype, headdim, causal)
     key = variant_key(name, dtype, headdim, causal)
+    meta = os.path.join(folder, key + ".json")
+    if os.path.exists(meta) and os.path.exists(os.path.join(folder, key + ".cubin")):
+        with open(meta) as f:
+            return json.load(f)  # built before (delete the folder after changing the kernel)
     start = time.time()
     ptx, _ = cuda.compile_ptx(build_forward_mma(config).py_func, signature(dtype), cc=(9, 0))
     numba_s = time.time() - start
@@ -122,7 +132,7 @@ def _build_one(job):
 
 def build(args):
     os.makedirs(args.cubins, exist_ok=True)
-    jobs = [(name, "float16", d, c, args.cubins) for name in args.variants for d in HEADDIMS for c in (False, True)]
+    jobs = [(name, "float16", d, c, args.cubins) for name in args.variants for d in args.headdims for c in (False, True)]
     with ProcessPoolExecutor(args.jobs) as pool:
         for info in pool.map(_build_one, jobs):
             print(f"{info['key']:40s} regs {info['registers']:3d} spill {info['spill_bytes']:3d} "
@@ -137,7 +147,7 @@ def build(args):
 class Kernel:
     """One variant, loaded from a cubin through CuPy, launched with Numba's flattened arguments."""
 
-    def __init__(self, name, dtype, headdim, causal, folder):
+    def __init__(self, name, dtype, headdim, causal, folder, compile_fallback=True):
         import cupy
 
         self.config = make_config(name, dtype, headdim, causal)
@@ -154,6 +164,8 @@ class Kernel:
                 self.source = "cubin built offline"
                 return
             except Exception as error:  # e.g. a cubin this driver cannot load
+                if not compile_fallback:
+                    raise
                 print(f"  {key}: offline cubin unusable ({error}); compiling here", flush=True)
         self._compile_here(key)
 
@@ -282,13 +294,13 @@ def run(args):
 
     log(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     rows = []
-    for d in HEADDIMS:
+    for d in args.headdims:
         for causal in (False, True):
             kernels = {}
             for name in args.variants:
                 start = time.time()
                 try:
-                    kern = Kernel(name, "float16", d, causal, args.cubins)
+                    kern = Kernel(name, "float16", d, causal, args.cubins, not args.no_compile)
                 except Exception as error:
                     log(f"{name} d{d} causal={causal}: load failed: {error!r}")
                     continue
@@ -329,9 +341,11 @@ def main():
     parser.add_argument("step", choices=["build", "run"])
     parser.add_argument("--cubins", default=None, help="folder of offline-built cubins")
     parser.add_argument("--out", default="gpu_mma_out", help="folder for logs (run)")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
+    parser.add_argument("--headdims", nargs="+", type=int, default=list(HEADDIMS))
     parser.add_argument("--seqlens", nargs="+", type=int, default=list(SEQLENS))
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--no-compile", action="store_true", help="run: skip variants without a usable cubin")
     args = parser.parse_args()
     if args.step == "build":
         if not args.cubins:

@@ -80,6 +80,7 @@ class MmaForwardConfig:
     num_warps: int = 8  # block_m must be a multiple of 16 * num_warps
     aligned: bool = True  # cp.async path (see the module docstring for its requirements)
     q_in_registers: bool = True  # Q_i's fragments loaded once; else re-read from shared per K tile
+    sub_n: int = 0  # keys per S register tile (a divisor of block_n, multiple of 16); 0: block_n
 
     def __post_init__(self):
         if self.dtype not in ("float16", "bfloat16"):
@@ -90,6 +91,8 @@ class MmaForwardConfig:
             raise ValueError(f"{self.block_m=} must be a multiple of 16 * {self.num_warps=}")
         if self.block_n % 16 or self.block_n <= 0:
             raise ValueError(f"{self.block_n=} must be a positive multiple of 16")
+        if self.sub_n and (self.block_n % self.sub_n or self.sub_n % 16):
+            raise ValueError(f"{self.sub_n=} must be a multiple of 16 dividing {self.block_n=}")
         if self.aligned and self.headdim % 8:
             raise ValueError(f"aligned=True needs headdim % 8 == 0, got {self.headdim=}")
 
@@ -125,8 +128,9 @@ def build_forward_mma(config: MmaForwardConfig):
     ROWS_PER_WARP = BM // WARPS
     MT = ROWS_PER_WARP // 16  # 16-row slices per warp
     KT = HDP // 16  # k-steps of S = Q K^T (over headdim)
-    NT = BN // 8  # 8-key column tiles of S
-    PT = BN // 16  # k-steps of O += P V (over keys)
+    SUB_N = config.sub_n or BN  # keys per S register tile
+    NT = SUB_N // 8  # 8-key column tiles of S
+    PT = SUB_N // 16  # k-steps of O += P V (over keys)
     DT = HDP // 8  # 8-column tiles of O (over headdim)
     CAUSAL, ALIGNED, Q_IN_REGISTERS = config.causal, config.aligned, config.q_in_registers
     ROW_BYTES = ROW * 2
@@ -345,6 +349,8 @@ def build_forward_mma(config: MmaForwardConfig):
     @unroll
     def forward_mma(q, k, v, out, lse, scale_log2):
         m_block, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        if CAUSAL:  # the last query blocks see the most keys: start them first
+            m_block = cuda.gridDim.x - 1 - m_block
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
@@ -395,37 +401,47 @@ def build_forward_mma(config: MmaForwardConfig):
                     acc[mt, dt, i] = float32(0)
 
         # ---- Main loop over key tiles K_j, V_j ----
+        diagonal = seqlen_k - seqlen_q  # causal: row i sees keys up to i + diagonal
         for j in range(n_tiles):
             buf = j & 1
             n_start = j * BN
-            # Prefetch tile j + 1 into the other buffer (released by the barrier ending iteration j - 1).
-            if j + 1 < n_tiles:
+            cp_async_wait(0)  # this thread's copies of tile j (the only group in flight) have landed
+            cuda.syncthreads()  # every thread's have: tile j is complete in shared memory; and every
+            #                     warp is done with iteration j - 1, so the other buffer is free
+            if j + 1 < n_tiles:  # prefetch tile j + 1 while this one is computed on
                 load_kv_tiles(smem, base, k, v, b, n_start + BN, hk, seqlen_k, 1 - buf)
-            cp_async_commit()  # possibly empty: keeps "all but the newest group" meaning tile j
-            cp_async_wait(1)  # this thread's copies of tile j have landed
-            cuda.syncthreads()  # ... and every thread's: tile j is complete in shared memory
+            cp_async_commit()
 
             k_tile = base + uint32(Q_BYTES + buf * KV_BYTES)
             v_tile = base + uint32(Q_BYTES + (2 + buf) * KV_BYTES)
+            # The tile is consumed SUB_N keys at a time (S lives in registers, SUB_N columns wide).
+            for sub in static_range(BN // SUB_N):
+                sub_start = n_start + sub * SUB_N
+                sub_last = sub_start + SUB_N - 1
+                # Skip keys this warp's rows cannot see: past the end, or (causal) right of the
+                # diagonal of its last row. Warp-uniform, so the warp's collectives stay together.
+                visible = sub_start < seqlen_k
+                if CAUSAL:
+                    visible = visible and sub_start <= first_row + ROWS_PER_WARP - 1 + diagonal
+                if visible:
+                    k_sub = k_tile + uint32(sub * SUB_N * ROW_BYTES)
+                    v_sub = v_tile + uint32(sub * SUB_N * ROW_BYTES)
 
-            # S = Q_i K_j^T
-            mma_q_kt(s, q_frag, q_warp, q_lane, k_tile, k_lane)
+                    # S = Q_i K_j^T
+                    mma_q_kt(s, q_frag, q_warp, q_lane, k_sub, k_lane)
 
-            # Mask only the tiles that reach past the sequence end or the causal diagonal.
-            tile_last_key = n_start + BN - 1
-            needs_mask = tile_last_key >= seqlen_k
-            if CAUSAL:
-                needs_mask = needs_mask or tile_last_key > m_start + seqlen_k - seqlen_q
-            if needs_mask:
-                mask_scores(s, first_row, n_start, seqlen_k, seqlen_q, g, t)
+                    # Mask only where keys run past the end or (causal) cross the warp's diagonal.
+                    needs_mask = sub_last >= seqlen_k
+                    if CAUSAL:
+                        needs_mask = needs_mask or sub_last > first_row + diagonal
+                    if needs_mask:
+                        mask_scores(s, first_row, sub_start, seqlen_k, seqlen_q, g, t)
 
-            # m_i, l_i, acc rescaled; S becomes P
-            online_softmax(s, m_i, l_i, acc, scale_log2)
+                    # m_i, l_i, acc rescaled; S becomes P
+                    online_softmax(s, m_i, l_i, acc, scale_log2)
 
-            # acc += P V_j
-            mma_p_v(acc, s, v_tile, v_lane)
-
-            cuda.syncthreads()  # every warp is done reading buffer `buf` before it is refilled
+                    # acc += P V_j
+                    mma_p_v(acc, s, v_sub, v_lane)
 
         # ---- Epilogue: normalise and write O_i and lse_i ----
         write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, scale_log2, g, t)
