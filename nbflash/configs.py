@@ -27,15 +27,14 @@ MMA_MIN_COMPUTE_CAPABILITY = (8, 0)
 # stays within it.
 PORTABLE_SHARED_LIMIT = 48 * 1024
 
-# Portable forward: (largest headdim, threads per query row, query rows per block). The key tile
-# height is the largest power of two from 64 down that keeps the four float32 tiles within
-# PORTABLE_SHARED_LIMIT. More threads per row keep each thread's slice of the output row (held in
-# registers) at 16 to 32 floats.
+# Portable forward: (largest headdim, threads_x, threads_y, rows_per_thread). The key tile height is
+# the largest of 64, 32, 16, 8 that keeps the shared tiles within PORTABLE_SHARED_LIMIT. Each thread
+# holds rows_per_thread x (headdim / threads_x) output values in registers: 16 to 64 floats.
 PORTABLE_FORWARD = [
-    (32, 4, 64),
-    (64, 4, 64),
-    (128, 8, 32),
-    (256, 8, 16),
+    (32, 16, 16, 4),
+    (64, 16, 16, 4),
+    (128, 16, 8, 4),
+    (256, 8, 8, 2),
 ]
 
 # Tensor-core forward: (largest headdim, block_m, block_n, num_warps), for both float16 and bfloat16,
@@ -88,13 +87,14 @@ def mma_unsupported_reason(dtype, device=0):
 
 @lru_cache(maxsize=None)
 def portable_forward_config(dtype, headdim, causal):
-    for max_headdim, threads_per_row, block_m in PORTABLE_FORWARD:
+    for max_headdim, threads_x, threads_y, rows_per_thread in PORTABLE_FORWARD:
         if headdim <= max_headdim:
             break
+    block_m = threads_y * rows_per_thread
     block_n = 64
-    while block_n > threads_per_row and shared_bytes(headdim, block_m, block_n) > PORTABLE_SHARED_LIMIT:
+    while block_n > threads_x and shared_bytes(headdim, block_m, block_n, threads_x) > PORTABLE_SHARED_LIMIT:
         block_n //= 2
-    return PortableForwardConfig(dtype, headdim, causal, block_m, block_n, threads_per_row)
+    return PortableForwardConfig(dtype, headdim, causal, threads_x, threads_y, rows_per_thread, block_n)
 
 
 @lru_cache(maxsize=None)

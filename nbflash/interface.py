@@ -88,7 +88,7 @@ def explain(q, k, v, softmax_scale=None, causal=False):
     config = kernel.config
     return {
         "family": "mma" if isinstance(config, configs.MmaForwardConfig) else "portable",
-        "config": dataclasses.asdict(config),
+        "config": {**dataclasses.asdict(config), "block_m": config.block_m, "block_n": config.block_n},
         "grid": config.grid(problem.batch, problem.nheads, problem.seqlen_q),
         "block": (config.threads, 1, 1),
         "dynamic_shared_bytes": kernel.dynamic_shared,

@@ -71,6 +71,20 @@ def main():
         ("nbflash.flash_attn_func causal", host_us(lambda: nbflash.flash_attn_func(q, k, v, causal=True))),
         ("cupy ElementwiseKernel (q + k), again", host_us(lambda: trivial(q, k, out))),
     ]
+    # Where the time goes: each stage of a call on its own.
+    from nbflash import interface, launch, validation
+
+    problem, *_ = validation.check_forward(q, k, v, None, False)
+    kernel = interface._kernel_for(problem)
+    lse = launch.empty((1, 1, 16), np.float32)
+    grid = kernel.config.grid(1, 1, 16)
+    stages = [
+        ("  stage: validation.check_forward", lambda: validation.check_forward(q, k, v, None, False)),
+        ("  stage: kernel lookup", lambda: interface._kernel_for(problem)),
+        ("  stage: two output allocations", lambda: (launch.empty(q.shape, q.dtype), launch.empty((1, 1, 16), np.float32))),
+        ("  stage: kernel.launch", lambda: kernel.launch(grid, (q, k, v, out, lse), 0.1)),
+    ]
+    rows += [(name, host_us(fn)) for name, fn in stages]
     base = rows[0][1]
     print("host time per call, tiny problem (1, 16, 1, 64) float16:")
     for name, us in rows:

@@ -21,21 +21,23 @@ the block inside the loop (flash-attn 2's loop order); no N x N matrix is ever s
 Grid and block::
 
     grid  = (cdiv(seqlen_q, BLOCK_M), nheads, batch)   one block per query tile of one head
-    block = BLOCK_M * THREADS_PER_ROW threads
+    block = THREADS_Y * THREADS_X threads, thread (ty, tx) = divmod(threadIdx.x, THREADS_X)
 
-Thread ``t`` owns query row ``row = t // THREADS_PER_ROW`` of the tile and is lane
-``lane = t % THREADS_PER_ROW`` among the threads of that row. It computes the scores of the tile's
-key columns ``lane, lane + THREADS_PER_ROW, ...`` and the output features
-``lane, lane + THREADS_PER_ROW, ...`` of its row (so a row's threads read neighbouring shared-memory
-words). The softmax statistics m_i and l_i are kept, identically, by every thread of a row.
+Register tiling: thread (ty, tx) owns the ROWS_PER_THREAD query rows ``ty * ROWS_PER_THREAD + r``.
+For S it computes the key columns ``tx + THREADS_X * c`` of those rows; for the output, the features
+``tx + THREADS_X * f``. Each value it reads from shared memory then feeds several multiply-adds (a
+Q value serves all its key columns, a V value all its rows), which is what makes the kernel run at a
+useful fraction of the float32 rate instead of at the speed of shared memory. Every thread of a row
+group keeps the same m_i; each keeps its own share of l_i, summed once at the end.
 
 Shared memory (float32; each row padded by one word so that threads reading down a column hit
 different banks)::
 
-    Q_s  (BLOCK_M, HEADDIM + 1)    the query tile, loaded once
-    K_s  (BLOCK_N, HEADDIM + 1)    the current key tile
-    V_s  (BLOCK_N, HEADDIM + 1)    the current value tile
-    S_s  (BLOCK_M, BLOCK_N + 1)    the current score tile, shared by a row's threads
+    Q_s    (BLOCK_M, HEADDIM + 1)     the query tile, loaded once, pre-scaled by scale * log2(e)
+    K_s    (BLOCK_N, HEADDIM + 1)     the current key tile
+    V_s    (BLOCK_N, HEADDIM + 1)     the current value tile
+    P_s    (BLOCK_M, BLOCK_N + 1)     the current probabilities, shared by a row's threads
+    part_s (BLOCK_M, THREADS_X)       per-thread partial row maxima (then row sums)
 
 Causal attention is aligned to the bottom-right corner: query i sees key j iff
 ``j <= i + seqlen_k - seqlen_q``. Tiles entirely above the diagonal are never visited, and tiles
@@ -65,17 +67,22 @@ class PortableForwardConfig:
     dtype: str  # 'float16', 'bfloat16' or 'float32'
     headdim: int
     causal: bool
-    block_m: int  # query rows per block
-    block_n: int  # key/value rows per tile
-    threads_per_row: int
+    threads_x: int  # threads sharing a row group: split the key columns and the features
+    threads_y: int  # row groups per block
+    rows_per_thread: int  # query rows each thread owns
+    block_n: int  # key/value rows per tile; a multiple of threads_x
+
+    @property
+    def block_m(self):
+        return self.threads_y * self.rows_per_thread
 
     @property
     def threads(self):
-        return self.block_m * self.threads_per_row
+        return self.threads_x * self.threads_y
 
     @property
     def static_shared_bytes(self):
-        return shared_bytes(self.headdim, self.block_m, self.block_n)
+        return shared_bytes(self.headdim, self.block_m, self.block_n, self.threads_x)
 
     dynamic_shared_bytes = 0  # all tiles are static shared arrays, within the 48 KB every GPU has
 
@@ -83,9 +90,10 @@ class PortableForwardConfig:
         return ((seqlen_q + self.block_m - 1) // self.block_m, nheads, batch)
 
 
-def shared_bytes(headdim, block_m, block_n):
-    """Bytes of the four float32 tiles (see the module docstring for the padding)."""
-    return 4 * (block_m * (headdim + 1) + 2 * block_n * (headdim + 1) + block_m * (block_n + 1))
+def shared_bytes(headdim, block_m, block_n, threads_x):
+    """Bytes of the shared tiles (see the module docstring for the padding)."""
+    tiles = block_m * (headdim + 1) + 2 * block_n * (headdim + 1) + block_m * (block_n + 1)
+    return 4 * (tiles + block_m * threads_x)
 
 
 @lru_cache(maxsize=None)
@@ -95,10 +103,13 @@ def build_forward_portable(config):
     CAUSAL = config.causal
     BLOCK_M = config.block_m
     BLOCK_N = config.block_n
-    THREADS_PER_ROW = config.threads_per_row
+    THREADS_X = config.threads_x
+    ROWS = config.rows_per_thread
     NUM_THREADS = config.threads
-    FEATURES_PER_THREAD = (HEADDIM + THREADS_PER_ROW - 1) // THREADS_PER_ROW
-    COLUMNS_PER_THREAD = BLOCK_N // THREADS_PER_ROW
+    COLS = BLOCK_N // THREADS_X  # key columns of S per thread
+    FEATURES = (HEADDIM + THREADS_X - 1) // THREADS_X  # output features per thread
+    S_REGS = ROWS * COLS
+    ACC_REGS = ROWS * FEATURES
     HEADDIM_PAD = HEADDIM + 1
     BLOCK_N_PAD = BLOCK_N + 1
     if config.dtype == "bfloat16":
@@ -107,7 +118,7 @@ def build_forward_portable(config):
         load, store = to_f32, to_f32  # float16 outputs are narrowed by the array store itself
 
     # ------------------------------------------------------------------------------------------
-    # Helpers: tile operations, each done by the whole block or by the threads of one row
+    # Helpers: tile operations, each done by the whole block or by one thread on its registers
     # ------------------------------------------------------------------------------------------
 
     @cuda.jit(device=True, inline=True)
@@ -125,43 +136,51 @@ def build_forward_portable(config):
                 tile[r, d] = float32(0.0)
 
     @cuda.jit(device=True, inline=True)
-    def score_row(Q_s, K_s, S_s, row, lane, k_start, seqlen_k, diagonal, masked):
-        """S_s[row, c] = Q_s[row] . K_s[c] for this thread's columns c; -inf where masked.
-
-        Q_s is pre-scaled by scale * log2(e). ``diagonal`` is the last key index this row may see
-        under causal attention; ``masked`` is False for tiles known to need no mask.
-        """
-        for i in range(COLUMNS_PER_THREAD):
-            c = lane + i * THREADS_PER_ROW
-            s = float32(0.0)
-            for d in range(HEADDIM):
-                s += Q_s[row, d] * K_s[c, d]
-            if masked:
-                k_idx = k_start + c
-                if k_idx >= seqlen_k or (CAUSAL and k_idx > diagonal):
-                    s = NEG_INF
-            S_s[row, c] = s
+    def scores(Q_s, K_s, row0, tx, s):
+        """s[r, c] = Q_s[row0 + r] . K_s[tx + THREADS_X * c]: a ROWS x COLS register tile."""
+        for i in range(S_REGS):
+            s[i] = float32(0.0)
+        for d in range(HEADDIM):
+            for c in range(COLS):
+                k_val = K_s[tx + THREADS_X * c, d]
+                for r in range(ROWS):
+                    s[r * COLS + c] += Q_s[row0 + r, d] * k_val
 
     @cuda.jit(device=True, inline=True)
-    def tile_row_max(S_s, row):
-        """The largest score in one row of the tile."""
+    def mask_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k):
+        """-inf where a key is past seqlen_k or, under causal attention, past the row's diagonal."""
+        for r in range(ROWS):
+            diagonal = q_start + row0 + r + seqlen_k - seqlen_q  # last key this row may see
+            for c in range(COLS):
+                k_idx = k_start + tx + THREADS_X * c
+                if k_idx >= seqlen_k or (CAUSAL and k_idx > diagonal):
+                    s[r * COLS + c] = NEG_INF
+
+    @cuda.jit(device=True, inline=True)
+    def row_max_partial(s, r):
+        """Largest of this thread's scores in row r."""
         m = NEG_INF
-        for c in range(BLOCK_N):
-            m = max(m, S_s[row, c])
+        for c in range(COLS):
+            m = max(m, s[r * COLS + c])
         return m
 
     @cuda.jit(device=True, inline=True)
-    def accumulate_row(S_s, V_s, row, lane, m_new, acc):
-        """acc += exp2(S - m_new) @ V_s for this thread's features; returns rowsum(exp2(S - m_new))."""
-        l_tile = float32(0.0)
+    def row_reduce(part_s, row, use_max):
+        """Max (or sum) over the THREADS_X partial values of one row."""
+        acc = part_s[row, 0]
+        for x in range(1, THREADS_X):
+            acc = max(acc, part_s[row, x]) if use_max else acc + part_s[row, x]
+        return acc
+
+    @cuda.jit(device=True, inline=True)
+    def accumulate_pv(P_s, V_s, row0, tx, acc):
+        """acc[r, f] += sum_c P_s[row0 + r, c] * V_s[c, tx + THREADS_X * f]."""
         for c in range(BLOCK_N):
-            p = math.exp2(S_s[row, c] - m_new)  # exp2(-inf) = 0 for masked scores
-            l_tile += p
-            for f in range(FEATURES_PER_THREAD):
-                d = lane + f * THREADS_PER_ROW
-                if d < HEADDIM:
-                    acc[f] += p * V_s[c, d]
-        return l_tile
+            for f in range(FEATURES):
+                d = tx + THREADS_X * f
+                v_val = V_s[c, d] if d < HEADDIM else float32(0.0)
+                for r in range(ROWS):
+                    acc[r * FEATURES + f] += P_s[row0 + r, c] * v_val
 
     # ------------------------------------------------------------------------------------------
     # The kernel
@@ -175,23 +194,28 @@ def build_forward_portable(config):
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         head_k = head // (q.shape[2] // k.shape[2])  # GQA: query heads share a key/value head
-        row = cuda.threadIdx.x // THREADS_PER_ROW
-        lane = cuda.threadIdx.x % THREADS_PER_ROW
+        ty = cuda.threadIdx.x // THREADS_X
+        tx = cuda.threadIdx.x % THREADS_X
+        row0 = ty * ROWS  # this thread's first row within the tile
 
         q_start = tile_m * BLOCK_M
-        q_idx = q_start + row
         q_rows = min(BLOCK_M, seqlen_q - q_start)
-        diagonal = q_idx + seqlen_k - seqlen_q  # last key this row sees under causal attention
 
         Q_s = cuda.shared.array((BLOCK_M, HEADDIM_PAD), float32)
         K_s = cuda.shared.array((BLOCK_N, HEADDIM_PAD), float32)
         V_s = cuda.shared.array((BLOCK_N, HEADDIM_PAD), float32)
-        S_s = cuda.shared.array((BLOCK_M, BLOCK_N_PAD), float32)
-        acc = cuda.local.array(FEATURES_PER_THREAD, float32)
-        for f in range(FEATURES_PER_THREAD):
-            acc[f] = float32(0.0)
-        m_i = NEG_INF
-        l_i = float32(0.0)
+        P_s = cuda.shared.array((BLOCK_M, BLOCK_N_PAD), float32)
+        part_s = cuda.shared.array((BLOCK_M, THREADS_X), float32)
+        s = cuda.local.array(S_REGS, float32)
+        acc = cuda.local.array(ACC_REGS, float32)
+        m_i = cuda.local.array(ROWS, float32)
+        l_i = cuda.local.array(ROWS, float32)  # this thread's share of the row sums
+        alpha = cuda.local.array(ROWS, float32)
+        for i in range(ACC_REGS):
+            acc[i] = float32(0.0)
+        for r in range(ROWS):
+            m_i[r] = NEG_INF
+            l_i[r] = float32(0.0)
 
         # ---- Which key tiles this query tile visits --------------------------------------------
         # Non-causal: all of them. Causal: none past the last row's diagonal; and tiles wholly
@@ -215,33 +239,51 @@ def build_forward_portable(config):
             load_tile(v, batch, k_start, head_k, k_rows, V_s, float32(1.0))
             cuda.syncthreads()  # K_j, V_j (and Q_i on the first pass) are in shared memory
 
-            masked = j >= num_unmasked_tiles
-            score_row(Q_s, K_s, S_s, row, lane, k_start, seqlen_k, diagonal, masked)
-            cuda.syncthreads()  # the row's scores, written by all its threads, are complete
+            scores(Q_s, K_s, row0, tx, s)
+            if j >= num_unmasked_tiles:
+                mask_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k)
+            for r in range(ROWS):
+                part_s[row0 + r, tx] = row_max_partial(s, r)
+            cuda.syncthreads()  # every thread's partial row maxima are in part_s
 
-            m_new = max(m_i, tile_row_max(S_s, row))
-            # A row with nothing visible yet keeps m = -inf; subtract 0 instead so that
-            # exp2(-inf - (-inf)) never makes a NaN: every p and alpha is then exp2(-inf) = 0.
-            m_safe = m_new if m_new != NEG_INF else float32(0.0)
-            alpha = math.exp2(m_i - m_safe)
-            for f in range(FEATURES_PER_THREAD):
-                acc[f] *= alpha
-            l_i = l_i * alpha + accumulate_row(S_s, V_s, row, lane, m_safe, acc)
-            m_i = m_new
-            cuda.syncthreads()  # everyone is done with K_s, V_s, S_s before the next tile lands
+            for r in range(ROWS):
+                m_new = max(m_i[r], row_reduce(part_s, row0 + r, True))
+                # A row with nothing visible yet keeps m = -inf; subtract 0 instead so that
+                # exp2(-inf - (-inf)) never makes a NaN: every p and alpha is then exp2(-inf) = 0.
+                m_safe = m_new if m_new != NEG_INF else float32(0.0)
+                alpha[r] = math.exp2(m_i[r] - m_safe)
+                l_tile = float32(0.0)
+                for c in range(COLS):
+                    p = math.exp2(s[r * COLS + c] - m_safe)
+                    P_s[row0 + r, tx + THREADS_X * c] = p
+                    l_tile += p
+                l_i[r] = l_i[r] * alpha[r] + l_tile
+                m_i[r] = m_new
+            for r in range(ROWS):
+                for f in range(FEATURES):
+                    acc[r * FEATURES + f] *= alpha[r]
+            cuda.syncthreads()  # P_j is complete in P_s; part_s has been read
+
+            accumulate_pv(P_s, V_s, row0, tx, acc)
+            cuda.syncthreads()  # everyone is done with K_s, V_s, P_s before the next tile lands
 
         # ---- Normalize and write O_i and lse ---------------------------------------------------
-        if q_idx < seqlen_q:
-            inv_l = float32(1.0) / l_i if l_i > float32(0.0) else float32(0.0)
-            for f in range(FEATURES_PER_THREAD):
-                d = lane + f * THREADS_PER_ROW
-                if d < HEADDIM:
-                    out[batch, q_idx, head, d] = store(acc[f] * inv_l)
-            if lane == 0:
-                if l_i > float32(0.0):
-                    lse[batch, head, q_idx] = (m_i + math.log2(l_i)) * float32(LN2)
-                else:
-                    lse[batch, head, q_idx] = NEG_INF
+        for r in range(ROWS):
+            part_s[row0 + r, tx] = l_i[r]
+        cuda.syncthreads()  # every thread's share of the row sums is in part_s
+        for r in range(ROWS):
+            q_idx = q_start + row0 + r
+            if q_idx < seqlen_q:
+                l_row = row_reduce(part_s, row0 + r, False)
+                inv_l = float32(1.0) / l_row if l_row > float32(0.0) else float32(0.0)
+                for f in range(FEATURES):
+                    d = tx + THREADS_X * f
+                    if d < HEADDIM:
+                        out[batch, q_idx, head, d] = store(acc[r * FEATURES + f] * inv_l)
+                if tx == 0:
+                    if l_row > float32(0.0):
+                        lse[batch, head, q_idx] = (m_i[r] + math.log2(l_row)) * float32(LN2)
+                    else:
+                        lse[batch, head, q_idx] = NEG_INF
 
     return forward_portable
-
