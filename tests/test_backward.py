@@ -1,0 +1,231 @@
+"""Backward pass against float64: dtypes, causal, GQA/MQA, head dims, awkward lengths, layouts,
+determinism, and errors for bad backward-only arguments.
+
+In the simulator the cases are few and small; with a GPU (`pytest -m gpu`) the full grid runs.
+"""
+
+import numpy as np
+import pytest
+
+import nbflash
+from nbflash import launch
+from nbflash.backward import flash_attn_backward
+from nbflash.dtypes import SUPPORTED, dtype_name
+from nbflash.reference import attention_naive_backward, attention_reference_backward
+
+from .conftest import SIMULATOR
+from .helpers import ERROR_FLOOR, random_qkv, to_numpy
+
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch, xp):
+    """Every buffer the library allocates starts as NaN, so an unwritten (or unzeroed) element shows."""
+
+    def empty_poisoned(shape, dtype):
+        out = xp.empty(shape, dtype)
+        out[...] = np.nan
+        return out
+
+    monkeypatch.setattr(launch, "empty", empty_poisoned)
+
+
+def random_like(rng, xp, x, heads_first=False):
+    """A fresh standard-normal array shaped and typed like ``x`` (optionally a transposed view)."""
+    batch, seqlen, nheads, headdim = x.shape
+    shape = (batch, nheads, seqlen, headdim) if heads_first else tuple(x.shape)
+    y = xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(SUPPORTED[dtype_name(x.dtype)]))
+    return y.transpose(0, 2, 1, 3) if heads_first else y
+
+
+def assert_gradients_close(grads, dout, q, k, v, causal, softmax_scale=None):
+    """dq, dk, dv against float64, under flash-attn's twice-the-naive-error rule.
+
+    The floor is relative to the largest reference gradient: gradients are not O(1) like outputs.
+    """
+    dtype = dtype_name(q.dtype)
+    refs = attention_reference_backward(dout, q, k, v, softmax_scale, causal)
+    naives = attention_naive_backward(dout, q, k, v, softmax_scale, causal)
+    for name, grad, x, ref, naive in zip(("dq", "dk", "dv"), grads, (q, k, v), refs, naives):
+        assert grad.shape == x.shape and grad.dtype == x.dtype, name
+        grad64, ref = to_numpy(grad).astype(np.float64), to_numpy(ref)
+        assert not np.isnan(grad64).any(), f"{name} has NaN (an element left unwritten, or a 0/0)"
+        error = np.abs(grad64 - ref).max()
+        naive_error = np.abs(to_numpy(naive).astype(np.float64) - ref).max()
+        budget = 2 * naive_error + ERROR_FLOOR[dtype] * max(1.0, np.abs(ref).max())
+        assert error <= budget, f"{name}: max error {error:.3g} > budget {budget:.3g} (naive {naive_error:.3g})"
+
+
+def forward(q, k, v, softmax_scale=None, causal=False):
+    """(out, lse) from the forward. On a GPU, the default kernel family (what a user's backward
+    follows); in the simulator the portable one, which it emulates far faster than tensor cores."""
+    if not SIMULATOR:
+        return nbflash.flash_attn_func(q, k, v, softmax_scale, causal, return_lse=True)
+    with nbflash.kernel_family("portable"):
+        return nbflash.flash_attn_func(q, k, v, softmax_scale, causal, return_lse=True)
+
+
+def run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal,
+             deterministic=False, heads_first=False, softmax_scale=None):
+    q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, heads_first)
+    dout = random_like(rng, xp, q, heads_first)
+    out, lse = forward(q, k, v, softmax_scale, causal)
+    grads = flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
+    assert_gradients_close(grads, dout, q, k, v, causal, softmax_scale)
+    return grads
+
+
+# ---- Simulator: small shapes, every feature touched once -------------------------------------
+
+SMALL_CASES = [
+    # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim
+    (1, 13, 29, 2, 1, 16),  # MQA, seqlen_q < seqlen_k
+    (2, 29, 13, 2, 2, 8),  # seqlen_q > seqlen_k: under causal the first rows see no key
+    (1, 1, 1, 1, 1, 5),
+    (1, 40, 37, 2, 1, 40),  # several query and key tiles, tails on both
+]
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SMALL_CASES, ids=lambda s: "x".join(map(str, s)))
+def test_backward_small(rng, xp, shape, causal, dtype, deterministic):
+    if dtype != "float16" and shape[1] == 40 and not causal:
+        pytest.skip("the largest shape runs in float16 and causal only, to keep the simulator quick")
+    run_case(rng, xp, *shape, dtype, causal, deterministic)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+@pytest.mark.parametrize("headdim", [59, 96, 256])
+def test_backward_small_headdims(rng, xp, headdim):
+    run_case(rng, xp, 1, 9, 17, 1, 1, headdim, "float16", True, deterministic=headdim == 96)
+
+
+def test_backward_transposed_views(rng, xp):
+    """q, k, v and dout as (batch, nheads, seqlen, headdim) tensors passed as transposed views."""
+    run_case(rng, xp, 1, 17, 11, 2, 1, 8, "float32", True, heads_first=True)
+    run_case(rng, xp, 1, 17, 11, 2, 1, 8, "bfloat16", False, deterministic=True, heads_first=True)
+
+
+def test_backward_softmax_scale(rng, xp):
+    run_case(rng, xp, 1, 7, 9, 1, 1, 8, "float32", False, softmax_scale=0.37)
+
+
+def test_backward_causal_rows_without_keys(rng, xp):
+    """seqlen_q > seqlen_k, causal: the first rows see nothing: dq = 0 there, and no NaN anywhere."""
+    for deterministic in (False, True):
+        dq, dk, dv = run_case(rng, xp, 1, 12, 4, 2, 1, 8, "float16", True, deterministic)
+        dq, dk, dv = (to_numpy(x).astype(np.float32) for x in (dq, dk, dv))
+        assert (dq[:, :8] == 0).all()
+        assert np.isfinite(dk).all() and np.isfinite(dv).all()
+
+
+def test_backward_deterministic_is_bitwise_reproducible(rng, xp):
+    q, k, v = random_qkv(rng, xp, 1, 21, 18, 2, 1, 12, "float16")
+    dout = random_like(rng, xp, q)
+    out, lse = forward(q, k, v, causal=True)
+    first = flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    second = flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    for a, b in zip(first, second):
+        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+
+
+# ---- Errors on the backward-only arguments ---------------------------------------------------
+
+
+@pytest.fixture
+def call_args(rng, xp):
+    """Well-formed arguments (nothing runs: every error is raised before a launch)."""
+    q, k, v = random_qkv(rng, xp, 2, 8, 6, 4, 2, 16, "float16")
+    lse = xp.asarray(rng.standard_normal((2, 4, 8), dtype=np.float32))
+    return dict(dout=random_like(rng, xp, q), q=q, k=k, v=v, out=random_like(rng, xp, q), lse=lse)
+
+
+@pytest.mark.parametrize("name", ["dout", "out"])
+def test_backward_errors_dout_out(call_args, xp, name):
+    x = call_args[name]
+    with pytest.raises(ValueError, match=f"{name} must have q's shape"):
+        flash_attn_backward(**{**call_args, name: x[:, :4]})
+    with pytest.raises(TypeError, match=f"{name}.dtype=float32 differs from q.dtype"):
+        flash_attn_backward(**{**call_args, name: x.astype(xp.float32)})
+    with pytest.raises(ValueError, match=f"{name} must have 4 dims"):
+        flash_attn_backward(**{**call_args, name: x[0]})
+    with pytest.raises(ValueError, match=f"{name}'s last dim"):
+        flash_attn_backward(**{**call_args, name: xp.swapaxes(x, 2, 3).copy().swapaxes(2, 3)})
+
+
+def test_backward_errors_lse(call_args, xp):
+    lse = call_args["lse"]
+    with pytest.raises(TypeError, match=r"lse.dtype=float64 must be float32"):
+        flash_attn_backward(**{**call_args, "lse": lse.astype(xp.float64)})
+    with pytest.raises(ValueError, match=r"lse must have shape \(batch, nheads, seqlen_q\) = \(2, 4, 8\)"):
+        flash_attn_backward(**{**call_args, "lse": lse[:, :2]})
+    with pytest.raises(ValueError, match=r"lse must have shape"):
+        flash_attn_backward(**{**call_args, "lse": xp.swapaxes(lse, 1, 2)})
+
+
+def test_backward_errors_qkv_and_flags(call_args):
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        flash_attn_backward(**{**call_args, "v": call_args["v"][:, :3]})
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flash_attn_backward(**call_args, deterministic="yes")
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attn_backward(**call_args, causal=1)
+
+
+# ---- GPU: the full grid ---------------------------------------------------------------------
+
+SEQLENS = [(1, 1), (113, 203), (203, 113), (1023, 1024), (1024, 1023), (128, 2048), (2048, 2048)]
+HEADDIMS = [40, 59, 64, 96, 128, 256]
+HEADS = [(4, 4), (6, 2), (4, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", HEADDIMS)
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_gpu(rng, xp, seqlens, headdim, causal, dtype):
+    # Cycle the head layouts, layouts and modes through the grid instead of multiplying it.
+    index = SEQLENS.index(seqlens) + HEADDIMS.index(headdim)
+    nheads, nheads_k = HEADS[index % len(HEADS)]
+    heads_first = headdim in (59, 128)
+    deterministic = (index + causal) % 2 == 1
+    run_case(rng, xp, 2, *seqlens, nheads, nheads_k, headdim, dtype, causal, deterministic, heads_first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_gpu_deterministic_bitwise(rng, xp, dtype):
+    """Many blocks racing for the same rows: deterministic mode must still give equal bits."""
+    q, k, v = random_qkv(rng, xp, 2, 1023, 1024, 8, 2, 64, dtype)
+    dout = random_like(rng, xp, q)
+    out, lse = nbflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    runs = [flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True) for _ in range(3)]
+    view = np.uint32 if dtype == "float32" else np.uint16
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert np.array_equal(to_numpy(a).view(view), to_numpy(b).view(view))
+    # And the atomic path agrees with it to rounding.
+    fast = flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+    for a, b in zip(runs[0], fast):
+        a, b = to_numpy(a).astype(np.float32), to_numpy(b).astype(np.float32)
+        assert np.abs(a - b).max() <= 1e-2 * max(1.0, np.abs(a).max())
+
+
+@pytest.mark.gpu
+def test_backward_gpu_on_current_stream(rng, xp):
+    """The kernels are queued on CuPy's current stream: results are ready after that stream syncs."""
+    import cupy
+
+    q, k, v = random_qkv(rng, xp, 2, 512, 512, 4, 4, 64, "float16")
+    dout = random_like(rng, xp, q)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out, lse = nbflash.flash_attn_func(q, k, v, return_lse=True)
+        grads = flash_attn_backward(dout, q, k, v, out, lse)
+    stream.synchronize()
+    assert_gradients_close(grads, dout, q, k, v, False)
