@@ -123,8 +123,8 @@ def _check_backward(problem, q, dout, out, lse, deterministic):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     if not runtime.SIMULATOR:
         for name, x in zip(("dout", "out", "lse"), checked):
-            if x.device.id != q.device.id:
-                raise ValueError(f"{name} is on GPU {x.device.id} but q is on GPU {q.device.id}")
+            if x.data.device_id != problem.device:
+                raise ValueError(f"{name} is on GPU {x.data.device_id} but q is on GPU {problem.device}")
     return checked
 
 
@@ -202,8 +202,7 @@ def _compiled(config, device=0):
 def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     """Run the backward pass on validated inputs; returns (dq, dk, dv) as backend arrays."""
     configs = plan_backward(problem, deterministic)
-    device = 0 if runtime.SIMULATOR else runtime.cupy().cuda.Device().id
-    preprocess, dkdv, dq_kernel = (_compiled(config, device) for config in configs)
+    preprocess, dkdv, dq_kernel = (_compiled(config, problem.device) for config in configs)
     dq = launch.empty(q.shape, q.dtype)
     dk = launch.empty(k.shape, k.dtype)
     dv = launch.empty(v.shape, v.dtype)
