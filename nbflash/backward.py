@@ -68,24 +68,24 @@ def _row(table, headdim):
     raise ValueError(f"{headdim=} exceeds {table[-1][0]}")
 
 
-def plan_backward(problem, deterministic):
-    """The kernel configs (preprocess, dkdv, dq or convert_dq) for ``problem``."""
+def plan_backward(dtype, headdim, causal, deterministic):
+    """The kernel configs of a backward call: (preprocess, dkdv, dq or convert_dq)."""
     atomic = not deterministic
-    common = dict(dtype=problem.dtype, headdim=problem.headdim, causal=problem.causal, atomic_dq=atomic)
+    common = dict(dtype=dtype, headdim=headdim, causal=causal, atomic_dq=atomic)
     rows, rows_threads = PORTABLE_BACKWARD_ROWS
     preprocess = PortableBackwardConfig("preprocess", block_m=rows, block_n=rows,
                                         threads_per_row=rows_threads, **common)
 
-    _, threads, block_n = _row(PORTABLE_BACKWARD_DKDV, problem.headdim)
-    block_m = _fit("dkdv", problem.headdim, threads, block_n, fixed_is_m=False)
+    _, threads, block_n = _row(PORTABLE_BACKWARD_DKDV, headdim)
+    block_m = _fit("dkdv", headdim, threads, block_n, fixed_is_m=False)
     dkdv = PortableBackwardConfig("dkdv", block_m=block_m, block_n=block_n, threads_per_row=threads,
                                   **common)
     if atomic:
         dq = PortableBackwardConfig("convert_dq", block_m=rows, block_n=rows,
                                     threads_per_row=rows_threads, **common)
     else:
-        _, threads, block_m = _row(PORTABLE_BACKWARD_DQ, problem.headdim)
-        block_n = _fit("dq", problem.headdim, threads, block_m, fixed_is_m=True)
+        _, threads, block_m = _row(PORTABLE_BACKWARD_DQ, headdim)
+        block_n = _fit("dq", headdim, threads, block_m, fixed_is_m=True)
         dq = PortableBackwardConfig("dq", block_m=block_m, block_n=block_n, threads_per_row=threads,
                                     **common)
     return preprocess, dkdv, dq
@@ -190,8 +190,10 @@ class _CompiledBackward:
 
 
 @lru_cache(maxsize=None)
-def _compiled(config, device=0):
-    return _CompiledBackward(config)
+def _kernels(dtype, headdim, causal, deterministic, device):
+    """The three compiled kernels of a call (preprocess, dkdv, dq or convert_dq); one cache lookup
+    per call on plain values."""
+    return tuple(_CompiledBackward(config) for config in plan_backward(dtype, headdim, causal, deterministic))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -201,8 +203,8 @@ def _compiled(config, device=0):
 
 def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     """Run the backward pass on validated inputs; returns (dq, dk, dv) as backend arrays."""
-    configs = plan_backward(problem, deterministic)
-    preprocess, dkdv, dq_kernel = (_compiled(config, problem.device) for config in configs)
+    p = problem
+    preprocess, dkdv, dq_kernel = _kernels(p.dtype, p.headdim, p.causal, deterministic, p.device)
     dq = launch.empty(q.shape, q.dtype)
     dk = launch.empty(k.shape, k.dtype)
     dv = launch.empty(v.shape, v.dtype)

@@ -190,7 +190,7 @@ def build_backward_portable(config):
     # Preprocess: D = rowsum(dO * O)
     # ------------------------------------------------------------------------------------------
 
-    @cuda.jit
+    @cuda.jit(cache=True)  # compiled code is kept on disk (per config) across processes
     def backward_preprocess(out, dout, delta, dq_accum):
         seqlen_q = out.shape[1]
         head = cuda.blockIdx.y
@@ -266,7 +266,7 @@ def build_backward_portable(config):
                     acc += dS_s[r, c] * K_s[r, d]
                 cuda.atomic.add(dq_accum, (batch, q_start + c, head, d), acc)
 
-    @cuda.jit
+    @cuda.jit(cache=True)  # compiled code is kept on disk (per config) across processes
     def backward_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_accum, scale_log2, scale):
         # dq_accum is only touched with ATOMIC_DQ; otherwise the caller passes any array.
         seqlen_q = q.shape[1]
@@ -366,7 +366,7 @@ def build_backward_portable(config):
                 if d < HEADDIM:
                     dq_acc[f] += ds * K_s[c, d]
 
-    @cuda.jit
+    @cuda.jit(cache=True)  # compiled code is kept on disk (per config) across processes
     def backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, scale):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
@@ -428,7 +428,7 @@ def build_backward_portable(config):
     # dq = dq_accum * scale, in the input dtype
     # ------------------------------------------------------------------------------------------
 
-    @cuda.jit
+    @cuda.jit(cache=True)  # compiled code is kept on disk (per config) across processes
     def backward_convert_dq(dq_accum, dq, scale):
         seqlen_q = dq.shape[1]
         head = cuda.blockIdx.y
