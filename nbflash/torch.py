@@ -1,0 +1,76 @@
+"""PyTorch autograd over nbflash's kernels: ``loss.backward()`` through FlashAttention.
+
+    from nbflash.torch import flash_attn_func
+    out = flash_attn_func(q, k, v, causal=True)   # q, k, v: CUDA tensors with requires_grad
+    out.float().pow(2).mean().backward()
+
+torch stays optional: only this module imports it, and nothing in nbflash imports this module.
+Tensors cross to CuPy and back through DLPack without a copy, and every kernel is queued on torch's
+current stream (wrapped as a CuPy ExternalStream), so the calls order with the surrounding torch work
+exactly like a torch op's.
+"""
+
+import contextlib
+
+import torch
+
+from . import backward, interface, runtime, validation
+
+
+@contextlib.contextmanager
+def _on_torch_stream(tensor):
+    """Make ``tensor``'s GPU CuPy's current device, and torch's current stream there CuPy's current
+    stream, for the ``with`` block."""
+    if tensor.device.type != "cuda":
+        raise TypeError(f"q is a {tensor.device.type} tensor; nbflash runs on the GPU: pass q.cuda()")
+    cupy = runtime.cupy()
+    device = tensor.device.index
+    stream = torch.cuda.current_stream(tensor.device)
+    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream.cuda_stream, device):
+        yield
+
+
+def _last_dim_contiguous(x):
+    """``x`` itself when its last dim is contiguous, else a contiguous copy. Autograd hands over
+    broadcast gradients (stride 0 everywhere, from ``out.sum()``), which the kernels cannot read."""
+    return x if x.shape[-1] == 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+class FlashAttnFunction(torch.autograd.Function):
+    """out = flash_attn_func(q, k, v); the backward recomputes attention from (out, lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
+        with _on_torch_stream(q):
+            problem, q_, k_, v_ = validation.check_forward(q, k, v, softmax_scale, causal)
+            out, lse = interface._flash_attn_forward(problem, q_, k_, v_)
+            out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.problem = problem
+        ctx.deterministic = deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = _last_dim_contiguous(dout.to(q.dtype))
+        with _on_torch_stream(q):
+            arrays = [validation.as_backend_array(x, name) for x, name in
+                      ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
+            grads = backward._flash_attn_backward(ctx.problem, *arrays, ctx.deterministic)
+            dq, dk, dv = (torch.from_dlpack(g) for g in grads)
+        return dq, dk, dv, None, None, None
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, deterministic=False, return_lse=False):
+    """``nbflash.flash_attn_func`` on torch tensors, differentiable with respect to q, k and v.
+
+    Arguments and shapes as ``nbflash.flash_attn_func``: q (batch, seqlen_q, nheads, headdim), k and v
+    (batch, seqlen_k, nheads_k, headdim), CUDA tensors of dtype float16, bfloat16 or float32.
+    ``deterministic`` makes the backward bit-identical run to run (see
+    ``nbflash.backward.flash_attn_backward``). Returns ``out`` (and ``lse``, not differentiable, with
+    ``return_lse=True``) as torch tensors on q's device.
+    """
+    out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,156 @@
+"""nbflash.torch: autograd through our kernels, against PyTorch's SDPA (math backend). GPU only."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FLOOR = {"float32": 1e-5, "float16": 1e-4, "bfloat16": 1e-3}
+
+
+def sdpa_math(q, k, v, softmax_scale=None, causal=False):
+    """SDPA's math backend on (batch, seqlen, nheads, headdim) tensors, bottom-right causal, GQA by
+    repeating k and v (autograd then sums their gradients over the group, as ours does)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (x.transpose(1, 2) for x in (q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)))
+    mask = None
+    if causal:
+        seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+        rows = torch.arange(seqlen_q, device=q.device)[:, None]
+        mask = torch.arange(seqlen_k, device=q.device)[None, :] <= rows + seqlen_k - seqlen_q
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale)
+    return out.transpose(1, 2)
+
+
+def gradients(attention, q, k, v, dout, **kwargs):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = attention(q, k, v, **kwargs)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(
+    "shape, causal",
+    [
+        ((2, 113, 203, 4, 4, 64), False),
+        ((2, 203, 203, 6, 2, 40), True),
+        ((1, 128, 1024, 4, 1, 128), True),  # MQA, seqlen_q < seqlen_k: bottom-right causal
+        ((2, 257, 300, 2, 2, 256), False),
+    ],
+    ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x),
+)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_gradients_match_sdpa_math(shape, causal, dtype, deterministic):
+    """Ours and SDPA math in the input dtype, both against SDPA math in float64: ours may be off by
+    at most twice SDPA's error (flash-attn's rule), plus a floor relative to the gradient's size."""
+    from nbflash.torch import flash_attn_func
+
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = shape
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def draw(*size):
+        return torch.randn(*size, device="cuda", generator=generator).to(DTYPES[dtype])
+
+    q = draw(batch, seqlen_q, nheads, headdim)
+    k, v = draw(batch, seqlen_k, nheads_k, headdim), draw(batch, seqlen_k, nheads_k, headdim)
+    dout = draw(batch, seqlen_q, nheads, headdim)
+    ours = gradients(flash_attn_func, q, k, v, dout, causal=causal, deterministic=deterministic)
+    theirs = gradients(sdpa_math, q, k, v, dout, causal=causal)
+    exact = gradients(sdpa_math, *(x.double() for x in (q, k, v, dout)), causal=causal)
+    for name, a, b, ref in zip(("out", "dq", "dk", "dv"), ours, theirs, exact):
+        assert a.shape == ref.shape and a.dtype == DTYPES[dtype], name
+        assert not a.isnan().any(), name
+        error = (a.double() - ref).abs().max().item()
+        sdpa_error = (b.double() - ref).abs().max().item()
+        budget = 2 * sdpa_error + FLOOR[dtype] * max(1.0, ref.abs().max().item())
+        assert error <= budget, f"{name}: error {error:.3g} > budget {budget:.3g} (SDPA math {sdpa_error:.3g})"
+
+
+class TinyAttentionModel(torch.nn.Module):
+    """One causal self-attention layer and a projection, as in a small transformer block."""
+
+    def __init__(self, attention, dim=128, nheads=4, nheads_k=2):
+        super().__init__()
+        self.attention, self.nheads, self.nheads_k = attention, nheads, nheads_k
+        self.headdim = dim // nheads
+        self.q = torch.nn.Linear(dim, dim)
+        self.kv = torch.nn.Linear(dim, 2 * nheads_k * self.headdim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        batch, seqlen, dim = x.shape
+        q = self.q(x).view(batch, seqlen, self.nheads, self.headdim)
+        k, v = self.kv(x).view(batch, seqlen, 2, self.nheads_k, self.headdim).unbind(2)  # strided views
+        return self.out(self.attention(q, k, v, causal=True).reshape(batch, seqlen, dim))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_training_steps_match_sdpa(dtype):
+    """A few Adam steps on the same model and data: our losses follow SDPA's."""
+    from nbflash.torch import flash_attn_func
+
+    torch.manual_seed(0)
+    ours = TinyAttentionModel(flash_attn_func).cuda().to(DTYPES[dtype])
+    theirs = copy.deepcopy(ours)
+    theirs.attention = sdpa_math
+    x = torch.randn(4, 97, 128, device="cuda", dtype=DTYPES[dtype])
+    target = torch.randn(4, 97, 128, device="cuda", dtype=DTYPES[dtype])
+    losses = {}
+    for name, model in (("ours", ours), ("sdpa", theirs)):
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        losses[name] = []
+        for _ in range(8):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x).float(), target.float())
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.item())
+    tolerance = 1e-4 if dtype == "float32" else 2e-2
+    for a, b in zip(losses["ours"], losses["sdpa"]):
+        assert abs(a - b) <= tolerance * abs(b), (losses["ours"], losses["sdpa"])
+    assert losses["ours"][-1] < losses["ours"][0]  # it trained
+
+
+def test_runs_on_torch_current_stream():
+    """Forward and backward are queued on torch's current stream: a side stream gives the same result."""
+    from nbflash.torch import flash_attn_func
+
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.float16)
+    expected = gradients(flash_attn_func, q, k, v, dout, causal=True, deterministic=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = gradients(flash_attn_func, q, k, v, dout, causal=True, deterministic=True)
+    torch.cuda.current_stream().wait_stream(side)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+
+
+def test_strided_views_and_broadcast_gradient():
+    """Inputs as transposed views of (batch, heads, seq, dim) tensors, read in place; ``out.sum()``
+    hands the backward a broadcast (stride-0) gradient, which the bridge makes readable."""
+    from nbflash.torch import flash_attn_func
+
+    base = torch.randn(1, 4, 64, 32, device="cuda", dtype=torch.float16, requires_grad=True)
+    q = base.transpose(1, 2)
+    flash_attn_func(q, q, q).sum().backward()
+    expected = torch.autograd.grad(sdpa_math(q, q, q).sum(), base)[0]
+    assert base.grad.shape == base.shape and not base.grad.isnan().any()
+    assert (base.grad.float() - expected.float()).abs().max().item() < 2e-2
+
+
+def test_nbflash_does_not_import_torch():
+    code = "import sys, nbflash, nbflash.backward; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
