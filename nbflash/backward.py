@@ -166,7 +166,7 @@ class _CompiledBackward:
         self.function = launch._function_handle(overload)
         # Numba flattens an n-dim array into 5 + 2n 8-byte parameters; a float32 takes one slot.
         arrays = signature[len("void("):-1].split(", ")
-        words = sum(5 + 2 * a.count(":") for a in arrays if "[" in a)
+        words = sum(5 + 2 * (a.count(",") + 1) for a in arrays if "[" in a)  # ndim = commas + 1
         scalars = sum(1 for a in arrays if "[" not in a)
         self._format = f"<{words}q" + "f4x" * scalars
         self._buffer = ctypes.create_string_buffer(struct.calcsize(self._format))

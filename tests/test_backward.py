@@ -99,9 +99,20 @@ def test_backward_small(rng, xp, shape, causal, dtype, deterministic):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
-@pytest.mark.parametrize("headdim", [59, 96, 256])
-def test_backward_small_headdims(rng, xp, headdim):
-    run_case(rng, xp, 1, 9, 17, 1, 1, headdim, "float16", True, deterministic=headdim == 96)
+@pytest.mark.parametrize(
+    "headdim, seqlen_q, seqlen_k, causal, deterministic",
+    [
+        (59, 9, 17, True, False),
+        (96, 9, 17, True, True),
+        (256, 9, 17, True, False),
+        # Full key tiles (32 rows at headdim 128), so the unmasked paths run too: all tiles when not
+        # causal; under causal, the query tiles wholly below the diagonal.
+        (128, 48, 40, True, False),
+        (128, 48, 40, False, True),
+    ],
+)
+def test_backward_small_headdims(rng, xp, headdim, seqlen_q, seqlen_k, causal, deterministic):
+    run_case(rng, xp, 1, seqlen_q, seqlen_k, 1, 1, headdim, "float16", causal, deterministic)
 
 
 def test_backward_transposed_views(rng, xp):
