@@ -85,6 +85,7 @@ def main(argv=None):
     parser.add_argument("--no-naive", action="store_true")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per entry")
+    parser.add_argument("--markdown", help="also write the table, with GPU, date and command, to this file")
     args = parser.parse_args(argv)
 
     runners = {f"nbflash {f}": nbflash_runner(f) for f in args.families}
@@ -132,9 +133,16 @@ def main(argv=None):
                 row[f"best/{anchor}"] = round(max(ours) / row[anchor], 2)
         rows.append(row)
         print(f"[{index + 1}/{len(cases)}] {row}", file=sys.stderr, flush=True)
-    print(f"GPU: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, nbflash {nbflash.__version__}")
-    print("forward TFLOP/s (FLOPs = 4 B H N^2 D, x0.5 causal); ratios of nbflash's best family")
+    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    title = "forward TFLOP/s (FLOPs = 4 B H N^2 D, x0.5 causal); ratios are nbflash's best family over the anchor"
+    print(f"GPU: {gpu}, nbflash {nbflash.__version__}")
+    print(title)
     print(tabulate(rows, headers="keys"))
+    if args.markdown:
+        command = "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        with open(args.markdown, "w") as f:
+            f.write(f"GPU: {gpu}. Date: {time.strftime('%Y-%m-%d')}. Command: `{command}`\n\n")
+            f.write(f"{title}\n\n{tabulate(rows, headers='keys', tablefmt='github')}\n")
 
 
 if __name__ == "__main__":
