@@ -188,6 +188,31 @@ if SIMULATOR:
         assert row.dtype.itemsize == 2
         out[:] = row.view(np.uint8)
 
+    _global_ranges = {}
+
+    def global_address(x, i0, i1, i2, i3):
+        """The address of ``x[i0, i1, i2, i3]`` as an int64 (a host address in the simulator); the
+        indices may lie outside the array as long as nothing is read there."""
+        nd = x._item._ary if hasattr(x, "_item") else x
+        low, high = np.lib.array_utils.byte_bounds(nd)
+        _global_ranges[low] = high
+        s0, s1, s2, s3 = nd.strides
+        return np.int64(nd.ctypes.data + int(i0) * s0 + int(i1) * s1 + int(i2) * s2 + int(i3) * s3)
+
+    def cp_async_16_from(dst, src_address, src_bytes):
+        """cp_async_16 from a global address (see global_address); zero-fill when src_bytes is 0."""
+        out = np.frombuffer(_shared_bytes(dst, 16), dtype=np.uint8)
+        if int(src_bytes) == 0:
+            out[:] = 0
+            return
+        assert int(src_bytes) == 16, "cp_async_16_from copies 16 bytes or zero-fills"
+        addr = int(src_address)
+        if addr % 16:
+            raise ValueError(f"global address {addr:#x} is not 16-byte aligned")
+        if not any(low <= addr and addr + 16 <= high for low, high in _global_ranges.items()):
+            raise IndexError(f"global address {addr:#x} (+16) is outside every array")
+        out[:] = np.frombuffer((ctypes.c_uint8 * 16).from_address(addr), dtype=np.uint8)
+
     def cp_async_commit():
         """Close the group of cp.async copies issued so far (nothing to do: copies were immediate)."""
 
@@ -328,6 +353,32 @@ else:
             ptr = cgutils.get_item_pointer(context, builder, aryty, ary, args[2:6])
             _asm(builder, ir.VoidType(), [args[0], builder.ptrtoint(ptr, _i64), args[6]],
                  "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def global_address(typingctx, x, i0, i1, i2, i3):
+        """The address of ``x[i0, i1, i2, i3]`` as an int64 (int64, not uint64: Numba would turn
+        uint64-int64 arithmetic into float64); the indices may lie outside the array."""
+        sig = types.int64(x, types.intp, types.intp, types.intp, types.intp)
+
+        def codegen(context, builder, signature, args):
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, args[1:5])
+            return builder.ptrtoint(ptr, _i64)
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_16_from(typingctx, dst, src_address, src_bytes):
+        """cp_async_16 from a global address (see global_address); zero-fill when src_bytes is 0."""
+        sig = types.void(types.uint32, types.int64, types.uint32)
+
+        def codegen(context, builder, signature, args):
+            _asm(builder, ir.VoidType(), list(args), "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+                 "r,l,r,~{memory}", side_effect=True)
             return context.get_dummy_value()
 
         return sig, codegen

@@ -44,6 +44,10 @@ VARIANTS = {
     "m128n64s32w4-qsmem": dict(block_m=128, block_n=64, sub_n=32, num_warps=4, q_in_registers=False),
     "m128n32w4-qsmem": dict(block_m=128, block_n=32, num_warps=4, q_in_registers=False),
     "m128n128s32w8-qsmem": dict(block_m=128, block_n=128, sub_n=32, num_warps=8, q_in_registers=False),
+    "m128n32w4-qsmem-skip": dict(block_m=128, block_n=32, num_warps=4, q_in_registers=False, skip_rescale=True),
+    "m64n32w2-qsmem": dict(block_m=64, block_n=32, num_warps=2, q_in_registers=False),
+    "m64n32w2-qsmem-skip": dict(block_m=64, block_n=32, num_warps=2, q_in_registers=False, skip_rescale=True),
+    "m64n64s32w2-qsmem": dict(block_m=64, block_n=64, sub_n=32, num_warps=2, q_in_registers=False),
 }
 DEFAULT_VARIANTS = ["m128n64w8", "m128n32w8", "m128n64s32w8", "m128n64s32w4-qsmem", "m128n32w4-qsmem",
                     "m128n64w4-qsmem"]

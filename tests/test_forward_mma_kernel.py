@@ -112,9 +112,11 @@ def test_headdim_40_gqa_batch():
     check(MmaForwardConfig("bfloat16", 40, False, **SMALL), batch=2, seqlen_q=17, seqlen_k=9, nheads=4, nheads_k=2)
 
 
-def test_two_slices_per_warp():
+@pytest.mark.parametrize("skip_rescale", [False, True])
+def test_two_slices_per_warp(skip_rescale):
     # block_m = 64 with 2 warps: each warp owns two 16-row slices (m_tiles = 2); block_n = 32.
-    check(MmaForwardConfig("float16", 16, True, block_m=64, block_n=32, num_warps=2), seqlen_q=40, seqlen_k=40)
+    config = MmaForwardConfig("float16", 16, True, block_m=64, block_n=32, num_warps=2, skip_rescale=skip_rescale)
+    check(config, seqlen_q=40, seqlen_k=40)
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(40, 37), (25, 40)])

@@ -13,6 +13,13 @@ The algorithm is the paper's Algorithm 1 (Dao, 2023), with the work split as in 
             m_i  = m_new
         O_i = acc / l_i;   lse_i = (m_i * scale_log2 + log2(l_i)) * ln(2)
 
+Pipeline: one barrier per K/V tile. Tile j + 1 is fetched with cp.async right after the barrier that
+makes tile j visible (that barrier also proves every warp has left tile j - 1, whose buffer the
+fetch overwrites). A tile is consumed sub_n keys at a time (the S register tile). Tiles that every
+row of the block sees whole run a copy of the tile step with no masking code; the others (causal
+diagonal, sequence tail) run the masked copy, where each warp also skips the keys right of its own
+diagonal. Under causal, blockIdx.x is reversed so the query blocks with the most keys start first.
+
 Grid and threads: grid = (ceil(seqlen_q / block_m), nheads, batch); block = 32 * num_warps threads.
 Warp w owns query rows [w * rows_per_warp, (w + 1) * rows_per_warp) of the block's tile, in m_tiles
 slices of 16 rows (one mma.sync row tile each). Within a warp, lane = 4 * g + t holds, for each
@@ -46,11 +53,12 @@ from numba import cuda, float32, uint16, uint32
 from numba.types import float16
 
 from nbflash.primitives import (
-    cp_async_16,
+    cp_async_16_from,
     cp_async_commit,
     cp_async_wait,
     exp2_approx,
     f32_to_bf16_bits,
+    global_address,
     inline_device,
     ldmatrix_x4,
     ldmatrix_x4_trans,
@@ -81,6 +89,7 @@ class MmaForwardConfig:
     aligned: bool = True  # cp.async path (see the module docstring for its requirements)
     q_in_registers: bool = True  # Q_i's fragments loaded once; else re-read from shared per K tile
     sub_n: int = 0  # keys per S register tile (a divisor of block_n, multiple of 16); 0: block_n
+    skip_rescale: bool = False  # branch around acc *= alpha when a row's max did not change
 
     def __post_init__(self):
         if self.dtype not in ("float16", "bfloat16"):
@@ -133,6 +142,7 @@ def build_forward_mma(config: MmaForwardConfig):
     PT = SUB_N // 16  # k-steps of O += P V (over keys)
     DT = HDP // 8  # 8-column tiles of O (over headdim)
     CAUSAL, ALIGNED, Q_IN_REGISTERS = config.causal, config.aligned, config.q_in_registers
+    SKIP_RESCALE = config.skip_rescale
     ROW_BYTES = ROW * 2
     Q_BYTES, KV_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
     CHUNKS = HDP // 8  # 16-byte chunks per row
@@ -159,18 +169,18 @@ def build_forward_mma(config: MmaForwardConfig):
     # -----------------------------------------------------------------------------------------------
 
     @inline_device
-    def copy_tile_async(tile, x, b, row0, h, valid_rows, rounds, tile_rows):
-        """cp.async, 16 bytes per copy; thread `tid` copies chunks tid, tid + THREADS, ..."""
+    def copy_tile_async(tile, x_row0, row_bytes, row0, valid_rows, rounds, tile_rows):
+        """cp.async, 16 bytes per copy; thread `tid` copies chunks tid, tid + THREADS, ... x_row0 is
+        the address of the head's row 0 (global_address), so a copy costs one multiply-add."""
         tid = cuda.threadIdx.x
         for i in range(rounds):
             chunk = i * THREADS + tid
             if chunk < tile_rows * CHUNKS:
                 r = chunk // CHUNKS
                 col = (chunk % CHUNKS) * 8
-                if r < valid_rows and col < HD:
-                    cp_async_16(tile + uint32(r * ROW_BYTES + col * 2), x, b, row0 + r, h, col, uint32(16))
-                else:
-                    cp_async_16(tile + uint32(r * ROW_BYTES + col * 2), x, b, 0, h, 0, uint32(0))
+                inside = r < valid_rows and col < HD
+                src = x_row0 + (row0 + r) * row_bytes + col * 2 if inside else x_row0
+                cp_async_16_from(tile + uint32(r * ROW_BYTES + col * 2), src, uint32(16 if inside else 0))
 
     @inline_device
     def copy_tile_elementwise(smem, tile_elem0, x, b, row0, h, valid_rows, rounds, tile_rows):
@@ -189,7 +199,8 @@ def build_forward_mma(config: MmaForwardConfig):
     @inline_device
     def load_q_tile(smem, base, q, b, m_start, h, seqlen_q):
         if ALIGNED:
-            copy_tile_async(base, q, b, m_start, h, seqlen_q - m_start, Q_COPIES, BM)
+            copy_tile_async(base, global_address(q, b, 0, h, 0), q.strides[1], m_start, seqlen_q - m_start,
+                            Q_COPIES, BM)
         else:
             copy_tile_elementwise(smem, 0, q, b, m_start, h, seqlen_q - m_start, Q_ELEMS, BM)
 
@@ -198,8 +209,10 @@ def build_forward_mma(config: MmaForwardConfig):
         k_off = Q_BYTES + buf * KV_BYTES
         v_off = Q_BYTES + (2 + buf) * KV_BYTES
         if ALIGNED:
-            copy_tile_async(base + uint32(k_off), k, b, n_start, hk, seqlen_k - n_start, KV_COPIES, BN)
-            copy_tile_async(base + uint32(v_off), v, b, n_start, hk, seqlen_k - n_start, KV_COPIES, BN)
+            copy_tile_async(base + uint32(k_off), global_address(k, b, 0, hk, 0), k.strides[1], n_start,
+                            seqlen_k - n_start, KV_COPIES, BN)
+            copy_tile_async(base + uint32(v_off), global_address(v, b, 0, hk, 0), v.strides[1], n_start,
+                            seqlen_k - n_start, KV_COPIES, BN)
         else:
             copy_tile_elementwise(smem, k_off // 2, k, b, n_start, hk, seqlen_k - n_start, KV_ELEMS, BN)
             copy_tile_elementwise(smem, v_off // 2, v, b, n_start, hk, seqlen_k - n_start, KV_ELEMS, BN)
@@ -285,9 +298,10 @@ def build_forward_mma(config: MmaForwardConfig):
                         row_sum += p
                 l_i[mt, r] = l_i[mt, r] * alpha + row_sum
                 m_i[mt, r] = m_new
-                for dt in static_range(DT):
-                    acc[mt, dt, 2 * r] *= alpha
-                    acc[mt, dt, 2 * r + 1] *= alpha
+                if not SKIP_RESCALE or m_new != m_prev:  # alpha is exactly 1 when the max held
+                    for dt in static_range(DT):
+                        acc[mt, dt, 2 * r] *= alpha
+                        acc[mt, dt, 2 * r + 1] *= alpha
 
     @inline_device
     @unroll
@@ -340,6 +354,45 @@ def build_forward_mma(config: MmaForwardConfig):
                             lse[b, h, row] = (m_i[mt, r] * scale_log2 + math.log2(l_row)) * float32(LN2)
                         else:
                             lse[b, h, row] = NEG_INF
+
+    @inline_device
+    @unroll
+    def attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
+                    scale_log2, n_start, first_row, seqlen_q, seqlen_k, g, t, masked):
+        """One K/V tile into the warp's running (m_i, l_i, acc), SUB_N keys at a time (S lives in
+        registers, SUB_N columns wide). `masked` is a constant at each call site: the unmasked copy
+        has no masking code for the compiler to predicate into every tile."""
+        diagonal = seqlen_k - seqlen_q  # causal: row i sees keys up to i + diagonal
+        for sub in static_range(BN // SUB_N):
+            sub_start = n_start + sub * SUB_N
+            sub_last = sub_start + SUB_N - 1
+            # Skip keys this warp's rows cannot see: past the end, or (causal) right of the
+            # diagonal of its last row. Warp-uniform, so the warp's collectives stay together.
+            visible = True
+            if masked:
+                visible = sub_start < seqlen_k
+                if CAUSAL:
+                    visible = visible and sub_start <= first_row + ROWS_PER_WARP - 1 + diagonal
+            if visible:
+                k_sub = k_tile + uint32(sub * SUB_N * ROW_BYTES)
+                v_sub = v_tile + uint32(sub * SUB_N * ROW_BYTES)
+
+                # S = Q_i K_j^T
+                mma_q_kt(s, q_frag, q_warp, q_lane, k_sub, k_lane)
+
+                # Mask where keys run past the end or (causal) cross the warp's diagonal.
+                if masked:
+                    needs_mask = sub_last >= seqlen_k
+                    if CAUSAL:
+                        needs_mask = needs_mask or sub_last > first_row + diagonal
+                    if needs_mask:
+                        mask_scores(s, first_row, sub_start, seqlen_k, seqlen_q, g, t)
+
+                # m_i, l_i, acc rescaled; S becomes P
+                online_softmax(s, m_i, l_i, acc, scale_log2)
+
+                # acc += P V_j
+                mma_p_v(acc, s, v_sub, v_lane)
 
     # -----------------------------------------------------------------------------------------------
     # The kernel
@@ -401,7 +454,11 @@ def build_forward_mma(config: MmaForwardConfig):
                     acc[mt, dt, i] = float32(0)
 
         # ---- Main loop over key tiles K_j, V_j ----
-        diagonal = seqlen_k - seqlen_q  # causal: row i sees keys up to i + diagonal
+        # The first n_unmasked tiles lie wholly inside the sequence and (causal) left of the
+        # diagonal of the block's first row.
+        n_unmasked = seqlen_k // BN
+        if CAUSAL:
+            n_unmasked = min(n_unmasked, max(0, (m_start + seqlen_k - seqlen_q + 1) // BN))
         for j in range(n_tiles):
             buf = j & 1
             n_start = j * BN
@@ -414,34 +471,14 @@ def build_forward_mma(config: MmaForwardConfig):
 
             k_tile = base + uint32(Q_BYTES + buf * KV_BYTES)
             v_tile = base + uint32(Q_BYTES + (2 + buf) * KV_BYTES)
-            # The tile is consumed SUB_N keys at a time (S lives in registers, SUB_N columns wide).
-            for sub in static_range(BN // SUB_N):
-                sub_start = n_start + sub * SUB_N
-                sub_last = sub_start + SUB_N - 1
-                # Skip keys this warp's rows cannot see: past the end, or (causal) right of the
-                # diagonal of its last row. Warp-uniform, so the warp's collectives stay together.
-                visible = sub_start < seqlen_k
-                if CAUSAL:
-                    visible = visible and sub_start <= first_row + ROWS_PER_WARP - 1 + diagonal
-                if visible:
-                    k_sub = k_tile + uint32(sub * SUB_N * ROW_BYTES)
-                    v_sub = v_tile + uint32(sub * SUB_N * ROW_BYTES)
-
-                    # S = Q_i K_j^T
-                    mma_q_kt(s, q_frag, q_warp, q_lane, k_sub, k_lane)
-
-                    # Mask only where keys run past the end or (causal) cross the warp's diagonal.
-                    needs_mask = sub_last >= seqlen_k
-                    if CAUSAL:
-                        needs_mask = needs_mask or sub_last > first_row + diagonal
-                    if needs_mask:
-                        mask_scores(s, first_row, sub_start, seqlen_k, seqlen_q, g, t)
-
-                    # m_i, l_i, acc rescaled; S becomes P
-                    online_softmax(s, m_i, l_i, acc, scale_log2)
-
-                    # acc += P V_j
-                    mma_p_v(acc, s, v_sub, v_lane)
+            # Tiles every row of the block sees whole cost no masking code at all; the others
+            # (the causal diagonal, the sequence tail) go through the masked copy of the same step.
+            if j < n_unmasked:
+                attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
+                            scale_log2, n_start, first_row, seqlen_q, seqlen_k, g, t, False)
+            else:
+                attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
+                            scale_log2, n_start, first_row, seqlen_q, seqlen_k, g, t, True)
 
         # ---- Epilogue: normalise and write O_i and lse_i ----
         write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, scale_log2, g, t)
