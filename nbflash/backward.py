@@ -73,8 +73,10 @@ def plan_backward(dtype, headdim, causal, deterministic):
     atomic = not deterministic
     common = dict(dtype=dtype, headdim=headdim, causal=causal, atomic_dq=atomic)
     rows, rows_threads = PORTABLE_BACKWARD_ROWS
+    # The row-wise kernels do not depend on the mask: one compiled variant serves causal and not.
+    rowwise = dict(common, causal=False)
     preprocess = PortableBackwardConfig("preprocess", block_m=rows, block_n=rows,
-                                        threads_per_row=rows_threads, **common)
+                                        threads_per_row=rows_threads, **rowwise)
 
     _, threads, block_n = _row(PORTABLE_BACKWARD_DKDV, headdim)
     block_m = _fit("dkdv", headdim, threads, block_n, fixed_is_m=False)
@@ -82,7 +84,7 @@ def plan_backward(dtype, headdim, causal, deterministic):
                                   **common)
     if atomic:
         dq = PortableBackwardConfig("convert_dq", block_m=rows, block_n=rows,
-                                    threads_per_row=rows_threads, **common)
+                                    threads_per_row=rows_threads, **rowwise)
     else:
         _, threads, block_m = _row(PORTABLE_BACKWARD_DQ, headdim)
         block_n = _fit("dq", headdim, threads, block_m, fixed_is_m=True)
