@@ -137,16 +137,33 @@ def _cp_async_kernel(src, coords, out):
         out[lane, e] = smem[lane * 8 + e]
 
 
+@cuda.jit
+def _cp_async_from_kernel(src, coords, out):
+    # As _cp_async_kernel, through a precomputed global address.
+    lane = cuda.threadIdx.x
+    smem = cuda.shared.array(0, uint16)
+    base = P.shared_address(smem)
+    row0 = P.global_address(src, coords[lane, 0], 0, coords[lane, 2], 0)
+    address = row0 + coords[lane, 1] * src.strides[1] + coords[lane, 3] * 2
+    P.cp_async_16_from(base + uint32(lane * 16), address, uint32(coords[lane, 4]))
+    P.cp_async_commit()
+    P.cp_async_wait(0)
+    cuda.syncthreads()  # other lanes' copies are visible only after the barrier
+    for e in range(8):
+        out[lane, e] = smem[lane * 8 + e]
+
+
 def check_cp_async(rng):
     src = rng.standard_normal((2, 3, 4, 24)).astype(np.float16)
     coords = np.stack([rng.integers(0, 2, 32), rng.integers(0, 3, 32), rng.integers(0, 4, 32),
                        8 * rng.integers(0, 3, 32), 16 * rng.integers(0, 2, 32)], axis=1).astype(np.int64)
-    out = np.full((32, 8), 0xFFFF, dtype=np.uint16)
-    _cp_async_kernel[1, 32, 0, 32 * 16](src, coords, out)
-    for lane in range(32):
-        b, s, h, d, nbytes = coords[lane]
-        expected = src[b, s, h, d:d + 8].view(np.uint16) if nbytes else np.zeros(8, np.uint16)
-        np.testing.assert_array_equal(out[lane], expected)
+    for kernel in (_cp_async_kernel, _cp_async_from_kernel):
+        out = np.full((32, 8), 0xFFFF, dtype=np.uint16)
+        kernel[1, 32, 0, 32 * 16](src, coords, out)
+        for lane in range(32):
+            b, s, h, d, nbytes = coords[lane]
+            expected = src[b, s, h, d:d + 8].view(np.uint16) if nbytes else np.zeros(8, np.uint16)
+            np.testing.assert_array_equal(out[lane], expected)
 
 
 def test_cp_async():
