@@ -112,10 +112,11 @@ def test_headdim_40_gqa_batch():
     check(MmaForwardConfig("bfloat16", 40, False, **SMALL), batch=2, seqlen_q=17, seqlen_k=9, nheads=4, nheads_k=2)
 
 
-@pytest.mark.parametrize("skip_rescale", [False, True])
-def test_two_slices_per_warp(skip_rescale):
+@pytest.mark.parametrize("skip_rescale, q_in_registers", [(False, None), (True, True)])
+def test_two_slices_per_warp(skip_rescale, q_in_registers):
     # block_m = 64 with 2 warps: each warp owns two 16-row slices (m_tiles = 2); block_n = 32.
-    config = MmaForwardConfig("float16", 16, True, block_m=64, block_n=32, num_warps=2, skip_rescale=skip_rescale)
+    config = MmaForwardConfig("float16", 16, True, block_m=64, block_n=32, num_warps=2, skip_rescale=skip_rescale,
+                              q_in_registers=q_in_registers)
     check(config, seqlen_q=40, seqlen_k=40)
 
 

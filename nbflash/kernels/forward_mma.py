@@ -87,7 +87,10 @@ class MmaForwardConfig:
     block_n: int = 64  # keys per K/V tile
     num_warps: int = 8  # block_m must be a multiple of 16 * num_warps
     aligned: bool = True  # cp.async path (see the module docstring for its requirements)
-    q_in_registers: bool = True  # Q_i's fragments loaded once; else re-read from shared per K tile
+    # Q_i's fragments loaded into registers once, or re-read from shared memory for every K tile;
+    # None: in registers when a warp owns one 16-row slice and headdim <= 128 (measured best; with
+    # two slices per warp the registers are needed for the O accumulator).
+    q_in_registers: bool | None = None
     sub_n: int = 0  # keys per S register tile (a divisor of block_n, multiple of 16); 0: block_n
     skip_rescale: bool = False  # branch around acc *= alpha when a row's max did not change
 
@@ -116,6 +119,17 @@ class MmaForwardConfig:
         return self.headdim_padded + 8
 
     @property
+    def m_tiles(self):
+        """16-row slices per warp."""
+        return self.block_m // (16 * self.num_warps)
+
+    @property
+    def use_q_registers(self):
+        if self.q_in_registers is not None:
+            return self.q_in_registers
+        return self.m_tiles == 1 and self.headdim_padded <= 128
+
+    @property
     def threads(self):
         return 32 * self.num_warps
 
@@ -141,7 +155,7 @@ def build_forward_mma(config: MmaForwardConfig):
     NT = SUB_N // 8  # 8-key column tiles of S
     PT = SUB_N // 16  # k-steps of O += P V (over keys)
     DT = HDP // 8  # 8-column tiles of O (over headdim)
-    CAUSAL, ALIGNED, Q_IN_REGISTERS = config.causal, config.aligned, config.q_in_registers
+    CAUSAL, ALIGNED, Q_IN_REGISTERS = config.causal, config.aligned, config.use_q_registers
     SKIP_RESCALE = config.skip_rescale
     ROW_BYTES = ROW * 2
     Q_BYTES, KV_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
