@@ -5,9 +5,7 @@ and log-sum-exp (``flash_attn_func(..., return_lse=True)``) and recomputes the a
 tile by tile from them, so its extra memory is O(batch * nheads * seqlen_q), never N x N.
 """
 
-import ctypes
 import math
-import struct
 from functools import lru_cache
 
 import numpy as np
@@ -131,10 +129,7 @@ def _check_backward(problem, q, dout, out, lse, deterministic):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Compiling and launching. TODO(launch): launch.CompiledKernel compiles every config for the forward's
-# one signature; once it takes the signature from the config, this collapses into launch.compiled.
-# Until then this mirrors it: one signature per config, a prepacked parameter buffer, cuLaunchKernel
-# on CuPy's current stream (no dispatcher on the per-call path).
+# Compiling: each config for one signature, launched like the forward (launch.CompiledKernel)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -154,48 +149,14 @@ def _signature(config):
     return f"void(float32[:,:,:,::1], {grad}, float32)"
 
 
-class _CompiledBackward:
-    """One backward config's kernel, compiled for its signature, with its launch parameter buffer."""
-
-    def __init__(self, config):
-        self.config = config
-        self.kernel = build_backward_portable(config)
-        if runtime.SIMULATOR:
-            return
-        signature = _signature(config)
-        overload = self.kernel.compile(signature)
-        overload.bind()
-        self.function = launch._function_handle(overload)
-        # Numba flattens an n-dim array into 5 + 2n 8-byte parameters; a float32 takes one slot.
-        arrays = signature[len("void("):-1].split(", ")
-        words = sum(5 + 2 * (a.count(",") + 1) for a in arrays if "[" in a)  # ndim = commas + 1
-        scalars = sum(1 for a in arrays if "[" not in a)
-        self._format = f"<{words}q" + "f4x" * scalars
-        self._buffer = ctypes.create_string_buffer(struct.calcsize(self._format))
-        base = ctypes.addressof(self._buffer)
-        self._params = (ctypes.c_void_p * (words + scalars))(*(base + 8 * i for i in range(words + scalars)))
-
-    def launch(self, grid, arrays, scalars):
-        """Queue the kernel on CuPy's current stream. ``arrays`` are backend arrays."""
-        if runtime.SIMULATOR:
-            self.kernel[grid, self.config.threads](*(launch._simulator_array(a) for a in arrays), *scalars)
-            return
-        fields = []
-        for a in arrays:
-            fields += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
-        struct.pack_into(self._format, self._buffer, 0, *fields, *scalars)
-        stream = runtime.cupy().cuda.get_current_stream().ptr
-        status = launch._driver().cuLaunchKernel(
-            self.function, *grid, self.config.threads, 1, 1, 0, stream, self._params, None
-        )
-        launch._check(status, "cuLaunchKernel")
-
-
 @lru_cache(maxsize=None)
 def _kernels(dtype, headdim, causal, deterministic, device):
     """The three compiled kernels of a call (preprocess, dkdv, dq or convert_dq); one cache lookup
     per call on plain values."""
-    return tuple(_CompiledBackward(config) for config in plan_backward(dtype, headdim, causal, deterministic))
+    return tuple(
+        launch.CompiledKernel(config, build_backward_portable, _signature(config))
+        for config in plan_backward(dtype, headdim, causal, deterministic)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

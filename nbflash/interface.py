@@ -30,7 +30,7 @@ def _flash_attn_forward(problem, q, k, v, family=None):
     out = launch.empty(q.shape, q.dtype)
     lse = launch.empty((problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
     grid = config.grid(problem.batch, problem.nheads, problem.seqlen_q)
-    kernel.launch(grid, (q, k, v, out, lse), problem.softmax_scale * LOG2_E)
+    kernel.launch(grid, (q, k, v, out, lse), (problem.softmax_scale * LOG2_E,))
     return out, lse
 
 

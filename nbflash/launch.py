@@ -87,29 +87,59 @@ def _function_attribute(function, attribute):
 # Compiled kernels
 # ---------------------------------------------------------------------------------------------------
 
-# The one signature each forward kernel is compiled for: q, k, v with any strides, fresh contiguous
-# out and lse, and the float32 scale.
-FORWARD_SIGNATURE = "void({t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,::1], float32[:,:,::1], float32)"
+def forward_signature(config):
+    """The one signature a forward kernel is compiled for: q, k, v with any strides (last dim
+    contiguous), fresh contiguous out and lse, and the float32 scale."""
+    t = KERNEL_DTYPE[config.dtype].name
+    return f"void({t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,::1], float32[:,:,::1], float32)"
 
 
-def _array_fields(ndim):
-    return 5 + 2 * ndim
+def _parameter_layout(signature):
+    """struct format of the kernel parameters for a signature like "void(float16[:,:,::1], float32)".
+
+    Numba flattens an n-dim array into 5 + 2n parameters of 8 bytes; a float32 scalar takes 4 bytes
+    (padded to 8 when more parameters follow). Returns (format, offsets of each parameter).
+    """
+    fields, offsets, offset = "<", [], 0
+    for arg in _split_arguments(signature[signature.index("(") + 1 : -1]):
+        if "[" in arg:
+            ndim = arg.count(",") + 1
+            for _ in range(5 + 2 * ndim):
+                fields += "q"
+                offsets.append(offset)
+                offset += 8
+        else:
+            fields += "f4x"
+            offsets.append(offset)
+            offset += 8
+    return fields, offsets
+
+
+def _split_arguments(arguments):
+    """"float16[:,:], float32" -> ["float16[:,:]", "float32"]: commas outside brackets split."""
+    parts, depth, current = [], 0, ""
+    for ch in arguments:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    return parts + [current.strip()]
 
 
 class CompiledKernel:
-    """One configuration's kernel, compiled and loaded, with its launch parameter buffer."""
+    """One configuration's kernel, compiled for one signature and loaded, with its launch parameter
+    buffer. ``launch(grid, arrays, scalars)`` queues it on CuPy's current stream."""
 
-    def __init__(self, config, array_ndims):
+    def __init__(self, config, builder, signature):
         self.config = config
-        self.kernel = BUILDERS[type(config)](config)
-        # The portable kernel's tiles are static; the tensor-core kernel's are all dynamic.
-        self.dynamic_shared = getattr(config, "dynamic_shared_bytes", None)
-        if self.dynamic_shared is None:
-            self.dynamic_shared = config.shared_bytes
+        self.kernel = builder(config)
+        self.dynamic_shared = config.dynamic_shared_bytes  # 0 for the portable kernels
         self.registers = self.static_shared = self.local_bytes = None  # known once compiled
         if runtime.SIMULATOR:
             return
-        signature = FORWARD_SIGNATURE.format(t=KERNEL_DTYPE[config.dtype].name)
         overload = self.kernel.compile(signature)
         overload.bind()
         self.function = _function_handle(overload)
@@ -124,26 +154,26 @@ class CompiledKernel:
         self.static_shared = _function_attribute(self.function, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
         self.local_bytes = _function_attribute(self.function, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
 
-        # Parameter buffer: every array field is 8 bytes; the trailing float32 scalar takes 4.
-        n_words = sum(_array_fields(n) for n in array_ndims)
-        packer = struct.Struct(f"<{n_words}qf")
+        fields, offsets = _parameter_layout(signature)
+        packer = struct.Struct(fields)
         self._pack = packer.pack_into
         self._buffer = ctypes.create_string_buffer(packer.size)
+        base = ctypes.addressof(self._buffer)
+        self._params = (ctypes.c_void_p * len(offsets))(*(base + o for o in offsets))
         self._launch = _driver().cuLaunchKernel
         self._current_stream = runtime.cupy().cuda.get_current_stream
-        base = ctypes.addressof(self._buffer)
-        self._params = (ctypes.c_void_p * (n_words + 1))(*(base + 8 * i for i in range(n_words + 1)))
 
-    def launch(self, grid, arrays, scale):
-        """Queue the kernel on CuPy's current stream. ``arrays`` are backend arrays."""
+    def launch(self, grid, arrays, scalars):
+        """Queue the kernel on CuPy's current stream. ``arrays`` are backend arrays, in the order
+        of the signature, followed by the float32 ``scalars``."""
         if runtime.SIMULATOR:
             launch_config = self.kernel[grid, self.config.threads, 0, self.dynamic_shared]
-            launch_config(*(_simulator_array(a) for a in arrays), scale)
+            launch_config(*(_simulator_array(a) for a in arrays), *scalars)
             return
         fields = []
         for a in arrays:
             fields += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
-        self._pack(self._buffer, 0, *fields, scale)
+        self._pack(self._buffer, 0, *fields, *scalars)
         status = self._launch(
             self.function,
             *grid,
@@ -169,6 +199,6 @@ def _simulator_array(x):
 
 @lru_cache(maxsize=None)
 def compiled(config, device=0):
-    """The compiled kernel for ``config`` on ``device`` (compiled on first use, then cached)."""
-    return CompiledKernel(config, array_ndims=(4, 4, 4, 4, 3))
+    """The compiled forward kernel for ``config`` on ``device`` (compiled on first use, then cached)."""
+    return CompiledKernel(config, BUILDERS[type(config)], forward_signature(config))
 

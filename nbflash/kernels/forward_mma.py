@@ -138,6 +138,11 @@ class MmaForwardConfig:
         """Dynamic shared memory per block: the Q tile and two K and two V tiles, 2 bytes each."""
         return (self.block_m + 4 * self.block_n) * self.row_elems * 2
 
+    @property
+    def dynamic_shared_bytes(self):
+        """What a launch asks for: all of the kernel's shared memory is dynamic."""
+        return self.shared_bytes
+
     def grid(self, batch, nheads, seqlen_q):
         return (-(-seqlen_q // self.block_m), nheads, batch)
 
