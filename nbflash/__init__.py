@@ -1,21 +1,27 @@
 """nbflash: FlashAttention as Numba CUDA kernels in Python syntax, over CuPy arrays.
 
     out = nbflash.flash_attn_func(q, k, v, causal=True)
+    out, lse = nbflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    dq, dk, dv = nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True)
 
-See ``flash_attn_func`` for shapes, dtypes and the causal convention.
+See ``flash_attn_func`` for shapes, dtypes and the causal convention; ``nbflash.torch`` for a
+PyTorch autograd function over the same kernels (torch stays optional: only that module imports it).
 """
 
+from .backward import flash_attn_backward
 from .configs import kernel_family
 from .interface import explain, flash_attn_func
-from .reference import attention_naive, attention_reference
+from .reference import attention_naive, attention_reference, attention_reference_backward
 
 __version__ = "0.1.0"
 
 __all__ = [
     "flash_attn_func",
+    "flash_attn_backward",
     "explain",
     "kernel_family",
     "attention_reference",
+    "attention_reference_backward",
     "attention_naive",
     "__version__",
 ]

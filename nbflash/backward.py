@@ -11,85 +11,11 @@ from functools import lru_cache
 import numpy as np
 
 from . import launch, runtime, validation
+from .configs import plan_backward
 from .dtypes import FLOAT32, KERNEL_DTYPE
-from .kernels.backward_portable import PortableBackwardConfig, build_backward_portable, shared_bytes
+from .kernels.backward_portable import build_backward_portable
 
 LOG2_E = math.log2(math.e)
-
-# ---------------------------------------------------------------------------------------------------
-# Planning. TODO(configs): this table belongs in configs.py with the forward's; it sits here until the
-# planner there grows a backward entry point.
-# ---------------------------------------------------------------------------------------------------
-
-# Shared memory the portable path stays within (every CUDA GPU offers it without opting in).
-PORTABLE_SHARED_LIMIT = 48 * 1024
-
-# Portable dK/dV kernel: (largest headdim, threads per key row, key rows per block). The query tile
-# height is then the largest power of two from 64 down that fits the shared-memory limit. Each
-# thread holds two slices (dK and dV) of its key row, of headdim / threads_per_row floats each.
-PORTABLE_BACKWARD_DKDV = [
-    (32, 4, 64),
-    (64, 4, 64),
-    (128, 8, 32),
-    (256, 8, 8),
-]
-
-# Portable dQ kernel (deterministic mode): (largest headdim, threads per query row, query rows per
-# block); the key tile height is fitted the same way.
-PORTABLE_BACKWARD_DQ = [
-    (32, 4, 64),
-    (64, 4, 32),
-    (128, 8, 16),
-    (256, 8, 8),
-]
-
-# Preprocess and dq conversion: query rows per block and threads per row (memory-bound, tiny).
-PORTABLE_BACKWARD_ROWS = (32, 8)
-
-
-def _fit(kernel, headdim, threads_per_row, fixed, fixed_is_m):
-    """The largest power-of-two tile height from 64 down (at least threads_per_row) that keeps the
-    kernel within PORTABLE_SHARED_LIMIT, the other tile height being ``fixed``."""
-    size = 64
-    while size > threads_per_row:
-        block_m, block_n = (fixed, size) if fixed_is_m else (size, fixed)
-        if shared_bytes(kernel, headdim, block_m, block_n, threads_per_row) <= PORTABLE_SHARED_LIMIT:
-            break
-        size //= 2
-    return size
-
-
-def _row(table, headdim):
-    for entry in table:
-        if headdim <= entry[0]:
-            return entry
-    raise ValueError(f"{headdim=} exceeds {table[-1][0]}")
-
-
-def plan_backward(dtype, headdim, causal, deterministic):
-    """The kernel configs of a backward call: (preprocess, dkdv, dq or convert_dq)."""
-    atomic = not deterministic
-    common = dict(dtype=dtype, headdim=headdim, causal=causal, atomic_dq=atomic)
-    rows, rows_threads = PORTABLE_BACKWARD_ROWS
-    # The row-wise kernels do not depend on the mask: one compiled variant serves causal and not.
-    rowwise = dict(common, causal=False)
-    preprocess = PortableBackwardConfig("preprocess", block_m=rows, block_n=rows,
-                                        threads_per_row=rows_threads, **rowwise)
-
-    _, threads, block_n = _row(PORTABLE_BACKWARD_DKDV, headdim)
-    block_m = _fit("dkdv", headdim, threads, block_n, fixed_is_m=False)
-    dkdv = PortableBackwardConfig("dkdv", block_m=block_m, block_n=block_n, threads_per_row=threads,
-                                  **common)
-    if atomic:
-        dq = PortableBackwardConfig("convert_dq", block_m=rows, block_n=rows,
-                                    threads_per_row=rows_threads, **rowwise)
-    else:
-        _, threads, block_m = _row(PORTABLE_BACKWARD_DQ, headdim)
-        block_n = _fit("dq", headdim, threads, block_m, fixed_is_m=True)
-        dq = PortableBackwardConfig("dq", block_m=block_m, block_n=block_n, threads_per_row=threads,
-                                    **common)
-    return preprocess, dkdv, dq
-
 
 # ---------------------------------------------------------------------------------------------------
 # Validation of the backward-only arguments

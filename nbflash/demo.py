@@ -11,7 +11,6 @@ of the simulator, and only the N x N bytes are given, computed rather than measu
 
 import argparse
 import math
-import time
 
 import numpy as np
 from tabulate import tabulate
@@ -19,6 +18,7 @@ from tabulate import tabulate
 from . import runtime
 from .dtypes import SUPPORTED
 from .interface import flash_attn_func
+from .measure import measure_peak, time_ms
 from .reference import attention_reference
 
 
@@ -45,31 +45,6 @@ def _max_error(out, q, k, v, causal):
     return float(err)
 
 
-class _GpuMeter:
-    """Times a call with CUDA events and reads the extra memory CuPy's pool had to hold for it."""
-
-    def __init__(self):
-        self.cupy = runtime.cupy()
-        self.pool = self.cupy.get_default_memory_pool()
-
-    def run(self, fn, repeats=3):
-        cp = self.cupy
-        fn()  # warm-up: compilation and first-touch out of the timing
-        cp.cuda.Device().synchronize()
-        self.pool.free_all_blocks()
-        before = self.pool.total_bytes()
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        times = []
-        for _ in range(repeats):
-            start.record()
-            out = fn()
-            stop.record()
-            stop.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, stop))
-        peak = self.pool.total_bytes() - before
-        return out, float(np.median(times)), peak
-
-
 def _fmt_bytes(n):
     if n is None:
         return "-"
@@ -82,7 +57,6 @@ def _fmt_bytes(n):
 def run_demo(seqlens, batch, nheads, headdim, dtype, causal):
     on_gpu = not runtime.SIMULATOR
     xp = runtime.cupy() if on_gpu else np
-    meter = _GpuMeter() if on_gpu else None
     rows = []
     for n in seqlens:
         rng = np.random.default_rng(n)
@@ -96,25 +70,19 @@ def run_demo(seqlens, batch, nheads, headdim, dtype, causal):
             ("nbflash", lambda: flash_attn_func(q, k, v, causal=causal)),
             ("naive", lambda: naive_attention(q, k, v, causal)),
         ):
-            out = None
             try:
-                if on_gpu:
-                    out, ms, peak = meter.run(fn)
-                else:
-                    t0 = time.perf_counter()
-                    out, peak = fn(), None
-                    ms = (time.perf_counter() - t0) * 1e3
+                peak = measure_peak(fn)  # exact: CuPy allocations during one call, inputs excluded
+                ms = time_ms(fn, warmup=1, repeats=3)
                 row[f"{name} ms"] = f"{ms:.3f}"
                 row[f"{name} peak mem"] = _fmt_bytes(peak)
-                row[f"{name} max err"] = f"{_max_error(out, q, k, v, causal):.2e}"
+                row[f"{name} max err"] = f"{_max_error(fn(), q, k, v, causal):.2e}"
             except Exception as error:  # naive attention running out of memory is the point
                 if "OutOfMemory" not in type(error).__name__ and "out of memory" not in str(error):
                     raise
                 row[f"{name} ms"] = "out of memory"
                 row[f"{name} peak mem"] = row[f"{name} max err"] = "-"
                 if on_gpu:
-                    meter.pool.free_all_blocks()
-            del out
+                    runtime.cupy().get_default_memory_pool().free_all_blocks()
         rows.append(row)
         print(f"  seqlen {n} done", flush=True)
     return rows

@@ -13,6 +13,7 @@ columns. Example:
 """
 
 import argparse
+import importlib.util
 import sys
 import time
 
@@ -25,24 +26,8 @@ from nbflash import configs
 from nbflash.demo import naive_attention
 from nbflash.dtypes import SUPPORTED
 from nbflash.interface import _flash_attn_forward
+from nbflash.measure import time_ms
 from nbflash.validation import check_forward
-
-
-def time_ms(fn, warmup=2, repeats=10, budget_s=3.0):
-    """Median milliseconds of ``fn`` on the current stream, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.get_current_stream().synchronize()
-    times = []
-    t_end = time.perf_counter() + budget_s
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    while len(times) < repeats and (len(times) < 3 or time.perf_counter() < t_end):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
 
 
 def nbflash_runner(family):
@@ -90,12 +75,10 @@ def main(argv=None):
 
     runners = {f"nbflash {f}": nbflash_runner(f) for f in args.families}
     if not args.no_torch:
-        try:
-            import torch  # noqa: F401
-
+        if importlib.util.find_spec("torch"):
             runners["SDPA flash"] = sdpa_runner("FLASH_ATTENTION")
             runners["SDPA cuDNN"] = sdpa_runner("CUDNN_ATTENTION")
-        except ImportError:
+        else:
             print("torch not importable: no SDPA anchors", file=sys.stderr)
     if not args.no_naive:
         runners["naive CuPy"] = naive_runner
@@ -121,7 +104,7 @@ def main(argv=None):
                 row[name] = "-"
                 continue
             try:
-                ms = time_ms(make(q, k, v, causal), budget_s=args.budget)
+                ms = time_ms(make(q, k, v, causal), warmup=2, repeats=10, budget_s=args.budget)
                 row[name] = round(flops / ms / 1e9, 1)
             except Exception as error:  # out of memory, unsupported by a backend, ...
                 row[name] = "oom" if "memory" in str(error).lower() else "n/a"

@@ -68,6 +68,7 @@ import nbflash  # noqa: E402
 from nbflash import runtime  # noqa: E402
 from nbflash.demo import naive_attention  # noqa: E402
 from nbflash.dtypes import SUPPORTED  # noqa: E402
+from nbflash.measure import PeakMemory, measure_peak, time_ms  # noqa: E402
 
 SIMULATOR = runtime.SIMULATOR
 
@@ -207,102 +208,6 @@ def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal):
 
 
 # ---- Measuring -------------------------------------------------------------------------------
-
-
-class PeakMemory:
-    """Counts CuPy device allocations while active: live bytes and their high-water mark.
-
-    Installed as CuPy's allocator (``cupy.cuda.PythonFunctionAllocator``) over a private memory
-    pool. ``malloc`` and ``free`` do the bookkeeping with the bytes asked for, so the peak is exact
-    (not rounded to the pool's blocks). Allocations made before entering (the inputs) are not
-    counted. On leaving, the previous allocator is restored and the private pool emptied. Memory that
-    libraries allocate outside CuPy (cuBLAS's workspace, Numba's own) is not seen.
-
-    ``pool`` is anything with ``malloc(size)`` returning an object with ``.ptr``, and
-    ``free_all_blocks()``; tests pass a fake one.
-    """
-
-    _gpu_pool = None
-
-    def __init__(self, pool=None):
-        self.pool = pool
-        self.blocks = {}  # ptr -> (the pool's memory object, requested bytes)
-        self.live = 0
-        self.peak = 0
-        self.allocations = 0
-        self._previous = None
-
-    def malloc(self, size, device_id=None):
-        if size == 0:
-            return 0
-        memory = self.pool.malloc(size)
-        self.blocks[int(memory.ptr)] = (memory, size)
-        self.live += size
-        self.allocations += 1
-        self.peak = max(self.peak, self.live)
-        return int(memory.ptr)
-
-    def free(self, ptr, device_id=None):
-        entry = self.blocks.pop(int(ptr), None)
-        if entry is not None:  # dropping entry[0] hands the block back to the private pool
-            self.live -= entry[1]
-
-    def __enter__(self):
-        cp = runtime.cupy()
-        if self.pool is None:
-            # One private pool for the whole run, kept alive so late frees always find it.
-            if PeakMemory._gpu_pool is None:
-                PeakMemory._gpu_pool = cp.cuda.MemoryPool()
-            self.pool = PeakMemory._gpu_pool
-        cp.cuda.Device().synchronize()
-        cp.get_default_memory_pool().free_all_blocks()  # cached blocks would crowd the measurement
-        self.pool.free_all_blocks()
-        self._previous = cp.cuda.get_allocator()
-        allocator = cp.cuda.memory.PythonFunctionAllocator(self.malloc, self.free)
-        cp.cuda.set_allocator(allocator.malloc)
-        return self
-
-    def __exit__(self, *exc):
-        cp = runtime.cupy()
-        cp.cuda.set_allocator(self._previous)
-        cp.cuda.Device().synchronize()
-        self.pool.free_all_blocks()
-        return False
-
-
-def measure_peak(fn):
-    """Peak extra device bytes of one call of ``fn`` (its output included), or None in the
-    simulator. Raises the call's error (out of memory, say)."""
-    if SIMULATOR:
-        return None
-    with PeakMemory() as meter:
-        out = fn()
-        runtime.cupy().cuda.get_current_stream().synchronize()
-        del out
-    return meter.peak
-
-
-def time_ms(fn, warmup=1, repeats=5, budget_s=1.0):
-    """Median milliseconds of ``fn``: CUDA events after ``warmup`` calls; at least 3 repeats, more
-    up to ``repeats`` while within ``budget_s``. In the simulator: one call, CPU time."""
-    if SIMULATOR:
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    cp = runtime.cupy()
-    for _ in range(warmup):
-        fn()
-    cp.cuda.get_current_stream().synchronize()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    deadline = time.perf_counter() + budget_s
-    while len(times) < max(1, repeats) and (len(times) < 3 or time.perf_counter() < deadline):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
 
 
 def _free_cached():

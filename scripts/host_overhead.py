@@ -1,7 +1,9 @@
 """Host time of one nbflash call on a tiny problem, next to a trivial CuPy ElementwiseKernel launch.
 
 Both are timed in the same run on the same arrays (the host is noisy: compare within a run): the
-median over rounds of many back-to-back calls, host clock, without synchronizing inside a round.
+median over rounds of back-to-back calls, host clock, without synchronizing inside a round. A round
+is kept well below the depth of the launch queue (about a thousand launches): past it the host waits
+for the GPU and the time measured would include the kernels' run time.
 Then the first call's time in fresh processes: cold (empty on-disk kernel cache) and warm (the cache
 filled by the cold run).
 
@@ -32,7 +34,7 @@ print(f"{{t1 - t0:.2f}} {{t2 - t1:.2f}}")
 """
 
 
-def host_us(fn, calls=2000, rounds=7):
+def host_us(fn, calls=200, rounds=31):
     fn()
     cupy.cuda.get_current_stream().synchronize()
     per_round = []
