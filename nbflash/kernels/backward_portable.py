@@ -59,7 +59,7 @@ from functools import lru_cache
 
 from numba import cuda, float32
 
-from ..primitives import bf16_bits_to_f32, f32_to_bf16_bits, to_f32
+from .tiles import element_io, tile_loader
 
 LOG2E = math.log2(math.e)
 NEG_INF = float32(-math.inf)
@@ -131,28 +131,13 @@ def build_backward_portable(config):
     BLOCK_M_PAD = BLOCK_M + 1
     BLOCK_N_PAD = BLOCK_N + 1
     THREADS_PER_ROW_PAD = THREADS_PER_ROW + 1
-    if config.dtype == "bfloat16":
-        load, store = bf16_bits_to_f32, f32_to_bf16_bits
-    else:
-        load, store = to_f32, to_f32  # float16 outputs are narrowed by the array store itself
+    load, store = element_io(config.dtype)
 
     # ------------------------------------------------------------------------------------------
     # Helpers: tile operations, each done by the whole block or by the threads of one row
     # ------------------------------------------------------------------------------------------
 
-    @cuda.jit(device=True, inline=True)
-    def load_tile(src, batch, start, head, rows, tile):
-        """tile[r, d] = src[batch, start + r, head, d], zero beyond the ``rows`` valid rows.
-
-        Consecutive threads read consecutive features of a row: coalesced global reads.
-        """
-        for i in range(cuda.threadIdx.x, tile.shape[0] * HEADDIM, NUM_THREADS):
-            r = i // HEADDIM
-            d = i - r * HEADDIM
-            if r < rows:
-                tile[r, d] = load(src[batch, start + r, head, d])
-            else:
-                tile[r, d] = float32(0.0)
+    load_tile = tile_loader(HEADDIM, NUM_THREADS, load)
 
     @cuda.jit(device=True, inline=True)
     def lse_log2(lse, batch, head, q_idx, seqlen_q):
@@ -308,16 +293,16 @@ def build_backward_portable(config):
         tail = k_rows < BLOCK_N
 
         # ---- Load K_j, V_j once -------------------------------------------------------------------
-        load_tile(k, batch, k_start, head_k, k_rows, K_s)
-        load_tile(v, batch, k_start, head_k, k_rows, V_s)
+        load_tile(k, batch, k_start, head_k, k_rows, K_s, float32(1.0))
+        load_tile(v, batch, k_start, head_k, k_rows, V_s, float32(1.0))
 
         # ---- Loop over the query heads of the group, and over their Q_i, dO_i -------------------
         for head in range(head_k * group, head_k * group + group):
             for i in range(first_tile, num_q_tiles):
                 q_start = i * BLOCK_M
                 q_rows = min(BLOCK_M, seqlen_q - q_start)
-                load_tile(q, batch, q_start, head, q_rows, Q_s)
-                load_tile(dout, batch, q_start, head, q_rows, dO_s)
+                load_tile(q, batch, q_start, head, q_rows, Q_s, float32(1.0))
+                load_tile(dout, batch, q_start, head, q_rows, dO_s, float32(1.0))
                 for c in range(cuda.threadIdx.x, BLOCK_M, NUM_THREADS):
                     lse_s[c] = lse_log2(lse, batch, head, q_start + c, seqlen_q)
                     D_s[c] = delta[batch, head, q_start + c] if c < q_rows else float32(0.0)
@@ -401,15 +386,15 @@ def build_backward_portable(config):
         num_unmasked_tiles = k_unmasked_end // BLOCK_N
 
         # ---- Load Q_i, dO_i once -----------------------------------------------------------------
-        load_tile(q, batch, q_start, head, q_rows, Q_s)
-        load_tile(dout, batch, q_start, head, q_rows, dO_s)
+        load_tile(q, batch, q_start, head, q_rows, Q_s, float32(1.0))
+        load_tile(dout, batch, q_start, head, q_rows, dO_s, float32(1.0))
 
         # ---- Loop over K_j, V_j ------------------------------------------------------------------
         for j in range(num_tiles):
             k_start = j * BLOCK_N
             k_rows = min(BLOCK_N, seqlen_k - k_start)
-            load_tile(k, batch, k_start, head_k, k_rows, K_s)
-            load_tile(v, batch, k_start, head_k, k_rows, V_s)
+            load_tile(k, batch, k_start, head_k, k_rows, K_s, float32(1.0))
+            load_tile(v, batch, k_start, head_k, k_rows, V_s, float32(1.0))
             cuda.syncthreads()  # K_j, V_j (and Q_i, dO_i on the first pass) are in shared memory
 
             masked = j >= num_unmasked_tiles

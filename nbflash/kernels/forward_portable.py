@@ -54,7 +54,7 @@ from functools import lru_cache
 
 from numba import cuda, float32
 
-from ..primitives import bf16_bits_to_f32, f32_to_bf16_bits, to_f32
+from .tiles import element_io, tile_loader
 
 LN2 = math.log(2.0)
 NEG_INF = float32(-math.inf)
@@ -112,28 +112,13 @@ def build_forward_portable(config):
     ACC_REGS = ROWS * FEATURES
     HEADDIM_PAD = HEADDIM + 1
     BLOCK_N_PAD = BLOCK_N + 1
-    if config.dtype == "bfloat16":
-        load, store = bf16_bits_to_f32, f32_to_bf16_bits
-    else:
-        load, store = to_f32, to_f32  # float16 outputs are narrowed by the array store itself
+    load, store = element_io(config.dtype)
 
     # ------------------------------------------------------------------------------------------
     # Helpers: tile operations, each done by the whole block or by one thread on its registers
     # ------------------------------------------------------------------------------------------
 
-    @cuda.jit(device=True, inline=True)
-    def load_tile(src, batch, start, head, rows, tile, scale):
-        """tile[r, d] = src[batch, start + r, head, d] * scale, zero beyond the ``rows`` valid rows.
-
-        Consecutive threads read consecutive features of a row: coalesced global reads.
-        """
-        for i in range(cuda.threadIdx.x, tile.shape[0] * HEADDIM, NUM_THREADS):
-            r = i // HEADDIM
-            d = i - r * HEADDIM
-            if r < rows:
-                tile[r, d] = load(src[batch, start + r, head, d]) * scale
-            else:
-                tile[r, d] = float32(0.0)
+    load_tile = tile_loader(HEADDIM, NUM_THREADS, load)
 
     @cuda.jit(device=True, inline=True)
     def scores(Q_s, K_s, row0, tx, s):
