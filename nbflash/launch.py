@@ -16,6 +16,7 @@ import struct
 from functools import lru_cache
 
 import numpy as np
+
 from . import runtime
 from .dtypes import BFLOAT16, KERNEL_DTYPE
 from .kernels.forward_mma import MmaForwardConfig, build_forward_mma
@@ -27,7 +28,6 @@ BUILDERS = {PortableForwardConfig: build_forward_portable, MmaForwardConfig: bui
 DEFAULT_SHARED_LIMIT = 48 * 1024
 
 # Driver API constants (cuda.h).
-CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0
 CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
 CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
 CU_FUNC_ATTRIBUTE_NUM_REGS = 4
@@ -86,6 +86,7 @@ def _function_attribute(function, attribute):
 # ---------------------------------------------------------------------------------------------------
 # Compiled kernels
 # ---------------------------------------------------------------------------------------------------
+
 
 def forward_signature(config):
     """The one signature a forward kernel is compiled for: q, k, v with any strides (last dim

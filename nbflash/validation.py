@@ -16,6 +16,7 @@ from . import runtime
 from .dtypes import dtype_name
 
 MAX_HEADDIM = 256
+MAX_GRID_YZ = 65535  # a launch grid's y (heads) and z (batch) dimensions
 
 
 class Problem(NamedTuple):
@@ -134,6 +135,11 @@ def check_forward(q, k, v, softmax_scale, causal):
         raise ValueError(f"headdim differs: q has {headdim} (q.shape[3]), k and v have {headdim_k}")
     if headdim > MAX_HEADDIM:
         raise ValueError(f"{headdim=} exceeds {MAX_HEADDIM}")
+    if batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
+        raise ValueError(
+            f"batch={batch} and nheads={nheads} must each be at most {MAX_GRID_YZ} "
+            f"(one launch covers them); split the call along that dimension"
+        )
     if nheads % nheads_k:
         raise ValueError(
             f"nheads={nheads} (q.shape[2]) must be a multiple of nheads_k={nheads_k} (k.shape[2]) "

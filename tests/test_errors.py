@@ -146,3 +146,9 @@ def test_arrays_on_different_devices(qkv):
         call(q, k1, v)
 
 
+
+
+def test_too_many_heads_for_one_launch(xp):
+    q = xp.ones((1, 1, 65536, 1), dtype=xp.float32)
+    with pytest.raises(ValueError, match="nheads=65536 must each be at most 65535"):
+        call(q, q, q)
