@@ -42,7 +42,8 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
         with _on_torch_stream(q):
-            problem, q_, k_, v_ = validation.check_forward(q, k, v, softmax_scale, causal)
+            # torch refuses to export tensors that require gradients; the detached views share memory.
+            problem, q_, k_, v_ = validation.check_forward(q.detach(), k.detach(), v.detach(), softmax_scale, causal)
             out, lse = interface._flash_attn_forward(problem, q_, k_, v_)
             out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -56,7 +57,7 @@ class FlashAttnFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dout = _last_dim_contiguous(dout.to(q.dtype))
         with _on_torch_stream(q):
-            arrays = [validation.as_backend_array(x, name) for x, name in
+            arrays = [validation.as_backend_array(x.detach(), name) for x, name in
                       ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
             grads = backward._flash_attn_backward(ctx.problem, *arrays, ctx.deterministic)
             dq, dk, dv = (torch.from_dlpack(g) for g in grads)
