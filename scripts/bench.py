@@ -1,4 +1,4 @@
-"""Forward throughput over flash-attn's benchmark grid, next to the anchors, in one run.
+"""Forward (or backward) throughput over flash-attn's benchmark grid, next to the anchors, in one run.
 
 Grid (flash-attn's): hidden size 2048, so nheads = 2048 / headdim; batch = 16384 / seqlen; seqlen
 512 ... 16k; headdim 64, 128, 256; causal and not; fp16 and bf16 (fp32 too for our portable path).
@@ -10,6 +10,7 @@ Times: CUDA events around each call after a warm-up, median of the repeats. Rati
 columns. Example:
 
     python scripts/bench.py --headdims 64 128 --seqlens 1024 4096 16384 --dtypes float16 float32
+    python scripts/bench.py --pass backward --families portable --headdims 128 --seqlens 4096
 """
 
 import argparse
@@ -25,6 +26,7 @@ import nbflash
 from nbflash import configs
 from nbflash.demo import naive_attention
 from nbflash.dtypes import SUPPORTED
+from nbflash.backward import _flash_attn_backward
 from nbflash.interface import _flash_attn_forward
 from nbflash.measure import time_ms
 from nbflash.validation import check_forward
@@ -34,6 +36,23 @@ def nbflash_runner(family):
     def run(q, k, v, causal):
         problem, q_, k_, v_ = check_forward(q, k, v, None, causal)
         return lambda: _flash_attn_forward(problem, q_, k_, v_, family=family)
+
+    return run
+
+
+def nbflash_backward_runner(family):
+    """Times flash_attn_backward alone, from the default forward's out and lse."""
+
+    def run(q, k, v, causal):
+        problem, q_, k_, v_ = check_forward(q, k, v, None, causal)
+        out, lse = _flash_attn_forward(problem, q_, k_, v_)
+        dout = cupy.random.standard_normal(q.shape, dtype=np.float32).astype(q.dtype)
+
+        def call():
+            with nbflash.kernel_family(family):
+                return _flash_attn_backward(problem, dout, q_, k_, v_, out, lse)
+
+        return call
 
     return run
 
@@ -56,6 +75,23 @@ def sdpa_runner(backend_name):
     return run
 
 
+def sdpa_backward_runner(backend_name):
+    """Times SDPA's backward alone (out.backward on a retained graph)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def run(q, k, v, causal):
+        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(backend):
+            out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+        dout = torch.randn_like(out)
+        return lambda: out.backward(dout, retain_graph=True)
+
+    return run
+
+
 def naive_runner(q, k, v, causal):
     return lambda: naive_attention(q, k, v, causal)
 
@@ -71,16 +107,22 @@ def main(argv=None):
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per entry")
     parser.add_argument("--markdown", help="also write the table, with GPU, date and command, to this file")
+    parser.add_argument(
+        "--pass", dest="which", choices=["forward", "backward"], default="forward",
+        help="time the forward, or the backward alone (FLOPs counted as 2.5x the forward's)",
+    )
     args = parser.parse_args(argv)
 
-    runners = {f"nbflash {f}": nbflash_runner(f) for f in args.families}
+    backward = args.which == "backward"
+    ours, sdpa = (nbflash_backward_runner, sdpa_backward_runner) if backward else (nbflash_runner, sdpa_runner)
+    runners = {f"nbflash {f}": ours(f) for f in args.families}
     if not args.no_torch:
         if importlib.util.find_spec("torch"):
-            runners["SDPA flash"] = sdpa_runner("FLASH_ATTENTION")
-            runners["SDPA cuDNN"] = sdpa_runner("CUDNN_ATTENTION")
+            runners["SDPA flash"] = sdpa("FLASH_ATTENTION")
+            runners["SDPA cuDNN"] = sdpa("CUDNN_ATTENTION")
         else:
             print("torch not importable: no SDPA anchors", file=sys.stderr)
-    if not args.no_naive:
+    if not args.no_naive and not backward:
         runners["naive CuPy"] = naive_runner
 
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
@@ -91,6 +133,7 @@ def main(argv=None):
     for index, (headdim, seqlen, causal, dtype) in enumerate(cases):
         nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
         flops = 4 * batch * nheads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
+        flops *= 2.5 if backward else 1.0
         rng = np.random.default_rng(index)
         q, k, v = (
             cupy.asarray(rng.standard_normal((batch, seqlen, nheads, headdim), np.float32)).astype(
@@ -117,7 +160,10 @@ def main(argv=None):
         rows.append(row)
         print(f"[{index + 1}/{len(cases)}] {row}", file=sys.stderr, flush=True)
     gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    title = "forward TFLOP/s (FLOPs = 4 B H N^2 D, x0.5 causal); ratios are nbflash's best family over the anchor"
+    title = (
+        f"{args.which} TFLOP/s (FLOPs = 4 B H N^2 D, x0.5 causal{', x2.5 backward' if backward else ''}); "
+        "ratios are nbflash's best family over the anchor"
+    )
     print(f"GPU: {gpu}, nbflash {nbflash.__version__}")
     print(title)
     print(tabulate(rows, headers="keys"))
