@@ -3,7 +3,8 @@
 #
 #   scripts/gpu_check.sh tests   the GPU tests (pytest -m gpu; kernels compiled in parallel by
 #                                pytest-xdist), the host-overhead measurement and the demo
-#   scripts/gpu_check.sh bench   forward throughput next to SDPA and naive CuPy, and the claims
+#   scripts/gpu_check.sh bench   forward and backward throughput next to SDPA (and naive CuPy),
+#                                and the claims
 #
 # Logs and tables go to $OUT (or ./gpu_check_out). Every step has its own time limit, and the test
 # log names each result as it comes (-v), so a step cut short still says what failed.
@@ -28,6 +29,9 @@ bench)
     timeout 330 python3 scripts/bench.py --families mma portable --headdims 64 128 \
         --seqlens 1024 4096 16384 --dtypes float16 --budget 0.5 \
         --markdown "$out/bench_forward.md" 2> "$out/bench.err" | tail -16
+    timeout 150 python3 scripts/bench.py --pass backward --families portable --headdims 64 128 \
+        --seqlens 1024 4096 --dtypes float16 --budget 0.5 \
+        --markdown "$out/bench_backward.md" 2> "$out/bench_backward.err" | tail -10
     timeout 200 python3 scripts/claims.py --write-docs --docs-dir "$out" 2> "$out/claims.err" | tail -30
     ;;
 *)
