@@ -11,9 +11,10 @@ from functools import lru_cache
 import numpy as np
 
 from . import launch, runtime, validation
-from .configs import plan_backward
+from .configs import forced_family, plan_backward
 from .dtypes import FLOAT32, KERNEL_DTYPE
-from .kernels.backward_portable import build_backward_portable
+from .kernels.backward_mma import MmaBackwardConfig, build_backward_mma
+from .kernels.backward_portable import PortableBackwardConfig, build_backward_portable
 
 LOG2_E = math.log2(math.e)
 
@@ -75,13 +76,16 @@ def _signature(config):
     return f"void(float32[:,:,:,::1], {grad}, float32)"
 
 
+BUILDERS = {PortableBackwardConfig: build_backward_portable, MmaBackwardConfig: build_backward_mma}
+
+
 @lru_cache(maxsize=None)
-def _kernels(dtype, headdim, causal, deterministic, device):
+def _kernels(dtype, headdim, causal, deterministic, family, device):
     """The three compiled kernels of a call (preprocess, dkdv, dq or convert_dq); one cache lookup
-    per call on plain values."""
+    per call on plain values. The tensor-core kernels take the portable ones' arguments."""
     return tuple(
-        launch.CompiledKernel(config, build_backward_portable, _signature(config))
-        for config in plan_backward(dtype, headdim, causal, deterministic)
+        launch.CompiledKernel(config, BUILDERS[type(config)], _signature(config))
+        for config in plan_backward(dtype, headdim, causal, deterministic, family, device)
     )
 
 
@@ -93,7 +97,10 @@ def _kernels(dtype, headdim, causal, deterministic, device):
 def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     """Run the backward pass on validated inputs; returns (dq, dk, dv) as backend arrays."""
     p = problem
-    preprocess, dkdv, dq_kernel = _kernels(p.dtype, p.headdim, p.causal, deterministic, p.device)
+    # The default stays on the portable kernels: the tensor-core ones have run only in the simulator
+    # so far. nbflash.kernel_family("mma") opts in.
+    family = forced_family() or "portable"
+    preprocess, dkdv, dq_kernel = _kernels(p.dtype, p.headdim, p.causal, deterministic, family, p.device)
     dq = launch.empty(q.shape, q.dtype)
     dk = launch.empty(k.shape, k.dtype)
     dv = launch.empty(v.shape, v.dtype)
@@ -133,6 +140,10 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
         dq, dk, dv: shaped and typed like q, k, v (fresh contiguous arrays). Under grouped-query
         attention, dk and dv of a key/value head are summed over the query heads that share it.
         Query rows that see no key (causal, seqlen_q > seqlen_k) get dq = 0 and contribute nothing.
+
+    Kernels: the portable family by default; inside ``nbflash.kernel_family("mma")`` the tensor-core
+    kernels (float16/bfloat16, compute capability >= 8.0), which have not yet been run on a GPU, so
+    they are opt-in for now.
 
     Extra memory: float32 (batch, nheads, seqlen_q) for rowsum(dout * out), plus a float32 copy of
     dq's shape for the atomics (not in deterministic mode). The work is queued on CuPy's current

@@ -16,6 +16,7 @@ import contextvars
 from functools import lru_cache
 
 from . import runtime
+from .kernels.backward_mma import MmaBackwardConfig
 from .kernels.forward_mma import MmaForwardConfig
 from .kernels.backward_portable import PortableBackwardConfig
 from .kernels.backward_portable import shared_bytes as backward_shared_bytes
@@ -141,7 +142,7 @@ def plan_forward(dtype, headdim, causal, aligned, family=None, device=0):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Backward (portable kernels, nbflash/kernels/backward_portable.py)
+# Backward (nbflash/kernels/backward_portable.py, nbflash/kernels/backward_mma.py)
 # ---------------------------------------------------------------------------------------------------
 
 # Portable dK/dV kernel: (largest headdim, threads per key row, key rows per block). The query tile
@@ -186,8 +187,28 @@ def _row(table, headdim):
     raise ValueError(f"{headdim=} exceeds {table[-1][0]}")
 
 
-def plan_backward(dtype, headdim, causal, deterministic):
-    """The kernel configs of a backward call: (preprocess, dkdv, dq or convert_dq)."""
+# Tensor-core backward (nbflash/kernels/backward_mma.py): (largest headdim, block_m, block_n,
+# num_warps) of the dK/dV kernel (block_n = 16 * num_warps: a warp owns 16 keys), and of the
+# deterministic dQ kernel (block_m = 16 * num_warps: a warp owns 16 query rows). Not measured: no
+# GPU ran these kernels yet, so plan_backward serves them only on request (family="mma").
+MMA_BACKWARD_DKDV = [
+    (128, 64, 64, 4),
+    (256, 32, 64, 4),
+]
+MMA_BACKWARD_DQ = [
+    (128, 64, 64, 4),
+    (256, 64, 32, 4),
+]
+
+
+def plan_backward(dtype, headdim, causal, deterministic, family="portable", device=0):
+    """The kernel configs of a backward call: (preprocess, dkdv, dq or convert_dq).
+
+    ``family`` "portable" (the default, any dtype and GPU) or "mma" (tensor-core dK/dV and dQ
+    kernels, float16/bfloat16 on compute capability >= 8.0). Both use the portable preprocess and
+    dq-conversion kernels.
+    """
+    _check_family(family)
     atomic = not deterministic
     common = dict(dtype=dtype, headdim=headdim, causal=causal, atomic_dq=atomic)
     rows, rows_threads = PORTABLE_BACKWARD_ROWS
@@ -195,17 +216,28 @@ def plan_backward(dtype, headdim, causal, deterministic):
     rowwise = dict(common, causal=False)
     preprocess = PortableBackwardConfig("preprocess", block_m=rows, block_n=rows,
                                         threads_per_row=rows_threads, **rowwise)
+    convert = PortableBackwardConfig("convert_dq", block_m=rows, block_n=rows,
+                                     threads_per_row=rows_threads, **rowwise)
+
+    if family == "mma":
+        reason = mma_unsupported_reason(dtype, device)
+        if reason:
+            raise ValueError(f"kernel family 'mma' cannot run this call: {reason}")
+        _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DKDV, headdim)
+        dkdv = MmaBackwardConfig("dkdv", block_m=block_m, block_n=block_n, num_warps=num_warps, **common)
+        if atomic:
+            return preprocess, dkdv, convert
+        _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DQ, headdim)
+        dq = MmaBackwardConfig("dq", block_m=block_m, block_n=block_n, num_warps=num_warps, **common)
+        return preprocess, dkdv, dq
 
     _, threads, block_n = _row(PORTABLE_BACKWARD_DKDV, headdim)
     block_m = _fit("dkdv", headdim, threads, block_n, fixed_is_m=False)
     dkdv = PortableBackwardConfig("dkdv", block_m=block_m, block_n=block_n, threads_per_row=threads,
                                   **common)
     if atomic:
-        dq = PortableBackwardConfig("convert_dq", block_m=rows, block_n=rows,
-                                    threads_per_row=rows_threads, **rowwise)
-    else:
-        _, threads, block_m = _row(PORTABLE_BACKWARD_DQ, headdim)
-        block_n = _fit("dq", headdim, threads, block_m, fixed_is_m=True)
-        dq = PortableBackwardConfig("dq", block_m=block_m, block_n=block_n, threads_per_row=threads,
-                                    **common)
+        return preprocess, dkdv, convert
+    _, threads, block_m = _row(PORTABLE_BACKWARD_DQ, headdim)
+    block_n = _fit("dq", headdim, threads, block_m, fixed_is_m=True)
+    dq = PortableBackwardConfig("dq", block_m=block_m, block_n=block_n, threads_per_row=threads, **common)
     return preprocess, dkdv, dq
