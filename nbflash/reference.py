@@ -49,6 +49,18 @@ def causal_visible(seqlen_q, seqlen_k, xp=np, rows=None):
     return xp.arange(seqlen_k)[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
 
 
+def _row_block_softmax(q_rows, k_h, scale, causal, seqlen_q, seqlen_k, rows, xp):
+    """For a block of query rows of one head: (p, row_max, row_sum), with p = exp(s - row_max)
+    unnormalized. Rows that see no key get p = 0, row_max = 0 and row_sum = 0."""
+    s = (q_rows @ k_h.T) * scale
+    if causal:
+        s = xp.where(causal_visible(seqlen_q, seqlen_k, xp, rows), s, -xp.inf)
+    row_max = s.max(axis=1, keepdims=True)
+    row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
+    p = xp.exp(s - row_max)
+    return p, row_max, p.sum(axis=1, keepdims=True)
+
+
 def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=False):
     """Exact attention in float64.
 
@@ -69,14 +81,10 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
             k_h, v_h = k[b, :, h // group], v[b, :, h // group]
             for start in range(0, seqlen_q, QUERY_BLOCK):
                 rows = xp.arange(start, min(start + QUERY_BLOCK, seqlen_q))
-                s = (q[b, rows, h] @ k_h.T) * scale
-                if causal:
-                    s = xp.where(causal_visible(seqlen_q, seqlen_k, xp, rows), s, -xp.inf)
-                row_max = s.max(axis=1, keepdims=True)
-                seen = xp.isfinite(row_max)[:, 0]  # rows that see at least one key
-                row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
-                p = xp.exp(s - row_max)
-                row_sum = p.sum(axis=1, keepdims=True)
+                p, row_max, row_sum = _row_block_softmax(
+                    q[b, rows, h], k_h, scale, causal, seqlen_q, seqlen_k, rows, xp
+                )
+                seen = row_sum[:, 0] > 0  # rows that see at least one key
                 safe_sum = xp.where(row_sum > 0, row_sum, 1.0)
                 out[b, rows, h] = xp.where(seen[:, None], (p @ v_h) / safe_sum, 0.0)
                 lse[b, h, rows] = xp.where(seen, row_max[:, 0] + xp.log(safe_sum[:, 0]), -xp.inf)
@@ -145,13 +153,9 @@ def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False
             k_h, v_h = k[b, :, h // group], v[b, :, h // group]
             for start in range(0, seqlen_q, QUERY_BLOCK):
                 rows = xp.arange(start, min(start + QUERY_BLOCK, seqlen_q))
-                s = (q[b, rows, h] @ k_h.T) * scale
-                if causal:
-                    s = xp.where(causal_visible(seqlen_q, seqlen_k, xp, rows), s, -xp.inf)
-                row_max = s.max(axis=1, keepdims=True)
-                row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
-                p = xp.exp(s - row_max)  # rows that see no key are all 0
-                row_sum = p.sum(axis=1, keepdims=True)
+                p, _, row_sum = _row_block_softmax(
+                    q[b, rows, h], k_h, scale, causal, seqlen_q, seqlen_k, rows, xp
+                )
                 p = p / xp.where(row_sum > 0, row_sum, 1.0)
                 do = dout[b, rows, h]
                 dp = do @ v_h.T
