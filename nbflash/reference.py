@@ -172,7 +172,7 @@ def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False):
 
     The forward of ``attention_naive``, then each backward matmul accumulating in float32 and rounding
     its result to the input dtype, as a framework's fp16/bf16 autograd does. Returns float32
-    ``(dq, dk, dv)``. Not chunked: for test sizes only.
+    ``(dq, dk, dv)`` holding input-dtype values. Not chunked: for test sizes only.
     """
     xp = _array_module(q)
     dtype = as_numpy_dtype(q.dtype)
@@ -206,4 +206,6 @@ def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False):
             ds = rounded(p * (dp - delta))
             dq[b, :, h] = rounded((ds @ k_h) * scale)
             dk[b, :, h // group] += rounded((ds.T @ q[b, :, h]) * scale)
-    return dq, dk, dv
+    # Under GQA/MQA the per-head dk and dv are summed over the group (as the backward of a framework's
+    # head-repeat does) and the sum, like every gradient, is handed back in the input dtype.
+    return dq, rounded(dk), rounded(dv)
