@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import runtime
+from . import cubin_cache, runtime
 from .dtypes import BFLOAT16, KERNEL_DTYPE
 from .kernels.forward_mma import MmaForwardConfig, build_forward_mma
 from .kernels.forward_portable import PortableForwardConfig, build_forward_portable
@@ -75,6 +75,24 @@ def _function_handle(kernel):
     if _driver().cuKernelGetFunction(ctypes.byref(function), ctypes.c_void_p(handle)) != 0:
         function = ctypes.c_void_p(handle)  # already a CUfunction
     return function
+
+
+def _load_or_compile(builder, config, signature):
+    """The kernel's CUfunction: from the on-disk cubin cache, else built and compiled by Numba (and
+    then cached)."""
+    from numba import cuda
+
+    context = cuda.current_context()  # makes the device's primary context current for the driver
+    key = cubin_cache.cache_key(config, signature, context.device.compute_capability)
+    function = cubin_cache.load(_driver(), key)
+    if function is not None:
+        return function
+    overload = builder(config).compile(signature)
+    overload.bind()
+    library = overload._codelibrary
+    if not library._setup_functions:  # nothing to run at module load: the cubin alone is the kernel
+        cubin_cache.store(key, library._entry_name, library.get_cubin())
+    return _function_handle(overload)
 
 
 def _function_attribute(function, attribute):
@@ -136,14 +154,12 @@ class CompiledKernel:
 
     def __init__(self, config, builder, signature):
         self.config = config
-        self.kernel = builder(config)
         self.dynamic_shared = config.dynamic_shared_bytes  # 0 for the portable kernels
         self.registers = self.static_shared = self.local_bytes = None  # known once compiled
         if runtime.SIMULATOR:
+            self.kernel = builder(config)
             return
-        overload = self.kernel.compile(signature)
-        overload.bind()
-        self.function = _function_handle(overload)
+        self.function = _load_or_compile(builder, config, signature)
         if self.dynamic_shared > DEFAULT_SHARED_LIMIT:
             _check(
                 _driver().cuFuncSetAttribute(

@@ -16,13 +16,13 @@ export PYTHONUNBUFFERED=1
 
 case "${1:-tests}" in
 tests)
-    timeout 340 python3 -m pytest -m gpu -n "${WORKERS:-14}" -v -p no:cacheprovider -W ignore \
+    timeout 440 python3 -m pytest -m gpu -n "${WORKERS:-14}" --dist loadgroup -v -p no:cacheprovider -W ignore \
         --tb=short -rf tests/ > "$out/pytest_gpu.log" 2>&1
     echo "pytest exit $?"
     grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR)" "$out/pytest_gpu.log" | sed 's/^\[gw[0-9]*\] //' | sort | uniq | head -60
     grep -cE "PASSED" "$out/pytest_gpu.log" | sed 's/^/passed: /'
     tail -2 "$out/pytest_gpu.log"
-    timeout 90 python3 scripts/host_overhead.py 2>&1 | tee "$out/host.log"
+    timeout 100 python3 scripts/host_overhead.py 2>&1 | tee "$out/host.log"
     timeout 120 python3 -m nbflash 2>&1 | tee "$out/demo.log" | tail -9
     ;;
 bench)

@@ -51,7 +51,7 @@ def first_call_seconds(dtype):
     """(import seconds, first-call seconds) for a cold and then a warm on-disk cache."""
     results = []
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache, NBFLASH_CACHE_DIR=cache)
         for _ in ("cold", "warm"):
             run = subprocess.run(
                 [sys.executable, "-c", FIRST_CALL.format(dtype=dtype)], env=env, capture_output=True, text=True
@@ -84,7 +84,7 @@ def main():
         ("  stage: validation.check_forward", lambda: validation.check_forward(q, k, v, None, False)),
         ("  stage: kernel lookup", lambda: interface._kernel_for(problem)),
         ("  stage: two output allocations", lambda: (launch.empty(q.shape, q.dtype), launch.empty((1, 1, 16), np.float32))),
-        ("  stage: kernel.launch", lambda: kernel.launch(grid, (q, k, v, out, lse), 0.1)),
+        ("  stage: kernel.launch", lambda: kernel.launch(grid, (q, k, v, out, lse), (0.1,))),
     ]
     rows += [(name, host_us(fn)) for name, fn in stages]
     base = rows[0][1]

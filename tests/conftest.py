@@ -36,6 +36,15 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+        return
+    # On a GPU, compiling the kernels takes most of a test run's time (a tensor-core configuration
+    # takes 10-40 s). With pytest-xdist's `--dist loadgroup`, tests that compile the same kernels
+    # (same dtype, head dim and causal flag) go to the same worker, so each compiles once.
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if {"dtype", "headdim", "causal"} <= params.keys():
+            group = f"{params['dtype']}-{params['headdim']}-{params['causal']}"
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture

@@ -1,0 +1,111 @@
+"""The on-disk cubin cache: keys, files, and (on a GPU) that a hit skips Numba's compiler."""
+
+import numpy as np
+import pytest
+
+import nbflash
+from nbflash import configs, cubin_cache, launch
+
+from .helpers import assert_attention_close, random_qkv
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NBFLASH_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("NBFLASH_CACHE_DIR", str(tmp_path / "a"))
+    assert cubin_cache.cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("NBFLASH_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cubin_cache.cache_dir() == tmp_path / "xdg" / "nbflash"
+
+
+def test_key_tells_configurations_signatures_and_gpus_apart():
+    a = configs.mma_forward_config("float16", 128, True, True)
+    b = configs.mma_forward_config("float16", 128, False, True)
+    c = configs.mma_forward_config("bfloat16", 128, True, True)
+    sig = launch.forward_signature(a)
+    keys = {
+        cubin_cache.cache_key(a, sig, (9, 0)),
+        cubin_cache.cache_key(b, sig, (9, 0)),
+        cubin_cache.cache_key(c, sig, (9, 0)),
+        cubin_cache.cache_key(a, sig + " ", (9, 0)),
+        cubin_cache.cache_key(a, sig, (8, 0)),
+    }
+    assert len(keys) == 5
+    assert cubin_cache.cache_key(a, sig, (9, 0)) == cubin_cache.cache_key(a, sig, [9, 0])
+
+
+class FakeDriver:
+    """Records what load() asks of the driver; loads succeed unless told otherwise."""
+
+    def __init__(self, module_status=0):
+        self.module_status, self.loaded = module_status, []
+
+    def cuModuleLoadData(self, module, image):
+        self.loaded.append(image.value)
+        return self.module_status
+
+    def cuModuleGetFunction(self, function, module, name):
+        self.entry = name.value
+        return 0
+
+    def cuModuleUnload(self, module):
+        return 0
+
+
+def test_store_then_load_round_trip(cache):
+    cubin_cache.store("k1", "_Z6kernel", b"\x7fELF\x00binary\nwith newlines")
+    assert [p.name for p in cache.iterdir()] == ["k1.cubin"]  # no temporary file left behind
+    driver = FakeDriver()
+    assert cubin_cache.load(driver, "k1") is not None
+    assert driver.loaded == [b"\x7fELF"]  # the image (ctypes shows it up to its first NUL byte)
+    assert driver.entry == b"_Z6kernel"
+
+
+def test_missing_corrupt_or_unloadable_files_are_misses(cache):
+    assert cubin_cache.load(FakeDriver(), "absent") is None
+    (cache / "empty.cubin").write_bytes(b"")
+    assert cubin_cache.load(FakeDriver(), "empty") is None
+    (cache / "noname.cubin").write_bytes(b"\ncubin")
+    assert cubin_cache.load(FakeDriver(), "noname") is None
+    cubin_cache.store("bad", "_Z6kernel", b"not a cubin")
+    assert cubin_cache.load(FakeDriver(module_status=200), "bad") is None
+
+
+def test_unwritable_cache_dir_means_no_cache(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("NBFLASH_CACHE_DIR", str(blocker / "sub"))
+    cubin_cache.store("k", "_Z6kernel", b"cubin")  # must not raise
+    assert cubin_cache.load(FakeDriver(), "k") is None
+
+
+@pytest.mark.gpu
+def test_gpu_second_load_comes_from_disk_without_numba(cache, rng, xp):
+    """The first CompiledKernel compiles and writes a cubin; the second loads it and never calls the
+    builder; both give the same exact attention."""
+    config = configs.mma_forward_config("float16", 64, True, True)
+    signature = launch.forward_signature(config)
+    first = launch.CompiledKernel(config, launch.BUILDERS[type(config)], signature)
+    assert len(list(cache.glob("*.cubin"))) == 1
+
+    def no_compiling(config):
+        raise AssertionError("the cached cubin should have been loaded")
+
+    second = launch.CompiledKernel(config, no_compiling, signature)
+    assert second.registers == first.registers and second.local_bytes == first.local_bytes
+
+    q, k, v = random_qkv(rng, xp, 2, 300, 300, 4, 4, 64, "float16")
+    outs = []
+    for kernel in (first, second):
+        out, lse = launch.empty(q.shape, q.dtype), launch.empty((2, 4, 300), np.float32)
+        kernel.launch(config.grid(2, 4, 300), (q, k, v, out, lse), (0.125 * 1.4426950408889634,))
+        assert_attention_close(out, None, q, k, v, True)
+        outs.append(xp.asnumpy(out))
+    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+    with nbflash.kernel_family("mma"):
+        assert nbflash.explain(q, k, v, causal=True)["config"]["headdim"] == 64
