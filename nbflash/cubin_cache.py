@@ -68,12 +68,20 @@ def load(driver, key):
 
 
 def store(key, entry_name, cubin):
-    """Write the cubin under ``key``: to a temporary file first, so readers never see half a file."""
+    """Write the cubin under ``key``: to a temporary file first, so readers never see half a file.
+
+    ``cubin`` is bytes, or what Numba's linker returns (a cuda.core ``ObjectCode``, whose ``code`` is
+    the bytes). Anything else is not cached: caching must never make a call fail.
+    """
+    cubin = getattr(cubin, "code", cubin)
+    if not isinstance(cubin, (bytes, bytearray, memoryview)):
+        return
+    cubin = bytes(cubin)
     folder = cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as f:
-            f.write(entry_name.encode() + b"\n" + bytes(cubin))
+            f.write(entry_name.encode() + b"\n" + cubin)
         os.replace(f.name, folder / f"{key}.cubin")
     except OSError:
         pass  # a read-only or full disk: run without the cache

@@ -91,7 +91,10 @@ def _load_or_compile(builder, config, signature):
     overload.bind()
     library = overload._codelibrary
     if not library._setup_functions:  # nothing to run at module load: the cubin alone is the kernel
-        cubin_cache.store(key, library._entry_name, library.get_cubin())
+        try:
+            cubin_cache.store(key, library._entry_name, library.get_cubin())
+        except Exception:  # a Numba whose internals differ: run without the cache, never fail
+            pass
     return _function_handle(overload)
 
 

@@ -66,6 +66,20 @@ def test_store_then_load_round_trip(cache):
     assert driver.entry == b"_Z6kernel"
 
 
+def test_store_takes_numba_linker_output_and_skips_what_it_cannot_write(cache):
+    class ObjectCode:  # the shape of what numba-cuda's linker returns (cuda.core)
+        code = b"\x7fELF cubin"
+
+    cubin_cache.store("linked", "_Z6kernel", ObjectCode())
+    assert (cache / "linked.cubin").read_bytes() == b"_Z6kernel\n\x7fELF cubin"
+
+    class OnDisk:
+        code = "/some/path.cubin"  # an ObjectCode backed by a file: not cached
+
+    cubin_cache.store("path", "_Z6kernel", OnDisk())
+    assert not (cache / "path.cubin").exists()
+
+
 def test_missing_corrupt_or_unloadable_files_are_misses(cache):
     assert cubin_cache.load(FakeDriver(), "absent") is None
     (cache / "empty.cubin").write_bytes(b"")
