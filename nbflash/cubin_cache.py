@@ -7,8 +7,8 @@ launches its kernels through the driver anyway (``launch.CompiledKernel``), it c
 driver loads: the cubin Numba linked, and the name of the kernel in it.
 
 One file per kernel: the entry name, a newline, then the cubin. The file name is a hash of
-everything the machine code depends on: nbflash's source, Numba's version, the configuration, the
-signature and the GPU's compute capability. A file that cannot be read or loaded is treated as a
+everything the machine code depends on: the kernels' source, the compiler's versions (numba,
+numba-cuda, llvmlite), the configuration, the signature and the GPU's compute capability. A file that cannot be read or loaded is treated as a
 miss, and a cache directory that cannot be written just means no caching.
 
 The directory is ``$NBFLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/nbflash``, else ``~/.cache/nbflash``.
@@ -30,21 +30,38 @@ def cache_dir():
     return pathlib.Path(base) / "nbflash"
 
 
+# The files the kernels' machine code is built from: the kernels and the tile primitives and dtypes
+# they import. (The host-side modules do not reach the compiled code.)
+KERNEL_SOURCES = ("kernels/*.py", "primitives.py", "dtypes.py")
+
+
 @lru_cache(maxsize=None)
 def _source_hash():
-    """A hash of every Python file of the package: any edit to a kernel (or what it calls) is a miss."""
+    """A hash of the kernels' source: any edit to a kernel, or to what it calls, is a miss."""
     digest = hashlib.sha256()
     package = pathlib.Path(__file__).parent
-    for path in sorted(package.rglob("*.py")):
-        digest.update(str(path.relative_to(package)).encode())
-        digest.update(path.read_bytes())
+    for pattern in KERNEL_SOURCES:
+        for path in sorted(package.glob(pattern)):
+            digest.update(str(path.relative_to(package)).encode())
+            digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
-def cache_key(config, signature, compute_capability):
-    import numba
+@lru_cache(maxsize=None)
+def _compiler_versions():
+    from importlib.metadata import PackageNotFoundError, version
 
-    parts = (_source_hash(), numba.__version__, repr(config), signature, repr(tuple(compute_capability)))
+    found = []
+    for name in ("numba", "numba-cuda", "llvmlite"):
+        try:
+            found.append(f"{name}={version(name)}")
+        except PackageNotFoundError:
+            found.append(f"{name}=?")
+    return " ".join(found)
+
+
+def cache_key(config, signature, compute_capability):
+    parts = (_source_hash(), _compiler_versions(), repr(config), signature, repr(tuple(compute_capability)))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 

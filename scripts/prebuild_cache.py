@@ -1,0 +1,138 @@
+"""Fill nbflash's on-disk kernel cache without a GPU: Numba -> PTX -> ptxas -> cubin, per configuration.
+
+For images and CI runners that should start with every kernel already compiled (a tensor-core
+configuration takes 10-40 s to compile), and for a GPU machine whose time is scarce: build here,
+copy the folder there, point NBFLASH_CACHE_DIR at it. The cubins are what nbflash would compile on
+a GPU of that compute capability with the same numba, numba-cuda and llvmlite (the cache key includes
+their versions: on a machine with other versions the files are simply not used).
+
+    python scripts/prebuild_cache.py --cc 9.0 --cache-dir DIR [--headdims 64 128] [--dtypes float16] [--jobs 2]
+
+Needs ptxas (the CUDA toolkit, or the nvidia-cuda-nvcc wheel) and Numba's NVVM; no GPU.
+"""
+
+import argparse
+import itertools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _ptxas():
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            for sub in ("cu13/bin", "cuda_nvcc/bin", "cu12/bin"):
+                path = os.path.join(root, sub, "ptxas")
+                if os.path.exists(path):
+                    return path
+    except ImportError:
+        pass
+    found = shutil.which("ptxas")
+    if not found:
+        sys.exit("ptxas not found: install the CUDA toolkit or the nvidia-cuda-nvcc wheel")
+    return found
+
+
+def _pretend_gpu(cc):
+    """Numba asks the current device for its compute capability while compiling device functions;
+    with no GPU, answer for the target."""
+    import numba.cuda.dispatcher as dispatcher
+
+    class Target:
+        compute_capability = cc
+
+    dispatcher.get_current_device = lambda: Target()
+
+
+def configurations(dtypes, headdims, families, cc, unaligned=False):
+    """Every (config, signature) a forward or backward call with these parameters compiles (the
+    tensor-core forward's variant for rows off 16-byte boundaries only with ``unaligned``)."""
+    from nbflash import backward, configs, launch
+
+    configs.mma_unsupported_reason = lambda dtype, device=0: (
+        None if dtype != "float32" and cc >= (8, 0) else "not for this dtype or GPU"
+    )
+    alignments = (True, False) if unaligned else (True,)
+    jobs = {}
+    for dtype, headdim, causal in itertools.product(dtypes, headdims, (False, True)):
+        mma = "mma" in families and dtype != "float32" and cc >= (8, 0)
+        forward = []
+        if "portable" in families:
+            forward.append(configs.portable_forward_config(dtype, headdim, causal))
+        if mma:
+            forward += [configs.mma_forward_config(dtype, headdim, causal, aligned) for aligned in alignments]
+        for config in forward:
+            jobs[config] = launch.forward_signature(config)
+        for deterministic in (False, True):
+            for family in [f for f in families if f == "portable" or mma]:
+                for config in configs.plan_backward(dtype, headdim, causal, deterministic, family):
+                    jobs[config] = backward._signature(config)
+    return list(jobs.items())
+
+
+def _builder(config):
+    from nbflash import backward, launch
+
+    return {**launch.BUILDERS, **backward.BUILDERS}[type(config)]
+
+
+def build_one(config, signature, cc, cache_dir):
+    os.environ["NBFLASH_CACHE_DIR"] = cache_dir
+    _pretend_gpu(cc)
+    from numba import cuda
+
+    from nbflash import cubin_cache
+
+    key = cubin_cache.cache_key(config, signature, cc)
+    if os.path.exists(os.path.join(cache_dir, key + ".cubin")):
+        return config, "cached", 0.0
+    start = time.time()
+    ptx, _ = cuda.compile_ptx(_builder(config)(config).py_func, signature, cc=cc)
+    entry = re.search(r"\.entry\s+(\S+)\s*\(", ptx).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path, cubin_path = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx_path, "w") as f:
+            f.write(ptx)
+        arch = f"-arch=sm_{cc[0]}{cc[1]}"
+        subprocess.run([_ptxas(), arch, ptx_path, "-o", cubin_path], check=True, capture_output=True)
+        with open(cubin_path, "rb") as f:
+            cubin_cache.store(key, entry, f.read())
+    return config, "built", time.time() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cc", default="9.0", help="compute capability, e.g. 9.0 (H100/H200) or 8.0 (A100)")
+    parser.add_argument("--cache-dir", required=True)
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"])
+    parser.add_argument("--headdims", type=int, nargs="+", default=[32, 64, 96, 128, 256])
+    parser.add_argument("--families", nargs="+", default=["portable", "mma"], choices=["portable", "mma"])
+    parser.add_argument("--unaligned", action="store_true", help="also the forward for unaligned rows")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+    cc = tuple(int(x) for x in args.cc.split("."))
+    os.makedirs(args.cache_dir, exist_ok=True)
+    jobs = configurations(args.dtypes, args.headdims, args.families, cc, args.unaligned)
+    # Slowest first (tensor-core kernels, large head dims), so the pool ends evenly.
+    jobs.sort(key=lambda job: ("Mma" in type(job[0]).__name__, job[0].headdim), reverse=True)
+    print(f"{len(jobs)} kernels for cc {args.cc} into {args.cache_dir}", flush=True)
+    start = time.time()
+    with ProcessPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(build_one, config, sig, cc, os.path.abspath(args.cache_dir)) for config, sig in jobs]
+        for done, future in enumerate(as_completed(futures), 1):
+            config, status, seconds = future.result()
+            print(f"[{done}/{len(jobs)}] {status} {seconds:5.1f} s  {config}", flush=True)
+    print(f"done in {time.time() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
