@@ -27,8 +27,7 @@ def _flash_attn_forward(problem, q, k, v, family=None):
     """Run the forward pass on validated inputs; returns (out, lse) as backend arrays."""
     kernel = _kernel_for(problem, family)
     config = kernel.config
-    out = launch.empty(q.shape, q.dtype)
-    lse = launch.empty((problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
+    out, lse = launch.empty_pair(q.shape, q.dtype, (problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
     grid = config.grid(problem.batch, problem.nheads, problem.seqlen_q)
     kernel.launch(grid, (q, k, v, out, lse), (problem.softmax_scale * LOG2_E,))
     return out, lse

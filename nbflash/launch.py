@@ -12,7 +12,9 @@ bytes), a float32 scalar into 4 bytes. Under the simulator, kernels launch throu
 """
 
 import ctypes
+import math
 import struct
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -39,6 +41,19 @@ def empty(shape, dtype):
     if runtime.SIMULATOR:
         return np.empty(shape, dtype)
     return runtime.cupy().empty(shape, dtype)
+
+
+def empty_pair(shape_a, dtype_a, shape_b, dtype_b):
+    """Two uninitialized C-contiguous arrays. On a GPU they are carved from one allocation: one call
+    into CuPy's memory pool instead of two, which is a fifth of a small call's host time."""
+    if runtime.SIMULATOR:
+        return empty(shape_a, dtype_a), empty(shape_b, dtype_b)
+    cupy = runtime.cupy()
+    dtype_a, dtype_b = np.dtype(dtype_a), np.dtype(dtype_b)
+    bytes_a = math.prod(shape_a) * dtype_a.itemsize
+    offset_b = -(-bytes_a // 256) * 256  # the second array starts on a 256-byte boundary
+    memory = cupy.cuda.alloc(offset_b + math.prod(shape_b) * dtype_b.itemsize)
+    return cupy.ndarray(shape_a, dtype_a, memory), cupy.ndarray(shape_b, dtype_b, memory + offset_b)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -137,6 +152,19 @@ def _parameter_layout(signature):
     return fields, offsets
 
 
+def _pointer_words(signature):
+    """Index (in 8-byte words) of each array's data pointer in the parameter buffer."""
+    words, word = [], 0
+    for arg in _split_arguments(signature[signature.index("(") + 1 : -1]):
+        if "[" in arg:
+            ndim = arg.count(",") + 1
+            words.append(word + 4)  # after meminfo, parent, nitems, itemsize
+            word += 5 + 2 * ndim
+        else:
+            word += 1
+    return words
+
+
 def _split_arguments(arguments):
     """"float16[:,:], float32" -> ["float16[:,:]", "float32"]: commas outside brackets split."""
     parts, depth, current = [], 0, ""
@@ -149,6 +177,44 @@ def _split_arguments(arguments):
         else:
             current += ch
     return parts + [current.strip()]
+
+
+class ParameterBuffer:
+    """A kernel's parameters, packed in the layout Numba's kernels expect, and the array of pointers
+    to each parameter that ``cuLaunchKernel`` takes.
+
+    ``write(arrays, scalars)`` packs a call's arguments. When the arrays have the shapes and strides
+    of the previous call (the common case: a model calls attention with the same shapes again and
+    again), only the data pointers and the scalars are rewritten.
+    """
+
+    def __init__(self, signature):
+        fields, offsets = _parameter_layout(signature)
+        packer = struct.Struct(fields)
+        self._pack = packer.pack_into
+        self.buffer = ctypes.create_string_buffer(packer.size)
+        base = ctypes.addressof(self.buffer)
+        self.pointers = (ctypes.c_void_p * len(offsets))(*(base + o for o in offsets))
+        self._words = (ctypes.c_int64 * (packer.size // 8)).from_buffer(self.buffer)
+        self._pointer_words = _pointer_words(signature)
+        scalars = fields.count("f")  # float32 scalars come last, 8 bytes each
+        self._scalar_offset = packer.size - 8 * scalars
+        self._pack_scalars = struct.Struct("<" + "f4x" * scalars).pack_into
+        self._layout = None
+
+    def write(self, arrays, scalars):
+        layout = [(a.shape, a.strides) for a in arrays]
+        if layout == self._layout:
+            words = self._words
+            for word, a in zip(self._pointer_words, arrays):
+                words[word] = a.data.ptr
+            self._pack_scalars(self.buffer, self._scalar_offset, *scalars)
+            return
+        fields = []
+        for a in arrays:
+            fields += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
+        self._pack(self.buffer, 0, *fields, *scalars)
+        self._layout = layout
 
 
 class CompiledKernel:
@@ -174,12 +240,8 @@ class CompiledKernel:
         self.static_shared = _function_attribute(self.function, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
         self.local_bytes = _function_attribute(self.function, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
 
-        fields, offsets = _parameter_layout(signature)
-        packer = struct.Struct(fields)
-        self._pack = packer.pack_into
-        self._buffer = ctypes.create_string_buffer(packer.size)
-        base = ctypes.addressof(self._buffer)
-        self._params = (ctypes.c_void_p * len(offsets))(*(base + o for o in offsets))
+        self._parameters = ParameterBuffer(signature)
+        self._lock = threading.Lock()  # one launch at a time writes the shared parameter buffer
         self._launch = _driver().cuLaunchKernel
         self._current_stream = runtime.cupy().cuda.get_current_stream
 
@@ -190,21 +252,19 @@ class CompiledKernel:
             launch_config = self.kernel[grid, self.config.threads, 0, self.dynamic_shared]
             launch_config(*(_simulator_array(a) for a in arrays), *scalars)
             return
-        fields = []
-        for a in arrays:
-            fields += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
-        self._pack(self._buffer, 0, *fields, *scalars)
-        status = self._launch(
-            self.function,
-            *grid,
-            self.config.threads,
-            1,
-            1,
-            self.dynamic_shared,
-            self._current_stream().ptr,
-            self._params,
-            None,
-        )
+        with self._lock:
+            self._parameters.write(arrays, scalars)
+            status = self._launch(
+                self.function,
+                *grid,
+                self.config.threads,
+                1,
+                1,
+                self.dynamic_shared,
+                self._current_stream().ptr,
+                self._parameters.pointers,
+                None,
+            )
         if status:
             _check(status, "cuLaunchKernel")
 

@@ -110,8 +110,53 @@ def check_softmax_scale(softmax_scale, headdim):
     return float(softmax_scale)
 
 
+# A model calls attention with the same shapes call after call. A call that repeats an earlier,
+# valid call in everything validation looks at (array types, shapes, strides, dtypes, devices, the
+# 16-byte alignment of the data, softmax_scale and causal) takes the earlier call's Problem: the
+# checks below would reach the same verdict. Only plain backend arrays, a float or None scale and a
+# bool causal qualify; anything else is checked in full.
+_REMEMBERED = {}
+_REMEMBER_AT_MOST = 256
+
+
+def _repeat_key(q, k, v, softmax_scale, causal):
+    """What check_forward's verdict depends on, as a dict key; None if the call does not qualify."""
+    if runtime.SIMULATOR:
+        if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
+            return None
+        pointers = q.ctypes.data | k.ctypes.data | v.ctypes.data
+        devices = None
+    else:
+        cupy = runtime.cupy()
+        array = cupy.ndarray
+        if not (type(q) is array and type(k) is array and type(v) is array):
+            return None
+        qd, kd, vd = q.data, k.data, v.data
+        pointers = qd.ptr | kd.ptr | vd.ptr
+        devices = (qd.device_id, kd.device_id, vd.device_id, cupy.cuda.runtime.getDevice())
+    if not (softmax_scale is None or type(softmax_scale) is float) or not (causal is True or causal is False):
+        return None
+    return (
+        q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
+        softmax_scale, causal, pointers % 16 == 0, devices,
+    )
+
+
 def check_forward(q, k, v, softmax_scale, causal):
     """Validate a forward call. Returns (problem, q, k, v) with the arrays on the backend."""
+    key = _repeat_key(q, k, v, softmax_scale, causal)
+    problem = _REMEMBERED.get(key) if key is not None else None
+    if problem is not None:
+        return problem, q, k, v
+    problem, q, k, v = _check_forward(q, k, v, softmax_scale, causal)
+    if key is not None:
+        if len(_REMEMBERED) >= _REMEMBER_AT_MOST:
+            _REMEMBERED.clear()
+        _REMEMBERED[key] = problem
+    return problem, q, k, v
+
+
+def _check_forward(q, k, v, softmax_scale, causal):
     q = as_backend_array(q, "q")
     k = as_backend_array(k, "k")
     v = as_backend_array(v, "v")

@@ -53,3 +53,17 @@ def assert_attention_close(out, lse, q, k, v, causal, softmax_scale=None):
         lse_error = np.abs(lse[finite] - ref_lse[finite]) / np.maximum(1.0, np.abs(ref_lse[finite]))
         assert lse_error.max(initial=0.0) <= 1e-5, f"lse relative error {lse_error.max():.3g}"
     return error, naive_error
+
+
+def poison_allocations(monkeypatch):
+    """Make every array nbflash allocates (launch.empty, launch.empty_pair) start as NaN."""
+    from nbflash import launch
+
+    real_empty, real_pair = launch.empty, launch.empty_pair
+
+    def poisoned(x):
+        x[...] = np.nan
+        return x
+
+    monkeypatch.setattr(launch, "empty", lambda shape, dtype: poisoned(real_empty(shape, dtype)))
+    monkeypatch.setattr(launch, "empty_pair", lambda *args: tuple(poisoned(x) for x in real_pair(*args)))

@@ -8,27 +8,20 @@ import numpy as np
 import pytest
 
 import nbflash
-from nbflash import launch
 from nbflash.backward import flash_attn_backward
 from nbflash.dtypes import SUPPORTED, dtype_name
 from nbflash.reference import attention_naive_backward, attention_reference_backward
 
 from .conftest import SIMULATOR
-from .helpers import ERROR_FLOOR, random_qkv, to_numpy
+from .helpers import ERROR_FLOOR, poison_allocations, random_qkv, to_numpy
 
 DTYPES = ["float32", "float16", "bfloat16"]
 
 
 @pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch, xp):
+def poisoned_outputs(monkeypatch):
     """Every buffer the library allocates starts as NaN, so an unwritten (or unzeroed) element shows."""
-
-    def empty_poisoned(shape, dtype):
-        out = xp.empty(shape, dtype)
-        out[...] = np.nan
-        return out
-
-    monkeypatch.setattr(launch, "empty", empty_poisoned)
+    poison_allocations(monkeypatch)
 
 
 def random_like(rng, xp, x, heads_first=False):
@@ -66,12 +59,19 @@ def forward(q, k, v, softmax_scale=None, causal=False):
         return nbflash.flash_attn_func(q, k, v, softmax_scale, causal, return_lse=True)
 
 
+def portable_backward(*args, **kwargs):
+    """This file tests the portable backward kernels (tests/test_backward_mma.py the tensor-core
+    ones, which a float16/bfloat16 call gets by default on a GPU that has them)."""
+    with nbflash.kernel_family("portable"):
+        return flash_attn_backward(*args, **kwargs)
+
+
 def run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal,
              deterministic=False, heads_first=False, softmax_scale=None):
     q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, heads_first)
     dout = random_like(rng, xp, q, heads_first)
     out, lse = forward(q, k, v, softmax_scale, causal)
-    grads = flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
+    grads = portable_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
     assert_gradients_close(grads, dout, q, k, v, causal, softmax_scale)
     return grads
 
@@ -138,8 +138,8 @@ def test_backward_deterministic_is_bitwise_reproducible(rng, xp):
     q, k, v = random_qkv(rng, xp, 1, 21, 18, 2, 1, 12, "float16")
     dout = random_like(rng, xp, q)
     out, lse = forward(q, k, v, causal=True)
-    first = flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
-    second = flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    first = portable_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    second = portable_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
     for a, b in zip(first, second):
         assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
 
@@ -215,13 +215,13 @@ def test_backward_gpu_deterministic_bitwise(rng, xp, dtype):
     q, k, v = random_qkv(rng, xp, 2, 1023, 1024, 8, 2, 64, dtype)
     dout = random_like(rng, xp, q)
     out, lse = nbflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
-    runs = [flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True) for _ in range(3)]
+    runs = [portable_backward(dout, q, k, v, out, lse, causal=True, deterministic=True) for _ in range(3)]
     view = np.uint32 if dtype == "float32" else np.uint16
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert np.array_equal(to_numpy(a).view(view), to_numpy(b).view(view))
     # And the atomic path agrees with it to rounding.
-    fast = flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+    fast = portable_backward(dout, q, k, v, out, lse, causal=True)
     for a, b in zip(runs[0], fast):
         a, b = to_numpy(a).astype(np.float32), to_numpy(b).astype(np.float32)
         assert np.abs(a - b).max() <= 1e-2 * max(1.0, np.abs(a).max())
@@ -237,6 +237,6 @@ def test_backward_gpu_on_current_stream(rng, xp):
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         out, lse = nbflash.flash_attn_func(q, k, v, return_lse=True)
-        grads = flash_attn_backward(dout, q, k, v, out, lse)
+        grads = portable_backward(dout, q, k, v, out, lse)
     stream.synchronize()
     assert_gradients_close(grads, dout, q, k, v, False)

@@ -1,5 +1,6 @@
 """Bad input raises TypeError or ValueError naming the argument; never a crash or a wrong answer."""
 
+import numpy as np
 import pytest
 
 import nbflash
@@ -152,3 +153,30 @@ def test_too_many_heads_for_one_launch(xp):
     q = xp.ones((1, 1, 65536, 1), dtype=xp.float32)
     with pytest.raises(ValueError, match="nheads=65536 must each be at most 65535"):
         call(q, q, q)
+
+
+# ---- Repeated calls skip the checks only when the verdict would be the same ------------------
+
+
+def test_repeated_call_reuses_the_checked_problem(xp):
+    from nbflash import validation
+
+    q = xp.zeros((1, 8, 2, 16), np.float32)
+    first, *_ = validation.check_forward(q, q, q, None, True)
+    again, *_ = validation.check_forward(xp.zeros((1, 8, 2, 16), np.float32), q, q, None, True)
+    assert again is first
+    other_scale, *_ = validation.check_forward(q, q, q, 0.5, True)
+    not_causal, *_ = validation.check_forward(q, q, q, None, False)
+    assert other_scale.softmax_scale == 0.5 and not not_causal.causal
+    # A view whose rows start off a 16-byte boundary: same shape, so only the alignment tells.
+    wide = xp.zeros((1, 8, 2, 17), np.float32)[..., 1:]
+    assert wide.shape == q.shape and not validation.check_forward(wide, wide, wide, None, True)[0].aligned
+
+
+def test_repeated_bad_call_still_raises(xp):
+    q = xp.zeros((1, 8, 2, 16), np.float32)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="softmax_scale must be finite"):
+            nbflash.flash_attn_func(q, q, q, softmax_scale=float("nan"))
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            nbflash.flash_attn_func(q, q, q, causal=1)

@@ -8,24 +8,17 @@ import numpy as np
 import pytest
 
 import nbflash
-from nbflash import launch
 
 from .conftest import SIMULATOR
-from .helpers import assert_attention_close, random_qkv
+from .helpers import assert_attention_close, poison_allocations, random_qkv
 
 DTYPES = ["float32", "float16", "bfloat16"]
 
 
 @pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch, xp):
-    """Every output buffer the library allocates starts as NaN, so an unwritten element shows."""
-
-    def empty_poisoned(shape, dtype):
-        out = xp.empty(shape, dtype)
-        out[...] = np.nan
-        return out
-
-    monkeypatch.setattr(launch, "empty", empty_poisoned)
+def poisoned_outputs(monkeypatch):
+    """Every buffer the library allocates starts as NaN, so an unwritten (or unzeroed) element shows."""
+    poison_allocations(monkeypatch)
 
 
 def run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal, heads_first=False, family=None):
