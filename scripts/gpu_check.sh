@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The checks to run on a GPU machine, in two parts that each fit a 10-minute command:
+# The checks to run on a GPU machine. Each part fits a 10-minute command:
 #
-#   scripts/gpu_check.sh tests   the GPU tests (pytest -m gpu; kernels compiled in parallel by
-#                                pytest-xdist), the host-overhead measurement and the demo
+#   scripts/gpu_check.sh tests   the whole test suite on the GPU (pytest-xdist), host overhead, demo
 #   scripts/gpu_check.sh bench   forward and backward throughput next to SDPA (and naive CuPy),
-#                                and the claims
+#                                and the claims (docs/claims.md and its plots)
+#   scripts/gpu_check.sh all     both, shortened, in about six minutes; needs the kernel cache
+#                                prebuilt (scripts/prebuild_cache.py, NBFLASH_CACHE_DIR pointing at it)
 #
 # Logs and tables go to $OUT (or ./gpu_check_out). Every step has its own time limit, and the test
 # log names each result as it comes (-v), so a step cut short still says what failed.
@@ -14,28 +15,50 @@ out=${OUT:-gpu_check_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
+run_tests() {  # $1: time limit in seconds
+    # One BLAS thread per worker: the float64 references run in every worker at once.
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout "$1" python3 -m pytest -n "${WORKERS:-15}" -v \
+        -p no:cacheprovider -W ignore --tb=short -rf tests/ > "$out/pytest.log" 2>&1
+    echo "pytest exit $?"
+    grep -aE "^(FAILED|ERROR)|\] (FAILED|ERROR)" "$out/pytest.log" | sed 's/^\[gw[0-9]*\] //' | sort | uniq | head -40
+    echo "passed: $(grep -acE '\] PASSED' "$out/pytest.log")  failed: $(grep -acE '\] FAILED' "$out/pytest.log")"
+    tail -1 "$out/pytest.log"
+}
+
+bench_forward() {  # $1: time limit, then bench.py arguments
+    local limit=$1
+    shift
+    timeout "$limit" python3 scripts/bench.py "$@" --markdown "$out/bench_forward.md" 2>> "$out/progress.log" | tail -80
+}
+
 case "${1:-tests}" in
 tests)
-    timeout 440 python3 -m pytest -m gpu -n "${WORKERS:-14}" --dist loadgroup -v -p no:cacheprovider -W ignore \
-        --tb=short -rf tests/ > "$out/pytest_gpu.log" 2>&1
-    echo "pytest exit $?"
-    grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR)" "$out/pytest_gpu.log" | sed 's/^\[gw[0-9]*\] //' | sort | uniq | head -60
-    grep -cE "PASSED" "$out/pytest_gpu.log" | sed 's/^/passed: /'
-    tail -2 "$out/pytest_gpu.log"
+    run_tests 440
     timeout 100 python3 scripts/host_overhead.py 2>&1 | tee "$out/host.log"
-    timeout 120 python3 -m nbflash 2>&1 | tee "$out/demo.log" | tail -9
+    timeout 60 python3 -m nbflash 2>&1 | tee "$out/demo.log" | tail -9
     ;;
 bench)
-    timeout 330 python3 scripts/bench.py --families mma portable --headdims 64 128 \
-        --seqlens 1024 4096 16384 --dtypes float16 --budget 0.5 \
-        --markdown "$out/bench_forward.md" 2> "$out/bench.err" | tail -16
-    timeout 150 python3 scripts/bench.py --pass backward --families portable --headdims 64 128 \
-        --seqlens 1024 4096 --dtypes float16 --budget 0.5 \
-        --markdown "$out/bench_backward.md" 2> "$out/bench_backward.err" | tail -10
-    timeout 200 python3 scripts/claims.py --write-docs --docs-dir "$out" 2> "$out/claims.err" | tail -30
+    bench_forward 330 --families mma portable --headdims 64 128 256 --seqlens 512 1024 2048 4096 8192 16384 \
+        --budget 0.3
+    timeout 150 python3 scripts/bench.py --pass backward --families mma portable --headdims 64 128 \
+        --seqlens 1024 4096 --dtypes float16 --budget 0.3 --markdown "$out/bench_backward.md" \
+        2>> "$out/progress.log" | tail -12
+    timeout 100 python3 scripts/claims.py --write-docs --docs-dir "$out" --mem-max 65536 \
+        --seqlens 1024 4096 16384 --budget 0.3 2>> "$out/progress.log" | tail -30
+    ;;
+all)
+    run_tests 160
+    bench_forward 95 --families mma --no-naive --headdims 64 128 256 --seqlens 512 1024 2048 4096 8192 16384 \
+        --budget 0.15
+    timeout 40 python3 scripts/host_overhead.py 2>&1 | tee "$out/host.log"
+    timeout 35 python3 scripts/bench.py --pass backward --families mma portable --headdims 64 128 \
+        --seqlens 1024 4096 --dtypes float16 --budget 0.15 --markdown "$out/bench_backward.md" \
+        2>> "$out/progress.log" | tail -12
+    timeout 40 python3 scripts/claims.py --write-docs --docs-dir "$out" --mem-max 65536 \
+        --seqlens 1024 4096 16384 --budget 0.3 --repeats 3 2>> "$out/progress.log" | tail -3
     ;;
 *)
-    echo "usage: $0 tests|bench" >&2
+    echo "usage: $0 tests|bench|all" >&2
     exit 2
     ;;
 esac
