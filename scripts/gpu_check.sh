@@ -47,14 +47,14 @@ bench)
         --seqlens 1024 4096 16384 --budget 0.3 2>> "$out/progress.log" | tail -30
     ;;
 all)
-    run_tests 160
-    bench_forward 95 --families mma --no-naive --headdims 64 128 256 --seqlens 512 1024 2048 4096 8192 16384 \
+    run_tests 145
+    bench_forward 85 --families mma --no-naive --headdims 64 128 256 --seqlens 512 1024 2048 4096 8192 16384 \
         --budget 0.15
-    timeout 40 python3 scripts/host_overhead.py 2>&1 | tee "$out/host.log"
-    timeout 35 python3 scripts/bench.py --pass backward --families mma portable --headdims 64 128 \
+    timeout 35 python3 scripts/host_overhead.py 2>&1 | tee "$out/host.log"
+    timeout 30 python3 scripts/bench.py --pass backward --families mma portable --headdims 64 128 \
         --seqlens 1024 4096 --dtypes float16 --budget 0.15 --markdown "$out/bench_backward.md" \
         2>> "$out/progress.log" | tail -12
-    timeout 40 python3 scripts/claims.py --write-docs --docs-dir "$out" --mem-max 65536 \
+    timeout 35 python3 scripts/claims.py --write-docs --docs-dir "$out" --mem-max 65536 \
         --seqlens 1024 4096 16384 --budget 0.3 --repeats 3 2>> "$out/progress.log" | tail -3
     ;;
 *)
