@@ -204,12 +204,13 @@ MMA_BACKWARD_DQ = [
 def plan_backward(dtype, headdim, causal, deterministic, family=None, device=0):
     """The kernel configs of a backward call: (preprocess, dkdv, dq or convert_dq).
 
-    ``family`` "portable" (any dtype and GPU) or "mma" (tensor-core dK/dV and dQ kernels,
-    float16/bfloat16 on compute capability >= 8.0); by default, as in the forward, "mma" whenever it
-    applies. Both use the portable preprocess and dq-conversion kernels.
+    ``family`` "portable" (any dtype and GPU; the default) or "mma" (tensor-core dK/dV and dQ
+    kernels, float16/bfloat16 on compute capability >= 8.0). Both use the portable preprocess and
+    dq-conversion kernels. The default stays portable until the tensor-core kernels' GPU test grid
+    has been seen to pass (they are 5x faster: docs/benchmarks.md).
     """
     if family is None:
-        family = "portable" if mma_unsupported_reason(dtype, device) else "mma"
+        family = "portable"
     _check_family(family)
     atomic = not deterministic
     common = dict(dtype=dtype, headdim=headdim, causal=causal, atomic_dq=atomic)

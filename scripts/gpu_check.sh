@@ -20,6 +20,10 @@ run_tests() {  # $1: time limit in seconds
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout "$1" python3 -m pytest -n "${WORKERS:-15}" -v \
         -p no:cacheprovider -W ignore --tb=short -rf tests/ > "$out/pytest.log" 2>&1
     echo "pytest exit $?"
+    # A time limit stops pytest but not always its xdist workers; left running, they would load the
+    # host and the GPU under the measurements that follow.
+    pkill -f "pytest" 2> /dev/null
+    sleep 1
     grep -aE "^(FAILED|ERROR)|\] (FAILED|ERROR)" "$out/pytest.log" | sed 's/^\[gw[0-9]*\] //' | sort | uniq | head -40
     echo "passed: $(grep -acE '\] PASSED' "$out/pytest.log")  failed: $(grep -acE '\] FAILED' "$out/pytest.log")"
     tail -1 "$out/pytest.log"

@@ -3,8 +3,9 @@
 For images and CI runners that should start with every kernel already compiled (a tensor-core
 configuration takes 10-40 s to compile), and for a GPU machine whose time is scarce: build here,
 copy the folder there, point NBFLASH_CACHE_DIR at it. The cubins are what nbflash would compile on
-a GPU of that compute capability with the same numba, numba-cuda and llvmlite (the cache key includes
-their versions: on a machine with other versions the files are simply not used).
+a GPU of that compute capability with the same numba, numba-cuda and llvmlite. The cache key includes
+their versions, so build with exactly the target's versions: on a machine with any other version
+(numba 0.68.0 against 0.68.1 is enough) the files are simply not used, and kernels compile there.
 
     python scripts/prebuild_cache.py --cc 9.0 --cache-dir DIR [--headdims 64 128] [--dtypes float16] [--jobs 2]
 

@@ -106,15 +106,12 @@ def test_backward_mma_deterministic_is_bitwise_reproducible(rng, xp):
 
 
 def test_backward_mma_planning():
-    """By default, tensor-core kernels for float16/bfloat16 (the simulator stands for a compute
-    capability 9.0 GPU) and portable ones for float32; 'mma' plans the tensor-core dK/dV and dQ
-    kernels around the portable preprocess and conversion."""
+    """Portable by default (the tensor-core kernels are opt-in until their GPU grid is seen to
+    pass); 'mma' plans the tensor-core dK/dV and dQ kernels around the portable preprocess and
+    conversion."""
     for deterministic in (False, True):
-        assert isinstance(configs.plan_backward("float16", 64, True, deterministic)[1], MmaBackwardConfig)
         assert all(isinstance(c, PortableBackwardConfig)
-                   for c in configs.plan_backward("float32", 64, True, deterministic))
-        assert all(isinstance(c, PortableBackwardConfig)
-                   for c in configs.plan_backward("float16", 64, True, deterministic, "portable"))
+                   for c in configs.plan_backward("float16", 64, True, deterministic))
     preprocess, dkdv, convert = configs.plan_backward("float16", 64, True, False, "mma")
     assert (preprocess.kernel, convert.kernel) == ("preprocess", "convert_dq")
     assert isinstance(dkdv, MmaBackwardConfig) and dkdv.kernel == "dkdv" and dkdv.atomic_dq
