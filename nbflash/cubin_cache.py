@@ -7,9 +7,10 @@ launches its kernels through the driver anyway (``launch.CompiledKernel``), it c
 driver loads: the cubin Numba linked, and the name of the kernel in it.
 
 One file per kernel: the entry name, a newline, then the cubin. The file name is a hash of
-everything the machine code depends on: the kernels' source, the compiler's versions (numba,
-numba-cuda, llvmlite), the configuration, the signature and the GPU's compute capability. A file that cannot be read or loaded is treated as a
-miss, and a cache directory that cannot be written just means no caching.
+everything the machine code depends on: the kernel's module and the files all kernels share, the
+compiler's versions (numba, numba-cuda, llvmlite), the configuration, the signature and the GPU's
+compute capability. A file that cannot be read or loaded is treated as a miss, and a cache
+directory that cannot be written just means no caching.
 
 The directory is ``$NBFLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/nbflash``, else ``~/.cache/nbflash``.
 """
@@ -18,6 +19,7 @@ import ctypes
 import hashlib
 import os
 import pathlib
+import sys
 import tempfile
 from functools import lru_cache
 
@@ -30,20 +32,21 @@ def cache_dir():
     return pathlib.Path(base) / "nbflash"
 
 
-# The files the kernels' machine code is built from: the kernels and the tile primitives and dtypes
-# they import. (The host-side modules do not reach the compiled code.)
-KERNEL_SOURCES = ("kernels/*.py", "primitives.py", "dtypes.py")
+# Besides its own module, every kernel is built from these: the tile primitives, the dtypes, and the
+# helpers the portable kernels share. (The host-side modules do not reach the compiled code.)
+SHARED_KERNEL_SOURCES = ("primitives.py", "dtypes.py", "kernels/tiles.py")
 
 
 @lru_cache(maxsize=None)
-def _source_hash():
-    """A hash of the kernels' source: any edit to a kernel, or to what it calls, is a miss."""
+def _source_hash(module_name):
+    """A hash of the source the kernels of ``module_name`` are built from: an edit to that module or
+    to a shared file is a miss; an edit to another kernel's module is not."""
     digest = hashlib.sha256()
     package = pathlib.Path(__file__).parent
-    for pattern in KERNEL_SOURCES:
-        for path in sorted(package.glob(pattern)):
-            digest.update(str(path.relative_to(package)).encode())
-            digest.update(path.read_bytes())
+    module_file = pathlib.Path(sys.modules[module_name].__file__)
+    for path in [package / name for name in SHARED_KERNEL_SOURCES] + [module_file]:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
@@ -61,7 +64,8 @@ def _compiler_versions():
 
 
 def cache_key(config, signature, compute_capability):
-    parts = (_source_hash(), _compiler_versions(), repr(config), signature, repr(tuple(compute_capability)))
+    source = _source_hash(type(config).__module__)
+    parts = (source, _compiler_versions(), repr(config), signature, repr(tuple(compute_capability)))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 

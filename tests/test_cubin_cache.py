@@ -123,3 +123,23 @@ def test_gpu_second_load_comes_from_disk_without_numba(cache, rng, xp):
     assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
     with nbflash.kernel_family("mma"):
         assert nbflash.explain(q, k, v, causal=True)["config"]["headdim"] == 64
+
+
+def test_key_follows_the_kernels_own_module(monkeypatch):
+    """Editing one kernel module changes its kernels' keys and no other module's."""
+    from nbflash.kernels import backward_mma, forward_mma
+
+    forward = configs.mma_forward_config("float16", 64, False, True)
+    backward_cfg = configs.plan_backward("float16", 64, False, False, "mma")[1]
+    assert type(backward_cfg).__module__ == backward_mma.__name__
+    before = (cubin_cache.cache_key(forward, "sig", (9, 0)), cubin_cache.cache_key(backward_cfg, "sig", (9, 0)))
+    real = cubin_cache._source_hash.__wrapped__
+
+    def edited(module_name):
+        digest = real(module_name)
+        return digest + "edited" if module_name == backward_mma.__name__ else digest
+
+    monkeypatch.setattr(cubin_cache, "_source_hash", edited)
+    after = (cubin_cache.cache_key(forward, "sig", (9, 0)), cubin_cache.cache_key(backward_cfg, "sig", (9, 0)))
+    assert after[0] == before[0] and after[1] != before[1]
+    assert forward_mma.__name__ != backward_mma.__name__
