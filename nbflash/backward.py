@@ -80,12 +80,12 @@ BUILDERS = {PortableBackwardConfig: build_backward_portable, MmaBackwardConfig: 
 
 
 @lru_cache(maxsize=None)
-def _kernels(dtype, headdim, causal, deterministic, family, device):
+def _kernels(dtype, headdim, causal, deterministic, family, device, aligned):
     """The three compiled kernels of a call (preprocess, dkdv, dq or convert_dq); one cache lookup
     per call on plain values. The tensor-core kernels take the portable ones' arguments."""
     return tuple(
         launch.CompiledKernel(config, BUILDERS[type(config)], _signature(config))
-        for config in plan_backward(dtype, headdim, causal, deterministic, family, device)
+        for config in plan_backward(dtype, headdim, causal, deterministic, family, device, aligned)
     )
 
 
@@ -99,7 +99,9 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     p = problem
     # The portable kernels unless a family is forced (configs.plan_backward says why).
     family = forced_family()
-    preprocess, dkdv, dq_kernel = _kernels(p.dtype, p.headdim, p.causal, deterministic, family, p.device)
+    aligned = p.aligned and validation.rows_aligned(dout)  # q, k, v (checked) and dout: cp.async
+    preprocess, dkdv, dq_kernel = _kernels(p.dtype, p.headdim, p.causal, deterministic, family, p.device,
+                                           aligned)
     dq = launch.empty(q.shape, q.dtype)
     dk = launch.empty(k.shape, k.dtype)
     dv = launch.empty(v.shape, v.dtype)

@@ -201,8 +201,10 @@ MMA_BACKWARD_DQ = [
 ]
 
 
-def plan_backward(dtype, headdim, causal, deterministic, family=None, device=0):
-    """The kernel configs of a backward call: (preprocess, dkdv, dq or convert_dq).
+def plan_backward(dtype, headdim, causal, deterministic, family=None, device=0, aligned=False):
+    """The kernel configs of a backward call: (preprocess, dkdv, dq or convert_dq). ``aligned``:
+    every row of q, k, v and dout starts on a 16-byte boundary (the tensor-core kernels then copy
+    tiles with cp.async).
 
     ``family`` "portable" (any dtype and GPU; the default) or "mma" (tensor-core dK/dV and dQ
     kernels, float16/bfloat16 on compute capability >= 8.0). Both use the portable preprocess and
@@ -227,11 +229,12 @@ def plan_backward(dtype, headdim, causal, deterministic, family=None, device=0):
         if reason:
             raise ValueError(f"kernel family 'mma' cannot run this call: {reason}")
         _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DKDV, headdim)
-        dkdv = MmaBackwardConfig("dkdv", block_m=block_m, block_n=block_n, num_warps=num_warps, **common)
+        vector = dict(common, aligned=aligned and headdim % 8 == 0)
+        dkdv = MmaBackwardConfig("dkdv", block_m=block_m, block_n=block_n, num_warps=num_warps, **vector)
         if atomic:
             return preprocess, dkdv, convert
         _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DQ, headdim)
-        dq = MmaBackwardConfig("dq", block_m=block_m, block_n=block_n, num_warps=num_warps, **common)
+        dq = MmaBackwardConfig("dq", block_m=block_m, block_n=block_n, num_warps=num_warps, **vector)
         return preprocess, dkdv, dq
 
     _, threads, block_n = _row(PORTABLE_BACKWARD_DKDV, headdim)

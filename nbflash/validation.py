@@ -97,6 +97,13 @@ def _check_layout(x, name, dims):
     return shape, strides
 
 
+def rows_aligned(x):
+    """Every (batch, seqlen, head) row of the 4-dim backend array ``x`` starts on a 16-byte
+    boundary: the kernels may copy its rows 16 bytes at a time."""
+    pointer = x.ctypes.data if runtime.SIMULATOR else x.data.ptr
+    return pointer % 16 == 0 and not any(s % 16 for s in x.strides[:3])
+
+
 def check_softmax_scale(softmax_scale, headdim):
     """The softmax scale to use: 1 / sqrt(headdim) by default, else a finite real number."""
     if softmax_scale is None:
@@ -160,9 +167,9 @@ def _check_forward(q, k, v, softmax_scale, causal):
     q = as_backend_array(q, "q")
     k = as_backend_array(k, "k")
     v = as_backend_array(v, "v")
-    (batch, seqlen_q, nheads, headdim), q_strides = _check_layout(q, "q", "(batch, seqlen_q, nheads, headdim)")
-    k_shape, k_strides = _check_layout(k, "k", "(batch, seqlen_k, nheads_k, headdim)")
-    v_shape, v_strides = _check_layout(v, "v", "(batch, seqlen_k, nheads_k, headdim)")
+    (batch, seqlen_q, nheads, headdim), _ = _check_layout(q, "q", "(batch, seqlen_q, nheads, headdim)")
+    k_shape, _ = _check_layout(k, "k", "(batch, seqlen_k, nheads_k, headdim)")
+    v_shape, _ = _check_layout(v, "v", "(batch, seqlen_k, nheads_k, headdim)")
 
     dtype = dtype_name(q.dtype)
     if dtype is None:
@@ -195,7 +202,6 @@ def _check_forward(q, k, v, softmax_scale, causal):
 
     if runtime.SIMULATOR:
         device = 0
-        pointers = (q.ctypes.data, k.ctypes.data, v.ctypes.data)
     else:
         device = q.data.device_id
         if k.data.device_id != device or v.data.device_id != device:
@@ -207,11 +213,7 @@ def _check_forward(q, k, v, softmax_scale, causal):
                 f"q is on GPU {device} but the current CuPy device is {current}; "
                 f"call inside `with cupy.cuda.Device({device}):`"
             )
-        pointers = (q.data.ptr, k.data.ptr, v.data.ptr)
-    # Every (batch, seqlen, head) row starts on a 16-byte boundary: vector copies are allowed.
-    aligned = not any(p % 16 for p in pointers) and not any(
-        s % 16 for strides in (q_strides, k_strides, v_strides) for s in strides[:3]
-    )
+    aligned = rows_aligned(q) and rows_aligned(k) and rows_aligned(v)
 
     problem = Problem(
         batch,

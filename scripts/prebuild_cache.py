@@ -73,9 +73,9 @@ def configurations(dtypes, headdims, families, cc, unaligned=False):
             forward += [configs.mma_forward_config(dtype, headdim, causal, aligned) for aligned in alignments]
         for config in forward:
             jobs[config] = launch.forward_signature(config)
-        for deterministic in (False, True):
+        for deterministic, aligned in itertools.product((False, True), alignments):
             for family in [f for f in families if f == "portable" or mma]:
-                for config in configs.plan_backward(dtype, headdim, causal, deterministic, family):
+                for config in configs.plan_backward(dtype, headdim, causal, deterministic, family, 0, aligned):
                     jobs[config] = backward._signature(config)
     return list(jobs.items())
 

@@ -57,8 +57,10 @@ elements so that the 8 rows one ldmatrix reads fall in different banks)::
            (block_n rows of block_m + 8); static float32 lse_log2 and D of the block_m query rows
     dq     Q_i, dO_i (block_m rows), K_j, V_j (block_n rows)
 
-Tiles are loaded element by element (plain loads, any headdim 1..256, any strides), synchronously:
-correctness first. cp.async double buffering, as in the forward, is the first thing left to do.
+Tiles whose rows start on 16-byte boundaries (headdim % 8 == 0, the usual layouts) are copied with
+16-byte cp.async, every copy of a tile pair issued before the first wait; other layouts load element
+by element (plain loads, any headdim 1..256, any strides). Double buffering, as in the forward, is
+left to do.
 """
 
 import math
@@ -69,8 +71,12 @@ from numba import cuda, float32, uint16, uint32
 from numba.types import float16
 
 from nbflash.primitives import (
+    cp_async_16_from,
+    cp_async_commit,
+    cp_async_wait,
     exp2_approx,
     f32_to_bf16_bits,
+    global_address,
     inline_device,
     ldmatrix_x4,
     ldmatrix_x4_trans,
@@ -102,6 +108,7 @@ class MmaBackwardConfig:
     block_n: int = 64  # keys per tile (dkdv: 16 * num_warps)
     num_warps: int = 4
     atomic_dq: bool = True  # dkdv: add dQ into the float32 accumulator with atomics
+    aligned: bool = False  # every row of q, k, v, dout starts on a 16-byte boundary: cp.async loads
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -112,6 +119,8 @@ class MmaBackwardConfig:
             raise ValueError(f"{self.headdim=} must be in 1..256")
         if self.block_m % 16 or self.block_n % 16 or self.block_m <= 0 or self.block_n <= 0:
             raise ValueError(f"{self.block_m=} and {self.block_n=} must be positive multiples of 16")
+        if self.aligned and self.headdim % 8:
+            raise ValueError(f"aligned=True needs headdim % 8 == 0, got {self.headdim=}")
         warp_rows = self.block_n if self.kernel == "dkdv" else self.block_m
         if warp_rows != 16 * self.num_warps:
             raise ValueError(f"the {self.kernel} kernel gives each warp 16 rows: "
@@ -225,7 +234,8 @@ def build_backward_mma(config: MmaBackwardConfig):
     BM, BN, HD = config.block_m, config.block_n, config.headdim
     HDP, ROW, DS_ROW = config.headdim_padded, config.row_elems, config.ds_row_elems
     WARPS, THREADS = config.num_warps, config.threads
-    CAUSAL, ATOMIC_DQ = config.causal, config.atomic_dq
+    CAUSAL, ATOMIC_DQ, ALIGNED = config.causal, config.atomic_dq, config.aligned
+    CHUNKS = HDP // 8  # 16-byte chunks of a padded tile row (the aligned path's cp.async copies)
     ROW_BYTES, DS_ROW_BYTES = ROW * 2, DS_ROW * 2
     KT = HDP // 16  # k-steps over headdim (S, dP)
     DT = HDP // 8  # 8-column tiles over headdim (dK, dV, dQ)
@@ -246,15 +256,37 @@ def build_backward_mma(config: MmaBackwardConfig):
 
     @inline_device
     def load_tile(smem, tile_elem0, x, b, row0, h, valid_rows, tile_rows):
-        """Global rows [row0, row0 + tile_rows) of head h into a shared tile, one element per
-        thread and round; zero past valid_rows and past headdim (the mma steps read the padding)."""
-        for e in range(cuda.threadIdx.x, tile_rows * HDP, THREADS):
-            r = e // HDP
-            col = e % HDP
-            value = ELEM(0)
-            if r < valid_rows and col < HD:
-                value = x[b, row0 + r, h, col]
-            smem[tile_elem0 + r * ROW + col] = value
+        """Start copying global rows [row0, row0 + tile_rows) of head h into a shared tile; zero
+        past valid_rows and past headdim (the mma steps read the padding). ``tiles_landed`` waits.
+
+        Aligned rows: 16-byte cp.async copies, all issued before any is waited for. Otherwise one
+        element per thread and round, with plain loads (any headdim, any strides).
+        """
+        if ALIGNED:
+            x_row0 = global_address(x, b, 0, h, 0)
+            row_bytes = x.strides[1]
+            tile = shared_address(smem) + uint32(tile_elem0 * 2)
+            for chunk in range(cuda.threadIdx.x, tile_rows * CHUNKS, THREADS):
+                r = chunk // CHUNKS
+                col = (chunk % CHUNKS) * 8
+                inside = r < valid_rows and col < HD
+                src = x_row0 + (row0 + r) * row_bytes + col * 2 if inside else x_row0
+                cp_async_16_from(tile + uint32(r * ROW_BYTES + col * 2), src, uint32(16 if inside else 0))
+        else:
+            for e in range(cuda.threadIdx.x, tile_rows * HDP, THREADS):
+                r = e // HDP
+                col = e % HDP
+                value = ELEM(0)
+                if r < valid_rows and col < HD:
+                    value = x[b, row0 + r, h, col]
+                smem[tile_elem0 + r * ROW + col] = value
+
+    @inline_device
+    def tiles_landed():
+        """This thread's tile copies have landed (a barrier must follow before others read them)."""
+        if ALIGNED:
+            cp_async_commit()
+            cp_async_wait(0)
 
     @inline_device
     def to_elem(value):
@@ -410,6 +442,7 @@ def build_backward_mma(config: MmaBackwardConfig):
         # ---- K_j, V_j once; dK_j, dV_j accumulators in registers ----
         load_tile(smem, K_TILE, k, b, n_start, hk, seqlen_k - n_start, BN)
         load_tile(smem, V_TILE, v, b, n_start, hk, seqlen_k - n_start, BN)
+        tiles_landed()  # also when no query tile follows: no copy outlives the block
         dk_acc = cuda.local.array((DT, 4), float32)
         dv_acc = cuda.local.array((DT, 4), float32)
         zero_tile(dk_acc)
@@ -428,6 +461,7 @@ def build_backward_mma(config: MmaBackwardConfig):
                 for c in range(tid, BM, THREADS):
                     lse_s[c] = lse_log2(lse, b, h, q_start + c, seqlen_q)
                     d_s[c] = delta[b, h, q_start + c] if q_start + c < seqlen_q else float32(0)
+                tiles_landed()
                 cuda.syncthreads()  # Q_i, dO_i, lse, D (and K_j, V_j on the first pass) have landed
 
                 # S^T = K_j Q_i^T and dP^T = V_j dO_i^T, the warp's 16 keys by BM queries
@@ -530,6 +564,7 @@ def build_backward_mma(config: MmaBackwardConfig):
         # ---- Q_i, dO_i once; dQ_i in registers ----
         load_tile(smem, Q_TILE_Q, q, b, q_start, h, seqlen_q - q_start, BM)
         load_tile(smem, DO_TILE_Q, dout, b, q_start, h, seqlen_q - q_start, BM)
+        tiles_landed()  # also when no key tile follows: no copy outlives the block
         dq_acc = cuda.local.array((DT, 4), float32)
         zero_tile(dq_acc)
         s = cuda.local.array((KNT, 4), float32)  # S
@@ -541,6 +576,7 @@ def build_backward_mma(config: MmaBackwardConfig):
             cuda.syncthreads()  # every warp is done with K_{j-1}, V_{j-1}
             load_tile(smem, K_TILE_Q, k, b, n_start, hk, seqlen_k - n_start, BN)
             load_tile(smem, V_TILE_Q, v, b, n_start, hk, seqlen_k - n_start, BN)
+            tiles_landed()
             cuda.syncthreads()  # K_j, V_j (and Q_i, dO_i on the first pass) have landed
 
             # S = Q_i K_j^T and dP = dO_i V_j^T, the warp's 16 queries by BN keys
