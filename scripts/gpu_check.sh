@@ -16,14 +16,16 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
 run_tests() {  # $1: time limit in seconds
-    # One BLAS thread per worker: the float64 references run in every worker at once.
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout "$1" python3 -m pytest -n "${WORKERS:-15}" -v \
-        -p no:cacheprovider -W ignore --tb=short -rf tests/ > "$out/pytest.log" 2>&1
+    # One BLAS thread per worker: the float64 references run in every worker at once. Tests that
+    # compile the same kernels go to one worker (--dist loadgroup, tests/conftest.py). pytest runs in
+    # a process group of its own so that, past the time limit, its xdist workers stop with it
+    # instead of loading the host and the GPU under the measurements that follow.
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 setsid timeout "$1" python3 -m pytest -n "${WORKERS:-15}" \
+        --dist loadgroup -v -p no:cacheprovider -W ignore --tb=short -rf tests/ > "$out/pytest.log" 2>&1 &
+    local group=$!
+    wait "$group"
     echo "pytest exit $?"
-    # A time limit stops pytest but not always its xdist workers; left running, they would load the
-    # host and the GPU under the measurements that follow.
-    pkill -f "pytest" 2> /dev/null
-    sleep 1
+    kill -- -"$group" 2> /dev/null
     grep -aE "^(FAILED|ERROR)|\] (FAILED|ERROR)" "$out/pytest.log" | sed 's/^\[gw[0-9]*\] //' | sort | uniq | head -40
     echo "passed: $(grep -acE '\] PASSED' "$out/pytest.log")  failed: $(grep -acE '\] FAILED' "$out/pytest.log")"
     tail -1 "$out/pytest.log"

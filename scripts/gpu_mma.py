@@ -32,6 +32,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from prebuild_cache import cuda_tool, pretend_gpu  # noqa: E402  (scripts/, next to this file)
+
 # Variants: name -> MmaForwardConfig keyword arguments (dtype, headdim and causal are added per run).
 VARIANTS = {
     "m128n64w8": dict(block_m=128, block_n=64, num_warps=8),
@@ -75,17 +77,6 @@ def signature(dtype):
 # build: Numba -> PTX -> cubin, no GPU needed
 # ---------------------------------------------------------------------------------------------------
 
-def _tool(name):
-    import nvidia
-
-    for root in nvidia.__path__:
-        for sub in ("cu13/bin", "cuda_nvcc/bin", "cu12/bin"):
-            path = os.path.join(root, sub, name)
-            if os.path.exists(path):
-                return path
-    return name  # from PATH
-
-
 def _build_one(job):
     name, dtype, headdim, causal, folder = job
     from numba import cuda
@@ -93,14 +84,7 @@ def _build_one(job):
     try:
         cuda.get_current_device()
     except Exception:
-        # Compiling a kernel that calls device functions asks for the current device's compute
-        # capability; with no GPU here, answer for the H200 (9.0), which is what we build for.
-        import numba.cuda.dispatcher as dispatcher
-
-        class _Hopper:
-            compute_capability = (9, 0)
-
-        dispatcher.get_current_device = lambda: _Hopper()
+        pretend_gpu((9, 0))  # no GPU here: compile for the H200
     from nbflash.kernels.forward_mma import build_forward_mma
 
     config = make_config(name, dtype, headdim, causal)
@@ -116,10 +100,10 @@ def _build_one(job):
     ptx_path, cubin_path = os.path.join(folder, key + ".ptx"), os.path.join(folder, key + ".cubin")
     with open(ptx_path, "w") as f:
         f.write(ptx)
-    ptxas = subprocess.run([_tool("ptxas"), "-arch=sm_90", "-v", ptx_path, "-o", cubin_path],
+    ptxas = subprocess.run([cuda_tool("ptxas"), "-arch=sm_90", "-v", ptx_path, "-o", cubin_path],
                            capture_output=True, text=True, check=True).stderr
-    sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin_path], capture_output=True, text=True,
-                          env=dict(os.environ, PATH=os.path.dirname(_tool("nvdisasm")) + ":" + os.environ["PATH"])).stdout
+    sass = subprocess.run([cuda_tool("cuobjdump"), "-sass", cubin_path], capture_output=True, text=True,
+                          env=dict(os.environ, PATH=os.path.dirname(cuda_tool("nvdisasm")) + ":" + os.environ["PATH"])).stdout
     os.remove(ptx_path)
     info = dict(
         key=key, entry=entry, numba_compile_s=round(numba_s, 1),

@@ -26,24 +26,25 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def _ptxas():
+def cuda_tool(name):
+    """A CUDA tool (ptxas, cuobjdump, nvdisasm) from the nvidia-cuda-nvcc wheel, else from PATH."""
     try:
         import nvidia
 
         for root in nvidia.__path__:
             for sub in ("cu13/bin", "cuda_nvcc/bin", "cu12/bin"):
-                path = os.path.join(root, sub, "ptxas")
+                path = os.path.join(root, sub, name)
                 if os.path.exists(path):
                     return path
     except ImportError:
         pass
-    found = shutil.which("ptxas")
+    found = shutil.which(name)
     if not found:
-        sys.exit("ptxas not found: install the CUDA toolkit or the nvidia-cuda-nvcc wheel")
+        sys.exit(f"{name} not found: install the CUDA toolkit or the nvidia-cuda-nvcc wheel")
     return found
 
 
-def _pretend_gpu(cc):
+def pretend_gpu(cc):
     """Numba asks the current device for its compute capability while compiling device functions;
     with no GPU, answer for the target."""
     import numba.cuda.dispatcher as dispatcher
@@ -88,7 +89,7 @@ def _builder(config):
 
 def build_one(config, signature, cc, cache_dir):
     os.environ["NBFLASH_CACHE_DIR"] = cache_dir
-    _pretend_gpu(cc)
+    pretend_gpu(cc)
     from numba import cuda
 
     from nbflash import cubin_cache
@@ -104,7 +105,7 @@ def build_one(config, signature, cc, cache_dir):
         with open(ptx_path, "w") as f:
             f.write(ptx)
         arch = f"-arch=sm_{cc[0]}{cc[1]}"
-        subprocess.run([_ptxas(), arch, ptx_path, "-o", cubin_path], check=True, capture_output=True)
+        subprocess.run([cuda_tool("ptxas"), arch, ptx_path, "-o", cubin_path], check=True, capture_output=True)
         with open(cubin_path, "rb") as f:
             cubin_cache.store(key, entry, f.read())
     return config, "built", time.time() - start
