@@ -19,7 +19,15 @@ from nbflash.kernels.backward_portable import PortableBackwardConfig
 from .conftest import SIMULATOR
 from .helpers import random_qkv, to_numpy
 from .test_backward import poisoned_outputs  # noqa: F401  (autouse: every library buffer starts as NaN)
-from .test_backward import assert_gradients_close, forward, random_like, run_case
+from .test_backward import (
+    HEADDIMS,
+    SEQLENS,
+    assert_gradients_close,
+    forward,
+    gpu_grid_case,
+    random_like,
+    run_case,
+)
 
 
 def run_mma(*args, **kwargs):
@@ -127,11 +135,7 @@ def test_backward_mma_rejects_float32(rng, xp):
         flash_attn_backward(q, q, k, v, q, lse)
 
 
-# ---- GPU: the full grid (not yet run: written for the next session with a GPU) -----------------
-
-SEQLENS = [(1, 1), (113, 203), (203, 113), (1023, 1024), (1024, 1023), (128, 2048), (2048, 2048)]
-HEADDIMS = [40, 59, 64, 96, 128, 256]
-HEADS = [(4, 4), (6, 2), (4, 1)]
+# ---- GPU: the full grid, the one tests/test_backward.py runs on the portable kernels ------------
 
 
 @pytest.mark.gpu
@@ -140,11 +144,7 @@ HEADS = [(4, 4), (6, 2), (4, 1)]
 @pytest.mark.parametrize("headdim", HEADDIMS)
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_mma_gpu(rng, xp, seqlens, headdim, causal, dtype):
-    index = SEQLENS.index(seqlens) + HEADDIMS.index(headdim)
-    nheads, nheads_k = HEADS[index % len(HEADS)]
-    heads_first = headdim in (59, 128)
-    deterministic = (index + causal) % 2 == 1
-    run_mma(rng, xp, 2, *seqlens, nheads, nheads_k, headdim, dtype, causal, deterministic, heads_first)
+    gpu_grid_case(run_mma, rng, xp, seqlens, headdim, causal, dtype)
 
 
 @pytest.mark.gpu
