@@ -54,15 +54,10 @@ def print_kernel_map(module):
     """Banners, phase comments and device functions of the kernel file, in reading order."""
     path = inspect.getsourcefile(module)
     lines = open(path).read().splitlines()
-    tree = ast.parse("\n".join(lines))
-    functions = {node.lineno: node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
-    # Device functions the kernel takes from a shared factory (``a, b = factory(...)``): name, factory.
-    shared = {
-        node.lineno: ([t.id for t in node.targets[0].elts], node.value.func.id)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple)
-        and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
-        and all(isinstance(t, ast.Name) for t in node.targets[0].elts)
+    functions = {
+        node.lineno: node
+        for node in ast.walk(ast.parse("\n".join(lines)))
+        if isinstance(node, ast.FunctionDef)
     }
     print(f"\nThe kernel file, top to bottom ({where(path, 1)}):")
     for number, text in enumerate(lines, start=1):
@@ -73,12 +68,6 @@ def print_kernel_map(module):
                 print(f"\n  {where(path, number + 1)}  == {title}")
         elif re.match(r"# -{2,} .* -{2,}$", stripped):  # a phase inside the kernel
             print(f"  {where(path, number)}      phase: {stripped.strip('# -')}")
-        elif number in shared:
-            names, factory = shared[number]
-            for name in names:
-                print(f"  {where(path, number)}    {name}: built by {factory} (nbflash/kernels/tiles.py)")
-                if name in LESSON_LINKS:
-                    print(f"  {'':{len(where(path, number))}}      compare: {LESSON_LINKS[name]}")
         elif number in functions and not functions[number].name.startswith("_"):
             name = functions[number].name
             print(f"  {where(path, number)}    {name}: {first_line(ast.get_docstring(functions[number]))}")

@@ -71,6 +71,7 @@ from numba import cuda, float32, uint16, uint32
 from numba.types import float16
 
 from nbflash.primitives import (
+    cp_async_16_from,
     cp_async_commit,
     cp_async_wait,
     exp2_approx,
@@ -87,8 +88,6 @@ from nbflash.primitives import (
     static_range,
     unroll,
 )
-
-from .tiles import padded_tile_copies
 
 LOG2E = math.log2(math.e)
 NEG_INF = float32(-math.inf)
@@ -236,10 +235,7 @@ def build_backward_mma(config: MmaBackwardConfig):
     HDP, ROW, DS_ROW = config.headdim_padded, config.row_elems, config.ds_row_elems
     WARPS, THREADS = config.num_warps, config.threads
     CAUSAL, ATOMIC_DQ, ALIGNED = config.causal, config.atomic_dq, config.aligned
-    # Rounds of the block's threads to fill a Q/dO (BM rows) or K/V (BN rows) tile: of 16-byte
-    # copies when aligned, of single elements otherwise.
-    PER_ROW = HDP // 8 if ALIGNED else HDP
-    Q_ROUNDS, KV_ROUNDS = -(-BM * PER_ROW // THREADS), -(-BN * PER_ROW // THREADS)
+    CHUNKS = HDP // 8  # 16-byte chunks of a padded tile row (the aligned path's cp.async copies)
     ROW_BYTES, DS_ROW_BYTES = ROW * 2, DS_ROW * 2
     KT = HDP // 16  # k-steps over headdim (S, dP)
     DT = HDP // 8  # 8-column tiles over headdim (dK, dV, dQ)
@@ -258,19 +254,35 @@ def build_backward_mma(config: MmaBackwardConfig):
     # Tile loads and element stores
     # -----------------------------------------------------------------------------------------------
 
-    copy_tile_async, copy_tile_elementwise = padded_tile_copies(THREADS, HD, HDP, ROW, ELEM)
-
     @inline_device
-    def load_tile(smem, tile_elem0, x, b, row0, h, valid_rows, tile_rows, rounds):
-        """Start copying global rows [row0, row0 + tile_rows) of head h into a shared tile (zero past
-        valid_rows and past headdim); ``tiles_landed`` waits. Aligned rows: 16-byte cp.async copies,
-        all issued before any is waited for; otherwise plain loads, one element each. ``rounds``:
-        Q_ROUNDS for a BM-row tile, KV_ROUNDS for a BN-row one."""
+    def load_tile(smem, tile_elem0, x, b, row0, h, valid_rows, tile_rows):
+        """Start copying global rows [row0, row0 + tile_rows) of head h into a shared tile; zero
+        past valid_rows and past headdim (the mma steps read the padding). ``tiles_landed`` waits.
+
+        Aligned rows: 16-byte cp.async copies, all issued before any is waited for. Otherwise one
+        element per thread and round, with plain loads (any headdim, any strides).
+        """
         if ALIGNED:
+            # The forward's copy_tile_async does the same with a constant round count, which
+            # unrolls: tried here, it raised this kernel's spill stack from 208 to 472 bytes (ptxas,
+            # headdim 128), so the copies stay in a strided loop.
+            x_row0 = global_address(x, b, 0, h, 0)
+            row_bytes = x.strides[1]
             tile = shared_address(smem) + uint32(tile_elem0 * 2)
-            copy_tile_async(tile, global_address(x, b, 0, h, 0), x.strides[1], row0, valid_rows, rounds, tile_rows)
+            for chunk in range(cuda.threadIdx.x, tile_rows * CHUNKS, THREADS):
+                r = chunk // CHUNKS
+                col = (chunk % CHUNKS) * 8
+                inside = r < valid_rows and col < HD
+                src = x_row0 + (row0 + r) * row_bytes + col * 2 if inside else x_row0
+                cp_async_16_from(tile + uint32(r * ROW_BYTES + col * 2), src, uint32(16 if inside else 0))
         else:
-            copy_tile_elementwise(smem, tile_elem0, x, b, row0, h, valid_rows, rounds, tile_rows)
+            for e in range(cuda.threadIdx.x, tile_rows * HDP, THREADS):
+                r = e // HDP
+                col = e % HDP
+                value = ELEM(0)
+                if r < valid_rows and col < HD:
+                    value = x[b, row0 + r, h, col]
+                smem[tile_elem0 + r * ROW + col] = value
 
     @inline_device
     def tiles_landed():
@@ -431,8 +443,8 @@ def build_backward_mma(config: MmaBackwardConfig):
         tail = n_start + BN > seqlen_k
 
         # ---- K_j, V_j once; dK_j, dV_j accumulators in registers ----
-        load_tile(smem, K_TILE, k, b, n_start, hk, seqlen_k - n_start, BN, KV_ROUNDS)
-        load_tile(smem, V_TILE, v, b, n_start, hk, seqlen_k - n_start, BN, KV_ROUNDS)
+        load_tile(smem, K_TILE, k, b, n_start, hk, seqlen_k - n_start, BN)
+        load_tile(smem, V_TILE, v, b, n_start, hk, seqlen_k - n_start, BN)
         tiles_landed()  # also when no query tile follows: no copy outlives the block
         dk_acc = cuda.local.array((DT, 4), float32)
         dv_acc = cuda.local.array((DT, 4), float32)
@@ -447,8 +459,8 @@ def build_backward_mma(config: MmaBackwardConfig):
             for i in range(first_tile, num_q_tiles):
                 q_start = i * BM
                 cuda.syncthreads()  # every warp is done with the last Q_i, dO_i, lse, D and dS^T
-                load_tile(smem, Q_TILE, q, b, q_start, h, seqlen_q - q_start, BM, Q_ROUNDS)
-                load_tile(smem, DO_TILE, dout, b, q_start, h, seqlen_q - q_start, BM, Q_ROUNDS)
+                load_tile(smem, Q_TILE, q, b, q_start, h, seqlen_q - q_start, BM)
+                load_tile(smem, DO_TILE, dout, b, q_start, h, seqlen_q - q_start, BM)
                 for c in range(tid, BM, THREADS):
                     lse_s[c] = lse_log2(lse, b, h, q_start + c, seqlen_q)
                     d_s[c] = delta[b, h, q_start + c] if q_start + c < seqlen_q else float32(0)
@@ -553,8 +565,8 @@ def build_backward_mma(config: MmaBackwardConfig):
         n_unmasked = n_unmasked_end // BN
 
         # ---- Q_i, dO_i once; dQ_i in registers ----
-        load_tile(smem, Q_TILE_Q, q, b, q_start, h, seqlen_q - q_start, BM, Q_ROUNDS)
-        load_tile(smem, DO_TILE_Q, dout, b, q_start, h, seqlen_q - q_start, BM, Q_ROUNDS)
+        load_tile(smem, Q_TILE_Q, q, b, q_start, h, seqlen_q - q_start, BM)
+        load_tile(smem, DO_TILE_Q, dout, b, q_start, h, seqlen_q - q_start, BM)
         tiles_landed()  # also when no key tile follows: no copy outlives the block
         dq_acc = cuda.local.array((DT, 4), float32)
         zero_tile(dq_acc)
@@ -565,8 +577,8 @@ def build_backward_mma(config: MmaBackwardConfig):
         for j in range(n_tiles):
             n_start = j * BN
             cuda.syncthreads()  # every warp is done with K_{j-1}, V_{j-1}
-            load_tile(smem, K_TILE_Q, k, b, n_start, hk, seqlen_k - n_start, BN, KV_ROUNDS)
-            load_tile(smem, V_TILE_Q, v, b, n_start, hk, seqlen_k - n_start, BN, KV_ROUNDS)
+            load_tile(smem, K_TILE_Q, k, b, n_start, hk, seqlen_k - n_start, BN)
+            load_tile(smem, V_TILE_Q, v, b, n_start, hk, seqlen_k - n_start, BN)
             tiles_landed()
             cuda.syncthreads()  # K_j, V_j (and Q_i, dO_i on the first pass) have landed
 

@@ -53,6 +53,7 @@ from numba import cuda, float32, uint16, uint32
 from numba.types import float16
 
 from nbflash.primitives import (
+    cp_async_16_from,
     cp_async_commit,
     cp_async_wait,
     exp2_approx,
@@ -71,8 +72,6 @@ from nbflash.primitives import (
     static_range,
     unroll,
 )
-
-from .tiles import padded_tile_copies
 
 LN2 = math.log(2.0)
 
@@ -188,7 +187,33 @@ def build_forward_mma(config: MmaForwardConfig):
     # (rows past the sequence end, columns past headdim).
     # -----------------------------------------------------------------------------------------------
 
-    copy_tile_async, copy_tile_elementwise = padded_tile_copies(THREADS, HD, HDP, ROW, ELEM)
+    @inline_device
+    def copy_tile_async(tile, x_row0, row_bytes, row0, valid_rows, rounds, tile_rows):
+        """cp.async, 16 bytes per copy; thread `tid` copies chunks tid, tid + THREADS, ... x_row0 is
+        the address of the head's row 0 (global_address), so a copy costs one multiply-add."""
+        tid = cuda.threadIdx.x
+        for i in range(rounds):
+            chunk = i * THREADS + tid
+            if chunk < tile_rows * CHUNKS:
+                r = chunk // CHUNKS
+                col = (chunk % CHUNKS) * 8
+                inside = r < valid_rows and col < HD
+                src = x_row0 + (row0 + r) * row_bytes + col * 2 if inside else x_row0
+                cp_async_16_from(tile + uint32(r * ROW_BYTES + col * 2), src, uint32(16 if inside else 0))
+
+    @inline_device
+    def copy_tile_elementwise(smem, tile_elem0, x, b, row0, h, valid_rows, rounds, tile_rows):
+        """Plain loads and stores, one element each: any strides, any headdim."""
+        tid = cuda.threadIdx.x
+        for i in range(rounds):
+            e = i * THREADS + tid
+            if e < tile_rows * HDP:
+                r = e // HDP
+                col = e % HDP
+                value = ELEM(0)
+                if r < valid_rows and col < HD:
+                    value = x[b, row0 + r, h, col]
+                smem[tile_elem0 + r * ROW + col] = value
 
     @inline_device
     def load_q_tile(smem, base, q, b, m_start, h, seqlen_q):
