@@ -97,7 +97,7 @@ def _kernels(dtype, headdim, causal, deterministic, family, device, aligned):
 def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     """Run the backward pass on validated inputs; returns (dq, dk, dv) as backend arrays."""
     p = problem
-    # The portable kernels unless a family is forced (configs.plan_backward says why).
+    # The tensor-core kernels where they apply, unless a family is forced (configs.plan_backward).
     family = forced_family()
     aligned = p.aligned and validation.rows_aligned(dout)  # q, k, v (checked) and dout: cp.async
     preprocess, dkdv, dq_kernel = _kernels(p.dtype, p.headdim, p.causal, deterministic, family, p.device,
@@ -142,9 +142,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
         attention, dk and dv of a key/value head are summed over the query heads that share it.
         Query rows that see no key (causal, seqlen_q > seqlen_k) get dq = 0 and contribute nothing.
 
-    Kernels: the portable family by default; inside ``nbflash.kernel_family("mma")`` the tensor-core
-    kernels (float16/bfloat16, compute capability >= 8.0), 5x faster, opt-in until their GPU test
-    grid has been seen to pass.
+    Kernels: the tensor-core family for float16/bfloat16 on compute capability >= 8.0, the portable
+    one otherwise (float32, older GPUs); ``nbflash.kernel_family`` forces either.
 
     Extra memory: float32 (batch, nheads, seqlen_q) for rowsum(dout * out), plus a float32 copy of
     dq's shape for the atomics (not in deterministic mode). The work is queued on CuPy's current

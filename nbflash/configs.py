@@ -189,8 +189,8 @@ def _row(table, headdim):
 
 # Tensor-core backward (nbflash/kernels/backward_mma.py): (largest headdim, block_m, block_n,
 # num_warps) of the dK/dV kernel (block_n = 16 * num_warps: a warp owns 16 keys), and of the
-# deterministic dQ kernel (block_m = 16 * num_warps: a warp owns 16 query rows). Not measured: no
-# GPU ran these kernels yet, so plan_backward serves them only on request (family="mma").
+# deterministic dQ kernel (block_m = 16 * num_warps: a warp owns 16 query rows). Their GPU test grid
+# passed on the H200 (168 cases, docs/benchmarks.md); these blocks are first choices, not yet searched.
 MMA_BACKWARD_DKDV = [
     (128, 64, 64, 4),
     (256, 32, 64, 4),
@@ -206,13 +206,12 @@ def plan_backward(dtype, headdim, causal, deterministic, family=None, device=0, 
     every row of q, k, v and dout starts on a 16-byte boundary (the tensor-core kernels then copy
     tiles with cp.async).
 
-    ``family`` "portable" (any dtype and GPU; the default) or "mma" (tensor-core dK/dV and dQ
-    kernels, float16/bfloat16 on compute capability >= 8.0). Both use the portable preprocess and
-    dq-conversion kernels. The default stays portable until the tensor-core kernels' GPU test grid
-    has been seen to pass (they are 5x faster: docs/benchmarks.md).
+    ``family`` "mma" (tensor-core dK/dV and dQ kernels, float16/bfloat16 on compute capability
+    >= 8.0; the default wherever it applies) or "portable" (any dtype and GPU; the default
+    elsewhere). Both use the portable preprocess and dq-conversion kernels.
     """
     if family is None:
-        family = "portable"
+        family = "portable" if mma_unsupported_reason(dtype, device) else "mma"
     _check_family(family)
     atomic = not deterministic
     common = dict(dtype=dtype, headdim=headdim, causal=causal, atomic_dq=atomic)

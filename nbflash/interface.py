@@ -29,7 +29,8 @@ def _flash_attn_forward(problem, q, k, v, family=None):
     config = kernel.config
     out, lse = launch.empty_pair(q.shape, q.dtype, (problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
     grid = config.grid(problem.batch, problem.nheads, problem.seqlen_q)
-    kernel.launch(grid, (q, k, v, out, lse), (problem.softmax_scale * LOG2_E,))
+    # The problem stands for the five arrays' shapes and strides (validation remembers it per layout).
+    kernel.launch(grid, (q, k, v, out, lse), (problem.softmax_scale * LOG2_E,), problem)
     return out, lse
 
 

@@ -6,7 +6,7 @@ queued on the caller's current CuPy stream, so a call slots into a CuPy pipeline
 On a GPU the launch bypasses Numba's dispatcher, which re-types every argument on every call (tens
 of microseconds with CuPy arrays). Each configuration is compiled once for one fixed signature;
 per call we write the arguments into a preallocated parameter buffer in the layout Numba's kernels
-expect, and hand it to the driver's ``cuLaunchKernel``. A Numba array argument is flattened into
+expect, and hand it to the driver's ``cuLaunchKernelEx`` (``cuLaunchKernel`` on older drivers). A Numba array argument is flattened into
 ``meminfo, parent, nitems, itemsize, data, shape[ndim], strides[ndim]`` (8 bytes each; strides in
 bytes), a float32 scalar into 4 bytes. Under the simulator, kernels launch through Numba as usual.
 """
@@ -73,7 +73,29 @@ def _driver():
         ctypes.c_void_p,
         ctypes.c_void_p,
     ]
+    if hasattr(lib, "cuLaunchKernelEx"):  # CUDA 12 drivers and newer
+        lib.cuLaunchKernelEx.restype = ctypes.c_int
+        lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
     return lib
+
+
+class LaunchConfig(ctypes.Structure):
+    """cuda.h's CUlaunchConfig: what ``cuLaunchKernelEx`` takes in one struct. A kernel keeps one
+    and rewrites only what changed since its last launch, so a launch passes four pointers to the
+    driver instead of converting eleven arguments."""
+
+    _fields_ = [
+        ("grid_x", ctypes.c_uint),
+        ("grid_y", ctypes.c_uint),
+        ("grid_z", ctypes.c_uint),
+        ("block_x", ctypes.c_uint),
+        ("block_y", ctypes.c_uint),
+        ("block_z", ctypes.c_uint),
+        ("shared_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attributes", ctypes.c_void_p),
+        ("attribute_count", ctypes.c_uint),
+    ]
 
 
 def _check(status, what):
@@ -200,21 +222,26 @@ class ParameterBuffer:
         scalars = fields.count("f")  # float32 scalars come last, 8 bytes each
         self._scalar_offset = packer.size - 8 * scalars
         self._pack_scalars = struct.Struct("<" + "f4x" * scalars).pack_into
-        self._layout = None
+        self._layout = self._layout_key = None
 
-    def write(self, arrays, scalars):
-        layout = [(a.shape, a.strides) for a in arrays]
-        if layout == self._layout:
-            words = self._words
-            for word, a in zip(self._pointer_words, arrays):
-                words[word] = a.data.ptr
-            self._pack_scalars(self.buffer, self._scalar_offset, *scalars)
-            return
-        fields = []
-        for a in arrays:
-            fields += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
-        self._pack(self.buffer, 0, *fields, *scalars)
-        self._layout = layout
+    def write(self, arrays, scalars, layout_key=None):
+        """``layout_key``: optional; an object that stands for the arrays' shapes and strides (the
+        same object only ever for the same layouts, as the forward's checked Problem does). When it
+        is the previous call's, the shapes and strides are not even read."""
+        if layout_key is None or layout_key is not self._layout_key:
+            layout = [(a.shape, a.strides) for a in arrays]
+            self._layout_key = layout_key  # held, so that its identity is never reused
+            if layout != self._layout:
+                fields = []
+                for a in arrays:
+                    fields += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
+                self._pack(self.buffer, 0, *fields, *scalars)
+                self._layout = layout
+                return
+        words = self._words
+        for word, a in zip(self._pointer_words, arrays):
+            words[word] = a.data.ptr
+        self._pack_scalars(self.buffer, self._scalar_offset, *scalars)
 
 
 class CompiledKernel:
@@ -242,29 +269,36 @@ class CompiledKernel:
 
         self._parameters = ParameterBuffer(signature)
         self._lock = threading.Lock()  # one launch at a time writes the shared parameter buffer
-        self._launch = _driver().cuLaunchKernel
         self._current_stream = runtime.cupy().cuda.get_current_stream
+        self._launch_config = LaunchConfig(block_x=config.threads, block_y=1, block_z=1,
+                                           shared_bytes=self.dynamic_shared)
+        self._launch_config_pointer = ctypes.c_void_p(ctypes.addressof(self._launch_config))
+        self._grid = self._stream = None  # what the launch config holds now
+        self._launch_ex = getattr(_driver(), "cuLaunchKernelEx", None)
 
-    def launch(self, grid, arrays, scalars):
+    def launch(self, grid, arrays, scalars, layout_key=None):
         """Queue the kernel on CuPy's current stream. ``arrays`` are backend arrays, in the order
-        of the signature, followed by the float32 ``scalars``."""
+        of the signature, followed by the float32 ``scalars``; ``layout_key`` as in
+        ``ParameterBuffer.write``."""
         if runtime.SIMULATOR:
             launch_config = self.kernel[grid, self.config.threads, 0, self.dynamic_shared]
             launch_config(*(_simulator_array(a) for a in arrays), *scalars)
             return
         with self._lock:
-            self._parameters.write(arrays, scalars)
-            status = self._launch(
-                self.function,
-                *grid,
-                self.config.threads,
-                1,
-                1,
-                self.dynamic_shared,
-                self._current_stream().ptr,
-                self._parameters.pointers,
-                None,
-            )
+            self._parameters.write(arrays, scalars, layout_key)
+            stream = self._current_stream().ptr
+            if self._launch_ex is None:
+                status = _driver().cuLaunchKernel(self.function, *grid, self.config.threads, 1, 1,
+                                                  self.dynamic_shared, stream, self._parameters.pointers,
+                                                  None)
+            else:
+                if grid != self._grid or stream != self._stream:
+                    c = self._launch_config
+                    c.grid_x, c.grid_y, c.grid_z = grid
+                    c.stream = stream
+                    self._grid, self._stream = grid, stream
+                status = self._launch_ex(self._launch_config_pointer, self.function,
+                                         self._parameters.pointers, None)
         if status:
             _check(status, "cuLaunchKernel")
 

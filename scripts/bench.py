@@ -1,4 +1,4 @@
-"""Forward (or backward) throughput over flash-attn's benchmark grid, next to the anchors, in one run.
+"""Forward, backward or forward+backward throughput over flash-attn's benchmark grid, next to the anchors, in one run.
 
 Grid (flash-attn's): hidden size 2048, so nheads = 2048 / headdim; batch = 16384 / seqlen; seqlen
 512 ... 16k; headdim 64, 128, 256; causal and not; fp16 and bf16 (fp32 too for our portable path).
@@ -11,6 +11,7 @@ columns. Example:
 
     python scripts/bench.py --headdims 64 128 --seqlens 1024 4096 16384 --dtypes float16 float32
     python scripts/bench.py --pass backward --families portable --headdims 128 --seqlens 4096
+    python scripts/bench.py --pass forward+backward --families mma --headdims 128 --dtypes float16
 """
 
 import argparse
@@ -36,6 +37,23 @@ def nbflash_runner(family):
     def run(q, k, v, causal):
         problem, q_, k_, v_ = check_forward(q, k, v, None, causal)
         return lambda: _flash_attn_forward(problem, q_, k_, v_, family=family)
+
+    return run
+
+
+def nbflash_step_runner(family):
+    """Times one training step's attention: the forward, then the backward from its out and lse."""
+
+    def run(q, k, v, causal):
+        problem, q_, k_, v_ = check_forward(q, k, v, None, causal)
+        dout = cupy.random.standard_normal(q.shape, dtype=np.float32).astype(q.dtype)
+
+        def call():
+            with nbflash.kernel_family(family):
+                out, lse = _flash_attn_forward(problem, q_, k_, v_, family=family)
+                return _flash_attn_backward(problem, dout, q_, k_, v_, out, lse)
+
+        return call
 
     return run
 
@@ -92,6 +110,36 @@ def sdpa_backward_runner(backend_name):
     return run
 
 
+def sdpa_step_runner(backend_name):
+    """Times SDPA's forward and backward together."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def run(q, k, v, causal):
+        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+        dout = torch.randn_like(tq)
+
+        def call():
+            tq.grad = tk.grad = tv.grad = None  # as nbflash, fresh gradients every step
+            with sdpa_kernel(backend):
+                out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+            out.backward(dout)
+
+        return call
+
+    return run
+
+
+# FLOPs of each pass as a multiple of the forward's (flash-attn's count: the backward does 2.5x).
+PASSES = {
+    "forward": (1.0, nbflash_runner, sdpa_runner),
+    "backward": (2.5, nbflash_backward_runner, sdpa_backward_runner),
+    "forward+backward": (3.5, nbflash_step_runner, sdpa_step_runner),
+}
+
+
 def naive_runner(q, k, v, causal):
     return lambda: naive_attention(q, k, v, causal)
 
@@ -108,21 +156,22 @@ def main(argv=None):
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per entry")
     parser.add_argument("--markdown", help="also write the table, with GPU, date and command, to this file")
     parser.add_argument(
-        "--pass", dest="which", choices=["forward", "backward"], default="forward",
-        help="time the forward, or the backward alone (FLOPs counted as 2.5x the forward's)",
+        "--pass", dest="which", choices=list(PASSES), default="forward",
+        help="time the forward, the backward alone (FLOPs counted as 2.5x the forward's), or both "
+        "(3.5x)",
     )
     args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
 
-    backward = args.which == "backward"
-    ours, sdpa = (nbflash_backward_runner, sdpa_backward_runner) if backward else (nbflash_runner, sdpa_runner)
-    runners = {f"nbflash {f}": ours(f) for f in args.families}
+    flop_factor, nbflash_pass, sdpa = PASSES[args.which]
+    runners = {f"nbflash {f}": nbflash_pass(f) for f in args.families}
     if not args.no_torch:
         if importlib.util.find_spec("torch"):
             runners["SDPA flash"] = sdpa("FLASH_ATTENTION")
             runners["SDPA cuDNN"] = sdpa("CUDNN_ATTENTION")
         else:
             print("torch not importable: no SDPA anchors", file=sys.stderr)
-    if not args.no_naive and not backward:
+    if not args.no_naive and args.which == "forward":
         runners["naive CuPy"] = naive_runner
 
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
@@ -133,7 +182,7 @@ def main(argv=None):
     for index, (headdim, seqlen, causal, dtype) in enumerate(cases):
         nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
         flops = 4 * batch * nheads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
-        flops *= 2.5 if backward else 1.0
+        flops *= flop_factor
         rng = np.random.default_rng(index)
         q, k, v = (
             cupy.asarray(rng.standard_normal((batch, seqlen, nheads, headdim), np.float32)).astype(
@@ -159,19 +208,34 @@ def main(argv=None):
                 row[f"best/{anchor}"] = round(max(ours) / row[anchor], 2)
         rows.append(row)
         print(f"[{index + 1}/{len(cases)}] {row}", file=sys.stderr, flush=True)
-    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    title = (
-        f"{args.which} TFLOP/s (FLOPs = 4 B H N^2 D, x0.5 causal{', x2.5 backward' if backward else ''}); "
+        if args.markdown:  # after every row, so that a run cut short still leaves its table
+            write_markdown(args, argv, rows, len(cases))
+    print(f"GPU: {gpu_name()}, nbflash {nbflash.__version__}")
+    print(title(args.which))
+    print(tabulate(rows, headers="keys"))
+
+
+def gpu_name():
+    return cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+
+
+def title(which):
+    factor = {"forward": "", "backward": ", x2.5 backward", "forward+backward": ", x3.5 forward+backward"}
+    return (
+        f"{which} TFLOP/s (FLOPs = 4 B H N^2 D, x0.5 causal{factor[which]}); "
         "ratios are nbflash's best family over the anchor"
     )
-    print(f"GPU: {gpu}, nbflash {nbflash.__version__}")
-    print(title)
-    print(tabulate(rows, headers="keys"))
-    if args.markdown:
-        command = "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        with open(args.markdown, "w") as f:
-            f.write(f"GPU: {gpu}. Date: {time.strftime('%Y-%m-%d')}. Command: `{command}`\n\n")
-            f.write(f"{title}\n\n{tabulate(rows, headers='keys', tablefmt='github')}\n")
+
+
+def write_markdown(args, argv, rows, total):
+    """The table so far, with GPU, date and the command (less the output file's own path)."""
+    shown = [a for i, a in enumerate(argv) if a != "--markdown" and (i == 0 or argv[i - 1] != "--markdown")]
+    shown = [a for a in shown if not a.startswith("--markdown=")]
+    command = "python scripts/bench.py " + " ".join(shown)
+    done = "" if len(rows) == total else f" Cut short: {len(rows)} of {total} rows."
+    with open(args.markdown, "w") as f:
+        f.write(f"GPU: {gpu_name()}. Date: {time.strftime('%Y-%m-%d')}. Command: `{command}`.{done}\n\n")
+        f.write(f"{title(args.which)}\n\n{tabulate(rows, headers='keys', tablefmt='github')}\n")
 
 
 if __name__ == "__main__":

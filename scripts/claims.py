@@ -977,14 +977,25 @@ def write_docs(results, docs_dir, plots=True):
     return [path, *images]
 
 
+def measuring_arguments(argv):
+    """The command line less the options that only say where files go (--docs-dir, --json)."""
+    shown, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--docs-dir", "--json"):
+            skip = True
+        elif not arg.startswith(("--docs-dir=", "--json=")):
+            shown.append(arg)
+    return shown
+
+
 def run(args, log=print):
     """Every part the arguments ask for; returns the results (plain data, JSON-serializable)."""
     dev = device_info()
     parts = set(args.parts)
     results = {
-        "command": (
-            "python scripts/claims.py " + " ".join(args.argv) if args.argv else "python scripts/claims.py"
-        ),
+        "command": " ".join(["python scripts/claims.py"] + measuring_arguments(args.argv)),
         "date": datetime.date.today().isoformat(),
         "device": dev,
         "simulator": SIMULATOR,

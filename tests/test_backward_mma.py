@@ -114,12 +114,13 @@ def test_backward_mma_deterministic_is_bitwise_reproducible(rng, xp):
 
 
 def test_backward_mma_planning():
-    """Portable by default (the tensor-core kernels are opt-in until their GPU grid is seen to
-    pass); 'mma' plans the tensor-core dK/dV and dQ kernels around the portable preprocess and
-    conversion."""
+    """Tensor-core by default for float16/bfloat16 (as the forward), portable for float32; 'mma'
+    plans the tensor-core dK/dV and dQ kernels around the portable preprocess and conversion."""
     for deterministic in (False, True):
+        default = configs.plan_backward("float16", 64, True, deterministic)
+        assert [type(c) for c in default[:2]] == [PortableBackwardConfig, MmaBackwardConfig]
         assert all(isinstance(c, PortableBackwardConfig)
-                   for c in configs.plan_backward("float16", 64, True, deterministic))
+                   for c in configs.plan_backward("float32", 64, True, deterministic))
     preprocess, dkdv, convert = configs.plan_backward("float16", 64, True, False, "mma")
     assert (preprocess.kernel, convert.kernel) == ("preprocess", "convert_dq")
     assert isinstance(dkdv, MmaBackwardConfig) and dkdv.kernel == "dkdv" and dkdv.atomic_dq

@@ -151,6 +151,11 @@ def test_parts_tables_and_docs(claims, tmp_path):
     assert "None" not in text
 
 
+def test_recorded_command_leaves_out_where_files_go(claims):
+    argv = ["--write-docs", "--docs-dir", "/some/dir", "--budget", "0.3", "--json=r.json", "--seqlens", "64"]
+    assert claims.measuring_arguments(argv) == ["--write-docs", "--budget", "0.3", "--seqlens", "64"]
+
+
 def test_plots(claims, tmp_path):
     pytest.importorskip("matplotlib")
     rows = [claims.memory_sweep(1, 1, 8, "float32", [16, 32], log=lambda s: None)]

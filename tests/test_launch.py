@@ -1,5 +1,6 @@
 """The launch path's host-side pieces that need no GPU: the parameter buffer and its layout."""
 
+import ctypes
 import struct
 from types import SimpleNamespace
 
@@ -50,3 +51,30 @@ def test_new_shape_repacks_everything():
     values = unpacked(parameters)
     assert values[2:9] == (168, 2, 48, 1, 7, 3, 8)  # nitems, itemsize, data, shape
     assert values[9:13] == (336, 48, 16, 2)  # strides in bytes
+
+
+def test_layout_key_skips_reading_shapes_and_strides():
+    """The same layout_key as the previous write: only pointers and scalars are read; a new key (or
+    None) falls back to comparing shapes and strides, and a new layout repacks everything."""
+    key = object()
+    a = [fake_array((2, 5, 3, 8), 2, 0x1000)] * 2 + [fake_array((2, 3, 5), 4, 0x3000)]
+    parameters = launch.ParameterBuffer(SIGNATURE)
+    parameters.write(a, (1.0, 2.0), key)
+    pointers_only = [SimpleNamespace(data=SimpleNamespace(ptr=p)) for p in (0x5000, 0x6000, 0x7000)]
+    parameters.write(pointers_only, (0.5, 0.25), key)  # would fail if shape or strides were read
+    fresh = launch.ParameterBuffer(SIGNATURE)
+    fresh.write([fake_array((2, 5, 3, 8), 2, 0x5000), fake_array((2, 5, 3, 8), 2, 0x6000),
+                 fake_array((2, 3, 5), 4, 0x7000)], (0.5, 0.25))
+    assert bytes(parameters.buffer) == bytes(fresh.buffer)
+    moved = [fake_array((1, 7, 3, 8), 2, 48)] * 2 + [fake_array((1, 3, 7), 4, 64)]
+    parameters.write(moved, (1.0, 1.0), object())  # another key: layouts compared, then repacked
+    assert unpacked(parameters)[2:9] == (168, 2, 48, 1, 7, 3, 8)
+
+
+def test_launch_config_matches_cuda_h():
+    """CUlaunchConfig: seven unsigned ints, then the stream pointer on an 8-byte boundary, the
+    attribute pointer and their count (cuda.h, CUDA 12)."""
+    config = launch.LaunchConfig
+    offsets = [getattr(config, name).offset for name, _ in config._fields_]
+    assert offsets == [0, 4, 8, 12, 16, 20, 24, 32, 40, 48]
+    assert ctypes.sizeof(config) == 56
