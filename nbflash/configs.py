@@ -229,7 +229,10 @@ def plan_backward(dtype, headdim, causal, deterministic, family=None, device=0, 
             raise ValueError(f"kernel family 'mma' cannot run this call: {reason}")
         _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DKDV, headdim)
         vector = dict(common, aligned=aligned and headdim % 8 == 0)
-        dkdv = MmaBackwardConfig("dkdv", block_m=block_m, block_n=block_n, num_warps=num_warps, **vector)
+        # sm_90 adds two float32 columns to dq_accum per vector reduction, half the atomics.
+        vector_dq = atomic and headdim % 8 == 0 and _compute_capability(device) >= (9, 0)
+        dkdv = MmaBackwardConfig("dkdv", block_m=block_m, block_n=block_n, num_warps=num_warps,
+                                 vector_dq=vector_dq, **vector)
         if atomic:
             return preprocess, dkdv, convert
         _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DQ, headdim)

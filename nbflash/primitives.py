@@ -213,6 +213,21 @@ if SIMULATOR:
             raise IndexError(f"global address {addr:#x} (+16) is outside every array")
         out[:] = np.frombuffer((ctypes.c_uint8 * 16).from_address(addr), dtype=np.uint8)
 
+    _reduction_lock = threading.Lock()
+
+    def red_add_f32x2(address, a, b):
+        """Add ``a`` and ``b`` to the two float32 at a global address (see global_address),
+        atomically; the address must be 8-byte aligned."""
+        addr = int(address)
+        if addr % 8:
+            raise ValueError(f"global address {addr:#x} is not 8-byte aligned")
+        if not any(low <= addr and addr + 8 <= high for low, high in _global_ranges.items()):
+            raise IndexError(f"global address {addr:#x} (+8) is outside every array")
+        pair = (ctypes.c_float * 2).from_address(addr)
+        with _reduction_lock:
+            pair[0] = np.float32(pair[0]) + np.float32(a)
+            pair[1] = np.float32(pair[1]) + np.float32(b)
+
     def cp_async_commit():
         """Close the group of cp.async copies issued so far (nothing to do: copies were immediate)."""
 
@@ -379,6 +394,19 @@ else:
         def codegen(context, builder, signature, args):
             _asm(builder, ir.VoidType(), list(args), "cp.async.cg.shared.global [$0], [$1], 16, $2;",
                  "r,l,r,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def red_add_f32x2(typingctx, address, a, b):
+        """Add ``a`` and ``b`` to the two float32 at a global address (see global_address), as one
+        vector reduction (red.global.add.v2.f32, sm_90 and newer); 8-byte aligned address."""
+        sig = types.void(types.int64, types.float32, types.float32)
+
+        def codegen(context, builder, signature, args):
+            _asm(builder, ir.VoidType(), list(args), "red.global.add.v2.f32 [$0], {$1, $2};",
+                 "l,f,f,~{memory}", side_effect=True)
             return context.get_dummy_value()
 
         return sig, codegen

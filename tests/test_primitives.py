@@ -170,6 +170,33 @@ def test_cp_async():
     check_cp_async(np.random.default_rng(2))
 
 
+# --- red.global.add.v2.f32 ----------------------------------------------------------------------------
+
+@cuda.jit
+def _red_kernel(acc, coords, values):
+    # Lane i adds values[i, 0:2] to acc[coords[i], coords[i, 3]:coords[i, 3] + 2]; lanes collide.
+    lane = cuda.threadIdx.x
+    address = P.global_address(acc, coords[lane, 0], coords[lane, 1], coords[lane, 2], coords[lane, 3])
+    P.red_add_f32x2(address, values[lane, 0], values[lane, 1])
+
+
+def check_red(rng):
+    acc = rng.integers(-8, 8, (2, 3, 2, 8)).astype(np.float32)
+    coords = np.stack([rng.integers(0, 2, 32), rng.integers(0, 3, 32), rng.integers(0, 2, 32),
+                       2 * rng.integers(0, 4, 32)], axis=1).astype(np.int64)
+    values = rng.integers(-64, 64, (32, 2)).astype(np.float32)  # integers: any order sums exactly
+    expected = acc.copy()
+    for (b, s, h, d), (x, y) in zip(coords, values):
+        expected[b, s, h, d] += x
+        expected[b, s, h, d + 1] += y
+    _red_kernel[1, 32](acc, coords, values)
+    np.testing.assert_array_equal(acc, expected)
+
+
+def test_red_add_f32x2():
+    check_red(np.random.default_rng(5))
+
+
 # --- packing, exp2, quad reductions -------------------------------------------------------------------
 
 @cuda.jit
@@ -214,4 +241,5 @@ def test_intrinsics_match_layouts_on_gpu():
         for transpose in (False, True):
             check_ldmatrix(transpose, rng)
         check_cp_async(rng)
+        check_red(rng)
         check_pointwise(rng)

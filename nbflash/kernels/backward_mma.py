@@ -59,8 +59,8 @@ elements so that the 8 rows one ldmatrix reads fall in different banks)::
 
 Tiles whose rows start on 16-byte boundaries (headdim % 8 == 0, the usual layouts) are copied with
 16-byte cp.async, every copy of a tile pair issued before the first wait; other layouts load element
-by element (plain loads, any headdim 1..256, any strides). Double buffering, as in the forward, is
-left to do.
+by element (plain loads, any headdim 1..256, any strides). The dK/dV kernel requests the next query
+tile as soon as the current one's dK/dV products are done, so the copy overlaps the dQ step.
 """
 
 import math
@@ -84,6 +84,7 @@ from nbflash.primitives import (
     mma_f16,
     pack_bf16x2,
     pack_f16x2,
+    red_add_f32x2,
     shared_address,
     static_range,
     unroll,
@@ -109,6 +110,7 @@ class MmaBackwardConfig:
     num_warps: int = 4
     atomic_dq: bool = True  # dkdv: add dQ into the float32 accumulator with atomics
     aligned: bool = False  # every row of q, k, v, dout starts on a 16-byte boundary: cp.async loads
+    vector_dq: bool = False  # dkdv, atomic_dq, headdim % 8 == 0: two columns per reduction (sm_90)
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -121,6 +123,11 @@ class MmaBackwardConfig:
             raise ValueError(f"{self.block_m=} and {self.block_n=} must be positive multiples of 16")
         if self.aligned and self.headdim % 8:
             raise ValueError(f"aligned=True needs headdim % 8 == 0, got {self.headdim=}")
+        if self.vector_dq and (self.kernel != "dkdv" or not self.atomic_dq or self.headdim % 8):
+            raise ValueError("vector_dq=True needs the dkdv kernel with atomic_dq and headdim % 8 == 0")
+        if self.kernel == "dkdv" and self.block_m > self.threads:
+            raise ValueError(f"the dkdv kernel stages one query row's lse and D per thread: "
+                             f"{self.block_m=} must be at most {self.threads=}")
         warp_rows = self.block_n if self.kernel == "dkdv" else self.block_m
         if warp_rows != 16 * self.num_warps:
             raise ValueError(f"the {self.kernel} kernel gives each warp 16 rows: "
@@ -234,7 +241,7 @@ def build_backward_mma(config: MmaBackwardConfig):
     BM, BN, HD = config.block_m, config.block_n, config.headdim
     HDP, ROW, DS_ROW = config.headdim_padded, config.row_elems, config.ds_row_elems
     WARPS, THREADS = config.num_warps, config.threads
-    CAUSAL, ATOMIC_DQ, ALIGNED = config.causal, config.atomic_dq, config.aligned
+    CAUSAL, ATOMIC_DQ, ALIGNED, VECTOR_DQ = config.causal, config.atomic_dq, config.aligned, config.vector_dq
     CHUNKS = HDP // 8  # 16-byte chunks of a padded tile row (the aligned path's cp.async copies)
     ROW_BYTES, DS_ROW_BYTES = ROW * 2, DS_ROW * 2
     KT = HDP // 16  # k-steps over headdim (S, dP)
@@ -389,15 +396,22 @@ def build_backward_mma(config: MmaBackwardConfig):
     @inline_device
     @unroll
     def add_dq_atomic(dq_accum, acc, b, row0, h, seqlen_q, g, t):
-        """dq_accum[b, row0 + (g, g + 8), h, :] += acc (unscaled), one float32 atomic per element."""
+        """dq_accum[b, row0 + (g, g + 8), h, :] += acc (unscaled): a lane's two adjacent columns in
+        one vector reduction (VECTOR_DQ), else one float32 atomic per element."""
         for r in static_range(2):
             row = row0 + g + 8 * r
             if row < seqlen_q:
-                for dt in static_range(DT):
-                    for e in static_range(2):
-                        col = dt * 8 + 2 * t + e
-                        if col < HD:
-                            cuda.atomic.add(dq_accum, (b, row, h, col), acc[dt, 2 * r + e])
+                if VECTOR_DQ:
+                    row_address = global_address(dq_accum, b, row, h, 0)
+                    for dt in static_range(DT):
+                        if dt * 8 < HD:  # headdim % 8 == 0: the whole 8-column tile is inside
+                            red_add_f32x2(row_address + (dt * 8 + 2 * t) * 4, acc[dt, 2 * r], acc[dt, 2 * r + 1])
+                else:
+                    for dt in static_range(DT):
+                        for e in static_range(2):
+                            col = dt * 8 + 2 * t + e
+                            if col < HD:
+                                cuda.atomic.add(dq_accum, (b, row, h, col), acc[dt, 2 * r + e])
 
     @cuda.jit
     @unroll
@@ -445,7 +459,6 @@ def build_backward_mma(config: MmaBackwardConfig):
         # ---- K_j, V_j once; dK_j, dV_j accumulators in registers ----
         load_tile(smem, K_TILE, k, b, n_start, hk, seqlen_k - n_start, BN)
         load_tile(smem, V_TILE, v, b, n_start, hk, seqlen_k - n_start, BN)
-        tiles_landed()  # also when no query tile follows: no copy outlives the block
         dk_acc = cuda.local.array((DT, 4), float32)
         dv_acc = cuda.local.array((DT, 4), float32)
         zero_tile(dk_acc)
@@ -455,43 +468,67 @@ def build_backward_mma(config: MmaBackwardConfig):
         dq_acc = cuda.local.array((DT, 4), float32)
 
         # ---- Loop over the query heads of the group and their query tiles Q_i, dO_i ----
-        for h in range(hk * group, hk * group + group):
-            for i in range(first_tile, num_q_tiles):
-                q_start = i * BM
-                cuda.syncthreads()  # every warp is done with the last Q_i, dO_i, lse, D and dS^T
-                load_tile(smem, Q_TILE, q, b, q_start, h, seqlen_q - q_start, BM)
-                load_tile(smem, DO_TILE, dout, b, q_start, h, seqlen_q - q_start, BM)
-                for c in range(tid, BM, THREADS):
-                    lse_s[c] = lse_log2(lse, b, h, q_start + c, seqlen_q)
-                    d_s[c] = delta[b, h, q_start + c] if q_start + c < seqlen_q else float32(0)
-                tiles_landed()
-                cuda.syncthreads()  # Q_i, dO_i, lse, D (and K_j, V_j on the first pass) have landed
+        # One step per (head, query tile). A step's Q_i, dO_i (and its rows' lse and D, staged in
+        # registers, a row per thread) are requested during the step before, as soon as that step's
+        # dK/dV products are done with the shared Q and dO tiles: the copies land while the block
+        # works on the dQ atomics.
+        tiles_per_head = num_q_tiles - first_tile
+        steps = group * tiles_per_head
+        lse_next, d_next = float32(0), float32(0)
+        if steps > 0:
+            h = hk * group
+            q_start = first_tile * BM
+            load_tile(smem, Q_TILE, q, b, q_start, h, seqlen_q - q_start, BM)
+            load_tile(smem, DO_TILE, dout, b, q_start, h, seqlen_q - q_start, BM)
+            if tid < BM:
+                lse_next = lse_log2(lse, b, h, q_start + tid, seqlen_q)
+                d_next = delta[b, h, q_start + tid] if q_start + tid < seqlen_q else float32(0)
+        tiles_landed()  # also when no query tile follows: no copy outlives the block
 
-                # S^T = K_j Q_i^T and dP^T = V_j dO_i^T, the warp's 16 keys by BM queries
-                mma_keys_by_queries(s, k_warp, a_lane, q_tile, b_lane)
-                mma_keys_by_queries(dp, v_warp, a_lane, do_tile, b_lane)
+        for step in range(steps):
+            h = hk * group + step // tiles_per_head
+            i = first_tile + step % tiles_per_head
+            q_start = i * BM
+            if tid < BM:
+                lse_s[tid] = lse_next
+                d_s[tid] = d_next
+            tiles_landed()
+            cuda.syncthreads()  # Q_i, dO_i, lse, D (and K_j, V_j) have landed; the last dQ step is done
 
-                # P^T and dS^T; the mask only on tiles crossing the diagonal or the key tail
-                if tail or (CAUSAL and i < first_unmasked_tile):
-                    softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_k, diagonal, scale_log2,
-                                   g, t, True)
-                else:
-                    softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_k, diagonal, scale_log2,
-                                   g, t, False)
+            # S^T = K_j Q_i^T and dP^T = V_j dO_i^T, the warp's 16 keys by BM queries
+            mma_keys_by_queries(s, k_warp, a_lane, q_tile, b_lane)
+            mma_keys_by_queries(dp, v_warp, a_lane, do_tile, b_lane)
 
-                # dV_j += P^T dO_i and dK_j += dS^T Q_i
-                mma_keys_acc(dv_acc, s, do_tile, a_lane)
-                mma_keys_acc(dk_acc, dp, q_tile, a_lane)
+            # P^T and dS^T; the mask only on tiles crossing the diagonal or the key tail
+            if tail or (CAUSAL and i < first_unmasked_tile):
+                softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_k, diagonal, scale_log2,
+                               g, t, True)
+            else:
+                softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_k, diagonal, scale_log2,
+                               g, t, False)
 
-                # dQ_i += dS K_j through shared dS^T and float32 atomics
-                if ATOMIC_DQ:
-                    store_ds_t(smem, dp, warp, g, t)
-                    cuda.syncthreads()  # every warp's rows of dS^T are in shared memory
-                    for round_ in static_range(Q_SLICE_ROUNDS):
-                        slice_ = round_ * WARPS + warp
-                        if slice_ < Q_SLICES:  # warp-uniform
-                            mma_ds_k(dq_acc, ds_t, ds_lane, k_tile, a_lane, slice_)
-                            add_dq_atomic(dq_accum, dq_acc, b, q_start + slice_ * 16, h, seqlen_q, g, t)
+            # dV_j += P^T dO_i and dK_j += dS^T Q_i
+            mma_keys_acc(dv_acc, s, do_tile, a_lane)
+            mma_keys_acc(dk_acc, dp, q_tile, a_lane)
+            if ATOMIC_DQ:
+                store_ds_t(smem, dp, warp, g, t)
+            cuda.syncthreads()  # every warp is done with Q_i, dO_i, lse, D; dS^T is stored
+
+            # Request the next step's tiles, then dQ_i += dS K_j through shared dS^T and atomics
+            if step + 1 < steps:
+                h_next = hk * group + (step + 1) // tiles_per_head
+                q_next = (first_tile + (step + 1) % tiles_per_head) * BM
+                load_tile(smem, Q_TILE, q, b, q_next, h_next, seqlen_q - q_next, BM)
+                load_tile(smem, DO_TILE, dout, b, q_next, h_next, seqlen_q - q_next, BM)
+                if tid < BM:
+                    lse_next = lse_log2(lse, b, h_next, q_next + tid, seqlen_q)
+                    d_next = delta[b, h_next, q_next + tid] if q_next + tid < seqlen_q else float32(0)
+            if ATOMIC_DQ:
+                for round_ in static_range(Q_SLICE_ROUNDS):
+                    slice_ = round_ * WARPS + warp
+                    if slice_ < Q_SLICES:  # warp-uniform
+                        mma_ds_k(dq_acc, ds_t, ds_lane, k_tile, a_lane, slice_)
+                        add_dq_atomic(dq_accum, dq_acc, b, q_start + slice_ * 16, h, seqlen_q, g, t)
 
         # ---- Write dK_j = dS^T Q * scale and dV_j (keys no query sees get 0) ----
         store_rows(dk, dk_acc, b, key0, hk, seqlen_k, scale, g, t)
