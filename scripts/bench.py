@@ -27,6 +27,7 @@ import nbflash
 from nbflash import configs
 from nbflash.demo import naive_attention
 from nbflash.dtypes import SUPPORTED
+from nbflash import backward
 from nbflash.backward import _flash_attn_backward
 from nbflash.interface import _flash_attn_forward
 from nbflash.measure import time_ms
@@ -58,10 +59,22 @@ def nbflash_step_runner(family):
     return run
 
 
-def nbflash_backward_runner(family):
+def use_dkdv_blocks(blocks):
+    """Plan the tensor-core dK/dV kernel with (block_m, block_n, num_warps) for every headdim, or
+    with the table's own rows (None). Takes effect for the calls that follow (the planned kernels
+    are forgotten, so the next call plans and loads them again)."""
+    configs.MMA_BACKWARD_DKDV[:] = DEFAULT_DKDV if blocks is None else [(256, *blocks)]
+    backward._kernels.cache_clear()
+
+
+DEFAULT_DKDV = list(configs.MMA_BACKWARD_DKDV)
+
+
+def nbflash_backward_runner(family, dkdv_blocks=None):
     """Times flash_attn_backward alone, from the default forward's out and lse."""
 
     def run(q, k, v, causal):
+        use_dkdv_blocks(dkdv_blocks)
         problem, q_, k_, v_ = check_forward(q, k, v, None, causal)
         out, lse = _flash_attn_forward(problem, q_, k_, v_)
         dout = cupy.random.standard_normal(q.shape, dtype=np.float32).astype(q.dtype)
@@ -160,11 +173,20 @@ def main(argv=None):
         help="time the forward, the backward alone (FLOPs counted as 2.5x the forward's), or both "
         "(3.5x)",
     )
+    parser.add_argument(
+        "--dkdv-blocks", nargs="+", default=[], metavar="MxNxW",
+        help="--pass backward: also time the tensor-core dK/dV kernel with these (block_m, block_n, "
+        "num_warps), one column each, e.g. 64x128x8",
+    )
     args = parser.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
 
     flop_factor, nbflash_pass, sdpa = PASSES[args.which]
     runners = {f"nbflash {f}": nbflash_pass(f) for f in args.families}
+    for blocks in args.dkdv_blocks:
+        if args.which != "backward":
+            parser.error("--dkdv-blocks goes with --pass backward")
+        runners[f"nbflash mma {blocks}"] = nbflash_backward_runner("mma", tuple(map(int, blocks.split("x"))))
     if not args.no_torch:
         if importlib.util.find_spec("torch"):
             runners["SDPA flash"] = sdpa("FLASH_ATTENTION")

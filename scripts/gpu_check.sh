@@ -6,6 +6,9 @@
 #                                and the claims (docs/claims.md and its plots)
 #   scripts/gpu_check.sh all     both, shortened, in about six minutes; needs the kernel cache
 #                                prebuilt (scripts/prebuild_cache.py, NBFLASH_CACHE_DIR pointing at it)
+#   scripts/gpu_check.sh suite [SECONDS]
+#                                only the test suite, stopped after SECONDS (default 145; about 120 s
+#                                with a prebuilt cache on 16 cores)
 #
 # Logs and tables go to $OUT (or ./gpu_check_out). Every step has its own time limit, and the test
 # log names each result as it comes (-v), so a step cut short still says what failed.
@@ -63,8 +66,11 @@ all)
     timeout 35 python3 scripts/claims.py --write-docs --docs-dir "$out" --mem-max 65536 \
         --seqlens 1024 4096 16384 --budget 0.3 --repeats 3 2>> "$out/progress.log" | tail -3
     ;;
+suite)
+    run_tests "${2:-145}"
+    ;;
 *)
-    echo "usage: $0 tests|bench|all" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]" >&2
     exit 2
     ;;
 esac

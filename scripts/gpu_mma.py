@@ -11,6 +11,11 @@ Two steps, which can run on different machines:
          to PyTorch SDPA's flash backend at headdim 64/128, seqlen 1k-16k, fp16, causal and not:
              python scripts/gpu_mma.py run --cubins DIR --out DIR [--variants NAME ...]
 
+With --around (both steps) the variants are, per headdim, the configuration table's entry
+(nbflash/configs.py MMA_FORWARD) and its neighbours: block_m, block_n and num_warps halved and
+doubled one at a time, and Q's place toggled. The run then ends with what the search found: per
+headdim and causal flag, the entry's mean ratio to SDPA flash against the best neighbour's.
+
 Timing: CUDA events around single launches after warm-up, median of repeats, fresh random inputs.
 Shapes follow ANCHORS.md: nheads = 2048 / headdim, batch = 2 * max(1, 16384 / seqlen).
 FLOPs: 4 * batch * nheads * seqlen^2 * headdim, halved when causal.
@@ -34,25 +39,62 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from prebuild_cache import cuda_tool, pretend_gpu  # noqa: E402  (scripts/, next to this file)
 
-# Variants: name -> MmaForwardConfig keyword arguments (dtype, headdim and causal are added per run).
-VARIANTS = {
-    "m128n64w8": dict(block_m=128, block_n=64, num_warps=8),
-    "m128n64w8-qsmem": dict(block_m=128, block_n=64, num_warps=8, q_in_registers=False),
-    "m64n64w4": dict(block_m=64, block_n=64, num_warps=4),
-    "m128n32w8": dict(block_m=128, block_n=32, num_warps=8),
-    "m128n128w8-qsmem": dict(block_m=128, block_n=128, num_warps=8, q_in_registers=False),
-    "m128n64w4-qsmem": dict(block_m=128, block_n=64, num_warps=4, q_in_registers=False),
-    "m128n64s32w8": dict(block_m=128, block_n=64, sub_n=32, num_warps=8),
-    "m128n64s32w4-qsmem": dict(block_m=128, block_n=64, sub_n=32, num_warps=4, q_in_registers=False),
-    "m128n32w4-qsmem": dict(block_m=128, block_n=32, num_warps=4, q_in_registers=False),
-    "m128n128s32w8-qsmem": dict(block_m=128, block_n=128, sub_n=32, num_warps=8, q_in_registers=False),
-    "m128n32w4-qsmem-skip": dict(block_m=128, block_n=32, num_warps=4, q_in_registers=False, skip_rescale=True),
-    "m64n32w2-qsmem": dict(block_m=64, block_n=32, num_warps=2, q_in_registers=False),
-    "m64n32w2-qsmem-skip": dict(block_m=64, block_n=32, num_warps=2, q_in_registers=False, skip_rescale=True),
-    "m64n64s32w2-qsmem": dict(block_m=64, block_n=64, sub_n=32, num_warps=2, q_in_registers=False),
-}
+# Variants are named by their configuration: m<block_m>n<block_n>[s<sub_n>]w<num_warps>, then
+# -qsmem / -qreg (Q's fragments re-read from shared memory / kept in registers; default: the
+# config's own choice) and -skip (skip_rescale).
+VARIANT_NAME = re.compile(r"m(\d+)n(\d+)(?:s(\d+))?w(\d+)(-qsmem|-qreg)?(-skip)?")
 DEFAULT_VARIANTS = ["m128n64w8", "m128n32w8", "m128n64s32w8", "m128n64s32w4-qsmem", "m128n32w4-qsmem",
                     "m128n64w4-qsmem"]
+MAX_SHARED = 227 * 1024  # what one block may use on the H200
+
+
+def variant_arguments(name):
+    """MmaForwardConfig keyword arguments of a variant name (see VARIANT_NAME)."""
+    match = VARIANT_NAME.fullmatch(name)
+    if not match:
+        raise ValueError(f"variant {name!r} does not read as m<M>n<N>[s<S>]w<W>[-qsmem|-qreg][-skip]")
+    block_m, block_n, sub_n, warps, q, skip = match.groups()
+    arguments = dict(block_m=int(block_m), block_n=int(block_n), num_warps=int(warps))
+    if sub_n:
+        arguments["sub_n"] = int(sub_n)
+    if q:
+        arguments["q_in_registers"] = q == "-qreg"
+    if skip:
+        arguments["skip_rescale"] = True
+    return arguments
+
+
+def variant_name(block_m, block_n, num_warps, q_in_registers=None):
+    q = {None: "", True: "-qreg", False: "-qsmem"}[q_in_registers]
+    return f"m{block_m}n{block_n}w{num_warps}{q}"
+
+
+def around_table(headdim, dtype="float16"):
+    """The table's entry for headdim (nbflash/configs.py) first, then its neighbours: block_m,
+    block_n and num_warps each halved and doubled, one at a time, and Q's place toggled; only
+    configurations the kernel accepts and whose shared memory fits."""
+    from nbflash import configs
+    from nbflash.kernels.forward_mma import MmaForwardConfig
+
+    entry = configs.mma_forward_config(dtype, headdim, False, True)
+    m, n, w = entry.block_m, entry.block_n, entry.num_warps
+    candidates = [(m, n, w, None)]
+    for factor in (0.5, 2):
+        candidates += [(int(m * factor), n, w, None), (m, int(n * factor), w, None), (m, n, int(w * factor), None)]
+    candidates.append((m, n, w, not entry.use_q_registers))
+    names = []
+    for block_m, block_n, num_warps, q in candidates:
+        try:
+            config = MmaForwardConfig(dtype, headdim, False, block_m=block_m, block_n=block_n,
+                                      num_warps=num_warps, q_in_registers=q)
+        except ValueError:
+            continue
+        name = variant_name(block_m, block_n, num_warps, q)
+        if config.shared_bytes <= MAX_SHARED and name not in names:
+            names.append(name)
+    return names
+
+
 HEADDIMS = (64, 128)
 SEQLENS = (1024, 4096, 16384)
 
@@ -64,7 +106,7 @@ def variant_key(name, dtype, headdim, causal):
 def make_config(name, dtype, headdim, causal):
     from nbflash.kernels.forward_mma import MmaForwardConfig
 
-    return MmaForwardConfig(dtype, headdim, causal, **VARIANTS[name])
+    return MmaForwardConfig(dtype, headdim, causal, **variant_arguments(name))
 
 
 def signature(dtype):
@@ -120,7 +162,8 @@ def _build_one(job):
 
 def build(args):
     os.makedirs(args.cubins, exist_ok=True)
-    jobs = [(name, "float16", d, c, args.cubins) for name in args.variants for d in args.headdims for c in (False, True)]
+    jobs = [(name, "float16", d, c, args.cubins) for d in args.headdims for name in variants_for(args, d)
+            for c in (False, True)]
     with ProcessPoolExecutor(args.jobs) as pool:
         for info in pool.map(_build_one, jobs):
             print(f"{info['key']:40s} regs {info['registers']:3d} spill {info['spill_bytes']:3d} "
@@ -285,7 +328,7 @@ def run(args):
     for d in args.headdims:
         for causal in (False, True):
             kernels = {}
-            for name in args.variants:
+            for name in variants_for(args, d):
                 start = time.time()
                 try:
                     kern = Kernel(name, "float16", d, causal, args.cubins, not args.no_compile)
@@ -315,13 +358,41 @@ def run(args):
                     + ", ".join(f"{n} {row[n]:.0f} ({row[n] / row['sdpa_tflops']:.2f}x)" for n in kernels))
     with open(os.path.join(args.out, "gpu_mma.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    names = [n for n in args.variants if any(n in r for r in rows)]
+    names = list(dict.fromkeys(n for d in args.headdims for n in variants_for(args, d)
+                               if any(n in r for r in rows)))
     log("\nTFLOP/s (ratio to SDPA flash), fp16 forward")
     log(f"{'hd':>3} {'causal':>6} {'seqlen':>6} {'SDPA':>5} " + " ".join(f"{n:>22}" for n in names))
     for r in rows:
         cells = [f"{r[n]:6.0f} ({r[n] / r['sdpa_tflops']:.2f}x)" if n in r else "-" for n in names]
         log(f"{r['headdim']:>3} {str(r['causal']):>6} {r['seqlen']:>6} {r['sdpa_tflops']:5.0f} "
             + " ".join(f"{c:>22}" for c in cells))
+    if args.around:
+        search_summary(rows, args, log)
+
+
+def variants_for(args, headdim):
+    return around_table(headdim) if args.around else args.variants
+
+
+def search_summary(rows, args, log):
+    """Per (headdim, causal): the table's entry against the variant with the best mean ratio to
+    SDPA flash over the timed lengths."""
+    log("\nSearch around the table (mean ratio to SDPA flash over the timed seqlens)")
+    for d in args.headdims:
+        entry = around_table(d)[0]
+        for causal in (False, True):
+            mine = [r for r in rows if r["headdim"] == d and r["causal"] == causal]
+            means = {}
+            for name in around_table(d):
+                ratios = [r[name] / r["sdpa_tflops"] for r in mine if name in r]
+                if ratios and len(ratios) == len(mine):
+                    means[name] = sum(ratios) / len(ratios)
+            if not means:
+                continue
+            best = max(means, key=means.get)
+            verdict = "the table's entry is best" if best == entry else f"better: {best}"
+            log(f"  hd {d} causal={causal}: table {entry} {means.get(entry, float('nan')):.3f}x, "
+                f"best {best} {means[best]:.3f}x ({verdict})")
 
 
 def main():
@@ -329,7 +400,9 @@ def main():
     parser.add_argument("step", choices=["build", "run"])
     parser.add_argument("--cubins", default=None, help="folder of offline-built cubins")
     parser.add_argument("--out", default="gpu_mma_out", help="folder for logs (run)")
-    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help="names as VARIANT_NAME reads")
+    parser.add_argument("--around", action="store_true",
+                        help="instead of --variants: the table's entry per headdim and its neighbours")
     parser.add_argument("--headdims", nargs="+", type=int, default=list(HEADDIMS))
     parser.add_argument("--seqlens", nargs="+", type=int, default=list(SEQLENS))
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
