@@ -44,8 +44,12 @@ PORTABLE_FORWARD = [
 # causal or not. With 4 warps each warp owns two 16-row slices of a 128-row query tile, which halves
 # the K/V shared-memory reads per FLOP; block_n 32 keeps that within the registers (0 spills).
 # Measured (docs/perf-notes.md, round 3): 0.82-0.91x SDPA flash at headdim 128, seqlen 4k-16k, fp16,
-# against 0.75-0.86x for (128, 64, 8 warps). The headdim-256 row has not been tuned.
+# against 0.75-0.86x for (128, 64, 8 warps). Up to headdim 64 the registers leave room for 64-key
+# tiles: the search around this table (scripts/gpu_mma.py --around, docs/perf-notes.md) measured
+# (128, 64, 4) at 0.97x SDPA flash non-causal and 0.93x causal at headdim 64 (mean of 4k and 16k),
+# against 0.91x and 0.76x for (128, 32, 4); at headdims 128 and 256 the table's rows were best.
 MMA_FORWARD = [
+    (64, 128, 64, 4),
     (128, 128, 32, 4),
     (256, 64, 32, 4),
 ]
