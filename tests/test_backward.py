@@ -59,19 +59,21 @@ def forward(q, k, v, softmax_scale=None, causal=False):
         return nbflash.flash_attn_func(q, k, v, softmax_scale, causal, return_lse=True)
 
 
-def portable_backward(*args, **kwargs):
+def portable_backward(*args, family="portable", **kwargs):
     """This file tests the portable backward kernels (tests/test_backward_mma.py the tensor-core
-    ones), whatever the default family is."""
-    with nbflash.kernel_family("portable"):
+    ones, through ``family``), whatever the default family is."""
+    with nbflash.kernel_family(family):
         return flash_attn_backward(*args, **kwargs)
 
 
 def run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal,
-             deterministic=False, heads_first=False, softmax_scale=None):
+             deterministic=False, heads_first=False, softmax_scale=None, family="portable"):
+    """One backward call of kernel ``family`` against float64 (the forward's family is the
+    default's on a GPU, the portable one in the simulator)."""
     q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, heads_first)
     dout = random_like(rng, xp, q, heads_first)
     out, lse = forward(q, k, v, softmax_scale, causal)
-    grads = portable_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
+    grads = portable_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, family=family)
     assert_gradients_close(grads, dout, q, k, v, causal, softmax_scale)
     return grads
 

@@ -31,8 +31,25 @@ from .test_backward import (
 
 
 def run_mma(*args, **kwargs):
-    with nbflash.kernel_family("mma"):
-        return run_case(*args, **kwargs)
+    return run_case(*args, family="mma", **kwargs)
+
+
+def test_run_mma_runs_the_tensor_core_backward(monkeypatch, rng, xp):
+    """run_mma must reach the tensor-core kernels (it once ran the portable ones: a family forced
+    inside run_case overrode the one forced around it)."""
+    planned = []
+    plan = backward.plan_backward
+
+    def recording_plan(*args):
+        configs_ = plan(*args)
+        planned.extend(type(c).__name__ for c in configs_)
+        return configs_
+
+    monkeypatch.setattr(backward, "plan_backward", recording_plan)
+    backward._kernels.cache_clear()
+    run_mma(rng, xp, 1, 5, 7, 1, 1, 8, "float16", False)
+    backward._kernels.cache_clear()
+    assert "MmaBackwardConfig" in planned
 
 
 @pytest.fixture
@@ -81,9 +98,12 @@ SMALL_BLOCKS = {
         (SMALL_BLOCKS["m16n32"], (1, 33, 20, 1, 1, 20), "bfloat16", True, False),  # seqlen_q > seqlen_k
         (SMALL_BLOCKS["m64n32"], (1, 20, 37, 2, 1, 16), "bfloat16", True, True),  # seqlen_q < seqlen_k
         (SMALL_BLOCKS["m64n32"], (1, 33, 33, 1, 1, 24), "float16", True, False),  # diagonal, tails
+        # headdim 64 over two warps: the atomic dQ step split by columns, two column pairs a warp
+        (SMALL_BLOCKS["m16n32"], (1, 20, 33, 2, 1, 64), "float16", False, False),
     ],
     indirect=["small_blocks"],
-    ids=["m16n32-gqa", "m16n32-causal-q>k", "m64n32-causal-q<k", "m64n32-causal-square"],
+    ids=["m16n32-gqa", "m16n32-causal-q>k", "m64n32-causal-q<k", "m64n32-causal-square",
+         "m16n32-hd64-dq-by-columns"],
 )
 def test_backward_mma_several_tiles(rng, xp, small_blocks, shape, dtype, causal, deterministic):
     run_mma(rng, xp, *shape, dtype, causal, deterministic)
