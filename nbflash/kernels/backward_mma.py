@@ -27,8 +27,9 @@ Two kernels, picked by ``MmaBackwardConfig.kernel``:
           A operands straight from registers, and dK_j, dV_j stay in registers for the whole loop:
           their sum over the query heads of the group has a fixed order (no atomics). With
           ``atomic_dq``, dS^T also goes to shared memory and the block adds dQ_i += dS K_j into the
-          float32 dq accumulator with atomics (16 query rows per warp; ldmatrix.trans turns the
-          stored dS^T back into A fragments of dS).
+          float32 dq accumulator with atomics (each warp a quarter of the columns for all the
+          tile's rows, or, where headdim does not split so, 16 rows for all columns; ldmatrix.trans
+          turns the stored dS^T back into A fragments of dS).
 
 ``dq``    grid (cdiv(seqlen_q, block_m), nheads, batch); block_m = 16 * num_warps: warp w owns query
           rows [16 w, 16 w + 16) of Q_i. The deterministic dQ: the forward's loop order, over the key
@@ -413,6 +414,62 @@ def build_backward_mma(config: MmaBackwardConfig):
                             if col < HD:
                                 cuda.atomic.add(dq_accum, (b, row, h, col), acc[dt, 2 * r + e])
 
+    # The dQ step split by columns: warp w adds dQ_i[:, DT_WARP 8-column tiles of its own] for all
+    # BM query rows, so each warp reads only its quarter of K_j's fragments (and keeps a k-step's in
+    # registers across the row slices) instead of all of K_j for 16 rows: a third fewer ldmatrix
+    # (hd 128: 24 instead of 36 a warp a step). Needs each warp's tiles to pair up (DT % (2 WARPS)
+    # == 0); other headdims split by rows (mma_ds_k above).
+    DQ_BY_COLUMNS = DT % (2 * WARPS) == 0
+    DT_WARP = DT // WARPS if DQ_BY_COLUMNS else 2
+
+    @inline_device
+    @unroll
+    def mma_ds_k_columns(acc, bk, ds_t, ds_lane, k_tile, kt_lane, warp):
+        """acc[m] = dS K_j[:, the warp's columns] for each 16-row slice m of Q_i: A fragments of dS
+        from the stored dS^T (as in mma_ds_k), B fragments of K_j's columns, loaded once a k-step
+        into ``bk``."""
+        for m in static_range(Q_SLICES):
+            for dt in static_range(DT_WARP):
+                for i in static_range(4):
+                    acc[m, dt, i] = float32(0)
+        for kt in static_range(BN // 16):
+            for dp2 in static_range(DT_WARP // 2):
+                column_pair = warp * (DT_WARP // 2) + dp2
+                bf = ldmatrix_x4_trans(k_tile + kt_lane + uint32(kt * 16 * ROW_BYTES) + uint32(column_pair * 32))
+                for i in static_range(4):
+                    bk[dp2, i] = bf[i]
+            for m in static_range(Q_SLICES):
+                a = ldmatrix_x4_trans(ds_t + ds_lane + uint32(kt * 16 * DS_ROW_BYTES + m * 32))
+                for dp2 in static_range(DT_WARP // 2):
+                    for half in static_range(2):
+                        dt = dp2 * 2 + half
+                        d = mma(a[0], a[1], a[2], a[3], bk[dp2, 2 * half], bk[dp2, 2 * half + 1],
+                                acc[m, dt, 0], acc[m, dt, 1], acc[m, dt, 2], acc[m, dt, 3])
+                        for i in static_range(4):
+                            acc[m, dt, i] = d[i]
+
+    @inline_device
+    @unroll
+    def add_dq_atomic_columns(dq_accum, acc, b, q_start, h, seqlen_q, g, t, warp):
+        """dq_accum[b, q_start + rows, h, the warp's columns] += acc (unscaled), as add_dq_atomic."""
+        col0 = warp * DT_WARP * 8
+        for m in static_range(Q_SLICES):
+            for r in static_range(2):
+                row = q_start + m * 16 + g + 8 * r
+                if row < seqlen_q:
+                    if VECTOR_DQ:
+                        row_address = global_address(dq_accum, b, row, h, 0)
+                        for dt in static_range(DT_WARP):
+                            if col0 + dt * 8 < HD:  # headdim % 8 == 0: the whole tile is inside
+                                red_add_f32x2(row_address + (col0 + dt * 8 + 2 * t) * 4, acc[m, dt, 2 * r],
+                                              acc[m, dt, 2 * r + 1])
+                    else:
+                        for dt in static_range(DT_WARP):
+                            for e in static_range(2):
+                                col = col0 + dt * 8 + 2 * t + e
+                                if col < HD:
+                                    cuda.atomic.add(dq_accum, (b, row, h, col), acc[m, dt, 2 * r + e])
+
     @cuda.jit
     @unroll
     def backward_dkdv_mma(q, k, v, dout, lse, delta, dk, dv, dq_accum, scale_log2, scale):
@@ -465,7 +522,9 @@ def build_backward_mma(config: MmaBackwardConfig):
         zero_tile(dv_acc)
         s = cuda.local.array((QNT, 4), float32)  # S^T, then P^T
         dp = cuda.local.array((QNT, 4), float32)  # dP^T, then dS^T
-        dq_acc = cuda.local.array((DT, 4), float32)
+        dq_acc = cuda.local.array((DT, 4), float32)  # the dQ step split by rows
+        dq_cols = cuda.local.array((Q_SLICES, DT_WARP, 4), float32)  # ... or by columns
+        k_frags = cuda.local.array((DT_WARP // 2, 4), uint32)
 
         # ---- Loop over the query heads of the group and their query tiles Q_i, dO_i ----
         # One step per (head, query tile). A step's Q_i, dO_i (and its rows' lse and D, staged in
@@ -523,7 +582,10 @@ def build_backward_mma(config: MmaBackwardConfig):
                 if tid < BM:
                     lse_next = lse_log2(lse, b, h_next, q_next + tid, seqlen_q)
                     d_next = delta[b, h_next, q_next + tid] if q_next + tid < seqlen_q else float32(0)
-            if ATOMIC_DQ:
+            if ATOMIC_DQ and DQ_BY_COLUMNS:
+                mma_ds_k_columns(dq_cols, k_frags, ds_t, ds_lane, k_tile, a_lane, warp)
+                add_dq_atomic_columns(dq_accum, dq_cols, b, q_start, h, seqlen_q, g, t, warp)
+            elif ATOMIC_DQ:
                 for round_ in static_range(Q_SLICE_ROUNDS):
                     slice_ = round_ * WARPS + warp
                     if slice_ < Q_SLICES:  # warp-uniform
