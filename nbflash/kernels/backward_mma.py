@@ -421,6 +421,7 @@ def build_backward_mma(config: MmaBackwardConfig):
     # == 0); other headdims split by rows (mma_ds_k above).
     DQ_BY_COLUMNS = DT % (2 * WARPS) == 0
     DT_WARP = DT // WARPS if DQ_BY_COLUMNS else 2
+    K_PAIRS = DT_WARP // 2  # ldmatrix.x4 loads of K_j's fragments a warp needs per k-step
 
     @inline_device
     @unroll
@@ -524,7 +525,7 @@ def build_backward_mma(config: MmaBackwardConfig):
         dp = cuda.local.array((QNT, 4), float32)  # dP^T, then dS^T
         dq_acc = cuda.local.array((DT, 4), float32)  # the dQ step split by rows
         dq_cols = cuda.local.array((Q_SLICES, DT_WARP, 4), float32)  # ... or by columns
-        k_frags = cuda.local.array((DT_WARP // 2, 4), uint32)
+        k_frags = cuda.local.array((K_PAIRS, 4), uint32)
 
         # ---- Loop over the query heads of the group and their query tiles Q_i, dO_i ----
         # One step per (head, query tile). A step's Q_i, dO_i (and its rows' lse and D, staged in
