@@ -194,7 +194,8 @@ def _row(table, headdim):
 # Tensor-core backward (nbflash/kernels/backward_mma.py): (largest headdim, block_m, block_n,
 # num_warps) of the dK/dV kernel (block_n = 16 * num_warps: a warp owns 16 keys), and of the
 # deterministic dQ kernel (block_m = 16 * num_warps: a warp owns 16 query rows). Their GPU test grid
-# passed on the H200 (168 cases, docs/benchmarks.md); these blocks are first choices, not yet searched.
+# passed on the H200 (168 cases, docs/benchmarks.md). At headdim 128, 64 x 128 with 8 warps measured
+# within 1-3% of 64 x 64 (bench.py --dkdv-blocks); no wider search yet.
 MMA_BACKWARD_DKDV = [
     (128, 64, 64, 4),
     (256, 32, 64, 4),
