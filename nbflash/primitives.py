@@ -169,7 +169,7 @@ if SIMULATOR:
         addr = int(addr)
         if addr % 16:
             raise ValueError(f"shared address {addr:#x} is not 16-byte aligned")
-        for start, end in _shared_ranges.items():
+        for start, end in tuple(_shared_ranges.items()):  # a snapshot: other threads add ranges
             if start <= addr and addr + nbytes <= end:
                 return (ctypes.c_uint8 * nbytes).from_address(addr)
         raise IndexError(f"shared address {addr:#x} (+{nbytes}) is outside every shared array")
@@ -188,6 +188,8 @@ if SIMULATOR:
         assert row.dtype.itemsize == 2
         out[:] = row.view(np.uint8)
 
+    # Both range tables grow while the simulator's threads (one per CUDA thread) read them: readers
+    # iterate over a snapshot (tuple() of a dict runs in C, under the GIL), never the live dict.
     _global_ranges = {}
 
     def global_address(x, i0, i1, i2, i3):
@@ -209,7 +211,7 @@ if SIMULATOR:
         addr = int(src_address)
         if addr % 16:
             raise ValueError(f"global address {addr:#x} is not 16-byte aligned")
-        if not any(low <= addr and addr + 16 <= high for low, high in _global_ranges.items()):
+        if not any(low <= addr and addr + 16 <= high for low, high in tuple(_global_ranges.items())):
             raise IndexError(f"global address {addr:#x} (+16) is outside every array")
         out[:] = np.frombuffer((ctypes.c_uint8 * 16).from_address(addr), dtype=np.uint8)
 
@@ -221,7 +223,7 @@ if SIMULATOR:
         addr = int(address)
         if addr % 8:
             raise ValueError(f"global address {addr:#x} is not 8-byte aligned")
-        if not any(low <= addr and addr + 8 <= high for low, high in _global_ranges.items()):
+        if not any(low <= addr and addr + 8 <= high for low, high in tuple(_global_ranges.items())):
             raise IndexError(f"global address {addr:#x} (+8) is outside every array")
         pair = (ctypes.c_float * 2).from_address(addr)
         with _reduction_lock:
