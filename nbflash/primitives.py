@@ -157,22 +157,45 @@ if SIMULATOR:
     # ldmatrix and cp.async read and write exactly the bytes the kernel's other views of that buffer
     # see. Every access is checked to lie inside an array handed to shared_address, and aligned.
 
-    _shared_ranges = {}
+    class _Ranges:
+        """The address ranges of the arrays a kernel handed to shared_address or global_address,
+        to check every emulated access against. The simulator's threads (one per CUDA thread)
+        register and look up at once, so a lock guards the table; only the most recently
+        registered ranges are kept (every call registers its array again), so that lookups stay
+        fast over a whole test session instead of scanning every array ever simulated."""
+
+        KEPT = 64
+
+        def __init__(self):
+            self._ranges = {}
+            self._lock = threading.Lock()
+
+        def register(self, low, high):
+            with self._lock:
+                self._ranges.pop(low, None)  # re-inserted last: the most recent
+                self._ranges[low] = high
+                while len(self._ranges) > self.KEPT:
+                    del self._ranges[next(iter(self._ranges))]
+
+        def contains(self, addr, nbytes):
+            with self._lock:
+                return any(low <= addr and addr + nbytes <= high for low, high in self._ranges.items())
+
+    _shared_ranges = _Ranges()
 
     def shared_address(arr):
         """The shared-window address of ``arr[0]`` (a host address in the simulator)."""
         start = arr.ctypes.data
-        _shared_ranges[start] = start + arr.nbytes
+        _shared_ranges.register(start, start + arr.nbytes)
         return np.uint64(start)
 
     def _shared_bytes(addr, nbytes):
         addr = int(addr)
         if addr % 16:
             raise ValueError(f"shared address {addr:#x} is not 16-byte aligned")
-        for start, end in tuple(_shared_ranges.items()):  # a snapshot: other threads add ranges
-            if start <= addr and addr + nbytes <= end:
-                return (ctypes.c_uint8 * nbytes).from_address(addr)
-        raise IndexError(f"shared address {addr:#x} (+{nbytes}) is outside every shared array")
+        if not _shared_ranges.contains(addr, nbytes):
+            raise IndexError(f"shared address {addr:#x} (+{nbytes}) is outside every shared array")
+        return (ctypes.c_uint8 * nbytes).from_address(addr)
 
     # --- cp.async: emulated as an immediate copy ---------------------------------------------------
 
@@ -188,16 +211,14 @@ if SIMULATOR:
         assert row.dtype.itemsize == 2
         out[:] = row.view(np.uint8)
 
-    # Both range tables grow while the simulator's threads (one per CUDA thread) read them: readers
-    # iterate over a snapshot (tuple() of a dict runs in C, under the GIL), never the live dict.
-    _global_ranges = {}
+    _global_ranges = _Ranges()
 
     def global_address(x, i0, i1, i2, i3):
         """The address of ``x[i0, i1, i2, i3]`` as an int64 (a host address in the simulator); the
         indices may lie outside the array as long as nothing is read there."""
         nd = x._item._ary if hasattr(x, "_item") else x
         low, high = np.lib.array_utils.byte_bounds(nd)
-        _global_ranges[low] = high
+        _global_ranges.register(low, high)
         s0, s1, s2, s3 = nd.strides
         return np.int64(nd.ctypes.data + int(i0) * s0 + int(i1) * s1 + int(i2) * s2 + int(i3) * s3)
 
@@ -211,7 +232,7 @@ if SIMULATOR:
         addr = int(src_address)
         if addr % 16:
             raise ValueError(f"global address {addr:#x} is not 16-byte aligned")
-        if not any(low <= addr and addr + 16 <= high for low, high in tuple(_global_ranges.items())):
+        if not _global_ranges.contains(addr, 16):
             raise IndexError(f"global address {addr:#x} (+16) is outside every array")
         out[:] = np.frombuffer((ctypes.c_uint8 * 16).from_address(addr), dtype=np.uint8)
 
@@ -223,7 +244,7 @@ if SIMULATOR:
         addr = int(address)
         if addr % 8:
             raise ValueError(f"global address {addr:#x} is not 8-byte aligned")
-        if not any(low <= addr and addr + 8 <= high for low, high in tuple(_global_ranges.items())):
+        if not _global_ranges.contains(addr, 8):
             raise IndexError(f"global address {addr:#x} (+8) is outside every array")
         pair = (ctypes.c_float * 2).from_address(addr)
         with _reduction_lock:
