@@ -6,7 +6,7 @@ queued on the caller's current CuPy stream, so a call slots into a CuPy pipeline
 On a GPU the launch bypasses Numba's dispatcher, which re-types every argument on every call (tens
 of microseconds with CuPy arrays). Each configuration is compiled once for one fixed signature;
 per call we write the arguments into a preallocated parameter buffer in the layout Numba's kernels
-expect, and hand it to the driver's ``cuLaunchKernelEx`` (``cuLaunchKernel`` on older drivers). A Numba array argument is flattened into
+expect, and hand it to the driver's ``cuLaunchKernelEx``. A Numba array argument is flattened into
 ``meminfo, parent, nitems, itemsize, data, shape[ndim], strides[ndim]`` (8 bytes each; strides in
 bytes), a float32 scalar into 4 bytes. Under the simulator, kernels launch through Numba as usual.
 """
@@ -66,16 +66,9 @@ def _driver():
     """libcuda, loaded so that calls keep the GIL: a launch reads its parameter buffer while no other
     Python thread can rewrite it."""
     lib = ctypes.PyDLL("libcuda.so.1")
-    lib.cuLaunchKernel.restype = ctypes.c_int
-    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [
-        ctypes.c_uint,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-    ]
-    if hasattr(lib, "cuLaunchKernelEx"):  # CUDA 12 drivers and newer
-        lib.cuLaunchKernelEx.restype = ctypes.c_int
-        lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
+    # cuLaunchKernelEx: CUDA 12.0 and newer, which every supported CuPy (cuda12x, cuda13x) requires.
+    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
     return lib
 
 
@@ -203,7 +196,7 @@ def _split_arguments(arguments):
 
 class ParameterBuffer:
     """A kernel's parameters, packed in the layout Numba's kernels expect, and the array of pointers
-    to each parameter that ``cuLaunchKernel`` takes.
+    to each parameter that ``cuLaunchKernelEx`` takes.
 
     ``write(arrays, scalars)`` packs a call's arguments. When the arrays have the shapes and strides
     of the previous call (the common case: a model calls attention with the same shapes again and
@@ -274,7 +267,7 @@ class CompiledKernel:
                                            shared_bytes=self.dynamic_shared)
         self._launch_config_pointer = ctypes.c_void_p(ctypes.addressof(self._launch_config))
         self._grid = self._stream = None  # what the launch config holds now
-        self._launch_ex = getattr(_driver(), "cuLaunchKernelEx", None)
+        self._launch_ex = _driver().cuLaunchKernelEx
 
     def launch(self, grid, arrays, scalars, layout_key=None):
         """Queue the kernel on CuPy's current stream. ``arrays`` are backend arrays, in the order
@@ -287,20 +280,15 @@ class CompiledKernel:
         with self._lock:
             self._parameters.write(arrays, scalars, layout_key)
             stream = self._current_stream().ptr
-            if self._launch_ex is None:
-                status = _driver().cuLaunchKernel(self.function, *grid, self.config.threads, 1, 1,
-                                                  self.dynamic_shared, stream, self._parameters.pointers,
-                                                  None)
-            else:
-                if grid != self._grid or stream != self._stream:
-                    c = self._launch_config
-                    c.grid_x, c.grid_y, c.grid_z = grid
-                    c.stream = stream
-                    self._grid, self._stream = grid, stream
-                status = self._launch_ex(self._launch_config_pointer, self.function,
-                                         self._parameters.pointers, None)
+            if grid != self._grid or stream != self._stream:
+                c = self._launch_config
+                c.grid_x, c.grid_y, c.grid_z = grid
+                c.stream = stream
+                self._grid, self._stream = grid, stream
+            status = self._launch_ex(self._launch_config_pointer, self.function, self._parameters.pointers,
+                                     None)
         if status:
-            _check(status, "cuLaunchKernel")
+            _check(status, "cuLaunchKernelEx")
 
 
 def _simulator_array(x):

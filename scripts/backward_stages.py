@@ -22,6 +22,7 @@ Only the timing is meaningful for the variants other than full. Two steps:
 """
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -119,7 +120,7 @@ def run(args):
         for line in done.stderr.splitlines():
             match = re.match(r"\[\d+/\d+\] (\{.*\})$", line)
             if match:
-                row = eval(match.group(1), {})  # bench.py prints each row as a dict literal
+                row = ast.literal_eval(match.group(1))  # bench.py prints each row as a dict literal
                 rows.append(dict(variant=variant, **row))
         if done.returncode:
             print(f"{variant}: bench.py failed: {done.stderr.strip()[-1500:]}", flush=True)
