@@ -12,9 +12,7 @@ import numpy as np
 
 from . import launch, runtime, validation
 from .configs import forced_family, plan_backward
-from .dtypes import FLOAT32, KERNEL_DTYPE
-from .kernels.backward_mma import MmaBackwardConfig, build_backward_mma
-from .kernels.backward_portable import PortableBackwardConfig, build_backward_portable
+from .dtypes import FLOAT32
 
 LOG2_E = math.log2(math.e)
 
@@ -56,37 +54,16 @@ def _check_backward(problem, q, dout, out, lse, deterministic):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Compiling: each config for one signature, launched like the forward (launch.CompiledKernel)
+# Compiling: each config for its signature (kernels/registry.py), launched like the forward
 # ---------------------------------------------------------------------------------------------------
 
 
-def _signature(config):
-    """The one Numba signature a backward config is compiled for. Inputs take any strides (last
-    dim contiguous, checked by validation); buffers the library allocates are C-contiguous."""
-    t = KERNEL_DTYPE[config.dtype].name
-    inputs = ", ".join([f"{t}[:,:,:,:]"] * 4)  # q, k, v, dout (or out, dout)
-    accum = "float32[:,:,:,::1]" if config.atomic_dq else "float32[:,:,::1]"  # dq_accum or stand-in
-    grad = f"{t}[:,:,:,::1]"
-    if config.kernel == "preprocess":
-        return f"void({t}[:,:,:,:], {t}[:,:,:,:], float32[:,:,::1], {accum})"
-    if config.kernel == "dkdv":
-        return f"void({inputs}, float32[:,:,:], float32[:,:,::1], {grad}, {grad}, {accum}, float32, float32)"
-    if config.kernel == "dq":
-        return f"void({inputs}, float32[:,:,:], float32[:,:,::1], {grad}, float32, float32)"
-    return f"void(float32[:,:,:,::1], {grad}, float32)"
-
-
-BUILDERS = {PortableBackwardConfig: build_backward_portable, MmaBackwardConfig: build_backward_mma}
-
-
 @lru_cache(maxsize=None)
-def _kernels(dtype, headdim, causal, deterministic, family, device, aligned):
+def _kernels(static, deterministic, family, aligned):
     """The three compiled kernels of a call (preprocess, dkdv, dq or convert_dq); one cache lookup
-    per call on plain values. The tensor-core kernels take the portable ones' arguments."""
-    return tuple(
-        launch.CompiledKernel(config, BUILDERS[type(config)], _signature(config))
-        for config in plan_backward(dtype, headdim, causal, deterministic, family, device, aligned)
-    )
+    per call. The tensor-core kernels take the portable ones' arguments."""
+    return tuple(launch.compiled(config, static.device)
+                 for config in plan_backward(static, deterministic, family, aligned))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -100,8 +77,7 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     # The tensor-core kernels where they apply, unless a family is forced (configs.plan_backward).
     family = forced_family()
     aligned = p.aligned and validation.rows_aligned(dout)  # q, k, v (checked) and dout: cp.async
-    preprocess, dkdv, dq_kernel = _kernels(p.dtype, p.headdim, p.causal, deterministic, family, p.device,
-                                           aligned)
+    preprocess, dkdv, dq_kernel = _kernels(p.static, deterministic, family, aligned)
     dq = launch.empty(q.shape, q.dtype)
     dk = launch.empty(k.shape, k.dtype)
     dv = launch.empty(v.shape, v.dtype)
@@ -115,9 +91,11 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
 
     # D = rowsum(dO * O); with atomics, dq_accum zeroed too.
     preprocess.launch(preprocess.config.grid(*shape), (out, dout, delta, dq_accum), ())
-    dkdv.launch(dkdv.config.grid(*shape), (q, k, v, dout, lse, delta, dk, dv, dq_accum), (scale_log2, scale))
+    dkdv.launch(dkdv.config.grid(*shape), (q, k, v, dout, lse, delta, dk, dv, dq_accum), (scale_log2, scale),
+                p.params)
     if deterministic:
-        dq_kernel.launch(dq_kernel.config.grid(*shape), (q, k, v, dout, lse, delta, dq), (scale_log2, scale))
+        dq_kernel.launch(dq_kernel.config.grid(*shape), (q, k, v, dout, lse, delta, dq), (scale_log2, scale),
+                         p.params)
     else:
         dq_kernel.launch(dq_kernel.config.grid(*shape), (dq_accum, dq), (scale,))
     return dq, dk, dv

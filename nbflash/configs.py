@@ -1,7 +1,8 @@
 """Kernel configurations: the one table of block sizes, and the choice of kernel family.
 
-Every heuristic lives here. ``plan_forward`` turns a validated problem into a frozen config that the
-launcher compiles (once per config) and launches. Two kernel families:
+Every heuristic lives here. ``plan_forward`` turns the static part of a validated problem
+(``nbflash.problem.Static``) into a frozen config that the launcher compiles (once per config) and
+launches; ``plan_backward`` does the same for the backward's kernels. Two kernel families:
 
 - ``"mma"``: tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py); float16 and
   bfloat16 on GPUs of compute capability 8.0 and newer. Chosen whenever it applies.
@@ -16,6 +17,7 @@ import contextvars
 from functools import lru_cache
 
 from . import runtime
+from .problem import Variant
 from .kernels.backward_mma import MmaBackwardConfig
 from .kernels.forward_mma import MmaForwardConfig
 from .kernels.backward_portable import PortableBackwardConfig
@@ -95,7 +97,7 @@ def mma_unsupported_reason(dtype, device=0):
 
 
 @lru_cache(maxsize=None)
-def portable_forward_config(dtype, headdim, causal):
+def portable_forward_config(dtype, headdim, variant):
     for max_headdim, threads_x, threads_y, rows_per_thread in PORTABLE_FORWARD:
         if headdim <= max_headdim:
             break
@@ -103,22 +105,23 @@ def portable_forward_config(dtype, headdim, causal):
     block_n = 64
     while block_n > threads_x and shared_bytes(headdim, block_m, block_n, threads_x) > PORTABLE_SHARED_LIMIT:
         block_n //= 2
-    return PortableForwardConfig(dtype, headdim, causal, threads_x, threads_y, rows_per_thread, block_n)
+    return PortableForwardConfig(dtype, headdim, variant, threads_x, threads_y, rows_per_thread, block_n)
 
 
 @lru_cache(maxsize=None)
-def mma_forward_config(dtype, headdim, causal, aligned):
+def mma_forward_config(dtype, headdim, variant, aligned, positive_scale=True):
     for max_headdim, block_m, block_n, num_warps in MMA_FORWARD:
         if headdim <= max_headdim:
             break
     return MmaForwardConfig(
         dtype=dtype,
         headdim=headdim,
-        causal=causal,
+        variant=variant,
         block_m=block_m,
         block_n=block_n,
         num_warps=num_warps,
         aligned=aligned and headdim % 8 == 0,
+        fold_scale=positive_scale,
     )
 
 
@@ -127,22 +130,30 @@ def forced_family():
     return _forced_family.get()
 
 
-def plan_forward(dtype, headdim, causal, aligned, family=None, device=0):
-    """The config to run a forward call with (``aligned``: every q, k, v row 16-byte aligned).
-
-    ``family`` forces a kernel family; by default the tensor-core family runs whenever it applies,
-    the portable one otherwise.
-    """
+def _resolve_family(dtype, device, family):
+    """The family a call runs on: ``family`` if given (an error if it cannot serve the call), else
+    the tensor-core family wherever it applies and the portable one otherwise."""
     if family is None:
-        family = "portable" if mma_unsupported_reason(dtype, device) else "mma"
-    else:
-        _check_family(family)
+        return "portable" if mma_unsupported_reason(dtype, device) else "mma"
+    _check_family(family)
     if family == "mma":
         reason = mma_unsupported_reason(dtype, device)
         if reason:
             raise ValueError(f"kernel family 'mma' cannot run this call: {reason}")
-        return mma_forward_config(dtype, headdim, causal, aligned)
-    return portable_forward_config(dtype, headdim, causal)
+    return family
+
+
+def plan_forward(static, family=None):
+    """The config to run a forward call with, for a problem's static part (``Problem.static``).
+
+    ``family`` forces a kernel family; by default the tensor-core family runs whenever it applies,
+    the portable one otherwise.
+    """
+    family = _resolve_family(static.dtype, static.device, family)
+    if family == "mma":
+        return mma_forward_config(static.dtype, static.headdim, static.variant, static.aligned,
+                                  static.positive_scale)
+    return portable_forward_config(static.dtype, static.headdim, static.variant)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -206,32 +217,29 @@ MMA_BACKWARD_DQ = [
 ]
 
 
-def plan_backward(dtype, headdim, causal, deterministic, family=None, device=0, aligned=False):
-    """The kernel configs of a backward call: (preprocess, dkdv, dq or convert_dq). ``aligned``:
-    every row of q, k, v and dout starts on a 16-byte boundary (the tensor-core kernels then copy
-    tiles with cp.async).
+def plan_backward(static, deterministic, family=None, aligned=None):
+    """The kernel configs of a backward call: (preprocess, dkdv, dq or convert_dq), for a problem's
+    static part (``Problem.static``). ``aligned``: every row of q, k, v and dout starts on a 16-byte
+    boundary (the tensor-core kernels then copy tiles with cp.async); default ``static.aligned``.
 
     ``family`` "mma" (tensor-core dK/dV and dQ kernels, float16/bfloat16 on compute capability
     >= 8.0; the default wherever it applies) or "portable" (any dtype and GPU; the default
     elsewhere). Both use the portable preprocess and dq-conversion kernels.
     """
-    if family is None:
-        family = "portable" if mma_unsupported_reason(dtype, device) else "mma"
-    _check_family(family)
+    dtype, headdim, device = static.dtype, static.headdim, static.device
+    aligned = static.aligned if aligned is None else aligned
+    family = _resolve_family(dtype, device, family)
     atomic = not deterministic
-    common = dict(dtype=dtype, headdim=headdim, causal=causal, atomic_dq=atomic)
+    common = dict(dtype=dtype, headdim=headdim, variant=static.variant, atomic_dq=atomic)
     rows, rows_threads = PORTABLE_BACKWARD_ROWS
-    # The row-wise kernels do not depend on the mask: one compiled variant serves causal and not.
-    rowwise = dict(common, causal=False)
+    # The row-wise kernels do not depend on the variant: one compiled kernel serves them all.
+    rowwise = dict(common, variant=Variant())
     preprocess = PortableBackwardConfig("preprocess", block_m=rows, block_n=rows,
                                         threads_per_row=rows_threads, **rowwise)
     convert = PortableBackwardConfig("convert_dq", block_m=rows, block_n=rows,
                                      threads_per_row=rows_threads, **rowwise)
 
     if family == "mma":
-        reason = mma_unsupported_reason(dtype, device)
-        if reason:
-            raise ValueError(f"kernel family 'mma' cannot run this call: {reason}")
         _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DKDV, headdim)
         vector = dict(common, aligned=aligned and headdim % 8 == 0)
         # sm_90 adds two float32 columns to dq_accum per vector reduction, half the atomics.

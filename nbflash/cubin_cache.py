@@ -32,9 +32,12 @@ def cache_dir():
     return pathlib.Path(base) / "nbflash"
 
 
-# Besides its own module, every kernel is built from these: the tile primitives, the dtypes, and the
-# helpers the portable kernels share. (The host-side modules do not reach the compiled code.)
-SHARED_KERNEL_SOURCES = ("primitives.py", "dtypes.py", "kernels/tiles.py")
+# Besides its own module, every kernel is built from these: the tile primitives, the dtypes, the
+# order of a variant's runtime values (problem.py), and the device code the kernels share (tiles,
+# geometry, variants). The other host-side modules do not reach the compiled code.
+SHARED_KERNEL_SOURCES = (
+    "primitives.py", "dtypes.py", "problem.py", "kernels/tiles.py", "kernels/geometry.py", "kernels/variants.py",
+)
 
 
 @lru_cache(maxsize=None)

@@ -11,16 +11,13 @@ LOG2_E = math.log2(math.e)
 
 
 @lru_cache(maxsize=None)
-def _forward_kernel(dtype, headdim, causal, aligned, family, device):
-    """The compiled kernel for a call; one cache lookup per call on plain values."""
-    config = configs.plan_forward(dtype, headdim, causal, aligned, family, device)
-    return launch.compiled(config, device)
+def _forward_kernel(static, family):
+    """The compiled kernel for a problem's static part; one cache lookup per call."""
+    return launch.compiled(configs.plan_forward(static, family), static.device)
 
 
 def _kernel_for(problem, family=None):
-    family = family or configs.forced_family()
-    p = problem
-    return _forward_kernel(p.dtype, p.headdim, p.causal, p.aligned, family, p.device)
+    return _forward_kernel(problem.static, family or configs.forced_family())
 
 
 def _flash_attn_forward(problem, q, k, v, family=None):
@@ -30,7 +27,7 @@ def _flash_attn_forward(problem, q, k, v, family=None):
     out, lse = launch.empty_pair(q.shape, q.dtype, (problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
     grid = config.grid(problem.batch, problem.nheads, problem.seqlen_q)
     # The problem stands for the five arrays' shapes and strides (validation remembers it per layout).
-    kernel.launch(grid, (q, k, v, out, lse), (problem.softmax_scale * LOG2_E,), problem)
+    kernel.launch(grid, (q, k, v, out, lse), (problem.softmax_scale * LOG2_E,), problem.params, problem)
     return out, lse
 
 

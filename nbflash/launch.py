@@ -8,7 +8,9 @@ of microseconds with CuPy arrays). Each configuration is compiled once for one f
 per call we write the arguments into a preallocated parameter buffer in the layout Numba's kernels
 expect, and hand it to the driver's ``cuLaunchKernelEx``. A Numba array argument is flattened into
 ``meminfo, parent, nitems, itemsize, data, shape[ndim], strides[ndim]`` (8 bytes each; strides in
-bytes), a float32 scalar into 4 bytes. Under the simulator, kernels launch through Numba as usual.
+bytes), a float32 or int32 scalar into 4 bytes, a tuple into its elements. Under the simulator,
+kernels launch through Numba as usual. Which kernels there are, and their signatures, is
+``nbflash.kernels.registry``'s business.
 """
 
 import ctypes
@@ -20,11 +22,8 @@ from functools import lru_cache
 import numpy as np
 
 from . import cubin_cache, runtime
-from .dtypes import BFLOAT16, KERNEL_DTYPE
-from .kernels.forward_mma import MmaForwardConfig, build_forward_mma
-from .kernels.forward_portable import PortableForwardConfig, build_forward_portable
-
-BUILDERS = {PortableForwardConfig: build_forward_portable, MmaForwardConfig: build_forward_mma}
+from .dtypes import BFLOAT16
+from .kernels import registry
 
 # Shared memory a block may use without opting in to more.
 DEFAULT_SHARED_LIMIT = 48 * 1024
@@ -107,7 +106,7 @@ def _function_handle(kernel):
     return function
 
 
-def _load_or_compile(builder, config, signature):
+def _load_or_compile(config, signature):
     """The kernel's CUfunction: from the on-disk cubin cache, else built and compiled by Numba (and
     then cached)."""
     from numba import cuda
@@ -117,7 +116,7 @@ def _load_or_compile(builder, config, signature):
     function = cubin_cache.load(_driver(), key)
     if function is not None:
         return function
-    overload = builder(config).compile(signature)
+    overload = registry.build(config).compile(signature)
     overload.bind()
     library = overload._codelibrary
     if not library._setup_functions:  # nothing to run at module load: the cubin alone is the kernel
@@ -139,29 +138,42 @@ def _function_attribute(function, attribute):
 # ---------------------------------------------------------------------------------------------------
 
 
-def forward_signature(config):
-    """The one signature a forward kernel is compiled for: q, k, v with any strides (last dim
-    contiguous), fresh contiguous out and lse, and the float32 scale."""
-    t = KERNEL_DTYPE[config.dtype].name
-    return f"void({t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,::1], float32[:,:,::1], float32)"
+# struct codes of the scalar kernel parameters, each kept in an 8-byte slot.
+SCALAR_FIELDS = {"float32": "f4x", "int32": "i4x"}
+
+
+def _flat_arguments(signature):
+    """A signature's kernel parameters as Numba flattens them: an array as its dimension count,
+    a scalar as its type name; a tuple gives its elements in order. Arrays must come first."""
+    flat = []
+    for arg in _split_arguments(signature[signature.index("(") + 1 : -1]):
+        if "[" in arg:
+            if flat and isinstance(flat[-1], str):
+                raise ValueError(f"arrays must precede the scalars in {signature!r}")
+            flat.append(arg.count(",") + 1)
+        elif arg.startswith("Tuple(("):
+            flat += [name for name in _split_arguments(arg[len("Tuple((") : -2]) if name]
+        else:
+            flat.append(arg)
+    return flat
 
 
 def _parameter_layout(signature):
     """struct format of the kernel parameters for a signature like "void(float16[:,:,::1], float32)".
 
-    Numba flattens an n-dim array into 5 + 2n parameters of 8 bytes; a float32 scalar takes 4 bytes
-    (padded to 8 when more parameters follow). Returns (format, offsets of each parameter).
+    Numba flattens an n-dim array into 5 + 2n parameters of 8 bytes; a float32 or int32 scalar
+    takes 4 bytes (padded to 8 when more parameters follow). Returns (format, offsets of each
+    parameter).
     """
     fields, offsets, offset = "<", [], 0
-    for arg in _split_arguments(signature[signature.index("(") + 1 : -1]):
-        if "[" in arg:
-            ndim = arg.count(",") + 1
-            for _ in range(5 + 2 * ndim):
+    for arg in _flat_arguments(signature):
+        if isinstance(arg, int):
+            for _ in range(5 + 2 * arg):
                 fields += "q"
                 offsets.append(offset)
                 offset += 8
         else:
-            fields += "f4x"
+            fields += SCALAR_FIELDS[arg]
             offsets.append(offset)
             offset += 8
     return fields, offsets
@@ -170,22 +182,22 @@ def _parameter_layout(signature):
 def _pointer_words(signature):
     """Index (in 8-byte words) of each array's data pointer in the parameter buffer."""
     words, word = [], 0
-    for arg in _split_arguments(signature[signature.index("(") + 1 : -1]):
-        if "[" in arg:
-            ndim = arg.count(",") + 1
+    for arg in _flat_arguments(signature):
+        if isinstance(arg, int):
             words.append(word + 4)  # after meminfo, parent, nitems, itemsize
-            word += 5 + 2 * ndim
+            word += 5 + 2 * arg
         else:
             word += 1
     return words
 
 
 def _split_arguments(arguments):
-    """"float16[:,:], float32" -> ["float16[:,:]", "float32"]: commas outside brackets split."""
+    """"float16[:,:], Tuple((int32, int32))" -> ["float16[:,:]", "Tuple((int32, int32))"]: commas
+    outside brackets and parentheses split."""
     parts, depth, current = [], 0, ""
     for ch in arguments:
-        depth += ch == "["
-        depth -= ch == "]"
+        depth += ch in "[("
+        depth -= ch in "])"
         if ch == "," and depth == 0:
             parts.append(current.strip())
             current = ""
@@ -212,9 +224,9 @@ class ParameterBuffer:
         self.pointers = (ctypes.c_void_p * len(offsets))(*(base + o for o in offsets))
         self._words = (ctypes.c_int64 * (packer.size // 8)).from_buffer(self.buffer)
         self._pointer_words = _pointer_words(signature)
-        scalars = fields.count("f")  # float32 scalars come last, 8 bytes each
-        self._scalar_offset = packer.size - 8 * scalars
-        self._pack_scalars = struct.Struct("<" + "f4x" * scalars).pack_into
+        scalars = [arg for arg in _flat_arguments(signature) if isinstance(arg, str)]  # last, 8 bytes each
+        self._scalar_offset = packer.size - 8 * len(scalars)
+        self._pack_scalars = struct.Struct("<" + "".join(SCALAR_FIELDS[a] for a in scalars)).pack_into
         self._layout = self._layout_key = None
 
     def write(self, arrays, scalars, layout_key=None):
@@ -238,17 +250,20 @@ class ParameterBuffer:
 
 
 class CompiledKernel:
-    """One configuration's kernel, compiled for one signature and loaded, with its launch parameter
-    buffer. ``launch(grid, arrays, scalars)`` queues it on CuPy's current stream."""
+    """One configuration's kernel, compiled for its signature (``registry.signature``) and loaded,
+    with its launch parameter buffer. ``launch(grid, arrays, scalars)`` queues it on CuPy's current
+    stream."""
 
-    def __init__(self, config, builder, signature):
+    def __init__(self, config):
         self.config = config
+        signature = registry.signature(config)
         self.dynamic_shared = config.dynamic_shared_bytes  # 0 for the portable kernels
         self.registers = self.static_shared = self.local_bytes = None  # known once compiled
+        self._takes_params = "Tuple((" in signature  # the variant's runtime values, last
         if runtime.SIMULATOR:
-            self.kernel = builder(config)
+            self.kernel = registry.build(config)
             return
-        self.function = _load_or_compile(builder, config, signature)
+        self.function = _load_or_compile(config, signature)
         if self.dynamic_shared > DEFAULT_SHARED_LIMIT:
             _check(
                 _driver().cuFuncSetAttribute(
@@ -269,16 +284,18 @@ class CompiledKernel:
         self._grid = self._stream = None  # what the launch config holds now
         self._launch_ex = _driver().cuLaunchKernelEx
 
-    def launch(self, grid, arrays, scalars, layout_key=None):
+    def launch(self, grid, arrays, scalars, params=(), layout_key=None):
         """Queue the kernel on CuPy's current stream. ``arrays`` are backend arrays, in the order
-        of the signature, followed by the float32 ``scalars``; ``layout_key`` as in
+        of the signature, followed by the float32 ``scalars`` and, for a kernel that takes them,
+        the variant's ``params`` (``Problem.params``); ``layout_key`` as in
         ``ParameterBuffer.write``."""
         if runtime.SIMULATOR:
             launch_config = self.kernel[grid, self.config.threads, 0, self.dynamic_shared]
-            launch_config(*(_simulator_array(a) for a in arrays), *scalars)
+            arrays = [_simulator_array(a) for a in arrays]
+            launch_config(*arrays, *scalars, *((params,) if self._takes_params else ()))
             return
         with self._lock:
-            self._parameters.write(arrays, scalars, layout_key)
+            self._parameters.write(arrays, (*scalars, *params), layout_key)
             stream = self._current_stream().ptr
             if grid != self._grid or stream != self._stream:
                 c = self._launch_config
@@ -301,6 +318,6 @@ def _simulator_array(x):
 
 @lru_cache(maxsize=None)
 def compiled(config, device=0):
-    """The compiled forward kernel for ``config`` on ``device`` (compiled on first use, then cached)."""
-    return CompiledKernel(config, BUILDERS[type(config)], forward_signature(config))
+    """The compiled kernel for ``config`` on ``device`` (compiled on first use, then cached)."""
+    return CompiledKernel(config)
 

@@ -14,6 +14,8 @@ import math
 import numpy as np
 
 from .dtypes import as_numpy_dtype
+from .kernels.geometry import visible_keys
+from .problem import UNBOUNDED, window_bounds
 
 QUERY_BLOCK = 1024
 
@@ -27,11 +29,13 @@ def _array_module(x):
     return np
 
 
-def causal_visible(seqlen_q, seqlen_k, xp=np, rows=None):
-    """Boolean (len(rows), seqlen_k) mask: True where query row i may attend to key j.
+def visible(seqlen_q, seqlen_k, causal=False, window_size=(UNBOUNDED, UNBOUNDED), xp=np, rows=None):
+    """Boolean (len(rows), seqlen_k) mask: True where query row i may attend to key j, or None
+    when every row sees every key. The kernels' rule (nbflash/kernels/geometry.py, the same code).
 
-    Causal attention is aligned to the bottom-right corner, as in flash-attn >= 2.1: query i sees
-    key j when ``j <= i + seqlen_k - seqlen_q``. For seqlen_q = 2, seqlen_k = 5 (1 = visible)::
+    Windows and causal attention are aligned to the bottom-right corner, as in flash-attn >= 2.1:
+    causal is the window (-1, 0), query i seeing key j when ``j <= i + seqlen_k - seqlen_q``. For
+    seqlen_q = 2, seqlen_k = 5 (1 = visible)::
 
         1 1 1 1 0
         1 1 1 1 1
@@ -44,28 +48,35 @@ def causal_visible(seqlen_q, seqlen_k, xp=np, rows=None):
         1 0
         1 1
     """
-    if rows is None:
-        rows = xp.arange(seqlen_q)
-    return xp.arange(seqlen_k)[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
+    left, right, window = window_bounds(seqlen_q, seqlen_k, causal, window_size)
+    if not window:
+        return None
+    rows = np.arange(seqlen_q) if rows is None else (rows.get() if hasattr(rows, "get") else rows)
+    bounds = np.array([visible_keys(int(row), seqlen_q, seqlen_k, left, right) for row in rows])
+    keys = np.arange(seqlen_k)[None, :]
+    return xp.asarray((bounds[:, :1] <= keys) & (keys < bounds[:, 1:]))
 
 
-def _row_block_softmax(q_rows, k_h, scale, causal, seqlen_q, seqlen_k, rows, xp):
+def _row_block_softmax(q_rows, k_h, scale, mask, xp):
     """For a block of query rows of one head: (p, row_max, row_sum), with p = exp(s - row_max)
-    unnormalized. Rows that see no key get p = 0, row_max = 0 and row_sum = 0."""
+    unnormalized; ``mask`` (or None) says which keys each row sees. Rows that see no key get p = 0,
+    row_max = 0 and row_sum = 0."""
     s = (q_rows @ k_h.T) * scale
-    if causal:
-        s = xp.where(causal_visible(seqlen_q, seqlen_k, xp, rows), s, -xp.inf)
+    if mask is not None:
+        s = xp.where(mask, s, -xp.inf)
     row_max = s.max(axis=1, keepdims=True)
     row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
     p = xp.exp(s - row_max)
     return p, row_max, p.sum(axis=1, keepdims=True)
 
 
-def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=False,
+                        window_size=(UNBOUNDED, UNBOUNDED)):
     """Exact attention in float64.
 
     Returns ``out`` (float64, q's shape) and, with ``return_lse``, ``lse`` (float64,
     (batch, nheads, seqlen_q), natural log). Rows that see no key give out = 0 and lse = -inf.
+    ``causal`` and ``window_size`` as in ``nbflash.flash_attn_func`` (see ``visible``).
     """
     xp = _array_module(q)
     q, k, v = (xp.asarray(x).astype(xp.float64) for x in (q, k, v))
@@ -76,14 +87,13 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
 
     out = xp.zeros(q.shape, xp.float64)
     lse = xp.full((batch, nheads, seqlen_q), -xp.inf, xp.float64)
+    blocks = [xp.arange(start, min(start + QUERY_BLOCK, seqlen_q)) for start in range(0, seqlen_q, QUERY_BLOCK)]
+    masks = [visible(seqlen_q, seqlen_k, causal, window_size, xp, rows) for rows in blocks]
     for b in range(batch):
         for h in range(nheads):
             k_h, v_h = k[b, :, h // group], v[b, :, h // group]
-            for start in range(0, seqlen_q, QUERY_BLOCK):
-                rows = xp.arange(start, min(start + QUERY_BLOCK, seqlen_q))
-                p, row_max, row_sum = _row_block_softmax(
-                    q[b, rows, h], k_h, scale, causal, seqlen_q, seqlen_k, rows, xp
-                )
+            for rows, mask in zip(blocks, masks):
+                p, row_max, row_sum = _row_block_softmax(q[b, rows, h], k_h, scale, mask, xp)
                 seen = row_sum[:, 0] > 0  # rows that see at least one key
                 safe_sum = xp.where(row_sum > 0, row_sum, 1.0)
                 out[b, rows, h] = xp.where(seen[:, None], (p @ v_h) / safe_sum, 0.0)
@@ -91,7 +101,7 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
     return (out, lse) if return_lse else out
 
 
-def attention_naive(q, k, v, softmax_scale=None, causal=False):
+def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(UNBOUNDED, UNBOUNDED)):
     """Attention as a same-precision naive implementation computes it, for error budgets.
 
     Matmuls accumulate in float32 and round their result to the input dtype, the softmax runs in
@@ -109,12 +119,13 @@ def attention_naive(q, k, v, softmax_scale=None, causal=False):
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+    mask = visible(seqlen_q, seqlen_k, causal, window_size, xp)
     out = xp.zeros(q.shape, xp.float32)
     for b in range(batch):
         for h in range(nheads):
             s = rounded((q[b, :, h] @ k[b, :, h // group].T) * xp.float32(scale))
-            if causal:
-                s = xp.where(causal_visible(seqlen_q, seqlen_k, xp), s, -xp.inf)
+            if mask is not None:
+                s = xp.where(mask, s, -xp.inf)
             row_max = s.max(axis=1, keepdims=True)
             row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
             p = xp.exp(s - row_max)
@@ -124,7 +135,8 @@ def attention_naive(q, k, v, softmax_scale=None, causal=False):
     return out
 
 
-def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False):
+def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False,
+                                 window_size=(UNBOUNDED, UNBOUNDED)):
     """Gradients of exact attention in float64: returns ``(dq, dk, dv)``, float64, shaped like q, k, v.
 
     ``dout`` is the gradient of the loss with respect to ``out`` (q's shape). With
@@ -148,14 +160,13 @@ def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False
     dq = xp.zeros(q.shape, xp.float64)
     dk = xp.zeros(k.shape, xp.float64)
     dv = xp.zeros(v.shape, xp.float64)
+    blocks = [xp.arange(start, min(start + QUERY_BLOCK, seqlen_q)) for start in range(0, seqlen_q, QUERY_BLOCK)]
+    masks = [visible(seqlen_q, seqlen_k, causal, window_size, xp, rows) for rows in blocks]
     for b in range(batch):
         for h in range(nheads):
             k_h, v_h = k[b, :, h // group], v[b, :, h // group]
-            for start in range(0, seqlen_q, QUERY_BLOCK):
-                rows = xp.arange(start, min(start + QUERY_BLOCK, seqlen_q))
-                p, _, row_sum = _row_block_softmax(
-                    q[b, rows, h], k_h, scale, causal, seqlen_q, seqlen_k, rows, xp
-                )
+            for rows, mask in zip(blocks, masks):
+                p, _, row_sum = _row_block_softmax(q[b, rows, h], k_h, scale, mask, xp)
                 p = p / xp.where(row_sum > 0, row_sum, 1.0)
                 do = dout[b, rows, h]
                 dp = do @ v_h.T
@@ -167,7 +178,8 @@ def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False
     return dq, dk, dv
 
 
-def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False):
+def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
+                             window_size=(UNBOUNDED, UNBOUNDED)):
     """Gradients as a same-precision naive implementation computes them, for error budgets.
 
     The forward of ``attention_naive``, then each backward matmul accumulating in float32 and rounding
@@ -188,12 +200,13 @@ def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False):
     dq = xp.zeros(q.shape, xp.float32)
     dk = xp.zeros(k.shape, xp.float32)
     dv = xp.zeros(v.shape, xp.float32)
+    mask = visible(seqlen_q, seqlen_k, causal, window_size, xp)
     for b in range(batch):
         for h in range(nheads):
             k_h, v_h, do = k[b, :, h // group], v[b, :, h // group], dout[b, :, h]
             s = rounded((q[b, :, h] @ k_h.T) * scale)
-            if causal:
-                s = xp.where(causal_visible(seqlen_q, seqlen_k, xp), s, -xp.inf)
+            if mask is not None:
+                s = xp.where(mask, s, -xp.inf)
             row_max = s.max(axis=1, keepdims=True)
             row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
             p = xp.exp(s - row_max)

@@ -8,31 +8,15 @@ and the inputs as arrays of the backend (CuPy on a GPU, NumPy in the simulator).
 
 import math
 import numbers
-from typing import NamedTuple
 
 import numpy as np
 
 from . import runtime
 from .dtypes import dtype_name
+from .problem import UNBOUNDED, Problem, Variant, window_bounds
 
 MAX_HEADDIM = 256
 MAX_GRID_YZ = 65535  # a launch grid's y (heads) and z (batch) dimensions
-
-
-class Problem(NamedTuple):
-    """The shape of one attention call, after validation."""
-
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    nheads: int
-    nheads_k: int
-    headdim: int
-    dtype: str  # 'float16', 'bfloat16' or 'float32'
-    causal: bool
-    softmax_scale: float
-    aligned: bool  # every row of q, k and v starts on a 16-byte boundary (vector loads allowed)
-    device: int  # the GPU the arrays live on (0 under the simulator)
 
 
 def _device_array(x, name):
@@ -215,6 +199,7 @@ def _check_forward(q, k, v, softmax_scale, causal):
             )
     aligned = rows_aligned(q) and rows_aligned(k) and rows_aligned(v)
 
+    left, right, window = window_bounds(seqlen_q, seqlen_k, bool(causal), (UNBOUNDED, UNBOUNDED))
     problem = Problem(
         batch,
         seqlen_q,
@@ -223,9 +208,11 @@ def _check_forward(q, k, v, softmax_scale, causal):
         nheads_k,
         headdim,
         dtype,
-        bool(causal),
         check_softmax_scale(softmax_scale, headdim),
         aligned,
         device,
+        Variant(window=window),
+        left,
+        right,
     )
     return problem, q, k, v

@@ -74,10 +74,12 @@ def build_variant(variant, base, out):
     import prebuild_cache
 
     prebuild_cache.pretend_gpu(CC)
-    from nbflash import backward, configs
+    from nbflash import configs
 
     configs._compute_capability = lambda device=0: CC
-    from nbflash import cubin_cache, launch
+    from nbflash import cubin_cache
+    from nbflash.kernels import registry
+    from nbflash.problem import Static, Variant
 
     patch(variant)
     folder = os.path.join(out, variant)
@@ -85,16 +87,15 @@ def build_variant(variant, base, out):
     built = []
     for causal in (False,):  # run times non-causal rows
         # What one bench row runs: the forward (for out and lse), then the backward's three kernels.
-        forward = configs.plan_forward("float16", 128, causal, True)
-        kernels = [(forward, launch.forward_signature(forward))]
-        kernels += [(c, backward._signature(c))
-                    for c in configs.plan_backward("float16", 128, causal, False, "mma", 0, True)]
-        for config, signature in kernels:
+        static = Static("float16", 128, True, 0, Variant(window=causal))
+        kernels = [configs.plan_forward(static)] + list(configs.plan_backward(static, False, "mma"))
+        for config in kernels:
+            signature = registry.signature(config)
             name = cubin_cache.cache_key(config, signature, CC) + ".cubin"
             if config.__class__.__name__ == "MmaBackwardConfig":  # the dK/dV kernel: this variant's
                 if os.path.exists(os.path.join(folder, name)):
                     os.remove(os.path.join(folder, name))
-                _, status, seconds = prebuild_cache.build_one(config, signature, CC, folder)
+                _, status, seconds = prebuild_cache.build_one(config, CC, folder)
                 built.append(f"{variant} causal={causal}: dK/dV {status} in {seconds:.0f} s")
             else:
                 shutil.copy(os.path.join(base, name), folder)  # the shipped kernel, prebuilt

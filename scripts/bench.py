@@ -2,7 +2,8 @@
 
 Grid (flash-attn's): hidden size 2048, so nheads = 2048 / headdim; batch = 16384 / seqlen; seqlen
 512 ... 16k; headdim 64, 128, 256; causal and not; fp16 and bf16 (fp32 too for our portable path).
-FLOPs = 4 * batch * nheads * seqlen^2 * headdim, halved when causal.
+FLOPs = 4 * batch * nheads * headdim * (the visible scores: seqlen^2, or seqlen (seqlen + 1) / 2 when
+causal; nbflash/kernels/geometry.py counts them).
 
 Anchors measured in the same process: PyTorch SDPA's flash and cuDNN backends (when torch is
 importable), naive CuPy attention (matmul, float32 softmax, matmul) and each nbflash kernel family.
@@ -30,6 +31,8 @@ from nbflash.dtypes import SUPPORTED
 from nbflash import backward
 from nbflash.backward import _flash_attn_backward
 from nbflash.interface import _flash_attn_forward
+from nbflash.kernels.geometry import visible_count
+from nbflash.problem import window_bounds
 from nbflash.measure import time_ms
 from nbflash.validation import check_forward
 
@@ -203,8 +206,8 @@ def main(argv=None):
     rows = []
     for index, (headdim, seqlen, causal, dtype) in enumerate(cases):
         nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
-        flops = 4 * batch * nheads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
-        flops *= flop_factor
+        left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
+        flops = 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim * flop_factor
         rng = np.random.default_rng(index)
         q, k, v = (
             cupy.asarray(rng.standard_normal((batch, seqlen, nheads, headdim), np.float32)).astype(
@@ -244,7 +247,7 @@ def gpu_name():
 def title(which):
     factor = {"forward": "", "backward": ", x2.5 backward", "forward+backward": ", x3.5 forward+backward"}
     return (
-        f"{which} TFLOP/s (FLOPs = 4 B H N^2 D, x0.5 causal{factor[which]}); "
+        f"{which} TFLOP/s (FLOPs = 4 B H D x visible scores: N^2, N (N + 1) / 2 causal{factor[which]}); "
         "ratios are nbflash's best family over the anchor"
     )
 

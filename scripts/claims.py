@@ -271,7 +271,7 @@ def kernel_plan(q, k, v, causal):
         from nbflash import configs, validation
 
         problem = validation.check_forward(q, k, v, None, causal)[0]
-        config = configs.plan_forward(problem)
+        config = configs.plan_forward(problem.static)
         family = family or getattr(config, "family", None) or type(config).__name__
         block_m = block_m or getattr(config, "block_m", None)
         block_n = block_n or getattr(config, "block_n", None)

@@ -75,8 +75,9 @@ def around_table(headdim, dtype="float16"):
     configurations the kernel accepts and whose shared memory fits."""
     from nbflash import configs
     from nbflash.kernels.forward_mma import MmaForwardConfig
+    from nbflash.problem import Variant
 
-    entry = configs.mma_forward_config(dtype, headdim, False, True)
+    entry = configs.mma_forward_config(dtype, headdim, Variant(), True)
     m, n, w = entry.block_m, entry.block_n, entry.num_warps
     candidates = [(m, n, w, None)]
     for factor in (0.5, 2):
@@ -85,7 +86,7 @@ def around_table(headdim, dtype="float16"):
     names = []
     for block_m, block_n, num_warps, q in candidates:
         try:
-            config = MmaForwardConfig(dtype, headdim, False, block_m=block_m, block_n=block_n,
+            config = MmaForwardConfig(dtype, headdim, Variant(), block_m=block_m, block_n=block_n,
                                       num_warps=num_warps, q_in_registers=q)
         except ValueError:
             continue
@@ -104,15 +105,17 @@ def variant_key(name, dtype, headdim, causal):
 
 
 def make_config(name, dtype, headdim, causal):
+    """Causal attention is the kernel's window variant, run with the window (-1, 0)."""
     from nbflash.kernels.forward_mma import MmaForwardConfig
+    from nbflash.problem import Variant
 
-    return MmaForwardConfig(dtype, headdim, causal, **variant_arguments(name))
+    return MmaForwardConfig(dtype, headdim, Variant(window=causal), **variant_arguments(name))
 
 
-def signature(dtype):
-    elem = "float16" if dtype == "float16" else "uint16"
-    arr = f"{elem}[:,:,:,::1]"
-    return f"void({arr},{arr},{arr},{arr},float32[:,:,::1],float32)"
+def signature(config):
+    from nbflash.kernels import registry
+
+    return registry.signature(config)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -136,7 +139,7 @@ def _build_one(job):
         with open(meta) as f:
             return json.load(f)  # built before (delete the folder after changing the kernel)
     start = time.time()
-    ptx, _ = cuda.compile_ptx(build_forward_mma(config).py_func, signature(dtype), cc=(9, 0))
+    ptx, _ = cuda.compile_ptx(build_forward_mma(config).py_func, signature(config), cc=(9, 0))
     numba_s = time.time() - start
     entry = re.search(r"\.entry\s+(\S+)\(", ptx).group(1)
     ptx_path, cubin_path = os.path.join(folder, key + ".ptx"), os.path.join(folder, key + ".cubin")
@@ -210,7 +213,7 @@ class Kernel:
 
         start = time.time()
         kernel = build_forward_mma(self.config)
-        kernel.compile(signature(self.config.dtype))
+        kernel.compile(signature(self.config))
         library = next(iter(kernel.overloads.values()))._codelibrary
         cubin = library.get_cubin(cc=cuda.get_current_device().compute_capability)
         entry = re.search(r"\.entry\s+(\S+)\(", library.get_asm_str()).group(1)
@@ -234,11 +237,15 @@ class Kernel:
     def __call__(self, q, k, v, out, lse, scale):
         import numpy as np
 
+        from nbflash.problem import window_bounds
+
         batch, seqlen_q, nheads, _ = q.shape
         args = []
         for t in (q, k, v, out, lse):
             args += self._flat(t)
         args.append(np.float32(scale * math.log2(math.e)))
+        if self.config.variant.window:  # the window's (left, right): causal's, as validation gives them
+            args += [np.int32(x) for x in window_bounds(seqlen_q, k.shape[1], True, (-1, -1))[:2]]
         self.function(self.config.grid(batch, nheads, seqlen_q), (self.config.threads,), tuple(args),
                       shared_mem=self.config.shared_bytes)
 
@@ -268,7 +275,7 @@ def check(kernel, log):
     """Awkward shapes against the float32 reference; error bound from a naive fp16 implementation."""
     import torch
 
-    d, causal = kernel.config.headdim, kernel.config.causal
+    d, causal = kernel.config.headdim, kernel.config.variant.window
     ok = True
     for batch, sq, sk, h, hk in [(2, 1027, 1027, 4, 4), (1, 333, 1500, 4, 2), (1, 700, 257, 2, 1), (1, 1, 1, 1, 1)]:
         q = torch.randn(batch, sq, h, d, device="cuda", dtype=torch.float16)

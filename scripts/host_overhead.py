@@ -84,7 +84,7 @@ def main():
         ("  stage: validation.check_forward", lambda: validation.check_forward(q, k, v, None, False)),
         ("  stage: kernel lookup", lambda: interface._kernel_for(problem)),
         ("  stage: out and lse (one allocation)", lambda: launch.empty_pair(q.shape, q.dtype, (1, 1, 16), np.dtype(np.float32))),
-        ("  stage: kernel.launch", lambda: kernel.launch(grid, (q, k, v, out, lse), (0.1,), problem)),
+        ("  stage: kernel.launch", lambda: kernel.launch(grid, (q, k, v, out, lse), (0.1,), problem.params, problem)),
     ]
     rows += [(name, host_us(fn)) for name, fn in stages]
     base = rows[0][1]

@@ -55,48 +55,43 @@ def pretend_gpu(cc):
     dispatcher.get_current_device = lambda: Target()
 
 
-def configurations(dtypes, headdims, families, cc, unaligned=False):
-    """Every (config, signature) a forward or backward call with these parameters compiles (the
-    tensor-core forward's variant for rows off 16-byte boundaries only with ``unaligned``)."""
-    from nbflash import backward, configs, launch
+def configurations(dtypes, headdims, families, cc, unaligned=False, variants=None):
+    """Every config a forward or backward call with these parameters compiles (the tensor-core
+    forward's variant for rows off 16-byte boundaries only with ``unaligned``). ``variants``: the
+    ``nbflash.problem.Variant`` values to build; by default the plain one and the window (which
+    causal attention runs)."""
+    from nbflash import configs
+    from nbflash.problem import Static, Variant
 
     configs._compute_capability = lambda device=0: cc  # plan for the target GPU, not this machine
     alignments = (True, False) if unaligned else (True,)
+    variants = variants or (Variant(), Variant(window=True))
     jobs = {}
-    for dtype, headdim, causal in itertools.product(dtypes, headdims, (False, True)):
+    for dtype, headdim, variant, aligned in itertools.product(dtypes, headdims, variants, alignments):
+        static = Static(dtype, headdim, aligned, 0, variant)
         mma = "mma" in families and dtype != "float32" and cc >= (8, 0)
-        forward = []
-        if "portable" in families:
-            forward.append(configs.portable_forward_config(dtype, headdim, causal))
-        if mma:
-            forward += [configs.mma_forward_config(dtype, headdim, causal, aligned) for aligned in alignments]
-        for config in forward:
-            jobs[config] = launch.forward_signature(config)
-        for deterministic, aligned in itertools.product((False, True), alignments):
-            for family in [f for f in families if f == "portable" or mma]:
-                for config in configs.plan_backward(dtype, headdim, causal, deterministic, family, 0, aligned):
-                    jobs[config] = backward._signature(config)
-    return list(jobs.items())
+        for family in [f for f in families if f == "portable" or mma]:
+            jobs[configs.plan_forward(static, family)] = None
+            for deterministic in (False, True):
+                for config in configs.plan_backward(static, deterministic, family):
+                    jobs[config] = None
+    return list(jobs)
 
 
-def _builder(config):
-    from nbflash import backward, launch
-
-    return {**launch.BUILDERS, **backward.BUILDERS}[type(config)]
-
-
-def build_one(config, signature, cc, cache_dir):
+def build_one(config, cc, cache_dir):
     os.environ["NBFLASH_CACHE_DIR"] = cache_dir
     pretend_gpu(cc)
     from numba import cuda
 
     from nbflash import cubin_cache
+    from nbflash.kernels import registry
 
+    signature = registry.signature(config)
     key = cubin_cache.cache_key(config, signature, cc)
     if os.path.exists(os.path.join(cache_dir, key + ".cubin")):
         return config, "cached", 0.0
     start = time.time()
-    ptx, _ = cuda.compile_ptx(_builder(config)(config).py_func, signature, cc=cc)
+    ptx, _ = cuda.compile_ptx(registry.build(config).py_func, signature, cc=cc)
     entry = re.search(r"\.entry\s+(\S+)\s*\(", ptx).group(1)
     with tempfile.TemporaryDirectory() as tmp:
         ptx_path, cubin_path = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
@@ -123,11 +118,11 @@ def main():
     os.makedirs(args.cache_dir, exist_ok=True)
     jobs = configurations(args.dtypes, args.headdims, args.families, cc, args.unaligned)
     # Slowest first (tensor-core kernels, large head dims), so the pool ends evenly.
-    jobs.sort(key=lambda job: ("Mma" in type(job[0]).__name__, job[0].headdim), reverse=True)
+    jobs.sort(key=lambda config: ("Mma" in type(config).__name__, config.headdim), reverse=True)
     print(f"{len(jobs)} kernels for cc {args.cc} into {args.cache_dir}", flush=True)
     start = time.time()
     with ProcessPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(build_one, config, sig, cc, os.path.abspath(args.cache_dir)) for config, sig in jobs]
+        futures = [pool.submit(build_one, config, cc, os.path.abspath(args.cache_dir)) for config in jobs]
         for done, future in enumerate(as_completed(futures), 1):
             config, status, seconds = future.result()
             print(f"[{done}/{len(jobs)}] {status} {seconds:5.1f} s  {config}", flush=True)

@@ -15,6 +15,7 @@ from nbflash import backward, configs
 from nbflash.backward import flash_attn_backward
 from nbflash.kernels.backward_mma import MmaBackwardConfig
 from nbflash.kernels.backward_portable import PortableBackwardConfig
+from nbflash.problem import Static, Variant
 
 from .conftest import SIMULATOR
 from .helpers import random_qkv, to_numpy
@@ -136,15 +137,16 @@ def test_backward_mma_deterministic_is_bitwise_reproducible(rng, xp):
 def test_backward_mma_planning():
     """Tensor-core by default for float16/bfloat16 (as the forward), portable for float32; 'mma'
     plans the tensor-core dK/dV and dQ kernels around the portable preprocess and conversion."""
+    causal = Variant(window=True)
     for deterministic in (False, True):
-        default = configs.plan_backward("float16", 64, True, deterministic)
+        default = configs.plan_backward(Static("float16", 64, False, 0, causal), deterministic)
         assert [type(c) for c in default[:2]] == [PortableBackwardConfig, MmaBackwardConfig]
         assert all(isinstance(c, PortableBackwardConfig)
-                   for c in configs.plan_backward("float32", 64, True, deterministic))
-    preprocess, dkdv, convert = configs.plan_backward("float16", 64, True, False, "mma")
+                   for c in configs.plan_backward(Static("float32", 64, False, 0, causal), deterministic))
+    preprocess, dkdv, convert = configs.plan_backward(Static("float16", 64, False, 0, causal), False, "mma")
     assert (preprocess.kernel, convert.kernel) == ("preprocess", "convert_dq")
     assert isinstance(dkdv, MmaBackwardConfig) and dkdv.kernel == "dkdv" and dkdv.atomic_dq
-    _, dkdv, dq = configs.plan_backward("bfloat16", 256, False, True, "mma")
+    _, dkdv, dq = configs.plan_backward(Static("bfloat16", 256, False, 0), True, "mma")
     assert (dkdv.kernel, dq.kernel) == ("dkdv", "dq") and not dkdv.atomic_dq
     assert isinstance(dq, MmaBackwardConfig)
 

@@ -5,6 +5,8 @@ import pytest
 
 import nbflash
 from nbflash import configs, cubin_cache, launch
+from nbflash.kernels import registry
+from nbflash.problem import Static, Variant
 
 from .helpers import assert_attention_close, random_qkv
 
@@ -24,10 +26,10 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 
 
 def test_key_tells_configurations_signatures_and_gpus_apart():
-    a = configs.mma_forward_config("float16", 128, True, True)
-    b = configs.mma_forward_config("float16", 128, False, True)
-    c = configs.mma_forward_config("bfloat16", 128, True, True)
-    sig = launch.forward_signature(a)
+    a = configs.mma_forward_config("float16", 128, Variant(window=True), True)
+    b = configs.mma_forward_config("float16", 128, Variant(), True)
+    c = configs.mma_forward_config("bfloat16", 128, Variant(window=True), True)
+    sig = registry.signature(a)
     keys = {
         cubin_cache.cache_key(a, sig, (9, 0)),
         cubin_cache.cache_key(b, sig, (9, 0)),
@@ -99,25 +101,25 @@ def test_unwritable_cache_dir_means_no_cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_second_load_comes_from_disk_without_numba(cache, rng, xp):
+def test_gpu_second_load_comes_from_disk_without_numba(cache, rng, xp, monkeypatch):
     """The first CompiledKernel compiles and writes a cubin; the second loads it and never calls the
     builder; both give the same exact attention."""
-    config = configs.mma_forward_config("float16", 64, True, True)
-    signature = launch.forward_signature(config)
-    first = launch.CompiledKernel(config, launch.BUILDERS[type(config)], signature)
+    config = configs.mma_forward_config("float16", 64, Variant(window=True), True)
+    first = launch.CompiledKernel(config)
     assert len(list(cache.glob("*.cubin"))) == 1
 
     def no_compiling(config):
         raise AssertionError("the cached cubin should have been loaded")
 
-    second = launch.CompiledKernel(config, no_compiling, signature)
+    monkeypatch.setattr(registry, "build", no_compiling)
+    second = launch.CompiledKernel(config)
     assert second.registers == first.registers and second.local_bytes == first.local_bytes
 
     q, k, v = random_qkv(rng, xp, 2, 300, 300, 4, 4, 64, "float16")
     outs = []
     for kernel in (first, second):
         out, lse = launch.empty(q.shape, q.dtype), launch.empty((2, 4, 300), np.float32)
-        kernel.launch(config.grid(2, 4, 300), (q, k, v, out, lse), (0.125 * 1.4426950408889634,))
+        kernel.launch(config.grid(2, 4, 300), (q, k, v, out, lse), (0.125 * 1.4426950408889634,), (300, 0))
         assert_attention_close(out, None, q, k, v, True)
         outs.append(xp.asnumpy(out))
     assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
@@ -129,8 +131,8 @@ def test_key_follows_the_kernels_own_module(monkeypatch):
     """Editing one kernel module changes its kernels' keys and no other module's."""
     from nbflash.kernels import backward_mma, forward_mma
 
-    forward = configs.mma_forward_config("float16", 64, False, True)
-    backward_cfg = configs.plan_backward("float16", 64, False, False, "mma")[1]
+    forward = configs.mma_forward_config("float16", 64, Variant(), True)
+    backward_cfg = configs.plan_backward(Static("float16", 64, True, 0), False, "mma")[1]
     assert type(backward_cfg).__module__ == backward_mma.__name__
     before = (cubin_cache.cache_key(forward, "sig", (9, 0)), cubin_cache.cache_key(backward_cfg, "sig", (9, 0)))
     real = cubin_cache._source_hash.__wrapped__

@@ -13,14 +13,21 @@ import pytest
 from numba import cuda
 
 from nbflash.kernels.forward_mma import MmaForwardConfig, build_forward_mma
+from nbflash.problem import Variant, window_bounds
+from nbflash.reference import visible
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 NP_DTYPE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
-def reference(q, k, v, scale, causal, p_dtype=None):
-    """Attention in float64 (or, with p_dtype, the naive low-precision version), out and lse."""
+PLAIN, WINDOW = Variant(), Variant(window=True)
+CAUSAL = (-1, 0)  # the window causal attention is
+
+
+def reference(q, k, v, scale, window, p_dtype=None):
+    """Attention in float64 (or, with p_dtype, the naive low-precision version), out and lse;
+    ``window`` a flash-attn window_size, or None."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     work = np.float64 if p_dtype is None else np.float32
@@ -28,10 +35,9 @@ def reference(q, k, v, scale, causal, p_dtype=None):
     k = np.repeat(k, nheads // nheads_k, axis=2)
     v = np.repeat(v, nheads // nheads_k, axis=2)
     s = np.einsum("bihd,bjhd->bhij", q, k) * scale
-    if causal:
-        i = np.arange(seqlen_q)[:, None]
-        j = np.arange(seqlen_k)[None, :]
-        s = np.where(j <= i + seqlen_k - seqlen_q, s, -np.inf)
+    mask = visible(seqlen_q, seqlen_k, window_size=window) if window else None
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0)
     p = np.exp(s - m)
@@ -45,7 +51,7 @@ def reference(q, k, v, scale, causal, p_dtype=None):
     return out, lse
 
 
-def run_kernel(config, q, k, v, scale, kernel_args=None):
+def run_kernel(config, q, k, v, scale, window, kernel_args=None):
     """Launch on host arrays (the simulator, or Numba's automatic transfers on a GPU); kernel_args,
     when given, replaces (q, k, v) as the kernel's inputs (device views with other strides)."""
     bits = config.dtype == "bfloat16"
@@ -56,13 +62,19 @@ def run_kernel(config, q, k, v, scale, kernel_args=None):
     out = np.empty(q.shape, dtype=q.dtype)
     out.view(np.uint16)[...] = 0x7FC0 if bits else 0x7E00  # NaN
     lse = np.full((batch, nheads, seqlen_q), np.nan, dtype=np.float32)
+    params = ()
+    if config.variant.window:  # the window's (left, right), as validation hands them over
+        params = tuple(np.int32(x) for x in window_bounds(seqlen_q, k.shape[1], False, window)[:2])
     kernel = build_forward_mma(config)
     kernel[config.grid(batch, nheads, seqlen_q), config.threads, 0, config.shared_bytes](
-        *kernel_args, as_kernel(out), lse, np.float32(scale * math.log2(math.e)))
+        *kernel_args, as_kernel(out), lse, np.float32(scale * math.log2(math.e)), params)
     return out, lse
 
 
-def check(config, batch=1, seqlen_q=20, seqlen_k=33, nheads=2, nheads_k=1, seed=0, row_pad=0):
+def check(config, batch=1, seqlen_q=20, seqlen_k=33, nheads=2, nheads_k=1, seed=0, row_pad=0, window=CAUSAL,
+          scale=None):
+    """``window``: the window_size a window config runs with (causal by default)."""
+    window = window if config.variant.window else None
     rng = np.random.default_rng(seed)
     D, dt = config.headdim, NP_DTYPE[config.dtype]
     q = rng.standard_normal((batch, seqlen_q, nheads, D)).astype(dt)
@@ -75,10 +87,10 @@ def check(config, batch=1, seqlen_q=20, seqlen_k=33, nheads=2, nheads_k=1, seed=
         for store, x in zip(stores, (q, k, v)):
             store[..., :D] = x
         kernel_args = tuple(cuda.to_device(store)[:, :, :, :D] for store in stores)
-    scale = 1.0 / math.sqrt(D)
-    out, lse = run_kernel(config, q, k, v, scale, kernel_args)
-    out_ref, lse_ref = reference(q, k, v, scale, config.causal)
-    out_naive, _ = reference(q, k, v, scale, config.causal, p_dtype=dt)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    out, lse = run_kernel(config, q, k, v, scale, window, kernel_args)
+    out_ref, lse_ref = reference(q, k, v, scale, window)
+    out_naive, _ = reference(q, k, v, scale, window, p_dtype=dt)
     naive_err = np.abs(out_naive.astype(dt).astype(np.float64) - out_ref).max()
     err = np.abs(out.astype(np.float64) - out_ref)
     assert not np.isnan(out.astype(np.float32)).any(), "unwritten or NaN output"
@@ -94,28 +106,41 @@ SMALL = dict(block_m=32, block_n=16, num_warps=2)  # two warps, one 16-row slice
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_basic(dtype, causal):
-    check(MmaForwardConfig(dtype, 16, causal, **SMALL), seqlen_q=20, seqlen_k=33)
+@pytest.mark.parametrize("variant", [PLAIN, WINDOW], ids=["plain", "causal"])
+def test_basic(dtype, variant):
+    check(MmaForwardConfig(dtype, 16, variant, **SMALL), seqlen_q=20, seqlen_k=33)
+
+
+@pytest.mark.parametrize("window", [(5, 3), (0, 0), (12, -1), (-1, 2)])
+def test_sliding_window(window):
+    # Bands on both sides of the diagonal: tiles left of the band are skipped, its edges masked.
+    check(MmaForwardConfig("float16", 16, WINDOW, **SMALL), seqlen_q=45, seqlen_k=52, window=window)
+
+
+@pytest.mark.parametrize("fold_scale, scale", [(False, 0.0), (False, -0.3)])
+def test_scale_not_positive(fold_scale, scale):
+    # A zero or negative scale is applied to the scores before the max (the planner's choice).
+    check(MmaForwardConfig("float16", 16, WINDOW, fold_scale=fold_scale, **SMALL), seqlen_q=20, seqlen_k=33,
+          scale=scale)
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (37, 21), (33, 40), (16, 16)])
 def test_lengths_causal(seqlen_q, seqlen_k):
     # seqlen_q > seqlen_k: the first rows see no key (out 0, lse -inf); tails on both sides.
-    _, lse, lse_ref = check(MmaForwardConfig("float16", 16, True, **SMALL), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+    _, lse, lse_ref = check(MmaForwardConfig("float16", 16, WINDOW, **SMALL), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                             nheads=1, nheads_k=1, seed=seqlen_q)
     if seqlen_q > seqlen_k:
         assert np.isneginf(lse_ref).any() and np.isneginf(lse).any()
 
 
 def test_headdim_40_gqa_batch():
-    check(MmaForwardConfig("bfloat16", 40, False, **SMALL), batch=2, seqlen_q=17, seqlen_k=9, nheads=4, nheads_k=2)
+    check(MmaForwardConfig("bfloat16", 40, PLAIN, **SMALL), batch=2, seqlen_q=17, seqlen_k=9, nheads=4, nheads_k=2)
 
 
 @pytest.mark.parametrize("skip_rescale, q_in_registers", [(False, None), (True, True)])
 def test_two_slices_per_warp(skip_rescale, q_in_registers):
     # block_m = 64 with 2 warps: each warp owns two 16-row slices (m_tiles = 2); block_n = 32.
-    config = MmaForwardConfig("float16", 16, True, block_m=64, block_n=32, num_warps=2, skip_rescale=skip_rescale,
+    config = MmaForwardConfig("float16", 16, WINDOW, block_m=64, block_n=32, num_warps=2, skip_rescale=skip_rescale,
                               q_in_registers=q_in_registers)
     check(config, seqlen_q=40, seqlen_k=40)
 
@@ -123,18 +148,18 @@ def test_two_slices_per_warp(skip_rescale, q_in_registers):
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(40, 37), (25, 40)])
 def test_sub_tiles(seqlen_q, seqlen_k):
     # K/V tiles of 32 keys consumed 16 at a time; 4 warps, so warps skip sub-tiles past their diagonal.
-    config = MmaForwardConfig("float16", 16, True, block_m=64, block_n=32, num_warps=4, sub_n=16)
+    config = MmaForwardConfig("float16", 16, WINDOW, block_m=64, block_n=32, num_warps=4, sub_n=16)
     check(config, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=1, nheads_k=1)
 
 
 @pytest.mark.parametrize("headdim", [59, 8])
 def test_unaligned_path(headdim):
     # Element-wise loads: headdim not a multiple of 8, rows not 16-byte aligned.
-    check(MmaForwardConfig("float16", headdim, True, aligned=False, **SMALL), seqlen_q=21, seqlen_k=26)
+    check(MmaForwardConfig("float16", headdim, WINDOW, aligned=False, **SMALL), seqlen_q=21, seqlen_k=26)
 
 
 @pytest.mark.parametrize("aligned, row_pad", [(True, 8), (False, 3)])
 def test_strided_inputs(aligned, row_pad):
     # Padded rows: strides of dims 0-2 not the packed ones (still 16-byte multiples when aligned).
-    check(MmaForwardConfig("float16", 16, False, aligned=aligned, **SMALL), seqlen_q=19, seqlen_k=23,
+    check(MmaForwardConfig("float16", 16, PLAIN, aligned=aligned, **SMALL), seqlen_q=19, seqlen_k=23,
           row_pad=row_pad)

@@ -78,3 +78,18 @@ def test_launch_config_matches_cuda_h():
     offsets = [getattr(config, name).offset for name, _ in config._fields_]
     assert offsets == [0, 4, 8, 12, 16, 20, 24, 32, 40, 48]
     assert ctypes.sizeof(config) == 56
+
+
+def test_params_tuple_flattens_into_int32_scalars():
+    """A variant's params tuple (int32 window sizes) follows the float32 scale, each scalar in an
+    8-byte slot, as Numba flattens tuple arguments."""
+    signature = "void(float16[:,:,:,:], float32[:,:,::1], float32, Tuple((int32, int32)))"
+    fields, offsets = launch._parameter_layout(signature)
+    assert fields.endswith("f4xi4xi4x") and len(offsets) == 13 + 11 + 3
+    parameters = launch.ParameterBuffer(signature)
+    arrays = [fake_array((2, 5, 3, 8), 2, 0x1000), fake_array((2, 3, 5), 4, 0x3000)]
+    parameters.write(arrays, (0.5, 7, -3))
+    assert struct.unpack(fields, bytes(parameters.buffer))[-3:] == (0.5, 7, -3)
+    parameters.write(arrays, (0.25, 100, 0))  # same layout: only pointers and scalars rewritten
+    assert struct.unpack(fields, bytes(parameters.buffer))[-3:] == (0.25, 100, 0)
+    assert launch._flat_arguments("void(float32[::1], float32, Tuple(()))") == [1, "float32"]

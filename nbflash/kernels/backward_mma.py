@@ -15,8 +15,8 @@ Two kernels, picked by ``MmaBackwardConfig.kernel``:
 ``dkdv``  grid (cdiv(seqlen_k, block_n), nheads_k, batch); block = 32 * num_warps threads, and
           block_n = 16 * num_warps: warp w owns keys [16 w, 16 w + 16) of the block's tile K_j, V_j.
           The block loops over the query heads of its GQA group and, for each, over the query tiles
-          Q_i (block_m rows) that see K_j (bottom-right causal: tiles wholly above the diagonal are
-          skipped, and only tiles crossing it, or the key tail, run the masked copy of the step)::
+          Q_i (block_m rows) that see K_j (geometry.py: tiles that see none of its keys are skipped,
+          and only tiles crossing the window's edges, or the key tail, run the masked copy)::
 
               S^T  = K_j Q_i^T,  dP^T = V_j dO_i^T             (mma.sync; C fragments, keys x queries)
               P^T  = exp2(S^T * scale_log2 - lse_log2[query]) (0 where masked or the row sees no key)
@@ -47,8 +47,9 @@ transpose from a tile stored [n][k] (K_j for S = Q K^T), with ``.trans`` from a 
 Memory: q, dout (batch, seqlen_q, nheads, headdim), k, v (batch, seqlen_k, nheads_k, headdim), any
 strides with the last dimension contiguous; float16 arrays, or uint16 arrays holding bfloat16 bits.
 lse, delta float32 (batch, nheads, seqlen_q); dq, dk, dv like q, k, v; dq_accum float32 like q. Query
-head h reads key/value head h // (nheads // nheads_k). Causal is bottom-right aligned: query i sees
-key j iff j <= i + seqlen_k - seqlen_q. A row with lse = -inf (it sees no key) is given lse = +inf,
+head h reads key/value head h // (nheads // nheads_k). Windows (causal is the window (-1, 0)) are
+bottom-right aligned, and the variant's runtime values arrive in ``params``
+(nbflash/kernels/variants.py). A row with lse = -inf (it sees no key) is given lse = +inf,
 so its P row is exp2(-inf) = 0 and its gradients are exactly 0, never NaN; rows past seqlen_q too.
 
 Shared memory (dynamic, 16-bit elements; rows of headdim zero-padded to a multiple of 16, plus 8
@@ -68,9 +69,10 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from numba import cuda, float32, uint16, uint32
+from numba import cuda, float32, int32, uint16, uint32
 from numba.types import float16
 
+from nbflash.problem import Variant
 from nbflash.primitives import (
     cp_async_16_from,
     cp_async_commit,
@@ -91,6 +93,8 @@ from nbflash.primitives import (
     unroll,
 )
 
+from . import variants
+
 LOG2E = math.log2(math.e)
 NEG_INF = float32(-math.inf)
 POS_INF = float32(math.inf)
@@ -105,7 +109,7 @@ class MmaBackwardConfig:
     kernel: str  # 'dkdv' or 'dq'
     dtype: str  # 'float16' or 'bfloat16'
     headdim: int  # 1 .. 256
-    causal: bool
+    variant: Variant = Variant()
     block_m: int = 64  # query rows per tile (dq: 16 * num_warps)
     block_n: int = 64  # keys per tile (dkdv: 16 * num_warps)
     num_warps: int = 4
@@ -242,7 +246,9 @@ def build_backward_mma(config: MmaBackwardConfig):
     BM, BN, HD = config.block_m, config.block_n, config.headdim
     HDP, ROW, DS_ROW = config.headdim_padded, config.row_elems, config.ds_row_elems
     WARPS, THREADS = config.num_warps, config.threads
-    CAUSAL, ATOMIC_DQ, ALIGNED, VECTOR_DQ = config.causal, config.atomic_dq, config.aligned, config.vector_dq
+    ATOMIC_DQ, ALIGNED, VECTOR_DQ = config.atomic_dq, config.aligned, config.vector_dq
+    hooks = variants.hooks(config.variant)
+    key_tiles, query_tiles, row_keys, hidden = hooks.key_tiles, hooks.query_tiles, hooks.row_keys, hooks.hidden
     CHUNKS = HDP // 8  # 16-byte chunks of a padded tile row (the aligned path's cp.async copies)
     ROW_BYTES, DS_ROW_BYTES = ROW * 2, DS_ROW * 2
     KT = HDP // 16  # k-steps over headdim (S, dP)
@@ -348,20 +354,21 @@ def build_backward_mma(config: MmaBackwardConfig):
 
     @inline_device
     @unroll
-    def softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_k, diagonal, scale_log2, g, t, masked):
+    def softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, scale_log2, g, t,
+                       masked):
         """S^T -> P^T and dP^T -> dS^T = P^T * (dP^T - D), in place. ``key0`` is the warp's first
-        key; masked entries (keys past seqlen_k, or, causal, right of a query's diagonal
-        ``query + diagonal``) get P = dS = 0. `masked` is a constant at each call site."""
+        key; masked entries (keys past seqlen_k, or outside a query's window) get P = dS = 0.
+        `masked` is a constant at each call site."""
         for nt in static_range(QNT):
             for e in static_range(2):
                 c = nt * 8 + 2 * t + e  # the query column, within the tile
                 lse_c = lse_s[c]
                 d_c = d_s[c]
+                lo, hi = row_keys(q_start + c, seqlen_q, seqlen_k, params)  # used by the masked copy
                 for r in static_range(2):
                     p = exp2_approx(s[nt, 2 * r + e] * scale_log2 - lse_c)
                     if masked:
-                        key = key0 + g + 8 * r
-                        if key >= seqlen_k or (CAUSAL and key > q_start + c + diagonal):
+                        if hidden(key0 + g + 8 * r, lo, hi):
                             p = float32(0)
                     s[nt, 2 * r + e] = p
                     dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] - d_c)
@@ -473,7 +480,7 @@ def build_backward_mma(config: MmaBackwardConfig):
 
     @cuda.jit
     @unroll
-    def backward_dkdv_mma(q, k, v, dout, lse, delta, dk, dv, dq_accum, scale_log2, scale):
+    def backward_dkdv_mma(q, k, v, dout, lse, delta, dk, dv, dq_accum, scale_log2, scale, params):
         # dq_accum is only touched with ATOMIC_DQ; otherwise the caller passes any array.
         n_block, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         tid = cuda.threadIdx.x
@@ -481,7 +488,6 @@ def build_backward_mma(config: MmaBackwardConfig):
         g, t = lane >> 2, lane & 3
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         group = q.shape[2] // k.shape[2]  # GQA: query heads hk * group ... share this K/V tile
-        diagonal = seqlen_k - seqlen_q  # causal: query i sees keys up to i + diagonal
         n_start = n_block * BN
         key0 = n_start + warp * 16  # the warp's first key
 
@@ -503,15 +509,10 @@ def build_backward_mma(config: MmaBackwardConfig):
         do_tile = base + uint32(DO_TILE * 2)
         ds_t = base + uint32(DS_TILE * 2)
 
-        # ---- Which query tiles see this key tile ----
-        # Non-causal: all. Causal: none before the first query that sees key n_start; from the first
-        # query that sees the tile's last key on, no causal mask. The key tail always masks.
-        num_q_tiles = (seqlen_q + BM - 1) // BM
-        first_tile = 0
-        first_unmasked_tile = 0
-        if CAUSAL:
-            first_tile = max(0, n_start - diagonal) // BM
-            first_unmasked_tile = (max(0, n_start + BN - 1 - diagonal) + BM - 1) // BM
+        # ---- Which query tiles see this key tile (geometry.py): [first_tile, end_tile), of which
+        # [first_full, end_full) see all of its keys. The key tail always masks.
+        first_tile, first_full, end_full, end_tile = query_tiles(
+            n_start, min(n_start + BN, seqlen_k), seqlen_q, seqlen_k, params, BM)
         tail = n_start + BN > seqlen_k
 
         # ---- K_j, V_j once; dK_j, dV_j accumulators in registers ----
@@ -532,7 +533,7 @@ def build_backward_mma(config: MmaBackwardConfig):
         # registers, a row per thread) are requested during the step before, as soon as that step's
         # dK/dV products are done with the shared Q and dO tiles: the copies land while the block
         # works on the dQ atomics.
-        tiles_per_head = num_q_tiles - first_tile
+        tiles_per_head = end_tile - first_tile
         steps = group * tiles_per_head
         lse_next, d_next = float32(0), float32(0)
         if steps > 0:
@@ -559,12 +560,12 @@ def build_backward_mma(config: MmaBackwardConfig):
             mma_keys_by_queries(s, k_warp, a_lane, q_tile, b_lane)
             mma_keys_by_queries(dp, v_warp, a_lane, do_tile, b_lane)
 
-            # P^T and dS^T; the mask only on tiles crossing the diagonal or the key tail
-            if tail or (CAUSAL and i < first_unmasked_tile):
-                softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_k, diagonal, scale_log2,
+            # P^T and dS^T; the mask only on tiles crossing the window's edges or the key tail
+            if tail or i < first_full or i >= end_full:
+                softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, scale_log2,
                                g, t, True)
             else:
-                softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_k, diagonal, scale_log2,
+                softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, scale_log2,
                                g, t, False)
 
             # dV_j += P^T dO_i and dK_j += dS^T Q_i
@@ -609,32 +610,27 @@ def build_backward_mma(config: MmaBackwardConfig):
 
     @inline_device
     @unroll
-    def softmax_grad(s, dp, lse_row, d_row, first_row, n_start, seqlen_k, diagonal, scale_log2, g, t,
-                     masked):
+    def softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, n_start, scale_log2, g, t, masked):
         """dP -> dS = P * (dP - D) in place, P = exp2(S * scale_log2 - lse_log2) of the lane's rows
-        g and g + 8; 0 for keys past seqlen_k or (causal) right of the row's diagonal."""
+        g and g + 8 (which see the keys key_lo[r] <= key < key_hi[r]); 0 for the other keys."""
         for r in static_range(2):
-            last_key = seqlen_k - 1
-            if CAUSAL:
-                last_key = min(last_key, first_row + g + 8 * r + diagonal)
             for nt in static_range(KNT):
                 for e in static_range(2):
                     p = exp2_approx(s[nt, 2 * r + e] * scale_log2 - lse_row[r])
                     if masked:
-                        if n_start + nt * 8 + 2 * t + e > last_key:
+                        if hidden(n_start + nt * 8 + 2 * t + e, key_lo[r], key_hi[r]):
                             p = float32(0)
                     dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] - d_row[r])
 
     @cuda.jit
     @unroll
-    def backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, scale):
+    def backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, scale, params):
         m_block, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         hk = h // (q.shape[2] // k.shape[2])  # GQA: the key/value head this query head reads
-        diagonal = seqlen_k - seqlen_q
         q_start = m_block * BM
         first_row = q_start + warp * 16  # the warp's first query row
 
@@ -647,22 +643,22 @@ def build_backward_mma(config: MmaBackwardConfig):
         k_tile = base + uint32(K_TILE_Q * 2)
         v_tile = base + uint32(V_TILE_Q * 2)
 
-        # lse_log2 and D of the lane's two rows, g and g + 8
+        # lse_log2, D and the visible keys [key_lo, key_hi) of the lane's two rows, g and g + 8
         lse_row = cuda.local.array(2, float32)
         d_row = cuda.local.array(2, float32)
+        key_lo = cuda.local.array(2, int32)
+        key_hi = cuda.local.array(2, int32)
         for r in static_range(2):
             row = first_row + g + 8 * r
             lse_row[r] = lse_log2(lse, b, h, row, seqlen_q)
             d_row[r] = delta[b, h, row] if row < seqlen_q else float32(0)
+            lo, hi = row_keys(row, seqlen_q, seqlen_k, params)
+            key_lo[r] = lo
+            key_hi[r] = hi
 
-        # ---- Which key tiles this query tile visits (as in the forward) ----
-        n_end = seqlen_k
-        n_unmasked_end = seqlen_k
-        if CAUSAL:
-            n_end = max(0, min(seqlen_k, q_start + BM + diagonal))
-            n_unmasked_end = max(0, min(seqlen_k, q_start + 1 + diagonal))
-        n_tiles = (n_end + BN - 1) // BN
-        n_unmasked = n_unmasked_end // BN
+        # ---- Which key tiles this query tile visits (geometry.py, as in the forward) ----
+        first_tile, first_full, end_full, end_tile = key_tiles(
+            q_start, min(q_start + BM, seqlen_q), seqlen_q, seqlen_k, params, BN)
 
         # ---- Q_i, dO_i once; dQ_i in registers ----
         load_tile(smem, Q_TILE_Q, q, b, q_start, h, seqlen_q - q_start, BM)
@@ -674,7 +670,7 @@ def build_backward_mma(config: MmaBackwardConfig):
         dp = cuda.local.array((KNT, 4), float32)  # dP, then dS
 
         # ---- Loop over K_j, V_j ----
-        for j in range(n_tiles):
+        for j in range(first_tile, end_tile):
             n_start = j * BN
             cuda.syncthreads()  # every warp is done with K_{j-1}, V_{j-1}
             load_tile(smem, K_TILE_Q, k, b, n_start, hk, seqlen_k - n_start, BN)
@@ -686,13 +682,11 @@ def build_backward_mma(config: MmaBackwardConfig):
             mma_queries_by_keys(s, q_warp, a_lane, k_tile, b_lane)
             mma_queries_by_keys(dp, do_warp, a_lane, v_tile, b_lane)
 
-            # dS = P * (dP - D); the mask only on tiles crossing the diagonal or the key tail
-            if j < n_unmasked:
-                softmax_grad(s, dp, lse_row, d_row, first_row, n_start, seqlen_k, diagonal, scale_log2,
-                             g, t, False)
+            # dS = P * (dP - D); the mask only on tiles crossing the window's edges or the key tail
+            if first_full <= j and j < end_full:
+                softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, n_start, scale_log2, g, t, False)
             else:
-                softmax_grad(s, dp, lse_row, d_row, first_row, n_start, seqlen_k, diagonal, scale_log2,
-                             g, t, True)
+                softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, n_start, scale_log2, g, t, True)
 
             # dQ_i += dS K_j
             mma_queries_acc(dq_acc, dp, k_tile, a_lane)

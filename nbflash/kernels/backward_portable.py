@@ -41,16 +41,16 @@ Shared memory of ``dkdv`` (float32, rows padded by one word against bank conflic
 
 and of ``dq``: Q_s, dO_s, K_s, V_s as above and dS_s (BLOCK_M, BLOCK_N + 1).
 
-Causal attention is aligned to the bottom-right corner: query i sees key j iff
-``j <= i + seqlen_k - seqlen_q``; tile pairs wholly above the diagonal are never visited and those wholly
-below it skip the mask test. A query row that sees no key has ``lse = -inf`` from the forward; it is
+Which keys a query sees is the variant's window (causal is the window (-1, 0)), and
+nbflash/kernels/geometry.py says which tile pairs that leaves: pairs with nothing visible are never
+visited, and pairs seen whole skip the mask test. A query row that sees no key has ``lse = -inf`` from the forward; it is
 loaded as ``+inf`` so that its P row is exp2(-inf) = 0 and its gradients are exactly 0 (never NaN).
 Query rows past seqlen_q are loaded the same way (Q, dO and D as 0), so they need no mask either.
 
 Arguments: ``q``, ``dout`` (batch, seqlen_q, nheads, headdim), ``k``, ``v`` (batch, seqlen_k, nheads_k,
 headdim), any strides; ``lse``, ``delta`` float32 (batch, nheads, seqlen_q); ``dq``, ``dk``, ``dv`` like
 q, k, v; ``dq_accum`` float32 like q; ``scale_log2`` the softmax scale times log2(e), ``scale`` the
-softmax scale. bfloat16 tensors arrive as uint16 arrays of raw bits.
+softmax scale; ``params`` the variant's runtime values (nbflash/kernels/variants.py). bfloat16 tensors arrive as uint16 arrays of raw bits.
 """
 
 import math
@@ -59,6 +59,9 @@ from functools import lru_cache
 
 from numba import cuda, float32
 
+from nbflash.problem import Variant
+
+from . import variants
 from .tiles import element_io, tile_loader
 
 LOG2E = math.log2(math.e)
@@ -75,7 +78,7 @@ class PortableBackwardConfig:
     kernel: str  # one of KERNELS
     dtype: str  # 'float16', 'bfloat16' or 'float32'
     headdim: int
-    causal: bool
+    variant: Variant
     block_m: int  # query rows per tile
     block_n: int  # key/value rows per tile
     threads_per_row: int
@@ -120,7 +123,8 @@ def build_backward_portable(config):
     if config.kernel not in KERNELS:
         raise ValueError(f"config.kernel={config.kernel!r} is not one of {KERNELS}")
     HEADDIM = config.headdim
-    CAUSAL = config.causal
+    hooks = variants.hooks(config.variant)
+    key_tiles, query_tiles, row_keys, hidden = hooks.key_tiles, hooks.query_tiles, hooks.row_keys, hooks.hidden
     BLOCK_M = config.block_m
     BLOCK_N = config.block_n
     THREADS_PER_ROW = config.threads_per_row
@@ -208,18 +212,19 @@ def build_backward_portable(config):
 
     @cuda.jit(device=True, inline=True)
     def probabilities_column(Q_s, dO_s, K_s, V_s, P_s, dS_s, lse_s, D_s, row, lane, k_idx, q_start,
-                             seqlen_k, offset, scale_log2, masked):
+                             seqlen_q, seqlen_k, params, scale_log2, masked):
         """P_s[row, c] = P[c, row] and dS_s[row, c] = dS[c, row] for this thread's query columns c.
 
-        ``row`` is a key row of the tile (key ``k_idx``); ``offset = seqlen_k - seqlen_q``. Masked
-        entries (keys past seqlen_k, keys after the causal diagonal) get P = dS = 0.
+        ``row`` is a key row of the tile (key ``k_idx``). Masked entries (keys past seqlen_k, keys
+        outside the query's window) get P = dS = 0.
         """
         for i in range(BLOCK_M // THREADS_PER_ROW):
             c = lane + i * THREADS_PER_ROW
             s, dp = dot_pair(Q_s, c, K_s, row, dO_s, c, V_s, row)
             p = math.exp2(s * scale_log2 - lse_s[c])
             if masked:
-                if k_idx >= seqlen_k or (CAUSAL and k_idx > q_start + c + offset):
+                lo, hi = row_keys(q_start + c, seqlen_q, seqlen_k, params)
+                if hidden(k_idx, lo, hi):
                     p = float32(0.0)
             P_s[row, c] = p
             dS_s[row, c] = p * (dp - D_s[c])
@@ -252,7 +257,7 @@ def build_backward_portable(config):
                 cuda.atomic.add(dq_accum, (batch, q_start + c, head, d), acc)
 
     @cuda.jit(cache=True)  # compiled code is kept on disk (per config) across processes
-    def backward_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_accum, scale_log2, scale):
+    def backward_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_accum, scale_log2, scale, params):
         # dq_accum is only touched with ATOMIC_DQ; otherwise the caller passes any array.
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
@@ -261,7 +266,6 @@ def build_backward_portable(config):
         group = q.shape[2] // k.shape[2]  # GQA: the query heads head_k * group ... share this tile
         row = cuda.threadIdx.x // THREADS_PER_ROW
         lane = cuda.threadIdx.x % THREADS_PER_ROW
-        offset = seqlen_k - seqlen_q
 
         k_start = cuda.blockIdx.x * BLOCK_N
         k_rows = min(BLOCK_N, seqlen_k - k_start)
@@ -280,16 +284,11 @@ def build_backward_portable(config):
         zero(dk_acc)
         zero(dv_acc)
 
-        # ---- Which query tiles see this key tile -------------------------------------------------
-        # Non-causal: all of them. Causal: none before the first query that sees key k_start; and
-        # tiles from the first query that sees the tile's last key on need no causal mask. The
-        # last key tile always masks its rows past seqlen_k.
-        num_q_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M
-        first_tile = 0
-        first_unmasked_tile = 0
-        if CAUSAL:
-            first_tile = max(0, k_start - offset) // BLOCK_M
-            first_unmasked_tile = (max(0, k_start + k_rows - 1 - offset) + BLOCK_M - 1) // BLOCK_M
+        # ---- Which query tiles see this key tile (geometry.py) ----------------------------------
+        # Tiles [first_tile, end_tile) hold a query that sees one of its keys; [first_full,
+        # end_full) see all of them. The last key tile always masks its rows past seqlen_k.
+        first_tile, first_full, end_full, end_tile = query_tiles(
+            k_start, k_start + k_rows, seqlen_q, seqlen_k, params, BLOCK_M)
         tail = k_rows < BLOCK_N
 
         # ---- Load K_j, V_j once -------------------------------------------------------------------
@@ -298,7 +297,7 @@ def build_backward_portable(config):
 
         # ---- Loop over the query heads of the group, and over their Q_i, dO_i -------------------
         for head in range(head_k * group, head_k * group + group):
-            for i in range(first_tile, num_q_tiles):
+            for i in range(first_tile, end_tile):
                 q_start = i * BLOCK_M
                 q_rows = min(BLOCK_M, seqlen_q - q_start)
                 load_tile(q, batch, q_start, head, q_rows, Q_s, float32(1.0))
@@ -308,9 +307,9 @@ def build_backward_portable(config):
                     D_s[c] = delta[batch, head, q_start + c] if c < q_rows else float32(0.0)
                 cuda.syncthreads()  # Q_i, dO_i, lse, D (and K_j, V_j on the first pass) have landed
 
-                masked = tail or (CAUSAL and i < first_unmasked_tile)
+                masked = tail or i < first_full or i >= end_full
                 probabilities_column(Q_s, dO_s, K_s, V_s, P_s, dS_s, lse_s, D_s, row, lane, k_idx,
-                                     q_start, seqlen_k, offset, scale_log2, masked)
+                                     q_start, seqlen_q, seqlen_k, params, scale_log2, masked)
                 cuda.syncthreads()  # P^T and dS^T rows, written by all their threads, are complete
 
                 accumulate_dkdv(P_s, dS_s, Q_s, dO_s, row, lane, dk_acc, dv_acc)
@@ -328,16 +327,17 @@ def build_backward_portable(config):
     # ------------------------------------------------------------------------------------------
 
     @cuda.jit(device=True, inline=True)
-    def ds_row(Q_s, dO_s, K_s, V_s, dS_s, row, lane, k_start, seqlen_k, diagonal, lse_row, delta_row,
+    def ds_row(Q_s, dO_s, K_s, V_s, dS_s, row, lane, k_start, key_lo, key_hi, lse_row, delta_row,
                scale_log2, masked):
-        """dS_s[row, c] = P * (dP - D) for this thread's key columns c; 0 where masked."""
+        """dS_s[row, c] = P * (dP - D) for this thread's key columns c; 0 where masked (the row sees
+        the keys key_lo <= key < key_hi)."""
         for i in range(BLOCK_N // THREADS_PER_ROW):
             c = lane + i * THREADS_PER_ROW
             s, dp = dot_pair(Q_s, row, K_s, c, dO_s, row, V_s, c)
             p = math.exp2(s * scale_log2 - lse_row)
             if masked:
                 k_idx = k_start + c
-                if k_idx >= seqlen_k or (CAUSAL and k_idx > diagonal):
+                if hidden(k_idx, key_lo, key_hi):
                     p = float32(0.0)
             dS_s[row, c] = p * (dp - delta_row)
 
@@ -352,7 +352,7 @@ def build_backward_portable(config):
                     dq_acc[f] += ds * K_s[c, d]
 
     @cuda.jit(cache=True)  # compiled code is kept on disk (per config) across processes
-    def backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, scale):
+    def backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, scale, params):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         head = cuda.blockIdx.y
@@ -364,7 +364,7 @@ def build_backward_portable(config):
         q_start = cuda.blockIdx.x * BLOCK_M
         q_idx = q_start + row
         q_rows = min(BLOCK_M, seqlen_q - q_start)
-        diagonal = q_idx + seqlen_k - seqlen_q  # last key this row sees under causal attention
+        key_lo, key_hi = row_keys(q_idx, seqlen_q, seqlen_k, params)  # the keys this row sees
         lse_row = lse_log2(lse, batch, head, q_idx, seqlen_q)
         delta_row = delta[batch, head, q_idx] if q_idx < seqlen_q else float32(0.0)
 
@@ -376,29 +376,24 @@ def build_backward_portable(config):
         dq_acc = cuda.local.array(FEATURES_PER_THREAD, float32)
         zero(dq_acc)
 
-        # ---- Which key tiles this query tile visits (as in the forward) --------------------------
-        k_end = seqlen_k
-        k_unmasked_end = seqlen_k
-        if CAUSAL:
-            k_end = max(0, min(seqlen_k, q_start + q_rows + seqlen_k - seqlen_q))
-            k_unmasked_end = max(0, min(seqlen_k, q_start + 1 + seqlen_k - seqlen_q))
-        num_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
-        num_unmasked_tiles = k_unmasked_end // BLOCK_N
+        # ---- Which key tiles this query tile visits (geometry.py, as in the forward) ------------
+        first_tile, first_full, end_full, end_tile = key_tiles(
+            q_start, q_start + q_rows, seqlen_q, seqlen_k, params, BLOCK_N)
 
         # ---- Load Q_i, dO_i once -----------------------------------------------------------------
         load_tile(q, batch, q_start, head, q_rows, Q_s, float32(1.0))
         load_tile(dout, batch, q_start, head, q_rows, dO_s, float32(1.0))
 
         # ---- Loop over K_j, V_j ------------------------------------------------------------------
-        for j in range(num_tiles):
+        for j in range(first_tile, end_tile):
             k_start = j * BLOCK_N
             k_rows = min(BLOCK_N, seqlen_k - k_start)
             load_tile(k, batch, k_start, head_k, k_rows, K_s, float32(1.0))
             load_tile(v, batch, k_start, head_k, k_rows, V_s, float32(1.0))
             cuda.syncthreads()  # K_j, V_j (and Q_i, dO_i on the first pass) are in shared memory
 
-            masked = j >= num_unmasked_tiles
-            ds_row(Q_s, dO_s, K_s, V_s, dS_s, row, lane, k_start, seqlen_k, diagonal, lse_row,
+            masked = j < first_full or j >= end_full
+            ds_row(Q_s, dO_s, K_s, V_s, dS_s, row, lane, k_start, key_lo, key_hi, lse_row,
                    delta_row, scale_log2, masked)
             cuda.syncthreads()  # the row's dS, written by all its threads, is complete
 

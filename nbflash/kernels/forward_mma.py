@@ -6,7 +6,7 @@ The algorithm is the paper's Algorithm 1 (Dao, 2023), with the work split as in 
         m_i = -inf, l_i = 0, acc = 0                                  (registers)
         for each block of block_n keys K_j, V_j (double-buffered in shared memory, cp.async):
             S    = Q_i K_j^T                                          (mma.sync, registers)
-            S    = mask(S)                    only on tiles that cross the causal diagonal or the tail
+            S    = mask(S)                    only on tiles that cross the window's edges or the tail
             m_new = max(m_i, rowmax(S));  alpha = exp2((m_i - m_new) * scale_log2)
             P    = exp2(S * scale_log2 - m_new * scale_log2)          (registers, then packed to 16 bit)
             l_i  = alpha * l_i + rowsum(P);   acc = alpha * acc + P V_j   (mma.sync)
@@ -17,8 +17,15 @@ Pipeline: one barrier per K/V tile. Tile j + 1 is fetched with cp.async right af
 makes tile j visible (that barrier also proves every warp has left tile j - 1, whose buffer the
 fetch overwrites). A tile is consumed sub_n keys at a time (the S register tile). Tiles that every
 row of the block sees whole run a copy of the tile step with no masking code; the others (causal
-diagonal, sequence tail) run the masked copy, where each warp also skips the keys right of its own
-diagonal. Under causal, blockIdx.x is reversed so the query blocks with the most keys start first.
+diagonal, sequence tail) run the masked copy, where each warp also skips the keys its own rows cannot
+see. With a window (causal is the window (-1, 0)), blockIdx.x is reversed so that the query blocks
+with the most keys start first.
+
+Variants (nbflash/kernels/variants.py): the window's sizes arrive in ``params`` and the visible key
+ranges and tile segments come from nbflash/kernels/geometry.py, as in every kernel. The softmax
+scale is folded into the exponent (one FFMA per score, on the unscaled max) when it is positive;
+otherwise (``fold_scale=False``) the scores are scaled first, since the max of s * scale is then not
+the scaled max.
 
 Grid and threads: grid = (ceil(seqlen_q / block_m), nheads, batch); block = 32 * num_warps threads.
 Warp w owns query rows [w * rows_per_warp, (w + 1) * rows_per_warp) of the block's tile, in m_tiles
@@ -30,8 +37,8 @@ the 4 lanes of a quad, and the S accumulator turns into the A operand of P V wit
 Memory: q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_k, headdim), any
 strides with the last dimension contiguous; float16 arrays, or uint16 arrays holding bfloat16 bits.
 out like q; lse float32 (batch, nheads, seqlen_q), natural log. Query head h reads key/value head
-h // (nheads // nheads_k). Causal is bottom-right aligned: query i sees key j iff
-j <= i + seqlen_k - seqlen_q; a row that sees no key gets out = 0 and lse = -inf.
+h // (nheads // nheads_k). Windows (and causal) are bottom-right aligned (geometry.py draws them); a
+row that sees no key gets out = 0 and lse = -inf.
 
 Shared memory (dynamic, 16-bit elements): the Q tile (block_m rows), then two K tiles and two V tiles
 (block_n rows each). A row holds headdim zero-padded to a multiple of 16 (the mma k-step), plus 8
@@ -52,6 +59,7 @@ from functools import lru_cache
 from numba import cuda, float32, uint16, uint32
 from numba.types import float16
 
+from nbflash.problem import Variant
 from nbflash.primitives import (
     cp_async_16_from,
     cp_async_commit,
@@ -73,6 +81,8 @@ from nbflash.primitives import (
     unroll,
 )
 
+from . import variants
+
 LN2 = math.log(2.0)
 
 
@@ -82,7 +92,7 @@ class MmaForwardConfig:
 
     dtype: str  # 'float16' or 'bfloat16'
     headdim: int  # 1 .. 256
-    causal: bool
+    variant: Variant = Variant()
     block_m: int = 128  # query rows per thread block
     block_n: int = 64  # keys per K/V tile
     num_warps: int = 8  # block_m must be a multiple of 16 * num_warps
@@ -93,6 +103,7 @@ class MmaForwardConfig:
     q_in_registers: bool | None = None
     sub_n: int = 0  # keys per S register tile (a divisor of block_n, multiple of 16); 0: block_n
     skip_rescale: bool = False  # branch around acc *= alpha when a row's max did not change
+    fold_scale: bool = True  # the scale is positive: fold it into exp2 (see the module docstring)
 
     def __post_init__(self):
         if self.dtype not in ("float16", "bfloat16"):
@@ -160,8 +171,10 @@ def build_forward_mma(config: MmaForwardConfig):
     NT = SUB_N // 8  # 8-key column tiles of S
     PT = SUB_N // 16  # k-steps of O += P V (over keys)
     DT = HDP // 8  # 8-column tiles of O (over headdim)
-    CAUSAL, ALIGNED, Q_IN_REGISTERS = config.causal, config.aligned, config.use_q_registers
-    SKIP_RESCALE = config.skip_rescale
+    ALIGNED, Q_IN_REGISTERS = config.aligned, config.use_q_registers
+    SKIP_RESCALE, FOLD_SCALE = config.skip_rescale, config.fold_scale
+    hooks = variants.hooks(config.variant)
+    WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
     ROW_BYTES = ROW * 2
     Q_BYTES, KV_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
     CHUNKS = HDP // 8  # 16-byte chunks per row
@@ -281,17 +294,23 @@ def build_forward_mma(config: MmaForwardConfig):
 
     @inline_device
     @unroll
-    def mask_scores(s, first_row, n_start, seqlen_k, seqlen_q, g, t):
-        """-inf where the key is past the end, or (causal) right of the row's diagonal."""
+    def scale_scores(s, scale_log2):
+        """S *= scale * log2(e): scores in the exponent's units before the max (fold_scale=False)."""
+        for mt in static_range(MT):
+            for nt in static_range(NT):
+                for i in static_range(4):
+                    s[mt, nt, i] *= scale_log2
+
+    @inline_device
+    @unroll
+    def mask_scores(s, first_row, n_start, seqlen_q, seqlen_k, params, g, t):
+        """-inf where the row does not see the key: past the end, or outside its window."""
         for mt in static_range(MT):
             for r in static_range(2):
-                row = first_row + mt * 16 + g + 8 * r
-                last_key = seqlen_k - 1
-                if CAUSAL:
-                    last_key = min(last_key, row + seqlen_k - seqlen_q)
+                lo, hi = row_keys(first_row + mt * 16 + g + 8 * r, seqlen_q, seqlen_k, params)
                 for nt in static_range(NT):
                     for e in static_range(2):
-                        if n_start + nt * 8 + 2 * t + e > last_key:
+                        if hidden(n_start + nt * 8 + 2 * t + e, lo, hi):
                             s[mt, nt, 2 * r + e] = NEG_INF
 
     @inline_device
@@ -377,38 +396,38 @@ def build_forward_mma(config: MmaForwardConfig):
     @inline_device
     @unroll
     def attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
-                    scale_log2, n_start, first_row, seqlen_q, seqlen_k, g, t, masked):
+                    scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, g, t, masked):
         """One K/V tile into the warp's running (m_i, l_i, acc), SUB_N keys at a time (S lives in
         registers, SUB_N columns wide). `masked` is a constant at each call site: the unmasked copy
         has no masking code for the compiler to predicate into every tile."""
-        diagonal = seqlen_k - seqlen_q  # causal: row i sees keys up to i + diagonal
+        # The keys some row of this warp sees [warp_lo, warp_hi), and those all its rows see
+        # [full_lo, full_hi) (without a window: 0 and seqlen_k).
+        warp_lo, full_hi = row_keys(first_row, seqlen_q, seqlen_k, params)
+        full_lo, warp_hi = row_keys(first_row + ROWS_PER_WARP - 1, seqlen_q, seqlen_k, params)
         for sub in static_range(BN // SUB_N):
             sub_start = n_start + sub * SUB_N
-            sub_last = sub_start + SUB_N - 1
-            # Skip keys this warp's rows cannot see: past the end, or (causal) right of the
-            # diagonal of its last row. Warp-uniform, so the warp's collectives stay together.
+            sub_end = sub_start + SUB_N
+            # Skip keys none of this warp's rows sees. Warp-uniform, so the warp's collectives
+            # stay together.
             visible = True
             if masked:
-                visible = sub_start < seqlen_k
-                if CAUSAL:
-                    visible = visible and sub_start <= first_row + ROWS_PER_WARP - 1 + diagonal
+                visible = sub_start < warp_hi and sub_end > warp_lo
             if visible:
                 k_sub = k_tile + uint32(sub * SUB_N * ROW_BYTES)
                 v_sub = v_tile + uint32(sub * SUB_N * ROW_BYTES)
 
-                # S = Q_i K_j^T
+                # S = Q_i K_j^T (in the exponent's units, if the scale is not folded into exp2)
                 mma_q_kt(s, q_frag, q_warp, q_lane, k_sub, k_lane)
+                if not FOLD_SCALE:
+                    scale_scores(s, scale_log2)
 
-                # Mask where keys run past the end or (causal) cross the warp's diagonal.
+                # Mask where some row of the warp does not see every key of the sub-tile.
                 if masked:
-                    needs_mask = sub_last >= seqlen_k
-                    if CAUSAL:
-                        needs_mask = needs_mask or sub_last > first_row + diagonal
-                    if needs_mask:
-                        mask_scores(s, first_row, sub_start, seqlen_k, seqlen_q, g, t)
+                    if sub_end > full_hi or sub_start < full_lo:
+                        mask_scores(s, first_row, sub_start, seqlen_q, seqlen_k, params, g, t)
 
                 # m_i, l_i, acc rescaled; S becomes P
-                online_softmax(s, m_i, l_i, acc, scale_log2)
+                online_softmax(s, m_i, l_i, acc, softmax_log2)
 
                 # acc += P V_j
                 mma_p_v(acc, s, v_sub, v_lane)
@@ -419,9 +438,9 @@ def build_forward_mma(config: MmaForwardConfig):
 
     @cuda.jit
     @unroll
-    def forward_mma(q, k, v, out, lse, scale_log2):
+    def forward_mma(q, k, v, out, lse, scale_log2, params):
         m_block, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        if CAUSAL:  # the last query blocks see the most keys: start them first
+        if WINDOW:  # the last query blocks see the most keys (causal): start them first
             m_block = cuda.gridDim.x - 1 - m_block
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
@@ -435,17 +454,17 @@ def build_forward_mma(config: MmaForwardConfig):
         smem = cuda.shared.array(0, ELEM)
         base = shared_address(smem)
 
-        # ---- Which key tiles this block visits: all, or (causal) those left of the diagonal ----
-        n_end = seqlen_k
-        if CAUSAL:
-            n_end = min(seqlen_k, m_start + BM + seqlen_k - seqlen_q)
-        n_tiles = (n_end + BN - 1) // BN if n_end > 0 else 0
+        # ---- Which key tiles this block visits (geometry.py): tiles [first_tile, end_tile), of
+        # which [first_full, end_full) every row sees whole and the others are masked ----
+        first_tile, first_full, end_full, end_tile = key_tiles(
+            m_start, min(m_start + BM, seqlen_q), seqlen_q, seqlen_k, params, BN)
+        softmax_log2 = scale_log2 if FOLD_SCALE else float32(1)  # what multiplies S in exp2
 
         # ---- Prologue: Q_i and the first K/V tile in flight; Q_i into registers ----
         load_q_tile(smem, base, q, b, m_start, h, seqlen_q)
         cp_async_commit()
-        if n_tiles > 0:
-            load_kv_tiles(smem, base, k, v, b, 0, hk, seqlen_k, 0)
+        if end_tile > first_tile:
+            load_kv_tiles(smem, base, k, v, b, first_tile * BN, hk, seqlen_k, 0)
         cp_async_commit()
         cp_async_wait(1)  # this thread's Q copies have landed (the K/V group may be in flight)
         cuda.syncthreads()  # ... and every other thread's, before ldmatrix reads the Q tile
@@ -473,33 +492,30 @@ def build_forward_mma(config: MmaForwardConfig):
                     acc[mt, dt, i] = float32(0)
 
         # ---- Main loop over key tiles K_j, V_j ----
-        # The first n_unmasked tiles lie wholly inside the sequence and (causal) left of the
-        # diagonal of the block's first row.
-        n_unmasked = seqlen_k // BN
-        if CAUSAL:
-            n_unmasked = min(n_unmasked, max(0, (m_start + seqlen_k - seqlen_q + 1) // BN))
-        for j in range(n_tiles):
-            buf = j & 1
+        for j in range(first_tile, end_tile):
+            buf = (j - first_tile) & 1
             n_start = j * BN
             cp_async_wait(0)  # this thread's copies of tile j (the only group in flight) have landed
             cuda.syncthreads()  # every thread's have: tile j is complete in shared memory; and every
             #                     warp is done with iteration j - 1, so the other buffer is free
-            if j + 1 < n_tiles:  # prefetch tile j + 1 while this one is computed on
+            if j + 1 < end_tile:  # prefetch tile j + 1 while this one is computed on
                 load_kv_tiles(smem, base, k, v, b, n_start + BN, hk, seqlen_k, 1 - buf)
             cp_async_commit()
 
             k_tile = base + uint32(Q_BYTES + buf * KV_BYTES)
             v_tile = base + uint32(Q_BYTES + (2 + buf) * KV_BYTES)
             # Tiles every row of the block sees whole cost no masking code at all; the others
-            # (the causal diagonal, the sequence tail) go through the masked copy of the same step.
-            if j < n_unmasked:
+            # (the window's edges, the sequence tail) go through the masked copy of the same step.
+            if first_full <= j and j < end_full:
                 attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
-                            scale_log2, n_start, first_row, seqlen_q, seqlen_k, g, t, False)
+                            scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, g, t,
+                            False)
             else:
                 attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
-                            scale_log2, n_start, first_row, seqlen_q, seqlen_k, g, t, True)
+                            scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, g, t,
+                            True)
 
         # ---- Epilogue: normalise and write O_i and lse_i ----
-        write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, scale_log2, g, t)
+        write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, softmax_log2, g, t)
 
     return forward_mma

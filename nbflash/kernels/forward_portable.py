@@ -39,13 +39,15 @@ different banks)::
     P_s    (BLOCK_M, BLOCK_N + 1)     the current probabilities, shared by a row's threads
     part_s (BLOCK_M, THREADS_X)       per-thread partial row maxima (then row sums)
 
-Causal attention is aligned to the bottom-right corner: query i sees key j iff
-``j <= i + seqlen_k - seqlen_q``. Tiles entirely above the diagonal are never visited, and tiles
-entirely below it skip the mask test. A row that sees no key writes out = 0 and lse = -inf.
+Which keys a query sees is the variant's window (causal is the window (-1, 0): every key up to the
+query's diagonal, bottom-right aligned), and nbflash/kernels/geometry.py says which key tiles that
+leaves: tiles no row of the block sees are never visited, and tiles every row sees whole skip the
+mask test. A row that sees no key writes out = 0 and lse = -inf.
 
 Arguments: ``q`` (batch, seqlen_q, nheads, headdim), ``k``, ``v`` (batch, seqlen_k, nheads_k,
 headdim), any strides; ``out`` like q; ``lse`` float32 (batch, nheads, seqlen_q); ``scale_log2`` the
-softmax scale times log2(e). bfloat16 tensors arrive as uint16 arrays of raw bits.
+softmax scale times log2(e); ``params`` the variant's runtime values (nbflash/kernels/variants.py).
+bfloat16 tensors arrive as uint16 arrays of raw bits.
 """
 
 import math
@@ -54,6 +56,9 @@ from functools import lru_cache
 
 from numba import cuda, float32
 
+from nbflash.problem import Variant
+
+from . import variants
 from .tiles import element_io, tile_loader
 
 LN2 = math.log(2.0)
@@ -66,7 +71,7 @@ class PortableForwardConfig:
 
     dtype: str  # 'float16', 'bfloat16' or 'float32'
     headdim: int
-    causal: bool
+    variant: Variant
     threads_x: int  # threads sharing a row group: split the key columns and the features
     threads_y: int  # row groups per block
     rows_per_thread: int  # query rows each thread owns
@@ -100,7 +105,8 @@ def shared_bytes(headdim, block_m, block_n, threads_x):
 def build_forward_portable(config):
     """Compile-time specialization: returns the ``@cuda.jit`` kernel for ``config``."""
     HEADDIM = config.headdim
-    CAUSAL = config.causal
+    hooks = variants.hooks(config.variant)
+    key_tiles, row_keys, hidden = hooks.key_tiles, hooks.row_keys, hooks.hidden
     BLOCK_M = config.block_m
     BLOCK_N = config.block_n
     THREADS_X = config.threads_x
@@ -132,13 +138,12 @@ def build_forward_portable(config):
                     s[r * COLS + c] += Q_s[row0 + r, d] * k_val
 
     @cuda.jit(device=True, inline=True)
-    def mask_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k):
-        """-inf where a key is past seqlen_k or, under causal attention, past the row's diagonal."""
+    def mask_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params):
+        """-inf where the row does not see the key: past seqlen_k, or outside its window."""
         for r in range(ROWS):
-            diagonal = q_start + row0 + r + seqlen_k - seqlen_q  # last key this row may see
+            lo, hi = row_keys(q_start + row0 + r, seqlen_q, seqlen_k, params)
             for c in range(COLS):
-                k_idx = k_start + tx + THREADS_X * c
-                if k_idx >= seqlen_k or (CAUSAL and k_idx > diagonal):
+                if hidden(k_start + tx + THREADS_X * c, lo, hi):
                     s[r * COLS + c] = NEG_INF
 
     @cuda.jit(device=True, inline=True)
@@ -172,7 +177,7 @@ def build_forward_portable(config):
     # ------------------------------------------------------------------------------------------
 
     @cuda.jit(cache=True)  # compiled code is kept on disk (per config) across processes
-    def forward_portable(q, k, v, out, lse, scale_log2):
+    def forward_portable(q, k, v, out, lse, scale_log2, params):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         tile_m = cuda.blockIdx.x
@@ -202,22 +207,17 @@ def build_forward_portable(config):
             m_i[r] = NEG_INF
             l_i[r] = float32(0.0)
 
-        # ---- Which key tiles this query tile visits --------------------------------------------
-        # Non-causal: all of them. Causal: none past the last row's diagonal; and tiles wholly
-        # left of the first row's diagonal (and inside seqlen_k) need no mask at all.
-        k_end = seqlen_k
-        k_unmasked_end = seqlen_k
-        if CAUSAL:
-            k_end = max(0, min(seqlen_k, q_start + q_rows + seqlen_k - seqlen_q))
-            k_unmasked_end = max(0, min(seqlen_k, q_start + 1 + seqlen_k - seqlen_q))
-        num_tiles = (k_end + BLOCK_N - 1) // BLOCK_N
-        num_unmasked_tiles = k_unmasked_end // BLOCK_N
+        # ---- Which key tiles this query tile visits (geometry.py) -------------------------------
+        # Tiles [first_tile, end_tile) hold keys some row sees; [first_full, end_full) every row
+        # sees whole, so they need no mask at all.
+        first_tile, first_full, end_full, end_tile = key_tiles(
+            q_start, q_start + q_rows, seqlen_q, seqlen_k, params, BLOCK_N)
 
         # ---- Load Q_i once, pre-scaled so that scores come out in base 2 -----------------------
         load_tile(q, batch, q_start, head, q_rows, Q_s, scale_log2)
 
         # ---- Loop over K_j, V_j ----------------------------------------------------------------
-        for j in range(num_tiles):
+        for j in range(first_tile, end_tile):
             k_start = j * BLOCK_N
             k_rows = min(BLOCK_N, seqlen_k - k_start)
             load_tile(k, batch, k_start, head_k, k_rows, K_s, float32(1.0))
@@ -225,8 +225,8 @@ def build_forward_portable(config):
             cuda.syncthreads()  # K_j, V_j (and Q_i on the first pass) are in shared memory
 
             scores(Q_s, K_s, row0, tx, s)
-            if j >= num_unmasked_tiles:
-                mask_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k)
+            if j < first_full or j >= end_full:
+                mask_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params)
             for r in range(ROWS):
                 part_s[row0 + r, tx] = row_max_partial(s, r)
             cuda.syncthreads()  # every thread's partial row maxima are in part_s

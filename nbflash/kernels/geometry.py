@@ -1,0 +1,87 @@
+"""Which keys each query sees, and which tiles a block visits.
+
+Plain integer code with no GPU in it. ``register_jitable`` lets the kernels call these functions as
+device functions (Numba compiles and inlines them), while the planner, the float64 reference and the
+benchmarks' FLOP counts call them as the Python functions they are: every one of them agrees on
+what is visible.
+
+The rule is flash-attn's (bottom-right aligned, >= 2.1). Query ``i`` sees key ``j`` iff::
+
+    0 <= j < seqlen_k   and   d - left <= j <= d + right,   where d = i + seqlen_k - seqlen_q
+
+``d`` is the key on query i's diagonal. ``left`` and ``right`` are the window sizes; unbounded sides
+arrive as ``seqlen_k`` (left) and ``seqlen_q`` (right), which mask nothing (``nbflash.problem``
+turns flash-attn's -1 into those). Causal attention is ``right = 0`` with ``left`` unbounded. For
+seqlen_q = 3, seqlen_k = 6, left = 1, right = 0 (1 = visible)::
+
+    0 0 1 1 0 0
+    0 0 0 1 1 0
+    0 0 0 0 1 1
+
+Tile ranges come as four numbers ``(first, first_full, end_full, end)``: the block visits tiles
+``first .. end - 1``; the tiles ``first_full .. end_full - 1`` are seen whole by every row (or column)
+of the block, so they need no mask; the others (the window's edges, the diagonal, the sequence
+tail) are masked element by element. A block that sees nothing gets ``(0, 0, 0, 0)``.
+"""
+
+from numba.extending import register_jitable
+
+
+@register_jitable
+def visible_keys(row, seqlen_q, seqlen_k, left, right):
+    """Query ``row`` sees the keys ``lo <= j < hi``: returns (lo, hi); empty when hi <= lo."""
+    diagonal = row + seqlen_k - seqlen_q
+    return max(0, diagonal - left), min(seqlen_k, diagonal + right + 1)
+
+
+@register_jitable
+def visible_queries(key, seqlen_q, seqlen_k, left, right):
+    """Key ``key`` is seen by the queries ``lo <= i < hi``: returns (lo, hi); empty when hi <= lo."""
+    diagonal = key + seqlen_q - seqlen_k  # the query whose diagonal is this key
+    return max(0, diagonal - right), min(seqlen_q, diagonal + left + 1)
+
+
+@register_jitable
+def tile_segments(first_lo, first_hi, last_lo, last_hi, block):
+    """(first, first_full, end_full, end) in tiles of ``block``, from the visible ranges of a
+    block's first row [first_lo, first_hi) and last row [last_lo, last_hi). Both ends of the
+    ranges grow with the row, so the block sees [first_lo, last_hi) and every row of it sees
+    [last_lo, first_hi)."""
+    if first_lo >= last_hi:
+        return 0, 0, 0, 0
+    first = first_lo // block
+    end = (last_hi + block - 1) // block
+    first_full = max(first, (last_lo + block - 1) // block)
+    end_full = min(end, first_hi // block)
+    if first_full >= end_full:  # no tile is seen whole: all are masked
+        first_full = end
+        end_full = end
+    return first, first_full, end_full, end
+
+
+@register_jitable
+def key_tiles(row_start, row_end, seqlen_q, seqlen_k, left, right, block_n):
+    """The key tiles (of ``block_n`` keys) that query rows [row_start, row_end) visit, as
+    (first, first_full, end_full, end). ``row_end`` may run past seqlen_q (a tile's padding rows);
+    that only widens the range."""
+    first_lo, first_hi = visible_keys(row_start, seqlen_q, seqlen_k, left, right)
+    last_lo, last_hi = visible_keys(row_end - 1, seqlen_q, seqlen_k, left, right)
+    return tile_segments(first_lo, first_hi, last_lo, last_hi, block_n)
+
+
+@register_jitable
+def query_tiles(key_start, key_end, seqlen_q, seqlen_k, left, right, block_m):
+    """The query tiles (of ``block_m`` rows) that see any of keys [key_start, key_end), as
+    (first, first_full, end_full, end): the backward's dK/dV loop."""
+    first_lo, first_hi = visible_queries(key_start, seqlen_q, seqlen_k, left, right)
+    last_lo, last_hi = visible_queries(key_end - 1, seqlen_q, seqlen_k, left, right)
+    return tile_segments(first_lo, first_hi, last_lo, last_hi, block_m)
+
+
+def visible_count(seqlen_q, seqlen_k, left, right):
+    """How many (query, key) pairs are visible: the scores a kernel must compute (FLOP counts)."""
+    total = 0
+    for row in range(seqlen_q):
+        lo, hi = visible_keys(row, seqlen_q, seqlen_k, left, right)
+        total += max(0, hi - lo)
+    return total

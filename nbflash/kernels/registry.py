@@ -1,0 +1,65 @@
+"""Every kernel nbflash compiles: config type -> (builder, signature).
+
+The launcher, the backward, the prebuild script and the tuning scripts read this table; nothing
+else lists kernels. A config (a frozen dataclass from the kernel's module) says everything the
+machine code depends on; ``build(config)`` returns its ``@cuda.jit`` kernel and ``signature(config)``
+the one Numba signature it is compiled for:
+
+- inputs (q, k, v, dout) take any strides with the last dim contiguous; the buffers the library
+  allocates (out, lse, gradients, accumulators) are C-contiguous;
+- float32 scalars (the softmax scale) follow the arrays;
+- the last argument of every attention kernel is ``params``, the variant's runtime values as one
+  tuple (``nbflash.problem.Problem.params``, types from ``variants.param_types``).
+"""
+
+from ..dtypes import KERNEL_DTYPE
+from . import variants
+from .backward_mma import MmaBackwardConfig, build_backward_mma
+from .backward_portable import PortableBackwardConfig, build_backward_portable
+from .forward_mma import MmaForwardConfig, build_forward_mma
+from .forward_portable import PortableForwardConfig, build_forward_portable
+
+
+def _params(config):
+    names = ", ".join(t.name for t in variants.param_types(config.variant))
+    return f"Tuple(({names}{',' if names else ''}))"
+
+
+def _forward(config):
+    t = KERNEL_DTYPE[config.dtype].name
+    return (f"void({t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,::1], float32[:,:,::1], float32, "
+            f"{_params(config)})")
+
+
+def _backward(config):
+    t = KERNEL_DTYPE[config.dtype].name
+    inputs = ", ".join([f"{t}[:,:,:,:]"] * 4)  # q, k, v, dout (or out, dout)
+    accum = "float32[:,:,:,::1]" if config.atomic_dq else "float32[:,:,::1]"  # dq_accum or stand-in
+    grad = f"{t}[:,:,:,::1]"
+    if config.kernel == "preprocess":
+        return f"void({t}[:,:,:,:], {t}[:,:,:,:], float32[:,:,::1], {accum})"
+    if config.kernel == "convert_dq":
+        return f"void(float32[:,:,:,::1], {grad}, float32)"
+    if config.kernel == "dkdv":
+        arrays = f"{inputs}, float32[:,:,:], float32[:,:,::1], {grad}, {grad}, {accum}"
+    else:  # dq
+        arrays = f"{inputs}, float32[:,:,:], float32[:,:,::1], {grad}"
+    return f"void({arrays}, float32, float32, {_params(config)})"
+
+
+KERNELS = {
+    PortableForwardConfig: (build_forward_portable, _forward),
+    MmaForwardConfig: (build_forward_mma, _forward),
+    PortableBackwardConfig: (build_backward_portable, _backward),
+    MmaBackwardConfig: (build_backward_mma, _backward),
+}
+
+
+def build(config):
+    """The ``@cuda.jit`` kernel of ``config`` (built once per config)."""
+    return KERNELS[type(config)][0](config)
+
+
+def signature(config):
+    """The one Numba signature ``config``'s kernel is compiled for."""
+    return KERNELS[type(config)][1](config)

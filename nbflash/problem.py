@@ -1,0 +1,99 @@
+"""The description of one attention call, split into what the kernels compile and what they read.
+
+A ``Problem`` is what validation makes of a call: shapes, dtype, device, scale, and the features of
+the attention variant. Its *static* part (``Problem.static``: dtype, head dim, alignment, device and
+the ``Variant``, i.e. which features are present) is the one compile key: the planner turns it
+into kernel configurations, and the in-memory and on-disk kernel caches key on those. Its *runtime*
+part (``Problem.params``: window sizes today) is handed to the kernels as arguments, so a new value
+never recompiles anything.
+
+A feature enters the kernels as a specification (``nbflash.kernels.variants`` builds the code for
+it), never as a copy of a kernel. Causal attention is not a feature of its own: it is the window
+(-1, 0), i.e. every key up to the query's diagonal.
+"""
+
+from typing import NamedTuple
+
+# flash-attn's spelling of an unbounded side of the window.
+UNBOUNDED = -1
+
+
+class Variant(NamedTuple):
+    """Which features the kernels compile in (the static part of a problem); their values are
+    runtime arguments (``Problem.params``), in the order of ``PARAMS``."""
+
+    window: bool = False  # keys outside a band around the diagonal are masked (causal is one)
+
+    def param_names(self):
+        """The runtime values the kernels take for this variant, in kernel-argument order."""
+        return tuple(name for feature, names in PARAMS if getattr(self, feature) for name in names)
+
+
+# Each feature's runtime values, in the order the kernels receive them (``Variant.param_names``),
+# with their kernel types in ``nbflash.kernels.variants.PARAM_TYPES``.
+PARAMS = (("window", ("window_left", "window_right")),)
+
+
+class Static(NamedTuple):
+    """The part of a problem compiled code depends on (``Problem.static``): the planner's input,
+    and through the configurations it plans, the key of every kernel cache."""
+
+    dtype: str
+    headdim: int
+    aligned: bool
+    device: int
+    variant: Variant = Variant()
+    # The tensor-core forward folds a positive scale into its exp2; any other scale is applied to
+    # the scores first. Only the sign is static; the value stays a kernel argument.
+    positive_scale: bool = True
+
+
+class Problem(NamedTuple):
+    """One attention call, after validation."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    headdim: int
+    dtype: str  # 'float16', 'bfloat16' or 'float32'
+    softmax_scale: float
+    aligned: bool  # every row of q, k and v starts on a 16-byte boundary (vector loads allowed)
+    device: int  # the GPU the arrays live on (0 under the simulator)
+    variant: Variant
+    # The window, normalized (see ``window_bounds``): seqlen_k (left) or seqlen_q (right) where a
+    # side masks nothing, so the kernels never meet -1.
+    window_left: int
+    window_right: int
+
+    @property
+    def static(self):
+        """What compiled code depends on (``Static``): the plans and kernel caches key on this."""
+        return Static(self.dtype, self.headdim, self.aligned, self.device, self.variant, self.softmax_scale > 0)
+
+    @property
+    def params(self):
+        """The variant's runtime values, as the kernels take them (a tuple argument)."""
+        return tuple(getattr(self, name) for name in self.variant.param_names())
+
+    @property
+    def causal(self):
+        """Every key up to the diagonal and none after it."""
+        return self.window_right == 0 and self.window_left >= self.seqlen_k
+
+
+def window_bounds(seqlen_q, seqlen_k, causal, window_size):
+    """flash-attn's (causal, window_size) as (left, right) the kernels can use directly.
+
+    ``window_size = (left, right)``, -1 meaning unbounded; ``causal`` sets right to 0. A side that
+    masks nothing for these lengths (left >= seqlen_k - 1, right >= seqlen_q - 1) becomes
+    seqlen_k or seqlen_q, so that a window wider than the sequence runs the plain kernels.
+    Returns (left, right, window) with ``window`` True when some key is masked by it.
+    """
+    left, right = window_size
+    if causal:
+        right = 0
+    left_masks = 0 <= left < seqlen_k - 1
+    right_masks = 0 <= right < seqlen_q - 1
+    return (left if left_masks else seqlen_k), (right if right_masks else seqlen_q), left_masks or right_masks
