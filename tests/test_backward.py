@@ -117,6 +117,14 @@ def test_backward_small_headdims(rng, xp, headdim, seqlen_q, seqlen_k, causal, d
     run_case(rng, xp, 1, seqlen_q, seqlen_k, 1, 1, headdim, "float16", causal, deterministic)
 
 
+@pytest.mark.parametrize("family", ["portable", "mma"])
+@pytest.mark.parametrize("softmax_scale", [0.0, -0.5])
+def test_backward_scale_zero_or_negative(rng, xp, softmax_scale, family):
+    if SIMULATOR and family == "mma":
+        pytest.skip("the simulator runs the tensor-core backward in tests/test_backward_mma.py")
+    run_case(rng, xp, 1, 21, 37, 2, 1, 16, "float16", True, softmax_scale=softmax_scale, family=family)
+
+
 def test_backward_transposed_views(rng, xp):
     """q, k, v and dout as (batch, nheads, seqlen, headdim) tensors passed as transposed views."""
     run_case(rng, xp, 1, 17, 11, 2, 1, 8, "float32", True, heads_first=True)

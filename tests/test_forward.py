@@ -87,6 +87,18 @@ def test_forward_softmax_scale(rng, xp):
     assert_attention_close(out, None, q, k, v, False, softmax_scale=0.37)
 
 
+@pytest.mark.parametrize("family, dtype", [("portable", "float32"), ("mma", "float16")])
+@pytest.mark.parametrize("softmax_scale", [0.0, -0.5])
+def test_forward_scale_zero_or_negative(rng, xp, softmax_scale, family, dtype):
+    """A scale of 0 (uniform weights over the visible keys) or below 0 (the least similar key
+    weighs most), with the causal mask and a sequence tail: the tensor-core kernel once folded the
+    scale into exp2 after the max and returned NaN (scale 0) or garbage (scale < 0)."""
+    q, k, v = random_qkv(rng, xp, 1, 21, 37, 2, 1, 16, dtype)
+    with nbflash.kernel_family(family):
+        out, lse = nbflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=True, return_lse=True)
+    assert_attention_close(out, lse, q, k, v, True, softmax_scale=softmax_scale)
+
+
 def test_forward_causal_rows_without_keys_are_zero(rng, xp):
     """seqlen_q > seqlen_k, causal: the first seqlen_q - seqlen_k rows see nothing: 0, lse -inf."""
     q, k, v = random_qkv(rng, xp, 1, 12, 4, 1, 1, 8, "float16")
