@@ -101,13 +101,16 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     return dq, dk, dv
 
 
-def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False, deterministic=False):
+def flash_attn_backward(dout, q, k, v, out, lse, dropout_p=0.0, softmax_scale=None, causal=False,
+                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False):
     """Gradients of ``flash_attn_func`` with respect to q, k and v.
 
     Arguments:
         dout: (batch, seqlen_q, nheads, headdim), the gradient of the loss with respect to ``out``.
-        q, k, v, softmax_scale, causal: exactly as given to ``flash_attn_func`` (same shapes, dtypes,
-            strides rules, grouped-query attention and bottom-right causal alignment).
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes: exactly as
+            given to ``flash_attn_func``, in its order (same shapes, dtypes, strides rules,
+            grouped-query attention and bottom-right alignment). Every variant has its gradient:
+            through the softcap's tanh; ALiBi slopes get none (they are not trained).
         out: (batch, seqlen_q, nheads, headdim), q's dtype: the forward's output.
         lse: (batch, nheads, seqlen_q), float32: the forward's log-sum-exp
             (``flash_attn_func(..., return_lse=True)``).
@@ -127,6 +130,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
     dq's shape for the atomics (not in deterministic mode). The work is queued on CuPy's current
     stream; the call does not wait for it.
     """
-    problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal)
+    validation.check_dropout_p(dropout_p)
+    problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
     dout, out, lse = _check_backward(problem, q, dout, out, lse, deterministic)
     return _flash_attn_backward(problem, dout, q, k, v, out, lse, bool(deterministic))

@@ -4,8 +4,12 @@ import dataclasses
 import math
 from functools import lru_cache
 
+import numpy as np
+
 from . import configs, launch, validation
 from .dtypes import FLOAT32
+from .reference import attention_probabilities
+from .validation import check_dropout_p
 
 LOG2_E = math.log2(math.e)
 
@@ -31,8 +35,12 @@ def _flash_attn_forward(problem, q, k, v, family=None):
     return out, lse
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False):
     """Exact scaled dot-product attention, softmax(q k^T * softmax_scale) v, in O(seqlen) memory.
+
+    flash-attn 2.8's ``flash_attn_func``: the same arguments in the same order, so that a call
+    written for flash-attn runs unchanged (``return_lse`` is nbflash's, keyword-only).
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim)
@@ -43,9 +51,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
             h // (nheads // nheads_k). Any strides, but the last dim contiguous. On a GPU: CuPy
             arrays, or any GPU array exporting DLPack or __cuda_array_interface__ (a PyTorch
             tensor is used without a copy). Under Numba's CUDA simulator: NumPy arrays.
-        softmax_scale: float. Default 1 / sqrt(headdim).
+        dropout_p: float. Attention dropout is not implemented yet: only 0.0 is accepted
+            (anything else raises NotImplementedError rather than being taken for another argument).
+        softmax_scale: float. Default 1 / sqrt(headdim). Any finite value, 0 and negative included.
         causal: bool. Causal mask aligned to the bottom-right corner of the score matrix, as in
-            flash-attn >= 2.1. For seqlen_q = 2, seqlen_k = 5 (1 = kept, 0 = masked)::
+            flash-attn >= 2.1: the window (-1, 0). For seqlen_q = 2, seqlen_k = 5 (1 = kept,
+            0 = masked)::
 
                 1 1 1 1 0
                 1 1 1 1 1
@@ -58,29 +69,58 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
                 1 0
                 1 1
 
-            A query row that sees no key gets output 0 (and lse -inf).
-        return_lse: bool. Also return the log-sum-exp of each score row.
+        window_size: (left, right), -1 for unbounded. Sliding-window (local) attention: query i sees
+            key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right. With
+            causal=True, right is 0. Key tiles outside the band are never visited.
+        softcap: float >= 0. When > 0, each scaled score x becomes softcap * tanh(x / softcap)
+            (Gemma 2, Grok), before ALiBi and the mask.
+        alibi_slopes: float32 array of shape (nheads,) or (batch, nheads), on q's device: a bias
+            of -slope * |i + seqlen_k - seqlen_q - j| is added to the score of query i and key j.
+        deterministic: bool. flash-attn's flag for the backward; the forward is deterministic
+            whatever it says (nbflash.torch passes it on to the backward).
+        return_attn_probs: bool. Also return the log-sum-exp and S_dmask, the attention
+            probabilities P as float32 (batch, nheads, seqlen_q, seqlen_k). A debugging aid: S_dmask
+            is computed apart from the kernel (N x N memory; flash-attn pads its last two dims to
+            multiples of 128, nbflash does not).
+        return_lse: bool (nbflash). Also return the log-sum-exp of each score row.
+
+    A query row that sees no key gets output 0 (and lse -inf), whatever the variant.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype; a CuPy array (NumPy under the simulator).
-        lse: (batch, nheads, seqlen_q), float32, natural log; only with return_lse=True.
+        With return_lse=True, (out, lse); with return_attn_probs=True, (out, lse, S_dmask), as
+        flash-attn; lse is (batch, nheads, seqlen_q), float32, natural log.
 
     The work is queued on CuPy's current stream; the call does not wait for it.
     """
-    problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal)
+    check_dropout_p(dropout_p)
+    _check_flag(deterministic, "deterministic")
+    _check_flag(return_attn_probs, "return_attn_probs")
+    _check_flag(return_lse, "return_lse")
+    problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
     out, lse = _flash_attn_forward(problem, q, k, v)
+    if return_attn_probs:
+        probs = attention_probabilities(q, k, v, problem.softmax_scale, False, problem.window(), problem.softcap,
+                                        problem.alibi_slopes)
+        return out, lse, probs
     return (out, lse) if return_lse else out
 
 
-def explain(q, k, v, softmax_scale=None, causal=False):
+def _check_flag(value, name):
+    if value is not True and value is not False and not isinstance(value, np.bool_):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Which kernel and configuration ``flash_attn_func(q, k, v, ...)`` runs, without running it.
 
-    Returns a dict: ``family`` ('mma' or 'portable'), ``config`` (the block configuration), ``grid``,
-    ``block``, ``dynamic_shared_bytes``, and, on a GPU, the compiled kernel's ``registers`` per
-    thread, ``static_shared_bytes`` and ``local_bytes`` per thread (spills). Compiles the kernel if it
-    is not compiled yet. Honors an enclosing ``nbflash.kernel_family`` block.
+    Returns a dict: ``family`` ('mma' or 'portable'), ``config`` (the block configuration and the
+    variant), ``grid``, ``block``, ``dynamic_shared_bytes``, and, on a GPU, the compiled kernel's
+    ``registers`` per thread, ``static_shared_bytes`` and ``local_bytes`` per thread (spills).
+    Compiles the kernel if it is not compiled yet. Honors an enclosing ``nbflash.kernel_family``
+    block.
     """
-    problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal)
+    problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
     kernel = _kernel_for(problem)
     config = kernel.config
     return {

@@ -144,18 +144,18 @@ SCALAR_FIELDS = {"float32": "f4x", "int32": "i4x"}
 
 def _flat_arguments(signature):
     """A signature's kernel parameters as Numba flattens them: an array as its dimension count,
-    a scalar as its type name; a tuple gives its elements in order. Arrays must come first."""
-    flat = []
-    for arg in _split_arguments(signature[signature.index("(") + 1 : -1]):
-        if "[" in arg:
-            if flat and isinstance(flat[-1], str):
-                raise ValueError(f"arrays must precede the scalars in {signature!r}")
-            flat.append(arg.count(",") + 1)
-        elif arg.startswith("Tuple(("):
-            flat += [name for name in _split_arguments(arg[len("Tuple((") : -2]) if name]
-        else:
-            flat.append(arg)
-    return flat
+    a scalar as its type name; a tuple gives its elements in order."""
+
+    def flat(args):
+        for arg in args:
+            if arg.startswith("Tuple(("):
+                yield from flat(name for name in _split_arguments(arg[len("Tuple((") : -2]) if name)
+            elif "[" in arg:
+                yield arg.count(",") + 1
+            else:
+                yield arg
+
+    return list(flat(_split_arguments(signature[signature.index("(") + 1 : -1])))
 
 
 def _parameter_layout(signature):
@@ -210,9 +210,11 @@ class ParameterBuffer:
     """A kernel's parameters, packed in the layout Numba's kernels expect, and the array of pointers
     to each parameter that ``cuLaunchKernelEx`` takes.
 
-    ``write(arrays, scalars)`` packs a call's arguments. When the arrays have the shapes and strides
-    of the previous call (the common case: a model calls attention with the same shapes again and
-    again), only the data pointers and the scalars are rewritten.
+    ``write(arrays, scalars)`` packs a call's arguments: the arrays in signature order, and the
+    scalars in signature order (a tuple's arrays and scalars, such as a variant's ``params``, go
+    into these two lists where they fall). When the arrays have the shapes and strides of the
+    previous call (the common case: a model calls attention with the same shapes again and again),
+    only the data pointers and the scalars are rewritten.
     """
 
     def __init__(self, signature):
@@ -224,9 +226,14 @@ class ParameterBuffer:
         self.pointers = (ctypes.c_void_p * len(offsets))(*(base + o for o in offsets))
         self._words = (ctypes.c_int64 * (packer.size // 8)).from_buffer(self.buffer)
         self._pointer_words = _pointer_words(signature)
-        scalars = [arg for arg in _flat_arguments(signature) if isinstance(arg, str)]  # last, 8 bytes each
-        self._scalar_offset = packer.size - 8 * len(scalars)
-        self._pack_scalars = struct.Struct("<" + "".join(SCALAR_FIELDS[a] for a in scalars)).pack_into
+        self._kinds = _flat_arguments(signature)  # per parameter: an array's ndim or a scalar type
+        self._scalar_packers, word = [], 0  # (byte offset, pack_into) of each scalar, in order
+        for kind in self._kinds:
+            if isinstance(kind, int):
+                word += 5 + 2 * kind
+            else:
+                self._scalar_packers.append((8 * word, struct.Struct("<" + SCALAR_FIELDS[kind]).pack_into))
+                word += 1
         self._layout = self._layout_key = None
 
     def write(self, arrays, scalars, layout_key=None):
@@ -237,16 +244,22 @@ class ParameterBuffer:
             layout = [(a.shape, a.strides) for a in arrays]
             self._layout_key = layout_key  # held, so that its identity is never reused
             if layout != self._layout:
-                fields = []
-                for a in arrays:
-                    fields += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
-                self._pack(self.buffer, 0, *fields, *scalars)
+                fields, next_array, next_scalar = [], iter(arrays), iter(scalars)
+                for kind in self._kinds:
+                    if isinstance(kind, int):
+                        a = next(next_array)
+                        fields += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
+                    else:
+                        fields.append(next(next_scalar))
+                self._pack(self.buffer, 0, *fields)
                 self._layout = layout
                 return
         words = self._words
         for word, a in zip(self._pointer_words, arrays):
             words[word] = a.data.ptr
-        self._pack_scalars(self.buffer, self._scalar_offset, *scalars)
+        buffer = self.buffer
+        for (offset, pack), value in zip(self._scalar_packers, scalars):
+            pack(buffer, offset, value)
 
 
 class CompiledKernel:
@@ -292,10 +305,14 @@ class CompiledKernel:
         if runtime.SIMULATOR:
             launch_config = self.kernel[grid, self.config.threads, 0, self.dynamic_shared]
             arrays = [_simulator_array(a) for a in arrays]
+            params = tuple(_simulator_array(p) if getattr(p, "ndim", 0) else p for p in params)
             launch_config(*arrays, *scalars, *((params,) if self._takes_params else ()))
             return
+        if params:  # a variant's arrays (ALiBi slopes, ...) and scalars, where the signature has them
+            arrays = (*arrays, *(p for p in params if getattr(p, "ndim", 0)))
+            scalars = (*scalars, *(p for p in params if not getattr(p, "ndim", 0)))
         with self._lock:
-            self._parameters.write(arrays, (*scalars, *params), layout_key)
+            self._parameters.write(arrays, scalars, layout_key)
             stream = self._current_stream().ptr
             if grid != self._grid or stream != self._stream:
                 c = self._launch_config

@@ -4,8 +4,8 @@ A ``Problem`` is what validation makes of a call: shapes, dtype, device, scale, 
 the attention variant. Its *static* part (``Problem.static``: dtype, head dim, alignment, device and
 the ``Variant``, i.e. which features are present) is the one compile key: the planner turns it
 into kernel configurations, and the in-memory and on-disk kernel caches key on those. Its *runtime*
-part (``Problem.params``: window sizes today) is handed to the kernels as arguments, so a new value
-never recompiles anything.
+part (``Problem.params``: window sizes, the softcap, the ALiBi slopes) is handed to the kernels as
+arguments, so a new value never recompiles anything.
 
 A feature enters the kernels as a specification (``nbflash.kernels.variants`` builds the code for
 it), never as a copy of a kernel. Causal attention is not a feature of its own: it is the window
@@ -23,6 +23,13 @@ class Variant(NamedTuple):
     runtime arguments (``Problem.params``), in the order of ``PARAMS``."""
 
     window: bool = False  # keys outside a band around the diagonal are masked (causal is one)
+    softcap: bool = False  # scores squashed to softcap * tanh(score / softcap)
+    alibi: bool = False  # scores lowered by slope[b, h] * |i + seqlen_k - seqlen_q - j|
+
+    @property
+    def score(self):
+        """A feature changes the scores (the kernels then scale them before anything else)."""
+        return self.softcap or self.alibi
 
     def param_names(self):
         """The runtime values the kernels take for this variant, in kernel-argument order."""
@@ -31,7 +38,11 @@ class Variant(NamedTuple):
 
 # Each feature's runtime values, in the order the kernels receive them (``Variant.param_names``),
 # with their kernel types in ``nbflash.kernels.variants.PARAM_TYPES``.
-PARAMS = (("window", ("window_left", "window_right")),)
+PARAMS = (
+    ("window", ("window_left", "window_right")),
+    ("softcap", ("softcap",)),
+    ("alibi", ("alibi_slopes",)),
+)
 
 
 class Static(NamedTuple):
@@ -66,6 +77,10 @@ class Problem(NamedTuple):
     # side masks nothing, so the kernels never meet -1.
     window_left: int
     window_right: int
+    softcap: float = 0.0  # 0: none
+    # float32 (batch, nheads), a view that may have stride 0 over batch; None: no ALiBi. An array, so
+    # a problem with slopes is never remembered across calls (validation.check_forward).
+    alibi_slopes: object = None
 
     @property
     def static(self):
@@ -76,6 +91,12 @@ class Problem(NamedTuple):
     def params(self):
         """The variant's runtime values, as the kernels take them (a tuple argument)."""
         return tuple(getattr(self, name) for name in self.variant.param_names())
+
+    def window(self):
+        """(left, right) as flash-attn spells them: -1 for a side that masks nothing."""
+        left = -1 if self.window_left >= self.seqlen_k else self.window_left
+        right = -1 if self.window_right >= self.seqlen_q else self.window_right
+        return left, right
 
     @property
     def causal(self):

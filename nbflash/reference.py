@@ -57,43 +57,79 @@ def visible(seqlen_q, seqlen_k, causal=False, window_size=(UNBOUNDED, UNBOUNDED)
     return xp.asarray((bounds[:, :1] <= keys) & (keys < bounds[:, 1:]))
 
 
-def _row_block_softmax(q_rows, k_h, scale, mask, xp):
-    """For a block of query rows of one head: (p, row_max, row_sum), with p = exp(s - row_max)
-    unnormalized; ``mask`` (or None) says which keys each row sees. Rows that see no key get p = 0,
-    row_max = 0 and row_sum = 0."""
-    s = (q_rows @ k_h.T) * scale
-    if mask is not None:
-        s = xp.where(mask, s, -xp.inf)
+class _Scores:
+    """The scores of one call's variant, as the kernels define them: ``x = q.k * softmax_scale``,
+    then softcap (``c * tanh(x / c)``), then ALiBi (``- slope[b, h] * |i + seqlen_k - seqlen_q - j|``),
+    then the window's mask (-inf)."""
+
+    def __init__(self, xp, seqlen_q, seqlen_k, scale, causal, window_size, softcap, alibi_slopes, batch):
+        self.xp, self.seqlen_q, self.seqlen_k, self.scale = xp, seqlen_q, seqlen_k, scale
+        self.causal, self.window_size, self.softcap = causal, window_size, float(softcap)
+        self.slopes = None
+        if alibi_slopes is not None:
+            slopes = np.asarray(alibi_slopes.get() if hasattr(alibi_slopes, "get") else alibi_slopes, np.float64)
+            self.slopes = np.broadcast_to(slopes, (batch, slopes.shape[-1]))
+
+    def masks(self, blocks):
+        return [visible(self.seqlen_q, self.seqlen_k, self.causal, self.window_size, self.xp, rows) for rows in blocks]
+
+    def __call__(self, x, b, h, rows, mask, rounded=None):
+        """(s, ds/dx) for the unmasked scaled scores ``x`` of query ``rows`` (ds/dx None when 1);
+        ``rounded``: round after each step, as a framework computing in the input dtype would."""
+        xp = self.xp
+        rounded = rounded or (lambda y: y)
+        grad = None
+        if self.softcap > 0:
+            t = xp.tanh(x / self.softcap)
+            x, grad = rounded(self.softcap * t), 1 - t * t
+        if self.slopes is not None:
+            rows = xp.asarray(rows)[:, None]
+            distance = xp.abs(rows + (self.seqlen_k - self.seqlen_q) - xp.arange(self.seqlen_k)[None, :])
+            x = rounded(x - self.slopes[b, h] * distance)
+        if mask is not None:
+            x = xp.where(mask, x, -xp.inf)
+        return x, grad
+
+
+def _softmax_rows(s, xp):
+    """(p, row_max, row_sum) with p = exp(s - row_max) unnormalized. Rows that see no key get
+    p = 0, row_max = 0 and row_sum = 0."""
     row_max = s.max(axis=1, keepdims=True)
     row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
     p = xp.exp(s - row_max)
     return p, row_max, p.sum(axis=1, keepdims=True)
 
 
+def _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dtype):
+    xp = _array_module(q)
+    q, k, v = (xp.asarray(x).astype(dtype) for x in (q, k, v))
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+    scores = _Scores(xp, seqlen_q, seqlen_k, scale, causal, window_size, softcap, alibi_slopes, batch)
+    blocks = [xp.arange(start, min(start + QUERY_BLOCK, seqlen_q)) for start in range(0, seqlen_q, QUERY_BLOCK)]
+    return xp, q, k, v, nheads // nheads_k, scores, blocks
+
+
 def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=False,
-                        window_size=(UNBOUNDED, UNBOUNDED)):
+                        window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None):
     """Exact attention in float64.
 
     Returns ``out`` (float64, q's shape) and, with ``return_lse``, ``lse`` (float64,
     (batch, nheads, seqlen_q), natural log). Rows that see no key give out = 0 and lse = -inf.
-    ``causal`` and ``window_size`` as in ``nbflash.flash_attn_func`` (see ``visible``).
+    ``causal``, ``window_size``, ``softcap`` and ``alibi_slopes`` as in ``nbflash.flash_attn_func``.
     """
-    xp = _array_module(q)
-    q, k, v = (xp.asarray(x).astype(xp.float64) for x in (q, k, v))
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    group = nheads // nheads_k
-    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
-
+    xp, q, k, v, group, scores, blocks = _setup(q, k, v, softmax_scale, causal, window_size, softcap,
+                                                alibi_slopes, np.float64)
     out = xp.zeros(q.shape, xp.float64)
-    lse = xp.full((batch, nheads, seqlen_q), -xp.inf, xp.float64)
-    blocks = [xp.arange(start, min(start + QUERY_BLOCK, seqlen_q)) for start in range(0, seqlen_q, QUERY_BLOCK)]
-    masks = [visible(seqlen_q, seqlen_k, causal, window_size, xp, rows) for rows in blocks]
-    for b in range(batch):
-        for h in range(nheads):
+    lse = xp.full(q.shape[:1] + (q.shape[2], q.shape[1]), -xp.inf, xp.float64)
+    masks = scores.masks(blocks)
+    for b in range(q.shape[0]):
+        for h in range(q.shape[2]):
             k_h, v_h = k[b, :, h // group], v[b, :, h // group]
             for rows, mask in zip(blocks, masks):
-                p, row_max, row_sum = _row_block_softmax(q[b, rows, h], k_h, scale, mask, xp)
+                s, _ = scores((q[b, rows, h] @ k_h.T) * scores.scale, b, h, rows, mask)
+                p, row_max, row_sum = _softmax_rows(s, xp)
                 seen = row_sum[:, 0] > 0  # rows that see at least one key
                 safe_sum = xp.where(row_sum > 0, row_sum, 1.0)
                 out[b, rows, h] = xp.where(seen[:, None], (p @ v_h) / safe_sum, 0.0)
@@ -101,122 +137,129 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
     return (out, lse) if return_lse else out
 
 
-def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(UNBOUNDED, UNBOUNDED)):
+def attention_probabilities(q, k, v, softmax_scale=None, causal=False, window_size=(UNBOUNDED, UNBOUNDED),
+                            softcap=0.0, alibi_slopes=None):
+    """The attention probabilities P, float32 (batch, nheads, seqlen_q, seqlen_k): what
+    ``flash_attn_func(..., return_attn_probs=True)`` hands back as S_dmask. N x N memory: for
+    debugging small problems only."""
+    xp, q, k, v, group, scores, blocks = _setup(q, k, v, softmax_scale, causal, window_size, softcap,
+                                                alibi_slopes, np.float32)
+    probs = xp.zeros((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), xp.float32)
+    masks = scores.masks(blocks)
+    for b in range(q.shape[0]):
+        for h in range(q.shape[2]):
+            for rows, mask in zip(blocks, masks):
+                s, _ = scores((q[b, rows, h] @ k[b, :, h // group].T) * xp.float32(scores.scale), b, h, rows, mask)
+                p, _, row_sum = _softmax_rows(s, xp)
+                probs[b, h, rows] = p / xp.where(row_sum > 0, row_sum, 1.0)
+    return probs
+
+
+def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0,
+                    alibi_slopes=None):
     """Attention as a same-precision naive implementation computes it, for error budgets.
 
     Matmuls accumulate in float32 and round their result to the input dtype, the softmax runs in
     float32 and its result is rounded to the input dtype, as a framework's fp16/bf16 attention
-    does. flash-attn's test rule: a kernel may be off from float64 by at most twice this.
+    does (and so is each score feature's result). flash-attn's test rule: a kernel may be off from
+    float64 by at most twice this.
     """
-    xp = _array_module(q)
     dtype = as_numpy_dtype(q.dtype)
+    xp, q, k, v, group, scores, _ = _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                           np.float32)
 
     def rounded(x):
         return x.astype(dtype).astype(xp.float32)
 
-    q, k, v = (rounded(xp.asarray(x).astype(xp.float32)) for x in (q, k, v))
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    group = nheads // nheads_k
-    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
-    mask = visible(seqlen_q, seqlen_k, causal, window_size, xp)
+    q, k, v = rounded(q), rounded(k), rounded(v)
+    mask = scores.masks([xp.arange(q.shape[1])])[0]
+    rows = xp.arange(q.shape[1])
     out = xp.zeros(q.shape, xp.float32)
-    for b in range(batch):
-        for h in range(nheads):
-            s = rounded((q[b, :, h] @ k[b, :, h // group].T) * xp.float32(scale))
-            if mask is not None:
-                s = xp.where(mask, s, -xp.inf)
-            row_max = s.max(axis=1, keepdims=True)
-            row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
-            p = xp.exp(s - row_max)
-            row_sum = p.sum(axis=1, keepdims=True)
+    for b in range(q.shape[0]):
+        for h in range(q.shape[2]):
+            s = rounded((q[b, :, h] @ k[b, :, h // group].T) * xp.float32(scores.scale))
+            s, _ = scores(s, b, h, rows, mask, rounded)
+            p, _, row_sum = _softmax_rows(s.astype(xp.float32), xp)
             p = rounded(p / xp.where(row_sum > 0, row_sum, 1.0))
             out[b, :, h] = rounded(p @ v[b, :, h // group])
     return out
 
 
 def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False,
-                                 window_size=(UNBOUNDED, UNBOUNDED)):
+                                 window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None):
     """Gradients of exact attention in float64: returns ``(dq, dk, dv)``, float64, shaped like q, k, v.
 
     ``dout`` is the gradient of the loss with respect to ``out`` (q's shape). With
-    ``P = softmax(q k^T * scale)`` per (batch, head) and ``out = P v``::
+    ``x = q k^T * scale``, ``s = score(x)`` (the variant's features, see ``attention_reference``),
+    ``P = softmax(s)`` per (batch, head) and ``out = P v``::
 
         dv = P^T dout                dp = dout v^T
-        ds = P * (dp - rowsum(dout * out))
+        ds = P * (dp - rowsum(dout * out)) * ds/dx
         dq = ds k * scale            dk = ds^T q * scale
 
     Under grouped-query attention, dk and dv of a key/value head are summed over the query heads that
     share it. Rows that see no key contribute nothing (their P row is 0). Chunked like the forward:
     extra memory is ``query_block * seqlen_k`` numbers.
     """
-    xp = _array_module(q)
-    dout, q, k, v = (xp.asarray(x).astype(xp.float64) for x in (dout, q, k, v))
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    group = nheads // nheads_k
-    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
-
+    xp, q, k, v, group, scores, blocks = _setup(q, k, v, softmax_scale, causal, window_size, softcap,
+                                                alibi_slopes, np.float64)
+    dout = xp.asarray(dout).astype(xp.float64)
     dq = xp.zeros(q.shape, xp.float64)
     dk = xp.zeros(k.shape, xp.float64)
     dv = xp.zeros(v.shape, xp.float64)
-    blocks = [xp.arange(start, min(start + QUERY_BLOCK, seqlen_q)) for start in range(0, seqlen_q, QUERY_BLOCK)]
-    masks = [visible(seqlen_q, seqlen_k, causal, window_size, xp, rows) for rows in blocks]
-    for b in range(batch):
-        for h in range(nheads):
+    masks = scores.masks(blocks)
+    for b in range(q.shape[0]):
+        for h in range(q.shape[2]):
             k_h, v_h = k[b, :, h // group], v[b, :, h // group]
             for rows, mask in zip(blocks, masks):
-                p, _, row_sum = _row_block_softmax(q[b, rows, h], k_h, scale, mask, xp)
+                s, grad = scores((q[b, rows, h] @ k_h.T) * scores.scale, b, h, rows, mask)
+                p, _, row_sum = _softmax_rows(s, xp)
                 p = p / xp.where(row_sum > 0, row_sum, 1.0)
                 do = dout[b, rows, h]
                 dp = do @ v_h.T
                 delta = (p * dp).sum(axis=1, keepdims=True)  # = rowsum(dout * out)
-                ds = p * (dp - delta)
-                dq[b, rows, h] = (ds @ k_h) * scale
-                dk[b, :, h // group] += (ds.T @ q[b, rows, h]) * scale
+                ds = p * (dp - delta) * (1.0 if grad is None else grad)
+                dq[b, rows, h] = (ds @ k_h) * scores.scale
+                dk[b, :, h // group] += (ds.T @ q[b, rows, h]) * scores.scale
                 dv[b, :, h // group] += p.T @ do
     return dq, dk, dv
 
 
 def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
-                             window_size=(UNBOUNDED, UNBOUNDED)):
+                             window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None):
     """Gradients as a same-precision naive implementation computes them, for error budgets.
 
     The forward of ``attention_naive``, then each backward matmul accumulating in float32 and rounding
     its result to the input dtype, as a framework's fp16/bf16 autograd does. Returns float32
     ``(dq, dk, dv)`` holding input-dtype values. Not chunked: for test sizes only.
     """
-    xp = _array_module(q)
     dtype = as_numpy_dtype(q.dtype)
+    xp, q, k, v, group, scores, _ = _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                           np.float32)
 
     def rounded(x):
         return x.astype(dtype).astype(xp.float32)
 
     dout, q, k, v = (rounded(xp.asarray(x).astype(xp.float32)) for x in (dout, q, k, v))
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    group = nheads // nheads_k
-    scale = xp.float32(1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale))
+    scale = xp.float32(scores.scale)
     dq = xp.zeros(q.shape, xp.float32)
     dk = xp.zeros(k.shape, xp.float32)
     dv = xp.zeros(v.shape, xp.float32)
-    mask = visible(seqlen_q, seqlen_k, causal, window_size, xp)
-    for b in range(batch):
-        for h in range(nheads):
+    rows = xp.arange(q.shape[1])
+    mask = scores.masks([rows])[0]
+    for b in range(q.shape[0]):
+        for h in range(q.shape[2]):
             k_h, v_h, do = k[b, :, h // group], v[b, :, h // group], dout[b, :, h]
-            s = rounded((q[b, :, h] @ k_h.T) * scale)
-            if mask is not None:
-                s = xp.where(mask, s, -xp.inf)
-            row_max = s.max(axis=1, keepdims=True)
-            row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
-            p = xp.exp(s - row_max)
-            row_sum = p.sum(axis=1, keepdims=True)
+            s, grad = scores(rounded((q[b, :, h] @ k_h.T) * scale), b, h, rows, mask, rounded)
+            p, _, row_sum = _softmax_rows(s.astype(xp.float32), xp)
             p = rounded(p / xp.where(row_sum > 0, row_sum, 1.0))
             out = rounded(p @ v_h)
             dv[b, :, h // group] += rounded(p.T @ do)
             dp = rounded(do @ v_h.T)
             delta = (do * out).sum(axis=1, keepdims=True)
             ds = rounded(p * (dp - delta))
+            if grad is not None:
+                ds = rounded(ds * grad)
             dq[b, :, h] = rounded((ds @ k_h) * scale)
             dk[b, :, h // group] += rounded((ds.T @ q[b, :, h]) * scale)
     # Under GQA/MQA the per-head dk and dv are summed over the group (as the backward of a framework's

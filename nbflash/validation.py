@@ -101,6 +101,58 @@ def check_softmax_scale(softmax_scale, headdim):
     return float(softmax_scale)
 
 
+def check_window_size(window_size):
+    """flash-attn's window_size: a pair of ints (left, right), each -1 (unbounded) or more."""
+    if isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
+        isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)) for x in window_size
+    ):
+        left, right = (int(x) for x in window_size)
+        if left < -1 or right < -1:
+            raise ValueError(f"window_size={tuple(window_size)}: each side must be -1 (unbounded) or >= 0")
+        return left, right
+    raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
+
+
+def check_softcap(softcap):
+    """softcap: a finite real number >= 0 (0 turns it off)."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0.0 for none), got {softcap!r}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0.0 for none), got {softcap!r}")
+    return float(softcap)
+
+
+def check_dropout_p(dropout_p):
+    """dropout_p: a real number in [0, 1). Dropout itself is not implemented yet."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number in [0, 1), got {dropout_p!r}")
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0:
+        raise NotImplementedError(
+            f"dropout_p={dropout_p}: attention dropout is not implemented in nbflash yet; pass 0.0 "
+            f"(if you meant a softmax scale, pass it as softmax_scale=..., the fifth argument, as in flash-attn)"
+        )
+    return 0.0
+
+
+def check_alibi_slopes(alibi_slopes, batch, nheads, device):
+    """float32 ALiBi slopes of shape (nheads,) or (batch, nheads) on the arrays' device, as a
+    (batch, nheads) view (stride 0 over batch for one slope per head; no copy)."""
+    slopes = as_backend_array(alibi_slopes, "alibi_slopes")
+    if slopes.dtype != np.float32:
+        raise TypeError(f"alibi_slopes.dtype={slopes.dtype} must be float32 (as in flash-attn)")
+    if tuple(slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(
+            f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = ({batch}, {nheads}), "
+            f"got {tuple(slopes.shape)}"
+        )
+    if not runtime.SIMULATOR and slopes.data.device_id != device:
+        raise ValueError(f"alibi_slopes is on GPU {slopes.data.device_id} but q is on GPU {device}")
+    xp = np if runtime.SIMULATOR else runtime.cupy()
+    return xp.broadcast_to(slopes, (batch, nheads)) if slopes.ndim == 1 else slopes
+
+
 # A model calls attention with the same shapes call after call. A call that repeats an earlier,
 # valid call in everything validation looks at (array types, shapes, strides, dtypes, devices, the
 # 16-byte alignment of the data, softmax_scale and causal) takes the earlier call's Problem: the
@@ -110,7 +162,8 @@ _REMEMBERED = {}
 _REMEMBER_AT_MOST = 256
 
 
-def _repeat_key(q, k, v, softmax_scale, causal):
+def _repeat_key(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0,
+                alibi_slopes=None):
     """What check_forward's verdict depends on, as a dict key; None if the call does not qualify."""
     if runtime.SIMULATOR:
         if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
@@ -127,19 +180,22 @@ def _repeat_key(q, k, v, softmax_scale, causal):
         devices = (qd.device_id, kd.device_id, vd.device_id, cupy.cuda.runtime.getDevice())
     if not (softmax_scale is None or type(softmax_scale) is float) or not (causal is True or causal is False):
         return None
+    if alibi_slopes is not None or type(softcap) is not float or type(window_size) is not tuple:
+        return None  # slopes are an array a problem would hold on to; odd types: check in full
     return (
         q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
-        softmax_scale, causal, pointers % 16 == 0, devices,
+        softmax_scale, causal, window_size, softcap, pointers % 16 == 0, devices,
     )
 
 
-def check_forward(q, k, v, softmax_scale, causal):
+def check_forward(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0,
+                  alibi_slopes=None):
     """Validate a forward call. Returns (problem, q, k, v) with the arrays on the backend."""
-    key = _repeat_key(q, k, v, softmax_scale, causal)
+    key = _repeat_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
     problem = _REMEMBERED.get(key) if key is not None else None
     if problem is not None:
         return problem, q, k, v
-    problem, q, k, v = _check_forward(q, k, v, softmax_scale, causal)
+    problem, q, k, v = _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
     if key is not None:
         if len(_REMEMBERED) >= _REMEMBER_AT_MOST:
             _REMEMBERED.clear()
@@ -147,7 +203,7 @@ def check_forward(q, k, v, softmax_scale, causal):
     return problem, q, k, v
 
 
-def _check_forward(q, k, v, softmax_scale, causal):
+def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes):
     q = as_backend_array(q, "q")
     k = as_backend_array(k, "k")
     v = as_backend_array(v, "v")
@@ -199,7 +255,10 @@ def _check_forward(q, k, v, softmax_scale, causal):
             )
     aligned = rows_aligned(q) and rows_aligned(k) and rows_aligned(v)
 
-    left, right, window = window_bounds(seqlen_q, seqlen_k, bool(causal), (UNBOUNDED, UNBOUNDED))
+    left, right, window = window_bounds(seqlen_q, seqlen_k, bool(causal), check_window_size(window_size))
+    softcap = check_softcap(softcap)
+    if alibi_slopes is not None:
+        alibi_slopes = check_alibi_slopes(alibi_slopes, batch, nheads, device)
     problem = Problem(
         batch,
         seqlen_q,
@@ -211,8 +270,10 @@ def _check_forward(q, k, v, softmax_scale, causal):
         check_softmax_scale(softmax_scale, headdim),
         aligned,
         device,
-        Variant(window=window),
+        Variant(window=window, softcap=softcap > 0, alibi=alibi_slopes is not None),
         left,
         right,
+        softcap,
+        alibi_slopes,
     )
     return problem, q, k, v

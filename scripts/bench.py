@@ -30,6 +30,7 @@ from nbflash.demo import naive_attention
 from nbflash.dtypes import SUPPORTED
 from nbflash import backward
 from nbflash.backward import _flash_attn_backward
+from nbflash.catalogue import VARIANTS, variant_arguments
 from nbflash.interface import _flash_attn_forward
 from nbflash.kernels.geometry import visible_count
 from nbflash.problem import window_bounds
@@ -38,8 +39,8 @@ from nbflash.validation import check_forward
 
 
 def nbflash_runner(family):
-    def run(q, k, v, causal):
-        problem, q_, k_, v_ = check_forward(q, k, v, None, causal)
+    def run(q, k, v, causal, **variant):
+        problem, q_, k_, v_ = check_forward(q, k, v, None, causal, **variant)
         return lambda: _flash_attn_forward(problem, q_, k_, v_, family=family)
 
     return run
@@ -48,8 +49,8 @@ def nbflash_runner(family):
 def nbflash_step_runner(family):
     """Times one training step's attention: the forward, then the backward from its out and lse."""
 
-    def run(q, k, v, causal):
-        problem, q_, k_, v_ = check_forward(q, k, v, None, causal)
+    def run(q, k, v, causal, **variant):
+        problem, q_, k_, v_ = check_forward(q, k, v, None, causal, **variant)
         dout = cupy.random.standard_normal(q.shape, dtype=np.float32).astype(q.dtype)
 
         def call():
@@ -76,9 +77,9 @@ DEFAULT_DKDV = list(configs.MMA_BACKWARD_DKDV)
 def nbflash_backward_runner(family, dkdv_blocks=None):
     """Times flash_attn_backward alone, from the default forward's out and lse."""
 
-    def run(q, k, v, causal):
+    def run(q, k, v, causal, **variant):
         use_dkdv_blocks(dkdv_blocks)
-        problem, q_, k_, v_ = check_forward(q, k, v, None, causal)
+        problem, q_, k_, v_ = check_forward(q, k, v, None, causal, **variant)
         out, lse = _flash_attn_forward(problem, q_, k_, v_)
         dout = cupy.random.standard_normal(q.shape, dtype=np.float32).astype(q.dtype)
 
@@ -97,7 +98,8 @@ def sdpa_runner(backend_name):
 
     backend = getattr(SDPBackend, backend_name)
 
-    def run(q, k, v, causal):
+    def run(q, k, v, causal, **variant):
+        no_variant(variant)
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
 
         def call():
@@ -116,7 +118,8 @@ def sdpa_backward_runner(backend_name):
 
     backend = getattr(SDPBackend, backend_name)
 
-    def run(q, k, v, causal):
+    def run(q, k, v, causal, **variant):
+        no_variant(variant)
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
         with sdpa_kernel(backend):
             out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
@@ -133,7 +136,8 @@ def sdpa_step_runner(backend_name):
 
     backend = getattr(SDPBackend, backend_name)
 
-    def run(q, k, v, causal):
+    def run(q, k, v, causal, **variant):
+        no_variant(variant)
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
         dout = torch.randn_like(tq)
 
@@ -148,6 +152,63 @@ def sdpa_step_runner(backend_name):
     return run
 
 
+def no_variant(variant):
+    if variant:
+        raise NotImplementedError(f"SDPA has no {sorted(variant)}")
+
+
+def flex_runner(which):
+    """FlexAttention (torch.compile'd, its Triton kernels) with the catalogue variant as a score_mod
+    and a block mask: forward, backward alone, or both, as the SDPA runners."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention)
+
+    def run(q, k, v, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+        batch, seqlen_q, nheads, _ = q.shape
+        seqlen_k = k.shape[1]
+        left, right, window = window_bounds(seqlen_q, seqlen_k, causal, window_size)
+        offset = seqlen_k - seqlen_q
+        slopes = torch.from_dlpack(alibi_slopes) if alibi_slopes is not None else None
+        if slopes is not None and slopes.dim() == 1:
+            slopes = slopes[None].expand(batch, nheads)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            if softcap > 0:
+                score = softcap * torch.tanh(score / softcap)
+            if slopes is not None:
+                score = score - slopes[b, h] * (q_idx + offset - kv_idx).abs()
+            return score
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            diagonal = q_idx + offset
+            return (kv_idx >= diagonal - left) & (kv_idx <= diagonal + right)
+
+        block_mask = create_block_mask(mask_mod, None, None, seqlen_q, seqlen_k) if window else None
+        modded = softcap > 0 or slopes is not None
+        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_(which != "forward")
+                      for x in (q, k, v))
+
+        def forward():
+            return compiled(tq, tk, tv, score_mod=score_mod if modded else None, block_mask=block_mask)
+
+        if which == "forward":
+            return forward
+        dout = torch.randn_like(tq)
+        if which == "backward":
+            out = forward()
+            return lambda: out.backward(dout, retain_graph=True)
+
+        def step():
+            tq.grad = tk.grad = tv.grad = None
+            forward().backward(dout)
+
+        return step
+
+    return run
+
+
 # FLOPs of each pass as a multiple of the forward's (flash-attn's count: the backward does 2.5x).
 PASSES = {
     "forward": (1.0, nbflash_runner, sdpa_runner),
@@ -156,7 +217,8 @@ PASSES = {
 }
 
 
-def naive_runner(q, k, v, causal):
+def naive_runner(q, k, v, causal, **variant):
+    no_variant(variant)
     return lambda: naive_attention(q, k, v, causal)
 
 
@@ -166,6 +228,11 @@ def main(argv=None):
     parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
     parser.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    parser.add_argument(
+        "--variants", nargs="+", default=None, metavar="NAME",
+        help=f"attention variants from nbflash.catalogue ({', '.join(VARIANTS)}), each a row, instead of "
+        "--causal; adds FlexAttention (torch.compile) as an anchor; FLOPs count the visible scores only",
+    )
     parser.add_argument("--families", nargs="+", default=list(configs.FAMILIES))
     parser.add_argument("--no-naive", action="store_true")
     parser.add_argument("--no-torch", action="store_true")
@@ -196,17 +263,22 @@ def main(argv=None):
             runners["SDPA cuDNN"] = sdpa("CUDNN_ATTENTION")
         else:
             print("torch not importable: no SDPA anchors", file=sys.stderr)
-    if not args.no_naive and args.which == "forward":
+    if args.variants and not args.no_torch and importlib.util.find_spec("torch"):
+        runners["Flex"] = flex_runner(args.which)
+    if not args.no_naive and args.which == "forward" and not args.variants:
         runners["naive CuPy"] = naive_runner
 
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    variants = args.variants or [("causal" if c else "plain") for c in causals]
     cases = [
-        (d, n, c, dt) for dt in args.dtypes for d in args.headdims for c in causals for n in args.seqlens
+        (d, n, name, dt) for dt in args.dtypes for d in args.headdims for name in variants for n in args.seqlens
     ]
     rows = []
-    for index, (headdim, seqlen, causal, dtype) in enumerate(cases):
+    for index, (headdim, seqlen, name, dtype) in enumerate(cases):
         nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
-        left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
+        variant = variant_arguments(name, batch, nheads, seqlen, cupy)
+        causal = variant.pop("causal", False)
+        left, right, _ = window_bounds(seqlen, seqlen, causal, variant.get("window_size", (-1, -1)))
         flops = 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim * flop_factor
         rng = np.random.default_rng(index)
         q, k, v = (
@@ -216,19 +288,21 @@ def main(argv=None):
             for _ in range(3)
         )
         row = {"dtype": dtype, "hdim": headdim, "seqlen": seqlen, "causal": causal}
+        if args.variants:
+            row = {"dtype": dtype, "hdim": headdim, "seqlen": seqlen, "variant": name}
         for name, make in runners.items():
             if name.startswith("SDPA") and dtype == "float32":
                 row[name] = "-"
                 continue
             try:
-                ms = time_ms(make(q, k, v, causal), warmup=2, repeats=10, budget_s=args.budget)
+                ms = time_ms(make(q, k, v, causal, **variant), warmup=2, repeats=10, budget_s=args.budget)
                 row[name] = round(flops / ms / 1e9, 1)
             except Exception as error:  # out of memory, unsupported by a backend, ...
                 row[name] = "oom" if "memory" in str(error).lower() else "n/a"
                 print(f"  {name}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
             cupy.get_default_memory_pool().free_all_blocks()
         ours = [row[n] for n in runners if n.startswith("nbflash") and isinstance(row[n], float)]
-        for anchor in ("SDPA flash", "naive CuPy"):
+        for anchor in ("SDPA flash", "naive CuPy", "Flex"):
             if ours and isinstance(row.get(anchor), float):
                 row[f"best/{anchor}"] = round(max(ours) / row[anchor], 2)
         rows.append(row)

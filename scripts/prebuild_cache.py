@@ -78,6 +78,24 @@ def configurations(dtypes, headdims, families, cc, unaligned=False, variants=Non
     return list(jobs)
 
 
+def catalogue_variants(names):
+    """The static variants (nbflash.problem.Variant) the named catalogue entries compile."""
+    import numpy as np
+
+    from nbflash.catalogue import variant_arguments
+    from nbflash.problem import Variant, window_bounds
+
+    found = []
+    for name in names:
+        arguments = variant_arguments(name, 2, 4, 1024, np)
+        window = window_bounds(1024, 1024, arguments.get("causal", False), arguments.get("window_size", (-1, -1)))[2]
+        variant = Variant(window=window, softcap=arguments.get("softcap", 0) > 0,
+                          alibi=arguments.get("alibi_slopes") is not None)
+        if variant not in found:
+            found.append(variant)
+    return found
+
+
 def build_one(config, cc, cache_dir):
     os.environ["NBFLASH_CACHE_DIR"] = cache_dir
     pretend_gpu(cc)
@@ -112,11 +130,17 @@ def main():
     parser.add_argument("--headdims", type=int, nargs="+", default=[32, 64, 96, 128, 256])
     parser.add_argument("--families", nargs="+", default=["portable", "mma"], choices=["portable", "mma"])
     parser.add_argument("--unaligned", action="store_true", help="also the forward for unaligned rows")
+    parser.add_argument(
+        "--variants", nargs="+", default=None, metavar="NAME",
+        help="the nbflash.catalogue variants to build (default: plain and causal, i.e. no feature and "
+        "the window)",
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     args = parser.parse_args()
     cc = tuple(int(x) for x in args.cc.split("."))
     os.makedirs(args.cache_dir, exist_ok=True)
-    jobs = configurations(args.dtypes, args.headdims, args.families, cc, args.unaligned)
+    jobs = configurations(args.dtypes, args.headdims, args.families, cc, args.unaligned,
+                          catalogue_variants(args.variants) if args.variants else None)
     # Slowest first (tensor-core kernels, large head dims), so the pool ends evenly.
     jobs.sort(key=lambda config: ("Mma" in type(config).__name__, config.headdim), reverse=True)
     print(f"{len(jobs)} kernels for cc {args.cc} into {args.cache_dir}", flush=True)

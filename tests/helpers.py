@@ -29,12 +29,13 @@ def to_numpy(x):
     return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
-def assert_attention_close(out, lse, q, k, v, causal, softmax_scale=None):
-    """out (and lse, if given) against float64, under flash-attn's twice-the-naive-error rule."""
+def assert_attention_close(out, lse, q, k, v, causal, softmax_scale=None, **variant):
+    """out (and lse, if given) against float64, under flash-attn's twice-the-naive-error rule;
+    ``variant``: window_size, softcap, alibi_slopes, as given to flash_attn_func."""
     dtype = nbflash.dtypes.dtype_name(q.dtype)
     assert out.shape == q.shape and out.dtype == q.dtype
-    ref, ref_lse = nbflash.attention_reference(q, k, v, softmax_scale, causal, return_lse=True)
-    naive = nbflash.attention_naive(q, k, v, softmax_scale, causal)
+    ref, ref_lse = nbflash.attention_reference(q, k, v, softmax_scale, causal, return_lse=True, **variant)
+    naive = nbflash.attention_naive(q, k, v, softmax_scale, causal, **variant)
     out64 = to_numpy(out).astype(np.float64)
     ref, ref_lse, naive = to_numpy(ref), to_numpy(ref_lse), to_numpy(naive)
     assert not np.isnan(out64).any(), "out has NaN (an element left unwritten, or a 0/0)"

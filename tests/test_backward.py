@@ -32,14 +32,14 @@ def random_like(rng, xp, x, heads_first=False):
     return y.transpose(0, 2, 1, 3) if heads_first else y
 
 
-def assert_gradients_close(grads, dout, q, k, v, causal, softmax_scale=None):
+def assert_gradients_close(grads, dout, q, k, v, causal, softmax_scale=None, **variant):
     """dq, dk, dv against float64, under flash-attn's twice-the-naive-error rule.
 
     The floor is relative to the largest reference gradient: gradients are not O(1) like outputs.
     """
     dtype = dtype_name(q.dtype)
-    refs = attention_reference_backward(dout, q, k, v, softmax_scale, causal)
-    naives = attention_naive_backward(dout, q, k, v, softmax_scale, causal)
+    refs = attention_reference_backward(dout, q, k, v, softmax_scale, causal, **variant)
+    naives = attention_naive_backward(dout, q, k, v, softmax_scale, causal, **variant)
     for name, grad, x, ref, naive in zip(("dq", "dk", "dv"), grads, (q, k, v), refs, naives):
         assert grad.shape == x.shape and grad.dtype == x.dtype, name
         grad64, ref = to_numpy(grad).astype(np.float64), to_numpy(ref)
@@ -54,9 +54,9 @@ def forward(q, k, v, softmax_scale=None, causal=False):
     """(out, lse) from the forward. On a GPU, the default kernel family (what a user's backward
     follows); in the simulator the portable one, which it emulates far faster than tensor cores."""
     if not SIMULATOR:
-        return nbflash.flash_attn_func(q, k, v, softmax_scale, causal, return_lse=True)
+        return nbflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True)
     with nbflash.kernel_family("portable"):
-        return nbflash.flash_attn_func(q, k, v, softmax_scale, causal, return_lse=True)
+        return nbflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True)
 
 
 def portable_backward(*args, family="portable", **kwargs):
@@ -73,7 +73,8 @@ def run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtyp
     q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, heads_first)
     dout = random_like(rng, xp, q, heads_first)
     out, lse = forward(q, k, v, softmax_scale, causal)
-    grads = portable_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, family=family)
+    grads = portable_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
+                              deterministic=deterministic, family=family)
     assert_gradients_close(grads, dout, q, k, v, causal, softmax_scale)
     return grads
 

@@ -37,4 +37,5 @@ def test_hooks_match_the_geometry(seqlen_q, seqlen_k, window, block):
 
 def test_params_follow_the_variant():
     assert variants.param_types(Variant()) == ()
-    assert [t.name for t in variants.param_types(Variant(window=True))] == ["int32", "int32"]
+    assert variants.param_types(Variant(window=True)) == ("int32", "int32")
+    assert variants.param_types(Variant(window=True, softcap=True, alibi=True))[2:] == ("float32", "float32[:,:]")

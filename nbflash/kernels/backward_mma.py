@@ -249,6 +249,7 @@ def build_backward_mma(config: MmaBackwardConfig):
     ATOMIC_DQ, ALIGNED, VECTOR_DQ = config.atomic_dq, config.aligned, config.vector_dq
     hooks = variants.hooks(config.variant)
     key_tiles, query_tiles, row_keys, hidden = hooks.key_tiles, hooks.query_tiles, hooks.row_keys, hooks.hidden
+    SCORE, score_grad, score_slope = hooks.SCORE, hooks.score_grad, hooks.score_slope
     CHUNKS = HDP // 8  # 16-byte chunks of a padded tile row (the aligned path's cp.async copies)
     ROW_BYTES, DS_ROW_BYTES = ROW * 2, DS_ROW * 2
     KT = HDP // 16  # k-steps over headdim (S, dP)
@@ -354,11 +355,11 @@ def build_backward_mma(config: MmaBackwardConfig):
 
     @inline_device
     @unroll
-    def softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, scale_log2, g, t,
-                       masked):
-        """S^T -> P^T and dP^T -> dS^T = P^T * (dP^T - D), in place. ``key0`` is the warp's first
-        key; masked entries (keys past seqlen_k, or outside a query's window) get P = dS = 0.
-        `masked` is a constant at each call site."""
+    def softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, slope, scale_log2, scale,
+                       g, t, masked):
+        """S^T -> P^T and dP^T -> dS^T = P^T * (dP^T - D), in place (times the score features'
+        derivative). ``key0`` is the warp's first key; masked entries (keys past seqlen_k, or
+        outside a query's window) get P = dS = 0. `masked` is a constant at each call site."""
         for nt in static_range(QNT):
             for e in static_range(2):
                 c = nt * 8 + 2 * t + e  # the query column, within the tile
@@ -366,12 +367,18 @@ def build_backward_mma(config: MmaBackwardConfig):
                 d_c = d_s[c]
                 lo, hi = row_keys(q_start + c, seqlen_q, seqlen_k, params)  # used by the masked copy
                 for r in static_range(2):
-                    p = exp2_approx(s[nt, 2 * r + e] * scale_log2 - lse_c)
+                    grad = float32(1)
+                    if SCORE:
+                        x, grad = score_grad(s[nt, 2 * r + e] * scale, q_start + c, key0 + g + 8 * r, seqlen_q,
+                                             seqlen_k, params, slope)
+                        p = exp2_approx(x * float32(LOG2E) - lse_c)
+                    else:
+                        p = exp2_approx(s[nt, 2 * r + e] * scale_log2 - lse_c)
                     if masked:
                         if hidden(key0 + g + 8 * r, lo, hi):
                             p = float32(0)
                     s[nt, 2 * r + e] = p
-                    dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] - d_c)
+                    dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] - d_c) * grad
 
     @inline_device
     @unroll
@@ -548,6 +555,7 @@ def build_backward_mma(config: MmaBackwardConfig):
 
         for step in range(steps):
             h = hk * group + step // tiles_per_head
+            slope = score_slope(params, b, h)  # ALiBi's slope of this head (0 without)
             i = first_tile + step % tiles_per_head
             q_start = i * BM
             if tid < BM:
@@ -562,11 +570,11 @@ def build_backward_mma(config: MmaBackwardConfig):
 
             # P^T and dS^T; the mask only on tiles crossing the window's edges or the key tail
             if tail or i < first_full or i >= end_full:
-                softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, scale_log2,
-                               g, t, True)
+                softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, slope, scale_log2,
+                               scale, g, t, True)
             else:
-                softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, scale_log2,
-                               g, t, False)
+                softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, slope, scale_log2,
+                               scale, g, t, False)
 
             # dV_j += P^T dO_i and dK_j += dS^T Q_i
             mma_keys_acc(dv_acc, s, do_tile, a_lane)
@@ -610,17 +618,26 @@ def build_backward_mma(config: MmaBackwardConfig):
 
     @inline_device
     @unroll
-    def softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, n_start, scale_log2, g, t, masked):
-        """dP -> dS = P * (dP - D) in place, P = exp2(S * scale_log2 - lse_log2) of the lane's rows
-        g and g + 8 (which see the keys key_lo[r] <= key < key_hi[r]); 0 for the other keys."""
+    def softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, first_row, n_start, seqlen_q, seqlen_k, params,
+                     slope, scale_log2, scale, g, t, masked):
+        """dP -> dS = P * (dP - D) in place (times the score features' derivative), P = exp2(S *
+        scale_log2 - lse_log2) of the lane's rows g and g + 8 (which see the keys
+        key_lo[r] <= key < key_hi[r]); 0 for the other keys."""
         for r in static_range(2):
             for nt in static_range(KNT):
                 for e in static_range(2):
-                    p = exp2_approx(s[nt, 2 * r + e] * scale_log2 - lse_row[r])
+                    key = n_start + nt * 8 + 2 * t + e
+                    grad = float32(1)
+                    if SCORE:
+                        x, grad = score_grad(s[nt, 2 * r + e] * scale, first_row + g + 8 * r, key, seqlen_q, seqlen_k,
+                                             params, slope)
+                        p = exp2_approx(x * float32(LOG2E) - lse_row[r])
+                    else:
+                        p = exp2_approx(s[nt, 2 * r + e] * scale_log2 - lse_row[r])
                     if masked:
-                        if hidden(n_start + nt * 8 + 2 * t + e, key_lo[r], key_hi[r]):
+                        if hidden(key, key_lo[r], key_hi[r]):
                             p = float32(0)
-                    dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] - d_row[r])
+                    dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] - d_row[r]) * grad
 
     @cuda.jit
     @unroll
@@ -643,6 +660,7 @@ def build_backward_mma(config: MmaBackwardConfig):
         k_tile = base + uint32(K_TILE_Q * 2)
         v_tile = base + uint32(V_TILE_Q * 2)
 
+        slope = score_slope(params, b, h)  # ALiBi's slope of this head (0 without)
         # lse_log2, D and the visible keys [key_lo, key_hi) of the lane's two rows, g and g + 8
         lse_row = cuda.local.array(2, float32)
         d_row = cuda.local.array(2, float32)
@@ -684,9 +702,11 @@ def build_backward_mma(config: MmaBackwardConfig):
 
             # dS = P * (dP - D); the mask only on tiles crossing the window's edges or the key tail
             if first_full <= j and j < end_full:
-                softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, n_start, scale_log2, g, t, False)
+                softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, first_row, n_start, seqlen_q, seqlen_k, params,
+                             slope, scale_log2, scale, g, t, False)
             else:
-                softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, n_start, scale_log2, g, t, True)
+                softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, first_row, n_start, seqlen_q, seqlen_k, params,
+                             slope, scale_log2, scale, g, t, True)
 
             # dQ_i += dS K_j
             mma_queries_acc(dq_acc, dp, k_tile, a_lane)

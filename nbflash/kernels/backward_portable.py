@@ -125,6 +125,7 @@ def build_backward_portable(config):
     HEADDIM = config.headdim
     hooks = variants.hooks(config.variant)
     key_tiles, query_tiles, row_keys, hidden = hooks.key_tiles, hooks.query_tiles, hooks.row_keys, hooks.hidden
+    SCORE, score_grad, score_slope = hooks.SCORE, hooks.score_grad, hooks.score_slope
     BLOCK_M = config.block_m
     BLOCK_N = config.block_n
     THREADS_PER_ROW = config.threads_per_row
@@ -212,22 +213,27 @@ def build_backward_portable(config):
 
     @cuda.jit(device=True, inline=True)
     def probabilities_column(Q_s, dO_s, K_s, V_s, P_s, dS_s, lse_s, D_s, row, lane, k_idx, q_start,
-                             seqlen_q, seqlen_k, params, scale_log2, masked):
+                             seqlen_q, seqlen_k, params, slope, scale_log2, scale, masked):
         """P_s[row, c] = P[c, row] and dS_s[row, c] = dS[c, row] for this thread's query columns c.
 
         ``row`` is a key row of the tile (key ``k_idx``). Masked entries (keys past seqlen_k, keys
-        outside the query's window) get P = dS = 0.
+        outside the query's window) get P = dS = 0. With a score feature, dS carries its derivative.
         """
         for i in range(BLOCK_M // THREADS_PER_ROW):
             c = lane + i * THREADS_PER_ROW
             s, dp = dot_pair(Q_s, c, K_s, row, dO_s, c, V_s, row)
-            p = math.exp2(s * scale_log2 - lse_s[c])
+            grad = float32(1.0)
+            if SCORE:
+                x, grad = score_grad(s * scale, q_start + c, k_idx, seqlen_q, seqlen_k, params, slope)
+                p = math.exp2(x * float32(LOG2E) - lse_s[c])
+            else:
+                p = math.exp2(s * scale_log2 - lse_s[c])
             if masked:
                 lo, hi = row_keys(q_start + c, seqlen_q, seqlen_k, params)
                 if hidden(k_idx, lo, hi):
                     p = float32(0.0)
             P_s[row, c] = p
-            dS_s[row, c] = p * (dp - D_s[c])
+            dS_s[row, c] = p * (dp - D_s[c]) * grad
 
     @cuda.jit(device=True, inline=True)
     def accumulate_dkdv(P_s, dS_s, Q_s, dO_s, row, lane, dk_acc, dv_acc):
@@ -297,6 +303,7 @@ def build_backward_portable(config):
 
         # ---- Loop over the query heads of the group, and over their Q_i, dO_i -------------------
         for head in range(head_k * group, head_k * group + group):
+            slope = score_slope(params, batch, head)  # ALiBi's slope of this head (0 without)
             for i in range(first_tile, end_tile):
                 q_start = i * BLOCK_M
                 q_rows = min(BLOCK_M, seqlen_q - q_start)
@@ -309,7 +316,7 @@ def build_backward_portable(config):
 
                 masked = tail or i < first_full or i >= end_full
                 probabilities_column(Q_s, dO_s, K_s, V_s, P_s, dS_s, lse_s, D_s, row, lane, k_idx,
-                                     q_start, seqlen_q, seqlen_k, params, scale_log2, masked)
+                                     q_start, seqlen_q, seqlen_k, params, slope, scale_log2, scale, masked)
                 cuda.syncthreads()  # P^T and dS^T rows, written by all their threads, are complete
 
                 accumulate_dkdv(P_s, dS_s, Q_s, dO_s, row, lane, dk_acc, dv_acc)
@@ -327,19 +334,23 @@ def build_backward_portable(config):
     # ------------------------------------------------------------------------------------------
 
     @cuda.jit(device=True, inline=True)
-    def ds_row(Q_s, dO_s, K_s, V_s, dS_s, row, lane, k_start, key_lo, key_hi, lse_row, delta_row,
-               scale_log2, masked):
-        """dS_s[row, c] = P * (dP - D) for this thread's key columns c; 0 where masked (the row sees
-        the keys key_lo <= key < key_hi)."""
+    def ds_row(Q_s, dO_s, K_s, V_s, dS_s, row, lane, q_idx, k_start, key_lo, key_hi, lse_row, delta_row,
+               seqlen_q, seqlen_k, params, slope, scale_log2, scale, masked):
+        """dS_s[row, c] = P * (dP - D) for this thread's key columns c (times the score features'
+        derivative); 0 where masked (query q_idx sees the keys key_lo <= key < key_hi)."""
         for i in range(BLOCK_N // THREADS_PER_ROW):
             c = lane + i * THREADS_PER_ROW
             s, dp = dot_pair(Q_s, row, K_s, c, dO_s, row, V_s, c)
-            p = math.exp2(s * scale_log2 - lse_row)
+            grad = float32(1.0)
+            if SCORE:
+                x, grad = score_grad(s * scale, q_idx, k_start + c, seqlen_q, seqlen_k, params, slope)
+                p = math.exp2(x * float32(LOG2E) - lse_row)
+            else:
+                p = math.exp2(s * scale_log2 - lse_row)
             if masked:
-                k_idx = k_start + c
-                if hidden(k_idx, key_lo, key_hi):
+                if hidden(k_start + c, key_lo, key_hi):
                     p = float32(0.0)
-            dS_s[row, c] = p * (dp - delta_row)
+            dS_s[row, c] = p * (dp - delta_row) * grad
 
     @cuda.jit(device=True, inline=True)
     def accumulate_dq(dS_s, K_s, row, lane, dq_acc):
@@ -365,6 +376,7 @@ def build_backward_portable(config):
         q_idx = q_start + row
         q_rows = min(BLOCK_M, seqlen_q - q_start)
         key_lo, key_hi = row_keys(q_idx, seqlen_q, seqlen_k, params)  # the keys this row sees
+        slope = score_slope(params, batch, head)  # ALiBi's slope of this head (0 without)
         lse_row = lse_log2(lse, batch, head, q_idx, seqlen_q)
         delta_row = delta[batch, head, q_idx] if q_idx < seqlen_q else float32(0.0)
 
@@ -393,8 +405,8 @@ def build_backward_portable(config):
             cuda.syncthreads()  # K_j, V_j (and Q_i, dO_i on the first pass) are in shared memory
 
             masked = j < first_full or j >= end_full
-            ds_row(Q_s, dO_s, K_s, V_s, dS_s, row, lane, k_start, key_lo, key_hi, lse_row,
-                   delta_row, scale_log2, masked)
+            ds_row(Q_s, dO_s, K_s, V_s, dS_s, row, lane, q_idx, k_start, key_lo, key_hi, lse_row,
+                   delta_row, seqlen_q, seqlen_k, params, slope, scale_log2, scale, masked)
             cuda.syncthreads()  # the row's dS, written by all its threads, is complete
 
             accumulate_dq(dS_s, K_s, row, lane, dq_acc)

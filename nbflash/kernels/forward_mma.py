@@ -22,10 +22,11 @@ see. With a window (causal is the window (-1, 0)), blockIdx.x is reversed so tha
 with the most keys start first.
 
 Variants (nbflash/kernels/variants.py): the window's sizes arrive in ``params`` and the visible key
-ranges and tile segments come from nbflash/kernels/geometry.py, as in every kernel. The softmax
-scale is folded into the exponent (one FFMA per score, on the unscaled max) when it is positive;
-otherwise (``fold_scale=False``) the scores are scaled first, since the max of s * scale is then not
-the scaled max.
+ranges and tile segments come from nbflash/kernels/geometry.py, as in every kernel. Without a score
+feature the softmax scale is folded into the exponent (one FFMA per score, on the unscaled max) when
+it is positive; otherwise (``fold_scale=False``) the scores are scaled first, since the max of
+s * scale is then not the scaled max. With a score feature (softcap, ALiBi) the scores are scaled to
+natural units, transformed by the variant's ``score`` and turned to base 2 before the mask.
 
 Grid and threads: grid = (ceil(seqlen_q / block_m), nheads, batch); block = 32 * num_warps threads.
 Warp w owns query rows [w * rows_per_warp, (w + 1) * rows_per_warp) of the block's tile, in m_tiles
@@ -84,6 +85,7 @@ from nbflash.primitives import (
 from . import variants
 
 LN2 = math.log(2.0)
+LOG2E = math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ class MmaForwardConfig:
     q_in_registers: bool | None = None
     sub_n: int = 0  # keys per S register tile (a divisor of block_n, multiple of 16); 0: block_n
     skip_rescale: bool = False  # branch around acc *= alpha when a row's max did not change
-    fold_scale: bool = True  # the scale is positive: fold it into exp2 (see the module docstring)
+    fold_scale: bool = True  # the scale is positive: fold it into exp2 (not with a score feature)
 
     def __post_init__(self):
         if self.dtype not in ("float16", "bfloat16"):
@@ -172,9 +174,10 @@ def build_forward_mma(config: MmaForwardConfig):
     PT = SUB_N // 16  # k-steps of O += P V (over keys)
     DT = HDP // 8  # 8-column tiles of O (over headdim)
     ALIGNED, Q_IN_REGISTERS = config.aligned, config.use_q_registers
-    SKIP_RESCALE, FOLD_SCALE = config.skip_rescale, config.fold_scale
     hooks = variants.hooks(config.variant)
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
+    SCORE, score, score_slope = hooks.SCORE, hooks.score, hooks.score_slope
+    SKIP_RESCALE, FOLD_SCALE = config.skip_rescale, config.fold_scale and not SCORE
     ROW_BYTES = ROW * 2
     Q_BYTES, KV_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
     CHUNKS = HDP // 8  # 16-byte chunks per row
@@ -303,6 +306,20 @@ def build_forward_mma(config: MmaForwardConfig):
 
     @inline_device
     @unroll
+    def score_scores(s, first_row, n_start, seqlen_q, seqlen_k, params, slope, scale, g, t):
+        """S = score(S * scale) * log2(e): the variant's score features on natural-unit scores,
+        then the exponent's units."""
+        for mt in static_range(MT):
+            for r in static_range(2):
+                row = first_row + mt * 16 + g + 8 * r
+                for nt in static_range(NT):
+                    for e in static_range(2):
+                        x = s[mt, nt, 2 * r + e] * scale
+                        key = n_start + nt * 8 + 2 * t + e
+                        s[mt, nt, 2 * r + e] = score(x, row, key, seqlen_q, seqlen_k, params, slope) * float32(LOG2E)
+
+    @inline_device
+    @unroll
     def mask_scores(s, first_row, n_start, seqlen_q, seqlen_k, params, g, t):
         """-inf where the row does not see the key: past the end, or outside its window."""
         for mt in static_range(MT):
@@ -396,7 +413,8 @@ def build_forward_mma(config: MmaForwardConfig):
     @inline_device
     @unroll
     def attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
-                    scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, g, t, masked):
+                    scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, slope, scale,
+                    g, t, masked):
         """One K/V tile into the warp's running (m_i, l_i, acc), SUB_N keys at a time (S lives in
         registers, SUB_N columns wide). `masked` is a constant at each call site: the unmasked copy
         has no masking code for the compiler to predicate into every tile."""
@@ -418,7 +436,9 @@ def build_forward_mma(config: MmaForwardConfig):
 
                 # S = Q_i K_j^T (in the exponent's units, if the scale is not folded into exp2)
                 mma_q_kt(s, q_frag, q_warp, q_lane, k_sub, k_lane)
-                if not FOLD_SCALE:
+                if SCORE:
+                    score_scores(s, first_row, sub_start, seqlen_q, seqlen_k, params, slope, scale, g, t)
+                elif not FOLD_SCALE:
                     scale_scores(s, scale_log2)
 
                 # Mask where some row of the warp does not see every key of the sub-tile.
@@ -459,6 +479,8 @@ def build_forward_mma(config: MmaForwardConfig):
         first_tile, first_full, end_full, end_tile = key_tiles(
             m_start, min(m_start + BM, seqlen_q), seqlen_q, seqlen_k, params, BN)
         softmax_log2 = scale_log2 if FOLD_SCALE else float32(1)  # what multiplies S in exp2
+        scale = scale_log2 * float32(LN2)  # the softmax scale itself, for the score features
+        slope = score_slope(params, b, h)  # ALiBi's slope of this head (0 without)
 
         # ---- Prologue: Q_i and the first K/V tile in flight; Q_i into registers ----
         load_q_tile(smem, base, q, b, m_start, h, seqlen_q)
@@ -508,12 +530,12 @@ def build_forward_mma(config: MmaForwardConfig):
             # (the window's edges, the sequence tail) go through the masked copy of the same step.
             if first_full <= j and j < end_full:
                 attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
-                            scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, g, t,
-                            False)
+                            scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, slope,
+                            scale, g, t, False)
             else:
                 attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
-                            scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, g, t,
-                            True)
+                            scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, slope,
+                            scale, g, t, True)
 
         # ---- Epilogue: normalise and write O_i and lse_i ----
         write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, softmax_log2, g, t)

@@ -62,6 +62,7 @@ from . import variants
 from .tiles import element_io, tile_loader
 
 LN2 = math.log(2.0)
+LOG2E = math.log2(math.e)
 NEG_INF = float32(-math.inf)
 
 
@@ -107,6 +108,7 @@ def build_forward_portable(config):
     HEADDIM = config.headdim
     hooks = variants.hooks(config.variant)
     key_tiles, row_keys, hidden = hooks.key_tiles, hooks.row_keys, hooks.hidden
+    SCORE, score, score_slope = hooks.SCORE, hooks.score, hooks.score_slope
     BLOCK_M = config.block_m
     BLOCK_N = config.block_n
     THREADS_X = config.threads_x
@@ -136,6 +138,16 @@ def build_forward_portable(config):
                 k_val = K_s[tx + THREADS_X * c, d]
                 for r in range(ROWS):
                     s[r * COLS + c] += Q_s[row0 + r, d] * k_val
+
+    @cuda.jit(device=True, inline=True)
+    def score_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params, slope):
+        """s = score(s) * log2(e): the variant's score features on natural-unit scores (Q_i was
+        scaled by the softmax scale alone), then the exponent's units."""
+        for r in range(ROWS):
+            for c in range(COLS):
+                x = score(s[r * COLS + c], q_start + row0 + r, k_start + tx + THREADS_X * c, seqlen_q, seqlen_k,
+                          params, slope)
+                s[r * COLS + c] = x * float32(LOG2E)
 
     @cuda.jit(device=True, inline=True)
     def mask_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params):
@@ -214,7 +226,9 @@ def build_forward_portable(config):
             q_start, q_start + q_rows, seqlen_q, seqlen_k, params, BLOCK_N)
 
         # ---- Load Q_i once, pre-scaled so that scores come out in base 2 -----------------------
-        load_tile(q, batch, q_start, head, q_rows, Q_s, scale_log2)
+        # (natural units instead when a score feature needs them; it returns them in base 2)
+        slope = score_slope(params, batch, head)  # ALiBi's slope of this head (0 without)
+        load_tile(q, batch, q_start, head, q_rows, Q_s, scale_log2 * float32(LN2) if SCORE else scale_log2)
 
         # ---- Loop over K_j, V_j ----------------------------------------------------------------
         for j in range(first_tile, end_tile):
@@ -225,6 +239,8 @@ def build_forward_portable(config):
             cuda.syncthreads()  # K_j, V_j (and Q_i on the first pass) are in shared memory
 
             scores(Q_s, K_s, row0, tx, s)
+            if SCORE:
+                score_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params, slope)
             if j < first_full or j >= end_full:
                 mask_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params)
             for r in range(ROWS):

@@ -21,7 +21,7 @@ from .forward_portable import PortableForwardConfig, build_forward_portable
 
 
 def _params(config):
-    names = ", ".join(t.name for t in variants.param_types(config.variant))
+    names = ", ".join(variants.param_types(config.variant))
     return f"Tuple(({names}{',' if names else ''}))"
 
 

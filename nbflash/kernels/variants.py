@@ -9,27 +9,103 @@ built here at fixed points of its tile step:
   arithmetic); without a window they reduce to the sequence bounds and ``WINDOW`` is False;
 - the **mask** point, before the row max: an element is dropped iff ``hidden(key, lo, hi)`` for
   its row's ``row_keys``; tiles that every row sees whole skip the test;
-- the score point (after Q K^T) and the probability point (after exp, before P V) are where the
-  score and probability features enter (``nbflash.problem.PARAMS`` lists the features there are).
+- the **score** point, right after Q K^T: with a score feature (``SCORE``) the kernel scales the
+  scores to natural units, ``x = q.k * softmax_scale``, and ``score(x, row, key, ...)`` applies
+  the features in flash-attn's order: softcap (``c * tanh(x / c)``), then ALiBi
+  (``- slope * |row + seqlen_k - seqlen_q - key|``, the slope from ``score_slope(params, b, h)``
+  once per head). The backward calls ``score_grad``, which also returns d score / d x;
+- the probability point (after exp, before P V) is where dropout will enter.
 
 A feature the variant does not have compiles to nothing: the flags are closure constants of each
 kernel's builder.
 """
 
+import math
 from functools import lru_cache
 
-from numba import int32
+from numba import float32
 from numba.extending import register_jitable
 
 from . import geometry
 
-# The kernel type of each runtime value (``nbflash.problem.PARAMS`` gives their order).
-PARAM_TYPES = {"window_left": int32, "window_right": int32}
+# The kernel type of each runtime value, as a signature spells it (``nbflash.problem.PARAMS``
+# gives their order). The ALiBi slopes are (batch, nheads), any strides (stride 0 over batch when
+# the caller gave one slope per head).
+PARAM_TYPES = {
+    "window_left": "int32",
+    "window_right": "int32",
+    "softcap": "float32",
+    "alibi_slopes": "float32[:,:]",
+}
 
 
 def param_types(variant):
-    """The Numba types of ``params`` for ``variant``, in order."""
+    """The signature types of ``params`` for ``variant``, in order."""
     return tuple(PARAM_TYPES[name] for name in variant.param_names())
+
+
+def _score_steps(variant, names):
+    """(score, score_grad) device functions of each score feature, in the order they apply: each
+    takes ``(x, row, key, seqlen_q, seqlen_k, params, slope)``; score_grad returns (y, dy/dx)."""
+    steps = []
+    if variant.softcap:
+        SOFTCAP = names.index("softcap")
+
+        @register_jitable
+        def softcap(x, row, key, seqlen_q, seqlen_k, params, slope):
+            cap = params[SOFTCAP]
+            return cap * math.tanh(x / cap)
+
+        @register_jitable
+        def softcap_grad(x, row, key, seqlen_q, seqlen_k, params, slope):
+            cap = params[SOFTCAP]
+            t = math.tanh(x / cap)
+            return cap * t, float32(1) - t * t
+
+        steps.append((softcap, softcap_grad))
+    if variant.alibi:
+
+        @register_jitable
+        def alibi(x, row, key, seqlen_q, seqlen_k, params, slope):
+            return x - slope * float32(abs(row + seqlen_k - seqlen_q - key))
+
+        @register_jitable
+        def alibi_grad(x, row, key, seqlen_q, seqlen_k, params, slope):
+            return alibi(x, row, key, seqlen_q, seqlen_k, params, slope), float32(1)
+
+        steps.append((alibi, alibi_grad))
+    return steps
+
+
+def _chain(steps):
+    """One (score, score_grad) pair applying ``steps`` in order (the identity for none)."""
+
+    @register_jitable
+    def score(x, row, key, seqlen_q, seqlen_k, params, slope):
+        return x
+
+    @register_jitable
+    def score_grad(x, row, key, seqlen_q, seqlen_k, params, slope):
+        return x, float32(1)
+
+    for step, step_grad in steps:
+        score, score_grad = _then(score, score_grad, step, step_grad)
+    return score, score_grad
+
+
+def _then(first, first_grad, step, step_grad):
+    @register_jitable
+    def score(x, row, key, seqlen_q, seqlen_k, params, slope):
+        return step(first(x, row, key, seqlen_q, seqlen_k, params, slope), row, key, seqlen_q, seqlen_k, params,
+                    slope)
+
+    @register_jitable
+    def score_grad(x, row, key, seqlen_q, seqlen_k, params, slope):
+        y, dy = first_grad(x, row, key, seqlen_q, seqlen_k, params, slope)
+        z, dz = step_grad(y, row, key, seqlen_q, seqlen_k, params, slope)
+        return z, dz * dy
+
+    return score, score_grad
 
 
 class Hooks:
@@ -85,6 +161,23 @@ class Hooks:
             return key >= hi or (WINDOW and key < lo)
 
         self.key_tiles, self.query_tiles, self.row_keys, self.hidden = key_tiles, query_tiles, row_keys, hidden
+
+        self.SCORE = variant.score
+        self.score, self.score_grad = _chain(_score_steps(variant, names))
+        if variant.alibi:
+            ALIBI = names.index("alibi_slopes")
+
+            @register_jitable
+            def score_slope(params, b, h):
+                return params[ALIBI][b, h]
+
+        else:
+
+            @register_jitable
+            def score_slope(params, b, h):
+                return float32(0)
+
+        self.score_slope = score_slope
 
 
 @lru_cache(maxsize=None)

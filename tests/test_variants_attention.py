@@ -1,0 +1,110 @@
+"""The built-in variants (sliding windows, softcap, ALiBi, and them combined) forward and backward, on
+both kernel families, against float64 under the twice-the-naive-error rule; the variants come from
+nbflash.catalogue, which the benchmarks time too.
+
+In the simulator: every variant on the portable kernels, the combinations on the tensor-core ones
+(small shapes; the tensor-core kernels are slow to emulate). On a GPU: the full grid.
+"""
+
+import numpy as np
+import pytest
+
+import nbflash
+from nbflash.backward import flash_attn_backward
+from nbflash.catalogue import VARIANTS, variant_arguments
+
+from .conftest import SIMULATOR
+from .helpers import assert_attention_close, poison_allocations, random_qkv, to_numpy
+from .test_backward import assert_gradients_close, random_like
+
+NAMES = [name for name in VARIANTS if name != "plain"]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    poison_allocations(monkeypatch)
+
+
+def split(arguments):
+    """(causal, the other variant arguments) of a catalogue entry."""
+    arguments = dict(arguments)
+    return arguments.pop("causal", False), arguments
+
+
+def run_forward(rng, xp, name, family, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim):
+    q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
+    causal, variant = split(variant_arguments(name, batch, nheads, seqlen_k, xp))
+    with nbflash.kernel_family(family):
+        out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **variant)
+    assert_attention_close(out, lse, q, k, v, causal, **variant)
+    return q, k, v, out, lse, causal, variant
+
+
+def run_backward(rng, xp, name, family, dtype, *shape, deterministic=False):
+    q, k, v, out, lse, causal, variant = run_forward(rng, xp, name, family, dtype, *shape)
+    dout = random_like(rng, xp, q)
+    with nbflash.kernel_family(family):
+        grads = flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic, **variant)
+    assert_gradients_close(grads, dout, q, k, v, causal, **variant)
+
+
+SMALL = (2, 21, 37, 2, 1, 16)  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim: GQA, tails
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+@pytest.mark.parametrize("name", NAMES)
+def test_variant_portable_small(rng, xp, name):
+    run_backward(rng, xp, name, "portable", "float32", *SMALL)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+@pytest.mark.parametrize("name", ["combined", "window-both"])
+def test_variant_mma_forward_small(rng, xp, name):
+    run_forward(rng, xp, name, "mma", "float16", *SMALL)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+def test_variant_mma_backward_small(rng, xp):
+    run_backward(rng, xp, "combined", "mma", "bfloat16", 1, 21, 37, 2, 1, 16)
+
+
+# ---- GPU: every variant x family x pass, awkward lengths and head dims -----------------------
+
+GPU_SHAPES = [(2, 113, 203, 4, 2, 40), (1, 203, 113, 6, 2, 59), (2, 1023, 1024, 4, 1, 64),
+              (1, 512, 2048, 2, 2, 128), (1, 300, 300, 2, 1, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family, dtype", [("mma", "float16"), ("mma", "bfloat16"), ("portable", "float32")])
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_variant_gpu(rng, xp, shape, name, family, dtype):
+    run_backward(rng, xp, name, family, dtype, *shape, deterministic=shape[1] == 113)
+
+
+def test_window_skips_tiles_and_matches_an_explicit_mask(rng, xp):
+    """A sliding window is exactly attention with the band as a mask (the reference builds it from
+    the geometry; here it is written out), and causal=True is window_size=(-1, 0)."""
+    q, k, v = random_qkv(rng, xp, 1, 30, 30, 1, 1, 8, "float32")
+    with nbflash.kernel_family("portable"):
+        windowed = to_numpy(nbflash.flash_attn_func(q, k, v, window_size=(4, 2)))
+        causal = to_numpy(nbflash.flash_attn_func(q, k, v, causal=True))
+        as_window = to_numpy(nbflash.flash_attn_func(q, k, v, window_size=(-1, 0)))
+    assert np.array_equal(causal, as_window)
+    qn, kn, vn = (to_numpy(x).astype(np.float64)[0, :, 0] for x in (q, k, v))
+    i, j = np.arange(30)[:, None], np.arange(30)[None, :]
+    s = np.where((j >= i - 4) & (j <= i + 2), qn @ kn.T / np.sqrt(8), -np.inf)
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    expected = (p / p.sum(axis=1, keepdims=True)) @ vn
+    assert np.abs(windowed[0, :, 0] - expected).max() < 1e-5
+
+
+def test_return_attn_probs(rng, xp):
+    """(out, lse, S_dmask) as flash-attn returns them; S_dmask rows are the probabilities."""
+    q, k, v = random_qkv(rng, xp, 1, 9, 12, 2, 1, 8, "float32")
+    out, lse, probs = nbflash.flash_attn_func(q, k, v, causal=True, softcap=5.0, return_attn_probs=True)
+    probs = to_numpy(probs)
+    assert probs.shape == (1, 2, 9, 12) and probs.dtype == np.float32
+    assert np.allclose(probs.sum(-1), 1, atol=1e-5) and (probs[..., 0, 4:] == 0).all()
+    expected = np.einsum("bhij,bjhd->bihd", probs, to_numpy(v).astype(np.float32).repeat(2, axis=2))
+    assert np.abs(to_numpy(out) - expected).max() < 1e-4
