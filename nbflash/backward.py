@@ -102,7 +102,7 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, dropout_p=0.0, softmax_scale=None, causal=False,
-                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False):
+                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *, bias=None):
     """Gradients of ``flash_attn_func`` with respect to q, k and v.
 
     Arguments:
@@ -111,6 +111,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, dropout_p=0.0, softmax_scale=No
             given to ``flash_attn_func``, in its order (same shapes, dtypes, strides rules,
             grouped-query attention and bottom-right alignment). Every variant has its gradient:
             through the softcap's tanh; ALiBi slopes get none (they are not trained).
+        bias: (nbflash) as given to ``flash_attn_func``; it gets no gradient.
         out: (batch, seqlen_q, nheads, headdim), q's dtype: the forward's output.
         lse: (batch, nheads, seqlen_q), float32: the forward's log-sum-exp
             (``flash_attn_func(..., return_lse=True)``).
@@ -131,6 +132,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, dropout_p=0.0, softmax_scale=No
     stream; the call does not wait for it.
     """
     validation.check_dropout_p(dropout_p)
-    problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                                bias)
     dout, out, lse = _check_backward(problem, q, dout, out, lse, deterministic)
     return _flash_attn_backward(problem, dout, q, k, v, out, lse, bool(deterministic))

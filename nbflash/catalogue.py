@@ -1,28 +1,31 @@
 """Named attention variants: the flash_attn_func arguments of each, shared by the tests and the
 benchmarks (``scripts/bench.py --variant NAME``), so that what is measured is what is tested.
 
-``variant_arguments(name, batch, nheads, seqlen_k, xp)`` gives the keyword arguments for a problem of
-that size (ALiBi slopes are an array of the problem's head count; windows scale with seqlen_k when
-given as a fraction).
+``variant_arguments(name, batch, nheads, seqlen_k, xp, seqlen_q)`` gives the keyword arguments for a
+problem of that size (ALiBi slopes are an array of the problem's head count, windows scale with
+seqlen_k, bias and mask tensors have the problem's lengths).
 """
 
 import numpy as np
 
-# name -> keyword arguments; a callable value is given (batch, nheads, seqlen_k, xp).
+# name -> keyword arguments; a callable value is given (batch, nheads, seqlen_q, seqlen_k, xp).
 VARIANTS = {
     "plain": {},
     "causal": {"causal": True},
-    "window": {"window_size": lambda b, h, n, xp: (max(1, n // 4), 0)},  # a quarter of the keys, causal side
-    "window-both": {"window_size": lambda b, h, n, xp: (max(1, n // 8), max(1, n // 16))},
+    "window": {"window_size": lambda b, h, m, n, xp: (max(1, n // 4), 0)},  # a quarter of the keys, causal side
+    "window-both": {"window_size": lambda b, h, m, n, xp: (max(1, n // 8), max(1, n // 16))},
     "softcap": {"softcap": 30.0},
     "causal-softcap": {"causal": True, "softcap": 30.0},
-    "alibi": {"alibi_slopes": lambda b, h, n, xp: alibi_slopes(h, xp)},
-    "causal-alibi": {"causal": True, "alibi_slopes": lambda b, h, n, xp: alibi_slopes(h, xp)},
+    "alibi": {"alibi_slopes": lambda b, h, m, n, xp: alibi_slopes(h, xp)},
+    "causal-alibi": {"causal": True, "alibi_slopes": lambda b, h, m, n, xp: alibi_slopes(h, xp)},
+    "bias": {"bias": lambda b, h, m, n, xp: position_bias(h, m, n, xp)},
+    "causal-bias": {"causal": True, "bias": lambda b, h, m, n, xp: position_bias(h, m, n, xp)},
+    "document-mask": {"bias": lambda b, h, m, n, xp: document_mask(m, n, xp)},
     "combined": {  # window + softcap + per-batch ALiBi
         "causal": True,
-        "window_size": lambda b, h, n, xp: (max(1, n // 3), 0),
+        "window_size": lambda b, h, m, n, xp: (max(1, n // 3), 0),
         "softcap": 20.0,
-        "alibi_slopes": lambda b, h, n, xp: xp.asarray(
+        "alibi_slopes": lambda b, h, m, n, xp: xp.asarray(
             (np.tile(alibi_slopes(h, np), (b, 1)) * (1 + np.arange(b))[:, None]).astype(np.float32)),
     },
 }
@@ -33,9 +36,25 @@ def alibi_slopes(nheads, xp=np):
     return xp.asarray(2.0 ** (-8.0 * np.arange(1, nheads + 1) / nheads), dtype=np.float32)
 
 
-def variant_arguments(name, batch, nheads, seqlen_k, xp=np):
+def position_bias(nheads, seqlen_q, seqlen_k, xp=np):
+    """A T5-like relative-position bias, float32 (nheads, seqlen_q, seqlen_k): broadcast over batch."""
+    distance = np.abs(np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q - np.arange(seqlen_k)[None, :])
+    scale = np.linspace(0.5, 2.0, nheads)[:, None, None]
+    return xp.asarray((-scale * np.log1p(distance)[None]).astype(np.float32))
+
+
+def document_mask(seqlen_q, seqlen_k, xp=np, documents=3):
+    """Packed sequences: a bool (seqlen_q, seqlen_k) mask, True where query and key belong to the
+    same of ``documents`` equal runs (bottom-right aligned, as the kernels' windows)."""
+    doc_q = (np.arange(seqlen_q) + seqlen_k - seqlen_q) * documents // seqlen_k
+    doc_k = np.arange(seqlen_k) * documents // seqlen_k
+    return xp.asarray(doc_q[:, None] == doc_k[None, :])
+
+
+def variant_arguments(name, batch, nheads, seqlen_k, xp=np, seqlen_q=None):
     """flash_attn_func keyword arguments of the named variant for a problem of this size."""
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r}; expected one of {sorted(VARIANTS)}")
-    return {key: value(batch, nheads, seqlen_k, xp) if callable(value) else value
+    seqlen_q = seqlen_k if seqlen_q is None else seqlen_q
+    return {key: value(batch, nheads, seqlen_q, seqlen_k, xp) if callable(value) else value
             for key, value in VARIANTS[name].items()}

@@ -36,7 +36,7 @@ def _flash_attn_forward(problem, q, k, v, family=None):
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False, bias=None):
     """Exact scaled dot-product attention, softmax(q k^T * softmax_scale) v, in O(seqlen) memory.
 
     flash-attn 2.8's ``flash_attn_func``: the same arguments in the same order, so that a call
@@ -83,6 +83,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             is computed apart from the kernel (N x N memory; flash-attn pads its last two dims to
             multiples of 128, nbflash does not).
         return_lse: bool (nbflash). Also return the log-sum-exp of each score row.
+        bias: (nbflash) a tensor broadcastable to (batch, nheads, seqlen_q, seqlen_k) (missing leading
+            dims and size-1 dims broadcast, read with stride 0; no copy). Float (float32 or q's
+            dtype): added to the scores after softcap and ALiBi (T5-style position biases). Bool:
+            a mask, True = kept (document masks for packed sequences). Every tile then tests it;
+            neither gets a gradient.
 
     A query row that sees no key gets output 0 (and lse -inf), whatever the variant.
 
@@ -97,11 +102,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _check_flag(deterministic, "deterministic")
     _check_flag(return_attn_probs, "return_attn_probs")
     _check_flag(return_lse, "return_lse")
-    problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                                bias)
     out, lse = _flash_attn_forward(problem, q, k, v)
     if return_attn_probs:
         probs = attention_probabilities(q, k, v, problem.softmax_scale, False, problem.window(), problem.softcap,
-                                        problem.alibi_slopes)
+                                        problem.alibi_slopes, bias=problem.bias if problem.mask is None else problem.mask)
         return out, lse, probs
     return (out, lse) if return_lse else out
 
@@ -111,7 +117,8 @@ def _check_flag(value, name):
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
-def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, *,
+            bias=None):
     """Which kernel and configuration ``flash_attn_func(q, k, v, ...)`` runs, without running it.
 
     Returns a dict: ``family`` ('mma' or 'portable'), ``config`` (the block configuration and the
@@ -120,7 +127,8 @@ def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), sof
     Compiles the kernel if it is not compiled yet. Honors an enclosing ``nbflash.kernel_family``
     block.
     """
-    problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                                bias)
     kernel = _kernel_for(problem)
     config = kernel.config
     return {

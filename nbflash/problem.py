@@ -25,11 +25,13 @@ class Variant(NamedTuple):
     window: bool = False  # keys outside a band around the diagonal are masked (causal is one)
     softcap: bool = False  # scores squashed to softcap * tanh(score / softcap)
     alibi: bool = False  # scores lowered by slope[b, h] * |i + seqlen_k - seqlen_q - j|
+    bias: str = ""  # the element type of an additive bias tensor ('' for none): + bias[b, h, i, j]
+    mask: bool = False  # a boolean tensor says which (b, h, i, j) are kept
 
     @property
     def score(self):
         """A feature changes the scores (the kernels then scale them before anything else)."""
-        return self.softcap or self.alibi
+        return bool(self.softcap or self.alibi or self.bias)
 
     def param_names(self):
         """The runtime values the kernels take for this variant, in kernel-argument order."""
@@ -42,6 +44,8 @@ PARAMS = (
     ("window", ("window_left", "window_right")),
     ("softcap", ("softcap",)),
     ("alibi", ("alibi_slopes",)),
+    ("bias", ("bias",)),
+    ("mask", ("mask",)),
 )
 
 
@@ -81,6 +85,10 @@ class Problem(NamedTuple):
     # float32 (batch, nheads), a view that may have stride 0 over batch; None: no ALiBi. An array, so
     # a problem with slopes is never remembered across calls (validation.check_forward).
     alibi_slopes: object = None
+    # (batch, nheads, seqlen_q, seqlen_k) views (stride 0 where the caller's tensor broadcasts):
+    # an additive float bias, a boolean mask (True = kept); None: none.
+    bias: object = None
+    mask: object = None
 
     @property
     def static(self):

@@ -60,15 +60,23 @@ def visible(seqlen_q, seqlen_k, causal=False, window_size=(UNBOUNDED, UNBOUNDED)
 class _Scores:
     """The scores of one call's variant, as the kernels define them: ``x = q.k * softmax_scale``,
     then softcap (``c * tanh(x / c)``), then ALiBi (``- slope[b, h] * |i + seqlen_k - seqlen_q - j|``),
-    then the window's mask (-inf)."""
+    then an additive bias tensor, then the window's mask and a boolean mask tensor (-inf)."""
 
-    def __init__(self, xp, seqlen_q, seqlen_k, scale, causal, window_size, softcap, alibi_slopes, batch):
+    def __init__(self, xp, seqlen_q, seqlen_k, scale, causal, window_size, softcap, alibi_slopes, batch, bias=None):
         self.xp, self.seqlen_q, self.seqlen_k, self.scale = xp, seqlen_q, seqlen_k, scale
         self.causal, self.window_size, self.softcap = causal, window_size, float(softcap)
         self.slopes = None
         if alibi_slopes is not None:
             slopes = np.asarray(alibi_slopes.get() if hasattr(alibi_slopes, "get") else alibi_slopes, np.float64)
             self.slopes = np.broadcast_to(slopes, (batch, slopes.shape[-1]))
+        self.bias = self.keep = None
+        if bias is not None:
+            bias = xp.asarray(bias)
+            bias = bias.reshape((1,) * (4 - bias.ndim) + tuple(bias.shape))
+            if bias.dtype == np.bool_:
+                self.keep = bias
+            else:
+                self.bias = bias.astype(xp.float64)
 
     def masks(self, blocks):
         return [visible(self.seqlen_q, self.seqlen_k, self.causal, self.window_size, self.xp, rows) for rows in blocks]
@@ -86,6 +94,13 @@ class _Scores:
             rows = xp.asarray(rows)[:, None]
             distance = xp.abs(rows + (self.seqlen_k - self.seqlen_q) - xp.arange(self.seqlen_k)[None, :])
             x = rounded(x - self.slopes[b, h] * distance)
+        if self.bias is not None:
+            bias = self.bias[min(b, self.bias.shape[0] - 1), min(h, self.bias.shape[1] - 1)]
+            x = rounded(x + (bias[xp.asarray(rows)] if bias.shape[0] > 1 else bias))
+        if self.keep is not None:
+            keep = self.keep[min(b, self.keep.shape[0] - 1), min(h, self.keep.shape[1] - 1)]
+            keep = keep[xp.asarray(rows)] if keep.shape[0] > 1 else keep
+            mask = keep if mask is None else (mask & keep)
         if mask is not None:
             x = xp.where(mask, x, -xp.inf)
         return x, grad
@@ -100,19 +115,19 @@ def _softmax_rows(s, xp):
     return p, row_max, p.sum(axis=1, keepdims=True)
 
 
-def _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dtype):
+def _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dtype, bias=None):
     xp = _array_module(q)
     q, k, v = (xp.asarray(x).astype(dtype) for x in (q, k, v))
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
-    scores = _Scores(xp, seqlen_q, seqlen_k, scale, causal, window_size, softcap, alibi_slopes, batch)
+    scores = _Scores(xp, seqlen_q, seqlen_k, scale, causal, window_size, softcap, alibi_slopes, batch, bias)
     blocks = [xp.arange(start, min(start + QUERY_BLOCK, seqlen_q)) for start in range(0, seqlen_q, QUERY_BLOCK)]
     return xp, q, k, v, nheads // nheads_k, scores, blocks
 
 
 def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=False,
-                        window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None):
+                        window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None):
     """Exact attention in float64.
 
     Returns ``out`` (float64, q's shape) and, with ``return_lse``, ``lse`` (float64,
@@ -120,7 +135,7 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
     ``causal``, ``window_size``, ``softcap`` and ``alibi_slopes`` as in ``nbflash.flash_attn_func``.
     """
     xp, q, k, v, group, scores, blocks = _setup(q, k, v, softmax_scale, causal, window_size, softcap,
-                                                alibi_slopes, np.float64)
+                                                alibi_slopes, np.float64, bias)
     out = xp.zeros(q.shape, xp.float64)
     lse = xp.full(q.shape[:1] + (q.shape[2], q.shape[1]), -xp.inf, xp.float64)
     masks = scores.masks(blocks)
@@ -138,12 +153,12 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
 
 
 def attention_probabilities(q, k, v, softmax_scale=None, causal=False, window_size=(UNBOUNDED, UNBOUNDED),
-                            softcap=0.0, alibi_slopes=None):
+                            softcap=0.0, alibi_slopes=None, bias=None):
     """The attention probabilities P, float32 (batch, nheads, seqlen_q, seqlen_k): what
     ``flash_attn_func(..., return_attn_probs=True)`` hands back as S_dmask. N x N memory: for
     debugging small problems only."""
     xp, q, k, v, group, scores, blocks = _setup(q, k, v, softmax_scale, causal, window_size, softcap,
-                                                alibi_slopes, np.float32)
+                                                alibi_slopes, np.float32, bias)
     probs = xp.zeros((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), xp.float32)
     masks = scores.masks(blocks)
     for b in range(q.shape[0]):
@@ -156,7 +171,7 @@ def attention_probabilities(q, k, v, softmax_scale=None, causal=False, window_si
 
 
 def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0,
-                    alibi_slopes=None):
+                    alibi_slopes=None, bias=None):
     """Attention as a same-precision naive implementation computes it, for error budgets.
 
     Matmuls accumulate in float32 and round their result to the input dtype, the softmax runs in
@@ -166,7 +181,7 @@ def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(UNBO
     """
     dtype = as_numpy_dtype(q.dtype)
     xp, q, k, v, group, scores, _ = _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                           np.float32)
+                                           np.float32, bias)
 
     def rounded(x):
         return x.astype(dtype).astype(xp.float32)
@@ -186,7 +201,7 @@ def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(UNBO
 
 
 def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False,
-                                 window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None):
+                                 window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None):
     """Gradients of exact attention in float64: returns ``(dq, dk, dv)``, float64, shaped like q, k, v.
 
     ``dout`` is the gradient of the loss with respect to ``out`` (q's shape). With
@@ -202,7 +217,7 @@ def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False
     extra memory is ``query_block * seqlen_k`` numbers.
     """
     xp, q, k, v, group, scores, blocks = _setup(q, k, v, softmax_scale, causal, window_size, softcap,
-                                                alibi_slopes, np.float64)
+                                                alibi_slopes, np.float64, bias)
     dout = xp.asarray(dout).astype(xp.float64)
     dq = xp.zeros(q.shape, xp.float64)
     dk = xp.zeros(k.shape, xp.float64)
@@ -226,7 +241,7 @@ def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False
 
 
 def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
-                             window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None):
+                             window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None):
     """Gradients as a same-precision naive implementation computes them, for error budgets.
 
     The forward of ``attention_naive``, then each backward matmul accumulating in float32 and rounding
@@ -235,7 +250,7 @@ def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
     """
     dtype = as_numpy_dtype(q.dtype)
     xp, q, k, v, group, scores, _ = _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                           np.float32)
+                                           np.float32, bias)
 
     def rounded(x):
         return x.astype(dtype).astype(xp.float32)

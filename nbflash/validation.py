@@ -153,6 +153,30 @@ def check_alibi_slopes(alibi_slopes, batch, nheads, device):
     return xp.broadcast_to(slopes, (batch, nheads)) if slopes.ndim == 1 else slopes
 
 
+def check_bias(bias, batch, nheads, seqlen_q, seqlen_k, dtype, device):
+    """An additive float bias or a boolean mask (True = kept), broadcastable to (batch, nheads,
+    seqlen_q, seqlen_k), as a 4-dim view of that shape (stride 0 on the broadcast dims; no copy).
+    Returns (view, kind): kind 'mask' for a boolean tensor, else the bias's element type (float32,
+    or q's 16-bit type)."""
+    x = as_backend_array(bias, "bias")
+    target = (batch, nheads, seqlen_q, seqlen_k)
+    if x.dtype == np.bool_:
+        kind = "mask"
+    else:
+        kind = dtype_name(x.dtype)
+        if kind not in ("float32", dtype):
+            raise TypeError(f"bias.dtype={x.dtype}: an additive bias is float32 or q's dtype ({dtype}); "
+                            f"a mask is bool (True = kept)")
+    shape = (1,) * (4 - x.ndim) + tuple(x.shape)
+    if x.ndim > 4 or any(n not in (1, m) for n, m in zip(shape, target)):
+        raise ValueError(f"bias of shape {tuple(x.shape)} does not broadcast to (batch, nheads, seqlen_q, "
+                         f"seqlen_k) = {target}; size-1 dims broadcast")
+    if not runtime.SIMULATOR and x.data.device_id != device:
+        raise ValueError(f"bias is on GPU {x.data.device_id} but q is on GPU {device}")
+    xp = np if runtime.SIMULATOR else runtime.cupy()
+    return xp.broadcast_to(x.reshape(shape), target), kind
+
+
 # A model calls attention with the same shapes call after call. A call that repeats an earlier,
 # valid call in everything validation looks at (array types, shapes, strides, dtypes, devices, the
 # 16-byte alignment of the data, softmax_scale and causal) takes the earlier call's Problem: the
@@ -163,7 +187,7 @@ _REMEMBER_AT_MOST = 256
 
 
 def _repeat_key(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0,
-                alibi_slopes=None):
+                alibi_slopes=None, bias=None):
     """What check_forward's verdict depends on, as a dict key; None if the call does not qualify."""
     if runtime.SIMULATOR:
         if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
@@ -180,8 +204,8 @@ def _repeat_key(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDE
         devices = (qd.device_id, kd.device_id, vd.device_id, cupy.cuda.runtime.getDevice())
     if not (softmax_scale is None or type(softmax_scale) is float) or not (causal is True or causal is False):
         return None
-    if alibi_slopes is not None or type(softcap) is not float or type(window_size) is not tuple:
-        return None  # slopes are an array a problem would hold on to; odd types: check in full
+    if alibi_slopes is not None or bias is not None or type(softcap) is not float or type(window_size) is not tuple:
+        return None  # slopes and biases are arrays a problem would hold on to; odd types: check in full
     return (
         q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
         softmax_scale, causal, window_size, softcap, pointers % 16 == 0, devices,
@@ -189,13 +213,13 @@ def _repeat_key(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDE
 
 
 def check_forward(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0,
-                  alibi_slopes=None):
+                  alibi_slopes=None, bias=None):
     """Validate a forward call. Returns (problem, q, k, v) with the arrays on the backend."""
-    key = _repeat_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    key = _repeat_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias)
     problem = _REMEMBERED.get(key) if key is not None else None
     if problem is not None:
         return problem, q, k, v
-    problem, q, k, v = _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    problem, q, k, v = _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias)
     if key is not None:
         if len(_REMEMBERED) >= _REMEMBER_AT_MOST:
             _REMEMBERED.clear()
@@ -203,7 +227,7 @@ def check_forward(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUN
     return problem, q, k, v
 
 
-def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes):
+def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias):
     q = as_backend_array(q, "q")
     k = as_backend_array(k, "k")
     v = as_backend_array(v, "v")
@@ -259,6 +283,10 @@ def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
     softcap = check_softcap(softcap)
     if alibi_slopes is not None:
         alibi_slopes = check_alibi_slopes(alibi_slopes, batch, nheads, device)
+    additive = keep = None
+    if bias is not None:
+        bias, kind = check_bias(bias, batch, nheads, seqlen_q, seqlen_k, dtype, device)
+        additive, keep = (None, bias) if kind == "mask" else (bias, None)
     problem = Problem(
         batch,
         seqlen_q,
@@ -270,10 +298,13 @@ def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
         check_softmax_scale(softmax_scale, headdim),
         aligned,
         device,
-        Variant(window=window, softcap=softcap > 0, alibi=alibi_slopes is not None),
+        Variant(window=window, softcap=softcap > 0, alibi=alibi_slopes is not None,
+                bias=dtype_name(additive.dtype) if additive is not None else "", mask=keep is not None),
         left,
         right,
         softcap,
         alibi_slopes,
+        additive,
+        keep,
     )
     return problem, q, k, v

@@ -165,7 +165,7 @@ def flex_runner(which):
 
     compiled = torch.compile(flex_attention)
 
-    def run(q, k, v, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+    def run(q, k, v, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, bias=None):
         batch, seqlen_q, nheads, _ = q.shape
         seqlen_k = k.shape[1]
         left, right, window = window_bounds(seqlen_q, seqlen_k, causal, window_size)
@@ -173,20 +173,31 @@ def flex_runner(which):
         slopes = torch.from_dlpack(alibi_slopes) if alibi_slopes is not None else None
         if slopes is not None and slopes.dim() == 1:
             slopes = slopes[None].expand(batch, nheads)
+        extra = keep = None
+        if bias is not None:
+            tensor = torch.from_dlpack(bias)
+            tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
+            tensor = tensor.expand(batch, nheads, seqlen_q, seqlen_k)
+            keep, extra = (tensor, None) if tensor.dtype == torch.bool else (None, tensor.float())
 
         def score_mod(score, b, h, q_idx, kv_idx):
             if softcap > 0:
                 score = softcap * torch.tanh(score / softcap)
             if slopes is not None:
                 score = score - slopes[b, h] * (q_idx + offset - kv_idx).abs()
+            if extra is not None:
+                score = score + extra[b, h, q_idx, kv_idx]
             return score
 
         def mask_mod(b, h, q_idx, kv_idx):
             diagonal = q_idx + offset
-            return (kv_idx >= diagonal - left) & (kv_idx <= diagonal + right)
+            inside = (kv_idx >= diagonal - left) & (kv_idx <= diagonal + right)
+            return inside & keep[b, h, q_idx, kv_idx] if keep is not None else inside
 
-        block_mask = create_block_mask(mask_mod, None, None, seqlen_q, seqlen_k) if window else None
-        modded = softcap > 0 or slopes is not None
+        masked = window or keep is not None
+        block_mask = create_block_mask(mask_mod, batch if keep is not None else None,
+                                       nheads if keep is not None else None, seqlen_q, seqlen_k) if masked else None
+        modded = softcap > 0 or slopes is not None or extra is not None
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_(which != "forward")
                       for x in (q, k, v))
 

@@ -89,8 +89,11 @@ def catalogue_variants(names):
     for name in names:
         arguments = variant_arguments(name, 2, 4, 1024, np)
         window = window_bounds(1024, 1024, arguments.get("causal", False), arguments.get("window_size", (-1, -1)))[2]
+        bias = arguments.get("bias")
         variant = Variant(window=window, softcap=arguments.get("softcap", 0) > 0,
-                          alibi=arguments.get("alibi_slopes") is not None)
+                          alibi=arguments.get("alibi_slopes") is not None,
+                          bias="float32" if bias is not None and bias.dtype != np.bool_ else "",
+                          mask=bias is not None and bias.dtype == np.bool_)
         if variant not in found:
             found.append(variant)
     return found

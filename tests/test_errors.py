@@ -222,10 +222,10 @@ def test_dropout_p_out_of_range(qkv, dropout_p, error):
         call(*qkv, dropout_p=dropout_p)
 
 
-def test_flash_attn_positional_order(qkv):
+def test_flash_attn_positional_order(rng, xp):
     """flash-attn users pass dropout_p fourth: nbflash once took it for the softmax scale. Dropout
     is not implemented yet, so a positive value is refused (never silently used as a scale)."""
-    q, k, v = qkv
+    q, k, v = random_qkv(rng, xp, 1, 8, 6, 2, 1, 8, "float32")
     with pytest.raises(NotImplementedError, match="dropout is not implemented"):
         nbflash.flash_attn_func(q, k, v, 0.1, None, True)
     out = nbflash.flash_attn_func(q, k, v, 0.0, 0.5, True)
@@ -236,3 +236,13 @@ def test_flash_attn_positional_order(qkv):
 def test_flags_must_be_bool(qkv, name):
     with pytest.raises(TypeError, match=f"{name} must be a bool"):
         call(*qkv, **{name: "yes"})
+
+
+def test_bias_wrong_dtype_or_shape(qkv, xp):
+    q, k, v = qkv  # batch 2, seqlen_q 8, seqlen_k 6, nheads 4, float16
+    with pytest.raises(TypeError, match="an additive bias is float32 or q's dtype"):
+        call(q, k, v, bias=xp.zeros((8, 6), np.float64))
+    with pytest.raises(ValueError, match=r"does not broadcast to \(batch, nheads, seqlen_q, seqlen_k\) = \(2, 4, 8, 6\)"):
+        call(q, k, v, bias=xp.zeros((3, 8, 6), np.float32))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        call(q, k, v, bias=xp.zeros((1, 1, 1, 8, 6), np.float32))

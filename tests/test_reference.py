@@ -16,7 +16,7 @@ def test_reference_gradients_match_finite_differences(name):
     k = rng.standard_normal((batch, seqlen_k, nheads_k, headdim))
     v = rng.standard_normal((batch, seqlen_k, nheads_k, headdim))
     dout = rng.standard_normal(q.shape)
-    arguments = variant_arguments(name, batch, nheads, seqlen_k)
+    arguments = variant_arguments(name, batch, nheads, seqlen_k, np, seqlen_q)
     if "softcap" in arguments:
         arguments["softcap"] = 1.5  # small enough that tanh bends the scores
         q = q * 3

@@ -33,7 +33,7 @@ def split(arguments):
 
 def run_forward(rng, xp, name, family, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim):
     q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
-    causal, variant = split(variant_arguments(name, batch, nheads, seqlen_k, xp))
+    causal, variant = split(variant_arguments(name, batch, nheads, seqlen_k, xp, seqlen_q))
     with nbflash.kernel_family(family):
         out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **variant)
     assert_attention_close(out, lse, q, k, v, causal, **variant)
@@ -58,14 +58,27 @@ def test_variant_portable_small(rng, xp, name):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
-@pytest.mark.parametrize("name", ["combined", "window-both"])
+@pytest.mark.parametrize("name", ["combined", "window-both", "causal-bias", "document-mask"])
 def test_variant_mma_forward_small(rng, xp, name):
     run_forward(rng, xp, name, "mma", "float16", *SMALL)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
-def test_variant_mma_backward_small(rng, xp):
-    run_backward(rng, xp, "combined", "mma", "bfloat16", 1, 21, 37, 2, 1, 16)
+@pytest.mark.parametrize("name, dtype", [("combined", "bfloat16"), ("document-mask", "float16")])
+def test_variant_mma_backward_small(rng, xp, name, dtype):
+    run_backward(rng, xp, name, "mma", dtype, 1, 21, 37, 2, 1, 16)
+
+
+def test_bias_broadcasts_without_a_copy(rng, xp):
+    """A (seqlen_k,) key bias and a (batch, 1, seqlen_q, seqlen_k) mask broadcast to the full
+    shape: the kernel reads them with stride 0, and the answer is the reference's."""
+    q, k, v = random_qkv(rng, xp, 2, 9, 12, 2, 1, 8, "float32")
+    key_bias = xp.asarray(rng.standard_normal(12).astype(np.float32))
+    keep = xp.asarray(rng.random((2, 1, 9, 12)) > 0.3)
+    with nbflash.kernel_family("portable"):
+        for bias in (key_bias, keep):
+            out, lse = nbflash.flash_attn_func(q, k, v, return_lse=True, bias=bias)
+            assert_attention_close(out, lse, q, k, v, False, bias=bias)
 
 
 # ---- GPU: every variant x family x pass, awkward lengths and head dims -----------------------

@@ -249,7 +249,7 @@ def build_backward_mma(config: MmaBackwardConfig):
     ATOMIC_DQ, ALIGNED, VECTOR_DQ = config.atomic_dq, config.aligned, config.vector_dq
     hooks = variants.hooks(config.variant)
     key_tiles, query_tiles, row_keys, hidden = hooks.key_tiles, hooks.query_tiles, hooks.row_keys, hooks.hidden
-    SCORE, score_grad, score_slope = hooks.SCORE, hooks.score_grad, hooks.score_slope
+    SCORE, score_grad, head_context = hooks.SCORE, hooks.score_grad, hooks.head_context
     CHUNKS = HDP // 8  # 16-byte chunks of a padded tile row (the aligned path's cp.async copies)
     ROW_BYTES, DS_ROW_BYTES = ROW * 2, DS_ROW * 2
     KT = HDP // 16  # k-steps over headdim (S, dP)
@@ -355,7 +355,7 @@ def build_backward_mma(config: MmaBackwardConfig):
 
     @inline_device
     @unroll
-    def softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, slope, scale_log2, scale,
+    def softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, scale,
                        g, t, masked):
         """S^T -> P^T and dP^T -> dS^T = P^T * (dP^T - D), in place (times the score features'
         derivative). ``key0`` is the warp's first key; masked entries (keys past seqlen_k, or
@@ -370,12 +370,12 @@ def build_backward_mma(config: MmaBackwardConfig):
                     grad = float32(1)
                     if SCORE:
                         x, grad = score_grad(s[nt, 2 * r + e] * scale, q_start + c, key0 + g + 8 * r, seqlen_q,
-                                             seqlen_k, params, slope)
+                                             seqlen_k, params, head_ctx)
                         p = exp2_approx(x * float32(LOG2E) - lse_c)
                     else:
                         p = exp2_approx(s[nt, 2 * r + e] * scale_log2 - lse_c)
                     if masked:
-                        if hidden(key0 + g + 8 * r, lo, hi):
+                        if hidden(key0 + g + 8 * r, lo, hi, q_start + c, seqlen_q, params, head_ctx):
                             p = float32(0)
                     s[nt, 2 * r + e] = p
                     dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] - d_c) * grad
@@ -555,7 +555,7 @@ def build_backward_mma(config: MmaBackwardConfig):
 
         for step in range(steps):
             h = hk * group + step // tiles_per_head
-            slope = score_slope(params, b, h)  # ALiBi's slope of this head (0 without)
+            head_ctx = head_context(params, b, h)  # (b, h, ALiBi slope): what the variant reads per head
             i = first_tile + step % tiles_per_head
             q_start = i * BM
             if tid < BM:
@@ -570,10 +570,10 @@ def build_backward_mma(config: MmaBackwardConfig):
 
             # P^T and dS^T; the mask only on tiles crossing the window's edges or the key tail
             if tail or i < first_full or i >= end_full:
-                softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, slope, scale_log2,
+                softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
                                scale, g, t, True)
             else:
-                softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, slope, scale_log2,
+                softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
                                scale, g, t, False)
 
             # dV_j += P^T dO_i and dK_j += dS^T Q_i
@@ -619,7 +619,7 @@ def build_backward_mma(config: MmaBackwardConfig):
     @inline_device
     @unroll
     def softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, first_row, n_start, seqlen_q, seqlen_k, params,
-                     slope, scale_log2, scale, g, t, masked):
+                     head_ctx, scale_log2, scale, g, t, masked):
         """dP -> dS = P * (dP - D) in place (times the score features' derivative), P = exp2(S *
         scale_log2 - lse_log2) of the lane's rows g and g + 8 (which see the keys
         key_lo[r] <= key < key_hi[r]); 0 for the other keys."""
@@ -630,12 +630,12 @@ def build_backward_mma(config: MmaBackwardConfig):
                     grad = float32(1)
                     if SCORE:
                         x, grad = score_grad(s[nt, 2 * r + e] * scale, first_row + g + 8 * r, key, seqlen_q, seqlen_k,
-                                             params, slope)
+                                             params, head_ctx)
                         p = exp2_approx(x * float32(LOG2E) - lse_row[r])
                     else:
                         p = exp2_approx(s[nt, 2 * r + e] * scale_log2 - lse_row[r])
                     if masked:
-                        if hidden(key, key_lo[r], key_hi[r]):
+                        if hidden(key, key_lo[r], key_hi[r], first_row + g + 8 * r, seqlen_q, params, head_ctx):
                             p = float32(0)
                     dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] - d_row[r]) * grad
 
@@ -660,7 +660,7 @@ def build_backward_mma(config: MmaBackwardConfig):
         k_tile = base + uint32(K_TILE_Q * 2)
         v_tile = base + uint32(V_TILE_Q * 2)
 
-        slope = score_slope(params, b, h)  # ALiBi's slope of this head (0 without)
+        head_ctx = head_context(params, b, h)  # (b, h, ALiBi slope): what the variant reads per head
         # lse_log2, D and the visible keys [key_lo, key_hi) of the lane's two rows, g and g + 8
         lse_row = cuda.local.array(2, float32)
         d_row = cuda.local.array(2, float32)
@@ -703,10 +703,10 @@ def build_backward_mma(config: MmaBackwardConfig):
             # dS = P * (dP - D); the mask only on tiles crossing the window's edges or the key tail
             if first_full <= j and j < end_full:
                 softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, first_row, n_start, seqlen_q, seqlen_k, params,
-                             slope, scale_log2, scale, g, t, False)
+                             head_ctx, scale_log2, scale, g, t, False)
             else:
                 softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, first_row, n_start, seqlen_q, seqlen_k, params,
-                             slope, scale_log2, scale, g, t, True)
+                             head_ctx, scale_log2, scale, g, t, True)
 
             # dQ_i += dS K_j
             mma_queries_acc(dq_acc, dp, k_tile, a_lane)

@@ -125,7 +125,7 @@ def build_backward_portable(config):
     HEADDIM = config.headdim
     hooks = variants.hooks(config.variant)
     key_tiles, query_tiles, row_keys, hidden = hooks.key_tiles, hooks.query_tiles, hooks.row_keys, hooks.hidden
-    SCORE, score_grad, score_slope = hooks.SCORE, hooks.score_grad, hooks.score_slope
+    SCORE, score_grad, head_context = hooks.SCORE, hooks.score_grad, hooks.head_context
     BLOCK_M = config.block_m
     BLOCK_N = config.block_n
     THREADS_PER_ROW = config.threads_per_row
@@ -213,7 +213,7 @@ def build_backward_portable(config):
 
     @cuda.jit(device=True, inline=True)
     def probabilities_column(Q_s, dO_s, K_s, V_s, P_s, dS_s, lse_s, D_s, row, lane, k_idx, q_start,
-                             seqlen_q, seqlen_k, params, slope, scale_log2, scale, masked):
+                             seqlen_q, seqlen_k, params, head_ctx, scale_log2, scale, masked):
         """P_s[row, c] = P[c, row] and dS_s[row, c] = dS[c, row] for this thread's query columns c.
 
         ``row`` is a key row of the tile (key ``k_idx``). Masked entries (keys past seqlen_k, keys
@@ -224,13 +224,13 @@ def build_backward_portable(config):
             s, dp = dot_pair(Q_s, c, K_s, row, dO_s, c, V_s, row)
             grad = float32(1.0)
             if SCORE:
-                x, grad = score_grad(s * scale, q_start + c, k_idx, seqlen_q, seqlen_k, params, slope)
+                x, grad = score_grad(s * scale, q_start + c, k_idx, seqlen_q, seqlen_k, params, head_ctx)
                 p = math.exp2(x * float32(LOG2E) - lse_s[c])
             else:
                 p = math.exp2(s * scale_log2 - lse_s[c])
             if masked:
                 lo, hi = row_keys(q_start + c, seqlen_q, seqlen_k, params)
-                if hidden(k_idx, lo, hi):
+                if hidden(k_idx, lo, hi, q_start + c, seqlen_q, params, head_ctx):
                     p = float32(0.0)
             P_s[row, c] = p
             dS_s[row, c] = p * (dp - D_s[c]) * grad
@@ -303,7 +303,7 @@ def build_backward_portable(config):
 
         # ---- Loop over the query heads of the group, and over their Q_i, dO_i -------------------
         for head in range(head_k * group, head_k * group + group):
-            slope = score_slope(params, batch, head)  # ALiBi's slope of this head (0 without)
+            head_ctx = head_context(params, batch, head)  # (b, h, ALiBi slope): what the variant reads per head
             for i in range(first_tile, end_tile):
                 q_start = i * BLOCK_M
                 q_rows = min(BLOCK_M, seqlen_q - q_start)
@@ -316,7 +316,7 @@ def build_backward_portable(config):
 
                 masked = tail or i < first_full or i >= end_full
                 probabilities_column(Q_s, dO_s, K_s, V_s, P_s, dS_s, lse_s, D_s, row, lane, k_idx,
-                                     q_start, seqlen_q, seqlen_k, params, slope, scale_log2, scale, masked)
+                                     q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, scale, masked)
                 cuda.syncthreads()  # P^T and dS^T rows, written by all their threads, are complete
 
                 accumulate_dkdv(P_s, dS_s, Q_s, dO_s, row, lane, dk_acc, dv_acc)
@@ -335,7 +335,7 @@ def build_backward_portable(config):
 
     @cuda.jit(device=True, inline=True)
     def ds_row(Q_s, dO_s, K_s, V_s, dS_s, row, lane, q_idx, k_start, key_lo, key_hi, lse_row, delta_row,
-               seqlen_q, seqlen_k, params, slope, scale_log2, scale, masked):
+               seqlen_q, seqlen_k, params, head_ctx, scale_log2, scale, masked):
         """dS_s[row, c] = P * (dP - D) for this thread's key columns c (times the score features'
         derivative); 0 where masked (query q_idx sees the keys key_lo <= key < key_hi)."""
         for i in range(BLOCK_N // THREADS_PER_ROW):
@@ -343,12 +343,12 @@ def build_backward_portable(config):
             s, dp = dot_pair(Q_s, row, K_s, c, dO_s, row, V_s, c)
             grad = float32(1.0)
             if SCORE:
-                x, grad = score_grad(s * scale, q_idx, k_start + c, seqlen_q, seqlen_k, params, slope)
+                x, grad = score_grad(s * scale, q_idx, k_start + c, seqlen_q, seqlen_k, params, head_ctx)
                 p = math.exp2(x * float32(LOG2E) - lse_row)
             else:
                 p = math.exp2(s * scale_log2 - lse_row)
             if masked:
-                if hidden(k_start + c, key_lo, key_hi):
+                if hidden(k_start + c, key_lo, key_hi, q_idx, seqlen_q, params, head_ctx):
                     p = float32(0.0)
             dS_s[row, c] = p * (dp - delta_row) * grad
 
@@ -376,7 +376,7 @@ def build_backward_portable(config):
         q_idx = q_start + row
         q_rows = min(BLOCK_M, seqlen_q - q_start)
         key_lo, key_hi = row_keys(q_idx, seqlen_q, seqlen_k, params)  # the keys this row sees
-        slope = score_slope(params, batch, head)  # ALiBi's slope of this head (0 without)
+        head_ctx = head_context(params, batch, head)  # (b, h, ALiBi slope): what the variant reads per head
         lse_row = lse_log2(lse, batch, head, q_idx, seqlen_q)
         delta_row = delta[batch, head, q_idx] if q_idx < seqlen_q else float32(0.0)
 
@@ -406,7 +406,7 @@ def build_backward_portable(config):
 
             masked = j < first_full or j >= end_full
             ds_row(Q_s, dO_s, K_s, V_s, dS_s, row, lane, q_idx, k_start, key_lo, key_hi, lse_row,
-                   delta_row, seqlen_q, seqlen_k, params, slope, scale_log2, scale, masked)
+                   delta_row, seqlen_q, seqlen_k, params, head_ctx, scale_log2, scale, masked)
             cuda.syncthreads()  # the row's dS, written by all its threads, is complete
 
             accumulate_dq(dS_s, K_s, row, lane, dq_acc)

@@ -176,7 +176,7 @@ def build_forward_mma(config: MmaForwardConfig):
     ALIGNED, Q_IN_REGISTERS = config.aligned, config.use_q_registers
     hooks = variants.hooks(config.variant)
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
-    SCORE, score, score_slope = hooks.SCORE, hooks.score, hooks.score_slope
+    SCORE, score, head_context = hooks.SCORE, hooks.score, hooks.head_context
     SKIP_RESCALE, FOLD_SCALE = config.skip_rescale, config.fold_scale and not SCORE
     ROW_BYTES = ROW * 2
     Q_BYTES, KV_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
@@ -306,7 +306,7 @@ def build_forward_mma(config: MmaForwardConfig):
 
     @inline_device
     @unroll
-    def score_scores(s, first_row, n_start, seqlen_q, seqlen_k, params, slope, scale, g, t):
+    def score_scores(s, first_row, n_start, seqlen_q, seqlen_k, params, head_ctx, scale, g, t):
         """S = score(S * scale) * log2(e): the variant's score features on natural-unit scores,
         then the exponent's units."""
         for mt in static_range(MT):
@@ -316,18 +316,19 @@ def build_forward_mma(config: MmaForwardConfig):
                     for e in static_range(2):
                         x = s[mt, nt, 2 * r + e] * scale
                         key = n_start + nt * 8 + 2 * t + e
-                        s[mt, nt, 2 * r + e] = score(x, row, key, seqlen_q, seqlen_k, params, slope) * float32(LOG2E)
+                        s[mt, nt, 2 * r + e] = score(x, row, key, seqlen_q, seqlen_k, params, head_ctx) * float32(LOG2E)
 
     @inline_device
     @unroll
-    def mask_scores(s, first_row, n_start, seqlen_q, seqlen_k, params, g, t):
-        """-inf where the row does not see the key: past the end, or outside its window."""
+    def mask_scores(s, first_row, n_start, seqlen_q, seqlen_k, params, head_ctx, g, t):
+        """-inf where the row does not see the key: past the end, outside its window, or masked."""
         for mt in static_range(MT):
             for r in static_range(2):
-                lo, hi = row_keys(first_row + mt * 16 + g + 8 * r, seqlen_q, seqlen_k, params)
+                row = first_row + mt * 16 + g + 8 * r
+                lo, hi = row_keys(row, seqlen_q, seqlen_k, params)
                 for nt in static_range(NT):
                     for e in static_range(2):
-                        if hidden(n_start + nt * 8 + 2 * t + e, lo, hi):
+                        if hidden(n_start + nt * 8 + 2 * t + e, lo, hi, row, seqlen_q, params, head_ctx):
                             s[mt, nt, 2 * r + e] = NEG_INF
 
     @inline_device
@@ -413,7 +414,7 @@ def build_forward_mma(config: MmaForwardConfig):
     @inline_device
     @unroll
     def attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
-                    scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, slope, scale,
+                    scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, head_ctx, scale,
                     g, t, masked):
         """One K/V tile into the warp's running (m_i, l_i, acc), SUB_N keys at a time (S lives in
         registers, SUB_N columns wide). `masked` is a constant at each call site: the unmasked copy
@@ -437,14 +438,14 @@ def build_forward_mma(config: MmaForwardConfig):
                 # S = Q_i K_j^T (in the exponent's units, if the scale is not folded into exp2)
                 mma_q_kt(s, q_frag, q_warp, q_lane, k_sub, k_lane)
                 if SCORE:
-                    score_scores(s, first_row, sub_start, seqlen_q, seqlen_k, params, slope, scale, g, t)
+                    score_scores(s, first_row, sub_start, seqlen_q, seqlen_k, params, head_ctx, scale, g, t)
                 elif not FOLD_SCALE:
                     scale_scores(s, scale_log2)
 
                 # Mask where some row of the warp does not see every key of the sub-tile.
                 if masked:
                     if sub_end > full_hi or sub_start < full_lo:
-                        mask_scores(s, first_row, sub_start, seqlen_q, seqlen_k, params, g, t)
+                        mask_scores(s, first_row, sub_start, seqlen_q, seqlen_k, params, head_ctx, g, t)
 
                 # m_i, l_i, acc rescaled; S becomes P
                 online_softmax(s, m_i, l_i, acc, softmax_log2)
@@ -480,7 +481,7 @@ def build_forward_mma(config: MmaForwardConfig):
             m_start, min(m_start + BM, seqlen_q), seqlen_q, seqlen_k, params, BN)
         softmax_log2 = scale_log2 if FOLD_SCALE else float32(1)  # what multiplies S in exp2
         scale = scale_log2 * float32(LN2)  # the softmax scale itself, for the score features
-        slope = score_slope(params, b, h)  # ALiBi's slope of this head (0 without)
+        head_ctx = head_context(params, b, h)  # (b, h, ALiBi slope): what the variant reads per head
 
         # ---- Prologue: Q_i and the first K/V tile in flight; Q_i into registers ----
         load_q_tile(smem, base, q, b, m_start, h, seqlen_q)
@@ -530,11 +531,11 @@ def build_forward_mma(config: MmaForwardConfig):
             # (the window's edges, the sequence tail) go through the masked copy of the same step.
             if first_full <= j and j < end_full:
                 attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
-                            scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, slope,
+                            scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, head_ctx,
                             scale, g, t, False)
             else:
                 attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
-                            scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, slope,
+                            scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, head_ctx,
                             scale, g, t, True)
 
         # ---- Epilogue: normalise and write O_i and lse_i ----

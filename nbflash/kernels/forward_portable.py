@@ -108,7 +108,7 @@ def build_forward_portable(config):
     HEADDIM = config.headdim
     hooks = variants.hooks(config.variant)
     key_tiles, row_keys, hidden = hooks.key_tiles, hooks.row_keys, hooks.hidden
-    SCORE, score, score_slope = hooks.SCORE, hooks.score, hooks.score_slope
+    SCORE, score, head_context = hooks.SCORE, hooks.score, hooks.head_context
     BLOCK_M = config.block_m
     BLOCK_N = config.block_n
     THREADS_X = config.threads_x
@@ -140,22 +140,23 @@ def build_forward_portable(config):
                     s[r * COLS + c] += Q_s[row0 + r, d] * k_val
 
     @cuda.jit(device=True, inline=True)
-    def score_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params, slope):
+    def score_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params, head_ctx):
         """s = score(s) * log2(e): the variant's score features on natural-unit scores (Q_i was
         scaled by the softmax scale alone), then the exponent's units."""
         for r in range(ROWS):
             for c in range(COLS):
                 x = score(s[r * COLS + c], q_start + row0 + r, k_start + tx + THREADS_X * c, seqlen_q, seqlen_k,
-                          params, slope)
+                          params, head_ctx)
                 s[r * COLS + c] = x * float32(LOG2E)
 
     @cuda.jit(device=True, inline=True)
-    def mask_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params):
-        """-inf where the row does not see the key: past seqlen_k, or outside its window."""
+    def mask_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params, head_ctx):
+        """-inf where the row does not see the key: past seqlen_k, outside its window, or masked."""
         for r in range(ROWS):
-            lo, hi = row_keys(q_start + row0 + r, seqlen_q, seqlen_k, params)
+            row = q_start + row0 + r
+            lo, hi = row_keys(row, seqlen_q, seqlen_k, params)
             for c in range(COLS):
-                if hidden(k_start + tx + THREADS_X * c, lo, hi):
+                if hidden(k_start + tx + THREADS_X * c, lo, hi, row, seqlen_q, params, head_ctx):
                     s[r * COLS + c] = NEG_INF
 
     @cuda.jit(device=True, inline=True)
@@ -227,7 +228,7 @@ def build_forward_portable(config):
 
         # ---- Load Q_i once, pre-scaled so that scores come out in base 2 -----------------------
         # (natural units instead when a score feature needs them; it returns them in base 2)
-        slope = score_slope(params, batch, head)  # ALiBi's slope of this head (0 without)
+        head_ctx = head_context(params, batch, head)  # (b, h, ALiBi slope): what the variant reads per head
         load_tile(q, batch, q_start, head, q_rows, Q_s, scale_log2 * float32(LN2) if SCORE else scale_log2)
 
         # ---- Loop over K_j, V_j ----------------------------------------------------------------
@@ -240,9 +241,9 @@ def build_forward_portable(config):
 
             scores(Q_s, K_s, row0, tx, s)
             if SCORE:
-                score_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params, slope)
+                score_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params, head_ctx)
             if j < first_full or j >= end_full:
-                mask_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params)
+                mask_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params, head_ctx)
             for r in range(ROWS):
                 part_s[row0 + r, tx] = row_max_partial(s, r)
             cuda.syncthreads()  # every thread's partial row maxima are in part_s

@@ -7,13 +7,17 @@ built here at fixed points of its tile step:
 - the **band**: ``key_tiles`` / ``query_tiles`` give the tile segments a block visits, and
   ``row_keys`` the keys a query row sees, from the window in ``params`` (``geometry`` does the
   arithmetic); without a window they reduce to the sequence bounds and ``WINDOW`` is False;
-- the **mask** point, before the row max: an element is dropped iff ``hidden(key, lo, hi)`` for
-  its row's ``row_keys``; tiles that every row sees whole skip the test;
+- the **mask** point, before the row max: an element is dropped iff
+  ``hidden(key, lo, hi, row, seqlen_q, params, head_ctx)``: outside its row's ``row_keys``, or
+  False in the boolean mask tensor; tiles that every row sees whole skip the test (with a mask
+  tensor no tile is known to be whole);
 - the **score** point, right after Q K^T: with a score feature (``SCORE``) the kernel scales the
   scores to natural units, ``x = q.k * softmax_scale``, and ``score(x, row, key, ...)`` applies
   the features in flash-attn's order: softcap (``c * tanh(x / c)``), then ALiBi
-  (``- slope * |row + seqlen_k - seqlen_q - key|``, the slope from ``score_slope(params, b, h)``
-  once per head). The backward calls ``score_grad``, which also returns d score / d x;
+  (``- slope * |row + seqlen_k - seqlen_q - key|``), then the additive bias tensor
+  (``+ bias[b, h, row, key]``). What they read per head, ``head_ctx = (b, h, slope)``, comes from
+  ``head_context(params, b, h)`` once per head. The backward calls ``score_grad``, which also
+  returns d score / d x (the bias gets no gradient);
 - the probability point (after exp, before P V) is where dropout will enter.
 
 A feature the variant does not have compiles to nothing: the flags are closure constants of each
@@ -26,6 +30,8 @@ from functools import lru_cache
 from numba import float32
 from numba.extending import register_jitable
 
+from ..dtypes import KERNEL_DTYPE
+from ..primitives import bf16_bits_to_f32
 from . import geometry
 
 # The kernel type of each runtime value, as a signature spells it (``nbflash.problem.PARAMS``
@@ -36,28 +42,31 @@ PARAM_TYPES = {
     "window_right": "int32",
     "softcap": "float32",
     "alibi_slopes": "float32[:,:]",
+    "mask": "boolean[:,:,:,:]",  # (batch, nheads, seqlen_q, seqlen_k), any strides: True = kept
 }
 
 
 def param_types(variant):
-    """The signature types of ``params`` for ``variant``, in order."""
-    return tuple(PARAM_TYPES[name] for name in variant.param_names())
+    """The signature types of ``params`` for ``variant``, in order (the bias tensor's element type
+    is the variant's; bfloat16 arrives as its uint16 bits)."""
+    types = dict(PARAM_TYPES, bias=f"{KERNEL_DTYPE.get(variant.bias, 'float32')}[:,:,:,:]")
+    return tuple(types[name] for name in variant.param_names())
 
 
 def _score_steps(variant, names):
     """(score, score_grad) device functions of each score feature, in the order they apply: each
-    takes ``(x, row, key, seqlen_q, seqlen_k, params, slope)``; score_grad returns (y, dy/dx)."""
+    takes ``(x, row, key, seqlen_q, seqlen_k, params, head_ctx)``; score_grad returns (y, dy/dx)."""
     steps = []
     if variant.softcap:
         SOFTCAP = names.index("softcap")
 
         @register_jitable
-        def softcap(x, row, key, seqlen_q, seqlen_k, params, slope):
+        def softcap(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
             cap = params[SOFTCAP]
             return cap * math.tanh(x / cap)
 
         @register_jitable
-        def softcap_grad(x, row, key, seqlen_q, seqlen_k, params, slope):
+        def softcap_grad(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
             cap = params[SOFTCAP]
             t = math.tanh(x / cap)
             return cap * t, float32(1) - t * t
@@ -66,14 +75,29 @@ def _score_steps(variant, names):
     if variant.alibi:
 
         @register_jitable
-        def alibi(x, row, key, seqlen_q, seqlen_k, params, slope):
-            return x - slope * float32(abs(row + seqlen_k - seqlen_q - key))
+        def alibi(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
+            return x - head_ctx[2] * float32(abs(row + seqlen_k - seqlen_q - key))
 
         @register_jitable
-        def alibi_grad(x, row, key, seqlen_q, seqlen_k, params, slope):
-            return alibi(x, row, key, seqlen_q, seqlen_k, params, slope), float32(1)
+        def alibi_grad(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
+            return alibi(x, row, key, seqlen_q, seqlen_k, params, head_ctx), float32(1)
 
         steps.append((alibi, alibi_grad))
+    if variant.bias:
+        BIAS = names.index("bias")
+        to_float = bf16_bits_to_f32 if variant.bias == "bfloat16" else float32
+
+        @register_jitable
+        def bias(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
+            if row < seqlen_q and key < seqlen_k:  # the tiles' padding reads nothing
+                x += to_float(params[BIAS][head_ctx[0], head_ctx[1], row, key])
+            return x
+
+        @register_jitable
+        def bias_grad(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
+            return bias(x, row, key, seqlen_q, seqlen_k, params, head_ctx), float32(1)
+
+        steps.append((bias, bias_grad))
     return steps
 
 
@@ -81,11 +105,11 @@ def _chain(steps):
     """One (score, score_grad) pair applying ``steps`` in order (the identity for none)."""
 
     @register_jitable
-    def score(x, row, key, seqlen_q, seqlen_k, params, slope):
+    def score(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
         return x
 
     @register_jitable
-    def score_grad(x, row, key, seqlen_q, seqlen_k, params, slope):
+    def score_grad(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
         return x, float32(1)
 
     for step, step_grad in steps:
@@ -95,14 +119,14 @@ def _chain(steps):
 
 def _then(first, first_grad, step, step_grad):
     @register_jitable
-    def score(x, row, key, seqlen_q, seqlen_k, params, slope):
-        return step(first(x, row, key, seqlen_q, seqlen_k, params, slope), row, key, seqlen_q, seqlen_k, params,
-                    slope)
+    def score(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
+        y = first(x, row, key, seqlen_q, seqlen_k, params, head_ctx)
+        return step(y, row, key, seqlen_q, seqlen_k, params, head_ctx)
 
     @register_jitable
-    def score_grad(x, row, key, seqlen_q, seqlen_k, params, slope):
-        y, dy = first_grad(x, row, key, seqlen_q, seqlen_k, params, slope)
-        z, dz = step_grad(y, row, key, seqlen_q, seqlen_k, params, slope)
+    def score_grad(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
+        y, dy = first_grad(x, row, key, seqlen_q, seqlen_k, params, head_ctx)
+        z, dz = step_grad(y, row, key, seqlen_q, seqlen_k, params, head_ctx)
         return z, dz * dy
 
     return score, score_grad
@@ -113,7 +137,7 @@ class Hooks:
 
     Visibility, in the geometry's terms (nbflash/kernels/geometry.py) but with the window read from
     ``params``: ``key_tiles`` and ``query_tiles`` give a block's tile segments, ``row_keys`` the
-    keys [lo, hi) a query row sees, and ``hidden(key, lo, hi)`` is the mask test. Without a window
+    keys [lo, hi) a query row sees, and ``hidden(key, lo, hi, ...)`` is the mask test. Without a window
     they are written for what they then are (every key up to seqlen_k, no lower bound), so that
     the plain kernels hold no window state at all; ``tests/test_variants.py`` checks both against
     the geometry.
@@ -156,9 +180,38 @@ class Hooks:
                 return 0, seqlen_k
 
         @register_jitable
-        def hidden(key, lo, hi):
-            """The mask test: key outside [lo, hi) (no lower bound to test without a window)."""
+        def outside(key, lo, hi):
+            """Outside the row's visible keys [lo, hi) (no lower bound to test without a window)."""
             return key >= hi or (WINDOW and key < lo)
+
+        if variant.mask:
+            KEEP = names.index("mask")
+            band_key_tiles, band_query_tiles = key_tiles, query_tiles
+
+            @register_jitable
+            def key_tiles(row_start, row_end, seqlen_q, seqlen_k, params, block):
+                first, _, _, end = band_key_tiles(row_start, row_end, seqlen_q, seqlen_k, params, block)
+                return first, end, end, end  # a mask tensor: no tile is known to be seen whole
+
+            @register_jitable
+            def query_tiles(key_start, key_end, seqlen_q, seqlen_k, params, block):
+                first, _, _, end = band_query_tiles(key_start, key_end, seqlen_q, seqlen_k, params, block)
+                return first, end, end, end
+
+            @register_jitable
+            def hidden(key, lo, hi, row, seqlen_q, params, head_ctx):
+                """The mask test: outside the band, or False in the mask tensor (read only inside
+                the sequence)."""
+                if outside(key, lo, hi):
+                    return True
+                return row < seqlen_q and not params[KEEP][head_ctx[0], head_ctx[1], row, key]
+
+        else:
+
+            @register_jitable
+            def hidden(key, lo, hi, row, seqlen_q, params, head_ctx):
+                """The mask test: outside the band."""
+                return outside(key, lo, hi)
 
         self.key_tiles, self.query_tiles, self.row_keys, self.hidden = key_tiles, query_tiles, row_keys, hidden
 
@@ -168,16 +221,16 @@ class Hooks:
             ALIBI = names.index("alibi_slopes")
 
             @register_jitable
-            def score_slope(params, b, h):
-                return params[ALIBI][b, h]
+            def head_context(params, b, h):
+                return b, h, params[ALIBI][b, h]
 
         else:
 
             @register_jitable
-            def score_slope(params, b, h):
-                return float32(0)
+            def head_context(params, b, h):
+                return b, h, float32(0)
 
-        self.score_slope = score_slope
+        self.head_context = head_context
 
 
 @lru_cache(maxsize=None)
