@@ -11,7 +11,7 @@ PyTorch autograd function over the same kernels (torch stays optional: only that
 from .backward import flash_attn_backward
 from .configs import kernel_family
 from .interface import explain, flash_attn_func
-from .reference import attention_naive, attention_reference, attention_reference_backward
+from .reference import attention_naive, attention_probabilities, attention_reference, attention_reference_backward
 
 __version__ = "0.1.0"
 
@@ -23,5 +23,6 @@ __all__ = [
     "attention_reference",
     "attention_reference_backward",
     "attention_naive",
+    "attention_probabilities",
     "__version__",
 ]

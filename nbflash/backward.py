@@ -13,6 +13,7 @@ import numpy as np
 from . import launch, runtime, validation
 from .configs import forced_family, plan_backward
 from .dtypes import FLOAT32
+from .interface import user_functions_compile
 
 LOG2_E = math.log2(math.e)
 
@@ -62,8 +63,9 @@ def _check_backward(problem, q, dout, out, lse, deterministic):
 def _kernels(static, deterministic, family, aligned):
     """The three compiled kernels of a call (preprocess, dkdv, dq or convert_dq); one cache lookup
     per call. The tensor-core kernels take the portable ones' arguments."""
-    return tuple(launch.compiled(config, static.device)
-                 for config in plan_backward(static, deterministic, family, aligned))
+    with user_functions_compile(static.variant):
+        return tuple(launch.compiled(config, static.device)
+                     for config in plan_backward(static, deterministic, family, aligned))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -102,7 +104,8 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, dropout_p=0.0, softmax_scale=None, causal=False,
-                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *, bias=None):
+                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *, bias=None,
+                        score_mod=None, mask_mod=None, score_mod_grad=None):
     """Gradients of ``flash_attn_func`` with respect to q, k and v.
 
     Arguments:
@@ -111,7 +114,10 @@ def flash_attn_backward(dout, q, k, v, out, lse, dropout_p=0.0, softmax_scale=No
             given to ``flash_attn_func``, in its order (same shapes, dtypes, strides rules,
             grouped-query attention and bottom-right alignment). Every variant has its gradient:
             through the softcap's tanh; ALiBi slopes get none (they are not trained).
-        bias: (nbflash) as given to ``flash_attn_func``; it gets no gradient.
+        bias, score_mod, mask_mod: (nbflash) as given to ``flash_attn_func``; bias gets no gradient.
+        score_mod_grad: (nbflash) with a score_mod, its derivative with respect to the score:
+            ``score_mod_grad(score, b, h, q_idx, kv_idx) -> d score_mod / d score`` (compiled the
+            same way); the backward of a score_mod cannot run without it.
         out: (batch, seqlen_q, nheads, headdim), q's dtype: the forward's output.
         lse: (batch, nheads, seqlen_q), float32: the forward's log-sum-exp
             (``flash_attn_func(..., return_lse=True)``).
@@ -132,7 +138,10 @@ def flash_attn_backward(dout, q, k, v, out, lse, dropout_p=0.0, softmax_scale=No
     stream; the call does not wait for it.
     """
     validation.check_dropout_p(dropout_p)
+    if score_mod is not None and score_mod_grad is None:
+        raise ValueError("score_mod's backward needs its derivative: pass score_mod_grad(score, b, h, q_idx, "
+                         "kv_idx) -> d score_mod / d score (e.g. lambda s, b, h, i, j: 1.0 for a shift)")
     problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                                bias)
+                                                bias, score_mod, mask_mod, score_mod_grad)
     dout, out, lse = _check_backward(problem, q, dout, out, lse, deterministic)
     return _flash_attn_backward(problem, dout, q, k, v, out, lse, bool(deterministic))

@@ -150,10 +150,10 @@ def plan_forward(static, family=None):
     the portable one otherwise.
     """
     family = _resolve_family(static.dtype, static.device, family)
+    variant = static.variant._replace(score_mod_grad="")  # only the backward differentiates
     if family == "mma":
-        return mma_forward_config(static.dtype, static.headdim, static.variant, static.aligned,
-                                  static.positive_scale)
-    return portable_forward_config(static.dtype, static.headdim, static.variant)
+        return mma_forward_config(static.dtype, static.headdim, variant, static.aligned, static.positive_scale)
+    return portable_forward_config(static.dtype, static.headdim, variant)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The public attention functions. Names and arguments follow flash-attn's Python interface."""
 
+import contextlib
 import dataclasses
 import math
 from functools import lru_cache
@@ -17,7 +18,22 @@ LOG2_E = math.log2(math.e)
 @lru_cache(maxsize=None)
 def _forward_kernel(static, family):
     """The compiled kernel for a problem's static part; one cache lookup per call."""
-    return launch.compiled(configs.plan_forward(static, family), static.device)
+    with user_functions_compile(static.variant):
+        return launch.compiled(configs.plan_forward(static, family), static.device)
+
+
+@contextlib.contextmanager
+def user_functions_compile(variant):
+    """Compiling kernels with the caller's score_mod / mask_mod: a failure is the function's, so
+    the error says so, with Numba's message."""
+    try:
+        yield
+    except Exception as error:
+        if not (variant.score_mod or variant.mask_mod):
+            raise
+        raise TypeError(f"score_mod / mask_mod could not be compiled into the kernel (they take and return "
+                        f"scalars: score_mod(score, b, h, q_idx, kv_idx) -> float, mask_mod(b, h, q_idx, "
+                        f"kv_idx) -> bool); Numba said:\n{error}") from error
 
 
 def _kernel_for(problem, family=None):
@@ -36,7 +52,8 @@ def _flash_attn_forward(problem, q, k, v, family=None):
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False, bias=None):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False, bias=None,
+                    score_mod=None, mask_mod=None):
     """Exact scaled dot-product attention, softmax(q k^T * softmax_scale) v, in O(seqlen) memory.
 
     flash-attn 2.8's ``flash_attn_func``: the same arguments in the same order, so that a call
@@ -88,6 +105,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             dtype): added to the scores after softcap and ALiBi (T5-style position biases). Bool:
             a mask, True = kept (document masks for packed sequences). Every tile then tests it;
             neither gets a gradient.
+        score_mod: (nbflash) a Python function ``score_mod(score, b, h, q_idx, kv_idx) -> score``,
+            FlexAttention's convention: applied to each scaled score after the built-in features,
+            compiled into the kernel (Numba device code: scalars in, a float out; it may read
+            constants and NumPy arrays it captures, which become kernel constants). The backward
+            needs its derivative (``flash_attn_backward(..., score_mod_grad=...)``).
+        mask_mod: (nbflash) ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True = kept; every tile then
+            tests it.
 
     A query row that sees no key gets output 0 (and lse -inf), whatever the variant.
 
@@ -103,11 +127,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _check_flag(return_attn_probs, "return_attn_probs")
     _check_flag(return_lse, "return_lse")
     problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                                bias)
+                                                bias, score_mod, mask_mod)
     out, lse = _flash_attn_forward(problem, q, k, v)
     if return_attn_probs:
         probs = attention_probabilities(q, k, v, problem.softmax_scale, False, problem.window(), problem.softcap,
-                                        problem.alibi_slopes, bias=problem.bias if problem.mask is None else problem.mask)
+                                        problem.alibi_slopes, bias=problem.bias if problem.mask is None else problem.mask,
+                                        score_mod=score_mod, mask_mod=mask_mod)
         return out, lse, probs
     return (out, lse) if return_lse else out
 
@@ -118,7 +143,7 @@ def _check_flag(value, name):
 
 
 def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, *,
-            bias=None):
+            bias=None, score_mod=None, mask_mod=None):
     """Which kernel and configuration ``flash_attn_func(q, k, v, ...)`` runs, without running it.
 
     Returns a dict: ``family`` ('mma' or 'portable'), ``config`` (the block configuration and the
@@ -128,7 +153,7 @@ def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), sof
     block.
     """
     problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                                bias)
+                                                bias, score_mod, mask_mod)
     kernel = _kernel_for(problem)
     config = kernel.config
     return {

@@ -27,11 +27,16 @@ class Variant(NamedTuple):
     alibi: bool = False  # scores lowered by slope[b, h] * |i + seqlen_k - seqlen_q - j|
     bias: str = ""  # the element type of an additive bias tensor ('' for none): + bias[b, h, i, j]
     mask: bool = False  # a boolean tensor says which (b, h, i, j) are kept
+    # The user's functions, by fingerprint (nbflash.kernels.variants.user_function): score_mod(score,
+    # b, h, q_idx, kv_idx) -> score, its derivative for the backward, mask_mod(b, h, q_idx, kv_idx).
+    score_mod: str = ""
+    score_mod_grad: str = ""
+    mask_mod: str = ""
 
     @property
     def score(self):
         """A feature changes the scores (the kernels then scale them before anything else)."""
-        return bool(self.softcap or self.alibi or self.bias)
+        return bool(self.softcap or self.alibi or self.bias or self.score_mod)
 
     def param_names(self):
         """The runtime values the kernels take for this variant, in kernel-argument order."""

@@ -62,13 +62,15 @@ class _Scores:
     then softcap (``c * tanh(x / c)``), then ALiBi (``- slope[b, h] * |i + seqlen_k - seqlen_q - j|``),
     then an additive bias tensor, then the window's mask and a boolean mask tensor (-inf)."""
 
-    def __init__(self, xp, seqlen_q, seqlen_k, scale, causal, window_size, softcap, alibi_slopes, batch, bias=None):
+    def __init__(self, xp, seqlen_q, seqlen_k, scale, causal, window_size, softcap, alibi_slopes, batch, bias=None,
+                 user=(None, None, None)):
         self.xp, self.seqlen_q, self.seqlen_k, self.scale = xp, seqlen_q, seqlen_k, scale
         self.causal, self.window_size, self.softcap = causal, window_size, float(softcap)
         self.slopes = None
         if alibi_slopes is not None:
             slopes = np.asarray(alibi_slopes.get() if hasattr(alibi_slopes, "get") else alibi_slopes, np.float64)
             self.slopes = np.broadcast_to(slopes, (batch, slopes.shape[-1]))
+        self.score_mod, self.mask_mod, self.score_mod_grad = user
         self.bias = self.keep = None
         if bias is not None:
             bias = xp.asarray(bias)
@@ -97,13 +99,29 @@ class _Scores:
         if self.bias is not None:
             bias = self.bias[min(b, self.bias.shape[0] - 1), min(h, self.bias.shape[1] - 1)]
             x = rounded(x + (bias[xp.asarray(rows)] if bias.shape[0] > 1 else bias))
+        if self.score_mod is not None:  # the user's scalar function, element by element (small sizes)
+            q_idx, kv_idx = np.meshgrid(_host(rows), np.arange(self.seqlen_k), indexing="ij")
+            pre = _host(x)
+            x = xp.asarray(np.vectorize(self.score_mod, otypes=[np.float64])(pre, b, h, q_idx, kv_idx))
+            x = rounded(x.astype(pre.dtype))
+            if self.score_mod_grad is not None:
+                user_grad = xp.asarray(np.vectorize(self.score_mod_grad, otypes=[np.float64])(pre, b, h, q_idx, kv_idx))
+                grad = user_grad if grad is None else grad * user_grad
         if self.keep is not None:
             keep = self.keep[min(b, self.keep.shape[0] - 1), min(h, self.keep.shape[1] - 1)]
             keep = keep[xp.asarray(rows)] if keep.shape[0] > 1 else keep
             mask = keep if mask is None else (mask & keep)
+        if self.mask_mod is not None:
+            q_idx, kv_idx = np.meshgrid(_host(rows), np.arange(self.seqlen_k), indexing="ij")
+            keep = xp.asarray(np.vectorize(self.mask_mod, otypes=[bool])(b, h, q_idx, kv_idx))
+            mask = keep if mask is None else (mask & keep)
         if mask is not None:
             x = xp.where(mask, x, -xp.inf)
         return x, grad
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 def _softmax_rows(s, xp):
@@ -115,19 +133,20 @@ def _softmax_rows(s, xp):
     return p, row_max, p.sum(axis=1, keepdims=True)
 
 
-def _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dtype, bias=None):
+def _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dtype, bias=None,
+           user=(None, None, None)):
     xp = _array_module(q)
     q, k, v = (xp.asarray(x).astype(dtype) for x in (q, k, v))
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
-    scores = _Scores(xp, seqlen_q, seqlen_k, scale, causal, window_size, softcap, alibi_slopes, batch, bias)
+    scores = _Scores(xp, seqlen_q, seqlen_k, scale, causal, window_size, softcap, alibi_slopes, batch, bias, user)
     blocks = [xp.arange(start, min(start + QUERY_BLOCK, seqlen_q)) for start in range(0, seqlen_q, QUERY_BLOCK)]
     return xp, q, k, v, nheads // nheads_k, scores, blocks
 
 
 def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=False,
-                        window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None):
+                        window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None):
     """Exact attention in float64.
 
     Returns ``out`` (float64, q's shape) and, with ``return_lse``, ``lse`` (float64,
@@ -135,7 +154,7 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
     ``causal``, ``window_size``, ``softcap`` and ``alibi_slopes`` as in ``nbflash.flash_attn_func``.
     """
     xp, q, k, v, group, scores, blocks = _setup(q, k, v, softmax_scale, causal, window_size, softcap,
-                                                alibi_slopes, np.float64, bias)
+                                                alibi_slopes, np.float64, bias, (score_mod, mask_mod, score_mod_grad))
     out = xp.zeros(q.shape, xp.float64)
     lse = xp.full(q.shape[:1] + (q.shape[2], q.shape[1]), -xp.inf, xp.float64)
     masks = scores.masks(blocks)
@@ -153,12 +172,12 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
 
 
 def attention_probabilities(q, k, v, softmax_scale=None, causal=False, window_size=(UNBOUNDED, UNBOUNDED),
-                            softcap=0.0, alibi_slopes=None, bias=None):
+                            softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None):
     """The attention probabilities P, float32 (batch, nheads, seqlen_q, seqlen_k): what
     ``flash_attn_func(..., return_attn_probs=True)`` hands back as S_dmask. N x N memory: for
     debugging small problems only."""
     xp, q, k, v, group, scores, blocks = _setup(q, k, v, softmax_scale, causal, window_size, softcap,
-                                                alibi_slopes, np.float32, bias)
+                                                alibi_slopes, np.float32, bias, (score_mod, mask_mod, score_mod_grad))
     probs = xp.zeros((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), xp.float32)
     masks = scores.masks(blocks)
     for b in range(q.shape[0]):
@@ -171,7 +190,7 @@ def attention_probabilities(q, k, v, softmax_scale=None, causal=False, window_si
 
 
 def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0,
-                    alibi_slopes=None, bias=None):
+                    alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None):
     """Attention as a same-precision naive implementation computes it, for error budgets.
 
     Matmuls accumulate in float32 and round their result to the input dtype, the softmax runs in
@@ -181,7 +200,7 @@ def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(UNBO
     """
     dtype = as_numpy_dtype(q.dtype)
     xp, q, k, v, group, scores, _ = _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                           np.float32, bias)
+                                           np.float32, bias, (score_mod, mask_mod, score_mod_grad))
 
     def rounded(x):
         return x.astype(dtype).astype(xp.float32)
@@ -201,7 +220,7 @@ def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(UNBO
 
 
 def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False,
-                                 window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None):
+                                 window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None):
     """Gradients of exact attention in float64: returns ``(dq, dk, dv)``, float64, shaped like q, k, v.
 
     ``dout`` is the gradient of the loss with respect to ``out`` (q's shape). With
@@ -217,7 +236,7 @@ def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False
     extra memory is ``query_block * seqlen_k`` numbers.
     """
     xp, q, k, v, group, scores, blocks = _setup(q, k, v, softmax_scale, causal, window_size, softcap,
-                                                alibi_slopes, np.float64, bias)
+                                                alibi_slopes, np.float64, bias, (score_mod, mask_mod, score_mod_grad))
     dout = xp.asarray(dout).astype(xp.float64)
     dq = xp.zeros(q.shape, xp.float64)
     dk = xp.zeros(k.shape, xp.float64)
@@ -241,7 +260,7 @@ def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False
 
 
 def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
-                             window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None):
+                             window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None):
     """Gradients as a same-precision naive implementation computes them, for error budgets.
 
     The forward of ``attention_naive``, then each backward matmul accumulating in float32 and rounding
@@ -250,7 +269,7 @@ def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
     """
     dtype = as_numpy_dtype(q.dtype)
     xp, q, k, v, group, scores, _ = _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                           np.float32, bias)
+                                           np.float32, bias, (score_mod, mask_mod, score_mod_grad))
 
     def rounded(x):
         return x.astype(dtype).astype(xp.float32)

@@ -40,12 +40,12 @@ class FlashAttnFunction(torch.autograd.Function):
     """out = flash_attn_func(q, k, v); the backward recomputes attention from (out, lse)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, bias):
+    def forward(ctx, q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, bias, user):
         with _on_torch_stream(q):
             # torch refuses to export tensors that require gradients; the detached views share memory.
             slopes = alibi_slopes.detach() if alibi_slopes is not None else None
             problem, q_, k_, v_ = validation.check_forward(q.detach(), k.detach(), v.detach(), softmax_scale, causal,
-                                                           window_size, softcap, slopes, _detached(bias))
+                                                           window_size, softcap, slopes, _detached(bias), *user)
             out, lse = interface._flash_attn_forward(problem, q_, k_, v_)
             out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -57,13 +57,16 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
+        if ctx.problem.variant.score_mod and not ctx.problem.variant.score_mod_grad:
+            raise ValueError("score_mod's backward needs its derivative: pass score_mod_grad=... to "
+                             "nbflash.torch.flash_attn_func")
         dout = _last_dim_contiguous(dout.to(q.dtype))
         with _on_torch_stream(q):
             arrays = [validation.as_backend_array(x.detach(), name) for x, name in
                       ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
             grads = backward._flash_attn_backward(ctx.problem, *arrays, ctx.deterministic)
             dq, dk, dv = (torch.from_dlpack(g) for g in grads)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def _detached(x):
@@ -71,27 +74,32 @@ def _detached(x):
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False, bias=None):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False, bias=None,
+                    score_mod=None, mask_mod=None, score_mod_grad=None):
     """``nbflash.flash_attn_func`` on torch tensors, differentiable with respect to q, k and v:
     flash-attn 2.8's ``flash_attn_func``, argument for argument, so that
     ``from nbflash.torch import flash_attn_func`` replaces ``from flash_attn import flash_attn_func``.
 
     Arguments and shapes as ``nbflash.flash_attn_func``: q (batch, seqlen_q, nheads, headdim), k and v
     (batch, seqlen_k, nheads_k, headdim), CUDA tensors of dtype float16, bfloat16 or float32;
-    ``alibi_slopes`` a float32 CUDA tensor and ``bias`` a float or bool CUDA tensor (no gradients). ``deterministic`` makes the backward
+    ``alibi_slopes`` a float32 CUDA tensor and ``bias`` a float or bool CUDA tensor (no gradients);
+    ``score_mod``, ``mask_mod`` as in nbflash.flash_attn_func, and ``score_mod_grad`` (the
+    derivative of score_mod, which the backward needs). ``deterministic`` makes the backward
     bit-identical run to run (see ``nbflash.backward.flash_attn_backward``). Returns ``out``; with
     ``return_lse=True`` (out, lse), with ``return_attn_probs=True`` (out, lse, S_dmask), as torch
     tensors on q's device (lse and S_dmask not differentiable).
     """
     validation.check_dropout_p(dropout_p)
     out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                       deterministic, bias)
+                                       deterministic, bias, (score_mod, mask_mod, score_mod_grad))
     if return_attn_probs:
         with _on_torch_stream(q), torch.no_grad():
             problem, *arrays = validation.check_forward(q.detach(), k.detach(), v.detach(), softmax_scale, causal,
-                                                        window_size, softcap, _detached(alibi_slopes), _detached(bias))
+                                                        window_size, softcap, _detached(alibi_slopes), _detached(bias),
+                                                        score_mod, mask_mod)
             probs = reference.attention_probabilities(*arrays, problem.softmax_scale, False, problem.window(),
                                                       problem.softcap, problem.alibi_slopes,
-                                                      bias=problem.bias if problem.mask is None else problem.mask)
+                                                      bias=problem.bias if problem.mask is None else problem.mask,
+                                                      score_mod=score_mod, mask_mod=mask_mod)
             return out, lse, torch.from_dlpack(probs)
     return (out, lse) if return_lse else out

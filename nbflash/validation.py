@@ -13,6 +13,7 @@ import numpy as np
 
 from . import runtime
 from .dtypes import dtype_name
+from .kernels.variants import user_function
 from .problem import UNBOUNDED, Problem, Variant, window_bounds
 
 MAX_HEADDIM = 256
@@ -187,7 +188,7 @@ _REMEMBER_AT_MOST = 256
 
 
 def _repeat_key(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0,
-                alibi_slopes=None, bias=None):
+                alibi_slopes=None, bias=None, user=()):
     """What check_forward's verdict depends on, as a dict key; None if the call does not qualify."""
     if runtime.SIMULATOR:
         if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
@@ -206,6 +207,8 @@ def _repeat_key(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDE
         return None
     if alibi_slopes is not None or bias is not None or type(softcap) is not float or type(window_size) is not tuple:
         return None  # slopes and biases are arrays a problem would hold on to; odd types: check in full
+    if any(fn is not None for fn in user):
+        return None  # user functions: fingerprinted on every call
     return (
         q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
         softmax_scale, causal, window_size, softcap, pointers % 16 == 0, devices,
@@ -213,13 +216,15 @@ def _repeat_key(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDE
 
 
 def check_forward(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0,
-                  alibi_slopes=None, bias=None):
+                  alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None):
     """Validate a forward call. Returns (problem, q, k, v) with the arrays on the backend."""
-    key = _repeat_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias)
+    user = (score_mod, mask_mod, score_mod_grad)
+    key = _repeat_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias, user)
     problem = _REMEMBERED.get(key) if key is not None else None
     if problem is not None:
         return problem, q, k, v
-    problem, q, k, v = _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias)
+    problem, q, k, v = _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias,
+                                      user)
     if key is not None:
         if len(_REMEMBERED) >= _REMEMBER_AT_MOST:
             _REMEMBERED.clear()
@@ -227,7 +232,7 @@ def check_forward(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUN
     return problem, q, k, v
 
 
-def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias):
+def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias, user):
     q = as_backend_array(q, "q")
     k = as_backend_array(k, "k")
     v = as_backend_array(v, "v")
@@ -287,6 +292,11 @@ def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
     if bias is not None:
         bias, kind = check_bias(bias, batch, nheads, seqlen_q, seqlen_k, dtype, device)
         additive, keep = (None, bias) if kind == "mask" else (bias, None)
+    score_mod, mask_mod, score_mod_grad = (
+        "" if fn is None else user_function(fn, name) for fn, name in zip(user, ("score_mod", "mask_mod", "score_mod_grad"))
+    )
+    if score_mod_grad and not score_mod:
+        raise ValueError("score_mod_grad was given without a score_mod")
     problem = Problem(
         batch,
         seqlen_q,
@@ -299,7 +309,8 @@ def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
         aligned,
         device,
         Variant(window=window, softcap=softcap > 0, alibi=alibi_slopes is not None,
-                bias=dtype_name(additive.dtype) if additive is not None else "", mask=keep is not None),
+                bias=dtype_name(additive.dtype) if additive is not None else "", mask=keep is not None,
+                score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod),
         left,
         right,
         softcap,

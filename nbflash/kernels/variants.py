@@ -24,9 +24,11 @@ A feature the variant does not have compiles to nothing: the flags are closure c
 kernel's builder.
 """
 
+import hashlib
 import math
 from functools import lru_cache
 
+import numpy as np
 from numba import float32
 from numba.extending import register_jitable
 
@@ -98,7 +100,115 @@ def _score_steps(variant, names):
             return bias(x, row, key, seqlen_q, seqlen_k, params, head_ctx), float32(1)
 
         steps.append((bias, bias_grad))
+    if variant.score_mod:
+        user = _device(variant.score_mod)
+        user_grad = _device(variant.score_mod_grad) if variant.score_mod_grad else None
+
+        @register_jitable
+        def score_mod(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
+            return float32(user(x, head_ctx[0], head_ctx[1], row, key))
+
+        if user_grad is None:
+
+            @register_jitable
+            def score_mod_grad(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
+                return score_mod(x, row, key, seqlen_q, seqlen_k, params, head_ctx), float32(1)  # never used
+
+        else:
+
+            @register_jitable
+            def score_mod_grad(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
+                grad = float32(user_grad(x, head_ctx[0], head_ctx[1], row, key))
+                return score_mod(x, row, key, seqlen_q, seqlen_k, params, head_ctx), grad
+
+        steps.append((score_mod, score_mod_grad))
     return steps
+
+
+def _element_masks(variant, names):
+    """``keep(row, key, params, head_ctx)``: the boolean mask tensor and the user's mask_mod
+    combined, or None when the variant has neither (asked only inside the sequence)."""
+    tests = []
+    if variant.mask:
+        KEEP = names.index("mask")
+
+        @register_jitable
+        def tensor(row, key, params, head_ctx):
+            return params[KEEP][head_ctx[0], head_ctx[1], row, key]
+
+        tests.append(tensor)
+    if variant.mask_mod:
+        user = _device(variant.mask_mod)
+
+        @register_jitable
+        def mask_mod(row, key, params, head_ctx):
+            return bool(user(head_ctx[0], head_ctx[1], row, key))
+
+        tests.append(mask_mod)
+    if not tests:
+        return None
+    keep = tests[0]
+    for test in tests[1:]:
+        keep = _both(keep, test)
+    return keep
+
+
+def _both(first, second):
+    @register_jitable
+    def both(row, key, params, head_ctx):
+        return first(row, key, params, head_ctx) and second(row, key, params, head_ctx)
+
+    return both
+
+
+# ---------------------------------------------------------------------------------------------------
+# User functions (score_mod, mask_mod): fingerprinted into the variant, compiled as device functions
+# ---------------------------------------------------------------------------------------------------
+
+_USER_FUNCTIONS = {}  # fingerprint -> the Python function
+
+
+def user_function(fn, name):
+    """The fingerprint under which ``fn`` enters a variant (and so every kernel cache key): a hash
+    of its code, its constants and the values it captures (closure cells and the globals it reads).
+    A function that captures a GPU array is refused: the kernel could not read it."""
+    if not callable(fn) or not hasattr(fn, "__code__"):
+        raise TypeError(f"{name} must be a Python function, got {type(fn).__name__}")
+    digest = hashlib.sha256()
+    _fingerprint(fn, name, digest, set())
+    key = f"{fn.__qualname__}:{digest.hexdigest()[:20]}"
+    _USER_FUNCTIONS.setdefault(key, fn)
+    return key
+
+
+def _fingerprint(fn, name, digest, seen):
+    code = fn.__code__
+    for part in (code.co_code, code.co_consts, code.co_names, code.co_varnames, code.co_argcount):
+        digest.update(repr(part).encode())
+    captured = [cell.cell_contents for cell in fn.__closure__ or ()]
+    captured += [fn.__globals__[g] for g in code.co_names if g in fn.__globals__]
+    for value in captured:
+        if isinstance(value, (bool, int, float, complex, str, bytes, type(None))):
+            digest.update(repr(value).encode())
+        elif isinstance(value, np.ndarray):  # Numba copies it into the kernel as a constant
+            digest.update(f"{value.dtype}{value.shape}".encode() + value.tobytes())
+        elif hasattr(value, "__cuda_array_interface__") or hasattr(value, "__dlpack__"):
+            raise TypeError(
+                f"{name} captures a GPU array ({type(value).__name__}); a kernel cannot read it from "
+                f"there. Pass a NumPy array (copied into the kernel as a constant), or the tensor as bias="
+            )
+        elif hasattr(value, "__code__") and id(value) not in seen:  # a helper it calls
+            seen.add(id(value))
+            _fingerprint(value, name, digest, seen)
+        else:  # modules (math), Numba types and functions
+            digest.update(repr(getattr(value, "__name__", type(value).__name__)).encode())
+
+
+def _device(key):
+    """The device function compiled from the user function behind ``key``."""
+    from numba import cuda
+
+    return cuda.jit(device=True)(_USER_FUNCTIONS[key])
 
 
 def _chain(steps):
@@ -184,14 +294,14 @@ class Hooks:
             """Outside the row's visible keys [lo, hi) (no lower bound to test without a window)."""
             return key >= hi or (WINDOW and key < lo)
 
-        if variant.mask:
-            KEEP = names.index("mask")
+        keep = _element_masks(variant, names)
+        if keep is not None:
             band_key_tiles, band_query_tiles = key_tiles, query_tiles
 
             @register_jitable
             def key_tiles(row_start, row_end, seqlen_q, seqlen_k, params, block):
                 first, _, _, end = band_key_tiles(row_start, row_end, seqlen_q, seqlen_k, params, block)
-                return first, end, end, end  # a mask tensor: no tile is known to be seen whole
+                return first, end, end, end  # an element mask: no tile is known to be seen whole
 
             @register_jitable
             def query_tiles(key_start, key_end, seqlen_q, seqlen_k, params, block):
@@ -200,11 +310,11 @@ class Hooks:
 
             @register_jitable
             def hidden(key, lo, hi, row, seqlen_q, params, head_ctx):
-                """The mask test: outside the band, or False in the mask tensor (read only inside
-                the sequence)."""
+                """The mask test: outside the band, or dropped by the element masks (asked only
+                inside the sequence)."""
                 if outside(key, lo, hi):
                     return True
-                return row < seqlen_q and not params[KEEP][head_ctx[0], head_ctx[1], row, key]
+                return row < seqlen_q and not keep(row, key, params, head_ctx)
 
         else:
 
