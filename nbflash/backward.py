@@ -105,7 +105,7 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
 
 def flash_attn_backward(dout, q, k, v, out, lse, dropout_p=0.0, softmax_scale=None, causal=False,
                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *, bias=None,
-                        score_mod=None, mask_mod=None, score_mod_grad=None):
+                        score_mod=None, mask_mod=None, score_mod_grad=None, seed=None):
     """Gradients of ``flash_attn_func`` with respect to q, k and v.
 
     Arguments:
@@ -115,6 +115,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, dropout_p=0.0, softmax_scale=No
             grouped-query attention and bottom-right alignment). Every variant has its gradient:
             through the softcap's tanh; ALiBi slopes get none (they are not trained).
         bias, score_mod, mask_mod: (nbflash) as given to ``flash_attn_func``; bias gets no gradient.
+        seed: (nbflash) with dropout_p > 0, the forward's seed (``nbflash.last_dropout_seed()`` after a
+            forward with seed=None): the dropout mask is regenerated from it.
         score_mod_grad: (nbflash) with a score_mod, its derivative with respect to the score:
             ``score_mod_grad(score, b, h, q_idx, kv_idx) -> d score_mod / d score`` (compiled the
             same way); the backward of a score_mod cannot run without it.
@@ -137,11 +139,13 @@ def flash_attn_backward(dout, q, k, v, out, lse, dropout_p=0.0, softmax_scale=No
     dq's shape for the atomics (not in deterministic mode). The work is queued on CuPy's current
     stream; the call does not wait for it.
     """
-    validation.check_dropout_p(dropout_p)
+    if validation.check_dropout_p(dropout_p) > 0 and seed is None:
+        raise ValueError("dropout_p > 0: pass the forward's seed=... so the backward regenerates its dropout mask "
+                         "(nbflash.last_dropout_seed() reads back one the forward drew)")
     if score_mod is not None and score_mod_grad is None:
         raise ValueError("score_mod's backward needs its derivative: pass score_mod_grad(score, b, h, q_idx, "
                          "kv_idx) -> d score_mod / d score (e.g. lambda s, b, h, i, j: 1.0 for a shift)")
     problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                                bias, score_mod, mask_mod, score_mod_grad)
+                                                bias, score_mod, mask_mod, score_mod_grad, dropout_p, seed)
     dout, out, lse = _check_backward(problem, q, dout, out, lse, deterministic)
     return _flash_attn_backward(problem, dout, q, k, v, out, lse, bool(deterministic))

@@ -37,6 +37,7 @@ def cache_dir():
 # geometry, variants). The other host-side modules do not reach the compiled code.
 SHARED_KERNEL_SOURCES = (
     "primitives.py", "dtypes.py", "problem.py", "kernels/tiles.py", "kernels/geometry.py", "kernels/variants.py",
+    "kernels/philox.py",
 )
 
 

@@ -10,7 +10,6 @@ import numpy as np
 from . import configs, launch, validation
 from .dtypes import FLOAT32
 from .reference import attention_probabilities
-from .validation import check_dropout_p
 
 LOG2_E = math.log2(math.e)
 
@@ -53,7 +52,7 @@ def _flash_attn_forward(problem, q, k, v, family=None):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False, bias=None,
-                    score_mod=None, mask_mod=None):
+                    score_mod=None, mask_mod=None, seed=None):
     """Exact scaled dot-product attention, softmax(q k^T * softmax_scale) v, in O(seqlen) memory.
 
     flash-attn 2.8's ``flash_attn_func``: the same arguments in the same order, so that a call
@@ -68,8 +67,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             h // (nheads // nheads_k). Any strides, but the last dim contiguous. On a GPU: CuPy
             arrays, or any GPU array exporting DLPack or __cuda_array_interface__ (a PyTorch
             tensor is used without a copy). Under Numba's CUDA simulator: NumPy arrays.
-        dropout_p: float. Attention dropout is not implemented yet: only 0.0 is accepted
-            (anything else raises NotImplementedError rather than being taken for another argument).
+        dropout_p: float in [0, 1). Attention dropout: each probability is dropped with chance
+            dropout_p (kept ones scaled by 1 / (1 - dropout_p)), by a Philox counter-based
+            generator keyed by ``seed``, so the backward regenerates the same mask.
         softmax_scale: float. Default 1 / sqrt(headdim). Any finite value, 0 and negative included.
         causal: bool. Causal mask aligned to the bottom-right corner of the score matrix, as in
             flash-attn >= 2.1: the window (-1, 0). For seqlen_q = 2, seqlen_k = 5 (1 = kept,
@@ -96,7 +96,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         deterministic: bool. flash-attn's flag for the backward; the forward is deterministic
             whatever it says (nbflash.torch passes it on to the backward).
         return_attn_probs: bool. Also return the log-sum-exp and S_dmask, the attention
-            probabilities P as float32 (batch, nheads, seqlen_q, seqlen_k). A debugging aid: S_dmask
+            probabilities P as float32 (batch, nheads, seqlen_q, seqlen_k), negated where dropout
+            dropped them (flash-attn's encoding). A debugging aid: S_dmask
             is computed apart from the kernel (N x N memory; flash-attn pads its last two dims to
             multiples of 128, nbflash does not).
         return_lse: bool (nbflash). Also return the log-sum-exp of each score row.
@@ -112,6 +113,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             needs its derivative (``flash_attn_backward(..., score_mod_grad=...)``).
         mask_mod: (nbflash) ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True = kept; every tile then
             tests it.
+        seed: (nbflash) dropout's 64-bit seed: the same seed gives bit-identical results. None
+            draws a fresh one; ``nbflash.last_dropout_seed()`` reads it back (the backward needs
+            it: ``flash_attn_backward(..., dropout_p, ..., seed=...)``).
 
     A query row that sees no key gets output 0 (and lse -inf), whatever the variant.
 
@@ -122,17 +126,17 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
     The work is queued on CuPy's current stream; the call does not wait for it.
     """
-    check_dropout_p(dropout_p)
     _check_flag(deterministic, "deterministic")
     _check_flag(return_attn_probs, "return_attn_probs")
     _check_flag(return_lse, "return_lse")
     problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                                bias, score_mod, mask_mod)
+                                                bias, score_mod, mask_mod, None, dropout_p, seed)
     out, lse = _flash_attn_forward(problem, q, k, v)
     if return_attn_probs:
         probs = attention_probabilities(q, k, v, problem.softmax_scale, False, problem.window(), problem.softcap,
                                         problem.alibi_slopes, bias=problem.bias if problem.mask is None else problem.mask,
-                                        score_mod=score_mod, mask_mod=mask_mod)
+                                        score_mod=score_mod, mask_mod=mask_mod, dropout_p=problem.dropout_p,
+                                        seed=problem.seed)
         return out, lse, probs
     return (out, lse) if return_lse else out
 

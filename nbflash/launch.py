@@ -139,7 +139,7 @@ def _function_attribute(function, attribute):
 
 
 # struct codes of the scalar kernel parameters, each kept in an 8-byte slot.
-SCALAR_FIELDS = {"float32": "f4x", "int32": "i4x"}
+SCALAR_FIELDS = {"float32": "f4x", "int32": "i4x", "uint32": "I4x"}
 
 
 def _flat_arguments(signature):

@@ -32,6 +32,7 @@ class Variant(NamedTuple):
     score_mod: str = ""
     score_mod_grad: str = ""
     mask_mod: str = ""
+    dropout: bool = False  # attention dropout, regenerated in the backward from (seed, counter)
 
     @property
     def score(self):
@@ -51,6 +52,7 @@ PARAMS = (
     ("alibi", ("alibi_slopes",)),
     ("bias", ("bias",)),
     ("mask", ("mask",)),
+    ("dropout", ("dropout_threshold", "dropout_scale", "seed_lo", "seed_hi")),
 )
 
 
@@ -94,6 +96,26 @@ class Problem(NamedTuple):
     # an additive float bias, a boolean mask (True = kept); None: none.
     bias: object = None
     mask: object = None
+    dropout_p: float = 0.0
+    seed: int = 0  # dropout's 64-bit Philox key
+
+    @property
+    def dropout_threshold(self):
+        """A score is kept iff its random 32-bit word is at least this: P(kept) = 1 - dropout_p."""
+        return min(round(self.dropout_p * 2.0**32), 2**32 - 1)
+
+    @property
+    def dropout_scale(self):
+        """Kept probabilities are scaled by 1 / (1 - dropout_p)."""
+        return 1.0 / (1.0 - self.dropout_p)
+
+    @property
+    def seed_lo(self):
+        return self.seed & 0xFFFFFFFF
+
+    @property
+    def seed_hi(self):
+        return (self.seed >> 32) & 0xFFFFFFFF
 
     @property
     def static(self):

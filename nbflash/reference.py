@@ -15,6 +15,7 @@ import numpy as np
 
 from .dtypes import as_numpy_dtype
 from .kernels.geometry import visible_keys
+from .kernels.philox import dropout_words_numpy
 from .problem import UNBOUNDED, window_bounds
 
 QUERY_BLOCK = 1024
@@ -63,7 +64,7 @@ class _Scores:
     then an additive bias tensor, then the window's mask and a boolean mask tensor (-inf)."""
 
     def __init__(self, xp, seqlen_q, seqlen_k, scale, causal, window_size, softcap, alibi_slopes, batch, bias=None,
-                 user=(None, None, None)):
+                 user=(None, None, None), dropout=(0.0, 0)):
         self.xp, self.seqlen_q, self.seqlen_k, self.scale = xp, seqlen_q, seqlen_k, scale
         self.causal, self.window_size, self.softcap = causal, window_size, float(softcap)
         self.slopes = None
@@ -71,6 +72,7 @@ class _Scores:
             slopes = np.asarray(alibi_slopes.get() if hasattr(alibi_slopes, "get") else alibi_slopes, np.float64)
             self.slopes = np.broadcast_to(slopes, (batch, slopes.shape[-1]))
         self.score_mod, self.mask_mod, self.score_mod_grad = user
+        self.dropout_p, self.seed = dropout
         self.bias = self.keep = None
         if bias is not None:
             bias = xp.asarray(bias)
@@ -120,6 +122,17 @@ class _Scores:
         return x, grad
 
 
+    def dropout_factor(self, b, h, rows):
+        """Dropout's factor of each probability of ``rows`` (1 / (1 - p) kept, 0 dropped), from the
+        kernels' Philox stream; None without dropout."""
+        if not self.dropout_p:
+            return None
+        threshold = min(round(self.dropout_p * 2.0**32), 2**32 - 1)
+        words = dropout_words_numpy(_host(rows), np.arange(self.seqlen_k), b, h, self.seed & 0xFFFFFFFF,
+                                    (self.seed >> 32) & 0xFFFFFFFF)
+        return self.xp.asarray(np.where(words >= threshold, 1.0 / (1.0 - self.dropout_p), 0.0))
+
+
 def _host(x):
     return x.get() if hasattr(x, "get") else np.asarray(x)
 
@@ -134,19 +147,20 @@ def _softmax_rows(s, xp):
 
 
 def _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dtype, bias=None,
-           user=(None, None, None)):
+           user=(None, None, None), dropout=(0.0, 0)):
     xp = _array_module(q)
     q, k, v = (xp.asarray(x).astype(dtype) for x in (q, k, v))
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
-    scores = _Scores(xp, seqlen_q, seqlen_k, scale, causal, window_size, softcap, alibi_slopes, batch, bias, user)
+    scores = _Scores(xp, seqlen_q, seqlen_k, scale, causal, window_size, softcap, alibi_slopes, batch, bias, user,
+                     dropout)
     blocks = [xp.arange(start, min(start + QUERY_BLOCK, seqlen_q)) for start in range(0, seqlen_q, QUERY_BLOCK)]
     return xp, q, k, v, nheads // nheads_k, scores, blocks
 
 
 def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=False,
-                        window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None):
+                        window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0):
     """Exact attention in float64.
 
     Returns ``out`` (float64, q's shape) and, with ``return_lse``, ``lse`` (float64,
@@ -154,7 +168,7 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
     ``causal``, ``window_size``, ``softcap`` and ``alibi_slopes`` as in ``nbflash.flash_attn_func``.
     """
     xp, q, k, v, group, scores, blocks = _setup(q, k, v, softmax_scale, causal, window_size, softcap,
-                                                alibi_slopes, np.float64, bias, (score_mod, mask_mod, score_mod_grad))
+                                                alibi_slopes, np.float64, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed))
     out = xp.zeros(q.shape, xp.float64)
     lse = xp.full(q.shape[:1] + (q.shape[2], q.shape[1]), -xp.inf, xp.float64)
     masks = scores.masks(blocks)
@@ -166,18 +180,20 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
                 p, row_max, row_sum = _softmax_rows(s, xp)
                 seen = row_sum[:, 0] > 0  # rows that see at least one key
                 safe_sum = xp.where(row_sum > 0, row_sum, 1.0)
-                out[b, rows, h] = xp.where(seen[:, None], (p @ v_h) / safe_sum, 0.0)
+                factor = scores.dropout_factor(b, h, rows)  # dropout drops from P V, not from the sum
+                kept = p if factor is None else p * factor
+                out[b, rows, h] = xp.where(seen[:, None], (kept @ v_h) / safe_sum, 0.0)
                 lse[b, h, rows] = xp.where(seen, row_max[:, 0] + xp.log(safe_sum[:, 0]), -xp.inf)
     return (out, lse) if return_lse else out
 
 
 def attention_probabilities(q, k, v, softmax_scale=None, causal=False, window_size=(UNBOUNDED, UNBOUNDED),
-                            softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None):
+                            softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0):
     """The attention probabilities P, float32 (batch, nheads, seqlen_q, seqlen_k): what
     ``flash_attn_func(..., return_attn_probs=True)`` hands back as S_dmask. N x N memory: for
     debugging small problems only."""
     xp, q, k, v, group, scores, blocks = _setup(q, k, v, softmax_scale, causal, window_size, softcap,
-                                                alibi_slopes, np.float32, bias, (score_mod, mask_mod, score_mod_grad))
+                                                alibi_slopes, np.float32, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed))
     probs = xp.zeros((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), xp.float32)
     masks = scores.masks(blocks)
     for b in range(q.shape[0]):
@@ -185,12 +201,14 @@ def attention_probabilities(q, k, v, softmax_scale=None, causal=False, window_si
             for rows, mask in zip(blocks, masks):
                 s, _ = scores((q[b, rows, h] @ k[b, :, h // group].T) * xp.float32(scores.scale), b, h, rows, mask)
                 p, _, row_sum = _softmax_rows(s, xp)
-                probs[b, h, rows] = p / xp.where(row_sum > 0, row_sum, 1.0)
+                p = p / xp.where(row_sum > 0, row_sum, 1.0)
+                factor = scores.dropout_factor(b, h, rows)
+                probs[b, h, rows] = p if factor is None else xp.where(factor > 0, p, -p)  # dropped: negative
     return probs
 
 
 def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0,
-                    alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None):
+                    alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0):
     """Attention as a same-precision naive implementation computes it, for error budgets.
 
     Matmuls accumulate in float32 and round their result to the input dtype, the softmax runs in
@@ -200,7 +218,7 @@ def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(UNBO
     """
     dtype = as_numpy_dtype(q.dtype)
     xp, q, k, v, group, scores, _ = _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                           np.float32, bias, (score_mod, mask_mod, score_mod_grad))
+                                           np.float32, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed))
 
     def rounded(x):
         return x.astype(dtype).astype(xp.float32)
@@ -215,12 +233,15 @@ def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(UNBO
             s, _ = scores(s, b, h, rows, mask, rounded)
             p, _, row_sum = _softmax_rows(s.astype(xp.float32), xp)
             p = rounded(p / xp.where(row_sum > 0, row_sum, 1.0))
+            factor = scores.dropout_factor(b, h, rows)
+            if factor is not None:
+                p = rounded(p * factor.astype(xp.float32))
             out[b, :, h] = rounded(p @ v[b, :, h // group])
     return out
 
 
 def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False,
-                                 window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None):
+                                 window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0):
     """Gradients of exact attention in float64: returns ``(dq, dk, dv)``, float64, shaped like q, k, v.
 
     ``dout`` is the gradient of the loss with respect to ``out`` (q's shape). With
@@ -236,7 +257,7 @@ def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False
     extra memory is ``query_block * seqlen_k`` numbers.
     """
     xp, q, k, v, group, scores, blocks = _setup(q, k, v, softmax_scale, causal, window_size, softcap,
-                                                alibi_slopes, np.float64, bias, (score_mod, mask_mod, score_mod_grad))
+                                                alibi_slopes, np.float64, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed))
     dout = xp.asarray(dout).astype(xp.float64)
     dq = xp.zeros(q.shape, xp.float64)
     dk = xp.zeros(k.shape, xp.float64)
@@ -251,16 +272,18 @@ def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False
                 p = p / xp.where(row_sum > 0, row_sum, 1.0)
                 do = dout[b, rows, h]
                 dp = do @ v_h.T
+                factor = scores.dropout_factor(b, h, rows)  # dropout: out = (P * factor) v
+                kept, dp = (p, dp) if factor is None else (p * factor, dp * factor)
                 delta = (p * dp).sum(axis=1, keepdims=True)  # = rowsum(dout * out)
                 ds = p * (dp - delta) * (1.0 if grad is None else grad)
                 dq[b, rows, h] = (ds @ k_h) * scores.scale
                 dk[b, :, h // group] += (ds.T @ q[b, rows, h]) * scores.scale
-                dv[b, :, h // group] += p.T @ do
+                dv[b, :, h // group] += kept.T @ do
     return dq, dk, dv
 
 
 def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
-                             window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None):
+                             window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0):
     """Gradients as a same-precision naive implementation computes them, for error budgets.
 
     The forward of ``attention_naive``, then each backward matmul accumulating in float32 and rounding
@@ -269,7 +292,7 @@ def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
     """
     dtype = as_numpy_dtype(q.dtype)
     xp, q, k, v, group, scores, _ = _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                           np.float32, bias, (score_mod, mask_mod, score_mod_grad))
+                                           np.float32, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed))
 
     def rounded(x):
         return x.astype(dtype).astype(xp.float32)
@@ -287,9 +310,13 @@ def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
             s, grad = scores(rounded((q[b, :, h] @ k_h.T) * scale), b, h, rows, mask, rounded)
             p, _, row_sum = _softmax_rows(s.astype(xp.float32), xp)
             p = rounded(p / xp.where(row_sum > 0, row_sum, 1.0))
-            out = rounded(p @ v_h)
-            dv[b, :, h // group] += rounded(p.T @ do)
+            factor = scores.dropout_factor(b, h, rows)
+            kept = p if factor is None else rounded(p * factor.astype(xp.float32))
+            out = rounded(kept @ v_h)
+            dv[b, :, h // group] += rounded(kept.T @ do)
             dp = rounded(do @ v_h.T)
+            if factor is not None:
+                dp = rounded(dp * factor.astype(xp.float32))
             delta = (do * out).sum(axis=1, keepdims=True)
             ds = rounded(p * (dp - delta))
             if grad is not None:

@@ -40,12 +40,14 @@ class FlashAttnFunction(torch.autograd.Function):
     """out = flash_attn_func(q, k, v); the backward recomputes attention from (out, lse)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, bias, user):
+    def forward(ctx, q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, bias, user,
+                dropout):
         with _on_torch_stream(q):
             # torch refuses to export tensors that require gradients; the detached views share memory.
             slopes = alibi_slopes.detach() if alibi_slopes is not None else None
             problem, q_, k_, v_ = validation.check_forward(q.detach(), k.detach(), v.detach(), softmax_scale, causal,
-                                                           window_size, softcap, slopes, _detached(bias), *user)
+                                                           window_size, softcap, slopes, _detached(bias), *user,
+                                                           *dropout)
             out, lse = interface._flash_attn_forward(problem, q_, k_, v_)
             out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -66,7 +68,7 @@ class FlashAttnFunction(torch.autograd.Function):
                       ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
             grads = backward._flash_attn_backward(ctx.problem, *arrays, ctx.deterministic)
             dq, dk, dv = (torch.from_dlpack(g) for g in grads)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def _detached(x):
@@ -88,18 +90,24 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     bit-identical run to run (see ``nbflash.backward.flash_attn_backward``). Returns ``out``; with
     ``return_lse=True`` (out, lse), with ``return_attn_probs=True`` (out, lse, S_dmask), as torch
     tensors on q's device (lse and S_dmask not differentiable).
+
+    Dropout's seed comes from torch's default generator, so ``torch.manual_seed`` reproduces a run;
+    the backward regenerates the forward's mask from it.
     """
-    validation.check_dropout_p(dropout_p)
+    seed = None
+    if validation.check_dropout_p(dropout_p) > 0:
+        seed = int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
     out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                       deterministic, bias, (score_mod, mask_mod, score_mod_grad))
+                                       deterministic, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed))
     if return_attn_probs:
         with _on_torch_stream(q), torch.no_grad():
             problem, *arrays = validation.check_forward(q.detach(), k.detach(), v.detach(), softmax_scale, causal,
                                                         window_size, softcap, _detached(alibi_slopes), _detached(bias),
-                                                        score_mod, mask_mod)
+                                                        score_mod, mask_mod, None, dropout_p, seed)
             probs = reference.attention_probabilities(*arrays, problem.softmax_scale, False, problem.window(),
                                                       problem.softcap, problem.alibi_slopes,
                                                       bias=problem.bias if problem.mask is None else problem.mask,
-                                                      score_mod=score_mod, mask_mod=mask_mod)
+                                                      score_mod=score_mod, mask_mod=mask_mod,
+                                                      dropout_p=problem.dropout_p, seed=problem.seed)
             return out, lse, torch.from_dlpack(probs)
     return (out, lse) if return_lse else out

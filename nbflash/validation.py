@@ -8,6 +8,8 @@ and the inputs as arrays of the backend (CuPy on a GPU, NumPy in the simulator).
 
 import math
 import numbers
+import secrets
+import threading
 
 import numpy as np
 
@@ -124,17 +126,34 @@ def check_softcap(softcap):
 
 
 def check_dropout_p(dropout_p):
-    """dropout_p: a real number in [0, 1). Dropout itself is not implemented yet."""
+    """dropout_p: a real number in [0, 1)."""
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a real number in [0, 1), got {dropout_p!r}")
     if not 0 <= dropout_p < 1:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r} (if you meant a softmax scale, "
+                         f"pass softmax_scale=..., the fifth argument, as in flash-attn)")
+    return float(dropout_p)
+
+
+_last = threading.local()
+
+
+def check_seed(seed, dropout_p):
+    """Dropout's 64-bit seed: the caller's, or, for None, a fresh one (``last_dropout_seed`` reads
+    it back, for the backward)."""
+    if seed is None:
+        seed = secrets.randbits(64) if dropout_p > 0 else 0
+    elif isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**64:
+        raise TypeError(f"seed must be an int in [0, 2**64) or None (a fresh one), got {seed!r}")
     if dropout_p > 0:
-        raise NotImplementedError(
-            f"dropout_p={dropout_p}: attention dropout is not implemented in nbflash yet; pass 0.0 "
-            f"(if you meant a softmax scale, pass it as softmax_scale=..., the fifth argument, as in flash-attn)"
-        )
-    return 0.0
+        _last.seed = int(seed)
+    return int(seed)
+
+
+def last_dropout_seed():
+    """The seed of this thread's last call with dropout (the one ``seed=None`` drew): pass it to
+    ``flash_attn_backward(..., seed=...)`` to regenerate the same dropout mask. None before any."""
+    return getattr(_last, "seed", None)
 
 
 def check_alibi_slopes(alibi_slopes, batch, nheads, device):
@@ -188,7 +207,7 @@ _REMEMBER_AT_MOST = 256
 
 
 def _repeat_key(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0,
-                alibi_slopes=None, bias=None, user=()):
+                alibi_slopes=None, bias=None, user=(), dropout_p=0.0):
     """What check_forward's verdict depends on, as a dict key; None if the call does not qualify."""
     if runtime.SIMULATOR:
         if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
@@ -207,8 +226,8 @@ def _repeat_key(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDE
         return None
     if alibi_slopes is not None or bias is not None or type(softcap) is not float or type(window_size) is not tuple:
         return None  # slopes and biases are arrays a problem would hold on to; odd types: check in full
-    if any(fn is not None for fn in user):
-        return None  # user functions: fingerprinted on every call
+    if any(fn is not None for fn in user) or dropout_p:
+        return None  # user functions: fingerprinted on every call; dropout: a seed per call
     return (
         q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
         softmax_scale, causal, window_size, softcap, pointers % 16 == 0, devices,
@@ -216,15 +235,17 @@ def _repeat_key(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDE
 
 
 def check_forward(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0,
-                  alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None):
+                  alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0,
+                  seed=None):
     """Validate a forward call. Returns (problem, q, k, v) with the arrays on the backend."""
     user = (score_mod, mask_mod, score_mod_grad)
-    key = _repeat_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias, user)
+    key = _repeat_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias, user,
+                      dropout_p)
     problem = _REMEMBERED.get(key) if key is not None else None
     if problem is not None:
         return problem, q, k, v
     problem, q, k, v = _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias,
-                                      user)
+                                      user, dropout_p, seed)
     if key is not None:
         if len(_REMEMBERED) >= _REMEMBER_AT_MOST:
             _REMEMBERED.clear()
@@ -232,7 +253,8 @@ def check_forward(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUN
     return problem, q, k, v
 
 
-def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias, user):
+def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias, user, dropout_p,
+                   seed):
     q = as_backend_array(q, "q")
     k = as_backend_array(k, "k")
     v = as_backend_array(v, "v")
@@ -297,6 +319,8 @@ def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
     )
     if score_mod_grad and not score_mod:
         raise ValueError("score_mod_grad was given without a score_mod")
+    dropout_p = check_dropout_p(dropout_p)
+    seed = check_seed(seed, dropout_p)
     problem = Problem(
         batch,
         seqlen_q,
@@ -310,12 +334,14 @@ def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
         device,
         Variant(window=window, softcap=softcap > 0, alibi=alibi_slopes is not None,
                 bias=dtype_name(additive.dtype) if additive is not None else "", mask=keep is not None,
-                score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod),
+                score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod, dropout=dropout_p > 0),
         left,
         right,
         softcap,
         alibi_slopes,
         additive,
         keep,
+        dropout_p,
+        seed,
     )
     return problem, q, k, v

@@ -223,13 +223,12 @@ def test_dropout_p_out_of_range(qkv, dropout_p, error):
 
 
 def test_flash_attn_positional_order(rng, xp):
-    """flash-attn users pass dropout_p fourth: nbflash once took it for the softmax scale. Dropout
-    is not implemented yet, so a positive value is refused (never silently used as a scale)."""
+    """flash-attn users pass dropout_p fourth: nbflash once took it for the softmax scale."""
     q, k, v = random_qkv(rng, xp, 1, 8, 6, 2, 1, 8, "float32")
-    with pytest.raises(NotImplementedError, match="dropout is not implemented"):
-        nbflash.flash_attn_func(q, k, v, 0.1, None, True)
     out = nbflash.flash_attn_func(q, k, v, 0.0, 0.5, True)
     assert np.array_equal(to_numpy(out), to_numpy(nbflash.flash_attn_func(q, k, v, softmax_scale=0.5, causal=True)))
+    dropped = nbflash.flash_attn_func(q, k, v, 0.1, None, True, seed=5)
+    assert not np.array_equal(to_numpy(dropped), to_numpy(nbflash.flash_attn_func(q, k, v, causal=True)))
 
 
 @pytest.mark.parametrize("name", ["deterministic", "return_attn_probs", "return_lse"])

@@ -250,6 +250,7 @@ def build_backward_mma(config: MmaBackwardConfig):
     hooks = variants.hooks(config.variant)
     key_tiles, query_tiles, row_keys, hidden = hooks.key_tiles, hooks.query_tiles, hooks.row_keys, hooks.hidden
     SCORE, score_grad, head_context = hooks.SCORE, hooks.score_grad, hooks.head_context
+    DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
     CHUNKS = HDP // 8  # 16-byte chunks of a padded tile row (the aligned path's cp.async copies)
     ROW_BYTES, DS_ROW_BYTES = ROW * 2, DS_ROW * 2
     KT = HDP // 16  # k-steps over headdim (S, dP)
@@ -377,8 +378,11 @@ def build_backward_mma(config: MmaBackwardConfig):
                     if masked:
                         if hidden(key0 + g + 8 * r, lo, hi, q_start + c, seqlen_q, params, head_ctx):
                             p = float32(0)
-                    s[nt, 2 * r + e] = p
-                    dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] - d_c) * grad
+                    factor = float32(1)
+                    if DROPOUT:  # dV takes the dropped P; dP reaches P through the same factor
+                        factor = dropout_factor(q_start + c, key0 + g + 8 * r, params, head_ctx)
+                    s[nt, 2 * r + e] = p * factor
+                    dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] * factor - d_c) * grad
 
     @inline_device
     @unroll
@@ -637,7 +641,10 @@ def build_backward_mma(config: MmaBackwardConfig):
                     if masked:
                         if hidden(key, key_lo[r], key_hi[r], first_row + g + 8 * r, seqlen_q, params, head_ctx):
                             p = float32(0)
-                    dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] - d_row[r]) * grad
+                    factor = float32(1)
+                    if DROPOUT:
+                        factor = dropout_factor(first_row + g + 8 * r, key, params, head_ctx)
+                    dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] * factor - d_row[r]) * grad
 
     @cuda.jit
     @unroll

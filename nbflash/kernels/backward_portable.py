@@ -126,6 +126,7 @@ def build_backward_portable(config):
     hooks = variants.hooks(config.variant)
     key_tiles, query_tiles, row_keys, hidden = hooks.key_tiles, hooks.query_tiles, hooks.row_keys, hooks.hidden
     SCORE, score_grad, head_context = hooks.SCORE, hooks.score_grad, hooks.head_context
+    DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
     BLOCK_M = config.block_m
     BLOCK_N = config.block_n
     THREADS_PER_ROW = config.threads_per_row
@@ -232,8 +233,13 @@ def build_backward_portable(config):
                 lo, hi = row_keys(q_start + c, seqlen_q, seqlen_k, params)
                 if hidden(k_idx, lo, hi, q_start + c, seqlen_q, params, head_ctx):
                     p = float32(0.0)
-            P_s[row, c] = p
-            dS_s[row, c] = p * (dp - D_s[c]) * grad
+            if DROPOUT:  # dV takes the dropped P; dP reaches P through the same factor
+                factor = dropout_factor(q_start + c, k_idx, params, head_ctx)
+                P_s[row, c] = p * factor
+                dS_s[row, c] = p * (dp * factor - D_s[c]) * grad
+            else:
+                P_s[row, c] = p
+                dS_s[row, c] = p * (dp - D_s[c]) * grad
 
     @cuda.jit(device=True, inline=True)
     def accumulate_dkdv(P_s, dS_s, Q_s, dO_s, row, lane, dk_acc, dv_acc):
@@ -350,6 +356,8 @@ def build_backward_portable(config):
             if masked:
                 if hidden(k_start + c, key_lo, key_hi, q_idx, seqlen_q, params, head_ctx):
                     p = float32(0.0)
+            if DROPOUT:
+                dp *= dropout_factor(q_idx, k_start + c, params, head_ctx)
             dS_s[row, c] = p * (dp - delta_row) * grad
 
     @cuda.jit(device=True, inline=True)

@@ -177,6 +177,7 @@ def build_forward_mma(config: MmaForwardConfig):
     hooks = variants.hooks(config.variant)
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
     SCORE, score, head_context = hooks.SCORE, hooks.score, hooks.head_context
+    DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
     SKIP_RESCALE, FOLD_SCALE = config.skip_rescale, config.fold_scale and not SCORE
     ROW_BYTES = ROW * 2
     Q_BYTES, KV_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
@@ -333,9 +334,10 @@ def build_forward_mma(config: MmaForwardConfig):
 
     @inline_device
     @unroll
-    def online_softmax(s, m_i, l_i, acc, scale_log2):
+    def online_softmax(s, m_i, l_i, acc, scale_log2, first_row, n_start, params, head_ctx, g, t):
         """S -> P = exp2(S * scale_log2 - m_new * scale_log2) in place; rescale l_i and acc by
-        alpha = exp2((m_i - m_new) * scale_log2). l_i stays a per-lane partial sum until the end."""
+        alpha = exp2((m_i - m_new) * scale_log2). l_i stays a per-lane partial sum until the end.
+        (Dropout applies in mma_p_v, after l_i has summed the undropped P.)"""
         for mt in static_range(MT):
             for r in static_range(2):
                 m_prev = m_i[mt, r]
@@ -361,12 +363,20 @@ def build_forward_mma(config: MmaForwardConfig):
 
     @inline_device
     @unroll
-    def mma_p_v(acc, s, v_tile, v_lane):
+    def mma_p_v(acc, s, v_tile, v_lane, first_row, n_start, params, head_ctx, g, t):
         """acc += P V_j. P's A fragments are S's C fragments packed to 16 bit, two 8-key tiles per
         k-step; V's B fragments come from ldmatrix.trans: matrices 0-3 are keys 0-7 / 8-15 by headdim
-        columns 0-7 / 8-15 (of a 16-column pair of tiles)."""
+        columns 0-7 / 8-15 (of a 16-column pair of tiles). The probability point: with dropout, each
+        P is multiplied by its dropout factor as it is packed (each S value's last use, which keeps
+        the generator's registers from adding to the whole tile's)."""
         for pt in static_range(PT):
             p_frag = cuda.local.array(P_FRAG, uint32)
+            if DROPOUT:
+                for mt in static_range(MT):
+                    for nt in static_range(2 * pt, 2 * pt + 2):
+                        for i in static_range(4):
+                            row = first_row + mt * 16 + g + 8 * (i // 2)
+                            s[mt, nt, i] *= dropout_factor(row, n_start + nt * 8 + 2 * t + i % 2, params, head_ctx)
             for mt in static_range(MT):
                 p_frag[mt, 0] = pack(s[mt, 2 * pt, 0], s[mt, 2 * pt, 1])
                 p_frag[mt, 1] = pack(s[mt, 2 * pt, 2], s[mt, 2 * pt, 3])
@@ -448,10 +458,10 @@ def build_forward_mma(config: MmaForwardConfig):
                         mask_scores(s, first_row, sub_start, seqlen_q, seqlen_k, params, head_ctx, g, t)
 
                 # m_i, l_i, acc rescaled; S becomes P
-                online_softmax(s, m_i, l_i, acc, softmax_log2)
+                online_softmax(s, m_i, l_i, acc, softmax_log2, first_row, sub_start, params, head_ctx, g, t)
 
                 # acc += P V_j
-                mma_p_v(acc, s, v_sub, v_lane)
+                mma_p_v(acc, s, v_sub, v_lane, first_row, sub_start, params, head_ctx, g, t)
 
     # -----------------------------------------------------------------------------------------------
     # The kernel

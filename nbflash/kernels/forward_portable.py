@@ -109,6 +109,7 @@ def build_forward_portable(config):
     hooks = variants.hooks(config.variant)
     key_tiles, row_keys, hidden = hooks.key_tiles, hooks.row_keys, hooks.hidden
     SCORE, score, head_context = hooks.SCORE, hooks.score, hooks.head_context
+    DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
     BLOCK_M = config.block_m
     BLOCK_N = config.block_n
     THREADS_X = config.threads_x
@@ -257,8 +258,10 @@ def build_forward_portable(config):
                 l_tile = float32(0.0)
                 for c in range(COLS):
                     p = math.exp2(s[r * COLS + c] - m_safe)
-                    P_s[row0 + r, tx + THREADS_X * c] = p
                     l_tile += p
+                    if DROPOUT:  # the probability point: P V takes the dropped, rescaled P
+                        p *= dropout_factor(q_start + row0 + r, k_start + tx + THREADS_X * c, params, head_ctx)
+                    P_s[row0 + r, tx + THREADS_X * c] = p
                 l_i[r] = l_i[r] * alpha[r] + l_tile
                 m_i[r] = m_new
             for r in range(ROWS):

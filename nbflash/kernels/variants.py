@@ -35,6 +35,7 @@ from numba.extending import register_jitable
 from ..dtypes import KERNEL_DTYPE
 from ..primitives import bf16_bits_to_f32
 from . import geometry
+from .philox import dropout_word
 
 # The kernel type of each runtime value, as a signature spells it (``nbflash.problem.PARAMS``
 # gives their order). The ALiBi slopes are (batch, nheads), any strides (stride 0 over batch when
@@ -45,6 +46,10 @@ PARAM_TYPES = {
     "softcap": "float32",
     "alibi_slopes": "float32[:,:]",
     "mask": "boolean[:,:,:,:]",  # (batch, nheads, seqlen_q, seqlen_k), any strides: True = kept
+    "dropout_threshold": "uint32",
+    "dropout_scale": "float32",
+    "seed_lo": "uint32",
+    "seed_hi": "uint32",
 }
 
 
@@ -341,6 +346,26 @@ class Hooks:
                 return b, h, float32(0)
 
         self.head_context = head_context
+
+        # The probability point: dropout's factor of each probability, 1 / (1 - p) or 0; the
+        # forward feeds P * factor to P V, the backward uses it for dV and dP.
+        self.DROPOUT = variant.dropout
+        if variant.dropout:
+            THRESHOLD, SCALE = names.index("dropout_threshold"), names.index("dropout_scale")
+            SEED_LO, SEED_HI = names.index("seed_lo"), names.index("seed_hi")
+
+            @register_jitable
+            def dropout_factor(row, key, params, head_ctx):
+                word = dropout_word(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
+                return params[SCALE] if word >= params[THRESHOLD] else float32(0)
+
+        else:
+
+            @register_jitable
+            def dropout_factor(row, key, params, head_ctx):
+                return float32(1)
+
+        self.dropout_factor = dropout_factor
 
 
 @lru_cache(maxsize=None)

@@ -1,0 +1,105 @@
+"""Attention dropout: the kernels' Philox stream against the reference's (the same mask, so the
+forward and backward compare exactly), statistics of the mask, reproducibility, and the seed."""
+
+import numpy as np
+import pytest
+
+import nbflash
+from nbflash.backward import flash_attn_backward
+from nbflash.kernels.philox import dropout_words_numpy, philox, philox_numpy
+
+from .conftest import SIMULATOR
+from .helpers import assert_attention_close, poison_allocations, random_qkv, to_numpy
+from .test_backward import assert_gradients_close, random_like
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    poison_allocations(monkeypatch)
+
+
+def test_philox_known_answers():
+    """Random123's published Philox4x32-10 vectors, through the kernels' code and the NumPy one."""
+    ones = 0xFFFFFFFF
+    for counter_and_key, expected in (((0,) * 6, (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+                                      ((ones,) * 6, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD))):
+        assert tuple(int(w) for w in philox(*(np.uint32(x) for x in counter_and_key))) == expected
+        assert tuple(int(w) for w in philox_numpy(*counter_and_key)) == expected
+
+
+def test_dropout_mask_statistics():
+    """The kept fraction is 1 - p, with no structure along rows, keys or heads (chi-square-free
+    checks: the fraction per row and per key column stays within 5 standard deviations)."""
+    p, rows, keys = 0.3, 256, 256
+    threshold = round(p * 2.0**32)
+    kept = dropout_words_numpy(np.arange(rows), np.arange(keys), 1, 3, 12345, 678) >= threshold
+    sigma = np.sqrt(p * (1 - p) / kept.size)
+    assert abs(kept.mean() - (1 - p)) < 5 * sigma
+    for axis in (0, 1):
+        spread = np.sqrt(p * (1 - p) / kept.shape[axis])
+        assert np.abs(kept.mean(axis=axis) - (1 - p)).max() < 5.5 * spread
+    other_head = dropout_words_numpy(np.arange(rows), np.arange(keys), 1, 4, 12345, 678) >= threshold
+    assert 0.4 < (kept == other_head).mean() < 0.65  # independent heads agree ~ p^2 + (1 - p)^2 = 0.58
+
+
+def run(rng, xp, family, dtype, backward, shape=(2, 21, 37, 2, 1, 16), deterministic=False):
+    q, k, v = random_qkv(rng, xp, *shape, dtype)
+    with nbflash.kernel_family(family):
+        out, lse = nbflash.flash_attn_func(q, k, v, 0.2, causal=True, return_lse=True, seed=2024)
+    assert_attention_close(out, lse, q, k, v, True, dropout_p=0.2, seed=2024)
+    if backward:
+        dout = random_like(rng, xp, q)
+        with nbflash.kernel_family(family):
+            grads = flash_attn_backward(dout, q, k, v, out, lse, 0.2, causal=True, seed=2024,
+                                        deterministic=deterministic)
+        assert_gradients_close(grads, dout, q, k, v, True, dropout_p=0.2, seed=2024)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_dropout_portable(rng, xp):
+    run(rng, xp, "portable", "float32", backward=True)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_dropout_mma(rng, xp):
+    run(rng, xp, "mma", "float16", backward=True, shape=(1, 21, 37, 2, 1, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family, dtype", [("mma", "float16"), ("mma", "bfloat16"), ("portable", "float32")])
+@pytest.mark.parametrize("shape", [(2, 113, 203, 4, 2, 64), (1, 300, 300, 2, 1, 128)], ids=lambda s: "x".join(map(str, s)))
+def test_dropout_gpu(rng, xp, family, dtype, shape):
+    run(rng, xp, family, dtype, backward=True, shape=shape, deterministic=shape[0] == 1)
+
+
+def test_same_seed_same_bits_and_fresh_seeds(rng, xp):
+    q, k, v = random_qkv(rng, xp, 1, 9, 12, 1, 1, 8, "float32")
+    with nbflash.kernel_family("portable"):
+        first = to_numpy(nbflash.flash_attn_func(q, k, v, 0.5, seed=7))
+        again = to_numpy(nbflash.flash_attn_func(q, k, v, 0.5, seed=7))
+        other = to_numpy(nbflash.flash_attn_func(q, k, v, 0.5, seed=8))
+        fresh = to_numpy(nbflash.flash_attn_func(q, k, v, 0.5))
+        drawn = nbflash.last_dropout_seed()
+        replay = to_numpy(nbflash.flash_attn_func(q, k, v, 0.5, seed=drawn))
+    assert np.array_equal(first, again) and not np.array_equal(first, other)
+    assert isinstance(drawn, int) and np.array_equal(fresh, replay)
+
+
+def test_attn_probs_mark_dropped_entries_negative(rng, xp):
+    q, k, v = random_qkv(rng, xp, 1, 9, 12, 1, 1, 8, "float32")
+    with nbflash.kernel_family("portable"):
+        out, _, probs = nbflash.flash_attn_func(q, k, v, 0.4, return_attn_probs=True, seed=3)
+    probs = to_numpy(probs)
+    assert (probs < 0).any() and np.allclose(np.abs(probs).sum(-1), 1, atol=1e-5)
+    expected = np.einsum("bhij,bjhd->bihd", np.maximum(probs, 0) / 0.6, to_numpy(v).astype(np.float32))
+    assert np.abs(to_numpy(out) - expected).max() < 1e-4
+
+
+def test_backward_needs_the_seed(rng, xp):
+    q, k, v = random_qkv(rng, xp, 1, 4, 4, 1, 1, 8, "float32")
+    with nbflash.kernel_family("portable"):
+        out, lse = nbflash.flash_attn_func(q, k, v, 0.1, return_lse=True)
+    with pytest.raises(ValueError, match="pass the forward's seed"):
+        flash_attn_backward(q, q, k, v, out, lse, 0.1)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        nbflash.flash_attn_func(q, k, v, 0.1, seed=-1)
