@@ -98,6 +98,9 @@ SMALL_CASES = [
 def test_backward_small(rng, xp, shape, causal, dtype, deterministic):
     if dtype != "float16" and shape[1] == 40 and not causal:
         pytest.skip("the largest shape runs in float16 and causal only, to keep the simulator quick")
+    if deterministic and dtype != "float16":
+        pytest.skip("the deterministic dQ kernel runs in float16 here (its loads are the atomic path's, "
+                    "which every dtype runs); the GPU grid runs it in every dtype")
     run_case(rng, xp, *shape, dtype, causal, deterministic)
 
 
@@ -123,7 +126,7 @@ def test_backward_small_headdims(rng, xp, headdim, seqlen_q, seqlen_k, causal, d
 def test_backward_scale_zero_or_negative(rng, xp, softmax_scale, family):
     if SIMULATOR and family == "mma":
         pytest.skip("the simulator runs the tensor-core backward in tests/test_backward_mma.py")
-    run_case(rng, xp, 1, 21, 37, 2, 1, 16, "float16", True, softmax_scale=softmax_scale, family=family)
+    run_case(rng, xp, 1, 13, 21, 1, 1, 16, "float16", True, softmax_scale=softmax_scale, family=family)
 
 
 def test_backward_transposed_views(rng, xp):

@@ -42,7 +42,7 @@ def test_dropout_mask_statistics():
     assert 0.4 < (kept == other_head).mean() < 0.65  # independent heads agree ~ p^2 + (1 - p)^2 = 0.58
 
 
-def run(rng, xp, family, dtype, backward, shape=(2, 21, 37, 2, 1, 16), deterministic=False):
+def run(rng, xp, family, dtype, backward, shape=(1, 9, 13, 2, 1, 8), deterministic=False):
     q, k, v = random_qkv(rng, xp, *shape, dtype)
     with nbflash.kernel_family(family):
         out, lse = nbflash.flash_attn_func(q, k, v, 0.2, causal=True, return_lse=True, seed=2024)
@@ -62,7 +62,7 @@ def test_dropout_portable(rng, xp):
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 def test_dropout_mma(rng, xp):
-    run(rng, xp, "mma", "float16", backward=True, shape=(1, 21, 37, 2, 1, 16))
+    run(rng, xp, "mma", "float16", backward=True, shape=(1, 9, 20, 1, 1, 16))
 
 
 @pytest.mark.gpu
@@ -73,20 +73,19 @@ def test_dropout_gpu(rng, xp, family, dtype, shape):
 
 
 def test_same_seed_same_bits_and_fresh_seeds(rng, xp):
-    q, k, v = random_qkv(rng, xp, 1, 9, 12, 1, 1, 8, "float32")
+    q, k, v = random_qkv(rng, xp, 1, 5, 8, 1, 1, 4, "float32")
     with nbflash.kernel_family("portable"):
         first = to_numpy(nbflash.flash_attn_func(q, k, v, 0.5, seed=7))
-        again = to_numpy(nbflash.flash_attn_func(q, k, v, 0.5, seed=7))
         other = to_numpy(nbflash.flash_attn_func(q, k, v, 0.5, seed=8))
         fresh = to_numpy(nbflash.flash_attn_func(q, k, v, 0.5))
         drawn = nbflash.last_dropout_seed()
         replay = to_numpy(nbflash.flash_attn_func(q, k, v, 0.5, seed=drawn))
-    assert np.array_equal(first, again) and not np.array_equal(first, other)
-    assert isinstance(drawn, int) and np.array_equal(fresh, replay)
+    assert not np.array_equal(first, other) and not np.array_equal(first, fresh)
+    assert isinstance(drawn, int) and np.array_equal(fresh, replay)  # the same seed: the same bits
 
 
 def test_attn_probs_mark_dropped_entries_negative(rng, xp):
-    q, k, v = random_qkv(rng, xp, 1, 9, 12, 1, 1, 8, "float32")
+    q, k, v = random_qkv(rng, xp, 1, 5, 8, 1, 1, 4, "float32")
     with nbflash.kernel_family("portable"):
         out, _, probs = nbflash.flash_attn_func(q, k, v, 0.4, return_attn_probs=True, seed=3)
     probs = to_numpy(probs)

@@ -93,7 +93,7 @@ def test_forward_scale_zero_or_negative(rng, xp, softmax_scale, family, dtype):
     """A scale of 0 (uniform weights over the visible keys) or below 0 (the least similar key
     weighs most), with the causal mask and a sequence tail: the tensor-core kernel once folded the
     scale into exp2 after the max and returned NaN (scale 0) or garbage (scale < 0)."""
-    q, k, v = random_qkv(rng, xp, 1, 21, 37, 2, 1, 16, dtype)
+    q, k, v = random_qkv(rng, xp, 1, 13, 21, 1, 1, 16, dtype)
     with nbflash.kernel_family(family):
         out, lse = nbflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=True, return_lse=True)
     assert_attention_close(out, lse, q, k, v, True, softmax_scale=softmax_scale)

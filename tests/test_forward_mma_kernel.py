@@ -111,7 +111,7 @@ def test_basic(dtype, variant):
     check(MmaForwardConfig(dtype, 16, variant, **SMALL), seqlen_q=20, seqlen_k=33)
 
 
-@pytest.mark.parametrize("window", [(5, 3), (0, 0), (12, -1), (-1, 2)])
+@pytest.mark.parametrize("window", [(5, 3), (12, -1)])
 def test_sliding_window(window):
     # Bands on both sides of the diagonal: tiles left of the band are skipped, its edges masked.
     check(MmaForwardConfig("float16", 16, WINDOW, **SMALL), seqlen_q=45, seqlen_k=52, window=window)

@@ -2,8 +2,9 @@
 both kernel families, against float64 under the twice-the-naive-error rule; the variants come from
 nbflash.catalogue, which the benchmarks time too.
 
-In the simulator: every variant on the portable kernels, the combinations on the tensor-core ones
-(small shapes; the tensor-core kernels are slow to emulate). On a GPU: the full grid.
+In the simulator (kept short for CI): the combinations on the portable kernels (each feature
+appears in one), a bias and a mask on the tensor-core ones (slow to emulate). On a GPU: every
+variant, the full grid.
 """
 
 import numpy as np
@@ -48,25 +49,25 @@ def run_backward(rng, xp, name, family, dtype, *shape, deterministic=False):
     assert_gradients_close(grads, dout, q, k, v, causal, **variant)
 
 
-SMALL = (2, 21, 37, 2, 1, 16)  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim: GQA, tails
+SMALL = (1, 13, 21, 2, 1, 16)  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim: GQA, tails
+SIMULATED = ["window-both", "causal-bias", "document-mask", "combined"]  # combined: window, softcap, ALiBi
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", SIMULATED)
 def test_variant_portable_small(rng, xp, name):
     run_backward(rng, xp, name, "portable", "float32", *SMALL)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
-@pytest.mark.parametrize("name", ["combined", "window-both", "causal-bias", "document-mask"])
+@pytest.mark.parametrize("name", ["causal-bias", "document-mask"])
 def test_variant_mma_forward_small(rng, xp, name):
     run_forward(rng, xp, name, "mma", "float16", *SMALL)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
-@pytest.mark.parametrize("name, dtype", [("combined", "bfloat16"), ("document-mask", "float16")])
-def test_variant_mma_backward_small(rng, xp, name, dtype):
-    run_backward(rng, xp, name, "mma", dtype, 1, 21, 37, 2, 1, 16)
+def test_variant_mma_backward_small(rng, xp):
+    run_backward(rng, xp, "document-mask", "mma", "bfloat16", 1, 13, 21, 2, 1, 16)
 
 
 def test_bias_broadcasts_without_a_copy(rng, xp):
