@@ -326,3 +326,142 @@ def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
     # Under GQA/MQA the per-head dk and dv are summed over the group (as the backward of a framework's
     # head-repeat does) and the sum, like every gradient, is handed back in the input dtype.
     return dq, rounded(dk), rounded(dv)
+
+
+def apply_rotary_reference(x, cos, sin, positions, interleaved=True):
+    """Rotary position embedding of ``x`` in float64 (not rounded): what ``flash_attn_with_kvcache``
+    applies to q and to the new keys.
+
+    ``x`` is (batch, seqlen, heads, headdim), any float dtype; ``cos`` and ``sin`` are
+    (seqlen_ro, rotary_dim / 2); ``positions`` is an integer (batch, seqlen) array of rows of cos
+    and sin. Only the first ``rotary_dim`` dims rotate, the rest pass through. Dim pairs are
+    (2d, 2d + 1) when ``interleaved`` (GPT-J), (d, d + rotary_dim / 2) otherwise (GPT-NeoX), for
+    d = 0 .. rotary_dim / 2 - 1; each pair (x1, x2) becomes (x1 cos - x2 sin, x1 sin + x2 cos),
+    with cos and sin at [position, d].
+    """
+    xp = _array_module(x)
+    x = xp.asarray(x).astype(xp.float64)
+    cos, sin = (xp.asarray(c).astype(xp.float64) for c in (cos, sin))
+    positions = xp.asarray(positions)
+    half = cos.shape[1]
+    assert x.ndim == 4, f"x must be (batch, seqlen, heads, headdim), got shape {x.shape}"
+    assert cos.shape == sin.shape and cos.ndim == 2, f"cos {cos.shape} and sin {sin.shape}: (seqlen_ro, rotary_dim / 2)"
+    assert 2 * half <= x.shape[3], f"rotary_dim {2 * half} exceeds headdim {x.shape[3]}"
+    assert positions.shape == x.shape[:2], f"positions {positions.shape} must be (batch, seqlen) = {x.shape[:2]}"
+    if positions.size:
+        assert 0 <= int(positions.min()) and int(positions.max()) < cos.shape[0], (
+            f"positions {int(positions.min())} .. {int(positions.max())} outside cos/sin's {cos.shape[0]} rows")
+    c, s = cos[positions][:, :, None, :], sin[positions][:, :, None, :]  # (batch, seqlen, 1, half)
+    first, second = (slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if interleaved else (slice(0, half),
+                                                                                        slice(half, 2 * half))
+    x1, x2 = x[..., first], x[..., second]
+    out = x.copy()
+    out[..., first] = x1 * c - x2 * s
+    out[..., second] = x1 * s + x2 * c
+    return out
+
+
+def attention_kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                                softmax_scale=None, causal=False, window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0,
+                                rotary_interleaved=True, alibi_slopes=None):
+    """``flash_attn_with_kvcache`` in float64: returns ``(out, lse, k_cache_after, v_cache_after)``.
+
+    ``out`` is float64 (q's shape), ``lse`` float64 (batch, nheads, seqlen_q), natural log; the caches
+    after this call's append are new arrays in the caches' dtype (the inputs are left as they were),
+    so that a test can compare them with what the kernels wrote in place.
+
+    The steps, one sequence ``b`` at a time:
+
+    1. Append. The new keys (rotated first, when ``rotary_cos`` is given, at positions
+       ``cache_seqlens[b] + t``, and rounded to q's dtype) and values go to cache positions
+       ``cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1`` of cache row ``cache_batch_idx[b]``,
+       or, paged, position ``p`` to row ``p % page_block_size`` of block ``block_table[b, p // page_block_size]``.
+    2. Gather. The keys are the cache positions ``cache_leftpad[b] <= p < cache_seqlens[b] + seqlen_new``,
+       re-indexed from 0: ``seqlen_k_b = cache_seqlens[b] + seqlen_new - cache_leftpad[b]``.
+    3. Attend, as ``attention_reference`` (so ``flash_attn_func``) on (q_b, K_b, V_b), with q rotated
+       at ``cache_seqlens[b] + i`` (causal or windowed) or ``cache_seqlens[b]`` (otherwise) and rounded
+       to its dtype, and ALiBi slopes row b. A sequence with no key gives out 0 and lse -inf.
+
+    ``cache_seqlens`` None means every cache is full (its capacity: seqlen_cache, or
+    max_blocks_per_seq * page_block_size when paged); an int applies to every sequence.
+    """
+    xp = _array_module(q)
+    q = xp.asarray(q)
+    batch, seqlen_q, nheads, headdim = q.shape
+    paged = block_table is not None
+    if paged:
+        table = _host(block_table).astype(np.int64)
+        assert table.ndim == 2 and table.shape[0] == batch, f"block_table {table.shape} must be (batch={batch}, max_blocks)"
+        assert cache_batch_idx is None, "cache_batch_idx goes with contiguous caches only"
+        page = k_cache.shape[1]
+        capacity = table.shape[1] * page
+    else:
+        capacity = k_cache.shape[1]
+    nheads_k = k_cache.shape[2]
+    assert k_cache.shape == v_cache.shape, f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ"
+    assert k_cache.shape[3] == headdim, f"the caches' headdim {k_cache.shape[3]} is not q's {headdim}"
+    assert nheads % nheads_k == 0, f"{nheads=} is not a multiple of {nheads_k=}"
+    assert (k is None) == (v is None), "k and v are appended together"
+    seqlen_new = 0 if k is None else k.shape[1]
+    if k is not None:
+        assert k.shape == v.shape == (batch, seqlen_new, nheads_k, headdim), (
+            f"k {k.shape} and v {v.shape} must be (batch, seqlen_new, nheads_k, headdim)")
+
+    def per_sequence(values, default):
+        if values is None:
+            return np.full(batch, default, np.int64)
+        return np.broadcast_to(np.asarray(_host(values), np.int64), (batch,)).copy()
+
+    seqlens = per_sequence(cache_seqlens, capacity)
+    leftpad = per_sequence(cache_leftpad, 0)
+    rows = np.arange(batch) if cache_batch_idx is None else per_sequence(cache_batch_idx, 0)
+    for b in range(batch):
+        assert 0 <= leftpad[b] <= seqlens[b], f"sequence {b}: cache_leftpad {leftpad[b]} > cache_seqlens {seqlens[b]}"
+        assert seqlens[b] + seqlen_new <= capacity, (
+            f"sequence {b}: {seqlens[b]} cached + {seqlen_new} new tokens exceed the cache's {capacity} positions")
+
+    def locate(b, positions):
+        """Cache indices (a tuple for fancy indexing) of sequence b's cache positions."""
+        if paged:
+            return xp.asarray(table[b, positions // page]), xp.asarray(positions % page)
+        return int(rows[b]), xp.asarray(positions)
+
+    dtype = q.dtype
+    rotary = rotary_cos is not None
+    if rotary:
+        windowed = causal or tuple(window_size) != (UNBOUNDED, UNBOUNDED)
+        offsets = np.arange(seqlen_q)[None, :] if windowed else np.zeros((1, seqlen_q), np.int64)
+        q = apply_rotary_reference(q, rotary_cos, rotary_sin, xp.asarray(seqlens[:, None] + offsets),
+                                   rotary_interleaved).astype(dtype)
+
+    # 1. Append into copies of the caches.
+    k_after, v_after = k_cache.copy(), v_cache.copy()
+    if k is not None:
+        new_positions = seqlens[:, None] + np.arange(seqlen_new)[None, :]
+        k_new = xp.asarray(k)
+        if rotary:
+            k_new = apply_rotary_reference(k_new, rotary_cos, rotary_sin, xp.asarray(new_positions),
+                                           rotary_interleaved).astype(dtype)
+        for b in range(batch):
+            where = locate(b, new_positions[b])
+            k_after[where] = k_new[b].astype(k_after.dtype)
+            v_after[where] = xp.asarray(v[b]).astype(v_after.dtype)
+
+    # 2. and 3. Gather each sequence's keys and attend.
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(np.asarray(_host(alibi_slopes), np.float64), (batch, nheads))
+    out = xp.zeros(q.shape, xp.float64)
+    lse = xp.full((batch, nheads, seqlen_q), -xp.inf, xp.float64)
+    for b in range(batch):
+        keys = np.arange(leftpad[b], seqlens[b] + seqlen_new)
+        if keys.size == 0:  # nothing to attend: out 0, lse -inf as initialized
+            continue
+        where = locate(b, keys)
+        k_b, v_b = k_after[where][None], v_after[where][None]  # (1, seqlen_k_b, nheads_k, headdim)
+        out_b, lse_b = attention_reference(q[b:b + 1], k_b, v_b, softmax_scale, causal, return_lse=True,
+                                           window_size=window_size, softcap=softcap,
+                                           alibi_slopes=None if slopes is None else slopes[b])
+        out[b], lse[b] = out_b[0], lse_b[0]
+    return out, lse, k_after, v_after
