@@ -345,7 +345,8 @@ def apply_rotary_reference(x, cos, sin, positions, interleaved=True):
     positions = xp.asarray(positions)
     half = cos.shape[1]
     assert x.ndim == 4, f"x must be (batch, seqlen, heads, headdim), got shape {x.shape}"
-    assert cos.shape == sin.shape and cos.ndim == 2, f"cos {cos.shape} and sin {sin.shape}: (seqlen_ro, rotary_dim / 2)"
+    assert cos.shape == sin.shape and cos.ndim == 2, (
+        f"cos {cos.shape} and sin {sin.shape} must both be (seqlen_ro, rotary_dim / 2)")
     assert 2 * half <= x.shape[3], f"rotary_dim {2 * half} exceeds headdim {x.shape[3]}"
     assert positions.shape == x.shape[:2], f"positions {positions.shape} must be (batch, seqlen) = {x.shape[:2]}"
     if positions.size:
@@ -392,7 +393,8 @@ def attention_kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=
     paged = block_table is not None
     if paged:
         table = _host(block_table).astype(np.int64)
-        assert table.ndim == 2 and table.shape[0] == batch, f"block_table {table.shape} must be (batch={batch}, max_blocks)"
+        assert table.ndim == 2 and table.shape[0] == batch, (
+            f"block_table {table.shape} must be (batch={batch}, max_blocks_per_seq)")
         assert cache_batch_idx is None, "cache_batch_idx goes with contiguous caches only"
         page = k_cache.shape[1]
         capacity = table.shape[1] * page
@@ -417,7 +419,8 @@ def attention_kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=
     leftpad = per_sequence(cache_leftpad, 0)
     rows = np.arange(batch) if cache_batch_idx is None else per_sequence(cache_batch_idx, 0)
     for b in range(batch):
-        assert 0 <= leftpad[b] <= seqlens[b], f"sequence {b}: cache_leftpad {leftpad[b]} > cache_seqlens {seqlens[b]}"
+        assert 0 <= leftpad[b] <= seqlens[b], (
+            f"sequence {b}: cache_leftpad {leftpad[b]} outside 0 .. cache_seqlens {seqlens[b]}")
         assert seqlens[b] + seqlen_new <= capacity, (
             f"sequence {b}: {seqlens[b]} cached + {seqlen_new} new tokens exceed the cache's {capacity} positions")
 
