@@ -11,6 +11,7 @@ PyTorch autograd function over the same kernels (torch stays optional: only that
 from .backward import flash_attn_backward
 from .configs import kernel_family
 from .interface import explain, flash_attn_func
+from .kvcache import flash_attn_with_kvcache, merge_attention_states
 from .validation import last_dropout_seed
 from .reference import attention_naive, attention_probabilities, attention_reference, attention_reference_backward
 
@@ -19,6 +20,8 @@ __version__ = "0.1.0"
 __all__ = [
     "flash_attn_func",
     "flash_attn_backward",
+    "flash_attn_with_kvcache",
+    "merge_attention_states",
     "explain",
     "last_dropout_seed",
     "kernel_family",

@@ -21,6 +21,7 @@ from .problem import Variant
 from .kernels.backward_mma import MmaBackwardConfig
 from .kernels.forward_mma import MmaForwardConfig
 from .kernels.backward_portable import PortableBackwardConfig
+from .kernels.decode_mma import MmaDecodeConfig
 from .kernels.backward_portable import shared_bytes as backward_shared_bytes
 from .kernels.forward_portable import PortableForwardConfig, shared_bytes
 
@@ -262,3 +263,40 @@ def plan_backward(static, deterministic, family=None, aligned=None):
     block_n = _fit("dq", headdim, threads, block_m, fixed_is_m=True)
     dq = PortableBackwardConfig("dq", block_m=block_m, block_n=block_n, threads_per_row=threads, **common)
     return preprocess, dkdv, dq
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decode (nbflash/kernels/decode_mma.py, through nbflash.flash_attn_with_kvcache)
+# ---------------------------------------------------------------------------------------------------
+
+# (largest headdim, block_n, num_warps, stages): keys per pipeline stage (each of the 4 warps takes a
+# quarter), and how many stages are in flight. Sized so that two blocks fit an SM's shared memory
+# up to headdim 128 (a stage of 64 keys at headdim 128 is 34 KB of K and V). Not tuned yet.
+MMA_DECODE = [
+    (64, 64, 4, 4),
+    (128, 64, 4, 3),
+    (256, 64, 4, 2),
+]
+
+# Shared memory one multiprocessor offers to blocks (sm_80 164 KB, sm_86/89 100 KB, sm_90 228 KB),
+# less 1 KB per block that the system reserves; used only to estimate blocks per multiprocessor.
+SHARED_PER_SM = {(8, 0): 164 * 1024, (8, 6): 100 * 1024, (8, 7): 164 * 1024, (8, 9): 100 * 1024,
+                 (9, 0): 228 * 1024}
+
+
+@lru_cache(maxsize=None)
+def decode_config(dtype, headdim, variant, paged, rotary, rotary_interleaved, rows, positive_scale=True):
+    """The decode kernel's configuration: ``rows`` = packed (query token, query head) rows per
+    key/value head (seqlen_q * nheads / nheads_k); two 16-row tiles per block when they are more
+    than 16 and the accumulators fit (headdim <= 64)."""
+    _, block_n, num_warps, stages = _row(MMA_DECODE, headdim)
+    m_tiles = 2 if rows > 16 and headdim <= 64 else 1
+    return MmaDecodeConfig(dtype=dtype, headdim=headdim, variant=variant, paged=paged, rotary=rotary,
+                           rotary_interleaved=rotary_interleaved if rotary else True, m_tiles=m_tiles,
+                           block_n=block_n, num_warps=num_warps, stages=stages, fold_scale=positive_scale)
+
+
+def decode_blocks_per_sm(config, device=0):
+    """About how many decode blocks one multiprocessor holds at once (shared memory bounds it)."""
+    shared = SHARED_PER_SM.get(_compute_capability(device), 100 * 1024)
+    return max(1, min(8, shared // (config.dynamic_shared_bytes + 1024)))

@@ -7,7 +7,7 @@ the one Numba signature it is compiled for:
 
 - inputs (q, k, v, dout) take any strides with the last dim contiguous; the buffers the library
   allocates (out, lse, gradients, accumulators) are C-contiguous;
-- float32 scalars (the softmax scale) follow the arrays;
+- scalars (float32 such as the softmax scale, int32 lengths and flags) follow the arrays;
 - the last argument of every attention kernel is ``params``, the variant's runtime values as one
   tuple (``nbflash.problem.Problem.params``, types from ``variants.param_types``).
 """
@@ -16,8 +16,10 @@ from ..dtypes import KERNEL_DTYPE
 from . import variants
 from .backward_mma import MmaBackwardConfig, build_backward_mma
 from .backward_portable import PortableBackwardConfig, build_backward_portable
+from .decode_mma import MmaDecodeConfig, build_decode_mma
 from .forward_mma import MmaForwardConfig, build_forward_mma
 from .forward_portable import PortableForwardConfig, build_forward_portable
+from .kvcache import AppendConfig, CombineConfig, build_append, build_combine
 
 
 def _params(config):
@@ -47,11 +49,35 @@ def _backward(config):
     return f"void({arrays}, float32, float32, {_params(config)})"
 
 
+def _decode(config):
+    t = KERNEL_DTYPE[config.dtype].name
+    cache = f"{t}[:,:,:,:]"  # k_cache, v_cache: any strides, the last dim contiguous
+    arrays = (f"{t}[:,:,:,:], {cache}, {cache}, {t}[:,:,:,:], float32[:,:,::1], float32[:,:,:,:,::1], "
+              f"float32[:,:,:,::1], int32[:], int32[:], int32[:], int32[:,:], {t}[:,:], {t}[:,:]")
+    return f"void({arrays}, float32, int32, int32, int32, {_params(config)})"
+
+
+def _append(config):
+    t = KERNEL_DTYPE[config.dtype].name
+    return (f"void({t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,:], int32[:], int32[:], int32[:,:], "
+            f"{t}[:,:], {t}[:,:], int32, int32)")
+
+
+def _combine(config):
+    t = KERNEL_DTYPE[config.dtype].name
+    if config.kernel == "combine":
+        return f"void(float32[:,:,:,:,::1], float32[:,:,:,::1], {t}[:,:,:,:], float32[:,:,:])"
+    return f"void({t}[:,:,:,:], float32[:,:,:], {t}[:,:,:,:], float32[:,:,:], {t}[:,:,:,:], float32[:,:,:])"
+
+
 KERNELS = {
     PortableForwardConfig: (build_forward_portable, _forward),
     MmaForwardConfig: (build_forward_mma, _forward),
     PortableBackwardConfig: (build_backward_portable, _backward),
     MmaBackwardConfig: (build_backward_mma, _backward),
+    MmaDecodeConfig: (build_decode_mma, _decode),
+    AppendConfig: (build_append, _append),
+    CombineConfig: (build_combine, _combine),
 }
 
 
