@@ -284,6 +284,7 @@ def _multiprocessors(device):
     return runtime.cupy().cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
 
 
+@lru_cache(maxsize=1024)
 def choose_splits(blocks, tiles, multiprocessors, blocks_per_sm):
     """How many splits of the keys: enough blocks to fill every multiprocessor's slots in whole
     waves. The smallest count whose wave efficiency (blocks over the slots of the waves they
@@ -353,7 +354,7 @@ def _decode(c, want_lse):
     if splits == 0:
         splits = choose_splits(c.batch * c.nheads_k * row_blocks, tiles, _multiprocessors(c.device),
                                configs.decode_blocks_per_sm(config))
-    splits = max(1, min(splits, tiles, validation.MAX_GRID_YZ))
+    splits = max(1, min(splits, tiles, MAX_SPLITS))
     out = c.out if c.out is not None else launch.empty(c.q.shape, c.q.dtype)
     lse, o_part, lse_part = _scratch(c, splits, want_lse)
     stand = _stand_ins(c.device, c.dtype)
@@ -401,14 +402,14 @@ def _gathered(c):
 
     i = xp.arange(c.seqlen_q)[None, :, None]
     diagonal = i + seqlen_k[:, None, None] - c.seqlen_q  # (batch, seqlen_q, 1)
-    keep = j[:, None, :] < seqlen_k[:, None, None]
+    keep = j[:, None, :] < seqlen_k[:, None, None]  # (batch, 1, capacity), then (batch, seqlen_q, capacity)
     left, right = c.window_size
     if c.causal:
         right = 0
     if left >= 0:
-        keep &= j[:, None, :] >= diagonal - left
+        keep = keep & (j[:, None, :] >= diagonal - left)
     if right >= 0:
-        keep &= j[:, None, :] <= diagonal + right
+        keep = keep & (j[:, None, :] <= diagonal + right)
     bias = xp.where(keep, np.float32(0), np.float32(-np.inf)).astype(np.float32)[:, None]  # (batch, 1, sq, cap)
     if c.alibi_slopes is not None:
         distance = xp.abs(diagonal - j[:, None, :]).astype(np.float32)[:, None]
@@ -485,7 +486,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             (x[d], x[d + rotary_dim / 2]) (GPT-NeoX).
         num_splits: 0 picks how many parts the keys are split into (thread blocks working on one
             sequence and head, merged by their log-sum-exps) to fill the GPU; n > 0 forces n (1:
-            no split). The result is the same up to rounding.
+            no split; at most 128). The result is the same up to rounding.
         return_softmax_lse: also return the log-sum-exp, float32 (batch, nheads, seqlen_q), natural log.
         out: (nbflash) an array of q's shape and dtype to write the output into.
 

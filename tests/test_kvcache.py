@@ -174,8 +174,9 @@ def test_decode_paged_append_rotary(rng, xp):
 
 @SIM
 def test_decode_variants_batch_idx(rng, xp):
-    # A window, softcap and per-sequence ALiBi, three query tokens of MHA, through cache_batch_idx.
-    check_call(rng, xp, "float16", 2, 3, 2, 2, 16, [50, 20], 64, causal=True, window_size=(17, 0), softcap=5.0,
+    # A window, softcap and per-sequence ALiBi, three query tokens of MHA, through cache_batch_idx;
+    # headdim 40: rows of 6 chunks of 16 bytes (the copies use 8 threads per row).
+    check_call(rng, xp, "float16", 2, 3, 2, 2, 40, [50, 20], 64, causal=True, window_size=(17, 0), softcap=5.0,
                alibi=True, batch_idx=True, seqlen_new=1, rotary_dim=16)
 
 

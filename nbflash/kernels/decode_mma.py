@@ -105,6 +105,8 @@ class MmaDecodeConfig:
             raise ValueError(f"{self.block_n=} must be a multiple of 16 * {self.num_warps=}")
         if self.stages < 2:
             raise ValueError(f"{self.stages=} must be at least 2")
+        if self.threads < 2 * self.headdim_padded // 8:
+            raise ValueError(f"{self.threads=} must cover the 16-byte chunks of two rows")
 
     @property
     def headdim_padded(self):
@@ -167,7 +169,9 @@ def build_decode_mma(config: MmaDecodeConfig):
     TILE_BYTES = BN * ROW_BYTES  # one K (or V) tile of the ring
     CHUNKS = HDP // 8  # 16-byte chunks per row
     Q_COPIES = -(-Q_ROWS * CHUNKS // THREADS)
-    KV_COPIES = -(-BN * CHUNKS // THREADS)
+    CHUNK_SLOTS = 1 << (CHUNKS - 1).bit_length()  # threads per row in the K/V copies: a power of two
+    ROWS_PER_ROUND = THREADS // CHUNK_SLOTS  # rows one round of copies covers
+    KV_COPIES = -(-BN // ROWS_PER_ROUND)
     # The merge's float32 arrays, in 4-byte words from the start of shared memory (after Q).
     MERGE_ACC = Q_BYTES // 4  # [warp][row][col]
     MERGE_MAX = MERGE_ACC + WARPS * Q_ROWS * HDP  # [warp][row], log2 units
@@ -212,37 +216,58 @@ def build_decode_mma(config: MmaDecodeConfig):
 
     @inline_device
     @unroll
-    def load_kv_tile(base, k_cache, v_cache, block_table, b, cache_row, start, hk, seqlen_k, n_start, stage):
+    def lookup_pages(pages, offsets, k_cache, block_table, b, start, seqlen_k, n_start):
+        """Paged caches: the page and the row in it of each key this thread copies for the tile at
+        n_start (page -1: past seqlen_k, or a page index outside the cache). Called one tile ahead of
+        the copies, so the block table's latency hides behind a tile of work instead of stalling
+        them; 32-bit division (the page size is a runtime value)."""
+        page_size = uint32(k_cache.shape[1])
+        for i in static_range(KV_COPIES):
+            r = cuda.threadIdx.x // CHUNK_SLOTS + i * ROWS_PER_ROUND
+            j = n_start + r
+            position = uint32(start + j)
+            page = int32(-1)
+            if j < seqlen_k and r < BN:
+                page = block_table[b, position // page_size]
+                if page >= k_cache.shape[0]:
+                    page = int32(-1)
+            pages[i] = page
+            offsets[i] = int32(position % page_size)
+
+    @inline_device
+    @unroll
+    def load_kv_tile(base, k_cache, v_cache, pages, offsets, k_thread, v_thread, hk, seqlen_k, n_start, stage):
         """Keys n_start .. n_start + BN - 1 of the sequence (cache positions start + j) into ring
-        slot ``stage``; keys past seqlen_k and pages outside the cache are zero-filled."""
+        slot ``stage``; keys past seqlen_k and pages outside the cache are zero-filled. Thread
+        ``tid`` copies the 16-byte chunk ``tid % CHUNK_SLOTS`` of rows tid // CHUNK_SLOTS + i *
+        ROWS_PER_ROUND: consecutive threads along a row (slots past the row's CHUNKS copy nothing). Contiguous caches: k_thread / v_thread are the addresses of
+        the thread's chunk in key 0, so a copy costs one add; paged: each row's page (lookup_pages)."""
         tid = cuda.threadIdx.x
-        k_dst = base + uint32(Q_BYTES + stage * 2 * TILE_BYTES)
+        r0, col = tid // CHUNK_SLOTS, (tid % CHUNK_SLOTS) * 8
+        k_dst = base + uint32(Q_BYTES + stage * 2 * TILE_BYTES + r0 * ROW_BYTES + col * 2)
         v_dst = k_dst + uint32(TILE_BYTES)
         k_fallback = global_address(k_cache, 0, 0, 0, 0)
         v_fallback = global_address(v_cache, 0, 0, 0, 0)
-        for i in range(KV_COPIES):
-            chunk = i * THREADS + tid
-            if chunk < BN * CHUNKS:
-                r = chunk // CHUNKS
-                col = (chunk % CHUNKS) * 8
-                j = n_start + r
+        step = k_cache.strides[1]
+        k_src = k_thread + (n_start + r0) * step
+        v_src = v_thread + (n_start + r0) * v_cache.strides[1]
+        for i in static_range(KV_COPIES):
+            if r0 + i * ROWS_PER_ROUND < BN and col < HDP:
+                j = n_start + r0 + i * ROWS_PER_ROUND
                 inside = j < seqlen_k and col < HD
-                row, offset = cache_row, start + j
+                k_from, v_from = k_src, v_src
                 if PAGED:
-                    page_size = k_cache.shape[1]
-                    position = start + j
-                    page = int32(0)
+                    inside = inside and pages[i] >= 0
                     if inside:
-                        page = block_table[b, position // page_size]
-                    inside = inside and page >= 0 and page < k_cache.shape[0]
-                    row, offset = page, position % page_size
-                k_src, v_src = k_fallback, v_fallback
-                if inside:
-                    k_src = global_address(k_cache, row, offset, hk, col)
-                    v_src = global_address(v_cache, row, offset, hk, col)
+                        k_from = global_address(k_cache, pages[i], offsets[i], hk, col)
+                        v_from = global_address(v_cache, pages[i], offsets[i], hk, col)
                 size = uint32(16 if inside else 0)
-                cp_async_16_from(k_dst + uint32(r * ROW_BYTES + col * 2), k_src, size)
-                cp_async_16_from(v_dst + uint32(r * ROW_BYTES + col * 2), v_src, size)
+                cp_async_16_from(k_dst + uint32(i * ROWS_PER_ROUND * ROW_BYTES), k_from if inside else k_fallback,
+                                 size)
+                cp_async_16_from(v_dst + uint32(i * ROWS_PER_ROUND * ROW_BYTES), v_from if inside else v_fallback,
+                                 size)
+                k_src += ROWS_PER_ROUND * step
+                v_src += ROWS_PER_ROUND * v_cache.strides[1]
 
     @inline_device
     def rotate_q_tile(smem, rotary_cos, rotary_sin, row0, rows_total, group, position0, per_token):
@@ -504,11 +529,20 @@ def build_decode_mma(config: MmaDecodeConfig):
         # ---- Prologue: Q and the first stages - 1 K/V tiles in flight ----
         load_q_tile(base, q, b, hk, group, row0, rows_total)
         cp_async_commit()
+        pages = cuda.local.array(KV_COPIES, int32)  # paged: the pages and rows of the next tile's keys
+        offsets = cuda.local.array(KV_COPIES, int32)
+        # Contiguous: the address of this thread's chunk of key 0 (cache position start).
+        k_thread = global_address(k_cache, cache_row, start, hk, (tid % CHUNK_SLOTS) * 8)
+        v_thread = global_address(v_cache, cache_row, start, hk, (tid % CHUNK_SLOTS) * 8)
         for st in static_range(STAGES - 1):
             if tile_lo + st < tile_hi:
-                load_kv_tile(base, k_cache, v_cache, block_table, b, cache_row, start, hk, seqlen_k,
-                             (tile_lo + st) * BN, st)
+                if PAGED:
+                    lookup_pages(pages, offsets, k_cache, block_table, b, start, seqlen_k, (tile_lo + st) * BN)
+                load_kv_tile(base, k_cache, v_cache, pages, offsets, k_thread, v_thread, hk, seqlen_k, (tile_lo + st) * BN,
+                             st)
             cp_async_commit()
+        if PAGED:
+            lookup_pages(pages, offsets, k_cache, block_table, b, start, seqlen_k, (tile_lo + STAGES - 1) * BN)
         cp_async_wait(WAIT_FOR_Q)  # this thread's Q copies have landed
         cuda.syncthreads()  # ... and every thread's
         if ROTARY:
@@ -556,8 +590,10 @@ def build_decode_mma(config: MmaDecodeConfig):
             cuda.syncthreads()  # every thread's have; and every warp is done with tile j - 1,
             #                     whose slot the next fetch overwrites
             if j + STAGES - 1 < tile_hi:
-                load_kv_tile(base, k_cache, v_cache, block_table, b, cache_row, start, hk, seqlen_k,
+                load_kv_tile(base, k_cache, v_cache, pages, offsets, k_thread, v_thread, hk, seqlen_k,
                              (j + STAGES - 1) * BN, (stage + STAGES - 1) % STAGES)
+                if PAGED:  # the next copy's pages, while this tile is worked on
+                    lookup_pages(pages, offsets, k_cache, block_table, b, start, seqlen_k, (j + STAGES) * BN)
             cp_async_commit()
 
             n_start = j * BN + warp * KW  # this warp's keys of the tile

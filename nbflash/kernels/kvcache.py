@@ -113,7 +113,8 @@ class CombineConfig:
 
     kernel: str
     dtype: str
-    threads: int = 64
+    threads: int = 128
+    max_splits: int = 128  # combine: the most splits it merges (its shared-memory weights)
 
     dynamic_shared_bytes = 0
 
@@ -132,28 +133,45 @@ def build_combine(config: CombineConfig):
         return lse_max if lse_max != NEG_INF else float32(0)
 
     if config.kernel == "combine":
+        SPLITS = config.max_splits
 
         @cuda.jit
         def combine(o_part, lse_part, out, lse):
-            """out[b, i, h] and lse[b, h, i] from the splits' partial states."""
-            batch, nheads, seqlen_q = lse.shape[0], lse.shape[1], lse.shape[2]
+            """out[b, i, h] and lse[b, h, i] from the splits' partial states: the weights once in
+            shared memory, then each thread a column, summing over the splits four at a time (the
+            loads of a group are in flight together)."""
+            nheads, seqlen_q = lse.shape[1], lse.shape[2]
             item = cuda.blockIdx.x
             b, h, i = item // (nheads * seqlen_q), (item // seqlen_q) % nheads, item % seqlen_q
             splits, headdim = o_part.shape[0], o_part.shape[4]
+            weight = cuda.shared.array(SPLITS, float32)
+            tid = cuda.threadIdx.x
+            for s in range(tid, splits, THREADS):
+                weight[s] = lse_part[s, b, h, i]
+            cuda.syncthreads()  # every split's lse is in shared memory
             lse_max = NEG_INF
             for s in range(splits):
-                lse_max = max(lse_max, lse_part[s, b, h, i])
+                lse_max = max(lse_max, weight[s])
             m = weights_base(lse_max)
             total = float32(0)
             for s in range(splits):
-                total += math.exp(lse_part[s, b, h, i] - m)
+                total += math.exp(weight[s] - m)
             inv_total = float32(1) / total if total > float32(0) else float32(0)
-            for col in range(cuda.threadIdx.x, headdim, THREADS):
-                o = float32(0)
-                for s in range(splits):
-                    o += math.exp(lse_part[s, b, h, i] - m) * o_part[s, b, h, i, col]
-                out[b, i, h, col] = store(o * inv_total)
-            if cuda.threadIdx.x == 0:
+            cuda.syncthreads()  # every thread has read the lse values before they become weights
+            for s in range(tid, splits, THREADS):
+                weight[s] = math.exp(weight[s] - m) * inv_total
+            cuda.syncthreads()  # the weights are visible
+            for col in range(tid, headdim, THREADS):
+                o0 = o1 = o2 = o3 = float32(0)
+                for s in range(0, splits - 3, 4):
+                    o0 += weight[s] * o_part[s, b, h, i, col]
+                    o1 += weight[s + 1] * o_part[s + 1, b, h, i, col]
+                    o2 += weight[s + 2] * o_part[s + 2, b, h, i, col]
+                    o3 += weight[s + 3] * o_part[s + 3, b, h, i, col]
+                for s in range(splits - splits % 4, splits):
+                    o0 += weight[s] * o_part[s, b, h, i, col]
+                out[b, i, h, col] = store((o0 + o1) + (o2 + o3))
+            if tid == 0:
                 lse[b, h, i] = m + math.log(total) if total > float32(0) else NEG_INF
 
         return combine
