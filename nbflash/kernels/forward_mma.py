@@ -176,6 +176,7 @@ def build_forward_mma(config: MmaForwardConfig):
     ALIGNED, Q_IN_REGISTERS = config.aligned, config.use_q_registers
     hooks = variants.hooks(config.variant)
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
+    ELEMENT_MASK = hooks.ELEMENT_MASK
     SCORE, score, head_context = hooks.SCORE, hooks.score, hooks.head_context
     DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
     SKIP_RESCALE, FOLD_SCALE = config.skip_rescale, config.fold_scale and not SCORE
@@ -452,9 +453,10 @@ def build_forward_mma(config: MmaForwardConfig):
                 elif not FOLD_SCALE:
                     scale_scores(s, scale_log2)
 
-                # Mask where some row of the warp does not see every key of the sub-tile.
+                # Mask where some row of the warp does not see every key of the sub-tile, or
+                # always with an element mask (the band cannot vouch for it).
                 if masked:
-                    if sub_end > full_hi or sub_start < full_lo:
+                    if ELEMENT_MASK or sub_end > full_hi or sub_start < full_lo:
                         mask_scores(s, first_row, sub_start, seqlen_q, seqlen_k, params, head_ctx, g, t)
 
                 # m_i, l_i, acc rescaled; S becomes P

@@ -300,6 +300,7 @@ class Hooks:
             return key >= hi or (WINDOW and key < lo)
 
         keep = _element_masks(variant, names)
+        self.ELEMENT_MASK = keep is not None  # a mask tensor or mask_mod: the band alone never says "whole"
         if keep is not None:
             band_key_tiles, band_query_tiles = key_tiles, query_tiles
 
