@@ -9,6 +9,7 @@ PyTorch autograd function over the same kernels (torch stays optional: only that
 """
 
 from .backward import flash_attn_backward
+from .block_mask import BlockMask, create_block_mask
 from .configs import kernel_family
 from .interface import explain, flash_attn_func
 from .kvcache import flash_attn_with_kvcache, merge_attention_states
@@ -23,6 +24,8 @@ __all__ = [
     "flash_attn_with_kvcache",
     "merge_attention_states",
     "explain",
+    "create_block_mask",
+    "BlockMask",
     "last_dropout_seed",
     "kernel_family",
     "attention_reference",

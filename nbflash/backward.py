@@ -11,6 +11,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import launch, runtime, validation
+from .block_mask import kernel_params
 from .configs import forced_family, plan_backward
 from .dtypes import FLOAT32
 from .interface import user_functions_compile
@@ -94,10 +95,10 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     # D = rowsum(dO * O); with atomics, dq_accum zeroed too.
     preprocess.launch(preprocess.config.grid(*shape), (out, dout, delta, dq_accum), ())
     dkdv.launch(dkdv.config.grid(*shape), (q, k, v, dout, lse, delta, dk, dv, dq_accum), (scale_log2, scale),
-                p.params)
+                kernel_params(p, dkdv.config))
     if deterministic:
         dq_kernel.launch(dq_kernel.config.grid(*shape), (q, k, v, dout, lse, delta, dq), (scale_log2, scale),
-                         p.params)
+                         kernel_params(p, dq_kernel.config))
     else:
         dq_kernel.launch(dq_kernel.config.grid(*shape), (dq_accum, dq), (scale,))
     return dq, dk, dv
@@ -105,7 +106,7 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
 
 def flash_attn_backward(dout, q, k, v, out, lse, dropout_p=0.0, softmax_scale=None, causal=False,
                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, *, bias=None,
-                        score_mod=None, mask_mod=None, score_mod_grad=None, seed=None):
+                        score_mod=None, mask_mod=None, score_mod_grad=None, block_mask=None, seed=None):
     """Gradients of ``flash_attn_func`` with respect to q, k and v.
 
     Arguments:
@@ -114,7 +115,9 @@ def flash_attn_backward(dout, q, k, v, out, lse, dropout_p=0.0, softmax_scale=No
             given to ``flash_attn_func``, in its order (same shapes, dtypes, strides rules,
             grouped-query attention and bottom-right alignment). Every variant has its gradient:
             through the softcap's tanh; ALiBi slopes get none (they are not trained).
-        bias, score_mod, mask_mod: (nbflash) as given to ``flash_attn_func``; bias gets no gradient.
+        bias, score_mod, mask_mod, block_mask: (nbflash) as given to ``flash_attn_func``; bias gets no
+            gradient. A block mask's tables are per tile size, so the backward's kernels classify
+            their own tiles on first use (kept in the BlockMask for the next calls).
         seed: (nbflash) with dropout_p > 0, the forward's seed (``nbflash.last_dropout_seed()`` after a
             forward with seed=None): the dropout mask is regenerated from it.
         score_mod_grad: (nbflash) with a score_mod, its derivative with respect to the score:
@@ -146,6 +149,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, dropout_p=0.0, softmax_scale=No
         raise ValueError("score_mod's backward needs its derivative: pass score_mod_grad(score, b, h, q_idx, "
                          "kv_idx) -> d score_mod / d score (e.g. lambda s, b, h, i, j: 1.0 for a shift)")
     problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                                bias, score_mod, mask_mod, score_mod_grad, dropout_p, seed)
+                                                bias, score_mod, mask_mod, score_mod_grad, dropout_p, seed,
+                                                block_mask)
     dout, out, lse = _check_backward(problem, q, dout, out, lse, deterministic)
     return _flash_attn_backward(problem, dout, q, k, v, out, lse, bool(deterministic))

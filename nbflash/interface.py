@@ -8,6 +8,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import configs, launch, validation
+from .block_mask import kernel_params
 from .dtypes import FLOAT32
 from .reference import attention_probabilities
 
@@ -46,13 +47,14 @@ def _flash_attn_forward(problem, q, k, v, family=None):
     out, lse = launch.empty_pair(q.shape, q.dtype, (problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
     grid = config.grid(problem.batch, problem.nheads, problem.seqlen_q)
     # The problem stands for the five arrays' shapes and strides (validation remembers it per layout).
-    kernel.launch(grid, (q, k, v, out, lse), (problem.softmax_scale * LOG2_E,), problem.params, problem)
+    kernel.launch(grid, (q, k, v, out, lse), (problem.softmax_scale * LOG2_E,), kernel_params(problem, config),
+                  problem)
     return out, lse
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False, bias=None,
-                    score_mod=None, mask_mod=None, seed=None):
+                    score_mod=None, mask_mod=None, block_mask=None, seed=None):
     """Exact scaled dot-product attention, softmax(q k^T * softmax_scale) v, in O(seqlen) memory.
 
     flash-attn 2.8's ``flash_attn_func``: the same arguments in the same order, so that a call
@@ -113,6 +115,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             needs its derivative (``flash_attn_backward(..., score_mod_grad=...)``).
         mask_mod: (nbflash) ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True = kept; every tile then
             tests it.
+        block_mask: (nbflash) ``nbflash.create_block_mask(mask_mod, B, H, seqlen_q, seqlen_k)``
+            (FlexAttention's convention; B, H None to broadcast): mask_mod with each (query tile, key
+            tile) pair classified on the GPU as empty (skipped: no loads, no math), full (no mask
+            test) or partial (mask_mod asked per element). Implies its mask_mod (passing another
+            one too is an error); its B, H and lengths must be the call's. The same values as
+            ``mask_mod=`` alone, with less work where the mask is sparse (document masks, blocks).
         seed: (nbflash) dropout's 64-bit seed: the same seed gives bit-identical results. None
             draws a fresh one; ``nbflash.last_dropout_seed()`` reads it back (the backward needs
             it: ``flash_attn_backward(..., dropout_p, ..., seed=...)``).
@@ -130,9 +138,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _check_flag(return_attn_probs, "return_attn_probs")
     _check_flag(return_lse, "return_lse")
     problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                                bias, score_mod, mask_mod, None, dropout_p, seed)
+                                                bias, score_mod, mask_mod, None, dropout_p, seed, block_mask)
     out, lse = _flash_attn_forward(problem, q, k, v)
     if return_attn_probs:
+        mask_mod = block_mask.mask_mod if block_mask is not None else mask_mod
         probs = attention_probabilities(q, k, v, problem.softmax_scale, False, problem.window(), problem.softcap,
                                         problem.alibi_slopes, bias=problem.bias if problem.mask is None else problem.mask,
                                         score_mod=score_mod, mask_mod=mask_mod, dropout_p=problem.dropout_p,
@@ -147,7 +156,7 @@ def _check_flag(value, name):
 
 
 def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, *,
-            bias=None, score_mod=None, mask_mod=None):
+            bias=None, score_mod=None, mask_mod=None, block_mask=None):
     """Which kernel and configuration ``flash_attn_func(q, k, v, ...)`` runs, without running it.
 
     Returns a dict: ``family`` ('mma' or 'portable'), ``config`` (the block configuration and the
@@ -157,7 +166,7 @@ def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), sof
     block.
     """
     problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                                bias, score_mod, mask_mod)
+                                                bias, score_mod, mask_mod, block_mask=block_mask)
     kernel = _kernel_for(problem)
     config = kernel.config
     return {

@@ -33,6 +33,9 @@ class Variant(NamedTuple):
     score_mod_grad: str = ""
     mask_mod: str = ""
     dropout: bool = False  # attention dropout, regenerated in the backward from (seed, counter)
+    # A table classifies each (query tile, key tile) of mask_mod as empty (skipped), partial (the
+    # element test) or full (no test): nbflash.block_mask.
+    block_mask: bool = False
 
     @property
     def score(self):
@@ -53,6 +56,7 @@ PARAMS = (
     ("bias", ("bias",)),
     ("mask", ("mask",)),
     ("dropout", ("dropout_threshold", "dropout_scale", "seed_lo", "seed_hi")),
+    ("block_mask", ("block_mask",)),
 )
 
 
@@ -98,6 +102,9 @@ class Problem(NamedTuple):
     mask: object = None
     dropout_p: float = 0.0
     seed: int = 0  # dropout's 64-bit Philox key
+    # A nbflash.block_mask.BlockMask; each kernel reads its class table for its own tile sizes
+    # (nbflash.block_mask.kernel_params puts that in place of this object).
+    block_mask: object = None
 
     @property
     def dropout_threshold(self):

@@ -41,13 +41,13 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, bias, user,
-                dropout):
+                dropout, block_mask):
         with _on_torch_stream(q):
             # torch refuses to export tensors that require gradients; the detached views share memory.
             slopes = alibi_slopes.detach() if alibi_slopes is not None else None
             problem, q_, k_, v_ = validation.check_forward(q.detach(), k.detach(), v.detach(), softmax_scale, causal,
                                                            window_size, softcap, slopes, _detached(bias), *user,
-                                                           *dropout)
+                                                           *dropout, block_mask)
             out, lse = interface._flash_attn_forward(problem, q_, k_, v_)
             out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -68,7 +68,7 @@ class FlashAttnFunction(torch.autograd.Function):
                       ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
             grads = backward._flash_attn_backward(ctx.problem, *arrays, ctx.deterministic)
             dq, dk, dv = (torch.from_dlpack(g) for g in grads)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 def _detached(x):
@@ -77,7 +77,7 @@ def _detached(x):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False, bias=None,
-                    score_mod=None, mask_mod=None, score_mod_grad=None):
+                    score_mod=None, mask_mod=None, score_mod_grad=None, block_mask=None):
     """``nbflash.flash_attn_func`` on torch tensors, differentiable with respect to q, k and v:
     flash-attn 2.8's ``flash_attn_func``, argument for argument, so that
     ``from nbflash.torch import flash_attn_func`` replaces ``from flash_attn import flash_attn_func``.
@@ -85,7 +85,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Arguments and shapes as ``nbflash.flash_attn_func``: q (batch, seqlen_q, nheads, headdim), k and v
     (batch, seqlen_k, nheads_k, headdim), CUDA tensors of dtype float16, bfloat16 or float32;
     ``alibi_slopes`` a float32 CUDA tensor and ``bias`` a float or bool CUDA tensor (no gradients);
-    ``score_mod``, ``mask_mod`` as in nbflash.flash_attn_func, and ``score_mod_grad`` (the
+    ``score_mod``, ``mask_mod``, ``block_mask`` as in nbflash.flash_attn_func, and ``score_mod_grad`` (the
     derivative of score_mod, which the backward needs). ``deterministic`` makes the backward
     bit-identical run to run (see ``nbflash.backward.flash_attn_backward``). Returns ``out``; with
     ``return_lse=True`` (out, lse), with ``return_attn_probs=True`` (out, lse, S_dmask), as torch
@@ -98,16 +98,18 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     if validation.check_dropout_p(dropout_p) > 0:
         seed = int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
     out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                       deterministic, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed))
+                                       deterministic, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed),
+                                       block_mask)
     if return_attn_probs:
         with _on_torch_stream(q), torch.no_grad():
             problem, *arrays = validation.check_forward(q.detach(), k.detach(), v.detach(), softmax_scale, causal,
                                                         window_size, softcap, _detached(alibi_slopes), _detached(bias),
-                                                        score_mod, mask_mod, None, dropout_p, seed)
+                                                        score_mod, mask_mod, None, dropout_p, seed, block_mask)
             probs = reference.attention_probabilities(*arrays, problem.softmax_scale, False, problem.window(),
                                                       problem.softcap, problem.alibi_slopes,
                                                       bias=problem.bias if problem.mask is None else problem.mask,
-                                                      score_mod=score_mod, mask_mod=mask_mod,
+                                                      score_mod=score_mod,
+                                                      mask_mod=block_mask.mask_mod if block_mask is not None else mask_mod,
                                                       dropout_p=problem.dropout_p, seed=problem.seed)
             return out, lse, torch.from_dlpack(probs)
     return (out, lse) if return_lse else out

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import runtime
 from .dtypes import dtype_name
+from .block_mask import check_block_mask
 from .kernels.variants import user_function
 from .problem import UNBOUNDED, Problem, Variant, window_bounds
 
@@ -236,16 +237,16 @@ def _repeat_key(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDE
 
 def check_forward(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0,
                   alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0,
-                  seed=None):
+                  seed=None, block_mask=None):
     """Validate a forward call. Returns (problem, q, k, v) with the arrays on the backend."""
     user = (score_mod, mask_mod, score_mod_grad)
-    key = _repeat_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias, user,
+    key = _repeat_key(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias, user + (block_mask,),
                       dropout_p)
     problem = _REMEMBERED.get(key) if key is not None else None
     if problem is not None:
         return problem, q, k, v
     problem, q, k, v = _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias,
-                                      user, dropout_p, seed)
+                                      user, dropout_p, seed, block_mask)
     if key is not None:
         if len(_REMEMBERED) >= _REMEMBER_AT_MOST:
             _REMEMBERED.clear()
@@ -254,7 +255,7 @@ def check_forward(q, k, v, softmax_scale, causal, window_size=(UNBOUNDED, UNBOUN
 
 
 def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, bias, user, dropout_p,
-                   seed):
+                   seed, block_mask=None):
     q = as_backend_array(q, "q")
     k = as_backend_array(k, "k")
     v = as_backend_array(v, "v")
@@ -314,6 +315,9 @@ def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
     if bias is not None:
         bias, kind = check_bias(bias, batch, nheads, seqlen_q, seqlen_k, dtype, device)
         additive, keep = (None, bias) if kind == "mask" else (bias, None)
+    if block_mask is not None:  # it carries its mask_mod (the element test of its partial tiles)
+        check_block_mask(block_mask, user[1], batch, nheads, seqlen_q, seqlen_k)
+        user = (user[0], block_mask.mask_mod, user[2])
     score_mod, mask_mod, score_mod_grad = (
         "" if fn is None else user_function(fn, name) for fn, name in zip(user, ("score_mod", "mask_mod", "score_mod_grad"))
     )
@@ -334,7 +338,8 @@ def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
         device,
         Variant(window=window, softcap=softcap > 0, alibi=alibi_slopes is not None,
                 bias=dtype_name(additive.dtype) if additive is not None else "", mask=keep is not None,
-                score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod, dropout=dropout_p > 0),
+                score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod, dropout=dropout_p > 0,
+                block_mask=block_mask is not None),
         left,
         right,
         softcap,
@@ -343,5 +348,6 @@ def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
         keep,
         dropout_p,
         seed,
+        block_mask,
     )
     return problem, q, k, v

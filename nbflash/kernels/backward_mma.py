@@ -16,7 +16,8 @@ Two kernels, picked by ``MmaBackwardConfig.kernel``:
           block_n = 16 * num_warps: warp w owns keys [16 w, 16 w + 16) of the block's tile K_j, V_j.
           The block loops over the query heads of its GQA group and, for each, over the query tiles
           Q_i (block_m rows) that see K_j (geometry.py: tiles that see none of its keys are skipped,
-          and only tiles crossing the window's edges, or the key tail, run the masked copy)::
+          and only tiles crossing the window's edges, or the key tail, run the masked copy; a block
+          mask's empty pairs are skipped, its partial ones masked)::
 
               S^T  = K_j Q_i^T,  dP^T = V_j dO_i^T             (mma.sync; C fragments, keys x queries)
               P^T  = exp2(S^T * scale_log2 - lse_log2[query]) (0 where masked or the row sees no key)
@@ -248,9 +249,11 @@ def build_backward_mma(config: MmaBackwardConfig):
     WARPS, THREADS = config.num_warps, config.threads
     ATOMIC_DQ, ALIGNED, VECTOR_DQ = config.atomic_dq, config.aligned, config.vector_dq
     hooks = variants.hooks(config.variant)
+    BLOCK_MASK = hooks.BLOCK_MASK
     key_tiles, query_tiles, row_keys, hidden = hooks.key_tiles, hooks.query_tiles, hooks.row_keys, hooks.hidden
     SCORE, score_grad, head_context = hooks.SCORE, hooks.score_grad, hooks.head_context
     DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
+    tile_class = hooks.tile_class  # the block mask's class of a tile pair (FULL without one)
     CHUNKS = HDP // 8  # 16-byte chunks of a padded tile row (the aligned path's cp.async copies)
     ROW_BYTES, DS_ROW_BYTES = ROW * 2, DS_ROW * 2
     KT = HDP // 16  # k-steps over headdim (S, dP)
@@ -489,6 +492,22 @@ def build_backward_mma(config: MmaBackwardConfig):
                                 if col < HD:
                                     cuda.atomic.add(dq_accum, (b, row, h, col), acc[m, dt, 2 * r + e])
 
+    @inline_device
+    def step_class(params, b, hk, group, first_tile, tiles_per_head, n_block, step):
+        """The block mask's class of the dK/dV loop's step (query head, query tile) for this key tile."""
+        h = hk * group + step // tiles_per_head
+        return tile_class(params, b, h, first_tile + step % tiles_per_head, n_block)
+
+    @inline_device
+    def next_step(params, b, hk, group, first_tile, tiles_per_head, n_block, step, steps):
+        """The first step from ``step`` on that the block mask does not call empty, or ``steps``:
+        the one whose tiles are requested next (``step`` itself without a block mask)."""
+        if BLOCK_MASK:
+            while step < steps and step_class(params, b, hk, group, first_tile, tiles_per_head, n_block,
+                                              step) == variants.EMPTY:
+                step += 1
+        return step
+
     @cuda.jit
     @unroll
     def backward_dkdv_mma(q, k, v, dout, lse, delta, dk, dv, dq_accum, scale_log2, scale, params):
@@ -547,9 +566,13 @@ def build_backward_mma(config: MmaBackwardConfig):
         tiles_per_head = end_tile - first_tile
         steps = group * tiles_per_head
         lse_next, d_next = float32(0), float32(0)
-        if steps > 0:
+        first_step = next_step(params, b, hk, group, first_tile, tiles_per_head, n_block, 0, steps)
+        if first_step < steps:
             h = hk * group
             q_start = first_tile * BM
+            if BLOCK_MASK:  # the first step the block mask does not call empty
+                h += first_step // tiles_per_head
+                q_start += (first_step % tiles_per_head) * BM
             load_tile(smem, Q_TILE, q, b, q_start, h, seqlen_q - q_start, BM)
             load_tile(smem, DO_TILE, dout, b, q_start, h, seqlen_q - q_start, BM)
             if tid < BM:
@@ -558,6 +581,11 @@ def build_backward_mma(config: MmaBackwardConfig):
         tiles_landed()  # also when no query tile follows: no copy outlives the block
 
         for step in range(steps):
+            # A step the block mask calls empty is passed over by the whole block (nothing was
+            # requested for it).
+            tile = step_class(params, b, hk, group, first_tile, tiles_per_head, n_block, step)
+            if tile == variants.EMPTY:
+                continue
             h = hk * group + step // tiles_per_head
             head_ctx = head_context(params, b, h)  # (b, h, ALiBi slope): what the variant reads per head
             i = first_tile + step % tiles_per_head
@@ -573,7 +601,7 @@ def build_backward_mma(config: MmaBackwardConfig):
             mma_keys_by_queries(dp, v_warp, a_lane, do_tile, b_lane)
 
             # P^T and dS^T; the mask only on tiles crossing the window's edges or the key tail
-            if tail or i < first_full or i >= end_full:
+            if tail or i < first_full or i >= end_full or tile == variants.PARTIAL:
                 softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
                                scale, g, t, True)
             else:
@@ -588,9 +616,10 @@ def build_backward_mma(config: MmaBackwardConfig):
             cuda.syncthreads()  # every warp is done with Q_i, dO_i, lse, D; dS^T is stored
 
             # Request the next step's tiles, then dQ_i += dS K_j through shared dS^T and atomics
-            if step + 1 < steps:
-                h_next = hk * group + (step + 1) // tiles_per_head
-                q_next = (first_tile + (step + 1) % tiles_per_head) * BM
+            step_next = next_step(params, b, hk, group, first_tile, tiles_per_head, n_block, step + 1, steps)
+            if step_next < steps:
+                h_next = hk * group + step_next // tiles_per_head
+                q_next = (first_tile + step_next % tiles_per_head) * BM
                 load_tile(smem, Q_TILE, q, b, q_next, h_next, seqlen_q - q_next, BM)
                 load_tile(smem, DO_TILE, dout, b, q_next, h_next, seqlen_q - q_next, BM)
                 if tid < BM:
@@ -696,6 +725,9 @@ def build_backward_mma(config: MmaBackwardConfig):
 
         # ---- Loop over K_j, V_j ----
         for j in range(first_tile, end_tile):
+            tile = tile_class(params, b, h, m_block, j)
+            if tile == variants.EMPTY:  # the block mask keeps nothing here (the same for the whole block)
+                continue
             n_start = j * BN
             cuda.syncthreads()  # every warp is done with K_{j-1}, V_{j-1}
             load_tile(smem, K_TILE_Q, k, b, n_start, hk, seqlen_k - n_start, BN)
@@ -708,7 +740,7 @@ def build_backward_mma(config: MmaBackwardConfig):
             mma_queries_by_keys(dp, do_warp, a_lane, v_tile, b_lane)
 
             # dS = P * (dP - D); the mask only on tiles crossing the window's edges or the key tail
-            if first_full <= j and j < end_full:
+            if first_full <= j and j < end_full and tile == variants.FULL:
                 softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, first_row, n_start, seqlen_q, seqlen_k, params,
                              head_ctx, scale_log2, scale, g, t, False)
             else:

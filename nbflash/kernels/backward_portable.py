@@ -43,7 +43,8 @@ and of ``dq``: Q_s, dO_s, K_s, V_s as above and dS_s (BLOCK_M, BLOCK_N + 1).
 
 Which keys a query sees is the variant's window (causal is the window (-1, 0)), and
 nbflash/kernels/geometry.py says which tile pairs that leaves: pairs with nothing visible are never
-visited, and pairs seen whole skip the mask test. A query row that sees no key has ``lse = -inf`` from the forward; it is
+visited, and pairs seen whole skip the mask test; a block mask (``tile_class``) removes the pairs it
+calls empty and masks those it calls partial. A query row that sees no key has ``lse = -inf`` from the forward; it is
 loaded as ``+inf`` so that its P row is exp2(-inf) = 0 and its gradients are exactly 0 (never NaN).
 Query rows past seqlen_q are loaded the same way (Q, dO and D as 0), so they need no mask either.
 
@@ -127,6 +128,7 @@ def build_backward_portable(config):
     key_tiles, query_tiles, row_keys, hidden = hooks.key_tiles, hooks.query_tiles, hooks.row_keys, hooks.hidden
     SCORE, score_grad, head_context = hooks.SCORE, hooks.score_grad, hooks.head_context
     DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
+    tile_class = hooks.tile_class  # the block mask's class of a tile pair (FULL without one)
     BLOCK_M = config.block_m
     BLOCK_N = config.block_n
     THREADS_PER_ROW = config.threads_per_row
@@ -311,6 +313,9 @@ def build_backward_portable(config):
         for head in range(head_k * group, head_k * group + group):
             head_ctx = head_context(params, batch, head)  # (b, h, ALiBi slope): what the variant reads per head
             for i in range(first_tile, end_tile):
+                tile = tile_class(params, batch, head, i, cuda.blockIdx.x)
+                if tile == variants.EMPTY:  # the block mask keeps nothing here (the same for the whole block)
+                    continue
                 q_start = i * BLOCK_M
                 q_rows = min(BLOCK_M, seqlen_q - q_start)
                 load_tile(q, batch, q_start, head, q_rows, Q_s, float32(1.0))
@@ -321,6 +326,8 @@ def build_backward_portable(config):
                 cuda.syncthreads()  # Q_i, dO_i, lse, D (and K_j, V_j on the first pass) have landed
 
                 masked = tail or i < first_full or i >= end_full
+                if tile == variants.PARTIAL:
+                    masked = True
                 probabilities_column(Q_s, dO_s, K_s, V_s, P_s, dS_s, lse_s, D_s, row, lane, k_idx,
                                      q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, scale, masked)
                 cuda.syncthreads()  # P^T and dS^T rows, written by all their threads, are complete
@@ -406,13 +413,16 @@ def build_backward_portable(config):
 
         # ---- Loop over K_j, V_j ------------------------------------------------------------------
         for j in range(first_tile, end_tile):
+            tile = tile_class(params, batch, head, cuda.blockIdx.x, j)
+            if tile == variants.EMPTY:  # the block mask keeps nothing here (the same for the whole block)
+                continue
             k_start = j * BLOCK_N
             k_rows = min(BLOCK_N, seqlen_k - k_start)
             load_tile(k, batch, k_start, head_k, k_rows, K_s, float32(1.0))
             load_tile(v, batch, k_start, head_k, k_rows, V_s, float32(1.0))
             cuda.syncthreads()  # K_j, V_j (and Q_i, dO_i on the first pass) are in shared memory
 
-            masked = j < first_full or j >= end_full
+            masked = j < first_full or j >= end_full or tile == variants.PARTIAL
             ds_row(Q_s, dO_s, K_s, V_s, dS_s, row, lane, q_idx, k_start, key_lo, key_hi, lse_row,
                    delta_row, seqlen_q, seqlen_k, params, head_ctx, scale_log2, scale, masked)
             cuda.syncthreads()  # the row's dS, written by all its threads, is complete

@@ -18,7 +18,9 @@ makes tile j visible (that barrier also proves every warp has left tile j - 1, w
 fetch overwrites). A tile is consumed sub_n keys at a time (the S register tile). Tiles that every
 row of the block sees whole run a copy of the tile step with no masking code; the others (causal
 diagonal, sequence tail) run the masked copy, where each warp also skips the keys its own rows cannot
-see. With a window (causal is the window (-1, 0)), blockIdx.x is reversed so that the query blocks
+see. A block mask's empty tile pairs are never fetched nor computed (the prefetch skips to the next
+tile it does not call empty), its partial ones run the masked copy. With a window (causal is the
+window (-1, 0)), blockIdx.x is reversed so that the query blocks
 with the most keys start first.
 
 Variants (nbflash/kernels/variants.py): the window's sizes arrive in ``params`` and the visible key
@@ -176,8 +178,10 @@ def build_forward_mma(config: MmaForwardConfig):
     ALIGNED, Q_IN_REGISTERS = config.aligned, config.use_q_registers
     hooks = variants.hooks(config.variant)
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
+    ELEMENT_MASK = hooks.ELEMENT_MASK
     SCORE, score, head_context = hooks.SCORE, hooks.score, hooks.head_context
     DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
+    BLOCK_MASK, tile_class, next_key_tile = hooks.BLOCK_MASK, hooks.tile_class, hooks.next_key_tile
     SKIP_RESCALE, FOLD_SCALE = config.skip_rescale, config.fold_scale and not SCORE
     ROW_BYTES = ROW * 2
     Q_BYTES, KV_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
@@ -452,9 +456,10 @@ def build_forward_mma(config: MmaForwardConfig):
                 elif not FOLD_SCALE:
                     scale_scores(s, scale_log2)
 
-                # Mask where some row of the warp does not see every key of the sub-tile.
+                # Mask where some row of the warp does not see every key of the sub-tile, or
+                # always with an element mask (the band cannot vouch for it).
                 if masked:
-                    if sub_end > full_hi or sub_start < full_lo:
+                    if ELEMENT_MASK or sub_end > full_hi or sub_start < full_lo:
                         mask_scores(s, first_row, sub_start, seqlen_q, seqlen_k, params, head_ctx, g, t)
 
                 # m_i, l_i, acc rescaled; S becomes P
@@ -496,8 +501,9 @@ def build_forward_mma(config: MmaForwardConfig):
         # ---- Prologue: Q_i and the first K/V tile in flight; Q_i into registers ----
         load_q_tile(smem, base, q, b, m_start, h, seqlen_q)
         cp_async_commit()
-        if end_tile > first_tile:
-            load_kv_tiles(smem, base, k, v, b, first_tile * BN, hk, seqlen_k, 0)
+        first_visited = next_key_tile(params, b, h, m_block, first_tile, end_tile)  # first_tile without a block mask
+        if end_tile > first_visited:
+            load_kv_tiles(smem, base, k, v, b, first_visited * BN, hk, seqlen_k, 0)
         cp_async_commit()
         cp_async_wait(1)  # this thread's Q copies have landed (the K/V group may be in flight)
         cuda.syncthreads()  # ... and every other thread's, before ldmatrix reads the Q tile
@@ -525,21 +531,30 @@ def build_forward_mma(config: MmaForwardConfig):
                     acc[mt, dt, i] = float32(0)
 
         # ---- Main loop over key tiles K_j, V_j ----
+        # With a block mask, the tiles it calls empty are passed over (block-uniform, so the barriers
+        # stay uniform): nothing was fetched for them, and the buffers alternate over the tiles
+        # visited, counted by `visited`.
+        visited = 0
         for j in range(first_tile, end_tile):
-            buf = (j - first_tile) & 1
+            tile = tile_class(params, b, h, m_block, j)  # FULL without a block mask
+            if tile == variants.EMPTY:
+                continue
+            buf = (visited if BLOCK_MASK else j - first_tile) & 1
+            visited += 1
             n_start = j * BN
             cp_async_wait(0)  # this thread's copies of tile j (the only group in flight) have landed
             cuda.syncthreads()  # every thread's have: tile j is complete in shared memory; and every
             #                     warp is done with iteration j - 1, so the other buffer is free
-            if j + 1 < end_tile:  # prefetch tile j + 1 while this one is computed on
-                load_kv_tiles(smem, base, k, v, b, n_start + BN, hk, seqlen_k, 1 - buf)
+            j_next = next_key_tile(params, b, h, m_block, j + 1, end_tile)  # the next tile visited: j + 1 without
+            if j_next < end_tile:  # prefetch it while this one is computed on
+                load_kv_tiles(smem, base, k, v, b, n_start + (j_next - j) * BN, hk, seqlen_k, 1 - buf)
             cp_async_commit()
 
             k_tile = base + uint32(Q_BYTES + buf * KV_BYTES)
             v_tile = base + uint32(Q_BYTES + (2 + buf) * KV_BYTES)
             # Tiles every row of the block sees whole cost no masking code at all; the others
             # (the window's edges, the sequence tail) go through the masked copy of the same step.
-            if first_full <= j and j < end_full:
+            if first_full <= j and j < end_full and tile == variants.FULL:
                 attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
                             scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, head_ctx,
                             scale, g, t, False)

@@ -42,7 +42,8 @@ different banks)::
 Which keys a query sees is the variant's window (causal is the window (-1, 0): every key up to the
 query's diagonal, bottom-right aligned), and nbflash/kernels/geometry.py says which key tiles that
 leaves: tiles no row of the block sees are never visited, and tiles every row sees whole skip the
-mask test. A row that sees no key writes out = 0 and lse = -inf.
+mask test. A block mask (``tile_class``) removes the tiles it calls empty and masks those it calls
+partial. A row that sees no key writes out = 0 and lse = -inf.
 
 Arguments: ``q`` (batch, seqlen_q, nheads, headdim), ``k``, ``v`` (batch, seqlen_k, nheads_k,
 headdim), any strides; ``out`` like q; ``lse`` float32 (batch, nheads, seqlen_q); ``scale_log2`` the
@@ -110,6 +111,7 @@ def build_forward_portable(config):
     key_tiles, row_keys, hidden = hooks.key_tiles, hooks.row_keys, hooks.hidden
     SCORE, score, head_context = hooks.SCORE, hooks.score, hooks.head_context
     DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
+    tile_class = hooks.tile_class  # the block mask's class of a tile pair (FULL without one)
     BLOCK_M = config.block_m
     BLOCK_N = config.block_n
     THREADS_X = config.threads_x
@@ -234,6 +236,9 @@ def build_forward_portable(config):
 
         # ---- Loop over K_j, V_j ----------------------------------------------------------------
         for j in range(first_tile, end_tile):
+            tile = tile_class(params, batch, head, tile_m, j)
+            if tile == variants.EMPTY:  # the block mask keeps nothing here (the same for the whole block)
+                continue
             k_start = j * BLOCK_N
             k_rows = min(BLOCK_N, seqlen_k - k_start)
             load_tile(k, batch, k_start, head_k, k_rows, K_s, float32(1.0))
@@ -243,7 +248,7 @@ def build_forward_portable(config):
             scores(Q_s, K_s, row0, tx, s)
             if SCORE:
                 score_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params, head_ctx)
-            if j < first_full or j >= end_full:
+            if j < first_full or j >= end_full or tile == variants.PARTIAL:
                 mask_scores(s, row0, tx, q_start, k_start, seqlen_q, seqlen_k, params, head_ctx)
             for r in range(ROWS):
                 part_s[row0 + r, tx] = row_max_partial(s, r)

@@ -18,7 +18,11 @@ built here at fixed points of its tile step:
   (``+ bias[b, h, row, key]``). What they read per head, ``head_ctx = (b, h, slope)``, comes from
   ``head_context(params, b, h)`` once per head. The backward calls ``score_grad``, which also
   returns d score / d x (the bias gets no gradient);
-- the probability point (after exp, before P V) is where dropout will enter.
+- the probability point (after exp, before P V): dropout's factor of each probability;
+- the **block mask**: ``tile_class(params, b, h, m_tile, n_tile)`` says whether a (query tile, key
+  tile) pair is EMPTY (the kernel skips it: no loads, no math), PARTIAL (the masked copy, with the
+  mask_mod test) or FULL (the unmasked copy, if the band sees it whole too). Without a block mask it
+  is the constant FULL, so the kernels' tests of it fold away.
 
 A feature the variant does not have compiles to nothing: the flags are closure constants of each
 kernel's builder.
@@ -29,7 +33,7 @@ import math
 from functools import lru_cache
 
 import numpy as np
-from numba import float32
+from numba import float32, int32
 from numba.extending import register_jitable
 
 from ..dtypes import KERNEL_DTYPE
@@ -50,7 +54,13 @@ PARAM_TYPES = {
     "dropout_scale": "float32",
     "seed_lo": "uint32",
     "seed_hi": "uint32",
+    # (batch, nheads, query tiles, key tiles) of the kernel's tile sizes, any strides (stride 0 where
+    # the block mask broadcasts): EMPTY, PARTIAL or FULL (nbflash.block_mask)
+    "block_mask": "int8[:,:,:,:]",
 }
+
+# A tile pair's class in a block mask's table: no element kept, some kept, all kept.
+EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
 def param_types(variant):
@@ -300,18 +310,22 @@ class Hooks:
             return key >= hi or (WINDOW and key < lo)
 
         keep = _element_masks(variant, names)
+        self.ELEMENT_MASK = keep is not None  # a mask tensor or mask_mod: the band alone never says "whole"
         if keep is not None:
-            band_key_tiles, band_query_tiles = key_tiles, query_tiles
+            # An element mask: no tile is known to be seen whole. Except with a block mask, whose
+            # table says which tiles mask_mod keeps whole (a mask tensor is still tested everywhere).
+            if variant.mask or not variant.block_mask:
+                band_key_tiles, band_query_tiles = key_tiles, query_tiles
 
-            @register_jitable
-            def key_tiles(row_start, row_end, seqlen_q, seqlen_k, params, block):
-                first, _, _, end = band_key_tiles(row_start, row_end, seqlen_q, seqlen_k, params, block)
-                return first, end, end, end  # an element mask: no tile is known to be seen whole
+                @register_jitable
+                def key_tiles(row_start, row_end, seqlen_q, seqlen_k, params, block):
+                    first, _, _, end = band_key_tiles(row_start, row_end, seqlen_q, seqlen_k, params, block)
+                    return first, end, end, end
 
-            @register_jitable
-            def query_tiles(key_start, key_end, seqlen_q, seqlen_k, params, block):
-                first, _, _, end = band_query_tiles(key_start, key_end, seqlen_q, seqlen_k, params, block)
-                return first, end, end, end
+                @register_jitable
+                def query_tiles(key_start, key_end, seqlen_q, seqlen_k, params, block):
+                    first, _, _, end = band_query_tiles(key_start, key_end, seqlen_q, seqlen_k, params, block)
+                    return first, end, end, end
 
             @register_jitable
             def hidden(key, lo, hi, row, seqlen_q, params, head_ctx):
@@ -329,6 +343,31 @@ class Hooks:
                 return outside(key, lo, hi)
 
         self.key_tiles, self.query_tiles, self.row_keys, self.hidden = key_tiles, query_tiles, row_keys, hidden
+
+        self.BLOCK_MASK = variant.block_mask
+        if variant.block_mask:
+            CLASSES = names.index("block_mask")
+
+            @register_jitable
+            def tile_class(params, b, h, m_tile, n_tile):
+                return int32(params[CLASSES][b, h, m_tile, n_tile])
+
+        else:
+
+            @register_jitable
+            def tile_class(params, b, h, m_tile, n_tile):
+                return int32(FULL)
+
+        @register_jitable
+        def next_key_tile(params, b, h, m_tile, n_tile, end):
+            """The first key tile from ``n_tile`` on that query tile ``m_tile`` visits (not EMPTY),
+            or ``end``: a pipelined kernel prefetches that one (``n_tile`` itself without a block
+            mask)."""
+            while n_tile < end and tile_class(params, b, h, m_tile, n_tile) == EMPTY:
+                n_tile += 1
+            return n_tile
+
+        self.tile_class, self.next_key_tile = tile_class, next_key_tile
 
         self.SCORE = variant.score
         self.score, self.score_grad = _chain(_score_steps(variant, names))

@@ -1,0 +1,215 @@
+"""Block masks (nbflash.create_block_mask): the classification against brute force, attention through
+them against the float64 reference of their mask_mod on both kernel families, proof that empty tiles
+are skipped and full ones not tested, and the errors."""
+
+import numpy as np
+import pytest
+
+import nbflash
+from nbflash.backward import flash_attn_backward
+from nbflash.block_mask import EMPTY, FULL, PARTIAL
+
+from .conftest import SIMULATOR
+from .helpers import assert_attention_close, poison_allocations, random_qkv, to_numpy
+from .test_backward import assert_gradients_close, random_like
+
+DOC = np.repeat(np.arange(8), 24).astype(np.int32)  # documents of 24 tokens: a captured constant
+
+
+def causal_documents(b, h, q_idx, kv_idx):
+    return DOC[q_idx] == DOC[kv_idx] and kv_idx <= q_idx
+
+
+def documents_with_empty_rows(b, h, q_idx, kv_idx):
+    """Per head a different document offset; every 11th query row (shifted by b) sees nothing."""
+    return DOC[q_idx] == DOC[(kv_idx + 5 * h) % 192] and (q_idx + b) % 11 != 4
+
+
+def blocks_and_diagonal(b, h, q_idx, kv_idx):
+    """16 x 16 blocks kept or dropped by (b, h), plus a diagonal: every class in 16 x 16 tiles."""
+    return (q_idx // 16 + kv_idx // 16 + b + h) % 3 == 0 or q_idx == kv_idx + b
+
+
+def everything(b, h, q_idx, kv_idx):
+    return True
+
+
+def every_third_key_dropped(b, h, q_idx, kv_idx):
+    return kv_idx % 3 != 0
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    poison_allocations(monkeypatch)
+
+
+def brute_force_classes(mask_mod, batch, nheads, seqlen_q, seqlen_k, block_m, block_n):
+    b, h, i, j = np.meshgrid(np.arange(batch), np.arange(nheads), np.arange(seqlen_q), np.arange(seqlen_k),
+                             indexing="ij")
+    keep = np.vectorize(mask_mod, otypes=[bool])(b, h, i, j)
+    m_tiles, n_tiles = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    classes = np.empty((batch, nheads, m_tiles, n_tiles), np.int8)
+    for m in range(m_tiles):
+        for n in range(n_tiles):
+            tile = keep[:, :, m * block_m:(m + 1) * block_m, n * block_n:(n + 1) * block_n]
+            classes[:, :, m, n] = np.where(tile.all(axis=(2, 3)), FULL, np.where(tile.any(axis=(2, 3)), PARTIAL, EMPTY))
+    return classes
+
+
+@pytest.mark.parametrize("B, H", [(None, None), (2, 2)])
+def test_classification_matches_brute_force(B, H):
+    seqlen_q, seqlen_k = 37, 41  # tails in both directions
+    block_mask = nbflash.create_block_mask(blocks_and_diagonal, B, H, seqlen_q, seqlen_k)
+    for block_m, block_n in ((16, 16), (8, 32)):
+        classes = to_numpy(block_mask.classes(block_m, block_n))
+        expected = brute_force_classes(blocks_and_diagonal, B or 1, H or 1, seqlen_q, seqlen_k, block_m, block_n)
+        assert classes.dtype == np.int8 and classes.shape == expected.shape
+        np.testing.assert_array_equal(classes, expected)
+        assert block_mask.classes(block_m, block_n) is block_mask.classes(block_m, block_n)  # kept
+    assert set(np.unique(to_numpy(block_mask.classes(16, 16))).tolist()) == {EMPTY, PARTIAL, FULL}
+
+
+def attend(rng, xp, family, dtype, shape, block_mask, backward, deterministic=False, causal=False,
+           forward_family=None, **variant):
+    """Forward (and backward) through ``block_mask`` against the float64 reference of its mask_mod."""
+    q, k, v = random_qkv(rng, xp, *shape, dtype)
+    with nbflash.kernel_family(forward_family or family):
+        out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, block_mask=block_mask, **variant)
+    assert_attention_close(out, lse, q, k, v, causal, mask_mod=block_mask.mask_mod, **variant)
+    if backward:
+        dout = random_like(rng, xp, q)
+        with nbflash.kernel_family(family):
+            grads = flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic,
+                                        block_mask=block_mask, **variant)
+        assert_gradients_close(grads, dout, q, k, v, causal, mask_mod=block_mask.mask_mod, **variant)
+    return out, lse
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_causal_documents_portable(rng, xp):
+    # 70 x 70 in the portable kernels' 64 x 64 tiles: the (0, 1) pair is empty
+    block_mask = nbflash.create_block_mask(causal_documents, None, None, 70, 70)
+    attend(rng, xp, "portable", "float32", (1, 70, 70, 1, 1, 16), block_mask, backward=True)
+    assert to_numpy(block_mask.classes(64, 64))[0, 0, 0, 1] == EMPTY
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_empty_rows_with_window_portable(rng, xp):
+    """Rows that see no key (output 0, lse -inf, zero gradients), per-head masks, GQA, combined with
+    causal=True and a window; the deterministic dQ kernel."""
+    block_mask = nbflash.create_block_mask(documents_with_empty_rows, 1, 2, 45, 70)
+    out, lse = attend(rng, xp, "portable", "float32", (1, 45, 70, 2, 1, 16), block_mask, backward=True,
+                      deterministic=True, causal=True, window_size=(40, -1))
+    assert np.isneginf(to_numpy(lse)).any()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_causal_documents_mma(rng, xp):
+    """The tensor-core dK/dV kernel (64 x 64 tiles): the block of key tile 1 skips its first query
+    tile, so its first request goes to the second. (The forward runs on the portable kernels here,
+    faster to emulate: test_empty_tiles_are_skipped runs the tensor-core forward; the GPU grid runs
+    the deterministic dQ kernel too.)"""
+    block_mask = nbflash.create_block_mask(causal_documents, None, None, 70, 70)
+    attend(rng, xp, "mma", "float16", (1, 70, 70, 1, 1, 16), block_mask, backward=True, forward_family="portable")
+    assert to_numpy(block_mask.classes(64, 64))[0, 0, 0, 1] == EMPTY
+
+
+def tampered(block_mask, n_tile, tile_class):
+    """Every table the block mask holds, with key tile ``n_tile`` (64 keys in every table these tests
+    make) set to ``tile_class`` for every query tile: what the kernels then compute shows whether
+    they obey the table."""
+    for (_, block_n), table in block_mask._classes.items():
+        assert block_n == 64
+        table[:, :, :, n_tile] = tile_class
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="writes the tables in place (NumPy under the simulator)")
+@pytest.mark.parametrize("family, dtype, seqlen_q", [("portable", "float32", 9), ("mma", "float16", 9)])
+def test_empty_tiles_are_skipped(rng, xp, family, dtype, seqlen_q):
+    """A mask_mod that keeps everything, with a table that calls key tile 1 (keys 64..127, in both
+    families' forward tiles: 64 keys) empty: the kernels must leave those keys out, which asking
+    mask_mod would not. Key tile 2 follows it, so the tensor-core forward prefetches past it."""
+    shape = (1, seqlen_q, 130, 1, 1, 16)
+    q, k, v = random_qkv(rng, xp, *shape, dtype)
+    block_mask = nbflash.create_block_mask(everything, None, None, seqlen_q, 130)
+    with nbflash.kernel_family(family):
+        config = nbflash.explain(q, k, v, block_mask=block_mask)["config"]  # the forward's tiles
+        block_mask.classes(config["block_m"], config["block_n"])
+        tampered(block_mask, 1, EMPTY)
+        out, lse = nbflash.flash_attn_func(q, k, v, block_mask=block_mask, return_lse=True)
+
+    def without_tile_1(b, h, q_idx, kv_idx):
+        return not 64 <= kv_idx < 128
+
+    assert_attention_close(out, lse, q, k, v, False, mask_mod=without_tile_1)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="writes the tables in place (NumPy under the simulator)")
+def test_full_tiles_are_not_tested(rng, xp):
+    """A table that calls key tile 0 full although mask_mod drops every third key there: the
+    kernels (forward and backward) must keep all of it, i.e. not ask mask_mod."""
+    # 64 query rows: a whole query tile, which the backward's dK/dV loop would otherwise mask
+    q, k, v = random_qkv(rng, xp, 1, 64, 70, 1, 1, 16, "float32")
+    block_mask = nbflash.create_block_mask(every_third_key_dropped, None, None, 64, 70)
+    dout = random_like(rng, xp, q)
+    problem = nbflash.validation.check_forward(q, k, v, None, False, block_mask=block_mask)[0]
+    with nbflash.kernel_family("portable"):
+        config = nbflash.explain(q, k, v, block_mask=block_mask)["config"]  # the forward's tiles
+        block_mask.classes(config["block_m"], config["block_n"])
+        _, dkdv, _ = nbflash.configs.plan_backward(problem.static, False, "portable")  # the backward's
+        block_mask.classes(dkdv.block_m, dkdv.block_n)
+        tampered(block_mask, 0, FULL)
+        out, lse = nbflash.flash_attn_func(q, k, v, block_mask=block_mask, return_lse=True)
+        grads = flash_attn_backward(dout, q, k, v, out, lse, block_mask=block_mask)
+
+    def tile_0_whole(b, h, q_idx, kv_idx):
+        return kv_idx < 64 or kv_idx % 3 != 0
+
+    assert_attention_close(out, lse, q, k, v, False, mask_mod=tile_0_whole)
+    assert_gradients_close(grads, dout, q, k, v, False, mask_mod=tile_0_whole)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family, dtype", [("mma", "float16"), ("mma", "bfloat16"), ("portable", "float32")])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_block_mask_gpu(rng, xp, family, dtype, deterministic):
+    doc = np.repeat(np.arange(8), 50).astype(np.int32)
+
+    def documents(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx] and (q_idx + h) % 37 != 0
+
+    block_mask = nbflash.create_block_mask(documents, None, 4, 333, 333)
+    attend(rng, xp, family, dtype, (2, 333, 333, 4, 2, 64), block_mask, backward=True, deterministic=deterministic,
+           causal=True)
+
+
+def test_bad_block_masks(rng, xp):
+    q, k, v = random_qkv(rng, xp, 2, 5, 6, 2, 1, 8, "float32")
+    with pytest.raises(TypeError, match="block_mask must be a BlockMask from nbflash.create_block_mask"):
+        nbflash.flash_attn_func(q, k, v, block_mask=np.ones((2, 2, 5, 6), bool))
+    with pytest.raises(ValueError, match=r"block_mask was made for B=3, but the call has 2 \(batch\).*B=None"):
+        nbflash.flash_attn_func(q, k, v, block_mask=nbflash.create_block_mask(everything, 3, None, 5, 6))
+    with pytest.raises(ValueError, match=r"block_mask was made for H=1, but the call has 2 \(nheads\)"):
+        nbflash.flash_attn_func(q, k, v, block_mask=nbflash.create_block_mask(everything, None, 1, 5, 6))
+    with pytest.raises(ValueError, match="block_mask was made for seqlen_k=7, but the call has seqlen_k=6"):
+        nbflash.flash_attn_func(q, k, v, block_mask=nbflash.create_block_mask(everything, 2, 2, 5, 7))
+    block_mask = nbflash.create_block_mask(everything, 2, 2, 5, 6)
+    with pytest.raises(ValueError, match="mask_mod differs from block_mask's mask_mod; pass block_mask alone"):
+        nbflash.flash_attn_func(q, k, v, block_mask=block_mask, mask_mod=every_third_key_dropped)
+    out, lse = nbflash.flash_attn_func(q, k, v, return_lse=True, block_mask=block_mask)
+    with pytest.raises(ValueError, match="mask_mod differs from block_mask's mask_mod"):
+        flash_attn_backward(q, q, k, v, out, lse, block_mask=block_mask, mask_mod=every_third_key_dropped)
+    with pytest.raises(TypeError, match="mask_mod must be a Python function"):
+        nbflash.create_block_mask("causal", None, None, 5, 6)
+    with pytest.raises(TypeError, match="B must be a positive int, or None"):
+        nbflash.create_block_mask(everything, 0, None, 5, 6)
+    with pytest.raises(TypeError, match="seqlen_k must be a positive int"):
+        nbflash.create_block_mask(everything, None, None, 5, 6.0)
+
+
+def test_same_mask_mod_with_its_block_mask_is_accepted(rng, xp):
+    q, k, v = random_qkv(rng, xp, 1, 5, 6, 1, 1, 8, "float32")
+    block_mask = nbflash.create_block_mask(every_third_key_dropped, None, None, 5, 6)
+    with nbflash.kernel_family("portable"):
+        out = nbflash.flash_attn_func(q, k, v, block_mask=block_mask, mask_mod=every_third_key_dropped)
+    assert_attention_close(out, None, q, k, v, False, mask_mod=every_third_key_dropped)
