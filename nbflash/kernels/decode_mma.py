@@ -227,10 +227,8 @@ def build_decode_mma(config: MmaDecodeConfig):
             j = n_start + r
             position = uint32(start + j)
             page = int32(-1)
-            if j < seqlen_k and r < BN:
+            if j < seqlen_k and r < BN:  # not checked against the cache here: that would wait for the load
                 page = block_table[b, position // page_size]
-                if page >= k_cache.shape[0]:
-                    page = int32(-1)
             pages[i] = page
             offsets[i] = int32(position % page_size)
 
@@ -248,26 +246,32 @@ def build_decode_mma(config: MmaDecodeConfig):
         v_dst = k_dst + uint32(TILE_BYTES)
         k_fallback = global_address(k_cache, 0, 0, 0, 0)
         v_fallback = global_address(v_cache, 0, 0, 0, 0)
-        step = k_cache.strides[1]
-        k_src = k_thread + (n_start + r0) * step
-        v_src = v_thread + (n_start + r0) * v_cache.strides[1]
-        for i in static_range(KV_COPIES):
-            if r0 + i * ROWS_PER_ROUND < BN and col < HDP:
-                j = n_start + r0 + i * ROWS_PER_ROUND
-                inside = j < seqlen_k and col < HD
-                k_from, v_from = k_src, v_src
-                if PAGED:
-                    inside = inside and pages[i] >= 0
+        if not PAGED:
+            for i in range(KV_COPIES):
+                r = r0 + i * ROWS_PER_ROUND
+                if r < BN and col < HDP:
+                    j = n_start + r
+                    inside = j < seqlen_k and col < HD
+                    k_from, v_from = k_fallback, v_fallback
                     if inside:
-                        k_from = global_address(k_cache, pages[i], offsets[i], hk, col)
-                        v_from = global_address(v_cache, pages[i], offsets[i], hk, col)
-                size = uint32(16 if inside else 0)
-                cp_async_16_from(k_dst + uint32(i * ROWS_PER_ROUND * ROW_BYTES), k_from if inside else k_fallback,
-                                 size)
-                cp_async_16_from(v_dst + uint32(i * ROWS_PER_ROUND * ROW_BYTES), v_from if inside else v_fallback,
-                                 size)
-                k_src += ROWS_PER_ROUND * step
-                v_src += ROWS_PER_ROUND * v_cache.strides[1]
+                        k_from = k_thread + j * k_cache.strides[1]
+                        v_from = v_thread + j * v_cache.strides[1]
+                    size = uint32(16 if inside else 0)
+                    cp_async_16_from(k_dst + uint32(i * ROWS_PER_ROUND * ROW_BYTES), k_from, size)
+                    cp_async_16_from(v_dst + uint32(i * ROWS_PER_ROUND * ROW_BYTES), v_from, size)
+        else:
+            for i in static_range(KV_COPIES):  # unrolled: pages[i] and offsets[i] stay in registers
+                if r0 + i * ROWS_PER_ROUND < BN and col < HDP:
+                    j = n_start + r0 + i * ROWS_PER_ROUND
+                    page = pages[i]
+                    inside = j < seqlen_k and col < HD and page >= 0 and page < k_cache.shape[0]
+                    k_from, v_from = k_fallback, v_fallback
+                    if inside:
+                        k_from = global_address(k_cache, page, offsets[i], hk, col)
+                        v_from = global_address(v_cache, page, offsets[i], hk, col)
+                    size = uint32(16 if inside else 0)
+                    cp_async_16_from(k_dst + uint32(i * ROWS_PER_ROUND * ROW_BYTES), k_from, size)
+                    cp_async_16_from(v_dst + uint32(i * ROWS_PER_ROUND * ROW_BYTES), v_from, size)
 
     @inline_device
     def rotate_q_tile(smem, rotary_cos, rotary_sin, row0, rows_total, group, position0, per_token):
