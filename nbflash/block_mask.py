@@ -20,7 +20,7 @@ element by element, as without a block mask). The table changes which work is do
 import numbers
 
 import numpy as np
-from numba import cuda, int8
+from numba import cuda, int8, int32
 
 from . import runtime
 from .kernels.variants import EMPTY, FULL, PARTIAL, _device, user_function
@@ -145,14 +145,14 @@ def _classifier(fingerprint, block_m, block_n):
         n_tile, m_tile = cuda.blockIdx.x, cuda.blockIdx.y
         b, h = cuda.blockIdx.z // classes.shape[1], cuda.blockIdx.z % classes.shape[1]
         row = m_tile * BLOCK_M + cuda.threadIdx.x
-        kept = False
-        dropped = False
+        kept = int32(0)  # ints: the barrier's OR takes an integer predicate
+        dropped = int32(0)
         if row < seqlen_q:  # only elements inside the sequences count; the kernels mask the tails
             for key in range(n_tile * BLOCK_N, min(n_tile * BLOCK_N + BLOCK_N, seqlen_k)):
                 if mask_mod(b, h, row, key):
-                    kept = True
+                    kept = int32(1)
                 else:
-                    dropped = True
+                    dropped = int32(1)
         any_kept = cuda.syncthreads_or(kept)  # every row of the tile has answered
         any_dropped = cuda.syncthreads_or(dropped)
         if cuda.threadIdx.x == 0:
