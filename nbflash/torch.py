@@ -113,3 +113,27 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                                                       dropout_p=problem.dropout_p, seed=problem.seed)
             return out, lse, torch.from_dlpack(probs)
     return (out, lse) if return_lse else out
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, out=None):
+    """``nbflash.flash_attn_with_kvcache`` on torch tensors (inference: no autograd), flash-attn 2.8's
+    signature. The caches are updated in place (the kernels write into the tensors' own memory);
+    the work is queued on torch's current stream. Returns out (or ``out`` itself when given), and
+    with ``return_softmax_lse`` (out, softmax_lse), as torch tensors on q's device."""
+    from . import kvcache
+
+    def plain(x):
+        return x.detach() if isinstance(x, torch.Tensor) else x
+
+    with _on_torch_stream(q), torch.no_grad():
+        result = kvcache.flash_attn_with_kvcache(
+            plain(q), plain(k_cache), plain(v_cache), plain(k), plain(v), plain(rotary_cos), plain(rotary_sin),
+            plain(cache_seqlens), plain(cache_batch_idx), plain(cache_leftpad), plain(block_table), softmax_scale,
+            causal, window_size, softcap, rotary_interleaved, plain(alibi_slopes), num_splits, return_softmax_lse,
+            out=plain(out))
+    attention, lse = result if return_softmax_lse else (result, None)
+    attention = out if out is not None else torch.from_dlpack(attention)
+    return (attention, torch.from_dlpack(lse)) if return_softmax_lse else attention

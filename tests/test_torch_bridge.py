@@ -164,3 +164,49 @@ def test_strided_views_and_broadcast_gradient():
 def test_nbflash_does_not_import_torch():
     code = "import sys, nbflash, nbflash.backward; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_appends_in_place_and_matches_cupy(paged):
+    """nbflash.torch.flash_attn_with_kvcache writes the new tokens into the torch caches themselves
+    and gives the CuPy function's result; against SDPA's math backend on the updated cache."""
+    import nbflash
+    from nbflash.torch import flash_attn_with_kvcache
+
+    torch.manual_seed(0)
+    batch, nheads, nheads_k, headdim, capacity = 3, 16, 4, 64, 256
+    q = torch.randn(batch, 1, nheads, headdim, device="cuda", dtype=torch.float16)
+    k_new = torch.randn(batch, 1, nheads_k, headdim, device="cuda", dtype=torch.float16)
+    v_new = torch.randn_like(k_new)
+    lengths = torch.tensor([100, 0, 255], device="cuda", dtype=torch.int32)
+    if paged:
+        page = 16
+        k_cache = torch.randn(batch * capacity // page, page, nheads_k, headdim, device="cuda", dtype=torch.float16)
+        table = torch.randperm(batch * capacity // page, device="cuda").to(torch.int32).view(batch, -1)
+    else:
+        k_cache = torch.randn(batch, capacity, nheads_k, headdim, device="cuda", dtype=torch.float16)
+        table = None
+    v_cache = torch.randn_like(k_cache)
+    out = torch.empty_like(q)
+    result = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, block_table=table,
+                                     causal=True, out=out)
+    assert result is out
+    for b in range(batch):
+        position = int(lengths[b])
+        if paged:
+            row, offset = int(table[b, position // page]), position % page
+        else:
+            row, offset = b, position
+        assert torch.equal(k_cache[row, offset], k_new[b, 0]) and torch.equal(v_cache[row, offset], v_new[b, 0])
+        seen = torch.arange(position + 1, device="cuda")
+        if paged:
+            k_b = k_cache[table[b, seen // page].long(), seen % page]
+            v_b = v_cache[table[b, seen // page].long(), seen % page]
+        else:
+            k_b, v_b = k_cache[b, : position + 1], v_cache[b, : position + 1]
+        expected = sdpa_math(q[b:b + 1].float(), k_b[None].float(), v_b[None].float())
+        assert (out[b:b + 1].float() - expected).abs().max() < 2e-3
+    # Same call through CuPy, on copies of the caches as they were updated: the same output.
+    again = nbflash.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), cache_seqlens=lengths + 1,
+                                            block_table=table, causal=True)
+    assert torch.equal(torch.from_dlpack(again), out)
