@@ -238,8 +238,9 @@ def build_decode_mma(config: MmaDecodeConfig):
         """Keys n_start .. n_start + BN - 1 of the sequence (cache positions start + j) into ring
         slot ``stage``; keys past seqlen_k and pages outside the cache are zero-filled. Thread
         ``tid`` copies the 16-byte chunk ``tid % CHUNK_SLOTS`` of rows tid // CHUNK_SLOTS + i *
-        ROWS_PER_ROUND: consecutive threads along a row (slots past the row's CHUNKS copy nothing). Contiguous caches: k_thread / v_thread are the addresses of
-        the thread's chunk in key 0, so a copy costs one add; paged: each row's page (lookup_pages)."""
+        ROWS_PER_ROUND: consecutive threads along a row (slots past the row's CHUNKS copy nothing).
+        Contiguous caches: k_thread / v_thread are the addresses of the thread's chunk in key 0, so
+        a copy costs a multiply-add; paged: each row's page and row in it (lookup_pages)."""
         tid = cuda.threadIdx.x
         r0, col = tid // CHUNK_SLOTS, (tid % CHUNK_SLOTS) * 8
         k_dst = base + uint32(Q_BYTES + stage * 2 * TILE_BYTES + r0 * ROW_BYTES + col * 2)
