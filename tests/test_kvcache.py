@@ -159,7 +159,7 @@ SIM = pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 
 
 @SIM
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [3])
 def test_decode_contiguous_splits(rng, xp, num_splits):
     # GQA 4/2, one query token, lengths with a tail tile, one crossing tiles and an empty cache.
     check_call(rng, xp, "float16", 3, 1, 4, 2, 16, [130, 37, 0], 150, causal=True, num_splits=num_splits)
@@ -214,25 +214,28 @@ def test_device_lengths_overflow_write_nothing_outside(rng, xp, page_size):
     np.testing.assert_array_equal(inside, before)
 
 
-@SIM
 def test_merge_attention_states(rng, xp):
+    """Two disjoint key sets' (out, lse), from the float64 reference rounded as a kernel's would be,
+    merge into the whole set's."""
     q = draw(rng, xp, (1, 3, 2, 16), "float16")
     k = draw(rng, xp, (1, 20, 2, 16), "float16")
     v = draw(rng, xp, (1, 20, 2, 16), "float16")
-    with nbflash.kernel_family("portable"):
-        out_a, lse_a = nbflash.flash_attn_func(q, k[:, :12], v[:, :12], return_lse=True)
-        out_b, lse_b = nbflash.flash_attn_func(q, k[:, 12:], v[:, 12:], return_lse=True)
+
+    def state(keys):
+        out, lse = nbflash.attention_reference(q, k[:, keys], v[:, keys], return_lse=True)
+        return xp.asarray(to_numpy(out).astype(np.float16)), xp.asarray(to_numpy(lse).astype(np.float32))
+
+    (out_a, lse_a), (out_b, lse_b) = state(slice(0, 12)), state(slice(12, 20))
     lse_b[0, 1, 2] = -np.inf  # a row that saw nothing in b: weight 0
     out_b[0, 2, 1] = 0
     out, lse = nbflash.merge_attention_states(out_a, lse_a, out_b, lse_b)
     ref, ref_lse = nbflash.attention_reference(q, k, v, return_lse=True)
-    ref_a = nbflash.attention_reference(q, k[:, :12], v[:, :12])
     ref, ref_lse = to_numpy(ref), to_numpy(ref_lse)
-    ref[0, 2, 1], ref_lse[0, 1, 2] = to_numpy(ref_a)[0, 2, 1], to_numpy(lse_a)[0, 1, 2]
-    assert np.abs(to_numpy(out).astype(np.float64) - ref).max() < 3e-3
+    ref[0, 2, 1], ref_lse[0, 1, 2] = to_numpy(out_a)[0, 2, 1], to_numpy(lse_a)[0, 1, 2]
+    assert np.abs(to_numpy(out).astype(np.float64) - ref).max() < 2e-3
     assert np.abs(to_numpy(lse) - ref_lse).max() < 1e-5
-    both_empty = nbflash.merge_attention_states(out_a, np.full_like(lse_a, -np.inf), out_b,
-                                                np.full_like(lse_b, -np.inf))
+    both_empty = nbflash.merge_attention_states(out_a, xp.full_like(lse_a, -np.inf), out_b,
+                                                xp.full_like(lse_b, -np.inf))
     assert (to_numpy(both_empty[0]) == 0).all() and np.isneginf(to_numpy(both_empty[1])).all()
 
 
