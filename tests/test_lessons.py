@@ -62,3 +62,49 @@ def test_reading_lesson():
         pytest.skip("nbflash's tensor-core kernel is not available to read or run yet")
     error, allowed = result
     assert error <= allowed
+
+
+
+# Lesson 07, flash-decoding: lengths in tiles of n = BLOCK_N keys (8 in the simulator, 16 on a GPU),
+# so that every case splits the keys the same way on both; each case lists the key tiles each split
+# gets (split s: tiles [s * t, (s + 1) * t), t = ceil(key tiles / num_splits)), and the test checks it.
+# (name, seqlen_q(n), seqlen_k(n), headdim, nheads, num_splits, causal, key tiles per split)
+DECODE_CASES = [
+    # 5 key tiles, the last one partial, over 3 splits that do not divide them.
+    ("uneven-splits", lambda n: 1, lambda n: 5 * n - 3, 16, 2, 3, False, [2, 2, 1]),
+    # 5 tiles over 4 splits: the last split is empty, though there are more tiles than splits.
+    ("empty-split", lambda n: 1, lambda n: 5 * n - 1, 12, 3, 4, False, [2, 2, 1, 0]),
+    # More splits than key tiles.
+    ("more-splits-than-tiles", lambda n: 1, lambda n: 2 * n + 1, 8, 1, 5, False, [1, 1, 1, 0, 0]),
+    # Many query tokens, causal, 5 more queries than keys: the first 5 rows see no key in any split
+    # (out must be 0 and lse -inf).
+    ("queries-before-keys", lambda n: n + 4, lambda n: n - 1, 8, 2, 2, True, [1, 0]),
+    # Causal with more keys than queries: the diagonal ends the first Q tile's keys inside a split.
+    ("causal-cut", lambda n: 2 * n + 3, lambda n: 3 * n + 5, 12, 1, 3, True, [2, 2, 0]),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda case: case[0])
+def test_flash_decoding_matches_float64(case):
+    lesson = load("07")
+    _, seqlen_q, seqlen_k, headdim, nheads, num_splits, causal, tiles_per_split = case
+    seqlen_q, seqlen_k = seqlen_q(lesson.BLOCK_N), seqlen_k(lesson.BLOCK_N)
+    key_tiles = -(-seqlen_k // lesson.BLOCK_N)
+    t = -(-key_tiles // num_splits)
+    assert [max(0, min(key_tiles, (s + 1) * t) - s * t) for s in range(num_splits)] == tiles_per_split
+    error = lesson.main(seqlen_q, seqlen_k, headdim, causal, nheads=nheads, num_splits=num_splits)
+    assert error < TOLERANCE
+
+
+def test_flash_decoding_runs_as_a_script():
+    # The default decode step (one query token); on a GPU the script also times it and prints the
+    # speedup, in the simulator it says why it does not.
+    args = [sys.executable, os.path.join(KERNELS, "07_flash_decoding.py")]
+    args += ["--seqlen-k", "30", "--headdim", "8", "--nheads", "2", "--splits", "3"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "max |out - float64|" in result.stdout
+    assert "2 heads, 3 splits" in result.stdout
+    simulator = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+    assert ("speedup: not measured" in result.stdout) == simulator
+    assert ("speedup over one split" in result.stdout) == (not simulator)
