@@ -17,6 +17,7 @@ split-KV workspace is kept per stream and device), so a decode step can be captu
 and replayed.
 """
 
+import copy
 import math
 import numbers
 from functools import lru_cache
@@ -133,18 +134,20 @@ def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cac
                 raise ValueError(f"{name} must have shape (batch, seqlen_new, nheads_k, headdim) = {expected}, "
                                  f"got {tuple(x.shape)}")
 
-    fixed_len = -1
+    fixed_len = -1  # the one length of every sequence, or -1: cache_seqlens is an array
+    lengths_given = cache_seqlens is not None
     if cache_seqlens is None:
         fixed_len = capacity
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, (bool, np.bool_)):
         fixed_len = int(cache_seqlens)
         if not 0 <= fixed_len <= capacity:
             raise ValueError(f"cache_seqlens={fixed_len} must be in [0, {capacity}] (the cache's capacity)")
+        cache_seqlens = None  # the kernels take the int as fixed_len
     else:
         cache_seqlens = _int32_vector(cache_seqlens, "cache_seqlens", batch, device)
     if fixed_len >= 0 and fixed_len + seqlen_new > capacity:
         raise ValueError(f"the cache overflows: cache_seqlens={fixed_len} + {seqlen_new} new tokens > capacity "
-                         f"{capacity}" + ("" if cache_seqlens is not None else
+                         f"{capacity}" + ("" if lengths_given else
                                           " (cache_seqlens=None means every cache is full: pass cache_seqlens)"))
     if cache_batch_idx is not None:
         cache_batch_idx = _int32_vector(cache_batch_idx, "cache_batch_idx", batch, device)
@@ -329,32 +332,114 @@ def _or_stand_in(x, stand, kind):
     return stand[kind] if x is None else x
 
 
-def _append(c):
+class _Plan:
+    """What a call's kernels and launches are, worked out once for every call that looks the same to
+    validation (the same shapes, strides, dtypes, alignment, devices and flags: ``_remember_key``)."""
+
+    def __init__(self, c):
+        self.template = c
+        self.decode = _uses_decode_kernel(c)
+        if c.k is not None:
+            self.append_config = AppendConfig(c.dtype, paged=c.paged, rotary=c.rotary_cos is not None,
+                                              rotary_interleaved=c.interleaved)
+            self.append_kernel = launch.compiled(self.append_config, c.device)
+            self.append_grid = self.append_config.grid(c.batch, c.seqlen_new, c.nheads_k)
+            self.append_layout = object()  # stands for the append's array layouts (ParameterBuffer.write)
+        if self.decode:
+            self._plan_decode(c)
+        self.options = _options(c)
+
+    def _plan_decode(self, c):
+        config = configs.decode_config(c.dtype, c.headdim, c.variant, c.paged, c.rotary_cos is not None,
+                                       c.interleaved, c.nheads // c.nheads_k * c.seqlen_q, c.softmax_scale > 0)
+        rows_total = c.nheads // c.nheads_k * c.seqlen_q
+        row_blocks = -(-rows_total // config.q_rows)
+        if c.batch * c.nheads_k > MAX_GRID_X or row_blocks > validation.MAX_GRID_YZ:
+            raise ValueError(f"batch * nheads_k = {c.batch * c.nheads_k} or seqlen_q * (nheads / nheads_k) = "
+                             f"{rows_total} is too large for one launch; split the call")
+        splits = c.num_splits
+        tiles = -(-(c.capacity + 1) // config.block_n)
+        if splits == 0:
+            splits = choose_splits(c.batch * c.nheads_k * row_blocks, tiles, _multiprocessors(c.device),
+                                   configs.decode_blocks_per_sm(config))
+        self.splits = max(1, min(splits, tiles, MAX_SPLITS))
+        self.decode_kernel = launch.compiled(config, c.device)
+        self.decode_grid = config.grid(c.batch, c.nheads_k, row_blocks, self.splits)
+        self.decode_layout = object()
+        if self.splits > 1:
+            combine = CombineConfig("combine", c.dtype)
+            self.combine_kernel = launch.compiled(combine, c.device)
+            self.combine_grid = combine.grid(c.batch, c.nheads, c.seqlen_q)
+
+    def bind(self, arrays, cache_seqlens):
+        """The template call with this call's arrays and lengths; None when the lengths need the
+        full check (which then raises the error)."""
+        c = copy.copy(self.template)
+        (c.q, c.k_cache, c.v_cache, c.k, c.v, c.rotary_cos, c.rotary_sin, c.cache_batch_idx, c.cache_leftpad,
+         c.block_table, slopes, c.out) = arrays
+        if slopes is not None:
+            c.alibi_slopes = _xp().broadcast_to(slopes, (c.batch, c.nheads)) if slopes.ndim == 1 else slopes
+        if cache_seqlens is None or type(cache_seqlens) is int:
+            c.fixed_len = c.capacity if cache_seqlens is None else cache_seqlens
+            if not 0 <= c.fixed_len <= c.capacity - c.seqlen_new:
+                return None
+            c.cache_seqlens = None
+        else:
+            c.cache_seqlens = cache_seqlens
+        return c
+
+
+# A serving loop calls with the same shapes again and again: such a call skips validation and
+# planning. Only plain backend arrays (or None) and plain Python scalars qualify.
+_REMEMBERED = {}
+_REMEMBER_AT_MOST = 256
+
+
+def _remember_key(arrays, cache_seqlens, scalars):
+    """What validation's verdict on a call depends on, as a dict key; None if the call does not
+    qualify (then it is checked in full)."""
+    if runtime.SIMULATOR:
+        array_type, device = np.ndarray, 0
+    else:
+        cupy = runtime.cupy()
+        array_type, device = cupy.ndarray, cupy.cuda.runtime.getDevice()
+    parts = [device]
+    for x in arrays:
+        if x is None:
+            parts.append(None)
+        elif type(x) is array_type:
+            pointer, on = (x.ctypes.data, 0) if runtime.SIMULATOR else (x.data.ptr, x.data.device_id)
+            parts.append((x.shape, x.strides, x.dtype, pointer % 16 == 0, on))
+        else:
+            return None
+    if cache_seqlens is None or type(cache_seqlens) is int:
+        parts.append(type(cache_seqlens))
+    elif type(cache_seqlens) is array_type:
+        parts.append((cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype,
+                      0 if runtime.SIMULATOR else cache_seqlens.data.device_id))
+    else:
+        return None
+    softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, return_lse = scalars
+    if not ((softmax_scale is None or type(softmax_scale) is float) and type(causal) is bool
+            and type(window_size) is tuple and type(softcap) is float and type(rotary_interleaved) is bool
+            and type(num_splits) is int and type(return_lse) is bool):
+        return None
+    if not all(type(w) is int for w in window_size):
+        return None
+    return (*parts, *scalars)
+
+
+def _append(c, plan):
     """The new k (rotated) and v into the cache, in place."""
-    config = AppendConfig(c.dtype, paged=c.paged, rotary=c.rotary_cos is not None, rotary_interleaved=c.interleaved)
-    kernel = launch.compiled(config, c.device)
     stand = _stand_ins(c.device, c.dtype)
     arrays = (c.k_cache, c.v_cache, c.k, c.v, _or_stand_in(c.cache_seqlens, stand, "int32"),
               _or_stand_in(c.cache_batch_idx, stand, "int32"), _or_stand_in(c.block_table, stand, "table"),
               _or_stand_in(c.rotary_cos, stand, "rotary"), _or_stand_in(c.rotary_sin, stand, "rotary"))
-    kernel.launch(config.grid(c.batch, c.seqlen_new, c.nheads_k), arrays, (c.fixed_len, _options(c)))
+    plan.append_kernel.launch(plan.append_grid, arrays, (c.fixed_len, plan.options), (), plan.append_layout)
 
 
-def _decode(c, want_lse):
-    config = configs.decode_config(c.dtype, c.headdim, c.variant, c.paged, c.rotary_cos is not None, c.interleaved,
-                                   c.nheads // c.nheads_k * c.seqlen_q, c.softmax_scale > 0)
-    kernel = launch.compiled(config, c.device)
-    rows_total = c.nheads // c.nheads_k * c.seqlen_q
-    row_blocks = -(-rows_total // config.q_rows)
-    if c.batch * c.nheads_k > MAX_GRID_X or row_blocks > validation.MAX_GRID_YZ:
-        raise ValueError(f"batch * nheads_k = {c.batch * c.nheads_k} or seqlen_q * (nheads / nheads_k) = "
-                         f"{rows_total} is too large for one launch; split the call")
-    splits = c.num_splits
-    tiles = -(-(c.capacity + 1) // config.block_n)
-    if splits == 0:
-        splits = choose_splits(c.batch * c.nheads_k * row_blocks, tiles, _multiprocessors(c.device),
-                               configs.decode_blocks_per_sm(config))
-    splits = max(1, min(splits, tiles, MAX_SPLITS))
+def _decode(c, want_lse, plan):
+    splits = plan.splits
     out = c.out if c.out is not None else launch.empty(c.q.shape, c.q.dtype)
     lse, o_part, lse_part = _scratch(c, splits, want_lse)
     stand = _stand_ins(c.device, c.dtype)
@@ -362,12 +447,10 @@ def _decode(c, want_lse):
               _or_stand_in(c.cache_batch_idx, stand, "int32"), _or_stand_in(c.cache_leftpad, stand, "int32"),
               _or_stand_in(c.block_table, stand, "table"), _or_stand_in(c.rotary_cos, stand, "rotary"),
               _or_stand_in(c.rotary_sin, stand, "rotary"))
-    scalars = (c.softmax_scale * LOG2_E, c.seqlen_new, c.fixed_len, _options(c))
-    kernel.launch(config.grid(c.batch, c.nheads_k, row_blocks, splits), arrays, scalars, _params(c))
+    scalars = (c.softmax_scale * LOG2_E, c.seqlen_new, c.fixed_len, plan.options)
+    plan.decode_kernel.launch(plan.decode_grid, arrays, scalars, _params(c), plan.decode_layout)
     if splits > 1:
-        combine = CombineConfig("combine", c.dtype)
-        launch.compiled(combine, c.device).launch(combine.grid(c.batch, c.nheads, c.seqlen_q),
-                                                  (o_part, lse_part, out, lse), ())
+        plan.combine_kernel.launch(plan.combine_grid, (o_part, lse_part, out, lse), ())
     return out, lse
 
 
@@ -497,13 +580,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Returns out, or (out, softmax_lse) with return_softmax_lse.
     """
-    c = _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-               block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-               return_softmax_lse, out)
+    arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+              alibi_slopes, out)
+    key = _remember_key(arrays, cache_seqlens, (softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                                                num_splits, return_softmax_lse))
+    plan = _REMEMBERED.get(key) if key is not None else None
+    c = plan.bind(arrays, cache_seqlens) if plan is not None else None
+    if c is None:
+        c = _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                   block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                   num_splits, return_softmax_lse, out)
+        plan = _Plan(c)
+        if key is not None:
+            if len(_REMEMBERED) >= _REMEMBER_AT_MOST:
+                _REMEMBERED.clear()
+            _REMEMBERED[key] = plan
     if c.k is not None:
-        _append(c)
-    if _uses_decode_kernel(c):
-        out, lse = _decode(c, return_softmax_lse)
+        _append(c, plan)
+    if plan.decode:
+        out, lse = _decode(c, return_softmax_lse, plan)
     else:
         out, lse = _gathered(c)
     return (out, lse) if return_softmax_lse else out

@@ -384,3 +384,26 @@ def test_gpu_out_and_graph_capture(rng, xp):
     assert cupy.array_equal(out, expected)
     assert cupy.array_equal(k_cache, k_expected)
     assert lens.dtype == np.int32
+
+
+@SIM
+def test_remembered_calls(rng, xp):
+    """A call that looks like an earlier one to validation skips it (the serving loop's case), and
+    still sees this call's arrays and lengths: a decode loop with an int cache_seqlens, then an
+    overflowing length, which must still raise."""
+    from nbflash import kvcache
+
+    q = draw(rng, xp, (1, 1, 2, 16), "float16")
+    k_cache, v_cache = draw(rng, xp, (1, 40, 1, 16), "float16"), draw(rng, xp, (1, 40, 1, 16), "float16")
+    kvcache._REMEMBERED.clear()
+    for length in (20, 21):
+        k_new, v_new = draw(rng, xp, (1, 1, 1, 16), "float16"), draw(rng, xp, (1, 1, 1, 16), "float16")
+        q = draw(rng, xp, (1, 1, 2, 16), "float16")
+        out = nbflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=length, causal=True,
+                                              num_splits=1)
+        assert len(kvcache._REMEMBERED) == 1
+        np.testing.assert_array_equal(to_numpy(k_cache)[0, length], to_numpy(k_new)[0, 0])
+        ref = nbflash.attention_reference(q, k_cache[:, :length + 1], v_cache[:, :length + 1], causal=True)
+        assert np.abs(to_numpy(out).astype(np.float64) - to_numpy(ref)).max() < 2e-3
+    with pytest.raises(ValueError, match="overflows"):
+        nbflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=40, causal=True, num_splits=1)
