@@ -3,6 +3,7 @@
     out = nbflash.flash_attn_func(q, k, v, causal=True)
     out, lse = nbflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
     dq, dk, dv = nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+    out = nbflash.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 See ``flash_attn_func`` for shapes, dtypes and the causal convention; ``nbflash.torch`` for a
 PyTorch autograd function over the same kernels (torch stays optional: only that module imports it).
@@ -13,14 +14,18 @@ from .block_mask import BlockMask, create_block_mask
 from .configs import kernel_family
 from .interface import explain, flash_attn_func
 from .kvcache import flash_attn_with_kvcache, merge_attention_states
+from .varlen import flash_attn_varlen_backward, flash_attn_varlen_func
 from .validation import last_dropout_seed
-from .reference import attention_naive, attention_probabilities, attention_reference, attention_reference_backward
+from .reference import (attention_naive, attention_probabilities, attention_reference, attention_reference_backward,
+                        attention_varlen_reference, attention_varlen_reference_backward)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "flash_attn_func",
     "flash_attn_backward",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_backward",
     "flash_attn_with_kvcache",
     "merge_attention_states",
     "explain",
@@ -30,6 +35,8 @@ __all__ = [
     "kernel_family",
     "attention_reference",
     "attention_reference_backward",
+    "attention_varlen_reference",
+    "attention_varlen_reference_backward",
     "attention_naive",
     "attention_probabilities",
     "__version__",

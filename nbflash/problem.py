@@ -36,6 +36,11 @@ class Variant(NamedTuple):
     # A table classifies each (query tile, key tile) of mask_mod as empty (skipped), partial (the
     # element test) or full (no test): nbflash.block_mask.
     block_mask: bool = False
+    # Packed variable-length sequences (flash_attn_varlen_func): a layout, not a mask. The arrays are
+    # (total, heads, headdim) packs of the batch's sequences, and sequence b is rows cu_seqlens[b] ..
+    # cu_seqlens[b + 1] - 1 (the offsets are runtime values); each block reads its sequence's
+    # bounds (geometry.packed_sequence) and sees that sequence as a dense one.
+    varlen: bool = False
 
     @property
     def score(self):
@@ -57,6 +62,7 @@ PARAMS = (
     ("mask", ("mask",)),
     ("dropout", ("dropout_threshold", "dropout_scale", "seed_lo", "seed_hi")),
     ("block_mask", ("block_mask",)),
+    ("varlen", ("cu_seqlens_q", "cu_seqlens_k")),
 )
 
 
@@ -105,6 +111,11 @@ class Problem(NamedTuple):
     # A nbflash.block_mask.BlockMask; each kernel reads its class table for its own tile sizes
     # (nbflash.block_mask.kernel_params puts that in place of this object).
     block_mask: object = None
+    # Packed sequences: int32 (batch + 1,) offsets of each sequence's rows in q and in k / v; then
+    # seqlen_q and seqlen_k are the callers' max_seqlen_q / max_seqlen_k (they size the grid) and
+    # the window is normalized against them.
+    cu_seqlens_q: object = None
+    cu_seqlens_k: object = None
 
     @property
     def dropout_threshold(self):

@@ -64,7 +64,8 @@ class _Scores:
     then an additive bias tensor, then the window's mask and a boolean mask tensor (-inf)."""
 
     def __init__(self, xp, seqlen_q, seqlen_k, scale, causal, window_size, softcap, alibi_slopes, batch, bias=None,
-                 user=(None, None, None), dropout=(0.0, 0)):
+                 user=(None, None, None), dropout=(0.0, 0), batch_offset=0):
+        self.batch_offset = batch_offset  # dropout's batch index of q's first batch row
         self.xp, self.seqlen_q, self.seqlen_k, self.scale = xp, seqlen_q, seqlen_k, scale
         self.causal, self.window_size, self.softcap = causal, window_size, float(softcap)
         self.slopes = None
@@ -128,7 +129,7 @@ class _Scores:
         if not self.dropout_p:
             return None
         threshold = min(round(self.dropout_p * 2.0**32), 2**32 - 1)
-        words = dropout_words_numpy(_host(rows), np.arange(self.seqlen_k), b, h, self.seed & 0xFFFFFFFF,
+        words = dropout_words_numpy(_host(rows), np.arange(self.seqlen_k), b + self.batch_offset, h, self.seed & 0xFFFFFFFF,
                                     (self.seed >> 32) & 0xFFFFFFFF)
         return self.xp.asarray(np.where(words >= threshold, 1.0 / (1.0 - self.dropout_p), 0.0))
 
@@ -147,28 +148,32 @@ def _softmax_rows(s, xp):
 
 
 def _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dtype, bias=None,
-           user=(None, None, None), dropout=(0.0, 0)):
+           user=(None, None, None), dropout=(0.0, 0), batch_offset=0):
     xp = _array_module(q)
     q, k, v = (xp.asarray(x).astype(dtype) for x in (q, k, v))
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
     scores = _Scores(xp, seqlen_q, seqlen_k, scale, causal, window_size, softcap, alibi_slopes, batch, bias, user,
-                     dropout)
+                     dropout, batch_offset)
     blocks = [xp.arange(start, min(start + QUERY_BLOCK, seqlen_q)) for start in range(0, seqlen_q, QUERY_BLOCK)]
     return xp, q, k, v, nheads // nheads_k, scores, blocks
 
 
 def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=False,
-                        window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0):
+                        window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0,
+                        batch_offset=0):
     """Exact attention in float64.
 
     Returns ``out`` (float64, q's shape) and, with ``return_lse``, ``lse`` (float64,
     (batch, nheads, seqlen_q), natural log). Rows that see no key give out = 0 and lse = -inf.
     ``causal``, ``window_size``, ``softcap`` and ``alibi_slopes`` as in ``nbflash.flash_attn_func``.
+    ``batch_offset``: the batch index dropout's stream gives q's first batch row (a packed
+    sequence's index, ``attention_varlen_reference``).
     """
     xp, q, k, v, group, scores, blocks = _setup(q, k, v, softmax_scale, causal, window_size, softcap,
-                                                alibi_slopes, np.float64, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed))
+                                                alibi_slopes, np.float64, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed),
+                                                batch_offset)
     out = xp.zeros(q.shape, xp.float64)
     lse = xp.full(q.shape[:1] + (q.shape[2], q.shape[1]), -xp.inf, xp.float64)
     masks = scores.masks(blocks)
@@ -188,12 +193,14 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
 
 
 def attention_probabilities(q, k, v, softmax_scale=None, causal=False, window_size=(UNBOUNDED, UNBOUNDED),
-                            softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0):
+                            softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0,
+                            batch_offset=0):
     """The attention probabilities P, float32 (batch, nheads, seqlen_q, seqlen_k): what
     ``flash_attn_func(..., return_attn_probs=True)`` hands back as S_dmask. N x N memory: for
-    debugging small problems only."""
+    debugging small problems only. ``batch_offset`` as in ``attention_reference``."""
     xp, q, k, v, group, scores, blocks = _setup(q, k, v, softmax_scale, causal, window_size, softcap,
-                                                alibi_slopes, np.float32, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed))
+                                                alibi_slopes, np.float32, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed),
+                                                batch_offset)
     probs = xp.zeros((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), xp.float32)
     masks = scores.masks(blocks)
     for b in range(q.shape[0]):
@@ -208,7 +215,8 @@ def attention_probabilities(q, k, v, softmax_scale=None, causal=False, window_si
 
 
 def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0,
-                    alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0):
+                    alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0,
+                    batch_offset=0):
     """Attention as a same-precision naive implementation computes it, for error budgets.
 
     Matmuls accumulate in float32 and round their result to the input dtype, the softmax runs in
@@ -218,7 +226,8 @@ def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(UNBO
     """
     dtype = as_numpy_dtype(q.dtype)
     xp, q, k, v, group, scores, _ = _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                           np.float32, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed))
+                                           np.float32, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed),
+                                           batch_offset)
 
     def rounded(x):
         return x.astype(dtype).astype(xp.float32)
@@ -241,7 +250,8 @@ def attention_naive(q, k, v, softmax_scale=None, causal=False, window_size=(UNBO
 
 
 def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False,
-                                 window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0):
+                                 window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0,
+                                 batch_offset=0):
     """Gradients of exact attention in float64: returns ``(dq, dk, dv)``, float64, shaped like q, k, v.
 
     ``dout`` is the gradient of the loss with respect to ``out`` (q's shape). With
@@ -254,10 +264,11 @@ def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False
 
     Under grouped-query attention, dk and dv of a key/value head are summed over the query heads that
     share it. Rows that see no key contribute nothing (their P row is 0). Chunked like the forward:
-    extra memory is ``query_block * seqlen_k`` numbers.
+    extra memory is ``query_block * seqlen_k`` numbers. ``batch_offset`` as in ``attention_reference``.
     """
     xp, q, k, v, group, scores, blocks = _setup(q, k, v, softmax_scale, causal, window_size, softcap,
-                                                alibi_slopes, np.float64, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed))
+                                                alibi_slopes, np.float64, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed),
+                                                batch_offset)
     dout = xp.asarray(dout).astype(xp.float64)
     dq = xp.zeros(q.shape, xp.float64)
     dk = xp.zeros(k.shape, xp.float64)
@@ -283,7 +294,8 @@ def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False
 
 
 def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
-                             window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0):
+                             window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0,
+                             batch_offset=0):
     """Gradients as a same-precision naive implementation computes them, for error budgets.
 
     The forward of ``attention_naive``, then each backward matmul accumulating in float32 and rounding
@@ -292,7 +304,8 @@ def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
     """
     dtype = as_numpy_dtype(q.dtype)
     xp, q, k, v, group, scores, _ = _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                           np.float32, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed))
+                                           np.float32, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed),
+                                           batch_offset)
 
     def rounded(x):
         return x.astype(dtype).astype(xp.float32)
@@ -326,6 +339,61 @@ def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
     # Under GQA/MQA the per-head dk and dv are summed over the group (as the backward of a framework's
     # head-repeat does) and the sum, like every gradient, is handed back in the input dtype.
     return dq, rounded(dk), rounded(dv)
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    """(b, q rows, k rows) of each packed sequence, as slices."""
+    cu_q, cu_k = (np.asarray(_host(c), np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
+    for b in range(len(cu_q) - 1):
+        yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+
+
+def _sequence_slopes(alibi_slopes, b):
+    """Sequence b's ALiBi slopes (nheads,), from (nheads,) or (batch, nheads); None for none."""
+    if alibi_slopes is None:
+        return None
+    slopes = np.asarray(_host(alibi_slopes), np.float64)
+    return slopes if slopes.ndim == 1 else slopes[b]
+
+
+def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
+                               window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                               seed=0):
+    """Exact attention over packed sequences in float64, sequence by sequence through
+    ``attention_reference``: returns (out, lse), out float64 (total_q, nheads, headdim), lse float64
+    (nheads, total_q). q is (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim);
+    sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q (and likewise of k, v).
+    Each sequence is its own problem (causal and ALiBi bottom-right aligned to its own lengths,
+    dropout keyed by its index b). Rows outside every sequence stay 0 (lse -inf)."""
+    xp = _array_module(q)
+    out = xp.zeros(q.shape, xp.float64)
+    lse = xp.full((q.shape[1], q.shape[0]), -xp.inf, xp.float64)
+    for b, rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if rows_q.stop == rows_q.start or rows_k.stop == rows_k.start:
+            continue  # no query, or no key: out 0, lse -inf
+        slopes = _sequence_slopes(alibi_slopes, b)
+        o, l = attention_reference(q[None, rows_q], k[None, rows_k], v[None, rows_k], softmax_scale, causal, True,
+                                   window_size, softcap, slopes, dropout_p=dropout_p, seed=seed, batch_offset=b)
+        out[rows_q], lse[:, rows_q] = o[0], l[0]
+    return out, lse
+
+
+def attention_varlen_reference_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
+                                        window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None,
+                                        dropout_p=0.0, seed=0):
+    """Gradients of ``attention_varlen_reference``: (dq, dk, dv), float64, shaped like q, k, v
+    (packed), sequence by sequence through ``attention_reference_backward``."""
+    xp = _array_module(q)
+    dq, dk, dv = (xp.zeros(x.shape, xp.float64) for x in (q, k, v))
+    for b, rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if rows_q.stop == rows_q.start or rows_k.stop == rows_k.start:
+            continue  # nothing is seen: every gradient 0
+        slopes = _sequence_slopes(alibi_slopes, b)
+        grads = attention_reference_backward(dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
+                                             softmax_scale, causal, window_size, softcap, slopes, dropout_p=dropout_p,
+                                             seed=seed, batch_offset=b)
+        dq[rows_q], dk[rows_k], dv[rows_k] = (g[0] for g in grads)
+    return dq, dk, dv
 
 
 def apply_rotary_reference(x, cos, sin, positions, interleaved=True):

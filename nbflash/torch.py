@@ -1,6 +1,6 @@
 """PyTorch autograd over nbflash's kernels: ``loss.backward()`` through FlashAttention.
 
-    from nbflash.torch import flash_attn_func
+    from nbflash.torch import flash_attn_func, flash_attn_varlen_func
     out = flash_attn_func(q, k, v, causal=True)   # q, k, v: CUDA tensors with requires_grad
     out.float().pow(2).mean().backward()
 
@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from . import backward, interface, reference, runtime, validation
+from . import backward, interface, reference, runtime, validation, varlen
 
 
 @contextlib.contextmanager
@@ -137,3 +137,65 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     attention, lse = result if return_softmax_lse else (result, None)
     attention = out if out is not None else torch.from_dlpack(attention)
     return (attention, torch.from_dlpack(lse)) if return_softmax_lse else attention
+
+
+class FlashAttnVarlenFunction(torch.autograd.Function):
+    """out = flash_attn_varlen_func(q, k, v, ...) on packed sequences; the backward recomputes
+    attention from (out, lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                window_size, softcap, alibi_slopes, deterministic, dropout):
+        with _on_torch_stream(q):
+            problem, q_, k_, v_ = validation.check_varlen(q.detach(), k.detach(), v.detach(), cu_seqlens_q,
+                                                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                                          causal, window_size, softcap, _detached(alibi_slopes),
+                                                          *dropout)
+            out, lse = varlen._varlen_forward(problem, q_, k_, v_)
+            out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.problem = problem  # holds the offsets (and slopes) for the backward
+        ctx.deterministic = deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = _last_dim_contiguous(dout.to(q.dtype))
+        with _on_torch_stream(q):
+            arrays = [validation.as_backend_array(x.detach(), name) for x, name in
+                      ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
+            grads = varlen._varlen_backward(ctx.problem, *arrays, ctx.deterministic)
+            dq, dk, dv = (torch.from_dlpack(g) for g in grads)
+        return (dq, dk, dv) + (None,) * 11
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, return_lse=False):
+    """``nbflash.flash_attn_varlen_func`` on torch tensors, differentiable with respect to q, k and
+    v: flash-attn 2.8's ``flash_attn_varlen_func``, argument for argument. q (total_q, nheads,
+    headdim), k and v (total_k, nheads_k, headdim) CUDA tensors; cu_seqlens_q / cu_seqlens_k int32
+    CUDA tensors (batch + 1,); max_seqlen_q / max_seqlen_k Python ints. Returns ``out``; with
+    ``return_lse=True`` (out, lse), with ``return_attn_probs=True`` (out, lse, S_dmask); lse
+    (nheads, total_q), not differentiable. Dropout's seed comes from torch's default generator.
+    """
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged K/V) is not supported with packed sequences; pass the keys "
+                                  "and values packed as k, v (total_k, nheads_k, headdim)")
+    seed = None
+    if validation.check_dropout_p(dropout_p) > 0:
+        seed = int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
+    with _on_torch_stream(q):
+        cu_q, cu_k = (validation.as_backend_array(c, name) for c, name in
+                      ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")))
+    out, lse = FlashAttnVarlenFunction.apply(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                             window_size, softcap, alibi_slopes, deterministic, (dropout_p, seed))
+    if return_attn_probs:
+        with _on_torch_stream(q), torch.no_grad():
+            problem, *arrays = validation.check_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k, max_seqlen_q,
+                                                       max_seqlen_k, softmax_scale, causal, window_size, softcap,
+                                                       _detached(alibi_slopes), dropout_p, seed)
+            return out, lse, torch.from_dlpack(varlen._varlen_probabilities(problem, *arrays))
+    return (out, lse) if return_lse else out

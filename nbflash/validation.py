@@ -351,3 +351,105 @@ def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
         block_mask,
     )
     return problem, q, k, v
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packed variable-length sequences (nbflash.varlen)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_max_seqlen(value, name):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int (the longest sequence's length, a host value), got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be at least 1 (the longest sequence's length)")
+    return int(value)
+
+
+def _check_cu_seqlens(cu, name, device):
+    cu = as_backend_array(cu, name)
+    if cu.dtype != np.int32:
+        raise TypeError(f"{name}.dtype={cu.dtype} must be int32 (as in flash-attn): pass {name}.astype(int32)")
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must have shape (batch + 1,), at least 2 offsets, got {tuple(cu.shape)}")
+    if not runtime.SIMULATOR and cu.data.device_id != device:
+        raise ValueError(f"{name} is on GPU {cu.data.device_id} but q is on GPU {device}")
+    return cu
+
+
+def check_cu_seqlens_values(cu, name, total, max_seqlen, max_name):
+    """What the kernels cannot check for themselves: ``cu`` starts at 0, never decreases, ends at
+    ``total`` (every row belongs to a sequence), and no sequence is longer than ``max_seqlen``.
+    Reads ``cu`` on the host (a synchronization on a GPU)."""
+    values = np.asarray(cu.get() if hasattr(cu, "get") else cu, np.int64)
+    lengths = np.diff(values)
+    if values[0] != 0:
+        raise ValueError(f"{name}[0]={values[0]} must be 0 (offsets of the packed sequences' rows)")
+    if (lengths < 0).any():
+        b = int(np.argmax(lengths < 0))
+        raise ValueError(f"{name} must be nondecreasing: {name}[{b + 1}]={values[b + 1]} < {name}[{b}]={values[b]}")
+    if values[-1] != total:
+        raise ValueError(f"{name}[-1]={values[-1]} must equal the packed rows' count {total}: every row must belong "
+                         f"to a sequence")
+    if lengths.max() > max_seqlen:
+        b = int(np.argmax(lengths))
+        raise ValueError(f"sequence {b} has {lengths[b]} rows ({name}[{b + 1}] - {name}[{b}]) but {max_name}="
+                         f"{max_seqlen}; pass {max_name} >= the longest sequence")
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                 window_size, softcap, alibi_slopes, dropout_p, seed, check_seqlens=None):
+    """Validate a packed (varlen) call. Returns (problem, q, k, v), the arrays 3-dim on the backend.
+
+    The packed arrays are checked as one dense batch row (``_check_forward``); the problem then
+    becomes the batch's: batch = len(cu_seqlens_q) - 1, seqlen_q / seqlen_k the max_seqlen values
+    (they size the grid, and bound the window), the offsets runtime values of the varlen layout.
+    ``check_seqlens``: read the offsets back and check them (``check_cu_seqlens_values``); None
+    does so only where that costs no GPU synchronization (under the simulator)."""
+    q = as_backend_array(q, "q")
+    k = as_backend_array(k, "k")
+    v = as_backend_array(v, "v")
+    for name, x, dims in (("q", q, "(total_q, nheads, headdim)"), ("k", k, "(total_k, nheads_k, headdim)"),
+                          ("v", v, "(total_k, nheads_k, headdim)")):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have 3 dims {dims}, the sequences' rows packed one after another "
+                             f"(flash_attn_func takes the 4-dim batch), got shape {tuple(x.shape)}")
+        if x.shape[0] == 0:
+            raise ValueError(f"{name} has no rows: shape {tuple(x.shape)} {dims}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    (total_q, nheads, headdim), (total_k, nheads_k, headdim_k) = q.shape, k.shape
+    if headdim_k != headdim:
+        raise ValueError(f"headdim differs: q has {headdim} (q.shape[2]), k and v have {headdim_k}")
+    if nheads_k == 0 or nheads % nheads_k:
+        raise ValueError(f"nheads={nheads} (q.shape[1]) must be a multiple of nheads_k={nheads_k} (k.shape[1]) "
+                         f"for grouped-query attention")
+    max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    if check_seqlens is not None and check_seqlens is not True and check_seqlens is not False:
+        raise TypeError(f"check_seqlens must be a bool or None, got {check_seqlens!r}")
+
+    problem, q4, k4, v4 = _check_forward(q[None], k[None], v[None], softmax_scale, causal, window_size, softcap, None,
+                                         None, (None, None, None), dropout_p, seed)
+    device = problem.device
+    cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", device)
+    cu_k = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", device)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both be (batch + 1,), got {tuple(cu_q.shape)} and "
+                         f"{tuple(cu_k.shape)}")
+    batch = cu_q.shape[0] - 1
+    if batch > MAX_GRID_YZ:
+        raise ValueError(f"batch={batch} (len(cu_seqlens_q) - 1) must be at most {MAX_GRID_YZ}; split the call")
+    if check_seqlens or (check_seqlens is None and runtime.SIMULATOR):
+        check_cu_seqlens_values(cu_q, "cu_seqlens_q", total_q, max_seqlen_q, "max_seqlen_q")
+        check_cu_seqlens_values(cu_k, "cu_seqlens_k", total_k, max_seqlen_k, "max_seqlen_k")
+
+    # An unbounded side must mask nothing in every sequence: normalized against the longest.
+    left, right, window = window_bounds(max_seqlen_q, max_seqlen_k, bool(causal), check_window_size(window_size))
+    if alibi_slopes is not None:
+        alibi_slopes = check_alibi_slopes(alibi_slopes, batch, nheads, device)
+    variant = problem.variant._replace(window=window, alibi=alibi_slopes is not None, varlen=True)
+    problem = problem._replace(batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, variant=variant,
+                               window_left=left, window_right=right, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_q,
+                               cu_seqlens_k=cu_k)
+    return problem, q, k, v

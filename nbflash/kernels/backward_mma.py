@@ -53,6 +53,12 @@ bottom-right aligned, and the variant's runtime values arrive in ``params``
 (nbflash/kernels/variants.py). A row with lse = -inf (it sees no key) is given lse = +inf,
 so its P row is exp2(-inf) = 0 and its gradients are exactly 0, never NaN; rows past seqlen_q too.
 
+Packed sequences (``variant.varlen``): the arrays are stride-0 views over batch of the packed ones
+(total rows in dim 1; lse and delta (batch, nheads, total_q)), grid.x covering the longest
+sequence; a block narrows every array to its sequence's rows (``sequence``, from cu_seqlens in
+``params``), exits at once if its tile lies past that sequence's end, and is otherwise the dense
+kernel on one sequence.
+
 Shared memory (dynamic, 16-bit elements; rows of headdim zero-padded to a multiple of 16, plus 8
 elements so that the 8 rows one ldmatrix reads fall in different banks)::
 
@@ -254,6 +260,7 @@ def build_backward_mma(config: MmaBackwardConfig):
     SCORE, score_grad, head_context = hooks.SCORE, hooks.score_grad, hooks.head_context
     DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
     tile_class = hooks.tile_class  # the block mask's class of a tile pair (FULL without one)
+    VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
     CHUNKS = HDP // 8  # 16-byte chunks of a padded tile row (the aligned path's cp.async copies)
     ROW_BYTES, DS_ROW_BYTES = ROW * 2, DS_ROW * 2
     KT = HDP // 16  # k-steps over headdim (S, dP)
@@ -516,6 +523,16 @@ def build_backward_mma(config: MmaBackwardConfig):
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
+        if VARLEN:  # packed sequences: every array narrowed to this block's sequence (module docstring)
+            q_off, seqlen_q, k_off, seqlen_k = sequence(params, b, q.shape[1], k.shape[1])
+            if n_block * BN >= seqlen_k:
+                return  # the whole block: its key tile lies past the sequence's end
+            q_end, k_end = q_off + seqlen_q, k_off + seqlen_k
+            q, dout, lse, delta = (q[:, q_off:q_end], dout[:, q_off:q_end], lse[:, :, q_off:q_end],
+                                   delta[:, :, q_off:q_end])
+            k, v, dk, dv = k[:, k_off:k_end], v[:, k_off:k_end], dk[:, k_off:k_end], dv[:, k_off:k_end]
+            if ATOMIC_DQ:
+                dq_accum = dq_accum[:, q_off:q_end]
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         group = q.shape[2] // k.shape[2]  # GQA: query heads hk * group ... share this K/V tile
         n_start = n_block * BN
@@ -682,6 +699,14 @@ def build_backward_mma(config: MmaBackwardConfig):
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
+        if VARLEN:  # packed sequences: every array narrowed to this block's sequence (module docstring)
+            q_off, seqlen_q, k_off, seqlen_k = sequence(params, b, q.shape[1], k.shape[1])
+            if m_block * BM >= seqlen_q:
+                return  # the whole block: its query tile lies past the sequence's end
+            q_end, k_end = q_off + seqlen_q, k_off + seqlen_k
+            q, dout, lse, delta, dq = (q[:, q_off:q_end], dout[:, q_off:q_end], lse[:, :, q_off:q_end],
+                                       delta[:, :, q_off:q_end], dq[:, q_off:q_end])
+            k, v = k[:, k_off:k_end], v[:, k_off:k_end]
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         hk = h // (q.shape[2] // k.shape[2])  # GQA: the key/value head this query head reads
         q_start = m_block * BM

@@ -52,6 +52,13 @@ Arguments: ``q``, ``dout`` (batch, seqlen_q, nheads, headdim), ``k``, ``v`` (bat
 headdim), any strides; ``lse``, ``delta`` float32 (batch, nheads, seqlen_q); ``dq``, ``dk``, ``dv`` like
 q, k, v; ``dq_accum`` float32 like q; ``scale_log2`` the softmax scale times log2(e), ``scale`` the
 softmax scale; ``params`` the variant's runtime values (nbflash/kernels/variants.py). bfloat16 tensors arrive as uint16 arrays of raw bits.
+
+Packed sequences (``variant.varlen``): ``dkdv`` and ``dq`` take stride-0 views over batch of the
+packed arrays (total rows in dim 1; lse and delta (batch, nheads, total_q)), grid.x covering the
+longest sequence; a block narrows every array to its sequence's rows (``sequence``, from cu_seqlens
+in ``params``), exits at once if its tile lies past that sequence's end, and is otherwise the dense
+kernel on one sequence. ``preprocess`` and ``convert_dq`` work row by row, so they run unchanged
+on the packed arrays as a batch of one (every row of every sequence).
 """
 
 import math
@@ -129,6 +136,7 @@ def build_backward_portable(config):
     SCORE, score_grad, head_context = hooks.SCORE, hooks.score_grad, hooks.head_context
     DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
     tile_class = hooks.tile_class  # the block mask's class of a tile pair (FULL without one)
+    VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
     BLOCK_M = config.block_m
     BLOCK_N = config.block_n
     THREADS_PER_ROW = config.threads_per_row
@@ -273,6 +281,16 @@ def build_backward_portable(config):
     @cuda.jit(cache=True)  # compiled code is kept on disk (per config) across processes
     def backward_dkdv(q, k, v, dout, lse, delta, dk, dv, dq_accum, scale_log2, scale, params):
         # dq_accum is only touched with ATOMIC_DQ; otherwise the caller passes any array.
+        if VARLEN:  # packed sequences: every array narrowed to this block's sequence (module docstring)
+            q_off, seqlen_q, k_off, seqlen_k = sequence(params, cuda.blockIdx.z, q.shape[1], k.shape[1])
+            if cuda.blockIdx.x * BLOCK_N >= seqlen_k:
+                return  # the whole block: its key tile lies past the sequence's end
+            q_end, k_end = q_off + seqlen_q, k_off + seqlen_k
+            q, dout, lse, delta = (q[:, q_off:q_end], dout[:, q_off:q_end], lse[:, :, q_off:q_end],
+                                   delta[:, :, q_off:q_end])
+            k, v, dk, dv = k[:, k_off:k_end], v[:, k_off:k_end], dk[:, k_off:k_end], dv[:, k_off:k_end]
+            if ATOMIC_DQ:
+                dq_accum = dq_accum[:, q_off:q_end]
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         head_k = cuda.blockIdx.y
@@ -379,6 +397,14 @@ def build_backward_portable(config):
 
     @cuda.jit(cache=True)  # compiled code is kept on disk (per config) across processes
     def backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, scale, params):
+        if VARLEN:  # packed sequences: every array narrowed to this block's sequence (module docstring)
+            q_off, seqlen_q, k_off, seqlen_k = sequence(params, cuda.blockIdx.z, q.shape[1], k.shape[1])
+            if cuda.blockIdx.x * BLOCK_M >= seqlen_q:
+                return  # the whole block: its query tile lies past the sequence's end
+            q_end, k_end = q_off + seqlen_q, k_off + seqlen_k
+            q, dout, lse, delta, dq = (q[:, q_off:q_end], dout[:, q_off:q_end], lse[:, :, q_off:q_end],
+                                       delta[:, :, q_off:q_end], dq[:, q_off:q_end])
+            k, v = k[:, k_off:k_end], v[:, k_off:k_end]
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         head = cuda.blockIdx.y

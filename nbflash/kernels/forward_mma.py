@@ -43,6 +43,12 @@ out like q; lse float32 (batch, nheads, seqlen_q), natural log. Query head h rea
 h // (nheads // nheads_k). Windows (and causal) are bottom-right aligned (geometry.py draws them); a
 row that sees no key gets out = 0 and lse = -inf.
 
+Packed sequences (``variant.varlen``): q, out, k, v and lse are stride-0 views over batch of the
+packed arrays (total rows in dim 1), and grid.x covers the longest sequence. A block narrows every
+array to its sequence's rows (``sequence``, from cu_seqlens in ``params``; the narrowed views keep
+the rows' 16-byte alignment) and exits at once if its tile lies past that sequence's end; the rest
+is the dense kernel on a batch of one sequence (with a window, the reversed m_block too).
+
 Shared memory (dynamic, 16-bit elements): the Q tile (block_m rows), then two K tiles and two V tiles
 (block_n rows each). A row holds headdim zero-padded to a multiple of 16 (the mma k-step), plus 8
 elements of padding so that the 8 rows one ldmatrix reads fall in different banks.
@@ -182,6 +188,7 @@ def build_forward_mma(config: MmaForwardConfig):
     SCORE, score, head_context = hooks.SCORE, hooks.score, hooks.head_context
     DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
     BLOCK_MASK, tile_class, next_key_tile = hooks.BLOCK_MASK, hooks.tile_class, hooks.next_key_tile
+    VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
     SKIP_RESCALE, FOLD_SCALE = config.skip_rescale, config.fold_scale and not SCORE
     ROW_BYTES = ROW * 2
     Q_BYTES, KV_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
@@ -481,6 +488,13 @@ def build_forward_mma(config: MmaForwardConfig):
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
+        if VARLEN:  # packed sequences: every array narrowed to this block's sequence (module docstring)
+            q_off, seqlen_q, k_off, seqlen_k = sequence(params, b, q.shape[1], k.shape[1])
+            if m_block * BM >= seqlen_q:
+                return  # the whole block: its tile lies past the sequence's end (no barrier is left waiting)
+            q_end, k_end = q_off + seqlen_q, k_off + seqlen_k
+            q, out, lse = q[:, q_off:q_end], out[:, q_off:q_end], lse[:, :, q_off:q_end]
+            k, v = k[:, k_off:k_end], v[:, k_off:k_end]
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         hk = h // (q.shape[2] // k.shape[2])  # GQA: the key/value head this query head reads
         m_start = m_block * BM

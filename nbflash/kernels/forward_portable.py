@@ -49,6 +49,12 @@ Arguments: ``q`` (batch, seqlen_q, nheads, headdim), ``k``, ``v`` (batch, seqlen
 headdim), any strides; ``out`` like q; ``lse`` float32 (batch, nheads, seqlen_q); ``scale_log2`` the
 softmax scale times log2(e); ``params`` the variant's runtime values (nbflash/kernels/variants.py).
 bfloat16 tensors arrive as uint16 arrays of raw bits.
+
+Packed sequences (``variant.varlen``): q, out are (batch, total_q, nheads, headdim), k, v (batch,
+total_k, nheads_k, headdim) and lse (batch, nheads, total_q), each a view with stride 0 over batch
+of the one packed array; grid.x covers the longest sequence. A block first narrows every array to
+its sequence's rows (``sequence``, from cu_seqlens in ``params``) and, if its tile lies past that
+sequence's end, exits at once; the rest of the kernel is the dense one on a batch of one sequence.
 """
 
 import math
@@ -112,6 +118,7 @@ def build_forward_portable(config):
     SCORE, score, head_context = hooks.SCORE, hooks.score, hooks.head_context
     DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
     tile_class = hooks.tile_class  # the block mask's class of a tile pair (FULL without one)
+    VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
     BLOCK_M = config.block_m
     BLOCK_N = config.block_n
     THREADS_X = config.threads_x
@@ -194,6 +201,13 @@ def build_forward_portable(config):
 
     @cuda.jit(cache=True)  # compiled code is kept on disk (per config) across processes
     def forward_portable(q, k, v, out, lse, scale_log2, params):
+        if VARLEN:  # packed sequences: every array narrowed to this block's sequence (module docstring)
+            q_off, seqlen_q, k_off, seqlen_k = sequence(params, cuda.blockIdx.z, q.shape[1], k.shape[1])
+            if cuda.blockIdx.x * BLOCK_M >= seqlen_q:
+                return  # the whole block: its tile lies past the sequence's end (no barrier is left waiting)
+            q_end, k_end = q_off + seqlen_q, k_off + seqlen_k
+            q, out, lse = q[:, q_off:q_end], out[:, q_off:q_end], lse[:, :, q_off:q_end]
+            k, v = k[:, k_off:k_end], v[:, k_off:k_end]
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         tile_m = cuda.blockIdx.x

@@ -22,9 +22,31 @@ Tile ranges come as four numbers ``(first, first_full, end_full, end)``: the blo
 ``first .. end - 1``; the tiles ``first_full .. end_full - 1`` are seen whole by every row (or column)
 of the block, so they need no mask; the others (the window's edges, the diagonal, the sequence
 tail) are masked element by element. A block that sees nothing gets ``(0, 0, 0, 0)``.
+
+Sequence bounds: in the dense layout sequence b is rows 0 .. seqlen - 1 of batch row b; in the
+packed (varlen) layout ``packed_sequence`` finds its rows, and everything above then applies to
+that sequence alone (its own seqlen_q and seqlen_k: causal is bottom-right aligned per sequence).
 """
 
 from numba.extending import register_jitable
+
+
+@register_jitable
+def packed_sequence(cu_seqlens_q, cu_seqlens_k, b, total_q, total_k):
+    """Packed (varlen) layout: sequence ``b`` holds the query rows q_start .. q_start + seqlen_q - 1
+    and the key rows k_start .. k_start + seqlen_k - 1 of the packed arrays, read from the
+    cumulative lengths ``cu_seqlens_q`` / ``cu_seqlens_k`` (batch + 1 offsets). Returns
+    (q_start, seqlen_q, k_start, seqlen_k).
+
+    The offsets live on the GPU and are not checked there, so they are clamped to the arrays:
+    whatever they hold, a sequence is a (possibly empty) run of rows of ``total_q`` / ``total_k``
+    and no kernel reads or writes outside them.
+    """
+    q_start = min(max(cu_seqlens_q[b], 0), total_q)
+    q_end = min(max(cu_seqlens_q[b + 1], q_start), total_q)
+    k_start = min(max(cu_seqlens_k[b], 0), total_k)
+    k_end = min(max(cu_seqlens_k[b + 1], k_start), total_k)
+    return q_start, q_end - q_start, k_start, k_end - k_start
 
 
 @register_jitable

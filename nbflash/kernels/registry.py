@@ -8,6 +8,8 @@ the one Numba signature it is compiled for:
 - inputs (q, k, v, dout) take any strides with the last dim contiguous; the buffers the library
   allocates (out, lse, gradients, accumulators) are C-contiguous;
 - scalars (float32 such as the softmax scale, int32 lengths and flags) follow the arrays;
+- with packed sequences (``Variant.varlen``) the outputs too take any strides: each is a stride-0
+  view over batch of one packed array (``nbflash.varlen``);
 - the last argument of every attention kernel is ``params``, the variant's runtime values as one
   tuple (``nbflash.problem.Problem.params``, types from ``variants.param_types``).
 """
@@ -27,25 +29,33 @@ def _params(config):
     return f"Tuple(({names}{',' if names else ''}))"
 
 
+def _written(config, ndim):
+    """The type code of an output array's dims: C-contiguous, or, with packed sequences, any
+    strides (the kernel gets a stride-0 view over batch of the packed output)."""
+    return ":," * (ndim - 1) + (":" if config.variant.varlen else "::1")
+
+
 def _forward(config):
     t = KERNEL_DTYPE[config.dtype].name
-    return (f"void({t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,::1], float32[:,:,::1], float32, "
-            f"{_params(config)})")
+    return (f"void({t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,:], {t}[{_written(config, 4)}], "
+            f"float32[{_written(config, 3)}], float32, {_params(config)})")
 
 
 def _backward(config):
     t = KERNEL_DTYPE[config.dtype].name
     inputs = ", ".join([f"{t}[:,:,:,:]"] * 4)  # q, k, v, dout (or out, dout)
-    accum = "float32[:,:,:,::1]" if config.atomic_dq else "float32[:,:,::1]"  # dq_accum or stand-in
-    grad = f"{t}[:,:,:,::1]"
+    # dq_accum, or a stand-in for it
+    accum = f"float32[{_written(config, 4)}]" if config.atomic_dq else f"float32[{_written(config, 3)}]"
+    grad = f"{t}[{_written(config, 4)}]"
+    stats = f"float32[{_written(config, 3)}]"  # delta (and lse, any strides anyway)
     if config.kernel == "preprocess":
         return f"void({t}[:,:,:,:], {t}[:,:,:,:], float32[:,:,::1], {accum})"
     if config.kernel == "convert_dq":
         return f"void(float32[:,:,:,::1], {grad}, float32)"
     if config.kernel == "dkdv":
-        arrays = f"{inputs}, float32[:,:,:], float32[:,:,::1], {grad}, {grad}, {accum}"
+        arrays = f"{inputs}, float32[:,:,:], {stats}, {grad}, {grad}, {accum}"
     else:  # dq
-        arrays = f"{inputs}, float32[:,:,:], float32[:,:,::1], {grad}"
+        arrays = f"{inputs}, float32[:,:,:], {stats}, {grad}"
     return f"void({arrays}, float32, float32, {_params(config)})"
 
 

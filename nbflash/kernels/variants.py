@@ -19,6 +19,11 @@ built here at fixed points of its tile step:
   ``head_context(params, b, h)`` once per head. The backward calls ``score_grad``, which also
   returns d score / d x (the bias gets no gradient);
 - the probability point (after exp, before P V): dropout's factor of each probability;
+- the **layout**: with packed sequences (``VARLEN``), ``sequence(params, b, total_q, total_k)``
+  gives sequence b's rows as (q_start, seqlen_q, k_start, seqlen_k) (geometry.packed_sequence);
+  each kernel, under ``if VARLEN:``, narrows its arrays to those rows and exits the blocks that lie
+  past its sequence's end, so the rest of it sees one dense sequence. Dense: (0, seqlen_q, 0,
+  seqlen_k), and the branch is compiled out;
 - the **block mask**: ``tile_class(params, b, h, m_tile, n_tile)`` says whether a (query tile, key
   tile) pair is EMPTY (the kernel skips it: no loads, no math), PARTIAL (the masked copy, with the
   mask_mod test) or FULL (the unmasked copy, if the band sees it whole too). Without a block mask it
@@ -57,6 +62,9 @@ PARAM_TYPES = {
     # (batch, nheads, query tiles, key tiles) of the kernel's tile sizes, any strides (stride 0 where
     # the block mask broadcasts): EMPTY, PARTIAL or FULL (nbflash.block_mask)
     "block_mask": "int8[:,:,:,:]",
+    # packed sequences: (batch + 1,) row offsets of each sequence in q and in k / v
+    "cu_seqlens_q": "int32[:]",
+    "cu_seqlens_k": "int32[:]",
 }
 
 # A tile pair's class in a block mask's table: no element kept, some kept, all kept.
@@ -368,6 +376,24 @@ class Hooks:
             return n_tile
 
         self.tile_class, self.next_key_tile = tile_class, next_key_tile
+
+        # The layout: where sequence b's rows are. The kernels call this only under `if VARLEN:`
+        # (the dense layout compiles nothing of it).
+        self.VARLEN = variant.varlen
+        if variant.varlen:
+            CU_Q, CU_K = names.index("cu_seqlens_q"), names.index("cu_seqlens_k")
+
+            @register_jitable
+            def sequence(params, b, total_q, total_k):
+                return geometry.packed_sequence(params[CU_Q], params[CU_K], b, total_q, total_k)
+
+        else:
+
+            @register_jitable
+            def sequence(params, b, seqlen_q, seqlen_k):
+                return 0, seqlen_q, 0, seqlen_k
+
+        self.sequence = sequence
 
         self.SCORE = variant.score
         self.score, self.score_grad = _chain(_score_steps(variant, names))

@@ -1,0 +1,247 @@
+"""Packed variable-length sequences: flash_attn_varlen_func and its backward, on both kernel families.
+
+Each packed sequence is checked as its own dense problem against float64 (tests/helpers.py's
+twice-the-naive-error rule), so causal, windows and ALiBi are checked bottom-right aligned per
+sequence and dropout keyed by the sequence's index. Outputs are poisoned (NaN) before each call:
+every row of every sequence must be written.
+"""
+
+import numpy as np
+import pytest
+
+import nbflash
+from nbflash import backward, configs, interface
+
+from .conftest import SIMULATOR
+from .helpers import assert_attention_close, poison_allocations, to_numpy
+from .test_backward import assert_gradients_close
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    poison_allocations(monkeypatch)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 8 (portable) and 16 (tensor-core) rows, so that tiny sequences span several tiles."""
+    monkeypatch.setattr(configs, "PORTABLE_FORWARD", [(256, 4, 4, 2)])  # block_m 8
+    monkeypatch.setattr(configs, "PORTABLE_BACKWARD_DKDV", [(256, 4, 8)])  # block_n 8
+    monkeypatch.setattr(configs, "PORTABLE_BACKWARD_DQ", [(256, 4, 8)])  # block_m 8
+    monkeypatch.setattr(configs, "MMA_FORWARD", [(256, 16, 16, 1)])
+    monkeypatch.setattr(configs, "MMA_BACKWARD_DKDV", [(256, 16, 16, 1)])
+    monkeypatch.setattr(configs, "MMA_BACKWARD_DQ", [(256, 16, 16, 1)])
+    caches = (configs.portable_forward_config, configs.mma_forward_config, interface._forward_kernel,
+              backward._kernels)
+    for cache in caches:
+        cache.cache_clear()
+    yield
+    for cache in caches:
+        cache.cache_clear()
+
+
+def offsets(lengths, xp):
+    return xp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+
+
+def packed(rng, xp, lengths, heads, headdim, dtype):
+    x = rng.standard_normal((sum(lengths), heads, headdim), dtype=np.float32)
+    return xp.asarray(x.astype(nbflash.dtypes.SUPPORTED[dtype]))
+
+
+def sequences(cu_q, cu_k):
+    cu_q, cu_k = to_numpy(cu_q), to_numpy(cu_k)
+    for b in range(len(cu_q) - 1):
+        yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+
+
+def per_sequence(variant, b):
+    """The dense variant arguments of sequence b (its ALiBi slopes, dropout's batch index)."""
+    variant = dict(variant)
+    slopes = variant.get("alibi_slopes")
+    if slopes is not None:
+        variant["alibi_slopes"] = slopes if slopes.ndim == 1 else slopes[b]
+    if variant.get("dropout_p"):
+        variant["batch_offset"] = b
+    return variant
+
+
+def assert_varlen_forward(out, lse, q, k, v, cu_q, cu_k, causal, **variant):
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == np.float32  # flash-attn's (nheads, total_q)
+    out, lse = to_numpy(out), to_numpy(lse)
+    for b, rows_q, rows_k in sequences(cu_q, cu_k):
+        if rows_q.start == rows_q.stop:
+            continue
+        if rows_k.start == rows_k.stop:  # no key at all: out 0, lse -inf
+            assert (out[rows_q] == 0).all() and np.isneginf(lse[:, rows_q]).all(), f"sequence {b}"
+            continue
+        assert_attention_close(out[None, rows_q], lse[None, :, rows_q], q[None, rows_q], k[None, rows_k],
+                               v[None, rows_k], causal, **per_sequence(variant, b))
+
+
+def assert_varlen_backward(grads, dout, q, k, v, cu_q, cu_k, causal, **variant):
+    dq, dk, dv = (to_numpy(g) for g in grads)
+    for g, x in zip((dq, dk, dv), (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype
+    for b, rows_q, rows_k in sequences(cu_q, cu_k):
+        if rows_q.start == rows_q.stop or rows_k.start == rows_k.stop:  # nothing seen: gradients 0
+            assert (dq[rows_q] == 0).all() and (dk[rows_k] == 0).all() and (dv[rows_k] == 0).all(), f"sequence {b}"
+            continue
+        assert_gradients_close((dq[None, rows_q], dk[None, rows_k], dv[None, rows_k]), dout[None, rows_q],
+                               q[None, rows_q], k[None, rows_k], v[None, rows_k], causal, **per_sequence(variant, b))
+
+
+# Sequence lengths: an empty query sequence (1), an empty key sequence (3), a query sequence longer
+# than a tile and than its keys (2: causal leaves its first rows without a key), GQA 2:1.
+LENGTHS_Q = [9, 0, 20, 3]
+LENGTHS_K = [12, 5, 7, 0]
+
+
+def run(rng, xp, family, dtype, causal, deterministic, lengths_q=LENGTHS_Q, lengths_k=LENGTHS_K, **variant):
+    q = packed(rng, xp, lengths_q, 2, 16, dtype)
+    k, v = (packed(rng, xp, lengths_k, 1, 16, dtype) for _ in range(2))
+    cu_q, cu_k = offsets(lengths_q, xp), offsets(lengths_k, xp)
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    with nbflash.kernel_family(family):
+        out, lse = nbflash.flash_attn_varlen_func(q, k, v, *args, causal=causal, return_lse=True, **variant)
+    assert_varlen_forward(out, lse, q, k, v, cu_q, cu_k, causal, **variant)
+    dout = packed(rng, xp, lengths_q, 2, 16, dtype)
+    with nbflash.kernel_family(family):
+        grads = nbflash.flash_attn_varlen_backward(dout, q, k, v, out, lse, *args, causal=causal,
+                                                   deterministic=deterministic, **variant)
+    assert_varlen_backward(grads, dout, q, k, v, cu_q, cu_k, causal, **variant)
+
+
+def combined(xp, batch, dropout=True):
+    """A window, softcap, ALiBi per (sequence, head) and dropout, all at once."""
+    slopes = xp.asarray(np.linspace(0.1, 0.6, batch * 2, dtype=np.float32).reshape(batch, 2))
+    variant = dict(window_size=(4, 2), softcap=3.0, alibi_slopes=slopes)
+    return dict(variant, dropout_p=0.2, seed=1234) if dropout else variant
+
+
+# ---- Simulator: tiny shapes, small tiles ---------------------------------------------------------
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+def test_varlen_portable_causal(rng, xp, small_tiles):
+    run(rng, xp, "portable", "float32", True, False)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+def test_varlen_portable_variants_deterministic(rng, xp, small_tiles):
+    run(rng, xp, "portable", "float32", False, True, [0, 10, 3], [2, 4, 9], **combined(xp, 3))
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+def test_varlen_mma_causal(rng, xp, small_tiles):
+    run(rng, xp, "mma", "float16", True, False)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+def test_varlen_mma_variants_deterministic(rng, xp, small_tiles):
+    # (dropout on the tensor-core kernels: the GPU grid below; in the simulator it costs too much)
+    run(rng, xp, "mma", "bfloat16", True, True, [0, 19, 5], [3, 6, 18], **combined(xp, 3, dropout=False))
+
+
+def test_varlen_equals_dense_on_equal_lengths(rng, xp, small_tiles):
+    """Equal lengths: the packed call is the dense call on the same data, bit for bit."""
+    q = packed(rng, xp, [11, 11], 2, 16, "float32")
+    k, v = (packed(rng, xp, [7, 7], 2, 16, "float32") for _ in range(2))
+    cu_q, cu_k = offsets([11, 11], xp), offsets([7, 7], xp)
+    with nbflash.kernel_family("portable"):
+        out, lse, probs = nbflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 11, 7, causal=True,
+                                                         return_attn_probs=True)
+        dense, dense_lse = nbflash.flash_attn_func(q.reshape(2, 11, 2, 16), k.reshape(2, 7, 2, 16),
+                                                   v.reshape(2, 7, 2, 16), causal=True, return_lse=True)
+    assert np.array_equal(to_numpy(out), to_numpy(dense).reshape(out.shape))
+    assert np.array_equal(to_numpy(lse), to_numpy(dense_lse).transpose(1, 0, 2).reshape(2, 22))
+    dense_probs = nbflash.attention_probabilities(q.reshape(2, 11, 2, 16), k.reshape(2, 7, 2, 16),
+                                                  v.reshape(2, 7, 2, 16), causal=True)
+    assert probs.shape == (2, 2, 11, 7) and np.array_equal(to_numpy(probs), to_numpy(dense_probs))
+
+
+def test_varlen_unchecked_offsets_stay_inside_the_arrays(rng, xp, small_tiles):
+    """With the offsets unchecked (as on a GPU by default), offsets past the arrays are clamped to
+    them, and rows outside every sequence are left as they were (NaN-poisoned here): nothing is
+    read or written outside the arrays (the simulator raises on any such index)."""
+    q = packed(rng, xp, [10], 1, 16, "float32")
+    k, v = (packed(rng, xp, [6], 1, 16, "float32") for _ in range(2))
+    cu_q = xp.asarray(np.array([0, 4, 99], np.int32))  # sequence 1 runs past q's 10 rows: rows 4..9
+    cu_k = xp.asarray(np.array([0, 3, 3], np.int32))  # sequence 1 has no key
+    with nbflash.kernel_family("portable"):
+        out, lse = nbflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 6, return_lse=True, check_seqlens=False)
+    out, lse = to_numpy(out), to_numpy(lse)
+    ref, ref_lse = nbflash.attention_reference(q[None, :4], k[None, :3], v[None, :3], return_lse=True)
+    assert np.allclose(out[:4], ref[0], atol=1e-5) and np.allclose(lse[:, :4], ref_lse[0], atol=1e-5)
+    assert (out[4:] == 0).all() and np.isneginf(lse[:, 4:]).all()  # the clamped sequence: no key
+
+    q2 = packed(rng, xp, [10], 1, 16, "float32")
+    cu_q = xp.asarray(np.array([0, 6, 6], np.int32))  # rows 6..9 are in no sequence
+    cu_k = xp.asarray(np.array([0, 6, 6], np.int32))
+    with nbflash.kernel_family("portable"):
+        out = to_numpy(nbflash.flash_attn_varlen_func(q2, k, v, cu_q, cu_k, 6, 6, check_seqlens=False))
+    assert not np.isnan(out[:6]).any() and np.isnan(out[6:]).all()
+
+
+def test_varlen_bad_input(xp):
+    q = xp.asarray(np.ones((10, 2, 16), np.float16))
+    k = v = xp.asarray(np.ones((6, 1, 16), np.float16))
+    cu_q, cu_k = offsets([4, 6], xp), offsets([3, 3], xp)
+    good = (q, k, v, cu_q, cu_k, 6, 3)
+
+    def call(*args, **kwargs):
+        return nbflash.flash_attn_varlen_func(*args, **kwargs)
+
+    cases = [
+        ((q[None], k, v, cu_q, cu_k, 6, 3), {}, ValueError, "q must have 3 dims"),
+        ((q, k[None], v[None], cu_q, cu_k, 6, 3), {}, ValueError, "k must have 3 dims"),
+        ((q, k, v[:, :, :8], cu_q, cu_k, 6, 3), {}, ValueError, "k and v must have the same shape"),
+        ((q[:, :1], xp.asarray(np.ones((6, 2, 16), np.float16)), xp.asarray(np.ones((6, 2, 16), np.float16)),
+          cu_q, cu_k, 6, 3), {}, ValueError, "nheads=1"),
+        ((q, k, v, cu_q.astype(np.int64), cu_k, 6, 3), {}, TypeError, "cu_seqlens_q.dtype"),
+        ((q, k, v, cu_q, cu_k[None], 6, 3), {}, ValueError, "cu_seqlens_k must have shape"),
+        ((q, k, v, cu_q, offsets([3, 3, 0], xp), 6, 3), {}, ValueError, "cu_seqlens_q and cu_seqlens_k"),
+        ((q, k, v, cu_q, cu_k, 6.0, 3), {}, TypeError, "max_seqlen_q must be an int"),
+        ((q, k, v, cu_q, cu_k, 6, True), {}, TypeError, "max_seqlen_k must be an int"),
+        ((q, k, v, cu_q, cu_k, 5, 3), {}, ValueError, "max_seqlen_q=5"),
+        ((q, k, v, offsets([4, 5], xp), cu_k, 6, 3), {}, ValueError, "cu_seqlens_q[-1]=9"),
+        ((q, k, v, xp.asarray(np.array([1, 4, 10], np.int32)), cu_k, 6, 3), {}, ValueError, "cu_seqlens_q[0]=1"),
+        ((q, k, v, cu_q, xp.asarray(np.array([0, 4, 3], np.int32)), 6, 3), {}, ValueError,
+         "cu_seqlens_k must be nondecreasing"),
+        (good, {"block_table": xp.asarray(np.zeros((2, 1), np.int32))}, NotImplementedError, "block_table"),
+        (good, {"check_seqlens": 1}, TypeError, "check_seqlens"),
+        (good, {"alibi_slopes": xp.asarray(np.ones((3, 2), np.float32))}, ValueError, "alibi_slopes"),
+    ]
+    for args, kwargs, error, message in cases:
+        with pytest.raises(error, match=message.replace("[", r"\[").replace("]", r"\]")):
+            call(*args, **kwargs)
+    lse = xp.asarray(np.zeros((2, 10), np.float32))
+    with pytest.raises(ValueError, match=r"lse must have shape \(nheads, total_q\)"):
+        nbflash.flash_attn_varlen_backward(q, q, k, v, q, lse.T, cu_q, cu_k, 6, 3)
+    with pytest.raises(ValueError, match="dout must have q's shape"):
+        nbflash.flash_attn_varlen_backward(q[:5], q, k, v, q, lse, cu_q, cu_k, 6, 3)
+    with pytest.raises(ValueError, match="seed"):
+        nbflash.flash_attn_varlen_backward(q, q, k, v, q, lse, cu_q, cu_k, 6, 3, 0.1)
+
+
+# ---- GPU: real tile sizes ------------------------------------------------------------------------
+
+GPU_LENGTHS = [([1, 300, 0, 129, 64, 77], [250, 1, 40, 129, 0, 200])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,dtype", [("mma", "float16"), ("mma", "bfloat16"), ("portable", "float32")])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_gpu(rng, xp, family, dtype, causal, deterministic):
+    for lengths_q, lengths_k in GPU_LENGTHS:
+        run(rng, xp, family, dtype, causal, deterministic, lengths_q, lengths_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,dtype", [("mma", "bfloat16"), ("portable", "float32")])
+def test_varlen_gpu_variants(rng, xp, family, dtype):
+    lengths_q, lengths_k = GPU_LENGTHS[0]
+    run(rng, xp, family, dtype, True, True, lengths_q, lengths_k, **combined(xp, len(lengths_q)))
+    run(rng, xp, family, dtype, False, False, lengths_q, lengths_k, **combined(xp, len(lengths_q), dropout=False))
