@@ -3,9 +3,9 @@
 Random weights (seeded), so the "text" is token ids; the point is the attention calls of a real
 serving loop:
 
-- prefill: each prompt (of its own length) goes through ``flash_attn_with_kvcache`` with its keys
-  and values appended to a paged KV cache (pages of ``--page-size`` tokens, a block table per
-  sequence), causal, with rotary embedding applied by the call;
+- prefill: all prompts (each of its own length) packed one after another, no padding, through
+  ``flash_attn_varlen_func`` (causal per prompt); their rotated keys and values are written into a
+  paged KV cache (pages of ``--page-size`` tokens, a block table per sequence);
 - decode: all sequences at once, one token per step, ``flash_attn_with_kvcache`` appending the new
   token's key and value in place and attending to the whole cache (split-KV when the batch is small).
 
@@ -111,31 +111,76 @@ class Model:
         scale = 1.0 / xp.sqrt((x32 * x32).mean(axis=-1, keepdims=True) + 1e-6)
         return (x32 * scale * weight.astype(xp.float32)).astype(self.dtype)
 
-    def forward(self, tokens, caches, block_table, lengths, timed=False):
-        """Logits (float32, (batch, seqlen, vocab)) of ``tokens`` (batch, seqlen), whose keys and
-        values are appended to the caches after ``lengths`` (int32 (batch,)) tokens."""
+    def _block(self, layer, h, attend):
+        """One transformer block on hidden states h (..., dim); ``attend(q, k, v)`` does attention on
+        the block's projections (shaped (..., heads, head_dim)) and returns (..., heads, head_dim)."""
+        xp, c = self.xp, self.config
+        x = self.rms_norm(h, layer["norm_attn"])
+        shape = h.shape[:-1]
+        q = (x @ layer["wq"]).reshape(*shape, c.heads, c.head_dim)
+        k = (x @ layer["wk"]).reshape(*shape, c.kv_heads, c.head_dim)
+        v = (x @ layer["wv"]).reshape(*shape, c.kv_heads, c.head_dim)
+        h = h + attend(q, k, v).reshape(*shape, c.heads * c.head_dim) @ layer["wo"]
+        x = self.rms_norm(h, layer["norm_mlp"])
+        gate = (x @ layer["w_gate"]).astype(xp.float32)
+        up = (x @ layer["w_up"]).astype(xp.float32)
+        return h + ((gate / (1 + xp.exp(-gate)) * up).astype(self.dtype) @ layer["w_down"])
+
+    def logits(self, h):
+        return (self.rms_norm(h, self.norm_out) @ self.embed.T).astype(self.xp.float32)
+
+    def rotate(self, x, positions):
+        """Rotary embedding (NeoX pairs) of x (tokens, heads, head_dim) at ``positions`` (tokens,),
+        in float32, stored in the model's dtype (what flash_attn_with_kvcache does to new keys)."""
+        xp, half = self.xp, self.config.head_dim // 2
+        cos = self.cos[positions].astype(xp.float32)[:, None, :]
+        sin = self.sin[positions].astype(xp.float32)[:, None, :]
+        x1, x2 = x[..., :half].astype(xp.float32), x[..., half:].astype(xp.float32)
+        return xp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(self.dtype)
+
+    def prefill(self, prompts, caches, block_table):
+        """Logits (float32, (total tokens, vocab)) of the prompts packed one after another; their
+        rotated keys and values go into the caches at positions 0 .. len - 1 of each sequence."""
         xp, c, nbflash = self.xp, self.config, self.nbflash
-        batch, seqlen = tokens.shape
+        lengths = np.array([len(p) for p in prompts])
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        tokens = xp.asarray(np.concatenate(prompts).astype(np.int32))
+        sequence = np.repeat(np.arange(len(prompts)), lengths)
+        positions = np.concatenate([np.arange(n) for n in lengths])
+        table = _host(block_table)
+        pages = xp.asarray(table[sequence, positions // c.page_size])
+        rows = xp.asarray(positions % c.page_size)
+        positions, cu_seqlens, longest = xp.asarray(positions), xp.asarray(offsets), int(lengths.max())
         h = self.embed[tokens]
         for layer, (k_cache, v_cache) in zip(self.layers, caches):
-            x = self.rms_norm(h, layer["norm_attn"])
-            q = (x @ layer["wq"]).reshape(batch, seqlen, c.heads, c.head_dim)
-            k = (x @ layer["wk"]).reshape(batch, seqlen, c.kv_heads, c.head_dim)
-            v = (x @ layer["wv"]).reshape(batch, seqlen, c.kv_heads, c.head_dim)
-            start = time.perf_counter()
-            attention = nbflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, self.cos, self.sin,
-                                                        cache_seqlens=lengths, block_table=block_table, causal=True,
-                                                        rotary_interleaved=False)
-            if timed:
-                _synchronize(xp)
-                self.attention_seconds += time.perf_counter() - start
-            h = h + attention.reshape(batch, seqlen, c.heads * c.head_dim) @ layer["wo"]
-            x = self.rms_norm(h, layer["norm_mlp"])
-            gate = (x @ layer["w_gate"]).astype(xp.float32)
-            up = (x @ layer["w_up"]).astype(xp.float32)
-            h = h + ((gate / (1 + xp.exp(-gate)) * up).astype(self.dtype) @ layer["w_down"])
-        h = self.rms_norm(h, self.norm_out)
-        return (h @ self.embed.T).astype(xp.float32)
+
+            def attend(q, k, v):
+                q, k = self.rotate(q, positions), self.rotate(k, positions)
+                k_cache[pages, rows], v_cache[pages, rows] = k, v
+                return nbflash.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, longest, longest, causal=True)
+
+            h = self._block(layer, h, attend)
+        return self.logits(h)
+
+    def decode_step(self, tokens, caches, block_table, lengths, timed=False):
+        """Logits (float32, (batch, vocab)) of one new token per sequence (``tokens`` (batch,)),
+        whose keys and values are appended to the caches after ``lengths`` (int32 (batch,)) tokens."""
+        xp, c, nbflash = self.xp, self.config, self.nbflash
+        h = self.embed[tokens][:, None]  # (batch, 1, dim)
+        for layer, (k_cache, v_cache) in zip(self.layers, caches):
+
+            def attend(q, k, v):
+                start = time.perf_counter()
+                out = nbflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, self.cos, self.sin,
+                                                      cache_seqlens=lengths, block_table=block_table, causal=True,
+                                                      rotary_interleaved=False)
+                if timed:
+                    _synchronize(xp)
+                    self.attention_seconds += time.perf_counter() - start
+                return out
+
+            h = self._block(layer, h, attend)
+        return self.logits(h[:, 0])
 
     def generate(self, prompts, new_tokens):
         """Greedy decoding. ``prompts``: a list of int lists (any lengths). Returns (tokens per
@@ -144,23 +189,19 @@ class Model:
         xp = self.xp
         batch = len(prompts)
         caches, table = self.new_cache(batch)
-        lengths = np.zeros(batch, np.int32)
-        chosen_from = [[] for _ in prompts]
-        for b, prompt in enumerate(prompts):  # prefill, one prompt at a time: each has its own length
-            logits = self.forward(xp.asarray(np.asarray([prompt], np.int32)), caches, table[b:b + 1],
-                                  xp.asarray(lengths[b:b + 1]))
-            chosen_from[b].append(_host(logits[0, -1]))
-            lengths[b] = len(prompt)
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        logits = _host(self.prefill(prompts, caches, table))
+        last_rows = np.cumsum(lengths) - 1  # each prompt's last token in the packed batch
+        chosen_from = [[logits[row]] for row in last_rows]
         tokens = [list(p) + [int(np.argmax(c[0]))] for p, c in zip(prompts, chosen_from)]
         device_lengths = xp.asarray(lengths)
         self.attention_seconds = 0.0
         _synchronize(xp)
         start = time.perf_counter()
         for _ in range(new_tokens - 1):
-            step = xp.asarray(np.asarray([[t[-1]] for t in tokens], np.int32))
-            logits = self.forward(step, caches, table, device_lengths, timed=True)
+            step = xp.asarray(np.asarray([t[-1] for t in tokens], np.int32))
+            last = _host(self.decode_step(step, caches, table, device_lengths, timed=True))
             device_lengths += 1
-            last = _host(logits[:, -1])
             for t, row, record in zip(tokens, last, chosen_from):
                 t.append(int(np.argmax(row)))
                 record.append(row)
@@ -240,7 +281,7 @@ def main(argv=None):
     if not runtime.SIMULATOR and not runtime.gpu_present():
         sys.exit("no GPU found: run with NUMBA_ENABLE_CUDASIM=1 (and --tiny) to use Numba's CUDA simulator")
     if args.tiny:
-        config = Config(vocab=64, dim=32, layers=1, heads=2, kv_heads=1, hidden=64, max_len=32, page_size=4,
+        config = Config(vocab=64, dim=16, layers=1, heads=1, kv_heads=1, hidden=32, max_len=32, page_size=4,
                         dtype=args.dtype)
         prompts = [[3, 1, 4, 1, 5], [9, 2]][: max(1, min(args.batch, 2))]
         new_tokens = min(args.new_tokens, 3)

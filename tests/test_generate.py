@@ -23,7 +23,7 @@ def load():
 def test_logits_match_float64_model(xp):
     generate = load()
     if SIMULATOR:
-        config = generate.Config(vocab=48, dim=32, layers=1, heads=2, kv_heads=1, hidden=48, max_len=16, page_size=4)
+        config = generate.Config(vocab=48, dim=16, layers=1, heads=1, kv_heads=1, hidden=32, max_len=16, page_size=4)
         prompts, new_tokens = [[3, 1, 4, 1, 5, 9], [2, 7]], 3
     else:
         config = generate.Config(vocab=256, dim=128, layers=2, heads=4, kv_heads=2, hidden=256, max_len=160,
@@ -46,6 +46,6 @@ def test_logits_match_float64_model(xp):
 
 @pytest.mark.skipif(not SIMULATOR, reason="the simulator-size command line; on a GPU the test above runs a larger model")
 def test_main_runs_tiny(capsys):
-    load().main(["--tiny", "--batch", "2", "--new-tokens", "2"])
+    load().main(["--tiny", "--batch", "1", "--new-tokens", "2"])
     printed = capsys.readouterr().out
     assert "not GPU times" in printed and "tokens/s" in printed
