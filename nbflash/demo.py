@@ -88,18 +88,53 @@ def run_demo(seqlens, batch, nheads, headdim, dtype, causal):
     return rows
 
 
+DESCRIPTION = (
+    "nbflash's demo: its forward pass next to naive attention (S = Q K^T, softmax, P V with the N x N "
+    "matrices in memory), per sequence length: time, peak extra memory and max error against float64."
+)
+
+
+def _positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def _versions():
+    import numba
+
+    try:
+        from importlib.metadata import version
+
+        numba_cuda = version("numba-cuda")
+    except Exception:
+        numba_cuda = "?"
+    from . import __version__
+
+    return f"nbflash {__version__} (numba {numba.__version__}, numba-cuda {numba_cuda}, numpy {np.__version__})"
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m nbflash", description=__doc__.splitlines()[0])
-    parser.add_argument("--seqlens", type=int, nargs="+", help="sequence lengths to run")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--nheads", type=int)
-    parser.add_argument("--headdim", type=int)
-    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    parser.add_argument("--causal", action="store_true")
+    parser = argparse.ArgumentParser(prog="python -m nbflash", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=_versions())
+    parser.add_argument("--seqlens", type=_positive, nargs="+", metavar="N",
+                        help="sequence lengths to run (default: 1024 ... 65536 on a GPU, 32 96 in the simulator)")
+    parser.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
+    parser.add_argument("--nheads", type=_positive, help="heads (default 16 on a GPU, 2 in the simulator)")
+    parser.add_argument("--headdim", type=_positive,
+                        help="head dimension, 1 to 256 (default 64 on a GPU, 32 in the simulator)")
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
+                        help="element type (default float16)")
+    parser.add_argument("--causal", action="store_true", help="causal attention (bottom-right aligned)")
     args = parser.parse_args(argv)
+    if args.headdim is not None and args.headdim > 256:
+        parser.error(f"argument --headdim: {args.headdim} exceeds 256")
 
     if runtime.SIMULATOR:
-        print("No CUDA GPU found: running the demo in Numba's CUDA simulator (on the CPU, small size).")
+        print("No CUDA GPU found: running the demo in Numba's CUDA simulator (on the CPU, small size).\n"
+              "Its times are the simulator's (Python threads on the CPU), not GPU times, and peak memory\n"
+              "is measured only on a GPU ('-'); the N x N column is computed, not measured.")
         defaults = dict(seqlens=[32, 96], nheads=2, headdim=32)
     else:
         device = runtime.cupy().cuda.runtime.getDeviceProperties(0)["name"].decode()
