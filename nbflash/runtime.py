@@ -36,7 +36,8 @@ def cupy():
         except ImportError as error:
             raise RuntimeError(
                 "nbflash needs CuPy on a GPU: pip install 'nbflash[cuda12]' or 'nbflash[cuda13]' "
-                f"({error})"
+                f"({error}); without a GPU, set NUMBA_ENABLE_CUDASIM=1 before Numba is imported to run the "
+                "kernels on the CPU in Numba's CUDA simulator, on NumPy arrays"
             ) from None
         if not gpu_present():
             raise RuntimeError(

@@ -36,3 +36,26 @@ def test_bad_arguments_are_one_line():
         assert "Traceback" not in result.stderr, args
         errors = [line for line in result.stderr.splitlines() if "error:" in line]
         assert len(errors) == 1, (args, result.stderr)
+
+
+def test_no_cupy_error_points_at_the_simulator(monkeypatch):
+    """Without CuPy the error says how to install it and how to run in the simulator instead."""
+    import builtins
+
+    from nbflash import runtime
+
+    real_import = builtins.__import__
+
+    def no_cupy(name, *args, **kwargs):
+        if name == "cupy":
+            raise ImportError("No module named 'cupy'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(runtime, "_cupy", None)
+    monkeypatch.setattr(builtins, "__import__", no_cupy)
+    try:
+        runtime.cupy()
+    except RuntimeError as error:
+        assert "nbflash[cuda12]" in str(error) and "NUMBA_ENABLE_CUDASIM=1" in str(error)
+    else:
+        raise AssertionError("runtime.cupy() did not raise without CuPy")
