@@ -1,0 +1,352 @@
+"""The sm_90a primitives (nbflash/primitives_sm90.py) against NumPy.
+
+As in test_primitives.py: each check launches a small kernel that builds operands following the
+layouts written out in the module, calls the primitives, and compares what comes back with a direct
+NumPy statement. Without a GPU this checks the simulator's emulations; the ``gpu``-marked test runs
+the very same checks on the inline-PTX intrinsics (compute capability 9.0 only), which is what
+makes the emulations trustworthy. ``scripts/check_sm90_ptx.py`` compiles every kernel here for
+sm_90a and runs ptxas on it, with no GPU (``OFFLINE_KERNELS`` lists them with their signatures).
+"""
+
+import numpy as np
+import pytest
+from numba import cuda, uint16, uint32, uint64
+
+from nbflash import primitives as P
+from nbflash import primitives_sm90 as H
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+TID = np.arange(128)
+W, G, Q = TID // 32, (TID % 32) >> 2, (TID % 32) & 3
+
+
+def _bits(x, dtype):
+    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    return np.asarray(x, dtype=np.float32).astype(np_dtype).view(np.uint16)
+
+
+def _values(bits, dtype):
+    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    return bits.view(np_dtype).astype(np.float64)
+
+
+# --- elect.sync, setmaxnreg, fences -------------------------------------------------------------------
+
+@H.launch_bounded(128)
+def _small_kernel(out):
+    # 4 warps: one warpgroup lowers its register cap, then raises it back, as a producer/consumer
+    # kernel's roles would; the fences have no visible effect, only their placement is exercised.
+    t = cuda.threadIdx.x
+    H.setmaxnreg_dec(40)
+    H.setmaxnreg_inc(232)
+    elected = H.elect_sync()
+    H.fence_proxy_async()
+    H.wgmma_fence()
+    out[t] = elected
+
+
+def check_small():
+    out = np.full(128, 7, dtype=np.uint32)
+    _small_kernel[1, 128](out)
+    elected = out.reshape(4, 32)
+    np.testing.assert_array_equal(elected.sum(axis=1), 1)  # exactly one lane per warp
+    if P.SIMULATOR:
+        np.testing.assert_array_equal(elected[:, 0], 1)  # the emulation's choice: lane 0
+
+
+def test_small():
+    check_small()
+
+
+# --- Named barriers: bar.arrive / bar.sync hand-offs between warps ------------------------------------
+
+ROUNDS = 4
+
+
+@cuda.jit
+def _named_barrier_kernel(out):
+    # Warp 0 produces, warp 1 consumes, warp 2 is busy elsewhere (it never touches barriers 1 and 2,
+    # which count 64 threads). Barrier 1: "slot full" (producer arrives, consumer syncs); barrier 2:
+    # "slot empty" (consumer arrives, producer syncs), so the slot is reused ROUNDS times.
+    t = cuda.threadIdx.x
+    warp, lane = t // 32, t % 32
+    slot = cuda.shared.array(32, uint32)
+    for r in range(ROUNDS):
+        if warp == 0:
+            if r > 0:
+                H.named_barrier_sync(2, 64)  # wait until the consumer has read the previous round
+            slot[lane] = uint32(1000 * (r + 1) + lane)
+            H.named_barrier_arrive(1, 64)  # the slot is full; go on without waiting
+        elif warp == 1:
+            H.named_barrier_sync(1, 64)  # wait for the producer's writes
+            out[r, lane] = slot[(lane + 1) % 32]  # another lane's value: crosses threads
+            H.named_barrier_arrive(2, 64)
+    cuda.syncthreads()  # every round done before warp 2's final write
+    if warp == 2:
+        out[ROUNDS, lane] = uint32(lane)
+
+
+def check_named_barriers():
+    out = np.zeros((ROUNDS + 1, 32), dtype=np.uint32)
+    _named_barrier_kernel[1, 96](out)
+    lane = np.arange(32)
+    expected = np.stack([1000 * (r + 1) + (lane + 1) % 32 for r in range(ROUNDS)] + [lane])
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_named_barriers():
+    check_named_barriers()
+
+
+# --- mbarrier + 1-D bulk copy ---------------------------------------------------------------------
+
+CHUNK = 128  # float16 elements per bulk copy: 256 bytes
+PHASES = 3
+
+
+@cuda.jit
+def _mbarrier_kernel(src, out, early):
+    # One barrier, reused for PHASES phases. It expects 3 arrivals per phase: thread 0's
+    # arrive.expect_tx (which also announces the copy's bytes) and plain arrivals from threads 32 and
+    # 33. Thread 0 copies chunk p of src into shared memory; everyone waits for phase p (parity
+    # p % 2), then reads the whole chunk.
+    t = cuda.threadIdx.x
+    bar_word = cuda.shared.array(1, uint64)
+    tile = cuda.shared.array(CHUNK, uint16)
+    bar = P.shared_address(bar_word)
+    if t == 0:
+        H.mbarrier_init(bar, 3)
+        H.fence_mbarrier_init()
+    cuda.syncthreads()  # the barrier is initialised before anyone arrives or waits
+    if t == 0:
+        early[0] = H.mbarrier_try_wait_parity(bar, 0)  # nobody has arrived: 0
+    cuda.syncthreads()  # that probe ran before the first arrivals
+    for p in range(PHASES):
+        if t == 0:
+            H.mbarrier_arrive_expect_tx(bar, CHUNK * 2)
+            H.bulk_copy_g2s(P.shared_address(tile), P.global_address(src, 0, 0, p, 0), CHUNK * 2, bar)
+        if t == 32 or t == 33:
+            H.mbarrier_arrive(bar)
+        H.mbarrier_wait(bar, p % 2)
+        if t == 0:
+            early[p + 1] = H.mbarrier_try_wait_parity(bar, (p + 1) % 2)  # the next phase is open: 0
+        for e in range(t, CHUNK, 64):
+            out[p, e] = tile[e]
+        cuda.syncthreads()  # the chunk is read by all before the next copy overwrites it
+
+
+def check_mbarrier(rng):
+    src = rng.standard_normal((1, 1, PHASES, CHUNK)).astype(np.float16)
+    out = np.zeros((PHASES, CHUNK), dtype=np.uint16)
+    early = np.full(PHASES + 1, 7, dtype=np.uint32)
+    _mbarrier_kernel[1, 64](src, out, early)
+    np.testing.assert_array_equal(out, src[0, 0].view(np.uint16))
+    np.testing.assert_array_equal(early, 0)
+
+
+def test_mbarrier_bulk_copy(rng):
+    check_mbarrier(rng)
+
+
+_wait_briefly = H.make_mbarrier_wait(3)
+
+
+@cuda.jit
+def _stuck_kernel(src):
+    # The barrier expects 16 bytes more than the copy brings: its phase never completes.
+    tile = cuda.shared.array(16, uint16)
+    bar_word = cuda.shared.array(1, uint64)
+    bar = P.shared_address(bar_word)
+    H.mbarrier_init(bar, 1)
+    H.mbarrier_arrive_expect_tx(bar, 48)
+    H.bulk_copy_g2s(P.shared_address(tile), P.global_address(src, 0, 0, 0, 0), 32, bar)
+    _wait_briefly(bar, 0)
+
+
+@pytest.mark.skipif(not P.SIMULATOR, reason="a trap on the GPU would end the test process's context")
+def test_bounded_wait_traps():
+    with pytest.raises(RuntimeError, match="trap"):
+        _stuck_kernel[1, 1](np.zeros((1, 1, 1, 16), np.float16))
+
+
+# --- Shared-memory matrix descriptors ---------------------------------------------------------------
+
+def test_descriptor_bits():
+    # Fields placed by hand: start 0x1230 >> 4, LBO 128 >> 4, SBO 1024 >> 4, 128B swizzle.
+    desc = int(H.descriptor_bits(np.uint32(0x1230), np.uint32(128), np.uint32(1024), np.uint32(H.SWIZZLE_128B)))
+    assert desc == 0x123 | (8 << 16) | (64 << 32) | (1 << 62)
+    assert int(H.descriptor_bits(np.uint32(0x3FFF0), np.uint32(0), np.uint32(0), np.uint32(0))) == 0x3FFF
+
+
+# --- wgmma m64nNk16 ---------------------------------------------------------------------------------
+#
+# Shared-memory images of the operands (r: the M or N index, k: the K index, 16-bit elements, byte
+# offsets), for K = 64 (a 128B-swizzle row) and the k16 step that moves the descriptor's start:
+#   K-major, no swizzle:  (r % 8) 16 + (r // 8) SBO + (k // 8) LBO + (k % 8) 2   LBO 128, SBO 1024; step 2 LBO
+#   K-major, 128B:        (r // 8) 1024 + (r % 8) 128 + ((k // 8) ^ (r % 8)) 16 + (k % 8) 2   SBO 1024; step 32
+#   MN-major, 128B (B):   (k // 8) 1024 + (k % 8) 128 + (((n % 64) // 8) ^ (k % 8)) 16 + (n % 8) 2,
+#                         N = 64 (one 64-wide group): SBO 1024; step 2048
+
+N = 64
+K = 64
+REGS = N // 2
+A_ELEMS = 64 * K  # shared-array sizes must be names of constants, not expressions
+B_ELEMS = N * K
+TILE_ALIGNMENT = H.TILE_ALIGNMENT  # a global name: Numba needs the alignment as a literal
+
+
+def _image(x_bits, layout):
+    """The uint16 shared image of x (rows r = M or N index, columns k) in ``layout``."""
+    rows, cols = x_bits.shape
+    r, k = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    if layout == "kmajor_none":
+        off = (r % 8) * 16 + (r // 8) * (128 * cols // 8) + (k // 8) * 128 + (k % 8) * 2
+    elif layout == "kmajor_128b":
+        off = (r // 8) * 1024 + (r % 8) * 128 + (((k // 8) ^ (r % 8)) * 16) + (k % 8) * 2
+    elif layout == "mnmajor_128b":  # x given as (n, k); n contiguous
+        off = (k // 8) * 1024 + (k % 8) * 128 + ((((r % 64) // 8) ^ (k % 8)) * 16) + (r % 8) * 2
+    image = np.zeros(rows * cols, dtype=np.uint16)
+    image[off.ravel() // 2] = x_bits.ravel()
+    return image
+
+
+# (LBO, SBO, swizzle, k16 step in bytes) per layout, for 64 rows (A) or N rows (B) and K = 64.
+_DESCRIPTORS = {
+    "kmajor_none": (128, 1024, H.SWIZZLE_NONE, 256),
+    "kmajor_128b": (16, 1024, H.SWIZZLE_128B, 32),
+    "mnmajor_128b": (K * 128, 1024, H.SWIZZLE_128B, 2048),
+}
+
+
+def _make_wgmma_kernel(ab, a_layout, b_layout, register_a):
+    trans_b = 1 if b_layout.startswith("mn") else 0
+    wgmma = (H.make_wgmma_rs if register_a else H.make_wgmma_ss)(N, ab, trans_b)
+    lbo_a, sbo_a, swz_a, step_a = _DESCRIPTORS[a_layout]
+    lbo_b, sbo_b, swz_b, step_b = _DESCRIPTORS[b_layout]
+
+    @cuda.jit
+    def kernel(a_image, b_image, a_regs, c, d, scale_first):
+        # One warpgroup: D = A B + C (or A B when scale_first is 0) over K = 64 in four k16 wgmmas,
+        # the accumulator carried in registers from one to the next.
+        t = cuda.threadIdx.x
+        sa = cuda.shared.array(A_ELEMS, uint16, alignment=TILE_ALIGNMENT)
+        sb = cuda.shared.array(B_ELEMS, uint16, alignment=TILE_ALIGNMENT)
+        for i in range(t, 64 * K, 128):
+            sa[i] = a_image[i]
+        for i in range(t, N * K, 128):
+            sb[i] = b_image[i]
+        H.fence_proxy_async()  # the generic-proxy stores are seen by wgmma (the async proxy)
+        cuda.syncthreads()  # every thread's stores are in before any wgmma reads them
+        desc_a = H.smem_descriptor(P.shared_address(sa), lbo_a, sbo_a, swz_a)
+        desc_b = H.smem_descriptor(P.shared_address(sb), lbo_b, sbo_b, swz_b)
+        acc = H.fence_operands(H.registers_from(c[t], REGS))
+        H.wgmma_fence()  # the accumulator's writes above are ordered before wgmma reads it
+        for s in range(K // 16):
+            db = desc_b + uint64(s * step_b // 16)
+            scale = scale_first[0] if s == 0 else uint32(1)
+            if register_a:
+                acc = wgmma(acc, a_regs[s, t, 0], a_regs[s, t, 1], a_regs[s, t, 2], a_regs[s, t, 3], db, scale)
+            else:
+                acc = wgmma(acc, desc_a + uint64(s * step_a // 16), db, scale)
+        H.wgmma_commit()
+        H.wgmma_wait(0)
+        H.registers_to(d[t], H.fence_operands(acc))
+
+    return kernel
+
+
+def _acc_coords(n):
+    r = np.arange(n // 2)
+    rows = (16 * W + G)[:, None] + 8 * ((r[None, :] // 2) % 2)
+    cols = 8 * (r[None, :] // 4) + 2 * Q[:, None] + r[None, :] % 2
+    return rows, cols
+
+
+def _a_registers(a_bits):
+    """A (64 x K bits) as the RS form's registers: (K // 16, 128 threads, 4)."""
+    rows, cols = _acc_coords(16)  # (128, 8): the 8 halves of a thread's 4 registers
+    regs = np.empty((K // 16, 128, 4), dtype=np.uint32)
+    for s in range(K // 16):
+        halves = a_bits[:, 16 * s:16 * s + 16][rows, cols].astype(np.uint32)  # (128, 8)
+        regs[s] = halves[:, 0::2] | (halves[:, 1::2] << 16)
+    return regs
+
+
+_wgmma_kernels = {}
+
+
+def check_wgmma(ab, a_layout, b_layout, register_a, scale_first, rng):
+    dtype = "float16" if ab == "f16" else "bfloat16"
+    a_bits = _bits(rng.standard_normal((64, K)), dtype)
+    b_bits = _bits(rng.standard_normal((N, K)), dtype)  # B as (n, k)
+    c = rng.standard_normal((64, N)).astype(np.float32)
+    rows, cols = _acc_coords(N)
+    key = (ab, a_layout, b_layout, register_a)  # scale_first is a runtime value
+    if key not in _wgmma_kernels:
+        _wgmma_kernels[key] = _make_wgmma_kernel(*key)
+    d = np.full((128, REGS), np.nan, dtype=np.float32)
+    _wgmma_kernels[key][1, 128](_image(a_bits, a_layout), _image(b_bits, b_layout),
+                                _a_registers(a_bits), c[rows, cols].copy(), d,
+                                np.array([scale_first], dtype=np.uint32))
+    expected = _values(a_bits, dtype) @ _values(b_bits, dtype).T + (c if scale_first else 0)
+    # K = 64 products of 16-bit values summed in float32: a few float32 ulps of the sum's size.
+    np.testing.assert_allclose(d, expected[rows, cols], rtol=1e-5, atol=1e-4)
+
+
+# (operands, A layout, B layout, A in registers, scale_d of the first k16 step)
+WGMMA_CASES = [
+    ("f16", "kmajor_none", "kmajor_none", False, 1),
+    ("bf16", "kmajor_128b", "kmajor_128b", False, 0),
+    ("f16", "kmajor_128b", "mnmajor_128b", False, 1),
+    ("bf16", "kmajor_none", "mnmajor_128b", True, 1),
+]
+
+
+@pytest.mark.parametrize("case", WGMMA_CASES, ids=["-".join(map(str, c)) for c in WGMMA_CASES])
+def test_wgmma(case, rng):
+    check_wgmma(*case, rng)
+
+
+# --- On the GPU (compute capability 9.0): every check, several draws ----------------------------------
+
+def _is_sm90():
+    return not P.SIMULATOR and cuda.get_current_device().compute_capability == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(P.SIMULATOR, reason="checks the inline-PTX intrinsics; needs a GPU")
+def test_sm90_intrinsics_on_gpu():
+    if not _is_sm90():
+        pytest.skip("sm_90a instructions run only on compute capability 9.0")
+    rng = np.random.default_rng(90)
+    for _ in range(5):
+        check_small()
+        check_named_barriers()
+        check_mbarrier(rng)
+        for case in WGMMA_CASES:
+            check_wgmma(*case, rng)
+
+
+# --- For the offline sm_90a compile check (scripts/check_sm90_ptx.py) -------------------------------
+
+def offline_kernels():
+    """(name, Python function, signature, compile options) of every kernel above."""
+    from numba import types
+
+    u16_1d = types.Array(types.uint16, 1, "C")
+    f32_2d = types.Array(types.float32, 2, "C")
+    kernels = [
+        ("small", _small_kernel, (types.Array(types.uint32, 1, "C"),), {"launch_bounds": (128, 1)}),
+        ("named_barriers", _named_barrier_kernel, (types.Array(types.uint32, 2, "C"),), {}),
+        ("mbarrier_bulk_copy", _mbarrier_kernel,
+         (types.Array(types.float16, 4, "C"), types.Array(types.uint16, 2, "C"),
+          types.Array(types.uint32, 1, "C")), {}),
+        ("bounded_wait", _stuck_kernel, (types.Array(types.float16, 4, "C"),), {}),
+    ]
+    for case in WGMMA_CASES:
+        kernel = _make_wgmma_kernel(*case[:4])
+        sig = (u16_1d, u16_1d, types.Array(types.uint32, 3, "C"), f32_2d, f32_2d,
+               types.Array(types.uint32, 1, "C"))
+        kernels.append(("wgmma_" + "_".join(map(str, case)), kernel, sig, {}))
+    return [(name, getattr(k, "py_func", k), sig, opts) for name, k, sig, opts in kernels]
