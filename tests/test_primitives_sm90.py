@@ -10,7 +10,7 @@ sm_90a and runs ptxas on it, with no GPU (``OFFLINE_KERNELS`` lists them with th
 
 import numpy as np
 import pytest
-from numba import cuda, uint16, uint32, uint64
+from numba import cuda, float32, uint16, uint32, uint64
 
 from nbflash import primitives as P
 from nbflash import primitives_sm90 as H
@@ -226,9 +226,11 @@ def _make_wgmma_kernel(ab, a_layout, b_layout, register_a):
     lbo_b, sbo_b, swz_b, step_b = _DESCRIPTORS[b_layout]
 
     @cuda.jit
-    def kernel(a_image, b_image, a_regs, c, d, scale_first):
-        # One warpgroup: D = A B + C (or A B when scale_first is 0) over K = 64 in four k16 wgmmas,
-        # the accumulator carried in registers from one to the next.
+    def kernel(a_image, b_image, a_regs, c, d, scale_first, rescale):
+        # One warpgroup, K = 64 in four k16 wgmmas, the accumulator carried in registers from one to
+        # the next: D = rescale (A0 B0 + C) + A1 B1, where 0 and 1 are the two halves of K and C is
+        # dropped when scale_first is 0. The rescale between the halves is FA3's update of O: the
+        # accumulator leaves the asynchronous unit (wait), is scaled in registers, and goes back.
         t = cuda.threadIdx.x
         sa = cuda.shared.array(A_ELEMS, uint16, alignment=TILE_ALIGNMENT)
         sb = cuda.shared.array(B_ELEMS, uint16, alignment=TILE_ALIGNMENT)
@@ -241,16 +243,24 @@ def _make_wgmma_kernel(ab, a_layout, b_layout, register_a):
         desc_a = H.smem_descriptor(P.shared_address(sa), lbo_a, sbo_a, swz_a)
         desc_b = H.smem_descriptor(P.shared_address(sb), lbo_b, sbo_b, swz_b)
         acc = H.fence_operands(H.registers_from(c[t], REGS))
-        H.wgmma_fence()  # the accumulator's writes above are ordered before wgmma reads it
-        for s in range(K // 16):
-            db = desc_b + uint64(s * step_b // 16)
-            scale = scale_first[0] if s == 0 else uint32(1)
-            if register_a:
-                acc = wgmma(acc, a_regs[s, t, 0], a_regs[s, t, 1], a_regs[s, t, 2], a_regs[s, t, 3], db, scale)
-            else:
-                acc = wgmma(acc, desc_a + uint64(s * step_a // 16), db, scale)
-        H.wgmma_commit()
-        H.wgmma_wait(0)
+        o = cuda.local.array(REGS, float32)
+        for half in range(2):
+            H.wgmma_fence()  # the accumulator's register writes are ordered before wgmma reads it
+            for s in range(2 * half, 2 * half + 2):
+                db = desc_b + uint64(s * step_b // 16)
+                scale = scale_first[0] if s == 0 else uint32(1)
+                if register_a:
+                    acc = wgmma(acc, a_regs[s, t, 0], a_regs[s, t, 1], a_regs[s, t, 2], a_regs[s, t, 3],
+                                db, scale)
+                else:
+                    acc = wgmma(acc, desc_a + uint64(s * step_a // 16), db, scale)
+            H.wgmma_commit()
+            H.wgmma_wait(0)  # the group is done: its accumulator may be read
+            if half == 0:
+                H.registers_to(o, H.fence_operands(acc))
+                for r in range(REGS):
+                    o[r] *= rescale[0]
+                acc = H.fence_operands(H.registers_from(o, REGS))
         H.registers_to(d[t], H.fence_operands(acc))
 
     return kernel
@@ -276,30 +286,31 @@ def _a_registers(a_bits):
 _wgmma_kernels = {}
 
 
-def check_wgmma(ab, a_layout, b_layout, register_a, scale_first, rng):
+def check_wgmma(ab, a_layout, b_layout, register_a, scale_first, rescale, rng):
     dtype = "float16" if ab == "f16" else "bfloat16"
     a_bits = _bits(rng.standard_normal((64, K)), dtype)
     b_bits = _bits(rng.standard_normal((N, K)), dtype)  # B as (n, k)
     c = rng.standard_normal((64, N)).astype(np.float32)
     rows, cols = _acc_coords(N)
-    key = (ab, a_layout, b_layout, register_a)  # scale_first is a runtime value
+    key = (ab, a_layout, b_layout, register_a)  # scale_first and rescale are runtime values
     if key not in _wgmma_kernels:
         _wgmma_kernels[key] = _make_wgmma_kernel(*key)
     d = np.full((128, REGS), np.nan, dtype=np.float32)
     _wgmma_kernels[key][1, 128](_image(a_bits, a_layout), _image(b_bits, b_layout),
                                 _a_registers(a_bits), c[rows, cols].copy(), d,
-                                np.array([scale_first], dtype=np.uint32))
-    expected = _values(a_bits, dtype) @ _values(b_bits, dtype).T + (c if scale_first else 0)
+                                np.array([scale_first], dtype=np.uint32), np.array([rescale], dtype=np.float32))
+    a, b, h = _values(a_bits, dtype), _values(b_bits, dtype), K // 2
+    expected = rescale * (a[:, :h] @ b[:, :h].T + (c if scale_first else 0)) + a[:, h:] @ b[:, h:].T
     # K = 64 products of 16-bit values summed in float32: a few float32 ulps of the sum's size.
     np.testing.assert_allclose(d, expected[rows, cols], rtol=1e-5, atol=1e-4)
 
 
-# (operands, A layout, B layout, A in registers, scale_d of the first k16 step)
+# (operands, A layout, B layout, A in registers, scale_d of the first k16 step, rescale halfway)
 WGMMA_CASES = [
-    ("f16", "kmajor_none", "kmajor_none", False, 1),
-    ("bf16", "kmajor_128b", "kmajor_128b", False, 0),
-    ("f16", "kmajor_128b", "mnmajor_128b", False, 1),
-    ("bf16", "kmajor_none", "mnmajor_128b", True, 1),
+    ("f16", "kmajor_none", "kmajor_none", False, 1, 1.0),
+    ("bf16", "kmajor_128b", "kmajor_128b", False, 0, 1.0),
+    ("f16", "kmajor_128b", "mnmajor_128b", False, 1, 0.375),
+    ("bf16", "kmajor_none", "mnmajor_128b", True, 1, 1.5),
 ]
 
 
@@ -328,7 +339,33 @@ def test_sm90_intrinsics_on_gpu():
             check_wgmma(*case, rng)
 
 
-# --- For the offline sm_90a compile check (scripts/check_sm90_ptx.py) -------------------------------
+# --- Offline: every kernel above compiles for sm_90a and assembles (scripts/check_sm90_ptx.py) --------
+
+def _ptxas_available():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    from prebuild_cache import cuda_tool
+
+    try:
+        cuda_tool("ptxas")
+        return True
+    except SystemExit:  # cuda_tool exits when neither the toolkit nor the nvcc wheel has ptxas
+        return False
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="needs ptxas (the CUDA toolkit or the nvidia-cuda-nvcc wheel)")
+def test_sm90a_kernels_assemble():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    run = subprocess.run([sys.executable, os.path.join(root, "scripts", "check_sm90_ptx.py")],
+                         capture_output=True, text=True, cwd=root, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+
 
 def offline_kernels():
     """(name, Python function, signature, compile options) of every kernel above."""
@@ -347,6 +384,6 @@ def offline_kernels():
     for case in WGMMA_CASES:
         kernel = _make_wgmma_kernel(*case[:4])
         sig = (u16_1d, u16_1d, types.Array(types.uint32, 3, "C"), f32_2d, f32_2d,
-               types.Array(types.uint32, 1, "C"))
+               types.Array(types.uint32, 1, "C"), types.Array(types.float32, 1, "C"))
         kernels.append(("wgmma_" + "_".join(map(str, case)), kernel, sig, {}))
     return [(name, getattr(k, "py_func", k), sig, opts) for name, k, sig, opts in kernels]
