@@ -318,6 +318,75 @@ if SIMULATOR:
         ctypes.memmove(dst, src, nbytes)
         _complete_tx(bar, nbytes)
 
+    # --- TMA: 2-D tile loads through a tensor map ----------------------------------------------------
+    # The emulated tensor map is nbflash's own: 16 uint64 words (the size of the driver's CUtensorMap)
+    # holding a tag, the tensor's address, shape and row stride, the box and the swizzle.
+
+    _TENSOR_MAP_TAG = 0x6E62_666C_746D_6170  # "nbfltmap"
+
+    def _encode_tensor_map(x, box_rows, box_cols, swizzle):
+        nd = np.asarray(x)
+        words = np.zeros(16, dtype=np.uint64)
+        words[:8] = [_TENSOR_MAP_TAG, nd.ctypes.data, nd.shape[0], nd.shape[1], nd.strides[0],
+                     box_rows, box_cols, swizzle]
+        low, high = np.lib.array_utils.byte_bounds(nd)
+        _p._global_ranges.register(low, high)
+        return words
+
+    def array_address(arr):
+        """The global address of ``arr[0]`` (of any array), as an int64: what tma_load_2d and
+        fence_proxy_tensormap_acquire take for a tensor map."""
+        nd = arr._item._ary if hasattr(arr, "_item") else arr
+        low, high = np.lib.array_utils.byte_bounds(nd)
+        _p._global_ranges.register(low, high)
+        return np.int64(nd.ctypes.data)
+
+    def fence_proxy_tensormap_acquire(tensor_map):
+        """fence.proxy.tensormap::generic.acquire.sys [map], 128: make a tensor map written to
+        global memory from the host (cudaMemcpy) visible to the tensor-map proxy before TMA reads
+        it; once per thread that issues TMA with that map. Emulation: nothing."""
+
+    def tma_load_2d(dst, tensor_map, c0, c1, bar):
+        """cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes
+        [dst], [map, {c0, c1}], [bar]: copy the box of the tensor map (make_tensor_map_2d) whose
+        first element is (row c1, column c0) -- c0 the innermost coordinate, in elements -- to shared
+        address ``dst`` (128-byte aligned; 1024 with the 128B swizzle), asynchronously, completing the
+        full box's bytes on mbarrier ``bar`` even where the box leaves the tensor (those elements
+        are zero). The box lands row after row; with SWIZZLE_128B (rows of exactly 128 bytes) the
+        16-byte chunk j of row r is stored at chunk j ^ (r % 8): the K-major 128B image wgmma reads.
+        Issued by one thread. Emulation: an immediate copy (swizzled by offset from ``dst``), then
+        the complete_tx; only 16-byte alignment is checked (simulator arrays cannot be aligned)."""
+        addr = int(tensor_map)
+        if not _p._global_ranges.contains(addr, 128):
+            raise IndexError(f"tensor map address {addr:#x} is outside every array")
+        words = np.frombuffer((ctypes.c_uint8 * 128).from_address(addr), dtype=np.uint64)
+        if int(words[0]) != _TENSOR_MAP_TAG:
+            raise ValueError("not a tensor map made by make_tensor_map_2d")
+        base, rows, cols, row_stride, box_rows, box_cols, swizzle = (int(w) for w in words[1:8])
+        tensor = np.frombuffer((ctypes.c_uint8 * (rows * row_stride)).from_address(base), dtype=np.uint16)
+        tensor = tensor.reshape(rows, row_stride // 2)[:, :cols]
+        c0, c1 = int(np.int32(c0)), int(np.int32(c1))
+        box = np.zeros((box_rows, box_cols), dtype=np.uint16)
+        r_lo, r_hi = max(c1, 0), min(c1 + box_rows, rows)
+        k_lo, k_hi = max(c0, 0), min(c0 + box_cols, cols)
+        if r_lo < r_hi and k_lo < k_hi:
+            box[r_lo - c1:r_hi - c1, k_lo - c0:k_hi - c0] = tensor[r_lo:r_hi, k_lo:k_hi]
+        nbytes = box.nbytes
+        out = np.frombuffer(_p._shared_bytes(dst, nbytes), dtype=np.uint8)
+        raw = box.view(np.uint8).reshape(box_rows, box_cols * 2)
+        if swizzle == SWIZZLE_128B:
+            if box_cols * 2 != 128:
+                raise NotImplementedError("the 128B swizzle emulation takes boxes of 128-byte rows")
+            chunks = raw.reshape(box_rows, 8, 16)
+            swizzled = np.empty_like(chunks)
+            r = np.arange(box_rows)[:, None]
+            swizzled[r, np.arange(8)[None, :] ^ (r % 8)] = chunks
+            raw = swizzled
+        elif swizzle != SWIZZLE_NONE:
+            raise NotImplementedError("tma_load_2d emulation: swizzle none or 128B")
+        out[:] = raw.reshape(-1)
+        _complete_tx(bar, nbytes)
+
     # --- Shared-memory matrix descriptors: an emulated shared window --------------------------------
     # The descriptor holds 14 bits of address, which cannot name a host address. So the emulation
     # gives each shared array a descriptor touches a place in an emulated shared window of the block,
@@ -595,6 +664,41 @@ else:
 
     smem_descriptor = descriptor_bits
 
+    fence_proxy_tensormap_acquire = _ptx("fence.proxy.tensormap::generic.acquire.sys [$0], 128;", (i64,))
+    tma_load_2d = _ptx("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                       "[$0], [$1, {$2, $3}], [$4];", (u32, i64, types.int32, types.int32, u32))
+
+    @intrinsic
+    def array_address(typingctx, arr):
+        if not isinstance(arr, types.Array):
+            return None
+
+        def codegen(context, builder, signature, llargs):
+            data = context.make_array(arr)(context, builder, llargs[0]).data
+            return builder.ptrtoint(data, ir.IntType(64))
+
+        return types.int64(arr), codegen
+
+    def _encode_tensor_map(x, box_rows, box_cols, swizzle):
+        import cupy
+        from cuda.bindings import driver
+
+        modes = {SWIZZLE_NONE: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+                 SWIZZLE_128B: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                 SWIZZLE_64B: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
+                 SWIZZLE_32B: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_32B}
+        rows, cols = x.shape
+        err, tensor_map = driver.cuTensorMapEncodeTiled(
+            driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, x.data.ptr,
+            [driver.cuuint64_t(cols), driver.cuuint64_t(rows)], [driver.cuuint64_t(x.strides[0])],
+            [driver.cuuint32_t(box_cols), driver.cuuint32_t(box_rows)], [driver.cuuint32_t(1)] * 2,
+            driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, modes[swizzle],
+            driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed: {err}")
+        return cupy.asarray(np.asarray([int(w) for w in tensor_map.opaque], dtype=np.uint64))
+
     def _register_tuple_asm(builder, lltype, count, text, constraints, inputs):
         ftype = ir.FunctionType(ir.LiteralStructType([lltype] * count), [a.type for a in inputs])
         return builder.asm(ftype, text, constraints, list(inputs), True)
@@ -723,6 +827,25 @@ def make_wgmma_rs(n, ab="f16", trans_b=0):
     shuffles."""
     _check_wgmma(n, ab, trans_b)
     return _make_wgmma_rs(n, ab, trans_b)
+
+
+def make_tensor_map_2d(x, box_rows, box_cols, swizzle=SWIZZLE_NONE):
+    """Host side of tma_load_2d: the tensor map of the 2-D array ``x`` of 16-bit elements (rows
+    contiguous, the row stride a multiple of 16 bytes) for boxes of ``box_rows`` x ``box_cols``
+    elements (at most 256 each; ``box_cols`` x 2 bytes at most 128 with SWIZZLE_128B), as a
+    uint64[16] array in device memory (CuPy allocations are aligned enough). Kernels take its
+    address (array_address), run fence_proxy_tensormap_acquire once, then tma_load_2d. On a GPU the
+    words are the driver's opaque CUtensorMap (cuTensorMapEncodeTiled, through cuda.bindings); the
+    map names ``x``'s memory, so ``x`` must outlive its use. The simulator's words are its own."""
+    if x.ndim != 2 or x.dtype.itemsize != 2:
+        raise ValueError(f"make_tensor_map_2d takes a 2-D array of 16-bit elements, not {x.dtype} {x.shape}")
+    if x.strides[1] != 2 or x.strides[0] % 16:
+        raise ValueError(f"{x.strides=}: rows must be contiguous and 16-byte aligned")
+    if not (1 <= box_rows <= 256 and 1 <= box_cols <= 256 and (box_cols * 2) % 16 == 0):
+        raise ValueError(f"box {box_rows} x {box_cols}: at most 256 each, rows a multiple of 16 bytes")
+    if swizzle == SWIZZLE_128B and box_cols * 2 > 128:
+        raise ValueError(f"{box_cols=}: the 128B swizzle takes box rows of at most 128 bytes")
+    return _encode_tensor_map(x, box_rows, box_cols, swizzle)
 
 
 def make_mbarrier_wait(spin_limit):

@@ -17,6 +17,15 @@ from nbflash import primitives_sm90 as H
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
+
+def _is_sm90():
+    return not P.SIMULATOR and cuda.get_current_device().compute_capability == (9, 0)
+
+
+# sm_90a code runs only on compute capability 9.0: on any other GPU there is nothing to run.
+pytestmark = pytest.mark.skipif(not P.SIMULATOR and not _is_sm90(),
+                                reason="sm_90a instructions run only on compute capability 9.0")
+
 TID = np.arange(128)
 W, G, Q = TID // 32, (TID % 32) >> 2, (TID % 32) & 3
 
@@ -319,17 +328,63 @@ def test_wgmma(case, rng):
     check_wgmma(*case, rng)
 
 
+# --- TMA: 2-D tile loads through a tensor map ----------------------------------------------------------
+
+BOX_ROWS, BOX_COLS = 64, 64  # 128-byte box rows: what the 128B swizzle takes
+BOX_ELEMS = BOX_ROWS * BOX_COLS
+TMA_CORNERS = ((0, 0), (16, 50), (40, 8))  # (c0 = column, c1 = row); the last two leave the tensor
+
+
+@cuda.jit
+def _tma_kernel(tensor_map, corners, out):
+    # Thread 0 loads one box per phase of one mbarrier; everyone waits, then copies the shared image
+    # out as it lies (swizzled or not).
+    t = cuda.threadIdx.x
+    bar_word = cuda.shared.array(1, uint64)
+    tile = cuda.shared.array(BOX_ELEMS, uint16, alignment=TILE_ALIGNMENT)
+    bar = P.shared_address(bar_word)
+    tmap = H.array_address(tensor_map)
+    if t == 0:
+        H.mbarrier_init(bar, 1)
+        H.fence_mbarrier_init()
+        H.fence_proxy_tensormap_acquire(tmap)  # the map was copied from the host
+    cuda.syncthreads()  # the barrier is initialised before anyone waits on it
+    for p in range(corners.shape[0]):
+        if t == 0:
+            H.mbarrier_arrive_expect_tx(bar, BOX_ELEMS * 2)  # the full box, even out of bounds
+            H.tma_load_2d(P.shared_address(tile), tmap, corners[p, 0], corners[p, 1], bar)
+        H.mbarrier_wait(bar, p % 2)
+        for i in range(t, BOX_ELEMS, 64):
+            out[p, i] = tile[i]
+        cuda.syncthreads()  # the box is read by all before the next load overwrites it
+
+
+def check_tma(swizzle, xp, rng):
+    x = rng.integers(0, 1 << 16, size=(100, 72), dtype=np.uint16)  # 144-byte rows
+    corners = np.asarray(TMA_CORNERS, dtype=np.int32)
+    x_dev = xp.asarray(x)
+    tensor_map = H.make_tensor_map_2d(x_dev, BOX_ROWS, BOX_COLS, swizzle)
+    out = xp.zeros((len(TMA_CORNERS), BOX_ELEMS), dtype=np.uint16)
+    _tma_kernel[1, 64](tensor_map, xp.asarray(corners), out)
+    out = out.get() if hasattr(out, "get") else out
+    padded = np.zeros((100 + BOX_ROWS, 72 + BOX_COLS), dtype=np.uint16)
+    padded[:100, :72] = x
+    for p, (c0, c1) in enumerate(TMA_CORNERS):
+        box = padded[c1:c1 + BOX_ROWS, c0:c0 + BOX_COLS]
+        expected = _image(box, "kmajor_128b") if swizzle == H.SWIZZLE_128B else box.ravel()
+        np.testing.assert_array_equal(out[p], expected)
+
+
+@pytest.mark.parametrize("swizzle", [H.SWIZZLE_NONE, H.SWIZZLE_128B], ids=["none", "128b"])
+def test_tma_load_2d(swizzle, xp, rng):
+    check_tma(swizzle, xp, rng)
+
+
 # --- On the GPU (compute capability 9.0): every check, several draws ----------------------------------
-
-def _is_sm90():
-    return not P.SIMULATOR and cuda.get_current_device().compute_capability == (9, 0)
-
 
 @pytest.mark.gpu
 @pytest.mark.skipif(P.SIMULATOR, reason="checks the inline-PTX intrinsics; needs a GPU")
-def test_sm90_intrinsics_on_gpu():
-    if not _is_sm90():
-        pytest.skip("sm_90a instructions run only on compute capability 9.0")
+def test_sm90_intrinsics_on_gpu(xp):
     rng = np.random.default_rng(90)
     for _ in range(5):
         check_small()
@@ -337,6 +392,8 @@ def test_sm90_intrinsics_on_gpu():
         check_mbarrier(rng)
         for case in WGMMA_CASES:
             check_wgmma(*case, rng)
+        for swizzle in (H.SWIZZLE_NONE, H.SWIZZLE_128B):
+            check_tma(swizzle, xp, rng)
 
 
 # --- Offline: every kernel above compiles for sm_90a and assembles (scripts/check_sm90_ptx.py) --------
@@ -380,6 +437,8 @@ def offline_kernels():
          (types.Array(types.float16, 4, "C"), types.Array(types.uint16, 2, "C"),
           types.Array(types.uint32, 1, "C")), {}),
         ("bounded_wait", _stuck_kernel, (types.Array(types.float16, 4, "C"),), {}),
+        ("tma_load_2d", _tma_kernel, (types.Array(types.uint64, 1, "C"), types.Array(types.int32, 2, "C"),
+                                      types.Array(types.uint16, 2, "C")), {}),
     ]
     for case in WGMMA_CASES:
         kernel = _make_wgmma_kernel(*case[:4])
