@@ -330,6 +330,75 @@ def test_wgmma(case, rng):
     check_wgmma(*case, rng)
 
 
+# --- Two GEMMs chained in registers: S = Q K^T (SS), then O = P V (RS) with P = S as f16 ---------------
+#
+# FA3's pattern: a k16 slice s of the S accumulator is, register for register, the RS A fragment of P
+# (registers 8s .. 8s+7 pack into a0..a3), so no data moves between threads.
+
+_s_wgmma = H.make_wgmma_ss(N, "f16", 0)
+_o_wgmma = H.make_wgmma_rs(N, "f16", 1)
+_q_lbo, _q_sbo, _q_swz, _q_step = _DESCRIPTORS["kmajor_128b"]
+_v_lbo, _v_sbo, _v_swz, _v_step = _DESCRIPTORS["mnmajor_128b"]
+
+
+@cuda.jit
+def _two_gemm_kernel(q_image, k_image, v_image, o):
+    t = cuda.threadIdx.x
+    sq = cuda.shared.array(A_ELEMS, uint16, alignment=TILE_ALIGNMENT)
+    sk = cuda.shared.array(B_ELEMS, uint16, alignment=TILE_ALIGNMENT)
+    sv = cuda.shared.array(B_ELEMS, uint16, alignment=TILE_ALIGNMENT)
+    for i in range(t, A_ELEMS, 128):
+        sq[i] = q_image[i]
+    for i in range(t, B_ELEMS, 128):
+        sk[i] = k_image[i]
+        sv[i] = v_image[i]
+    H.fence_proxy_async()  # the generic-proxy stores are seen by wgmma (the async proxy)
+    cuda.syncthreads()  # every thread's stores are in before any wgmma reads them
+    dq = H.smem_descriptor(P.shared_address(sq), _q_lbo, _q_sbo, _q_swz)
+    dk = H.smem_descriptor(P.shared_address(sk), _q_lbo, _q_sbo, _q_swz)
+    dv = H.smem_descriptor(P.shared_address(sv), _v_lbo, _v_sbo, _v_swz)
+    zero = cuda.local.array(REGS, float32)
+    for r in range(REGS):
+        zero[r] = 0.0
+    acc_s = H.fence_operands(H.registers_from(zero, REGS))
+    H.wgmma_fence()  # the zeroed accumulator is ordered before wgmma reads it (scale_d 0 ignores it)
+    for s in range(K // 16):
+        acc_s = _s_wgmma(acc_s, dq + uint64(s * _q_step // 16), dk + uint64(s * _q_step // 16),
+                         uint32(0 if s == 0 else 1))
+    H.wgmma_commit()
+    H.wgmma_wait(0)
+    acc_s = H.fence_operands(acc_s)
+    acc_o = acc_s  # any values: the first P V step has scale_d 0
+    H.wgmma_fence()  # the S registers, now A fragments, are ordered before wgmma reads them
+    for s in range(N // 16):  # P's k16 slices: S's columns 16 s .. 16 s + 15
+        a0 = P.pack_f16x2(acc_s[8 * s + 0], acc_s[8 * s + 1])
+        a1 = P.pack_f16x2(acc_s[8 * s + 2], acc_s[8 * s + 3])
+        a2 = P.pack_f16x2(acc_s[8 * s + 4], acc_s[8 * s + 5])
+        a3 = P.pack_f16x2(acc_s[8 * s + 6], acc_s[8 * s + 7])
+        acc_o = _o_wgmma(acc_o, a0, a1, a2, a3, dv + uint64(s * _v_step // 16), uint32(0 if s == 0 else 1))
+    H.wgmma_commit()
+    H.wgmma_wait(0)
+    H.registers_to(o[t], H.fence_operands(acc_o))
+
+
+def check_two_gemm(rng):
+    q = _bits(rng.standard_normal((64, K)), "float16")
+    k = _bits(rng.standard_normal((N, K)), "float16")
+    v = _bits(rng.standard_normal((N, K)), "float16")  # V as (d, key): V^T's rows, for an MN-major image
+    o = np.full((128, REGS), np.nan, dtype=np.float32)
+    _two_gemm_kernel[1, 128](_image(q, "kmajor_128b"), _image(k, "kmajor_128b"), _image(v, "mnmajor_128b"), o)
+    s_f32 = (_values(q, "float16") @ _values(k, "float16").T).astype(np.float32)
+    p = s_f32.astype(np.float16).astype(np.float64)  # (64 queries, N keys)
+    expected = p @ _values(v, "float16").T  # (64, 64): O[m, d] = sum_key P[m, key] V[key, d]
+    rows, cols = _acc_coords(N)
+    # S rounded to f16 may differ by one f16 ulp where the float32 sums differ in order.
+    np.testing.assert_allclose(o, expected[rows, cols], rtol=2e-3, atol=2e-2)
+
+
+def test_two_gemm_registers(rng):
+    check_two_gemm(rng)
+
+
 # --- TMA: 2-D tile loads through a tensor map ----------------------------------------------------------
 
 BOX_ROWS, BOX_COLS = 64, 64  # 128-byte box rows: what the 128B swizzle takes
@@ -394,6 +463,7 @@ def test_sm90_intrinsics_on_gpu(xp):
         check_mbarrier(rng)
         for case in WGMMA_CASES:
             check_wgmma(*case, rng)
+        check_two_gemm(rng)
         for swizzle in (H.SWIZZLE_NONE, H.SWIZZLE_128B):
             check_tma(swizzle, xp, rng)
 
@@ -439,6 +509,7 @@ def offline_kernels():
          (types.Array(types.float16, 4, "C"), types.Array(types.uint16, 2, "C"),
           types.Array(types.uint32, 1, "C")), {}),
         ("bounded_wait", _stuck_kernel, (types.Array(types.float16, 4, "C"),), {}),
+        ("wgmma_two_gemm", _two_gemm_kernel, (u16_1d, u16_1d, u16_1d, f32_2d), {}),
         ("tma_load_2d", _tma_kernel, (types.Array(types.uint64, 1, "C"), types.Array(types.int32, 2, "C"),
                                       types.Array(types.uint16, 2, "C")), {}),
     ]
