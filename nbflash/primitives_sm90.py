@@ -1,5 +1,5 @@
-"""Hopper (sm_90a) primitives: fences, elect, setmaxnreg, named barriers, mbarriers, the bulk copy
-and wgmma, each as an inline-PTX intrinsic beside a plain-Python emulation.
+"""Hopper (sm_90a) primitives: fences, elect, setmaxnreg, named barriers, mbarriers, the 1-D bulk
+copy, 2-D TMA loads and wgmma, each as an inline-PTX intrinsic beside a plain-Python emulation.
 
 As in ``nbflash.primitives`` (whose ``shared_address`` and ``global_address`` these take), the choice
 between the two is made once, at import time, from ``numba.config.ENABLE_CUDASIM``; kernels import
@@ -19,7 +19,9 @@ Conventions of the simulator's emulation, beyond each docstring:
 
 * The simulator runs each CUDA thread as a Python thread and one block at a time; emulated state
   (mbarriers, named barriers, warpgroup exchanges) is kept per block and dies with it.
-* Asynchronous operations (the bulk copy, wgmma) complete at once; their waits then only check.
+* Asynchronous operations (the bulk copy, TMA, wgmma) complete at once; their waits then only
+  check. So the emulation cannot catch a read of a wgmma result before its wait_group, or of a
+  copied tile before its mbarrier phase; only the GPU can.
 """
 
 import os
@@ -79,7 +81,6 @@ def descriptor_bits(window_address, leading_bytes, stride_bytes, swizzle):
 
 if SIMULATOR:
     import ctypes
-    import time
 
     def _block():
         """The simulator's manager of the current thread's block, and the thread's linear id."""
@@ -137,8 +138,8 @@ if SIMULATOR:
 
     def elect_sync():
         """elect.sync with the full mask: 1 in one lane of the warp, 0 in the others. All 32 lanes
-        must execute it. The hardware elects the lowest active lane; the emulation elects lane 0
-        (the kernels call it with the whole warp active)."""
+        must execute it. The hardware elects one lane, the same one for the same mask (the PTX ISA
+        does not say which); the emulation elects lane 0."""
         _, thread_id = _block()
         return np.uint32(1 if thread_id % 32 == 0 else 0)
 
@@ -198,8 +199,9 @@ if SIMULATOR:
     def named_barrier_sync(barrier_id, count):
         """bar.sync id, count: wait until ``count`` threads (a multiple of 32, whole warps) have
         arrived at barrier ``id`` (1..15; 0 is syncthreads'), counting this one; it also orders
-        their shared-memory accesses. Emulation: a per-(block, id) counter of threads; a thread
-        arriving while the count differs raises; waiting 60 s raises."""
+        their shared-memory accesses. The hardware counts whole warps, so every lane of a warp
+        should execute it. Emulation: a per-(block, id) counter of threads; a thread arriving
+        while the count differs raises; waiting 60 s raises."""
         _block_state("_nbflash_named_barriers", _NamedBarriers).arrive(barrier_id, count, True)
 
     def named_barrier_arrive(barrier_id, count):
