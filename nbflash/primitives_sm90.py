@@ -1,5 +1,5 @@
 """Hopper (sm_90a) primitives: fences, elect, setmaxnreg, named barriers, mbarriers, the 1-D bulk
-copy, 2-D TMA loads and wgmma, each as an inline-PTX intrinsic beside a plain-Python emulation.
+copy, 2-D TMA loads and stores, and wgmma, each as an inline-PTX intrinsic beside a plain-Python emulation.
 
 As in ``nbflash.primitives`` (whose ``shared_address`` and ``global_address`` these take), the choice
 between the two is made once, at import time, from ``numba.config.ENABLE_CUDASIM``; kernels import
@@ -348,6 +348,40 @@ if SIMULATOR:
         global memory from the host (cudaMemcpy) visible to the tensor-map proxy before TMA reads
         it; once per thread that issues TMA with that map. Emulation: nothing."""
 
+    def _tensor_map(address):
+        """The tensor (a writable NumPy view), box shape and swizzle of the map at ``address``."""
+        addr = int(address)
+        if not _p._global_ranges.contains(addr, 128):
+            raise IndexError(f"tensor map address {addr:#x} is outside every array")
+        words = np.frombuffer((ctypes.c_uint8 * 128).from_address(addr), dtype=np.uint64)
+        if int(words[0]) != _TENSOR_MAP_TAG:
+            raise ValueError("not a tensor map made by make_tensor_map_2d")
+        base, rows, cols, row_stride, box_rows, box_cols, swizzle = (int(w) for w in words[1:8])
+        if swizzle == SWIZZLE_128B and box_cols * 2 != 128:
+            raise NotImplementedError("the 128B swizzle emulation takes boxes of 128-byte rows")
+        if swizzle not in (SWIZZLE_NONE, SWIZZLE_128B):
+            raise NotImplementedError("TMA emulation: swizzle none or 128B")
+        tensor = np.frombuffer((ctypes.c_uint8 * (rows * row_stride)).from_address(base), dtype=np.uint16)
+        return tensor.reshape(rows, row_stride // 2)[:, :cols], box_rows, box_cols, swizzle
+
+    def _box_window(tensor, box_rows, box_cols, c0, c1):
+        """The part of the box at (row c1, column c0) inside the tensor: (box slice, tensor slice)."""
+        c0, c1 = int(np.int32(c0)), int(np.int32(c1))
+        rows, cols = tensor.shape
+        r_lo, r_hi = max(c1, 0), min(c1 + box_rows, rows)
+        k_lo, k_hi = max(c0, 0), min(c0 + box_cols, cols)
+        if r_lo >= r_hi or k_lo >= k_hi:
+            return None, None
+        return ((slice(r_lo - c1, r_hi - c1), slice(k_lo - c0, k_hi - c0)),
+                (slice(r_lo, r_hi), slice(k_lo, k_hi)))
+
+    def _chunk_order(box_rows, swizzle):
+        """Where each 16-byte chunk of the box's row-major image lies in shared memory (chunk
+        indices): the identity, or with the 128B swizzle chunk j of row r at j ^ (r % 8)."""
+        r = np.arange(box_rows)[:, None]
+        j = np.arange(8)[None, :]
+        return (r * 8 + (j ^ (r % 8) if swizzle == SWIZZLE_128B else j)).reshape(-1)
+
     def tma_load_2d(dst, tensor_map, c0, c1, bar):
         """cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes
         [dst], [map, {c0, c1}], [bar]: copy the box of the tensor map (make_tensor_map_2d) whose
@@ -358,36 +392,45 @@ if SIMULATOR:
         16-byte chunk j of row r is stored at chunk j ^ (r % 8): the K-major 128B image wgmma reads.
         Issued by one thread. Emulation: an immediate copy (swizzled by offset from ``dst``), then
         the complete_tx; only 16-byte alignment is checked (simulator arrays cannot be aligned)."""
-        addr = int(tensor_map)
-        if not _p._global_ranges.contains(addr, 128):
-            raise IndexError(f"tensor map address {addr:#x} is outside every array")
-        words = np.frombuffer((ctypes.c_uint8 * 128).from_address(addr), dtype=np.uint64)
-        if int(words[0]) != _TENSOR_MAP_TAG:
-            raise ValueError("not a tensor map made by make_tensor_map_2d")
-        base, rows, cols, row_stride, box_rows, box_cols, swizzle = (int(w) for w in words[1:8])
-        tensor = np.frombuffer((ctypes.c_uint8 * (rows * row_stride)).from_address(base), dtype=np.uint16)
-        tensor = tensor.reshape(rows, row_stride // 2)[:, :cols]
-        c0, c1 = int(np.int32(c0)), int(np.int32(c1))
+        tensor, box_rows, box_cols, swizzle = _tensor_map(tensor_map)
         box = np.zeros((box_rows, box_cols), dtype=np.uint16)
-        r_lo, r_hi = max(c1, 0), min(c1 + box_rows, rows)
-        k_lo, k_hi = max(c0, 0), min(c0 + box_cols, cols)
-        if r_lo < r_hi and k_lo < k_hi:
-            box[r_lo - c1:r_hi - c1, k_lo - c0:k_hi - c0] = tensor[r_lo:r_hi, k_lo:k_hi]
-        nbytes = box.nbytes
-        out = np.frombuffer(_p._shared_bytes(dst, nbytes), dtype=np.uint8)
-        raw = box.view(np.uint8).reshape(box_rows, box_cols * 2)
+        inside, source = _box_window(tensor, box_rows, box_cols, c0, c1)
+        if inside is not None:
+            box[inside] = tensor[source]
+        out = np.frombuffer(_p._shared_bytes(dst, box.nbytes), dtype=np.uint8)
+        chunks = out.reshape(-1, 16)
         if swizzle == SWIZZLE_128B:
-            if box_cols * 2 != 128:
-                raise NotImplementedError("the 128B swizzle emulation takes boxes of 128-byte rows")
-            chunks = raw.reshape(box_rows, 8, 16)
-            swizzled = np.empty_like(chunks)
-            r = np.arange(box_rows)[:, None]
-            swizzled[r, np.arange(8)[None, :] ^ (r % 8)] = chunks
-            raw = swizzled
-        elif swizzle != SWIZZLE_NONE:
-            raise NotImplementedError("tma_load_2d emulation: swizzle none or 128B")
-        out[:] = raw.reshape(-1)
-        _complete_tx(bar, nbytes)
+            chunks[_chunk_order(box_rows, swizzle)] = box.view(np.uint8).reshape(-1, 16)
+        else:
+            out[:] = box.view(np.uint8).reshape(-1)
+        _complete_tx(bar, box.nbytes)
+
+    def tma_store_2d(tensor_map, c0, c1, src):
+        """cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [map, {c0, c1}], [src]: the
+        inverse of tma_load_2d: write the box image at shared address ``src`` (laid out, and
+        swizzled, as tma_load_2d leaves it) to the tensor at (row c1, column c0); elements outside
+        the tensor are not written. Asynchronous, in this thread's bulk group: tma_store_commit
+        closes the group, tma_store_wait(0) waits until its reads of shared memory are done (before
+        the tile is overwritten) -- and, for other blocks or the host to see the writes, the kernel's
+        end. Write the tile with ordinary stores, then fence_proxy_async and a barrier, then one
+        thread stores. Emulation: an immediate copy."""
+        tensor, box_rows, box_cols, swizzle = _tensor_map(tensor_map)
+        nbytes = box_rows * box_cols * 2
+        image = np.frombuffer(_p._shared_bytes(src, nbytes), dtype=np.uint8).reshape(-1, 16)
+        if swizzle == SWIZZLE_128B:
+            image = image[_chunk_order(box_rows, swizzle)]
+        box = image.reshape(-1).view(np.uint16).reshape(box_rows, box_cols)
+        inside, target = _box_window(tensor, box_rows, box_cols, c0, c1)
+        if inside is not None:
+            tensor[target] = box[inside]
+
+    def tma_store_commit():
+        """cp.async.bulk.commit_group: close this thread's group of TMA stores (emulation: nothing)."""
+
+    def tma_store_wait(pending):
+        """cp.async.bulk.wait_group.read N: wait until at most ``pending`` (a literal) of this
+        thread's store groups still read shared memory (emulation: nothing; stores were
+        immediate)."""
 
     # --- Shared-memory matrix descriptors: an emulated shared window --------------------------------
     # The descriptor holds 14 bits of address, which cannot name a host address. So the emulation
@@ -638,7 +681,7 @@ else:
 
     def _check_pending(count):
         if not 0 <= count <= 7:
-            raise ValueError(f"wgmma_wait takes 0..7 pending groups, not {count}")
+            raise ValueError(f"a wait_group takes 0..7 pending groups, not {count}")
 
     u32, u64, i64 = types.uint32, types.uint64, types.int64
 
@@ -669,6 +712,10 @@ else:
     fence_proxy_tensormap_acquire = _ptx("fence.proxy.tensormap::generic.acquire.sys [$0], 128;", (i64,))
     tma_load_2d = _ptx("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
                        "[$0], [$1, {$2, $3}], [$4];", (u32, i64, types.int32, types.int32, u32))
+    tma_store_2d = _ptx("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [$0, {$1, $2}], [$3];",
+                        (i64, types.int32, types.int32, u32))
+    tma_store_commit = _ptx("cp.async.bulk.commit_group;")
+    tma_store_wait = _ptx_literal("cp.async.bulk.wait_group.read {};", _check_pending)
 
     @intrinsic
     def array_address(typingctx, arr):

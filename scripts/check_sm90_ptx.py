@@ -33,6 +33,8 @@ EXPECTED = {
     "mbarrier_bulk_copy": ["mbarrier.init.shared::cta.b64", "mbarrier.arrive.expect_tx",
                            "mbarrier.try_wait.parity", "cp.async.bulk.shared::cluster.global"],
     "bounded_wait": ["mbarrier.try_wait.parity", "trap;"],
+    "tma_store_2d": ["cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group",
+                     "cp.async.bulk.wait_group.read 0"],
     "tma_load_2d": ["cp.async.bulk.tensor.2d.shared::cluster.global.tile", "fence.proxy.tensormap::generic.acquire"],
     "wgmma": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "wgmma.commit_group.sync.aligned",
               "wgmma.wait_group.sync.aligned 0"],

@@ -446,9 +446,48 @@ def check_tma(swizzle, xp, rng):
         np.testing.assert_array_equal(out[p], expected)
 
 
+@cuda.jit
+def _tma_store_kernel(tensor_map, corners, boxes):
+    # For each corner: the block writes one box image into shared memory with ordinary stores, then
+    # thread 0 stores it to the tensor by TMA and waits until the tile has been read.
+    t = cuda.threadIdx.x
+    tile = cuda.shared.array(BOX_ELEMS, uint16, alignment=TILE_ALIGNMENT)
+    tmap = H.array_address(tensor_map)
+    if t == 0:
+        H.fence_proxy_tensormap_acquire(tmap)  # the map was copied from the host
+    for p in range(corners.shape[0]):
+        for i in range(t, BOX_ELEMS, 64):
+            tile[i] = boxes[p, i]
+        H.fence_proxy_async()  # this thread's stores are seen by the TMA unit (the async proxy)
+        cuda.syncthreads()  # every thread's part of the tile is in before the store reads it
+        if t == 0:
+            H.tma_store_2d(tmap, corners[p, 0], corners[p, 1], P.shared_address(tile))
+            H.tma_store_commit()
+            H.tma_store_wait(0)  # the tile has been read: it may be overwritten
+        cuda.syncthreads()  # nobody overwrites the tile before thread 0's wait
+
+
+def check_tma_store(swizzle, xp, rng):
+    # Boxes at disjoint places (the last two partly outside the tensor) of a poisoned tensor: the
+    # order in which two stores reach global memory is not defined.
+    corners = ((0, 0), (100, 0), (8, 64))
+    x = np.full((100, 136), 0xABCD, dtype=np.uint16)
+    boxes = rng.integers(0, 1 << 16, size=(len(corners), BOX_ROWS, BOX_COLS), dtype=np.uint16)
+    images = np.stack([_image(b, "kmajor_128b") if swizzle == H.SWIZZLE_128B else b.ravel() for b in boxes])
+    x_dev = xp.asarray(x)
+    tensor_map = H.make_tensor_map_2d(x_dev, BOX_ROWS, BOX_COLS, swizzle)
+    _tma_store_kernel[1, 64](tensor_map, xp.asarray(np.asarray(corners, dtype=np.int32)), xp.asarray(images))
+    got = x_dev.get() if hasattr(x_dev, "get") else x_dev
+    expected = np.full((100 + BOX_ROWS, 136 + BOX_COLS), 0xABCD, dtype=np.uint16)
+    for (c0, c1), box in zip(corners, boxes):
+        expected[c1:c1 + BOX_ROWS, c0:c0 + BOX_COLS] = box
+    np.testing.assert_array_equal(got, expected[:100, :136])
+
+
 @pytest.mark.parametrize("swizzle", [H.SWIZZLE_NONE, H.SWIZZLE_128B], ids=["none", "128b"])
-def test_tma_load_2d(swizzle, xp, rng):
+def test_tma_2d(swizzle, xp, rng):
     check_tma(swizzle, xp, rng)
+    check_tma_store(swizzle, xp, rng)
 
 
 # --- On the GPU (compute capability 9.0): every check, several draws ----------------------------------
@@ -466,6 +505,7 @@ def test_sm90_intrinsics_on_gpu(xp):
         check_two_gemm(rng)
         for swizzle in (H.SWIZZLE_NONE, H.SWIZZLE_128B):
             check_tma(swizzle, xp, rng)
+            check_tma_store(swizzle, xp, rng)
 
 
 # --- Offline: every kernel above compiles for sm_90a and assembles (scripts/check_sm90_ptx.py) --------
@@ -512,6 +552,8 @@ def offline_kernels():
         ("wgmma_two_gemm", _two_gemm_kernel, (u16_1d, u16_1d, u16_1d, f32_2d), {}),
         ("tma_load_2d", _tma_kernel, (types.Array(types.uint64, 1, "C"), types.Array(types.int32, 2, "C"),
                                       types.Array(types.uint16, 2, "C")), {}),
+        ("tma_store_2d", _tma_store_kernel, (types.Array(types.uint64, 1, "C"), types.Array(types.int32, 2, "C"),
+                                             types.Array(types.uint16, 2, "C")), {}),
     ]
     for case in WGMMA_CASES:
         kernel = _make_wgmma_kernel(*case[:4])
