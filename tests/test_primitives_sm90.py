@@ -5,7 +5,7 @@ layouts written out in the module, calls the primitives, and compares what comes
 NumPy statement. Without a GPU this checks the simulator's emulations; the ``gpu``-marked test runs
 the very same checks on the inline-PTX intrinsics (compute capability 9.0 only), which is what
 makes the emulations trustworthy. ``scripts/check_sm90_ptx.py`` compiles every kernel here for
-sm_90a and runs ptxas on it, with no GPU (``OFFLINE_KERNELS`` lists them with their signatures).
+sm_90a and runs ptxas on it, with no GPU (``offline_kernels()`` lists them with their signatures).
 """
 
 import numpy as np
@@ -183,11 +183,26 @@ def test_bounded_wait_traps():
 
 # --- Shared-memory matrix descriptors ---------------------------------------------------------------
 
+@cuda.jit
+def _descriptor_kernel(fields, out):
+    for i in range(fields.shape[0]):
+        out[i] = H.descriptor_bits(uint32(fields[i, 0]), uint32(fields[i, 1]), uint32(fields[i, 2]),
+                                   uint32(fields[i, 3]))
+
+
+def check_descriptor_bits():
+    # (address, LBO, SBO, swizzle) and the descriptor written out by hand.
+    fields = np.array([[0x1230, 128, 1024, H.SWIZZLE_128B], [0x3FFF0, 0, 0, H.SWIZZLE_NONE],
+                       [0x40010, 0x3FFF0, 16, H.SWIZZLE_32B]], dtype=np.int64)
+    expected = np.array([0x123 | (8 << 16) | (64 << 32) | (1 << 62), 0x3FFF,
+                         0x001 | (0x3FFF << 16) | (1 << 32) | (3 << 62)], dtype=np.uint64)
+    out = np.zeros(3, dtype=np.uint64)
+    _descriptor_kernel[1, 1](fields, out)
+    np.testing.assert_array_equal(out, expected)
+
+
 def test_descriptor_bits():
-    # Fields placed by hand: start 0x1230 >> 4, LBO 128 >> 4, SBO 1024 >> 4, 128B swizzle.
-    desc = int(H.descriptor_bits(np.uint32(0x1230), np.uint32(128), np.uint32(1024), np.uint32(H.SWIZZLE_128B)))
-    assert desc == 0x123 | (8 << 16) | (64 << 32) | (1 << 62)
-    assert int(H.descriptor_bits(np.uint32(0x3FFF0), np.uint32(0), np.uint32(0), np.uint32(0))) == 0x3FFF
+    check_descriptor_bits()
 
 
 # --- wgmma m64nNk16 ---------------------------------------------------------------------------------
@@ -498,6 +513,7 @@ def test_sm90_intrinsics_on_gpu(xp):
     rng = np.random.default_rng(90)
     for _ in range(5):
         check_small()
+        check_descriptor_bits()
         check_named_barriers()
         check_mbarrier(rng)
         for case in WGMMA_CASES:
@@ -544,6 +560,8 @@ def offline_kernels():
     f32_2d = types.Array(types.float32, 2, "C")
     kernels = [
         ("small", _small_kernel, (types.Array(types.uint32, 1, "C"),), {"launch_bounds": (128, 1)}),
+        ("descriptor_bits", _descriptor_kernel, (types.Array(types.int64, 2, "C"), types.Array(types.uint64, 1, "C")),
+         {}),
         ("named_barriers", _named_barrier_kernel, (types.Array(types.uint32, 2, "C"),), {}),
         ("mbarrier_bulk_copy", _mbarrier_kernel,
          (types.Array(types.float16, 4, "C"), types.Array(types.uint16, 2, "C"),
