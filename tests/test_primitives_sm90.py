@@ -414,6 +414,57 @@ def test_two_gemm_registers(rng):
     check_two_gemm(rng)
 
 
+# --- Two groups in flight: wait_group(1) frees the older while the newer runs ------------------------
+
+@cuda.jit
+def _two_groups_kernel(a_image, b_image, c, d_first, d_second):
+    # Group 1: acc1 = C + A0 B0 (K's first half); group 2: acc2 = A1 B1 (the second half), issued
+    # before group 1 is waited for. wait_group(1) then lets acc1 be read while group 2 may still run.
+    t = cuda.threadIdx.x
+    sa = cuda.shared.array(A_ELEMS, uint16, alignment=TILE_ALIGNMENT)
+    sb = cuda.shared.array(B_ELEMS, uint16, alignment=TILE_ALIGNMENT)
+    for i in range(t, A_ELEMS, 128):
+        sa[i] = a_image[i]
+    for i in range(t, B_ELEMS, 128):
+        sb[i] = b_image[i]
+    H.fence_proxy_async()  # the generic-proxy stores are seen by wgmma (the async proxy)
+    cuda.syncthreads()  # every thread's stores are in before any wgmma reads them
+    da = H.smem_descriptor(P.shared_address(sa), _q_lbo, _q_sbo, _q_swz)
+    db = H.smem_descriptor(P.shared_address(sb), _q_lbo, _q_sbo, _q_swz)
+    acc1 = H.fence_operands(H.registers_from(c[t], REGS))
+    acc2 = acc1  # any values: its first step has scale_d 0
+    H.wgmma_fence()  # acc1's loads are ordered before wgmma reads it
+    for s in range(2):
+        acc1 = _s_wgmma(acc1, da + uint64(s * _q_step // 16), db + uint64(s * _q_step // 16), uint32(1))
+    H.wgmma_commit()
+    for s in range(2, 4):
+        acc2 = _s_wgmma(acc2, da + uint64(s * _q_step // 16), db + uint64(s * _q_step // 16),
+                        uint32(0 if s == 2 else 1))
+    H.wgmma_commit()
+    H.wgmma_wait(1)  # the first group is done, the second may not be
+    H.registers_to(d_first[t], H.fence_operands(acc1))
+    H.wgmma_wait(0)
+    H.registers_to(d_second[t], H.fence_operands(acc2))
+
+
+def check_two_groups(rng):
+    a = _bits(rng.standard_normal((64, K)), "float16")
+    b = _bits(rng.standard_normal((N, K)), "float16")
+    c = rng.standard_normal((64, N)).astype(np.float32)
+    rows, cols = _acc_coords(N)
+    first = np.full((128, REGS), np.nan, dtype=np.float32)
+    second = np.full((128, REGS), np.nan, dtype=np.float32)
+    _two_groups_kernel[1, 128](_image(a, "kmajor_128b"), _image(b, "kmajor_128b"), c[rows, cols].copy(),
+                               first, second)
+    a, b, h = _values(a, "float16"), _values(b, "float16"), K // 2
+    np.testing.assert_allclose(first, (a[:, :h] @ b[:, :h].T + c)[rows, cols], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(second, (a[:, h:] @ b[:, h:].T)[rows, cols], rtol=1e-5, atol=1e-4)
+
+
+def test_two_groups_in_flight(rng):
+    check_two_groups(rng)
+
+
 # --- TMA: 2-D tile loads through a tensor map ----------------------------------------------------------
 
 BOX_ROWS, BOX_COLS = 64, 64  # 128-byte box rows: what the 128B swizzle takes
@@ -519,6 +570,7 @@ def test_sm90_intrinsics_on_gpu(xp):
         for case in WGMMA_CASES:
             check_wgmma(*case, rng)
         check_two_gemm(rng)
+        check_two_groups(rng)
         for swizzle in (H.SWIZZLE_NONE, H.SWIZZLE_128B):
             check_tma(swizzle, xp, rng)
             check_tma_store(swizzle, xp, rng)
@@ -568,6 +620,7 @@ def offline_kernels():
           types.Array(types.uint32, 1, "C")), {}),
         ("bounded_wait", _stuck_kernel, (types.Array(types.float16, 4, "C"),), {}),
         ("wgmma_two_gemm", _two_gemm_kernel, (u16_1d, u16_1d, u16_1d, f32_2d), {}),
+        ("wgmma_two_groups", _two_groups_kernel, (u16_1d, u16_1d, f32_2d, f32_2d, f32_2d), {}),
         ("tma_load_2d", _tma_kernel, (types.Array(types.uint64, 1, "C"), types.Array(types.int32, 2, "C"),
                                       types.Array(types.uint16, 2, "C")), {}),
         ("tma_store_2d", _tma_store_kernel, (types.Array(types.uint64, 1, "C"), types.Array(types.int32, 2, "C"),
