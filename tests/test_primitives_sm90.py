@@ -383,14 +383,18 @@ def _two_gemm_kernel(q_image, k_image, v_image, o):
     H.wgmma_commit()
     H.wgmma_wait(0)
     acc_s = H.fence_operands(acc_s)
+    # P's A fragments: k16 slice s (S's columns 16 s .. 16 s + 15) is S's registers 8 s .. 8 s + 7,
+    # packed in pairs. They go through fence_operands before wgmma_fence, so that the packing is
+    # done before the wgmmas are issued (else ptxas serializes them, C7511).
+    p = cuda.local.array(16, uint32)
+    for j in range(16):
+        p[j] = P.pack_f16x2(acc_s[2 * j], acc_s[2 * j + 1])
+    p_regs = H.fence_operands(H.registers_from(p, 16))
     acc_o = acc_s  # any values: the first P V step has scale_d 0
-    H.wgmma_fence()  # the S registers, now A fragments, are ordered before wgmma reads them
-    for s in range(N // 16):  # P's k16 slices: S's columns 16 s .. 16 s + 15
-        a0 = P.pack_f16x2(acc_s[8 * s + 0], acc_s[8 * s + 1])
-        a1 = P.pack_f16x2(acc_s[8 * s + 2], acc_s[8 * s + 3])
-        a2 = P.pack_f16x2(acc_s[8 * s + 4], acc_s[8 * s + 5])
-        a3 = P.pack_f16x2(acc_s[8 * s + 6], acc_s[8 * s + 7])
-        acc_o = _o_wgmma(acc_o, a0, a1, a2, a3, dv + uint64(s * _v_step // 16), uint32(0 if s == 0 else 1))
+    H.wgmma_fence()  # the A fragments are ordered before wgmma reads them
+    for s in range(N // 16):
+        acc_o = _o_wgmma(acc_o, p_regs[4 * s], p_regs[4 * s + 1], p_regs[4 * s + 2], p_regs[4 * s + 3],
+                         dv + uint64(s * _v_step // 16), uint32(0 if s == 0 else 1))
     H.wgmma_commit()
     H.wgmma_wait(0)
     H.registers_to(o[t], H.fence_operands(acc_o))
