@@ -873,7 +873,8 @@ def make_wgmma_rs(n, ab="f16", trans_b=0):
     registers (RS): a0..a3 are uint32 of two f16/bf16 each (the lower k in the low half); a_j of
     thread t holds A[16 w + g + 8 (j % 2), 8 (j // 2) + 2 q] and the next column, i.e. the
     accumulator's layout at n = 16, so a k16 slice of an accumulator packs into A without
-    shuffles."""
+    shuffles. Make the A registers before wgmma_fence and pass them through fence_operands: packed
+    between the wgmmas, they made ptxas serialize them (C7511 in its -v output)."""
     _check_wgmma(n, ab, trans_b)
     return _make_wgmma_rs(n, ab, trans_b)
 
