@@ -1,0 +1,926 @@
+"""Hopper (sm_90a) primitives: fences, elect, setmaxnreg, named barriers, mbarriers, the 1-D bulk
+copy, 2-D TMA loads and stores, and wgmma, each as an inline-PTX intrinsic beside a plain-Python emulation.
+
+As in ``nbflash.primitives`` (whose ``shared_address`` and ``global_address`` these take), the choice
+between the two is made once, at import time, from ``numba.config.ENABLE_CUDASIM``; kernels import
+the names from here and never ask which version they got. ``tests/test_primitives_sm90.py`` checks
+the emulations against NumPy in the simulator and the intrinsics against the same checks on a GPU;
+``scripts/check_sm90_ptx.py`` compiles every one of its kernels for sm_90a and runs ptxas on them.
+
+The instructions are arch-specific: they assemble only for ``sm_90a`` (``compile_ptx(...,
+cc=(9, 0, "a"))`` offline; Numba's dispatcher picks sm_90a by itself on a device of compute
+capability 9.0) and run only on compute capability 9.0.
+
+Addresses: a shared-memory operand is a 32-bit shared-window address (``shared_address(arr)`` plus a
+byte offset), a global one an int64 (``global_address``). In the simulator both are host addresses,
+and every emulated access is checked to lie inside an array handed to those functions.
+
+Conventions of the simulator's emulation, beyond each docstring:
+
+* The simulator runs each CUDA thread as a Python thread and one block at a time; emulated state
+  (mbarriers, named barriers, warpgroup exchanges) is kept per block and dies with it.
+* Asynchronous operations (the bulk copy, TMA, wgmma) complete at once; their waits then only
+  check. So the emulation cannot catch a read of a wgmma result before its wait_group, or of a
+  copied tile before its mbarrier phase; only the GPU can.
+"""
+
+import os
+import threading
+
+import numpy as np
+from numba import cuda, uint32, uint64
+
+from . import primitives as _p
+from .primitives import SIMULATOR
+
+# Swizzle modes of a shared-memory matrix descriptor (bits 62-63).
+SWIZZLE_NONE = 0
+SWIZZLE_128B = 1
+SWIZZLE_64B = 2
+SWIZZLE_32B = 3
+
+# Spins of mbarrier_wait before it traps. 0 waits forever, as production kernels do; a debug build
+# sets NBFLASH_DEBUG_WAIT_SPINS so that a wrong byte count or parity traps instead of hanging the
+# GPU. The emulated try_wait blocks for up to a millisecond, so the simulator's bound is ~10 s.
+WAIT_SPIN_LIMIT = 10_000 if SIMULATOR else int(os.environ.get("NBFLASH_DEBUG_WAIT_SPINS", "0"))
+
+# The alignment to declare on shared arrays that wgmma reads through a swizzled descriptor
+# (``cuda.shared.array(n, uint16, alignment=TILE_ALIGNMENT)``): the swizzle pattern repeats every
+# 1024 bytes and the descriptor's base offset is 0. The simulator refuses ``alignment`` and needs none
+# (see smem_descriptor).
+TILE_ALIGNMENT = None if SIMULATOR else 1024
+
+
+# Operand images in shared memory that the descriptor can describe, as the wgmma emulation decodes
+# them (16-bit elements; r is the M or N index, k the K index; byte offsets from the start address;
+# a "core matrix" is 8 rows of 16 bytes):
+#
+#   K-major,  no swizzle:  (r % 8) 16 + (r // 8) SBO + (k // 8) LBO + (k % 8) 2
+#   K-major,  128B:        (r % 8) 128 + (r // 8) SBO + 2 k, then the swizzle below (rows of 64 k)
+#   MN-major, no swizzle:  (r % 8) 2 + (r // 8) SBO + (k % 8) 16 + (k // 8) LBO
+#   MN-major, 128B:        (r % 64) 2 + (r // 64) LBO + (k % 8) 128 + (k // 8) SBO, then the swizzle
+#
+# The 128B swizzle XORs address bits 4-6 (the 16-byte chunk) with bits 7-9 (the 128-byte row) of the
+# shared address itself, so a swizzled tile starts 1024-byte aligned (TILE_ALIGNMENT) and a k16
+# step inside a 128-byte row just adds 32 bytes to the start. LBO is unused by K-major 128B (CUTLASS
+# sets 16). The 64B and 32B swizzles are encoded but not emulated.
+
+
+@cuda.jit(device=True, inline=True)
+def descriptor_bits(window_address, leading_bytes, stride_bytes, swizzle):
+    """The 64-bit wgmma shared-memory matrix descriptor: bits 0-13 the start address >> 4, 16-29 the
+    leading-dimension byte offset (LBO) >> 4, 32-45 the stride byte offset (SBO) >> 4, 49-51 the
+    base offset (0 here), 62-63 the swizzle mode (SWIZZLE_*). The start address is the tile's 32-bit
+    shared-window address; adding ``uint64(offset >> 4)`` to a descriptor moves its start."""
+    field = uint64(0x3FFF)
+    return (((uint64(window_address) >> uint64(4)) & field)
+            | (((uint64(leading_bytes) >> uint64(4)) & field) << uint64(16))
+            | (((uint64(stride_bytes) >> uint64(4)) & field) << uint64(32))
+            | ((uint64(swizzle) & uint64(3)) << uint64(62)))
+
+
+if SIMULATOR:
+    import ctypes
+
+    def _block():
+        """The simulator's manager of the current thread's block, and the thread's linear id."""
+        thread = threading.current_thread()
+        return thread._manager, thread.thread_id
+
+    def _block_state(name, make):
+        manager, _ = _block()
+        with _p._exchange_lock:
+            state = manager.__dict__.get(name)
+            if state is None:
+                state = manager.__dict__[name] = make()
+        return state
+
+    def _group_collective(combine, value, size):
+        """As primitives._warp_collective, over the ``size`` consecutive threads (a warpgroup: 128)
+        holding this one: each posts ``value``, one runs ``combine`` on all of them in rank order,
+        each gets its own entry back."""
+        manager, thread_id = _block()
+        group, rank = divmod(thread_id, size)
+        with _p._exchange_lock:
+            exchanges = manager.__dict__.setdefault(f"_nbflash_groups_{size}", {})
+            exchange = exchanges.get(group)
+            if exchange is None:
+                block_threads = int(np.prod(manager._block_dim))
+                if block_threads < size * (group + 1):
+                    raise ValueError(f"a {size}-thread collective needs whole groups; the block has "
+                                     f"{block_threads} threads")
+                exchange = exchanges[group] = _p._WarpExchange(size)
+        exchange.posted[rank] = (combine, value)
+        exchange.arrived.wait()
+        result = exchange.results[rank]
+        exchange.read.wait()
+        return result
+
+    def _check_shared(addr, nbytes, align):
+        addr = int(addr)
+        if addr % align:
+            raise ValueError(f"shared address {addr:#x} is not {align}-byte aligned")
+        if not _p._shared_ranges.contains(addr, nbytes):
+            raise IndexError(f"shared address {addr:#x} (+{nbytes}) is outside every shared array")
+        return addr
+
+    # --- Fences, elect, setmaxnreg ----------------------------------------------------------------
+
+    def fence_proxy_async():
+        """fence.proxy.async.shared::cta: order this thread's generic-proxy shared-memory writes
+        before later async-proxy accesses (wgmma, bulk copies); goes after ``st.shared`` of
+        operands and before the barrier that publishes them. Emulation: nothing (one proxy)."""
+
+    def wgmma_fence():
+        """wgmma.fence.sync.aligned: order prior register and shared accesses before the next
+        wgmma reads them (before the first wgmma, and after touching its accumulator or A
+        registers). Warpgroup-wide. Emulation: nothing (wgmma completes at once)."""
+
+    def elect_sync():
+        """elect.sync with the full mask: 1 in one lane of the warp, 0 in the others. All 32 lanes
+        must execute it. The hardware elects one lane, the same one for the same mask (the PTX ISA
+        does not say which); the emulation elects lane 0."""
+        _, thread_id = _block()
+        return np.uint32(1 if thread_id % 32 == 0 else 0)
+
+    def _check_maxnreg(count):
+        if not (24 <= count <= 256 and count % 8 == 0):
+            raise ValueError(f"setmaxnreg takes a multiple of 8 in [24, 256], not {count}")
+
+    def setmaxnreg_inc(count):
+        """setmaxnreg.inc.sync.aligned.u32 count: raise this warpgroup's register cap to ``count``
+        (a literal multiple of 8 in [24, 256]); needs a register cap at kernel entry
+        (``launch_bounds``). Emulation: checks ``count``, does nothing."""
+        _check_maxnreg(count)
+
+    def setmaxnreg_dec(count):
+        """setmaxnreg.dec.sync.aligned.u32 count: lower this warpgroup's register cap (see
+        setmaxnreg_inc). Emulation: checks ``count``, does nothing."""
+        _check_maxnreg(count)
+
+    def trap():
+        """trap: abort the kernel (the emulation raises)."""
+        raise RuntimeError("trap: the kernel aborted")
+
+    # --- Named barriers -----------------------------------------------------------------------------
+    # Ids 1..15 are the kernel's; id 0 is cuda.syncthreads's, which the emulation does not share.
+
+    class _NamedBarriers:
+        def __init__(self):
+            self.cv = threading.Condition()
+            self.count = {}
+            self.arrived = {}
+            self.generation = {}
+
+        def arrive(self, barrier_id, count, wait):
+            barrier_id, count = int(barrier_id), int(count)
+            if not 1 <= barrier_id <= 15:
+                raise ValueError(f"named barrier id {barrier_id} is not in 1..15 (0 is syncthreads')")
+            if count <= 0 or count % 32:
+                raise ValueError(f"named barrier thread count {count} is not a positive multiple of 32")
+            with self.cv:
+                if self.arrived.get(barrier_id, 0) and self.count[barrier_id] != count:
+                    raise RuntimeError(f"named barrier {barrier_id}: count {count} while "
+                                       f"{self.count[barrier_id]} threads are expected")
+                self.count[barrier_id] = count
+                generation = self.generation.setdefault(barrier_id, 0)
+                self.arrived[barrier_id] = self.arrived.get(barrier_id, 0) + 1
+                if self.arrived[barrier_id] == count:
+                    self.arrived[barrier_id] = 0
+                    self.generation[barrier_id] = generation + 1
+                    self.cv.notify_all()
+                elif wait:
+                    released = self.cv.wait_for(lambda: self.generation[barrier_id] != generation,
+                                                timeout=60)
+                    if not released:
+                        raise RuntimeError(f"named barrier {barrier_id}: {self.arrived[barrier_id]} "
+                                           f"of {count} threads arrived in 60 s")
+
+    def named_barrier_sync(barrier_id, count):
+        """bar.sync id, count: wait until ``count`` threads (a multiple of 32, whole warps) have
+        arrived at barrier ``id`` (1..15; 0 is syncthreads'), counting this one; it also orders
+        their shared-memory accesses. The hardware counts whole warps, so every lane of a warp
+        should execute it. Emulation: a per-(block, id) counter of threads; a thread arriving
+        while the count differs raises; waiting 60 s raises."""
+        _block_state("_nbflash_named_barriers", _NamedBarriers).arrive(barrier_id, count, True)
+
+    def named_barrier_arrive(barrier_id, count):
+        """bar.arrive id, count: count this thread into barrier ``id`` (as named_barrier_sync) and
+        go on without waiting: the producer's half of a producer/consumer hand-off."""
+        _block_state("_nbflash_named_barriers", _NamedBarriers).arrive(barrier_id, count, False)
+
+    # --- mbarrier ---------------------------------------------------------------------------------
+
+    class _MBarrier:
+        """An mbarrier's phase: arrivals still expected in it and transaction bytes outstanding."""
+
+        def __init__(self, count):
+            self.count = count
+            self.pending = count
+            self.tx = 0
+            self.phase = 0
+
+        def complete_if_done(self):
+            if self.pending == 0 and self.tx == 0:
+                self.phase += 1
+                self.pending = self.count
+
+    class _MBarriers:
+        def __init__(self):
+            self.cv = threading.Condition()
+            self.barriers = {}
+
+        def update(self, bar, step):
+            addr = _check_shared(bar, 8, 8)
+            with self.cv:
+                barrier = self.barriers.get(addr)
+                if barrier is None:
+                    raise RuntimeError(f"mbarrier at {addr:#x} used before mbarrier_init")
+                step(barrier)
+                if barrier.pending < 0:
+                    raise RuntimeError(f"mbarrier at {addr:#x}: more arrivals than its count "
+                                       f"{barrier.count} in one phase")
+                barrier.complete_if_done()
+                self.cv.notify_all()
+
+    def _mbarriers():
+        return _block_state("_nbflash_mbarriers", _MBarriers)
+
+    def mbarrier_init(bar, count):
+        """mbarrier.init.shared::cta.b64 [bar], count: make the 8-byte-aligned 64-bit shared word at
+        ``bar`` a barrier expecting ``count`` arrivals per phase, in phase 0. One thread inits; a
+        fence_mbarrier_init and a syncthreads publish it. Emulation: the barrier's state is a Python
+        object keyed by the address (the word itself is not written)."""
+        addr = _check_shared(bar, 8, 8)
+        if not 1 <= int(count) < 1 << 20:
+            raise ValueError(f"mbarrier arrival count {int(count)} is not in [1, 2**20)")
+        state = _mbarriers()
+        with state.cv:
+            state.barriers[addr] = _MBarrier(int(count))
+
+    def fence_mbarrier_init():
+        """fence.mbarrier_init.release.cluster: make prior mbarrier_inits visible to the async
+        proxy (bulk copies completing on them). Emulation: nothing."""
+
+    def mbarrier_arrive(bar):
+        """mbarrier.arrive.shared::cta.b64: one arrival on the barrier's current phase. The phase
+        completes when all its arrivals are in and its transaction count is back to zero."""
+        _mbarriers().update(bar, lambda b: setattr(b, "pending", b.pending - 1))
+
+    def mbarrier_arrive_expect_tx(bar, nbytes):
+        """mbarrier.arrive.expect_tx.shared::cta.b64: add ``nbytes`` to the current phase's
+        expected transaction bytes (which bulk copies complete), then arrive."""
+
+        def step(b):
+            b.tx += int(nbytes)
+            b.pending -= 1
+
+        _mbarriers().update(bar, step)
+
+    def _complete_tx(bar, nbytes):
+        def step(b):
+            b.tx -= int(nbytes)
+
+        _mbarriers().update(bar, step)
+
+    def mbarrier_try_wait_parity(bar, parity):
+        """mbarrier.try_wait.parity.shared::cta.b64: 1 once the phase of parity ``parity`` (0 or 1)
+        has completed (the barrier's current phase has the other parity), else 0 after a
+        system-dependent time. Emulation: blocks up to 1 ms for a change before answering 0."""
+        addr = _check_shared(bar, 8, 8)
+        state = _mbarriers()
+        with state.cv:
+            barrier = state.barriers.get(addr)
+            if barrier is None:
+                raise RuntimeError(f"mbarrier at {addr:#x} waited on before mbarrier_init")
+
+            def done():
+                return barrier.phase % 2 != int(parity) % 2
+
+            return np.uint32(1 if state.cv.wait_for(done, timeout=1e-3) else 0)
+
+    # --- Bulk copy, global -> shared, completing on an mbarrier ---------------------------------
+
+    def bulk_copy_g2s(dst, src_address, nbytes, bar):
+        """cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], nbytes,
+        [bar]: copy ``nbytes`` (a multiple of 16) from global address ``src_address`` (16-byte
+        aligned; see primitives.global_address) to shared address ``dst`` (16-byte aligned),
+        asynchronously; the copy completes ``nbytes`` transaction bytes on the mbarrier ``bar``,
+        which must expect them (mbarrier_arrive_expect_tx) in the same phase. Issued by one thread.
+        Emulation: an immediate copy, then the complete_tx."""
+        nbytes = int(nbytes)
+        if nbytes <= 0 or nbytes % 16:
+            raise ValueError(f"bulk copy of {nbytes} bytes: not a positive multiple of 16")
+        dst = _check_shared(dst, nbytes, 16)
+        src = int(src_address)
+        if src % 16:
+            raise ValueError(f"global address {src:#x} is not 16-byte aligned")
+        if not _p._global_ranges.contains(src, nbytes):
+            raise IndexError(f"global address {src:#x} (+{nbytes}) is outside every array")
+        ctypes.memmove(dst, src, nbytes)
+        _complete_tx(bar, nbytes)
+
+    # --- TMA: 2-D tile loads through a tensor map ----------------------------------------------------
+    # The emulated tensor map is nbflash's own: 16 uint64 words (the size of the driver's CUtensorMap)
+    # holding a tag, the tensor's address, shape and row stride, the box and the swizzle.
+
+    _TENSOR_MAP_TAG = 0x6E62_666C_746D_6170  # "nbfltmap"
+
+    def _encode_tensor_map(x, box_rows, box_cols, swizzle):
+        nd = np.asarray(x)
+        words = np.zeros(16, dtype=np.uint64)
+        words[:8] = [_TENSOR_MAP_TAG, nd.ctypes.data, nd.shape[0], nd.shape[1], nd.strides[0],
+                     box_rows, box_cols, swizzle]
+        low, high = np.lib.array_utils.byte_bounds(nd)
+        _p._global_ranges.register(low, high)
+        return words
+
+    def array_address(arr):
+        """The global address of ``arr[0]`` (of any array), as an int64: what tma_load_2d and
+        fence_proxy_tensormap_acquire take for a tensor map."""
+        nd = arr._item._ary if hasattr(arr, "_item") else arr
+        low, high = np.lib.array_utils.byte_bounds(nd)
+        _p._global_ranges.register(low, high)
+        return np.int64(nd.ctypes.data)
+
+    def fence_proxy_tensormap_acquire(tensor_map):
+        """fence.proxy.tensormap::generic.acquire.sys [map], 128: make a tensor map written to
+        global memory from the host (cudaMemcpy) visible to the tensor-map proxy before TMA reads
+        it; once per thread that issues TMA with that map. Emulation: nothing."""
+
+    def _tensor_map(address):
+        """The tensor (a writable NumPy view), box shape and swizzle of the map at ``address``."""
+        addr = int(address)
+        if not _p._global_ranges.contains(addr, 128):
+            raise IndexError(f"tensor map address {addr:#x} is outside every array")
+        words = np.frombuffer((ctypes.c_uint8 * 128).from_address(addr), dtype=np.uint64)
+        if int(words[0]) != _TENSOR_MAP_TAG:
+            raise ValueError("not a tensor map made by make_tensor_map_2d")
+        base, rows, cols, row_stride, box_rows, box_cols, swizzle = (int(w) for w in words[1:8])
+        if swizzle == SWIZZLE_128B and box_cols * 2 != 128:
+            raise NotImplementedError("the 128B swizzle emulation takes boxes of 128-byte rows")
+        if swizzle not in (SWIZZLE_NONE, SWIZZLE_128B):
+            raise NotImplementedError("TMA emulation: swizzle none or 128B")
+        tensor = np.frombuffer((ctypes.c_uint8 * (rows * row_stride)).from_address(base), dtype=np.uint16)
+        return tensor.reshape(rows, row_stride // 2)[:, :cols], box_rows, box_cols, swizzle
+
+    def _box_window(tensor, box_rows, box_cols, c0, c1):
+        """The part of the box at (row c1, column c0) inside the tensor: (box slice, tensor slice)."""
+        c0, c1 = int(np.int32(c0)), int(np.int32(c1))
+        rows, cols = tensor.shape
+        r_lo, r_hi = max(c1, 0), min(c1 + box_rows, rows)
+        k_lo, k_hi = max(c0, 0), min(c0 + box_cols, cols)
+        if r_lo >= r_hi or k_lo >= k_hi:
+            return None, None
+        return ((slice(r_lo - c1, r_hi - c1), slice(k_lo - c0, k_hi - c0)),
+                (slice(r_lo, r_hi), slice(k_lo, k_hi)))
+
+    def _chunk_order(box_rows, swizzle):
+        """Where each 16-byte chunk of the box's row-major image lies in shared memory (chunk
+        indices): the identity, or with the 128B swizzle chunk j of row r at j ^ (r % 8)."""
+        r = np.arange(box_rows)[:, None]
+        j = np.arange(8)[None, :]
+        return (r * 8 + (j ^ (r % 8) if swizzle == SWIZZLE_128B else j)).reshape(-1)
+
+    def tma_load_2d(dst, tensor_map, c0, c1, bar):
+        """cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes
+        [dst], [map, {c0, c1}], [bar]: copy the box of the tensor map (make_tensor_map_2d) whose
+        first element is (row c1, column c0) -- c0 the innermost coordinate, in elements -- to shared
+        address ``dst`` (128-byte aligned; 1024 with the 128B swizzle), asynchronously, completing the
+        full box's bytes on mbarrier ``bar`` even where the box leaves the tensor (those elements
+        are zero). The box lands row after row; with SWIZZLE_128B (rows of exactly 128 bytes) the
+        16-byte chunk j of row r is stored at chunk j ^ (r % 8): the K-major 128B image wgmma reads.
+        Issued by one thread. Emulation: an immediate copy (swizzled by offset from ``dst``), then
+        the complete_tx; only 16-byte alignment is checked (simulator arrays cannot be aligned)."""
+        tensor, box_rows, box_cols, swizzle = _tensor_map(tensor_map)
+        box = np.zeros((box_rows, box_cols), dtype=np.uint16)
+        inside, source = _box_window(tensor, box_rows, box_cols, c0, c1)
+        if inside is not None:
+            box[inside] = tensor[source]
+        out = np.frombuffer(_p._shared_bytes(dst, box.nbytes), dtype=np.uint8)
+        chunks = out.reshape(-1, 16)
+        if swizzle == SWIZZLE_128B:
+            chunks[_chunk_order(box_rows, swizzle)] = box.view(np.uint8).reshape(-1, 16)
+        else:
+            out[:] = box.view(np.uint8).reshape(-1)
+        _complete_tx(bar, box.nbytes)
+
+    def tma_store_2d(tensor_map, c0, c1, src):
+        """cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [map, {c0, c1}], [src]: the
+        inverse of tma_load_2d: write the box image at shared address ``src`` (laid out, and
+        swizzled, as tma_load_2d leaves it) to the tensor at (row c1, column c0); elements outside
+        the tensor are not written. Asynchronous, in this thread's bulk group: tma_store_commit
+        closes the group, tma_store_wait(0) waits until its reads of shared memory are done (before
+        the tile is overwritten) -- and, for other blocks or the host to see the writes, the kernel's
+        end. Write the tile with ordinary stores, then fence_proxy_async and a barrier, then one
+        thread stores. Emulation: an immediate copy."""
+        tensor, box_rows, box_cols, swizzle = _tensor_map(tensor_map)
+        nbytes = box_rows * box_cols * 2
+        image = np.frombuffer(_p._shared_bytes(src, nbytes), dtype=np.uint8).reshape(-1, 16)
+        if swizzle == SWIZZLE_128B:
+            image = image[_chunk_order(box_rows, swizzle)]
+        box = image.reshape(-1).view(np.uint16).reshape(box_rows, box_cols)
+        inside, target = _box_window(tensor, box_rows, box_cols, c0, c1)
+        if inside is not None:
+            tensor[target] = box[inside]
+
+    def tma_store_commit():
+        """cp.async.bulk.commit_group: close this thread's group of TMA stores (emulation: nothing)."""
+
+    def tma_store_wait(pending):
+        """cp.async.bulk.wait_group.read N: wait until at most ``pending`` (a literal) of this
+        thread's store groups still read shared memory (emulation: nothing; stores were
+        immediate)."""
+
+    # --- Shared-memory matrix descriptors: an emulated shared window --------------------------------
+    # The descriptor holds 14 bits of address, which cannot name a host address. So the emulation
+    # gives each shared array a descriptor touches a place in an emulated shared window of the block,
+    # 1024-byte aligned (what TILE_ALIGNMENT asks of the GPU), and the descriptor carries the window
+    # address exactly as the hardware's would; the wgmma emulation maps it back. The swizzle is
+    # applied to window addresses, as the hardware applies it to shared addresses. An array's place
+    # is fixed by the first descriptor that points into it.
+
+    class _Window:
+        def __init__(self):
+            self.lock = threading.Lock()
+            self.entries = []  # (host_low, host_high, window_low)
+            self.end = 1024
+
+        def to_window(self, host):
+            with self.lock:
+                for low, high, window in self.entries:
+                    if low <= host < high:
+                        return window + host - low
+                with _p._shared_ranges._lock:
+                    found = [(low, high) for low, high in _p._shared_ranges._ranges.items()
+                             if low <= host < high]
+                if not found:
+                    raise IndexError(f"shared address {host:#x} is outside every shared array")
+                low, high = found[-1]
+                window = self.end
+                self.end = window + (high - low + 1023) // 1024 * 1024
+                if self.end > 1 << 18:
+                    raise MemoryError("the emulated shared window exceeds 256 KiB")
+                self.entries.append((low, high, window))
+                return window + host - low
+
+        def to_host(self, window_addresses):
+            """Host addresses of an array of window addresses, all in one array's place."""
+            lo, hi = int(window_addresses.min()), int(window_addresses.max()) + 2
+            with self.lock:
+                for low, high, window in self.entries:
+                    if window <= lo and hi <= window + high - low:
+                        return window_addresses - window + low
+            raise IndexError(f"a descriptor reads window bytes [{lo:#x}, {hi:#x}) outside every "
+                             "shared array")
+
+    def _window():
+        return _block_state("_nbflash_window", _Window)
+
+    def smem_descriptor(address, leading_bytes, stride_bytes, swizzle):
+        """The wgmma descriptor (see descriptor_bits) of the tile at shared address ``address``.
+        Emulation: the address is first placed in the block's emulated shared window (see above)."""
+        return descriptor_bits(_window().to_window(int(address)), leading_bytes, stride_bytes, swizzle)
+
+    # --- wgmma ------------------------------------------------------------------------------------
+
+    _TID = np.arange(128)
+    _ROW_BASE = 16 * (_TID // 32) + ((_TID % 32) >> 2)  # 16 w + g
+    _Q = (_TID % 32) & 3
+
+    def _acc_coords(n):
+        """(row, col) of accumulator register r for every thread: arrays of shape (128, n // 2)."""
+        r = np.arange(n // 2)
+        rows = _ROW_BASE[:, None] + 8 * ((r[None, :] // 2) % 2)
+        cols = 8 * (r[None, :] // 4) + 2 * _Q[:, None] + r[None, :] % 2
+        return rows, cols
+
+    def _operand_offsets(rows, cols_k, desc, mn_major):
+        """Window byte addresses of the elements (rows[i], cols_k[j]) of an operand described by
+        ``desc``: K-major (k contiguous) or MN-major (the row index contiguous)."""
+        d = int(desc)
+        start = (d & 0x3FFF) << 4
+        lbo = ((d >> 16) & 0x3FFF) << 4
+        sbo = ((d >> 32) & 0x3FFF) << 4
+        swizzle = (d >> 62) & 3
+        if (d >> 49) & 7:
+            raise NotImplementedError("wgmma emulation: descriptor base offset must be 0")
+        r = rows[:, None]
+        k = cols_k[None, :]
+        if swizzle == SWIZZLE_NONE:
+            if mn_major:  # 8x8 core matrices of 8 consecutive r (16 bytes) per k
+                off = (r // 8) * sbo + (k // 8) * lbo + (k % 8) * 16 + (r % 8) * 2
+            else:  # 8x8 core matrices of 8 consecutive k (16 bytes) per r
+                off = (r // 8) * sbo + (r % 8) * 16 + (k // 8) * lbo + (k % 8) * 2
+        elif swizzle == SWIZZLE_128B:
+            if mn_major:  # 128-byte rows of 64 consecutive r, one per k; 8 k rows per 1024 bytes
+                off = (r // 64) * lbo + (k // 8) * sbo + (k % 8) * 128 + (r % 64) * 2
+            else:  # 128-byte rows of 64 consecutive k, one per r; 8 r rows per 1024 bytes
+                off = (r // 8) * sbo + (r % 8) * 128 + k * 2
+        else:
+            raise NotImplementedError("wgmma emulation: swizzle modes 64B and 32B are not modelled")
+        addr = start + off
+        if swizzle == SWIZZLE_128B:  # 16-byte chunk index (bits 4-6) ^= 128-byte row (bits 7-9)
+            addr = addr ^ (((addr >> 7) & 7) << 4)
+        return addr
+
+    def _read_operand(desc, nrows, mn_major, decode):
+        addr = _operand_offsets(np.arange(nrows), np.arange(16), desc, mn_major)
+        if addr.min() % 2:
+            raise ValueError("wgmma operand addresses must be 2-byte aligned")
+        host = _window().to_host(addr)
+        lo = int(host.min())
+        span = int(host.max()) + 2 - lo
+        raw = np.frombuffer((ctypes.c_uint8 * span).from_address(lo), dtype=np.uint8)
+        bits = raw[host - lo].astype(np.uint16) | (raw[host - lo + 1].astype(np.uint16) << 8)
+        return decode(bits)  # (nrows, 16)
+
+    def _uniform(posted, index, what):
+        value = posted[0][index]
+        if any(p[index] != value for p in posted):
+            raise ValueError(f"wgmma: {what} differs between the warpgroup's threads")
+        return value
+
+    def _finish(n, posted, a, b, scale_d):
+        """D = A B (+ C) with A (64, 16) and B as (n, 16), returned as every thread's fragment."""
+        rows, cols = _acc_coords(n)
+        c = np.asarray([[float(x) for x in p[-1]] for p in posted], dtype=np.float64)
+        d = a @ b.T  # float64: exact for f16/bf16 products of 16 terms up to the final rounding
+        out = d[rows, cols]
+        if scale_d:
+            out = out + c
+        out = out.astype(np.float32)
+        return [tuple(out[t]) for t in range(128)]
+
+    def _decode(ab):
+        return _p._decode_f16 if ab == "f16" else _p._decode_bf16
+
+    def _make_wgmma_ss(n, ab, trans_b):
+        decode = _decode(ab)
+
+        def combine(posted):
+            a = _read_operand(_uniform(posted, 0, "desc_a"), 64, False, decode)
+            b = _read_operand(_uniform(posted, 1, "desc_b"), n, bool(trans_b), decode)
+            return _finish(n, posted, a, b, int(_uniform(posted, 2, "scale_d")))
+
+        def wgmma(acc, desc_a, desc_b, scale_d):
+            if len(acc) != n // 2:
+                raise ValueError(f"m64n{n}k16 takes {n // 2} accumulator registers, not {len(acc)}")
+            return _group_collective(combine, (int(desc_a), int(desc_b), int(scale_d), acc), 128)
+
+        return wgmma
+
+    def _make_wgmma_rs(n, ab, trans_b):
+        decode = _decode(ab)
+        rows, cols = _acc_coords(16)  # (128, 8): the registers' 8 halves
+
+        def combine(posted):
+            regs = np.asarray([p[:4] for p in posted], dtype=np.uint32)
+            halves = np.stack([regs & np.uint32(0xFFFF), regs >> np.uint32(16)], axis=2)  # (128, 4, 2)
+            a = np.zeros((64, 16))
+            a[rows, cols] = decode(halves.reshape(128, 8).astype(np.uint16))
+            b = _read_operand(_uniform(posted, 4, "desc_b"), n, bool(trans_b), decode)
+            return _finish(n, posted, a, b, int(_uniform(posted, 5, "scale_d")))
+
+        def wgmma(acc, a0, a1, a2, a3, desc_b, scale_d):
+            if len(acc) != n // 2:
+                raise ValueError(f"m64n{n}k16 takes {n // 2} accumulator registers, not {len(acc)}")
+            return _group_collective(
+                combine, (int(a0), int(a1), int(a2), int(a3), int(desc_b), int(scale_d), acc), 128)
+
+        return wgmma
+
+    def wgmma_commit():
+        """wgmma.commit_group.sync.aligned: close the group of wgmmas issued since the last commit.
+        Emulation: nothing (they completed)."""
+
+    def wgmma_wait(pending):
+        """wgmma.wait_group.sync.aligned N: wait until at most ``pending`` (a literal) committed
+        groups are in flight; only then are their accumulators (and shared operands) free to touch.
+        Emulation: nothing."""
+
+    def fence_operands(values):
+        """Pass a tuple of registers (float32 or uint32) through an empty volatile asm, so the
+        compiler cannot move their producers below it or their users above it (pin an accumulator
+        around wgmma_fence / wgmma_wait). Emulation: the identity."""
+        return values
+
+    def registers_from(arr, count):
+        """A UniTuple of the first ``count`` (a literal) elements of the 1-D array ``arr``: the form
+        an accumulator or an A fragment takes (a register tuple), from a local or global array."""
+        return tuple(arr[i] for i in range(count))
+
+    def registers_to(arr, values):
+        """Store a register tuple into the first elements of the 1-D array ``arr``."""
+        for i, value in enumerate(values):
+            arr[i] = value
+
+else:
+    # The intrinsics. Their contracts are the docstrings of the emulations above (and of the
+    # wgmma factories below); each instruction is one _ptx line.
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    _CONSTRAINT = {types.uint32: "r", types.int32: "r", types.uint64: "l", types.int64: "l",
+                   types.float32: "f"}
+
+    def _with_arity(n, typer):
+        """``typer(typingctx, args)`` as a typer of n named arguments: Numba lowers an intrinsic
+        with ``*args`` as one tuple argument."""
+        params = "".join(f", a{i}" for i in range(n))
+        namespace = {"typer": typer}
+        exec(f"def fixed(typingctx{params}):\n    return typer(typingctx, ({params[2:]}{',' if n == 1 else ''}))",
+             namespace)
+        return namespace["fixed"]
+
+    def _ptx(text, operands=(), result=None):
+        """An intrinsic that emits the PTX ``text`` (volatile, clobbering memory): ``operands`` the
+        Numba types of its inputs, ``result`` that of its one output ($0; inputs follow) or None."""
+        outputs = [] if result is None else ["=" + _CONSTRAINT[result]]
+        constraints = ",".join(outputs + [_CONSTRAINT[t] for t in operands] + ["~{memory}"])
+        ret = types.void if result is None else result
+
+        def typer(typingctx, args):
+            sig = ret(*operands)
+
+            def codegen(context, builder, signature, llargs):
+                lltype = ir.VoidType() if result is None else context.get_value_type(result)
+                ftype = ir.FunctionType(lltype, [a.type for a in llargs])
+                value = builder.asm(ftype, text, constraints, list(llargs), True)
+                return context.get_dummy_value() if result is None else value
+
+            return sig, codegen
+
+        return intrinsic(_with_arity(len(operands), typer))
+
+    def _ptx_literal(template, check):
+        """As _ptx with no operands, for an instruction with one immediate: the intrinsic takes a
+        compile-time integer, ``check``s it and formats it into ``template``."""
+
+        def typer(typingctx, n):
+            if not isinstance(n, types.IntegerLiteral):
+                return None
+            value = int(n.literal_value)
+            check(value)
+            text = template.format(value)
+
+            def codegen(context, builder, signature, llargs):
+                ftype = ir.FunctionType(ir.VoidType(), [])
+                builder.asm(ftype, text, "~{memory}", [], True)
+                return context.get_dummy_value()
+
+            return types.void(n), codegen
+
+        return intrinsic(typer)
+
+    def _check_maxnreg(count):
+        if not (24 <= count <= 256 and count % 8 == 0):
+            raise ValueError(f"setmaxnreg takes a multiple of 8 in [24, 256], not {count}")
+
+    def _check_pending(count):
+        if not 0 <= count <= 7:
+            raise ValueError(f"a wait_group takes 0..7 pending groups, not {count}")
+
+    u32, u64, i64 = types.uint32, types.uint64, types.int64
+
+    fence_proxy_async = _ptx("fence.proxy.async.shared::cta;")
+    wgmma_fence = _ptx("wgmma.fence.sync.aligned;")
+    wgmma_commit = _ptx("wgmma.commit_group.sync.aligned;")
+    wgmma_wait = _ptx_literal("wgmma.wait_group.sync.aligned {};", _check_pending)
+    elect_sync = _ptx("{ .reg .pred p; elect.sync _|p, 0xffffffff; selp.u32 $0, 1, 0, p; }", result=u32)
+    setmaxnreg_inc = _ptx_literal("setmaxnreg.inc.sync.aligned.u32 {};", _check_maxnreg)
+    setmaxnreg_dec = _ptx_literal("setmaxnreg.dec.sync.aligned.u32 {};", _check_maxnreg)
+    trap = _ptx("trap;")
+
+    named_barrier_sync = _ptx("bar.sync $0, $1;", (u32, u32))
+    named_barrier_arrive = _ptx("bar.arrive $0, $1;", (u32, u32))
+
+    mbarrier_init = _ptx("mbarrier.init.shared::cta.b64 [$0], $1;", (u32, u32))
+    fence_mbarrier_init = _ptx("fence.mbarrier_init.release.cluster;")
+    mbarrier_arrive = _ptx("mbarrier.arrive.shared::cta.b64 _, [$0];", (u32,))
+    mbarrier_arrive_expect_tx = _ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", (u32, u32))
+    mbarrier_try_wait_parity = _ptx("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; "
+                                    "selp.u32 $0, 1, 0, p; }", (u32, u32), result=u32)
+
+    bulk_copy_g2s = _ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                         "[$0], [$1], $2, [$3];", (u32, i64, u32, u32))
+
+    smem_descriptor = descriptor_bits
+
+    fence_proxy_tensormap_acquire = _ptx("fence.proxy.tensormap::generic.acquire.sys [$0], 128;", (i64,))
+    tma_load_2d = _ptx("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                       "[$0], [$1, {$2, $3}], [$4];", (u32, i64, types.int32, types.int32, u32))
+    tma_store_2d = _ptx("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [$0, {$1, $2}], [$3];",
+                        (i64, types.int32, types.int32, u32))
+    tma_store_commit = _ptx("cp.async.bulk.commit_group;")
+    tma_store_wait = _ptx_literal("cp.async.bulk.wait_group.read {};", _check_pending)
+
+    @intrinsic
+    def array_address(typingctx, arr):
+        if not isinstance(arr, types.Array):
+            return None
+
+        def codegen(context, builder, signature, llargs):
+            data = context.make_array(arr)(context, builder, llargs[0]).data
+            return builder.ptrtoint(data, ir.IntType(64))
+
+        return types.int64(arr), codegen
+
+    def _encode_tensor_map(x, box_rows, box_cols, swizzle):
+        import cupy
+        from cuda.bindings import driver
+
+        modes = {SWIZZLE_NONE: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+                 SWIZZLE_128B: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                 SWIZZLE_64B: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
+                 SWIZZLE_32B: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_32B}
+        rows, cols = x.shape
+        err, tensor_map = driver.cuTensorMapEncodeTiled(
+            driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, x.data.ptr,
+            [driver.cuuint64_t(cols), driver.cuuint64_t(rows)], [driver.cuuint64_t(x.strides[0])],
+            [driver.cuuint32_t(box_cols), driver.cuuint32_t(box_rows)], [driver.cuuint32_t(1)] * 2,
+            driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, modes[swizzle],
+            driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed: {err}")
+        return cupy.asarray(np.asarray([int(w) for w in tensor_map.opaque], dtype=np.uint64))
+
+    def _register_tuple_asm(builder, lltype, count, text, constraints, inputs):
+        ftype = ir.FunctionType(ir.LiteralStructType([lltype] * count), [a.type for a in inputs])
+        return builder.asm(ftype, text, constraints, list(inputs), True)
+
+    def _wgmma_intrinsic(n, ab, trans_b, register_a):
+        regs = n // 2
+        d = ", ".join(f"${i}" for i in range(regs))
+        if register_a:
+            a = "{" + ", ".join(f"${regs + j}" for j in range(4)) + "}"
+            desc_b, scale = regs + 4, regs + 5
+            layout = f"{trans_b}"  # imm-scale-a, imm-scale-b, imm-trans-b (A in registers: no trans-a)
+            input_constraints = ["r"] * 4 + ["l", "r"]
+        else:
+            a = f"${regs}"
+            desc_b, scale = regs + 1, regs + 2
+            layout = f"0, {trans_b}"
+            input_constraints = ["l", "l", "r"]
+        text = (f"{{ .reg .pred p; setp.ne.b32 p, ${scale}, 0; "
+                f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} "
+                f"{{{d}}}, {a}, ${desc_b}, p, 1, 1, {layout}; }}")
+        # The accumulator is read and written: outputs tied to inputs (LLVM's spelling of "+f").
+        constraints = ",".join(["=f"] * regs + input_constraints + [str(i) for i in range(regs)]
+                               + ["~{memory}"])
+        acc_type = types.UniTuple(types.float32, regs)
+        scalar_args = [u32] * 4 + [u64, u32] if register_a else [u64, u64, u32]
+
+        def typer(typingctx, args):
+            sig = acc_type(acc_type, *scalar_args)
+
+            def codegen(context, builder, signature, llargs):
+                acc_values = [builder.extract_value(llargs[0], i) for i in range(regs)]
+                out = _register_tuple_asm(builder, ir.FloatType(), regs, text, constraints,
+                                          list(llargs[1:]) + acc_values)
+                values = [builder.extract_value(out, i) for i in range(regs)]
+                return context.make_tuple(builder, acc_type, values)
+
+            return sig, codegen
+
+        return intrinsic(_with_arity(1 + len(scalar_args), typer))
+
+    def _make_wgmma_ss(n, ab, trans_b):
+        return _wgmma_intrinsic(n, ab, trans_b, register_a=False)
+
+    def _make_wgmma_rs(n, ab, trans_b):
+        return _wgmma_intrinsic(n, ab, trans_b, register_a=True)
+
+    @intrinsic
+    def fence_operands(typingctx, values):
+        if not isinstance(values, types.UniTuple) or values.dtype not in (types.float32, types.uint32):
+            return None
+        count = values.count
+        code = "f" if values.dtype == types.float32 else "r"
+        constraints = ",".join([f"={code}"] * count + [str(i) for i in range(count)] + ["~{memory}"])
+
+        def codegen(context, builder, signature, llargs):
+            lltype = context.get_value_type(values.dtype)
+            inputs = [builder.extract_value(llargs[0], i) for i in range(count)]
+            out = _register_tuple_asm(builder, lltype, count, "", constraints, inputs)
+            return context.make_tuple(builder, values, [builder.extract_value(out, i) for i in range(count)])
+
+        return values(values), codegen
+
+
+    @intrinsic
+    def registers_from(typingctx, arr, count):
+        if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(count, types.IntegerLiteral)):
+            return None
+        n = int(count.literal_value)
+        ret = types.UniTuple(arr.dtype, n)
+
+        def codegen(context, builder, signature, llargs):
+            ary = context.make_array(arr)(context, builder, llargs[0])
+            values = [builder.load(cgutils.get_item_pointer(context, builder, arr, ary,
+                                                            [context.get_constant(types.intp, i)]))
+                      for i in range(n)]
+            return context.make_tuple(builder, ret, values)
+
+        return ret(arr, count), codegen
+
+    @intrinsic
+    def registers_to(typingctx, arr, values):
+        if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(values, types.UniTuple)
+                and values.dtype == arr.dtype):
+            return None
+
+        def codegen(context, builder, signature, llargs):
+            ary = context.make_array(arr)(context, builder, llargs[0])
+            for i in range(values.count):
+                ptr = cgutils.get_item_pointer(context, builder, arr, ary, [context.get_constant(types.intp, i)])
+                builder.store(builder.extract_value(llargs[1], i), ptr)
+            return context.get_dummy_value()
+
+        return types.void(arr, values), codegen
+
+
+def _check_wgmma(n, ab, trans_b):
+    if n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"wgmma m64n{n}k16: n must be a multiple of 8 in [8, 256]")
+    if ab not in ("f16", "bf16"):
+        raise ValueError(f"wgmma operands {ab!r}: 'f16' or 'bf16'")
+    if trans_b not in (0, 1):
+        raise ValueError(f"{trans_b=}: 0 (B K-major) or 1 (B MN-major)")
+
+
+def make_wgmma_ss(n, ab="f16", trans_b=0):
+    """``wgmma(acc, desc_a, desc_b, scale_d) -> acc``: wgmma.mma_async.sync.aligned.m64n{n}k16
+    .f32.{ab}.{ab}, both operands in shared memory (SS). A is 64x16 K-major through
+    ``desc_a``; B is 16 x n, stored K-major (n rows of 16 k, ``trans_b=0``) or MN-major (16 rows
+    of n, ``trans_b=1``) through ``desc_b``. ``acc`` is this thread's n/2 float32 accumulator
+    registers (a UniTuple), updated in place: D = A B + D, or D = A B when ``scale_d`` is 0.
+    Register r of thread t (w = t // 32, g = lane // 4, q = lane % 4) holds D[16 w + g +
+    8 ((r // 2) % 2), 8 (r // 4) + 2 q + r % 2]. Warpgroup-wide (128 threads), asynchronous:
+    wgmma_fence before, wgmma_commit after, and the result is valid only after wgmma_wait.
+    Emulation: a warpgroup collective that decodes both descriptors (the layouts above
+    descriptor_bits: no swizzle or 128B, base offset 0), multiplies in float64, rounds once to
+    float32 (the hardware accumulates in float32 in its own order) and completes at once."""
+    _check_wgmma(n, ab, trans_b)
+    return _make_wgmma_ss(n, ab, trans_b)
+
+
+def make_wgmma_rs(n, ab="f16", trans_b=0):
+    """``wgmma(acc, a0, a1, a2, a3, desc_b, scale_d) -> acc``: as make_wgmma_ss with A from
+    registers (RS): a0..a3 are uint32 of two f16/bf16 each (the lower k in the low half); a_j of
+    thread t holds A[16 w + g + 8 (j % 2), 8 (j // 2) + 2 q] and the next column, i.e. the
+    accumulator's layout at n = 16, so a k16 slice of an accumulator packs into A without
+    shuffles. Make the A registers before wgmma_fence and pass them through fence_operands: packed
+    between the wgmmas, they made ptxas serialize them (C7511 in its -v output)."""
+    _check_wgmma(n, ab, trans_b)
+    return _make_wgmma_rs(n, ab, trans_b)
+
+
+def make_tensor_map_2d(x, box_rows, box_cols, swizzle=SWIZZLE_NONE):
+    """Host side of tma_load_2d: the tensor map of the 2-D array ``x`` of 16-bit elements (rows
+    contiguous, the row stride a multiple of 16 bytes) for boxes of ``box_rows`` x ``box_cols``
+    elements (at most 256 each; ``box_cols`` x 2 bytes at most 128 with SWIZZLE_128B), as a
+    uint64[16] array in device memory (CuPy allocations are aligned enough). Kernels take its
+    address (array_address), run fence_proxy_tensormap_acquire once, then tma_load_2d. On a GPU the
+    words are the driver's opaque CUtensorMap (cuTensorMapEncodeTiled, through cuda.bindings); the
+    map names ``x``'s memory, so ``x`` must outlive its use. The simulator's words are its own."""
+    if x.ndim != 2 or x.dtype.itemsize != 2:
+        raise ValueError(f"make_tensor_map_2d takes a 2-D array of 16-bit elements, not {x.dtype} {x.shape}")
+    if x.strides[1] != 2 or x.strides[0] % 16:
+        raise ValueError(f"{x.strides=}: rows must be contiguous and 16-byte aligned")
+    if not (1 <= box_rows <= 256 and 1 <= box_cols <= 256 and (box_cols * 2) % 16 == 0):
+        raise ValueError(f"box {box_rows} x {box_cols}: at most 256 each, rows a multiple of 16 bytes")
+    if swizzle == SWIZZLE_128B and box_cols * 2 > 128:
+        raise ValueError(f"{box_cols=}: the 128B swizzle takes box rows of at most 128 bytes")
+    return _encode_tensor_map(x, box_rows, box_cols, swizzle)
+
+
+def make_mbarrier_wait(spin_limit):
+    """A device function ``wait(bar, parity)`` that loops on mbarrier_try_wait_parity until the
+    phase of parity ``parity`` completes; after ``spin_limit`` failed tries (0: never) it traps, so a
+    wrong byte count or parity stops the kernel instead of hanging it."""
+
+    @cuda.jit(device=True, inline=True)
+    def wait(bar, parity):
+        spins = 0
+        while mbarrier_try_wait_parity(bar, parity) == uint32(0):
+            if spin_limit:
+                spins += 1
+                if spins >= spin_limit:
+                    trap()
+
+    return wait
+
+
+mbarrier_wait = make_mbarrier_wait(WAIT_SPIN_LIMIT)
+
+
+def launch_bounded(max_threads, min_blocks=1):
+    """``cuda.jit`` with launch bounds (``.maxntid``, ``.minnctapersm``), which give ptxas the
+    register cap at entry that setmaxnreg needs; the simulator's jit takes none."""
+    if SIMULATOR:
+        return cuda.jit
+    return lambda fn: cuda.jit(fn, launch_bounds=(max_threads, min_blocks))

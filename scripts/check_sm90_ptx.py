@@ -1,0 +1,104 @@
+"""Compile every kernel of tests/test_primitives_sm90.py for sm_90a and assemble it with ptxas, with no GPU.
+
+    python scripts/check_sm90_ptx.py [--out DIR] [--only NAME ...]
+
+For each kernel: Numba -> PTX (``compile_ptx(..., cc=(9, 0, "a"))``) -> ``ptxas -arch=sm_90a``. Prints
+one line per kernel (registers, spills, ptxas warnings) and exits 1 if any kernel fails to compile or
+assemble, or if ptxas warns (a wgmma serialized by ptxas, C7510/C7517, is a warning worth failing on).
+With ``--out`` the PTX, cubin and ptxas log of each kernel are kept there.
+
+Needs ptxas (the CUDA toolkit, or the nvidia-cuda-nvcc wheel) and Numba's NVVM; no GPU.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("NUMBA_ENABLE_CUDASIM", None)  # before Numba is imported: compile for real
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from prebuild_cache import cuda_tool, pretend_gpu  # noqa: E402
+
+# The instruction each kernel must contain once compiled: proof the intrinsic reached the PTX.
+EXPECTED = {
+    "small": ["setmaxnreg.dec.sync.aligned.u32 40", "setmaxnreg.inc.sync.aligned.u32 232", "elect.sync",
+              "fence.proxy.async.shared::cta", "wgmma.fence.sync.aligned"],
+    "named_barriers": ["bar.sync", "bar.arrive"],
+    "descriptor_bits": [],
+    "mbarrier_bulk_copy": ["mbarrier.init.shared::cta.b64", "mbarrier.arrive.expect_tx",
+                           "mbarrier.try_wait.parity", "cp.async.bulk.shared::cluster.global"],
+    "bounded_wait": ["mbarrier.try_wait.parity", "trap;"],
+    "tma_store_2d": ["cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group",
+                     "cp.async.bulk.wait_group.read 0"],
+    "tma_load_2d": ["cp.async.bulk.tensor.2d.shared::cluster.global.tile", "fence.proxy.tensormap::generic.acquire"],
+    "wgmma": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "wgmma.commit_group.sync.aligned",
+              "wgmma.wait_group.sync.aligned 0"],
+}
+
+
+def check(name, pyfunc, sig, options, out_dir, ptxas):
+    from numba import cuda
+
+    ptx, _ = cuda.compile_ptx(pyfunc, sig, cc=(9, 0, "a"), **options)
+    if ".target sm_90a" not in ptx:
+        return False, "PTX is not .target sm_90a"
+    missing = [s for s in EXPECTED["wgmma" if name.startswith("wgmma") else name] if s not in ptx]
+    if missing:
+        return False, f"PTX lacks {missing}"
+    ptx_path = os.path.join(out_dir, f"{name}.ptx")
+    with open(ptx_path, "w") as f:
+        f.write(ptx)
+    run = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx_path, "-o", os.path.join(out_dir, f"{name}.cubin")],
+                         capture_output=True, text=True)
+    log = run.stdout + run.stderr
+    with open(os.path.join(out_dir, f"{name}.ptxas.log"), "w") as f:
+        f.write(log)
+    if run.returncode:
+        return False, "ptxas failed:\n" + log
+    # C75xx: ptxas serialized wgmma or injected waits of its own (e.g. C7510, C7517).
+    warnings = [line for line in log.splitlines() if "warning" in line.lower() or "(C75" in line]
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    summary = f"{regs.group(1) if regs else '?'} registers, {spills.group(1) if spills else '?'} bytes spilled"
+    if warnings:
+        return False, summary + "; ptxas warnings:\n" + "\n".join(warnings)
+    return True, summary
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="keep PTX, cubins and ptxas logs in this folder")
+    parser.add_argument("--only", nargs="*", help="kernel names (default: all)")
+    args = parser.parse_args()
+
+    pretend_gpu((9, 0))
+    ptxas = cuda_tool("ptxas")
+    from tests.test_primitives_sm90 import offline_kernels
+
+    out_dir = args.out or tempfile.mkdtemp(prefix="sm90_ptx_")
+    os.makedirs(out_dir, exist_ok=True)
+    failed = 0
+    for name, pyfunc, sig, options in offline_kernels():
+        if args.only and name not in args.only:
+            continue
+        try:
+            ok, message = check(name, pyfunc, sig, options, out_dir, ptxas)
+        except Exception as e:  # a typing or lowering error: report it and go on
+            if os.environ.get("TRACEBACK"):
+                import traceback
+                traceback.print_exc()
+            ok, message = False, f"{type(e).__name__}: {e}"
+        failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: {message}", flush=True)
+    print(f"{failed} failed" if failed else "all kernels compiled for sm_90a and assembled")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
