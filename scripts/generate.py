@@ -165,7 +165,7 @@ class Model:
     def decode_step(self, tokens, caches, block_table, lengths, timed=False):
         """Logits (float32, (batch, vocab)) of one new token per sequence (``tokens`` (batch,)),
         whose keys and values are appended to the caches after ``lengths`` (int32 (batch,)) tokens."""
-        xp, c, nbflash = self.xp, self.config, self.nbflash
+        xp, nbflash = self.xp, self.nbflash
         h = self.embed[tokens][:, None]  # (batch, 1, dim)
         for layer, (k_cache, v_cache) in zip(self.layers, caches):
 
