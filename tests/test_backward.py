@@ -101,6 +101,9 @@ def test_backward_small(rng, xp, shape, causal, dtype, deterministic):
     if deterministic and dtype != "float16":
         pytest.skip("the deterministic dQ kernel runs in float16 here (its loads are the atomic path's, "
                     "which every dtype runs); the GPU grid runs it in every dtype")
+    if deterministic and not causal and shape[1] > 1:
+        pytest.skip("the deterministic dQ kernel runs causal here (rows without keys, masked tiles), plus the "
+                    "1 x 1 case; the GPU grid runs it both ways")
     run_case(rng, xp, *shape, dtype, causal, deterministic)
 
 
