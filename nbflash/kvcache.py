@@ -31,7 +31,7 @@ from .kernels.kvcache import AppendConfig, CombineConfig
 from .problem import UNBOUNDED, Variant, window_bounds
 
 LOG2_E = math.log2(math.e)
-MAX_SPLITS = 128
+MAX_SPLITS = CombineConfig.max_splits  # the combine kernel holds this many weights
 MIN_TILES_PER_SPLIT = 2  # a split smaller than this spends more on its prologue than on keys
 MAX_GRID_X = 2**31 - 1
 
@@ -220,7 +220,7 @@ def _xp():
 def _stand_ins(device, dtype):
     """Tiny arrays passed where an optional argument is absent (the kernels never read them)."""
     xp = _xp()
-    element = KERNEL_DTYPE[dtype] if not runtime.SIMULATOR else np.dtype(np.uint16 if dtype == "bfloat16" else dtype)
+    element = KERNEL_DTYPE[dtype]  # bfloat16 as its uint16 bits, as the kernels see it
     return {
         "int32": xp.zeros(1, np.int32),
         "table": xp.zeros((1, 1), np.int32),
