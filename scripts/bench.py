@@ -14,17 +14,27 @@ columns. Example:
     python scripts/bench.py --pass backward --families portable --headdims 128 --seqlens 4096
     python scripts/bench.py --pass forward+backward --families mma --headdims 128 --dtypes float16
     python scripts/bench.py --pass decode --decode-shapes 16x16384 64x4096 --page-sizes none 256
+    python scripts/bench.py --pass varlen --varlen-lengths uniform:16384:2048 128,4096 --causal yes --jobs 8
 
 ``--pass decode`` times ``flash_attn_with_kvcache`` instead (see ``decode_main``): a few new
 queries against a long KV cache, contiguous or paged, as memory bandwidth (KV bytes / time) over
 the device-to-device copy bandwidth measured in the same run, next to PyTorch SDPA's flash,
 efficient and cuDNN backends on the same contiguous K/V.
+
+``--pass varlen`` times ``flash_attn_varlen_func``'s forward on a batch of mixed lengths packed
+without padding (see ``varlen_main``), in TFLOP/s over each sequence's visible scores, next to the
+dense kernel on the same tokens at equal lengths and on the padded batch, and SDPA's backends on the
+padded batch and on nested (jagged) tensors.
 """
 
 import argparse
+import functools
 import importlib.util
+import multiprocessing
+import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import cupy
 import numpy as np
@@ -41,7 +51,8 @@ from nbflash.interface import _flash_attn_forward
 from nbflash.kernels.geometry import visible_count
 from nbflash.problem import window_bounds
 from nbflash.measure import time_ms
-from nbflash.validation import check_forward
+from nbflash.validation import check_forward, check_varlen
+from nbflash.varlen import _varlen_forward
 
 
 def nbflash_runner(family):
@@ -239,25 +250,38 @@ def naive_runner(q, k, v, causal, **variant):
     return lambda: naive_attention(q, k, v, causal)
 
 
-# The defaults of the flags whose default depends on the pass (None in the parser).
+# The defaults of the flags whose default depends on the pass (None in the parser), by kind of pass.
 DEFAULTS = {
     "training": dict(headdims=[64, 128, 256], dtypes=["float16", "bfloat16"],
                      seqlens=[512, 1024, 2048, 4096, 8192, 16384], causal="both", families=list(configs.FAMILIES)),
     "decode": dict(headdims=[128], dtypes=["float16"],
                    decode_shapes=["1x131072", "16x16384", "64x4096", "8x8192", "256x1024"],
                    decode_heads=["32x8", "32x32"], page_sizes=["none", "16", "256"], seqlen_q=[1], num_splits=0),
+    "varlen": dict(headdims=[128], dtypes=["float16"], causal="both",
+                   varlen_lengths=["uniform:16384:2048", "uniform:32768:8192", "128,512,1024,2048,4096,8192"],
+                   varlen_heads=["16x16"], jobs=0),
 }
-# Flags of the training passes that mean nothing to the decode pass, and the reverse.
-TRAINING_ONLY = ("seqlens", "causal", "variants", "families", "dkdv_blocks", "no_naive")
-DECODE_ONLY = ("decode_shapes", "decode_heads", "page_sizes", "seqlen_q", "num_splits")
+TRAINING = ("forward", "backward", "forward+backward")
+# The passes each pass-specific flag goes with; the other passes refuse it.
+FLAG_PASSES = {
+    **dict.fromkeys(("seqlens", "variants", "families", "dkdv_blocks", "no_naive"), TRAINING),
+    "causal": (*TRAINING, "varlen"),
+    **dict.fromkeys(("decode_shapes", "decode_heads", "page_sizes", "seqlen_q", "num_splits"), ("decode",)),
+    **dict.fromkeys(("varlen_lengths", "varlen_heads", "jobs"), ("varlen",)),
+}
+
+
+def pass_kind(which):
+    return which if which in ("decode", "varlen") else "training"
 
 
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--headdims", type=int, nargs="+", default=None,
-                        help="default 64 128 256 (decode: 128)")
+                        help="default 64 128 256 (decode, varlen: 128)")
     parser.add_argument("--seqlens", type=int, nargs="+", default=None, help="default 512 ... 16384")
-    parser.add_argument("--dtypes", nargs="+", default=None, help="default float16 bfloat16 (decode: float16)")
+    parser.add_argument("--dtypes", nargs="+", default=None,
+                        help="default float16 bfloat16 (decode, varlen: float16)")
     parser.add_argument("--causal", choices=["no", "yes", "both"], default=None, help="default both")
     parser.add_argument(
         "--variants", nargs="+", default=None, metavar="NAME",
@@ -270,9 +294,10 @@ def build_parser():
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per entry")
     parser.add_argument("--markdown", help="also write the table, with GPU, date and command, to this file")
     parser.add_argument(
-        "--pass", dest="which", choices=[*PASSES, "decode"], default="forward",
+        "--pass", dest="which", choices=[*PASSES, "decode", "varlen"], default="forward",
         help="time the forward, the backward alone (FLOPs counted as 2.5x the forward's), or both "
-        "(3.5x); or decode: flash_attn_with_kvcache against a KV cache, as bandwidth",
+        "(3.5x); or decode: flash_attn_with_kvcache against a KV cache, as bandwidth; or varlen: "
+        "flash_attn_varlen_func's forward on a batch of mixed lengths",
     )
     parser.add_argument(
         "--dkdv-blocks", nargs="+", default=None, metavar="MxNxW",
@@ -291,21 +316,33 @@ def build_parser():
                         help="new queries per sequence (causal, bottom-right aligned); default 1")
     decode.add_argument("--num-splits", type=int, default=None,
                         help="num_splits for flash_attn_with_kvcache (0, the default: its heuristic)")
+    varlen = parser.add_argument_group("--pass varlen")
+    varlen.add_argument(
+        "--varlen-lengths", nargs="+", default=None, metavar="SET",
+        help="the batches of sequence lengths, one row each: uniform:TOTAL:MAX, lengths drawn uniformly "
+        "from [MAX / 4, MAX] (seed 0) until they add up to TOTAL tokens (the last one cut to fit), or a "
+        "comma-separated list such as 128,512,4096; default " + " ".join(DEFAULTS["varlen"]["varlen_lengths"]))
+    varlen.add_argument("--varlen-heads", nargs="+", default=None, metavar="HxHK",
+                        help="query heads x KV heads; default 16x16 (16x4: GQA)")
+    varlen.add_argument("--jobs", type=int, default=None,
+                        help="first compile the forward kernels the run needs in this many processes at once "
+                        "(into the on-disk kernel cache, as scripts/prebuild_cache.py does; needs ptxas); "
+                        "0, the default: each compiles on first use")
     return parser
 
 
 def resolve_arguments(parser, args):
-    """Fill in the pass's defaults; reject the flags that belong to the other kind of pass."""
-    decode = args.which == "decode"
-    for name in DECODE_ONLY if not decode else TRAINING_ONLY:
-        if getattr(args, name) is not None:
+    """Fill in the pass's defaults; reject the flags that belong to another kind of pass."""
+    kind = pass_kind(args.which)
+    for name, passes in FLAG_PASSES.items():
+        if args.which not in passes and getattr(args, name) is not None:
             flag = "--" + name.replace("_", "-")
-            parser.error(f"{flag} does not apply to --pass {args.which}" + (
-                "" if decode else " (it goes with --pass decode)"))
-    for name, value in DEFAULTS["decode" if decode else "training"].items():
+            home = ", ".join(passes[:-1]) + " or " + passes[-1] if len(passes) > 1 else passes[0]
+            parser.error(f"{flag} does not apply to --pass {args.which} (it goes with --pass {home})")
+    for name, value in DEFAULTS[kind].items():
         if getattr(args, name) is None:
             setattr(args, name, list(value) if isinstance(value, list) else value)
-    if decode:
+    if kind == "decode":
         args.decode_shapes = [parse_pair(parser, "--decode-shapes", text) for text in args.decode_shapes]
         args.decode_heads = [parse_pair(parser, "--decode-heads", text) for text in args.decode_heads]
         for nheads, nheads_k in args.decode_heads:
@@ -324,10 +361,33 @@ def resolve_arguments(parser, args):
             parser.error("--seqlen-q must be >= 1")
         if args.num_splits < 0:
             parser.error("--num-splits must be >= 0 (0: the library's heuristic)")
+    elif kind == "varlen":
+        args.varlen_lengths = [parse_lengths(parser, text) for text in args.varlen_lengths]
+        args.varlen_heads = [parse_pair(parser, "--varlen-heads", text) for text in args.varlen_heads]
+        for nheads, nheads_k in args.varlen_heads:
+            if nheads % nheads_k:
+                parser.error(f"--varlen-heads {nheads}x{nheads_k}: query heads must be a multiple of KV heads")
+        if args.jobs < 0:
+            parser.error("--jobs must be >= 0 (0: compile each kernel on first use)")
     else:
         args.dkdv_blocks = args.dkdv_blocks or []
         args.no_naive = bool(args.no_naive)
     return args
+
+
+def parse_lengths(parser, text):
+    """One --varlen-lengths set -> (its text, the list of lengths), or a parser error naming the flag."""
+    parts = text.lower().split(":")
+    if parts[0] == "uniform":
+        if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts[1:]):
+            parser.error(f"--varlen-lengths {text!r}: expected uniform:TOTAL:MAX with two positive integers, "
+                         "e.g. uniform:16384:2048")
+        return text, uniform_lengths(int(parts[1]), int(parts[2]))
+    items = text.split(",")
+    if not all(item.strip().isdigit() and int(item) > 0 for item in items):
+        parser.error(f"--varlen-lengths {text!r}: expected uniform:TOTAL:MAX or positive lengths separated by "
+                     "commas, e.g. 128,512,4096")
+    return text, [int(item) for item in items]
 
 
 def parse_pair(parser, flag, text):
@@ -344,6 +404,8 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if args.which == "decode":
         return decode_main(args, argv)
+    if args.which == "varlen":
+        return varlen_main(args, argv)
 
     flop_factor, nbflash_pass, sdpa = PASSES[args.which]
     runners = {f"nbflash {f}": nbflash_pass(f) for f in args.families}
@@ -410,8 +472,8 @@ def main(argv=None):
 
 # ---------------------------------------------------------------- the decode pass
 
-SDPA_DECODE_BACKENDS = {"SDPA flash": "FLASH_ATTENTION", "SDPA efficient": "EFFICIENT_ATTENTION",
-                        "SDPA cuDNN": "CUDNN_ATTENTION"}
+SDPA_BACKENDS = {"SDPA flash": "FLASH_ATTENTION", "SDPA efficient": "EFFICIENT_ATTENTION",
+                 "SDPA cuDNN": "CUDNN_ATTENTION"}
 COPY_BYTES = 2**30  # the copy-bandwidth buffer: 1 GiB, far beyond any L2
 
 
@@ -464,17 +526,26 @@ def sdpa_decode_inputs(q, k_cache, v_cache):
     tq = torch.from_dlpack(q).transpose(1, 2).contiguous()
     tk, tv = (torch.from_dlpack(x).transpose(1, 2).contiguous() for x in (k_cache, v_cache))
     seqlen_q, seqlen_k = tq.shape[2], tk.shape[2]
-    extra = {}
+    tk, tv, extra = sdpa_gqa(tq, tk, tv)
     if seqlen_q > 1:
         from torch.nn.attention.bias import causal_lower_right
 
         extra["attn_mask"] = causal_lower_right(seqlen_q, seqlen_k)
+    return tq, tk, tv, extra
+
+
+def sdpa_gqa(tq, tk, tv):
+    """(tk, tv, keyword arguments) for SDPA on (batch, heads, seqlen, d) tensors, with fewer KV heads
+    than query heads too: enable_gqa, or on a torch before 2.5 (no enable_gqa) the KV heads repeated."""
+    import torch
+
+    extra = {}
     if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5):
         extra["enable_gqa"] = tq.shape[1] != tk.shape[1]
     elif tq.shape[1] != tk.shape[1]:
         group = tq.shape[1] // tk.shape[1]
         tk, tv = (x.repeat_interleave(group, dim=1) for x in (tk, tv))
-    return tq, tk, tv, extra
+    return tk, tv, extra
 
 
 def sdpa_decode_runner(backend_name, inputs):
@@ -507,7 +578,7 @@ def decode_main(args, argv):
     anchors = {}
     if not args.no_torch:
         if importlib.util.find_spec("torch"):
-            anchors = SDPA_DECODE_BACKENDS
+            anchors = SDPA_BACKENDS
         else:
             print("torch not importable: no SDPA anchors", file=sys.stderr)
     bandwidth = copy_bandwidth(args.budget)
@@ -572,6 +643,245 @@ def decode_main(args, argv):
             if args.markdown:  # after every row, so that a run cut short still leaves its table
                 write_markdown(args, argv, rows, total, heading)
         q = k_cache = v_cache = table = None
+        release_memory()
+    print(f"GPU: {gpu_name()}, nbflash {nbflash.__version__}")
+    print(heading)
+    print(tabulate(rows, headers="keys"))
+
+
+# ---------------------------------------------------------------- the varlen pass
+
+# Calls timed together between two CUDA events, back to back: a call's host time (tens of
+# microseconds) then overlaps the kernels queued before it instead of adding to kernels of 0.1-2 ms.
+BACK_TO_BACK = 10
+
+
+def uniform_lengths(total, longest, seed=0):
+    """Sequence lengths drawn uniformly from [longest / 4, longest] until they add up to ``total``
+    tokens, the last one cut to fit: a prefill batch of mixed lengths, the same in every run."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    while sum(lengths) < total:
+        drawn = int(rng.integers(max(1, longest // 4), longest, endpoint=True))
+        lengths.append(min(drawn, total - sum(lengths)))
+    return lengths
+
+
+@functools.lru_cache(maxsize=None)
+def visible_scores(seqlen, causal):
+    """The (query, key) pairs one sequence computes: seqlen^2, or seqlen (seqlen + 1) / 2 causal."""
+    left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
+    return visible_count(seqlen, seqlen, left, right)
+
+
+def varlen_flops(lengths, nheads, headdim, causal):
+    """The forward's FLOPs over a batch of these lengths: 4 H D x each sequence's visible scores, summed."""
+    return 4 * nheads * headdim * sum(visible_scores(n, causal) for n in lengths)
+
+
+def packed_batch(lengths, nheads, nheads_k, headdim, dtype):
+    """Random q (total, nheads, headdim), k and v (total, nheads_k, headdim), and the int32 offsets."""
+    total = sum(lengths)
+    q = random_device((total, nheads, headdim), dtype)
+    k, v = (random_device((total, nheads_k, headdim), dtype) for _ in range(2))
+    cu_seqlens = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    return q, k, v, cu_seqlens
+
+
+def padded(x, lengths):
+    """The packed ``x`` as a (batch, longest, ...) batch, each sequence right-padded with zeros."""
+    out = cupy.zeros((len(lengths), max(lengths), *x.shape[1:]), x.dtype)
+    start = 0
+    for b, n in enumerate(lengths):
+        out[b, :n] = x[start:start + n]
+        start += n
+    return out
+
+
+def nbflash_varlen_runner(q, k, v, cu_seqlens, longest, causal):
+    """flash_attn_varlen_func's forward, validated once outside the timed call (as the dense runners)."""
+    problem, q_, k_, v_ = check_varlen(q, k, v, cu_seqlens, cu_seqlens, longest, longest, None, causal, (-1, -1),
+                                       0.0, None, 0.0, None, False)
+    return lambda: _varlen_forward(problem, q_, k_, v_)
+
+
+def sdpa_padded_runner(backend_name, q, k, v, lengths, causal):
+    """SDPA restricted to one backend on the right-padded (batch, longest, heads, d) batch: causal
+    with is_causal (every real row then sees only real keys), otherwise with a boolean key padding
+    mask (batch, 1, 1, longest)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+    tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+    tk, tv, extra = sdpa_gqa(tq, tk, tv)
+    if causal:
+        extra["is_causal"] = True
+    else:
+        keys = torch.arange(tk.shape[2], device=tq.device)
+        extra["attn_mask"] = (keys[None, :] < torch.tensor(lengths, device=tq.device)[:, None])[:, None, None, :]
+
+    def call():
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, **extra)
+
+    return call
+
+
+def sdpa_jagged_runner(q, k, v, cu_seqlens, lengths, causal):
+    """SDPA's flash backend on nested (jagged) tensors over the packed arrays: PyTorch's own path
+    for packed sequences, no padding."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    offsets = torch.from_dlpack(cu_seqlens).long()
+
+    def nested(x):
+        values = torch.from_dlpack(x)
+        try:  # the bounds given, so that SDPA need not read them back from the offsets
+            tensor = torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=min(lengths),
+                                                            max_seqlen=max(lengths))
+        except TypeError:  # a torch before 2.5
+            tensor = torch.nested.nested_tensor_from_jagged(values, offsets)
+        return tensor.transpose(1, 2)
+
+    tq, tk, tv = (nested(x) for x in (q, k, v))
+    extra = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+
+    def call():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, **extra)
+
+    return call
+
+
+def kernel_statics(dtype, headdim, nheads, nheads_k, causal):
+    """The static parts (Problem.static, what the kernels compile for) of a case's dense and packed
+    problems, from tiny inputs of the same kind."""
+    q, k, v, cu_seqlens = packed_batch([64], nheads, nheads_k, headdim, SUPPORTED[dtype])
+    dense = check_forward(q[None], k[None], v[None], None, causal)[0]
+    packed = check_varlen(q, k, v, cu_seqlens, cu_seqlens, 64, 64, None, causal, (-1, -1), 0.0, None, 0.0, None,
+                          False)[0]
+    return dense.static, packed.static
+
+
+def prebuild(statics, jobs):
+    """Compile the forward kernels of these static parts in ``jobs`` processes at once into the on-disk
+    kernel cache, which the run then loads them from (scripts/prebuild_cache.py's build step). On any
+    failure (no ptxas, ...) the kernels compile on first use instead."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import prebuild_cache
+    from nbflash import cubin_cache
+
+    capability = cupy.cuda.Device().compute_capability  # e.g. "90"
+    cc = (int(capability[:-1]), int(capability[-1]))
+    wanted = list(dict.fromkeys(configs.plan_forward(static) for static in statics))
+    start = time.time()
+    # The workers touch no GPU; spawned, they start clear of this process's CUDA state.
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for config, status, seconds in pool.map(prebuild_cache.build_one, wanted, [cc] * len(wanted),
+                                                    [str(cubin_cache.cache_dir())] * len(wanted)):
+                print(f"  {status} {seconds:5.1f} s  {config}", file=sys.stderr, flush=True)
+    except (Exception, SystemExit) as error:
+        print(f"prebuild failed ({type(error).__name__}: {str(error)[:160]}): kernels compile on first use",
+              file=sys.stderr)
+    print(f"prebuild: {len(wanted)} kernels, {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+
+
+def varlen_title():
+    return (
+        "varlen: forward TFLOP/s on a batch of mixed lengths, FLOPs = 4 H D x the visible scores summed over "
+        f"the sequences (L^2 each, L (L + 1) / 2 causal); time: median of CUDA events around {BACK_TO_BACK} "
+        "back-to-back calls, over the calls, for every column. nbflash varlen: flash_attn_varlen_func on the packed "
+        "batch. nbflash dense eq: the dense kernel on the same tokens as equal lengths (batch = seqs, seqlen = "
+        "tokens / seqs rounded), over its own FLOPs. nbflash dense pad: the dense kernel on the batch "
+        "right-padded to the longest sequence (pad % of it padding), over the real FLOPs: what padding costs "
+        "(it masks nothing, so without causal the real rows also see the padding). SDPA flash, efficient, "
+        "cuDNN: one backend each on the padded batch, over the real FLOPs; causal with is_causal (right "
+        "padding: real rows see only real keys), non-causal with a boolean key padding attn_mask, which the "
+        "flash backend does not take ('-'). SDPA jagged: SDPA's flash backend on nested jagged tensors (no "
+        "padding). varlen/X: nbflash varlen's TFLOP/s over X's (> 1: varlen faster); varlen/SDPA pad: over "
+        "the fastest SDPA backend on the padded batch."
+    )
+
+
+def varlen_main(args, argv):
+    """The varlen benchmark: for every dtype, headdim, heads, causal and set of lengths, nbflash's
+    packed forward, the dense kernel on equal lengths and on the padded batch, and the SDPA anchors."""
+    anchors, jagged = {}, False
+    if not args.no_torch:
+        if importlib.util.find_spec("torch"):
+            anchors, jagged = SDPA_BACKENDS, True
+        else:
+            print("torch not importable: no SDPA anchors", file=sys.stderr)
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    kinds = [(dtype, headdim, heads, causal) for dtype in args.dtypes for headdim in args.headdims
+             for heads in args.varlen_heads for causal in causals]
+    cases = [(*kind, lengths) for kind in kinds for lengths in args.varlen_lengths]
+    if args.jobs:
+        prebuild([static for (dtype, headdim, (nheads, nheads_k), causal) in kinds
+                  for static in kernel_statics(dtype, headdim, nheads, nheads_k, causal)], args.jobs)
+    heading = varlen_title()
+    rows = []
+    for index, (dtype, headdim, (nheads, nheads_k), causal, (label, lengths)) in enumerate(cases):
+        element = SUPPORTED[dtype]
+        count, total, longest = len(lengths), sum(lengths), max(lengths)
+        flops = varlen_flops(lengths, nheads, headdim, causal)
+
+        def tflops(name, make, flops=flops):
+            """TFLOP/s of the call ``make()`` builds, or why not ('oom', 'n/a'; the error on stderr)."""
+            try:
+                call = make()
+
+                def calls():
+                    for _ in range(BACK_TO_BACK):
+                        call()
+
+                ms = time_ms(calls, warmup=2, repeats=10, budget_s=args.budget) / BACK_TO_BACK
+                return round(flops / ms / 1e9, 1)
+            except Exception as error:  # out of memory, a backend refusing the shape, ...
+                print(f"  {name}: {type(error).__name__}: {str(error)[:160]}", file=sys.stderr)
+                return "oom" if "memory" in str(error).lower() else "n/a"
+
+        row = {"dtype": dtype, "hdim": headdim, "heads": f"{nheads}/{nheads_k}", "causal": causal, "lengths": label,
+               "seqs": count, "tokens": total, "max": longest, "pad %": round(100 * (1 - total / (count * longest)), 1)}
+        q, k, v, cu_seqlens = packed_batch(lengths, nheads, nheads_k, headdim, element)
+        row["nbflash varlen"] = tflops("nbflash varlen",
+                                       lambda: nbflash_varlen_runner(q, k, v, cu_seqlens, longest, causal))
+        mean = max(1, round(total / count))
+        equal = [random_device((count, mean, heads, headdim), element) for heads in (nheads, nheads_k, nheads_k)]
+        row["nbflash dense eq"] = tflops("nbflash dense eq", lambda: nbflash_runner(None)(*equal, causal),
+                                         count * varlen_flops([mean], nheads, headdim, causal))
+        equal = None
+        release_memory()
+        batch = [padded(x, lengths) for x in (q, k, v)]
+        row["nbflash dense pad"] = tflops("nbflash dense pad", lambda: nbflash_runner(None)(*batch, causal))
+        for name, backend in anchors.items():
+            if dtype == "float32" or (backend == "FLASH_ATTENTION" and not causal):
+                row[name] = "-"  # SDPA's fused kernels take no float32; its flash backend no attn_mask
+            else:
+                row[name] = tflops(name, lambda: sdpa_padded_runner(backend, *batch, lengths, causal))
+        if jagged:
+            row["SDPA jagged"] = "-" if dtype == "float32" else tflops(
+                "SDPA jagged", lambda: sdpa_jagged_runner(q, k, v, cu_seqlens, lengths, causal))
+
+        def over(other):
+            ours = row["nbflash varlen"]
+            return round(ours / other, 2) if isinstance(ours, float) and isinstance(other, float) and other else "-"
+
+        row["varlen/dense eq"] = over(row["nbflash dense eq"])
+        row["varlen/dense pad"] = over(row["nbflash dense pad"])
+        if anchors:
+            measured = [row[name] for name in anchors if isinstance(row[name], float)]
+            row["varlen/SDPA pad"] = over(max(measured)) if measured else "-"
+        if jagged:
+            row["varlen/SDPA jagged"] = over(row["SDPA jagged"])
+        rows.append(row)
+        print(f"[{index + 1}/{len(cases)}] {row}", file=sys.stderr, flush=True)
+        if args.markdown:  # after every row, so that a run cut short still leaves its table
+            write_markdown(args, argv, rows, len(cases), heading)
+        q = k = v = cu_seqlens = batch = None
         release_memory()
     print(f"GPU: {gpu_name()}, nbflash {nbflash.__version__}")
     print(heading)

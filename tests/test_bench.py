@@ -1,0 +1,102 @@
+"""scripts/bench.py without a GPU: which flags each pass takes, its defaults, and the varlen pass's
+sequence lengths and FLOP count. Nothing here runs a kernel or times anything."""
+
+import importlib.util
+import os
+import sys
+import types
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench.py")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """The script as a module. Where CuPy is missing (the simulator's CI), a stand-in module is
+    importable while the script loads, and only then: nothing here calls CuPy."""
+    with pytest.MonkeyPatch.context() as patch:
+        if importlib.util.find_spec("cupy") is None:
+            patch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+        spec = importlib.util.spec_from_file_location("bench_script", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
+def arguments(bench, *argv):
+    parser = bench.build_parser()
+    return bench.resolve_arguments(parser, parser.parse_args(list(argv)))
+
+
+def refused(bench, capsys, *argv):
+    """The one-line parser error for ``argv`` (exit status 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        arguments(bench, *argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_each_pass_refuses_the_flags_of_the_others(bench, capsys):
+    assert "--seqlens does not apply to --pass varlen" in refused(bench, capsys, "--pass", "varlen", "--seqlens", "512")
+    assert "--no-naive does not apply to --pass varlen" in refused(bench, capsys, "--pass", "varlen", "--no-naive")
+    assert "--page-sizes does not apply to --pass varlen" in refused(bench, capsys, "--pass", "varlen", "--page-sizes",
+                                                                     "16")
+    for flag, value in (("--varlen-lengths", "128,256"), ("--varlen-heads", "16x4"), ("--jobs", "4")):
+        for which in ("forward", "decode"):
+            error = refused(bench, capsys, "--pass", which, flag, value)
+            assert f"{flag} does not apply to --pass {which} (it goes with --pass varlen)" in error
+    # --causal goes with the training passes and the varlen pass, not with decode.
+    assert "(it goes with --pass forward, backward, forward+backward or varlen)" in refused(
+        bench, capsys, "--pass", "decode", "--causal", "yes")
+    assert arguments(bench, "--pass", "varlen", "--causal", "yes").causal == "yes"
+
+
+def test_varlen_defaults_and_parsed_values(bench):
+    args = arguments(bench, "--pass", "varlen")
+    assert (args.headdims, args.dtypes, args.causal, args.jobs) == ([128], ["float16"], "both", 0)
+    assert args.varlen_heads == [(16, 16)]
+    labels = [label for label, _ in args.varlen_lengths]
+    assert labels == ["uniform:16384:2048", "uniform:32768:8192", "128,512,1024,2048,4096,8192"]
+    assert args.varlen_lengths[2][1] == [128, 512, 1024, 2048, 4096, 8192]
+    args = arguments(bench, "--pass", "varlen", "--varlen-lengths", "uniform:100:40", "7,3", "--varlen-heads", "16x4",
+                     "--jobs", "8")
+    assert [label for label, _ in args.varlen_lengths] == ["uniform:100:40", "7,3"]
+    assert sum(args.varlen_lengths[0][1]) == 100 and args.varlen_lengths[1][1] == [7, 3]
+    assert (args.varlen_heads, args.jobs) == ([(16, 4)], 8)
+    # The other passes' defaults are untouched by the varlen ones.
+    assert arguments(bench).headdims == [64, 128, 256]
+    assert arguments(bench, "--pass", "decode").decode_heads == [(32, 8), (32, 32)]
+
+
+def test_bad_varlen_values_name_their_flag(bench, capsys):
+    for argv, flag in ((["--varlen-lengths", "uniform:100"], "--varlen-lengths"),
+                       (["--varlen-lengths", "uniform:0:8"], "--varlen-lengths"),
+                       (["--varlen-lengths", "128,x"], "--varlen-lengths"),
+                       (["--varlen-lengths", "128,0"], "--varlen-lengths"),
+                       (["--varlen-heads", "16x3"], "--varlen-heads"),
+                       (["--jobs", "-1"], "--jobs")):
+        assert flag in refused(bench, capsys, "--pass", "varlen", *argv), argv
+
+
+def test_uniform_lengths_fill_the_total_from_a_quarter_of_the_longest(bench):
+    lengths = bench.uniform_lengths(16384, 2048)
+    assert sum(lengths) == 16384
+    assert all(512 <= n <= 2048 for n in lengths[:-1]) and 1 <= lengths[-1] <= 2048
+    assert lengths == bench.uniform_lengths(16384, 2048)  # seed 0: the same batch every run
+    assert lengths != bench.uniform_lengths(16384, 2048, seed=1)
+    assert len(set(lengths)) > 1
+    assert bench.uniform_lengths(10, 100) == [10]  # one draw already past the total: cut to fit
+    assert bench.uniform_lengths(9, 1) == [1] * 9
+
+
+def test_varlen_flops_sum_each_sequences_visible_scores(bench):
+    nheads, headdim = 16, 128
+    assert bench.varlen_flops([1000], nheads, headdim, False) == 4 * nheads * headdim * 1000 ** 2
+    assert bench.varlen_flops([1000], nheads, headdim, True) == 4 * nheads * headdim * 1000 * 1001 // 2
+    for causal in (False, True):
+        lengths = [7, 300, 64, 1]
+        total = sum(bench.varlen_flops([n], nheads, headdim, causal) for n in lengths)
+        assert bench.varlen_flops(lengths, nheads, headdim, causal) == total
+        # Mixed lengths compute more scores than equal ones with the same tokens.
+        assert total > bench.varlen_flops([93] * 4, nheads, headdim, causal)
