@@ -350,6 +350,11 @@ if SIMULATOR:
         """Sum of ``x`` over the 4 lanes of this lane's quad, in butterfly order."""
         return _warp_collective(lambda posted: _quad_combine(np.add, posted), np.float32(x))
 
+    def warp_sync():
+        """Wait until every lane of the warp has arrived (bar.warp.sync): shared-memory writes and
+        landed cp.async copies of each lane are then visible to the others."""
+        _warp_collective(lambda posted: posted, 0)
+
 else:
     from llvmlite import ir
     from numba.cuda import cgutils
@@ -544,6 +549,65 @@ else:
 
     quad_max = intrinsic(_quad("max"))
     quad_sum = intrinsic(_quad("add"))
+
+    @intrinsic
+    def warp_sync(typingctx):
+        """Wait until every lane of the warp has arrived (bar.warp.sync with a full mask): each
+        lane's shared-memory writes and landed cp.async copies are then visible to the others."""
+        sig = types.void()
+
+        def codegen(context, builder, signature, args):
+            _asm(builder, ir.VoidType(), [], "bar.warp.sync 0xffffffff;", "~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------------------
+# Special functions in one MUFU instruction each
+#
+# What the tensor-core kernels' score features (softcap's tanh) are built from, instead of libdevice's
+# correctly rounded versions (a dozen instructions and, for a division, a branch to a slow path).
+# ---------------------------------------------------------------------------------------------------
+
+if SIMULATOR:
+
+    def rcp_approx(x):
+        """1 / x in float32 (rcp.approx.ftz on the GPU: within 1 ulp; subnormal inputs and results
+        flushed to zero, so 1 / subnormal is an infinity)."""
+        x = np.float32(x)
+        if 0 < abs(x) < np.finfo(np.float32).tiny:
+            x = np.float32(np.copysign(0.0, x))
+        with np.errstate(divide="ignore"):
+            y = np.float32(1) / x
+        return y if abs(y) >= np.finfo(np.float32).tiny or y == 0 else np.float32(np.copysign(0.0, y))
+
+    def tanh_approx(x):
+        """tanh(x) in float32 to 11 significant bits (tanh.approx.f32 on the GPU, one MUFU.TANH: within a
+        relative 2^-10.987 by the PTX ISA). Emulated at that precision, so that the simulator's results
+        carry an error of the hardware's size."""
+        mantissa, exponent = np.frexp(np.tanh(np.float32(x)))
+        return np.float32(np.ldexp(np.round(mantissa * 2048.0) / 2048.0, exponent))
+
+else:
+
+    @intrinsic
+    def rcp_approx(typingctx, x):
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            return _asm(builder, _f32, args, "rcp.approx.ftz.f32 $0, $1;", "=f,f")
+
+        return sig, codegen
+
+    @intrinsic
+    def tanh_approx(typingctx, x):
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            return _asm(builder, _f32, args, "tanh.approx.f32 $0, $1;", "=f,f")
+
+        return sig, codegen
 
 
 # ---------------------------------------------------------------------------------------------------

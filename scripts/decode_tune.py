@@ -90,6 +90,13 @@ def main():
             print(f"{status} {seconds:5.1f} s  {config}", file=sys.stderr, flush=True)
 
     bandwidth = copy_bandwidth()
+    # The host-time yardstick (issue 11: a decode call within 1.5x of it): one trivial elementwise
+    # kernel, launched the same way.
+    trivial = cupy.ElementwiseKernel("float32 x", "float32 y", "y = x", "nbflash_trivial")
+    x = cupy.zeros(1, np.float32)
+    y = cupy.empty_like(x)
+    timing = benchmark(lambda: trivial(x, y), n_repeat=200, n_warmup=10)
+    trivial_us = 1e6 * float(np.median(timing.cpu_times))
     rows = []
     dtype = SUPPORTED[args.dtype]
     for nheads, nheads_k in heads:
@@ -132,7 +139,8 @@ def main():
                 print(row, file=sys.stderr, flush=True)
                 k = v = table = None
                 cupy.get_default_memory_pool().free_all_blocks()
-    print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s; {args.dtype}, headdim {args.headdim}, seqlen_q 1")
+    print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s; {args.dtype}, headdim {args.headdim}, seqlen_q 1; "
+          f"host time of a trivial CuPy ElementwiseKernel call {trivial_us:.1f} us")
     print(tabulate(rows, headers="keys"))
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import nbflash
+from nbflash import kvcache
 from nbflash.dtypes import SUPPORTED
 from nbflash.reference import apply_rotary_reference, attention_kvcache_reference
 
@@ -163,6 +164,12 @@ SIM = pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 def test_decode_contiguous_splits(rng, xp, num_splits):
     # GQA 4/2, one query token, lengths with a tail tile, one crossing tiles and an empty cache.
     check_call(rng, xp, "float16", 3, 1, 4, 2, 16, [130, 37, 0], 150, causal=True, num_splits=num_splits)
+
+
+@SIM
+def test_decode_ring_refills(rng, xp):
+    # One split over 6 key tiles: every warp refills its share of the ring's 4 slots.
+    check_call(rng, xp, "float16", 1, 1, 2, 1, 16, [330], 340, causal=True, num_splits=1)
 
 
 @SIM
@@ -384,6 +391,17 @@ def test_gpu_out_and_graph_capture(rng, xp):
     assert cupy.array_equal(out, expected)
     assert cupy.array_equal(k_cache, k_expected)
     assert lens.dtype == np.int32
+
+
+def test_choose_splits_fills_whole_waves():
+    # 8 blocks (batch 1, 8 KV heads) on 132 multiprocessors x 2 slots: 32 splits fill 256 of the
+    # 264 slots, the first count within 95% of a full wave (29, the first within 85%, left 12% idle).
+    assert kvcache.choose_splits(8, 2048, 132, 2) == 32
+    assert kvcache.choose_splits(512, 64, 132, 2) == 1  # batch 64 x 8 heads: already two waves
+    assert kvcache.choose_splits(128, 256, 132, 2) == 2  # 256 of 264 slots
+    assert kvcache.choose_splits(8, 6, 132, 2) == 3  # at most one split per MIN_TILES_PER_SPLIT tiles
+    # One block: the most splits (128) fill half the slots; 122 is the first within 95% of that.
+    assert kvcache.MAX_SPLITS == 128 and kvcache.choose_splits(1, 10**6, 132, 2) == 122
 
 
 @SIM

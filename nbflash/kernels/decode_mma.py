@@ -9,8 +9,10 @@ reading each K/V row exactly once:
         keys = the split's share of the key tiles that these rows see
         every warp: m_w = -inf, l_w = 0, acc_w = 0
         for each tile of block_n keys (cp.async ring of `stages` tiles in shared memory):
-            warp w takes keys [w * block_n / num_warps, (w + 1) * block_n / num_warps) of the tile:
+            warp w takes keys [w * block_n / num_warps, (w + 1) * block_n / num_warps) of the tile,
+            which it copied itself `stages` tiles earlier:
             S = Q K^T, mask, online softmax into (m_w, l_w, acc_w), acc_w += P V    (mma.sync)
+            and refills its share of the slot with the tile `stages` ahead
         merge the warps' (m_w, l_w, acc_w) through shared memory
         one split:  out = acc / l and lse
         several:    the split's normalized partial output and lse, merged by ``combine`` below
@@ -19,7 +21,10 @@ Packing the query heads of a group (GQA) and the query tokens into the rows of o
 K/V tile is read once per key/value head, not once per query head. Splitting the keys (``splits``,
 grid z) fills the GPU when batch x heads alone would not (batch 1, a 128k context); the warps of a
 block split each tile among themselves, so every warp has keys to work on even when the rows fill
-a single 16-row tile.
+a single 16-row tile. A warp copies and reads only its own share, so the warps need no block
+barrier in the loop, and a slot is refilled the moment its warp is done with it: all `stages`
+tiles are in flight while a warp waits, which is what bounds a memory-bound kernel (bytes in
+flight over the memory latency).
 
 Cache layouts (``MmaDecodeConfig.paged``):
   contiguous  k_cache[cache_row, position, hk, :], cache_row = cache_batch_idx[b] (or b)
@@ -66,6 +71,7 @@ from nbflash.primitives import (
     shared_address,
     static_range,
     unroll,
+    warp_sync,
 )
 
 from . import variants
@@ -105,8 +111,6 @@ class MmaDecodeConfig:
             raise ValueError(f"{self.block_n=} must be a multiple of 16 * {self.num_warps=}")
         if self.stages < 2:
             raise ValueError(f"{self.stages=} must be at least 2")
-        if self.threads < 2 * self.headdim_padded // 8:
-            raise ValueError(f"{self.threads=} must cover the 16-byte chunks of two rows")
 
     @property
     def headdim_padded(self):
@@ -169,9 +173,9 @@ def build_decode_mma(config: MmaDecodeConfig):
     TILE_BYTES = BN * ROW_BYTES  # one K (or V) tile of the ring
     CHUNKS = HDP // 8  # 16-byte chunks per row
     Q_COPIES = -(-Q_ROWS * CHUNKS // THREADS)
-    CHUNK_SLOTS = 1 << (CHUNKS - 1).bit_length()  # threads per row in the K/V copies: a power of two
-    ROWS_PER_ROUND = THREADS // CHUNK_SLOTS  # rows one round of copies covers
-    KV_COPIES = -(-BN // ROWS_PER_ROUND)
+    CHUNK_SLOTS = 1 << (CHUNKS - 1).bit_length()  # lanes per row in the K/V copies: a power of two
+    ROWS_PER_ROUND = 32 // CHUNK_SLOTS  # rows of the warp's share one round of its copies covers
+    KV_COPIES = -(-KW // ROWS_PER_ROUND)
     # The merge's float32 arrays, in 4-byte words from the start of shared memory (after Q).
     MERGE_ACC = Q_BYTES // 4  # [warp][row][col]
     MERGE_MAX = MERGE_ACC + WARPS * Q_ROWS * HDP  # [warp][row], log2 units
@@ -180,9 +184,9 @@ def build_decode_mma(config: MmaDecodeConfig):
     BLOCK_SUM = BLOCK_MAX + Q_ROWS
     NEG_INF = float32(-math.inf)
     # cp.async.wait_group takes its count as a compile-time constant: groups that may stay in flight
-    # (the prologue waits for Q only; the loop for tile j, with the next stages - 2 still coming).
-    WAIT_FOR_Q = STAGES - 1
-    WAIT_FOR_TILE = STAGES - 2
+    # (the prologue waits for Q only; the loop for tile j, with the next stages - 1 still coming).
+    WAIT_FOR_Q = STAGES
+    WAIT_FOR_TILE = STAGES - 1
 
     if config.dtype == "float16":
         ELEM, mma, pack = float16, mma_f16, pack_f16x2
@@ -217,17 +221,18 @@ def build_decode_mma(config: MmaDecodeConfig):
     @inline_device
     @unroll
     def lookup_pages(pages, offsets, k_cache, block_table, b, start, seqlen_k, n_start):
-        """Paged caches: the page and the row in it of each key this thread copies for the tile at
-        n_start (page -1: past seqlen_k, or a page index outside the cache). Called one tile ahead of
-        the copies, so the block table's latency hides behind a tile of work instead of stalling
-        them; 32-bit division (the page size is a runtime value)."""
+        """Paged caches: the page and the row in it of each key this lane copies for its warp's
+        share of a tile, keys n_start .. n_start + KW - 1 (page -1: past seqlen_k, or a page index
+        outside the cache). Called one tile ahead of the copies, so the block table's latency hides
+        behind a tile of work instead of stalling them; 32-bit division (the page size is a runtime
+        value)."""
         page_size = uint32(k_cache.shape[1])
         for i in static_range(KV_COPIES):
-            r = cuda.threadIdx.x // CHUNK_SLOTS + i * ROWS_PER_ROUND
+            r = (cuda.threadIdx.x % 32) // CHUNK_SLOTS + i * ROWS_PER_ROUND
             j = n_start + r
             position = uint32(start + j)
             page = int32(-1)
-            if j < seqlen_k and r < BN:  # not checked against the cache here: that would wait for the load
+            if j < seqlen_k and r < KW:  # not checked against the cache here: that would wait for the load
                 page = block_table[b, position // page_size]
             pages[i] = page
             offsets[i] = int32(position % page_size)
@@ -235,22 +240,23 @@ def build_decode_mma(config: MmaDecodeConfig):
     @inline_device
     @unroll
     def load_kv_tile(base, k_cache, v_cache, pages, offsets, k_thread, v_thread, hk, seqlen_k, n_start, stage):
-        """Keys n_start .. n_start + BN - 1 of the sequence (cache positions start + j) into ring
-        slot ``stage``; keys past seqlen_k and pages outside the cache are zero-filled. Thread
-        ``tid`` copies the 16-byte chunk ``tid % CHUNK_SLOTS`` of rows tid // CHUNK_SLOTS + i *
-        ROWS_PER_ROUND: consecutive threads along a row (slots past the row's CHUNKS copy nothing).
-        Contiguous caches: k_thread / v_thread are the addresses of the thread's chunk in key 0, so
-        a copy costs a multiply-add; paged: each row's page and row in it (lookup_pages)."""
-        tid = cuda.threadIdx.x
-        r0, col = tid // CHUNK_SLOTS, (tid % CHUNK_SLOTS) * 8
-        k_dst = base + uint32(Q_BYTES + stage * 2 * TILE_BYTES + r0 * ROW_BYTES + col * 2)
+        """The warp's share of a tile: keys n_start .. n_start + KW - 1 of the sequence (cache
+        positions start + j) into its rows of ring slot ``stage``; keys past seqlen_k and pages
+        outside the cache are zero-filled. Lane ``lane`` copies the 16-byte chunk ``lane %
+        CHUNK_SLOTS`` of rows lane // CHUNK_SLOTS + i * ROWS_PER_ROUND: consecutive lanes along a
+        row (slots past the row's CHUNKS copy nothing). Contiguous caches: k_thread / v_thread are
+        the addresses of the lane's chunk in key 0, so a copy costs a multiply-add; paged: each
+        row's page and row in it (lookup_pages)."""
+        warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+        r0, col = lane // CHUNK_SLOTS, (lane % CHUNK_SLOTS) * 8
+        k_dst = base + uint32(Q_BYTES + stage * 2 * TILE_BYTES + (warp * KW + r0) * ROW_BYTES + col * 2)
         v_dst = k_dst + uint32(TILE_BYTES)
         k_fallback = global_address(k_cache, 0, 0, 0, 0)
         v_fallback = global_address(v_cache, 0, 0, 0, 0)
         if not PAGED:
             for i in range(KV_COPIES):
                 r = r0 + i * ROWS_PER_ROUND
-                if r < BN and col < HDP:
+                if r < KW and col < HDP:
                     j = n_start + r
                     inside = j < seqlen_k and col < HD
                     k_from, v_from = k_fallback, v_fallback
@@ -262,7 +268,7 @@ def build_decode_mma(config: MmaDecodeConfig):
                     cp_async_16_from(v_dst + uint32(i * ROWS_PER_ROUND * ROW_BYTES), v_from, size)
         else:
             for i in static_range(KV_COPIES):  # unrolled: pages[i] and offsets[i] stay in registers
-                if r0 + i * ROWS_PER_ROUND < BN and col < HDP:
+                if r0 + i * ROWS_PER_ROUND < KW and col < HDP:
                     j = n_start + r0 + i * ROWS_PER_ROUND
                     page = pages[i]
                     inside = j < seqlen_k and col < HD and page >= 0 and page < k_cache.shape[0]
@@ -531,23 +537,27 @@ def build_decode_mma(config: MmaDecodeConfig):
         words = cuda.shared.array(0, float32)  # the same memory, as float32 (for the merge)
         base = shared_address(smem)
 
-        # ---- Prologue: Q and the first stages - 1 K/V tiles in flight ----
+        # ---- Prologue: Q and the first `stages` K/V tiles in flight ----
+        # Each warp copies its own share of every tile (keys warp * KW .. warp * KW + KW - 1 of it)
+        # and is the only one to read it: the warps run their pipelines without a block barrier.
         load_q_tile(base, q, b, hk, group, row0, rows_total)
         cp_async_commit()
         pages = cuda.local.array(KV_COPIES, int32)  # paged: the pages and rows of the next tile's keys
         offsets = cuda.local.array(KV_COPIES, int32)
-        # Contiguous: the address of this thread's chunk of key 0 (cache position start).
-        k_thread = global_address(k_cache, cache_row, start, hk, (tid % CHUNK_SLOTS) * 8)
-        v_thread = global_address(v_cache, cache_row, start, hk, (tid % CHUNK_SLOTS) * 8)
-        for st in static_range(STAGES - 1):
+        # Contiguous: the address of this lane's chunk of key 0 (cache position start).
+        k_thread = global_address(k_cache, cache_row, start, hk, (lane % CHUNK_SLOTS) * 8)
+        v_thread = global_address(v_cache, cache_row, start, hk, (lane % CHUNK_SLOTS) * 8)
+        share = warp * KW  # the warp's first key in every tile
+        for st in static_range(STAGES):
             if tile_lo + st < tile_hi:
                 if PAGED:
-                    lookup_pages(pages, offsets, k_cache, block_table, b, start, seqlen_k, (tile_lo + st) * BN)
-                load_kv_tile(base, k_cache, v_cache, pages, offsets, k_thread, v_thread, hk, seqlen_k, (tile_lo + st) * BN,
-                             st)
+                    lookup_pages(pages, offsets, k_cache, block_table, b, start, seqlen_k,
+                                 (tile_lo + st) * BN + share)
+                load_kv_tile(base, k_cache, v_cache, pages, offsets, k_thread, v_thread, hk, seqlen_k,
+                             (tile_lo + st) * BN + share, st)
             cp_async_commit()
         if PAGED:
-            lookup_pages(pages, offsets, k_cache, block_table, b, start, seqlen_k, (tile_lo + STAGES - 1) * BN)
+            lookup_pages(pages, offsets, k_cache, block_table, b, start, seqlen_k, (tile_lo + STAGES) * BN + share)
         cp_async_wait(WAIT_FOR_Q)  # this thread's Q copies have landed
         cuda.syncthreads()  # ... and every thread's
         if ROTARY:
@@ -588,20 +598,12 @@ def build_decode_mma(config: MmaDecodeConfig):
         softmax_log2 = scale_log2 if FOLD_SCALE else float32(1)
         scale = scale_log2 * float32(LN2)
 
-        # ---- Main loop: tile j in ring slot (j - tile_lo) % STAGES ----
+        # ---- Main loop: tile j in ring slot (j - tile_lo) % STAGES; the warp's share of it ----
         for j in range(tile_lo, tile_hi):
             stage = (j - tile_lo) % STAGES
-            cp_async_wait(WAIT_FOR_TILE)  # this thread's copies of tile j have landed
-            cuda.syncthreads()  # every thread's have; and every warp is done with tile j - 1,
-            #                     whose slot the next fetch overwrites
-            if j + STAGES - 1 < tile_hi:
-                load_kv_tile(base, k_cache, v_cache, pages, offsets, k_thread, v_thread, hk, seqlen_k,
-                             (j + STAGES - 1) * BN, (stage + STAGES - 1) % STAGES)
-                if PAGED:  # the next copy's pages, while this tile is worked on
-                    lookup_pages(pages, offsets, k_cache, block_table, b, start, seqlen_k, (j + STAGES) * BN)
-            cp_async_commit()
-
-            n_start = j * BN + warp * KW  # this warp's keys of the tile
+            cp_async_wait(WAIT_FOR_TILE)  # this lane's copies of tile j have landed
+            warp_sync()  # ... and every lane's
+            n_start = j * BN + share  # this warp's keys of the tile
             if n_start < keys_hi and n_start + KW > keys_lo:  # some row sees one of them
                 k_tile = base + uint32(Q_BYTES + stage * 2 * TILE_BYTES + warp * KW * ROW_BYTES)
                 v_tile = k_tile + uint32(TILE_BYTES)
@@ -611,6 +613,16 @@ def build_decode_mma(config: MmaDecodeConfig):
                 else:
                     attend(s, acc, m_i, l_i, q_frag, base, q_lane, k_tile, k_lane, v_tile, v_lane, token, head, slope,
                            n_start, b, seqlen_q, seqlen_k, params, scale, scale_log2, softmax_log2, g, t, True)
+            # The slot is refilled as soon as the warp is done with it: `stages` tiles stay in
+            # flight while the warp waits for the next one.
+            if j + STAGES < tile_hi:
+                warp_sync()  # every lane's reads of the slot are done
+                load_kv_tile(base, k_cache, v_cache, pages, offsets, k_thread, v_thread, hk, seqlen_k,
+                             (j + STAGES) * BN + share, stage)
+                if PAGED:  # the next copy's pages, while the warp waits for its tiles
+                    lookup_pages(pages, offsets, k_cache, block_table, b, start, seqlen_k,
+                                 (j + STAGES + 1) * BN + share)
+            cp_async_commit()
 
         # ---- Epilogue: merge the warps, write the rows ----
         cp_async_wait(0)
