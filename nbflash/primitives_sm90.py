@@ -50,6 +50,13 @@ WAIT_SPIN_LIMIT = 10_000 if SIMULATOR else int(os.environ.get("NBFLASH_DEBUG_WAI
 # (see smem_descriptor).
 TILE_ALIGNMENT = None if SIMULATOR else 1024
 
+# The alignment to declare on shared arrays that a 1-D bulk copy writes (bulk_copy_g2s): Numba aligns
+# a shared array to its element size only, so a uint16 tile declared after an mbarrier word starts 8
+# bytes off and the copy faults (misaligned address). TMA boxes need 128 (TILE_ALIGNMENT covers it).
+# The emulation cannot see a missing declaration (host arrays are 16-byte aligned anyway);
+# scripts/check_sm90_ptx.py checks the declarations in the compiled test kernels.
+BULK_ALIGNMENT = None if SIMULATOR else 16
+
 
 # Operand images in shared memory that the descriptor can describe, as the wgmma emulation decodes
 # them (16-bit elements; r is the M or N index, k the K index; byte offsets from the start address;
@@ -134,7 +141,10 @@ if SIMULATOR:
     def wgmma_fence():
         """wgmma.fence.sync.aligned: order prior register and shared accesses before the next
         wgmma reads them (before the first wgmma, and after touching its accumulator or A
-        registers). Warpgroup-wide. Emulation: nothing (wgmma completes at once)."""
+        registers). Warpgroup-wide. Nothing may write those registers between it and the wgmma:
+        not a load of an A fragment, nor a copy the compiler makes (two accumulators started from
+        the same values); ptxas then injects a warpgroup.arrive of its own (C7519 in its -v
+        output). Emulation: nothing (wgmma completes at once)."""
 
     def elect_sync():
         """elect.sync with the full mask: 1 in one lane of the warp, 0 in the others. All 32 lanes
@@ -248,9 +258,10 @@ if SIMULATOR:
 
     def mbarrier_init(bar, count):
         """mbarrier.init.shared::cta.b64 [bar], count: make the 8-byte-aligned 64-bit shared word at
-        ``bar`` a barrier expecting ``count`` arrivals per phase, in phase 0. One thread inits; a
-        fence_mbarrier_init and a syncthreads publish it. Emulation: the barrier's state is a Python
-        object keyed by the address (the word itself is not written)."""
+        ``bar`` a barrier expecting ``count`` arrivals per phase, in phase 0 (an element of a uint64
+        shared array is 8-byte aligned wherever it is declared: Numba aligns to the element size).
+        One thread inits; a fence_mbarrier_init and a syncthreads publish it. Emulation: the
+        barrier's state is a Python object keyed by the address (the word itself is not written)."""
         addr = _check_shared(bar, 8, 8)
         if not 1 <= int(count) < 1 << 20:
             raise ValueError(f"mbarrier arrival count {int(count)} is not in [1, 2**20)")
@@ -304,10 +315,11 @@ if SIMULATOR:
     def bulk_copy_g2s(dst, src_address, nbytes, bar):
         """cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], nbytes,
         [bar]: copy ``nbytes`` (a multiple of 16) from global address ``src_address`` (16-byte
-        aligned; see primitives.global_address) to shared address ``dst`` (16-byte aligned),
-        asynchronously; the copy completes ``nbytes`` transaction bytes on the mbarrier ``bar``,
-        which must expect them (mbarrier_arrive_expect_tx) in the same phase. Issued by one thread.
-        Emulation: an immediate copy, then the complete_tx."""
+        aligned; see primitives.global_address) to shared address ``dst`` (16-byte aligned: declare
+        its array with ``alignment=BULK_ALIGNMENT``), asynchronously; the copy completes ``nbytes``
+        transaction bytes on the mbarrier ``bar``, which must expect them
+        (mbarrier_arrive_expect_tx) in the same phase. Issued by one thread. Emulation: an
+        immediate copy, then the complete_tx."""
         nbytes = int(nbytes)
         if nbytes <= 0 or nbytes % 16:
             raise ValueError(f"bulk copy of {nbytes} bytes: not a positive multiple of 16")
@@ -365,8 +377,14 @@ if SIMULATOR:
         return tensor.reshape(rows, row_stride // 2)[:, :cols], box_rows, box_cols, swizzle
 
     def _box_window(tensor, box_rows, box_cols, c0, c1):
-        """The part of the box at (row c1, column c0) inside the tensor: (box slice, tensor slice)."""
+        """The part of the box at (row c1, column c0) inside the tensor: (box slice, tensor slice).
+        The box's first column must be 16-byte aligned (c0 a multiple of 8 elements, negative
+        allowed): the hardware faults otherwise (an illegal instruction), even where the box leaves
+        the tensor."""
         c0, c1 = int(np.int32(c0)), int(np.int32(c1))
+        if (2 * c0) % 16:
+            raise ValueError(f"TMA innermost coordinate c0 = {c0} is not 16-byte aligned (a multiple "
+                             "of 8 16-bit elements)")
         rows, cols = tensor.shape
         r_lo, r_hi = max(c1, 0), min(c1 + box_rows, rows)
         k_lo, k_hi = max(c0, 0), min(c0 + box_cols, cols)
@@ -385,13 +403,15 @@ if SIMULATOR:
     def tma_load_2d(dst, tensor_map, c0, c1, bar):
         """cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes
         [dst], [map, {c0, c1}], [bar]: copy the box of the tensor map (make_tensor_map_2d) whose
-        first element is (row c1, column c0) -- c0 the innermost coordinate, in elements -- to shared
-        address ``dst`` (128-byte aligned; 1024 with the 128B swizzle), asynchronously, completing the
-        full box's bytes on mbarrier ``bar`` even where the box leaves the tensor (those elements
-        are zero). The box lands row after row; with SWIZZLE_128B (rows of exactly 128 bytes) the
-        16-byte chunk j of row r is stored at chunk j ^ (r % 8): the K-major 128B image wgmma reads.
-        Issued by one thread. Emulation: an immediate copy (swizzled by offset from ``dst``), then
-        the complete_tx; only 16-byte alignment is checked (simulator arrays cannot be aligned)."""
+        first element is (row c1, column c0) -- c0 the innermost coordinate, in elements, and a
+        multiple of 8 (the box's rows must start 16-byte aligned, else the GPU faults with an illegal
+        instruction; c1 is free) -- to shared address ``dst`` (128-byte aligned; 1024 with the 128B
+        swizzle), asynchronously, completing the full box's bytes on mbarrier ``bar`` even where the
+        box leaves the tensor (those elements are zero). The box lands row after row; with
+        SWIZZLE_128B (rows of exactly 128 bytes) the 16-byte chunk j of row r is stored at chunk
+        j ^ (r % 8): the K-major 128B image wgmma reads. Issued by one thread. Emulation: an
+        immediate copy (swizzled by offset from ``dst``), then the complete_tx; c0 is checked, but
+        of ``dst`` only 16-byte alignment (simulator arrays cannot be aligned)."""
         tensor, box_rows, box_cols, swizzle = _tensor_map(tensor_map)
         box = np.zeros((box_rows, box_cols), dtype=np.uint16)
         inside, source = _box_window(tensor, box_rows, box_cols, c0, c1)
@@ -408,12 +428,12 @@ if SIMULATOR:
     def tma_store_2d(tensor_map, c0, c1, src):
         """cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [map, {c0, c1}], [src]: the
         inverse of tma_load_2d: write the box image at shared address ``src`` (laid out, and
-        swizzled, as tma_load_2d leaves it) to the tensor at (row c1, column c0); elements outside
-        the tensor are not written. Asynchronous, in this thread's bulk group: tma_store_commit
-        closes the group, tma_store_wait(0) waits until its reads of shared memory are done (before
-        the tile is overwritten) -- and, for other blocks or the host to see the writes, the kernel's
-        end. Write the tile with ordinary stores, then fence_proxy_async and a barrier, then one
-        thread stores. Emulation: an immediate copy."""
+        swizzled, as tma_load_2d leaves it) to the tensor at (row c1, column c0; c0 a multiple of 8,
+        as for the load); elements outside the tensor are not written. Asynchronous, in this
+        thread's bulk group: tma_store_commit closes the group, tma_store_wait(0) waits until its
+        reads of shared memory are done (before the tile is overwritten) -- and, for other blocks or
+        the host to see the writes, the kernel's end. Write the tile with ordinary stores, then
+        fence_proxy_async and a barrier, then one thread stores. Emulation: an immediate copy."""
         tensor, box_rows, box_cols, swizzle = _tensor_map(tensor_map)
         nbytes = box_rows * box_cols * 2
         image = np.frombuffer(_p._shared_bytes(src, nbytes), dtype=np.uint8).reshape(-1, 16)
@@ -860,7 +880,10 @@ def make_wgmma_ss(n, ab="f16", trans_b=0):
     registers (a UniTuple), updated in place: D = A B + D, or D = A B when ``scale_d`` is 0.
     Register r of thread t (w = t // 32, g = lane // 4, q = lane % 4) holds D[16 w + g +
     8 ((r // 2) % 2), 8 (r // 4) + 2 q + r % 2]. Warpgroup-wide (128 threads), asynchronous:
-    wgmma_fence before, wgmma_commit after, and the result is valid only after wgmma_wait.
+    wgmma_fence before, wgmma_commit after, and the result is valid only after wgmma_wait. Two
+    accumulators in flight must not start from the same values (``acc2 = acc1``): wgmma updates
+    its registers in place, so the compiler copies them, after wgmma_fence (see there); give the
+    second its own registers before the fence (fence_operands of a copy).
     Emulation: a warpgroup collective that decodes both descriptors (the layouts above
     descriptor_bits: no swizzle or 128B, base offset 0), multiplies in float64, rounds once to
     float32 (the hardware accumulates in float32 in its own order) and completes at once."""
@@ -873,8 +896,9 @@ def make_wgmma_rs(n, ab="f16", trans_b=0):
     registers (RS): a0..a3 are uint32 of two f16/bf16 each (the lower k in the low half); a_j of
     thread t holds A[16 w + g + 8 (j % 2), 8 (j // 2) + 2 q] and the next column, i.e. the
     accumulator's layout at n = 16, so a k16 slice of an accumulator packs into A without
-    shuffles. Make the A registers before wgmma_fence and pass them through fence_operands: packed
-    between the wgmmas, they made ptxas serialize them (C7511 in its -v output)."""
+    shuffles. Make (or load) the A registers before wgmma_fence and pass them through
+    fence_operands: packed between the wgmmas, they made ptxas serialize them (C7511 in its -v
+    output); loaded from memory after the fence, they made it inject a warpgroup.arrive (C7519)."""
     _check_wgmma(n, ab, trans_b)
     return _make_wgmma_rs(n, ab, trans_b)
 

@@ -1,10 +1,19 @@
 """Compile every kernel of tests/test_primitives_sm90.py for sm_90a and assemble it with ptxas, with no GPU.
 
-    python scripts/check_sm90_ptx.py [--out DIR] [--only NAME ...]
+    python scripts/check_sm90_ptx.py [--out DIR] [--only NAME ...] [--ptxas PATH]
 
 For each kernel: Numba -> PTX (``compile_ptx(..., cc=(9, 0, "a"))``) -> ``ptxas -arch=sm_90a``. Prints
 one line per kernel (registers, spills, ptxas warnings) and exits 1 if any kernel fails to compile or
-assemble, or if ptxas warns (a wgmma serialized by ptxas, C7510/C7517, is a warning worth failing on).
+assemble, or if ptxas warns: any C75xx message fails, e.g. a wgmma serialized (C7510, C7511), a wait
+(C7517) or a warpgroup.arrive (C7519) injected because registers wgmma uses were written between
+wgmma.fence and the wgmma. ptxas versions differ in what they report (13.0 printed C7519 where 13.5
+said nothing), so ``--ptxas`` takes the one to check with.
+
+A kernel that issues bulk copies or TMA also fails if one of its shared arrays is declared with an
+alignment below 16 (other than 8-byte-aligned mbarrier words): Numba aligns a shared array to its
+element size only, so a uint16 tile after an mbarrier word sits 8 bytes off and the copy faults on the
+GPU (misaligned address), which the simulator cannot see.
+
 With ``--out`` the PTX, cubin and ptxas log of each kernel are kept there.
 
 Needs ptxas (the CUDA toolkit, or the nvidia-cuda-nvcc wheel) and Numba's NVVM; no GPU.
@@ -36,10 +45,29 @@ EXPECTED = {
     "bounded_wait": ["mbarrier.try_wait.parity", "trap;"],
     "tma_store_2d": ["cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group",
                      "cp.async.bulk.wait_group.read 0"],
+    "tma_store_corner": ["cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group"],
     "tma_load_2d": ["cp.async.bulk.tensor.2d.shared::cluster.global.tile", "fence.proxy.tensormap::generic.acquire"],
     "wgmma": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "wgmma.commit_group.sync.aligned",
               "wgmma.wait_group.sync.aligned 0"],
 }
+
+
+# A module-scope shared array in Numba's PTX: ".visible .shared .align 8 .b8 _cudapy_smem_2[8];".
+SHARED_ARRAY = re.compile(r"^\s*(?:\.visible\s+)?\.shared\s+\.align\s+(\d+)\s+\.b8\s+(\w+)\[(\d+)\]", re.M)
+
+
+def misaligned_shared_arrays(ptx):
+    """The shared arrays of a kernel using the bulk-copy engine that may start off a 16-byte boundary:
+    declared with .align below 16, except 8-byte words at .align 8 (mbarriers), which are 8-aligned
+    anywhere. Where ptxas places the arrays is its choice, so any of them may follow another."""
+    if "cp.async.bulk" not in ptx:
+        return []
+    found = []
+    for align, label, size in SHARED_ARRAY.findall(ptx):
+        align, size = int(align), int(size)
+        if align < 16 and not (align == 8 and size == 8):
+            found.append(f"{label}[{size}] .align {align}")
+    return found
 
 
 def check(name, pyfunc, sig, options, out_dir, ptxas):
@@ -51,6 +79,9 @@ def check(name, pyfunc, sig, options, out_dir, ptxas):
     missing = [s for s in EXPECTED["wgmma" if name.startswith("wgmma") else name] if s not in ptx]
     if missing:
         return False, f"PTX lacks {missing}"
+    loose = misaligned_shared_arrays(ptx)
+    if loose:
+        return False, f"shared arrays not 16-byte aligned in a kernel with bulk copies (alignment=...): {loose}"
     ptx_path = os.path.join(out_dir, f"{name}.ptx")
     with open(ptx_path, "w") as f:
         f.write(ptx)
@@ -75,10 +106,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="keep PTX, cubins and ptxas logs in this folder")
     parser.add_argument("--only", nargs="*", help="kernel names (default: all)")
+    parser.add_argument("--ptxas", help="the ptxas to assemble with (default: the nvcc wheel's, else PATH's)")
     args = parser.parse_args()
 
     pretend_gpu((9, 0))
-    ptxas = cuda_tool("ptxas")
+    ptxas = args.ptxas or cuda_tool("ptxas")
     from tests.test_primitives_sm90 import offline_kernels
 
     out_dir = args.out or tempfile.mkdtemp(prefix="sm90_ptx_")

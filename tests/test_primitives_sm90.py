@@ -114,6 +114,7 @@ def test_named_barriers():
 
 CHUNK = 128  # float16 elements per bulk copy: 256 bytes
 PHASES = 3
+BULK_ALIGNMENT = H.BULK_ALIGNMENT  # a global name: Numba needs the alignment as a literal
 
 
 @cuda.jit
@@ -124,7 +125,7 @@ def _mbarrier_kernel(src, out, early):
     # p % 2), then reads the whole chunk.
     t = cuda.threadIdx.x
     bar_word = cuda.shared.array(1, uint64)
-    tile = cuda.shared.array(CHUNK, uint16)
+    tile = cuda.shared.array(CHUNK, uint16, alignment=BULK_ALIGNMENT)  # undeclared: 8 bytes after bar_word
     bar = P.shared_address(bar_word)
     if t == 0:
         H.mbarrier_init(bar, 3)
@@ -166,7 +167,7 @@ _wait_briefly = H.make_mbarrier_wait(3)
 @cuda.jit
 def _stuck_kernel(src):
     # The barrier expects 16 bytes more than the copy brings: its phase never completes.
-    tile = cuda.shared.array(16, uint16)
+    tile = cuda.shared.array(16, uint16, alignment=BULK_ALIGNMENT)
     bar_word = cuda.shared.array(1, uint64)
     bar = P.shared_address(bar_word)
     H.mbarrier_init(bar, 1)
@@ -271,15 +272,19 @@ def _make_wgmma_kernel(ab, a_layout, b_layout, register_a):
         acc = H.fence_operands(H.registers_from(c[t], REGS))
         o = cuda.local.array(REGS, float32)
         for half in range(2):
-            H.wgmma_fence()  # the accumulator's register writes are ordered before wgmma reads it
-            for s in range(2 * half, 2 * half + 2):
-                db = desc_b + uint64(s * step_b // 16)
-                scale = scale_first[0] if s == 0 else uint32(1)
-                if register_a:
-                    acc = wgmma(acc, a_regs[s, t, 0], a_regs[s, t, 1], a_regs[s, t, 2], a_regs[s, t, 3],
-                                db, scale)
-                else:
-                    acc = wgmma(acc, desc_a + uint64(s * step_a // 16), db, scale)
+            s = 2 * half  # the half's k16 steps are s and s + 1
+            scale = scale_first[0] if half == 0 else uint32(1)
+            db0, db1 = desc_b + uint64(s * step_b // 16), desc_b + uint64((s + 1) * step_b // 16)
+            if register_a:  # the A fragments are in registers before the fence (see make_wgmma_rs)
+                a0 = H.fence_operands(H.registers_from(a_regs[s, t], 4))
+                a1 = H.fence_operands(H.registers_from(a_regs[s + 1, t], 4))
+            H.wgmma_fence()  # the accumulator's (and A's) register writes are ordered before wgmma reads them
+            if register_a:
+                acc = wgmma(acc, a0[0], a0[1], a0[2], a0[3], db0, scale)
+                acc = wgmma(acc, a1[0], a1[1], a1[2], a1[3], db1, uint32(1))
+            else:
+                acc = wgmma(acc, desc_a + uint64(s * step_a // 16), db0, scale)
+                acc = wgmma(acc, desc_a + uint64((s + 1) * step_a // 16), db1, uint32(1))
             H.wgmma_commit()
             H.wgmma_wait(0)  # the group is done: its accumulator may be read
             if half == 0:
@@ -436,8 +441,10 @@ def _two_groups_kernel(a_image, b_image, c, d_first, d_second):
     da = H.smem_descriptor(P.shared_address(sa), _q_lbo, _q_sbo, _q_swz)
     db = H.smem_descriptor(P.shared_address(sb), _q_lbo, _q_sbo, _q_swz)
     acc1 = H.fence_operands(H.registers_from(c[t], REGS))
-    acc2 = acc1  # any values: its first step has scale_d 0
-    H.wgmma_fence()  # acc1's loads are ordered before wgmma reads it
+    # acc2 needs registers of its own (any values: its first step has scale_d 0). As ``acc2 = acc1``
+    # the compiler copied acc1 for the first group, after the fence (ptxas: C7519, see wgmma_fence).
+    acc2 = H.fence_operands(acc1)
+    H.wgmma_fence()  # both accumulators' register writes are ordered before wgmma reads them
     for s in range(2):
         acc1 = _s_wgmma(acc1, da + uint64(s * _q_step // 16), db + uint64(s * _q_step // 16), uint32(1))
     H.wgmma_commit()
@@ -539,8 +546,9 @@ def _tma_store_kernel(tensor_map, corners, boxes):
 
 def check_tma_store(swizzle, xp, rng):
     # Boxes at disjoint places (the last two partly outside the tensor) of a poisoned tensor: the
-    # order in which two stores reach global memory is not defined.
-    corners = ((0, 0), (100, 0), (8, 64))
+    # order in which two stores reach global memory is not defined. Every c0 is a multiple of 8
+    # elements (16 bytes), as TMA requires (c0 = 100 faulted on the H200: illegal instruction).
+    corners = ((0, 0), (96, 0), (8, 64))
     x = np.full((100, 136), 0xABCD, dtype=np.uint16)
     boxes = rng.integers(0, 1 << 16, size=(len(corners), BOX_ROWS, BOX_COLS), dtype=np.uint16)
     images = np.stack([_image(b, "kmajor_128b") if swizzle == H.SWIZZLE_128B else b.ravel() for b in boxes])
@@ -558,6 +566,22 @@ def check_tma_store(swizzle, xp, rng):
 def test_tma_2d(swizzle, xp, rng):
     check_tma(swizzle, xp, rng)
     check_tma_store(swizzle, xp, rng)
+
+
+@cuda.jit
+def _tma_corner_kernel(tensor_map, c0):
+    tile = cuda.shared.array(BOX_ELEMS, uint16, alignment=TILE_ALIGNMENT)
+    H.tma_store_2d(H.array_address(tensor_map), c0, 0, P.shared_address(tile))
+
+
+@pytest.mark.skipif(not P.SIMULATOR, reason="the GPU faults (illegal instruction), ending the test process's context")
+def test_tma_innermost_coordinate_aligned():
+    # A box whose rows start off a 16-byte boundary: c0 = 100 16-bit elements is 200 bytes.
+    x = np.zeros((100, 136), np.uint16)  # outlives the map, which names its memory
+    tensor_map = H.make_tensor_map_2d(x, BOX_ROWS, BOX_COLS)
+    _tma_corner_kernel[1, 1](tensor_map, -8)  # a multiple of 8 elements: fine, even outside the tensor
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        _tma_corner_kernel[1, 1](tensor_map, 100)
 
 
 # --- On the GPU (compute capability 9.0): every check, several draws ----------------------------------
@@ -638,6 +662,7 @@ def offline_kernels():
                                       types.Array(types.uint16, 2, "C")), {}),
         ("tma_store_2d", _tma_store_kernel, (types.Array(types.uint64, 1, "C"), types.Array(types.int32, 2, "C"),
                                              types.Array(types.uint16, 2, "C")), {}),
+        ("tma_store_corner", _tma_corner_kernel, (types.Array(types.uint64, 1, "C"), types.int32), {}),
     ]
     for case in WGMMA_CASES:
         kernel = _make_wgmma_kernel(*case[:4])
