@@ -7,8 +7,9 @@ causal; nbflash/kernels/geometry.py counts them).
 
 Anchors measured in the same process: PyTorch SDPA's flash and cuDNN backends (when torch is
 importable), naive CuPy attention (matmul, float32 softmax, matmul) and each nbflash kernel family.
-Times: CUDA events around each call after a warm-up, median of the repeats. Ratios are printed as
-columns. Example:
+Times: CUDA events around each call after a warm-up, median of the repeats; the torch anchors'
+backward alone: events around ``out.backward`` only, an untimed fresh forward before each (see
+``BackwardOnly``). Ratios are printed as columns. Example:
 
     python scripts/bench.py --headdims 64 128 --seqlens 1024 4096 16384 --dtypes float16 float32
     python scripts/bench.py --pass backward --families portable --headdims 128 --seqlens 4096
@@ -128,8 +129,59 @@ def sdpa_runner(backend_name):
     return run
 
 
+class BackwardOnly:
+    """A torch backward timed alone: ``time_ms`` runs ``forward()`` untimed before every
+    ``out.backward(dout)`` and puts CUDA events around the backward only.
+
+    Each backward gets a graph of its own, so none needs ``retain_graph=True``: a compiled backward
+    (FlexAttention's) refuses it when Inductor reuses the memory of the tensors it saved for the
+    backward ("donated buffers"). ``torch._functorch.config.donated_buffer = False`` would allow
+    it, but would time a backward planned differently from a training step's; and a retained graph
+    accumulates into the gradients, an extra kernel per tensor. Here the gradients start at None
+    every time, as a step's (and nbflash's backward) do. Calling the object runs one forward and
+    backward, for warm-ups. Without CUDA (tests), the CPU time of the backward."""
+
+    def __init__(self, forward, dout, inputs):
+        self.forward, self.dout, self.inputs = forward, dout, inputs
+
+    def prepare(self):
+        for tensor in self.inputs:
+            tensor.grad = None
+        return self.forward()
+
+    def __call__(self):
+        self.prepare().backward(self.dout)
+
+    def time_ms(self, warmup=1, repeats=5, budget_s=1.0):
+        """Median milliseconds of the backward, at least 3 repeats, more up to ``repeats`` while
+        within ``budget_s`` (as nbflash.measure.time_ms)."""
+        import torch
+
+        cuda = torch.cuda.is_available() and self.dout.is_cuda
+        for _ in range(warmup):
+            self()
+        if cuda:
+            torch.cuda.synchronize()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        deadline = time.perf_counter() + budget_s
+        while len(times) < max(1, repeats) and (len(times) < 3 or time.perf_counter() < deadline):
+            out = self.prepare()  # queued before the start event, so not in the time
+            if cuda:
+                start.record()
+                out.backward(self.dout)
+                stop.record()
+                stop.synchronize()
+                times.append(start.elapsed_time(stop))
+            else:
+                began = time.perf_counter()
+                out.backward(self.dout)
+                times.append((time.perf_counter() - began) * 1e3)
+        return float(np.median(times))
+
+
 def sdpa_backward_runner(backend_name):
-    """Times SDPA's backward alone (out.backward on a retained graph)."""
+    """Times SDPA's backward alone, a fresh forward before each (see BackwardOnly)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -138,10 +190,12 @@ def sdpa_backward_runner(backend_name):
     def run(q, k, v, causal, **variant):
         no_variant(variant)
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
-        with sdpa_kernel(backend):
-            out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-        dout = torch.randn_like(out)
-        return lambda: out.backward(dout, retain_graph=True)
+
+        def forward():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+        return BackwardOnly(forward, torch.randn_like(forward()), (tq, tk, tv))  # dout laid out as out
 
     return run
 
@@ -183,13 +237,23 @@ def flex_runner(which):
     compiled = torch.compile(flex_attention)
 
     def run(q, k, v, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, bias=None):
+        # Every case compiles as in a fresh process. Otherwise each new score_mod / mask_mod is one
+        # more recompile of flex_attention: past Dynamo's recompile limit (8) it falls back to a
+        # path on which the ALiBi score_mod failed to trace, and values that changed between the
+        # cases (window bounds, softcap) are compiled as dynamic.
+        torch._dynamo.reset()
         batch, seqlen_q, nheads, _ = q.shape
         seqlen_k = k.shape[1]
         left, right, window = window_bounds(seqlen_q, seqlen_k, causal, window_size)
         offset = seqlen_k - seqlen_q
-        slopes = torch.from_dlpack(alibi_slopes) if alibi_slopes is not None else None
-        if slopes is not None and slopes.dim() == 1:
-            slopes = slopes[None].expand(batch, nheads)
+        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_(which != "forward")
+                      for x in (q, k, v))
+        # The slopes as the score_mod's captured buffer: a dense float32 tensor of torch's own on the
+        # inputs' device, not requiring grad, indexed by head (by batch and head when 2-D), rather
+        # than a stride-0 broadcast view of CuPy's memory.
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = torch.from_dlpack(alibi_slopes).to(device=tq.device, dtype=torch.float32).detach().clone()
         extra = keep = None
         if bias is not None:
             tensor = torch.from_dlpack(bias)
@@ -201,7 +265,8 @@ def flex_runner(which):
             if softcap > 0:
                 score = softcap * torch.tanh(score / softcap)
             if slopes is not None:
-                score = score - slopes[b, h] * (q_idx + offset - kv_idx).abs()
+                slope = slopes[h] if slopes.dim() == 1 else slopes[b, h]
+                score = score - slope * (q_idx + offset - kv_idx).abs()
             if extra is not None:
                 score = score + extra[b, h, q_idx, kv_idx]
             return score
@@ -213,10 +278,9 @@ def flex_runner(which):
 
         masked = window or keep is not None
         block_mask = create_block_mask(mask_mod, batch if keep is not None else None,
-                                       nheads if keep is not None else None, seqlen_q, seqlen_k) if masked else None
+                                       nheads if keep is not None else None, seqlen_q, seqlen_k,
+                                       device=tq.device) if masked else None
         modded = softcap > 0 or slopes is not None or extra is not None
-        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_(which != "forward")
-                      for x in (q, k, v))
 
         def forward():
             return compiled(tq, tk, tv, score_mod=score_mod if modded else None, block_mask=block_mask)
@@ -225,8 +289,7 @@ def flex_runner(which):
             return forward
         dout = torch.randn_like(tq)
         if which == "backward":
-            out = forward()
-            return lambda: out.backward(dout, retain_graph=True)
+            return BackwardOnly(forward, dout, (tq, tk, tv))
 
         def step():
             tq.grad = tk.grad = tv.grad = None
@@ -451,7 +514,9 @@ def main(argv=None):
                 row[name] = "-"
                 continue
             try:
-                ms = time_ms(make(q, k, v, causal, **variant), warmup=2, repeats=10, budget_s=args.budget)
+                call = make(q, k, v, causal, **variant)
+                timer = call.time_ms if isinstance(call, BackwardOnly) else functools.partial(time_ms, call)
+                ms = timer(warmup=2, repeats=10, budget_s=args.budget)
                 row[name] = round(flops / ms / 1e9, 1)
             except Exception as error:  # out of memory, unsupported by a backend, ...
                 row[name] = "oom" if "memory" in str(error).lower() else "n/a"
@@ -900,7 +965,8 @@ def gpu_name():
 
 
 def title(which):
-    factor = {"forward": "", "backward": ", x2.5 backward", "forward+backward": ", x3.5 forward+backward"}
+    factor = {"forward": "", "backward": ", x2.5 backward; torch's: a fresh forward before each, untimed",
+              "forward+backward": ", x3.5 forward+backward"}
     return (
         f"{which} TFLOP/s (FLOPs = 4 B H D x visible scores: N^2, N (N + 1) / 2 causal{factor[which]}); "
         "ratios are nbflash's best family over the anchor"

@@ -1,5 +1,6 @@
-"""scripts/bench.py without a GPU: which flags each pass takes, its defaults, and the varlen pass's
-sequence lengths and FLOP count. Nothing here runs a kernel or times anything."""
+"""scripts/bench.py without a GPU: which flags each pass takes, its defaults, the varlen pass's
+sequence lengths and FLOP count, and how the torch anchors' backward is timed alone (on a tiny CPU
+graph, where torch is importable). Nothing here runs a kernel."""
 
 import importlib.util
 import os
@@ -100,3 +101,22 @@ def test_varlen_flops_sum_each_sequences_visible_scores(bench):
         assert bench.varlen_flops(lengths, nheads, headdim, causal) == total
         # Mixed lengths compute more scores than equal ones with the same tokens.
         assert total > bench.varlen_flops([93] * 4, nheads, headdim, causal)
+
+
+def test_backward_only_gives_each_backward_a_fresh_forward(bench):
+    """The torch anchors' backward alone: an untimed forward before every timed backward, so no graph
+    is retained (a compiled backward with donated buffers refuses that) and the gradients are one
+    backward's, not a sum over the repeats."""
+    torch = pytest.importorskip("torch")
+    x = torch.arange(1.0, 5.0, requires_grad=True)
+    forwards = []
+
+    def forward():
+        forwards.append(1)
+        return x * x  # its graph can be walked once: a second backward through it would raise
+
+    dout = torch.full((4,), 0.5)
+    call = bench.BackwardOnly(forward, dout, (x,))
+    assert call.time_ms(warmup=2, repeats=3, budget_s=0.0) >= 0.0
+    assert len(forwards) == 2 + 3
+    assert torch.equal(x.grad, 2 * x.detach() * dout)
