@@ -52,6 +52,8 @@ head h reads key/value head h // (nheads // nheads_k). Windows (causal is the wi
 bottom-right aligned, and the variant's runtime values arrive in ``params``
 (nbflash/kernels/variants.py). A row with lse = -inf (it sees no key) is given lse = +inf,
 so its P row is exp2(-inf) = 0 and its gradients are exactly 0, never NaN; rows past seqlen_q too.
+With a score feature (softcap, ALiBi), P comes from the variant's tensor-core score of the raw S
+(``Hooks.tensor_core_score``, as in the forward), and dS carries its derivative.
 
 Packed sequences (``variant.varlen``): the arrays are stride-0 views over batch of the packed ones
 (total rows in dim 1; lse and delta (batch, nheads, total_q)), grid.x covering the longest
@@ -257,7 +259,9 @@ def build_backward_mma(config: MmaBackwardConfig):
     hooks = variants.hooks(config.variant)
     BLOCK_MASK = hooks.BLOCK_MASK
     key_tiles, query_tiles, row_keys, hidden = hooks.key_tiles, hooks.query_tiles, hooks.row_keys, hooks.hidden
-    SCORE, score_grad, head_context = hooks.SCORE, hooks.score_grad, hooks.head_context
+    SCORE, head_context = hooks.SCORE, hooks.head_context
+    # No max here: any scale works, but ALiBi's slope per unit of a zero scale would not.
+    score_units, score_row, _, score_at_grad = hooks.tensor_core_score(False)
     DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
     tile_class = hooks.tile_class  # the block mask's class of a tile pair (FULL without one)
     VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
@@ -366,11 +370,14 @@ def build_backward_mma(config: MmaBackwardConfig):
 
     @inline_device
     @unroll
-    def softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, scale,
+    def softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, units,
                        g, t, masked):
         """S^T -> P^T and dP^T -> dS^T = P^T * (dP^T - D), in place (times the score features'
         derivative). ``key0`` is the warp's first key; masked entries (keys past seqlen_k, or
         outside a query's window) get P = dS = 0. `masked` is a constant at each call site."""
+        # The score features' (row, key) bases: queries q_start + 2t + column offset, keys g and g + 8
+        ctx = (score_row(q_start + 2 * t, key0 + g, seqlen_q, seqlen_k, params, head_ctx, units),
+               score_row(q_start + 2 * t, key0 + g + 8, seqlen_q, seqlen_k, params, head_ctx, units))
         for nt in static_range(QNT):
             for e in static_range(2):
                 c = nt * 8 + 2 * t + e  # the query column, within the tile
@@ -380,9 +387,9 @@ def build_backward_mma(config: MmaBackwardConfig):
                 for r in static_range(2):
                     grad = float32(1)
                     if SCORE:
-                        x, grad = score_grad(s[nt, 2 * r + e] * scale, q_start + c, key0 + g + 8 * r, seqlen_q,
-                                             seqlen_k, params, head_ctx)
-                        p = exp2_approx(x * float32(LOG2E) - lse_c)
+                        y, grad = score_at_grad(s[nt, 2 * r + e], ctx[r], nt * 8 + e, 0, seqlen_q, seqlen_k, params,
+                                                head_ctx, units)
+                        p = exp2_approx(y * units[variants.EXP] - lse_c)
                     else:
                         p = exp2_approx(s[nt, 2 * r + e] * scale_log2 - lse_c)
                     if masked:
@@ -605,10 +612,12 @@ def build_backward_mma(config: MmaBackwardConfig):
                 continue
             h = hk * group + step // tiles_per_head
             head_ctx = head_context(params, b, h)  # (b, h, ALiBi slope): what the variant reads per head
+            units = score_units(params, scale, head_ctx)  # the score features' constants for this head
             i = first_tile + step % tiles_per_head
             q_start = i * BM
             if tid < BM:
-                lse_s[tid] = lse_next
+                # the score features' offset (variants.OFFSET) out of lse, as out of their scores
+                lse_s[tid] = lse_next - units[variants.OFFSET] if SCORE else lse_next
                 d_s[tid] = d_next
             tiles_landed()
             cuda.syncthreads()  # Q_i, dO_i, lse, D (and K_j, V_j) have landed; the last dQ step is done
@@ -620,10 +629,10 @@ def build_backward_mma(config: MmaBackwardConfig):
             # P^T and dS^T; the mask only on tiles crossing the window's edges or the key tail
             if tail or i < first_full or i >= end_full or tile == variants.PARTIAL:
                 softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
-                               scale, g, t, True)
+                               units, g, t, True)
             else:
                 softmax_grad_t(s, dp, lse_s, d_s, key0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
-                               scale, g, t, False)
+                               units, g, t, False)
 
             # dV_j += P^T dO_i and dK_j += dS^T Q_i
             mma_keys_acc(dv_acc, s, do_tile, a_lane)
@@ -669,19 +678,20 @@ def build_backward_mma(config: MmaBackwardConfig):
     @inline_device
     @unroll
     def softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, first_row, n_start, seqlen_q, seqlen_k, params,
-                     head_ctx, scale_log2, scale, g, t, masked):
+                     head_ctx, scale_log2, units, g, t, masked):
         """dP -> dS = P * (dP - D) in place (times the score features' derivative), P = exp2(S *
         scale_log2 - lse_log2) of the lane's rows g and g + 8 (which see the keys
         key_lo[r] <= key < key_hi[r]); 0 for the other keys."""
         for r in static_range(2):
+            ctx = score_row(first_row + g + 8 * r, n_start + 2 * t, seqlen_q, seqlen_k, params, head_ctx, units)
             for nt in static_range(KNT):
                 for e in static_range(2):
                     key = n_start + nt * 8 + 2 * t + e
                     grad = float32(1)
                     if SCORE:
-                        x, grad = score_grad(s[nt, 2 * r + e] * scale, first_row + g + 8 * r, key, seqlen_q, seqlen_k,
-                                             params, head_ctx)
-                        p = exp2_approx(x * float32(LOG2E) - lse_row[r])
+                        y, grad = score_at_grad(s[nt, 2 * r + e], ctx, 0, nt * 8 + e, seqlen_q, seqlen_k, params,
+                                                head_ctx, units)
+                        p = exp2_approx(y * units[variants.EXP] - lse_row[r])
                     else:
                         p = exp2_approx(s[nt, 2 * r + e] * scale_log2 - lse_row[r])
                     if masked:
@@ -722,6 +732,7 @@ def build_backward_mma(config: MmaBackwardConfig):
         v_tile = base + uint32(V_TILE_Q * 2)
 
         head_ctx = head_context(params, b, h)  # (b, h, ALiBi slope): what the variant reads per head
+        units = score_units(params, scale, head_ctx)  # the score features' constants for this head
         # lse_log2, D and the visible keys [key_lo, key_hi) of the lane's two rows, g and g + 8
         lse_row = cuda.local.array(2, float32)
         d_row = cuda.local.array(2, float32)
@@ -730,6 +741,8 @@ def build_backward_mma(config: MmaBackwardConfig):
         for r in static_range(2):
             row = first_row + g + 8 * r
             lse_row[r] = lse_log2(lse, b, h, row, seqlen_q)
+            if SCORE:  # the score features' offset (variants.OFFSET) out of lse, as out of their scores
+                lse_row[r] -= units[variants.OFFSET]
             d_row[r] = delta[b, h, row] if row < seqlen_q else float32(0)
             lo, hi = row_keys(row, seqlen_q, seqlen_k, params)
             key_lo[r] = lo
@@ -767,10 +780,10 @@ def build_backward_mma(config: MmaBackwardConfig):
             # dS = P * (dP - D); the mask only on tiles crossing the window's edges or the key tail
             if first_full <= j and j < end_full and tile == variants.FULL:
                 softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, first_row, n_start, seqlen_q, seqlen_k, params,
-                             head_ctx, scale_log2, scale, g, t, False)
+                             head_ctx, scale_log2, units, g, t, False)
             else:
                 softmax_grad(s, dp, lse_row, d_row, key_lo, key_hi, first_row, n_start, seqlen_q, seqlen_k, params,
-                             head_ctx, scale_log2, scale, g, t, True)
+                             head_ctx, scale_log2, units, g, t, True)
 
             # dQ_i += dS K_j
             mma_queries_acc(dq_acc, dp, k_tile, a_lane)

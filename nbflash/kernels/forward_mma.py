@@ -27,8 +27,11 @@ Variants (nbflash/kernels/variants.py): the window's sizes arrive in ``params`` 
 ranges and tile segments come from nbflash/kernels/geometry.py, as in every kernel. Without a score
 feature the softmax scale is folded into the exponent (one FFMA per score, on the unscaled max) when
 it is positive; otherwise (``fold_scale=False``) the scores are scaled first, since the max of
-s * scale is then not the scaled max. With a score feature (softcap, ALiBi) the scores are scaled to
-natural units, transformed by the variant's ``score`` and turned to base 2 before the mask.
+s * scale is then not the scaled max. With a score feature (softcap, ALiBi) the raw scores go through
+the variant's tensor-core score (``Hooks.tensor_core_score``), which leaves them in units whose
+positive factor to base 2 is folded into exp2 the same way: softcap's tanh(s * scale / cap) in units
+of the cap (less 1 with the exp2 tanh: an offset only the lse sees), ALiBi's s - slope / scale *
+|distance| in units of the scale.
 
 Grid and threads: grid = (ceil(seqlen_q / block_m), nheads, batch); block = 32 * num_warps threads.
 Warp w owns query rows [w * rows_per_warp, (w + 1) * rows_per_warp) of the block's tile, in m_tiles
@@ -93,7 +96,6 @@ from nbflash.primitives import (
 from . import variants
 
 LN2 = math.log(2.0)
-LOG2E = math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ class MmaForwardConfig:
     q_in_registers: bool | None = None
     sub_n: int = 0  # keys per S register tile (a divisor of block_n, multiple of 16); 0: block_n
     skip_rescale: bool = False  # branch around acc *= alpha when a row's max did not change
-    fold_scale: bool = True  # the scale is positive: fold it into exp2 (not with a score feature)
+    fold_scale: bool = True  # the scale is positive: fold it into exp2 (a score feature folds its units)
 
     def __post_init__(self):
         if self.dtype not in ("float16", "bfloat16"):
@@ -185,7 +187,8 @@ def build_forward_mma(config: MmaForwardConfig):
     hooks = variants.hooks(config.variant)
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
     ELEMENT_MASK = hooks.ELEMENT_MASK
-    SCORE, score, head_context = hooks.SCORE, hooks.score, hooks.head_context
+    SCORE, head_context = hooks.SCORE, hooks.head_context
+    score_units, score_row, score_at, _ = hooks.tensor_core_score(config.fold_scale)
     DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
     BLOCK_MASK, tile_class, next_key_tile = hooks.BLOCK_MASK, hooks.tile_class, hooks.next_key_tile
     VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
@@ -318,17 +321,17 @@ def build_forward_mma(config: MmaForwardConfig):
 
     @inline_device
     @unroll
-    def score_scores(s, first_row, n_start, seqlen_q, seqlen_k, params, head_ctx, scale, g, t):
-        """S = score(S * scale) * log2(e): the variant's score features on natural-unit scores,
-        then the exponent's units."""
+    def score_scores(s, first_row, n_start, seqlen_q, seqlen_k, params, head_ctx, units, g, t):
+        """S = the variant's score features on raw Q K^T, in the units that units[EXP] turns to base 2
+        (variants.Hooks.tensor_core_score): what they read of a row is computed once per row."""
         for mt in static_range(MT):
             for r in static_range(2):
-                row = first_row + mt * 16 + g + 8 * r
+                ctx = score_row(first_row + mt * 16 + g + 8 * r, n_start + 2 * t, seqlen_q, seqlen_k, params, head_ctx,
+                                units)
                 for nt in static_range(NT):
                     for e in static_range(2):
-                        x = s[mt, nt, 2 * r + e] * scale
-                        key = n_start + nt * 8 + 2 * t + e
-                        s[mt, nt, 2 * r + e] = score(x, row, key, seqlen_q, seqlen_k, params, head_ctx) * float32(LOG2E)
+                        s[mt, nt, 2 * r + e] = score_at(s[mt, nt, 2 * r + e], ctx, 0, nt * 8 + e, seqlen_q, seqlen_k,
+                                                        params, head_ctx, units)
 
     @inline_device
     @unroll
@@ -413,8 +416,9 @@ def build_forward_mma(config: MmaForwardConfig):
 
     @inline_device
     @unroll
-    def write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, scale_log2, g, t):
-        """O_i = acc / l_i and lse_i, for rows inside the sequence; 0 and -inf for rows with no key."""
+    def write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, scale_log2, lse_offset, g, t):
+        """O_i = acc / l_i and lse_i, for rows inside the sequence; 0 and -inf for rows with no key.
+        ``lse_offset``: what a score feature's units leave out of the base-2 scores."""
         for mt in static_range(MT):
             for r in static_range(2):
                 l_row = quad_sum(l_i[mt, r])  # every lane of the warp takes part in the shuffle
@@ -428,14 +432,17 @@ def build_forward_mma(config: MmaForwardConfig):
                                 store_element(out, b, row, h, col, acc[mt, dt, 2 * r + e] * inv_l)
                     if t == 0:
                         if l_row > float32(0):
-                            lse[b, h, row] = (m_i[mt, r] * scale_log2 + math.log2(l_row)) * float32(LN2)
+                            lse_log2 = m_i[mt, r] * scale_log2 + math.log2(l_row)
+                            if SCORE:
+                                lse_log2 += lse_offset
+                            lse[b, h, row] = lse_log2 * float32(LN2)
                         else:
                             lse[b, h, row] = NEG_INF
 
     @inline_device
     @unroll
     def attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
-                    scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, head_ctx, scale,
+                    scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, head_ctx, units,
                     g, t, masked):
         """One K/V tile into the warp's running (m_i, l_i, acc), SUB_N keys at a time (S lives in
         registers, SUB_N columns wide). `masked` is a constant at each call site: the unmasked copy
@@ -459,7 +466,7 @@ def build_forward_mma(config: MmaForwardConfig):
                 # S = Q_i K_j^T (in the exponent's units, if the scale is not folded into exp2)
                 mma_q_kt(s, q_frag, q_warp, q_lane, k_sub, k_lane)
                 if SCORE:
-                    score_scores(s, first_row, sub_start, seqlen_q, seqlen_k, params, head_ctx, scale, g, t)
+                    score_scores(s, first_row, sub_start, seqlen_q, seqlen_k, params, head_ctx, units, g, t)
                 elif not FOLD_SCALE:
                     scale_scores(s, scale_log2)
 
@@ -508,9 +515,12 @@ def build_forward_mma(config: MmaForwardConfig):
         # which [first_full, end_full) every row sees whole and the others are masked ----
         first_tile, first_full, end_full, end_tile = key_tiles(
             m_start, min(m_start + BM, seqlen_q), seqlen_q, seqlen_k, params, BN)
-        softmax_log2 = scale_log2 if FOLD_SCALE else float32(1)  # what multiplies S in exp2
         scale = scale_log2 * float32(LN2)  # the softmax scale itself, for the score features
         head_ctx = head_context(params, b, h)  # (b, h, ALiBi slope): what the variant reads per head
+        units = score_units(params, scale, head_ctx)  # the score features' constants for this head
+        # What multiplies S in exp2: a score feature leaves S in units of units[EXP] > 0, folded like a
+        # positive scale (and an offset in base 2 that only the lse sees)
+        softmax_log2 = units[variants.EXP] if SCORE else (scale_log2 if FOLD_SCALE else float32(1))
 
         # ---- Prologue: Q_i and the first K/V tile in flight; Q_i into registers ----
         load_q_tile(smem, base, q, b, m_start, h, seqlen_q)
@@ -571,13 +581,13 @@ def build_forward_mma(config: MmaForwardConfig):
             if first_full <= j and j < end_full and tile == variants.FULL:
                 attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
                             scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, head_ctx,
-                            scale, g, t, False)
+                            units, g, t, False)
             else:
                 attend_tile(s, acc, m_i, l_i, q_frag, q_warp, q_lane, k_tile, k_lane, v_tile, v_lane,
                             scale_log2, softmax_log2, n_start, first_row, seqlen_q, seqlen_k, params, head_ctx,
-                            scale, g, t, True)
+                            units, g, t, True)
 
         # ---- Epilogue: normalise and write O_i and lse_i ----
-        write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, softmax_log2, g, t)
+        write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, softmax_log2, units[variants.OFFSET], g, t)
 
     return forward_mma

@@ -17,7 +17,9 @@ built here at fixed points of its tile step:
   (``- slope * |row + seqlen_k - seqlen_q - key|``), then the additive bias tensor
   (``+ bias[b, h, row, key]``). What they read per head, ``head_ctx = (b, h, slope)``, comes from
   ``head_context(params, b, h)`` once per head. The backward calls ``score_grad``, which also
-  returns d score / d x (the bias gets no gradient);
+  returns d score / d x (the bias gets no gradient). The tensor-core kernels call the same features
+  through ``Hooks.tensor_core_score`` instead: on raw q.k, with the scale folded into them, ALiBi's
+  distance a float per row and softcap's tanh from MUFU instructions;
 - the probability point (after exp, before P V): dropout's factor of each probability;
 - the **layout**: with packed sequences (``VARLEN``), ``sequence(params, b, total_q, total_k)``
   gives sequence b's rows as (q_start, seqlen_q, k_start, seqlen_k) (geometry.packed_sequence);
@@ -42,9 +44,11 @@ from numba import float32, int32
 from numba.extending import register_jitable
 
 from ..dtypes import KERNEL_DTYPE
-from ..primitives import bf16_bits_to_f32
+from ..primitives import bf16_bits_to_f32, exp2_approx, rcp_approx, tanh_approx
 from . import geometry
 from .philox import dropout_word
+
+LOG2E = math.log2(math.e)
 
 # The kernel type of each runtime value, as a signature spells it (``nbflash.problem.PARAMS``
 # gives their order). The ALiBi slopes are (batch, nheads), any strides (stride 0 over batch when
@@ -79,8 +83,9 @@ def param_types(variant):
 
 
 def _score_steps(variant, names):
-    """(score, score_grad) device functions of each score feature, in the order they apply: each
-    takes ``(x, row, key, seqlen_q, seqlen_k, params, head_ctx)``; score_grad returns (y, dy/dx)."""
+    """(feature, score, score_grad) of each score feature, in the order they apply: the device
+    functions take ``(x, row, key, seqlen_q, seqlen_k, params, head_ctx)``; score_grad returns
+    (y, dy/dx)."""
     steps = []
     if variant.softcap:
         SOFTCAP = names.index("softcap")
@@ -96,7 +101,7 @@ def _score_steps(variant, names):
             t = math.tanh(x / cap)
             return cap * t, float32(1) - t * t
 
-        steps.append((softcap, softcap_grad))
+        steps.append(("softcap", softcap, softcap_grad))
     if variant.alibi:
 
         @register_jitable
@@ -107,7 +112,7 @@ def _score_steps(variant, names):
         def alibi_grad(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
             return alibi(x, row, key, seqlen_q, seqlen_k, params, head_ctx), float32(1)
 
-        steps.append((alibi, alibi_grad))
+        steps.append(("alibi", alibi, alibi_grad))
     if variant.bias:
         BIAS = names.index("bias")
         to_float = bf16_bits_to_f32 if variant.bias == "bfloat16" else float32
@@ -122,7 +127,7 @@ def _score_steps(variant, names):
         def bias_grad(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
             return bias(x, row, key, seqlen_q, seqlen_k, params, head_ctx), float32(1)
 
-        steps.append((bias, bias_grad))
+        steps.append(("bias", bias, bias_grad))
     if variant.score_mod:
         user = _device(variant.score_mod)
         user_grad = _device(variant.score_mod_grad) if variant.score_mod_grad else None
@@ -144,7 +149,7 @@ def _score_steps(variant, names):
                 grad = float32(user_grad(x, head_ctx[0], head_ctx[1], row, key))
                 return score_mod(x, row, key, seqlen_q, seqlen_k, params, head_ctx), grad
 
-        steps.append((score_mod, score_mod_grad))
+        steps.append(("score_mod", score_mod, score_mod_grad))
     return steps
 
 
@@ -245,7 +250,7 @@ def _chain(steps):
     def score_grad(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
         return x, float32(1)
 
-    for step, step_grad in steps:
+    for _, step, step_grad in steps:
         score, score_grad = _then(score, score_grad, step, step_grad)
     return score, score_grad
 
@@ -260,6 +265,232 @@ def _then(first, first_grad, step, step_grad):
     def score_grad(x, row, key, seqlen_q, seqlen_k, params, head_ctx):
         y, dy = first_grad(x, row, key, seqlen_q, seqlen_k, params, head_ctx)
         z, dz = step_grad(y, row, key, seqlen_q, seqlen_k, params, head_ctx)
+        return z, dz * dy
+
+    return score, score_grad
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tensor-core kernels' score point: raw Q K^T in, a score in units that the softmax's exp2 folds
+# ---------------------------------------------------------------------------------------------------
+
+# softcap's tanh in the tensor-core kernels. "exp2": tanh(u) - 1 = -2 / (1 + e^(2u)) from ex2.approx and
+# rcp.approx (an FFMA, an FADD and two MUFU instructions per score; within ~2e-7 of tanh, absolute).
+# "mufu": tanh.approx (an FMUL and one MUFU instruction), which the PTX ISA bounds only to a relative
+# 2^-10.987: a score off by up to softcap * 2^-11 (0.015 at softcap 30), more than the tests' 1e-5 on
+# the lse allows (MUFU.TANH has been measured at ~1.1e-5 on sm_75, which would pass: to be checked
+# on the GPUs we support before it becomes the default). The portable kernels and decode keep
+# libdevice's tanhf (``_score_steps``). Change it here, not at run time: the cubin cache keys on this
+# file's source.
+SOFTCAP_TANH = "exp2"
+
+# Where the tensor-core score leaves S (``Hooks.tensor_core_score``): in units of the softcap (tanh,
+# less 1 with "exp2"), of the softmax scale (q.k itself), or natural units.
+CAP_UNITS, SCALE_UNITS, NATURAL_UNITS = "cap", "scale", "natural"
+
+# The constants ``score_units`` gives per head: the base-2 score is S * units[EXP] + units[OFFSET];
+# PRE multiplies q.k first (tanh's argument with a softcap, else the scale), POST turns tanh into
+# natural units, SLOPE is ALiBi's slope per unit.
+EXP, OFFSET, PRE, POST, SLOPE = range(5)
+
+
+def _softcap_tanh(kind):
+    """(tanh_less, SHIFT, ARG): tanh_less(s, units) = tanh(u) - SHIFT for u = s * scale / cap, with
+    units[PRE] = ARG * scale / cap."""
+    if kind == "mufu":
+
+        @register_jitable
+        def tanh_less(s, units):
+            return tanh_approx(s * units[PRE])
+
+        return tanh_less, 0, 1.0
+
+    if kind != "exp2":
+        raise ValueError(f"SOFTCAP_TANH must be 'exp2' or 'mufu', got {kind!r}")
+
+    @register_jitable
+    def tanh_less(s, units):
+        """tanh(u) - 1 = -2 / (1 + e^(2u)) = 1 / (-1/2 - 2^(a - 1)) for a = 2u log2(e); 2^(a - 1) = inf
+        and 0 give 0 and -2."""
+        return rcp_approx(float32(-0.5) - exp2_approx(s * units[PRE] - float32(1)))
+
+    return tanh_less, 1, 2 * LOG2E
+
+
+def tensor_core_units(variant, positive_scale):
+    """The units the tensor-core score leaves S in: softcap's (cap) when the features after it are
+    ALiBi's at most, the scale's when ALiBi is the only feature and the scale is positive (the
+    forward's max then commutes with the scale), else natural units (a bias tensor, a score_mod)."""
+    natural = bool(variant.bias or variant.score_mod)
+    if variant.softcap and not natural:
+        return CAP_UNITS
+    if variant.alibi and not variant.softcap and not natural and positive_scale:
+        return SCALE_UNITS
+    return NATURAL_UNITS
+
+
+def _tensor_core_score(variant, names, steps, positive_scale):
+    """(score_units, score_row, score_at, score_at_grad) for ``Hooks.tensor_core_score``."""
+    UNITS = tensor_core_units(variant, positive_scale)
+    tanh_less, SHIFT, TANH_ARG = _softcap_tanh(SOFTCAP_TANH)
+    SOFTCAP = names.index("softcap") if variant.softcap else -1
+
+    if UNITS == CAP_UNITS:
+
+        @register_jitable
+        def score_units(params, scale, head_ctx):
+            cap = params[SOFTCAP]
+            return (cap * float32(LOG2E), cap * float32(SHIFT * LOG2E), scale * float32(TANH_ARG) / cap, float32(1),
+                    head_ctx[2] / cap)
+
+    elif UNITS == SCALE_UNITS:
+
+        @register_jitable
+        def score_units(params, scale, head_ctx):
+            return scale * float32(LOG2E), float32(0), float32(1), float32(1), head_ctx[2] / scale
+
+    elif variant.softcap:
+
+        @register_jitable
+        def score_units(params, scale, head_ctx):
+            cap = params[SOFTCAP]
+            return float32(LOG2E), float32(0), scale * float32(TANH_ARG) / cap, cap, head_ctx[2]
+
+    else:
+
+        @register_jitable
+        def score_units(params, scale, head_ctx):
+            return float32(LOG2E), float32(0), scale, float32(1), head_ctx[2]
+
+    @register_jitable
+    def score_row(row, key, seqlen_q, seqlen_k, params, head_ctx, units):
+        """What the features read of a (row, key) base once: the two, and ALiBi's distance as a
+        float (the elements' distances differ from it by constants)."""
+        return row, key, float32(int32(row + seqlen_k - seqlen_q - key))
+
+    # Each step: (y, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units) -> y at row
+    # ctx[0] + row_off and key ctx[1] + key_off (the offsets are the kernels' unrolled constants);
+    # the first step takes q.k itself.
+    if variant.softcap:
+        score, score_grad = _tensor_core_softcap(tanh_less, SHIFT, UNITS == NATURAL_UNITS)
+    else:
+        score, score_grad = _tensor_core_scale(UNITS == SCALE_UNITS)
+    for feature, step, step_grad in steps:
+        if feature == "alibi":
+            step, step_grad = _tensor_core_alibi()
+        elif feature != "softcap":
+            step, step_grad = _at_row_and_key(step, step_grad)
+        else:
+            continue
+        score, score_grad = _then_at(score, score_grad, step, step_grad)
+    return score_units, score_row, score, score_grad
+
+
+def _tensor_core_scale(scale_units):
+    """q.k in the scale's units (itself) or scaled to natural units."""
+    if scale_units:
+
+        @register_jitable
+        def scale(s, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units):
+            return s
+
+    else:
+
+        @register_jitable
+        def scale(s, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units):
+            return s * units[PRE]
+
+    @register_jitable
+    def scale_grad(s, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units):
+        return scale(s, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units), float32(1)
+
+    return scale, scale_grad
+
+
+def _tensor_core_softcap(tanh_less, SHIFT, natural):
+    """softcap on q.k: tanh - SHIFT in cap units, or cap * tanh; d/dx = 1 - tanh^2."""
+    if natural and SHIFT:
+
+        @register_jitable
+        def from_tanh_less(y, units):
+            return y * units[POST] + units[POST] * float32(SHIFT)
+
+    elif natural:
+
+        @register_jitable
+        def from_tanh_less(y, units):
+            return y * units[POST]
+
+    else:
+
+        @register_jitable
+        def from_tanh_less(y, units):
+            return y
+
+    if SHIFT:
+
+        @register_jitable
+        def tanh_of(y):
+            return y + float32(SHIFT)
+
+    else:
+
+        @register_jitable
+        def tanh_of(y):
+            return y
+
+    @register_jitable
+    def softcap(s, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units):
+        return from_tanh_less(tanh_less(s, units), units)
+
+    @register_jitable
+    def softcap_grad(s, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units):
+        y = tanh_less(s, units)
+        t = tanh_of(y)
+        return from_tanh_less(y, units), float32(1) - t * t
+
+    return softcap, softcap_grad
+
+
+def _tensor_core_alibi():
+    """- slope * |distance|: an FADD of a constant to the row's distance, and an FFMA that takes its
+    absolute value as an operand modifier (no integer conversion per score)."""
+
+    @register_jitable
+    def alibi(y, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units):
+        return y - units[SLOPE] * abs(ctx[2] + float32(row_off - key_off))
+
+    @register_jitable
+    def alibi_grad(y, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units):
+        return alibi(y, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units), float32(1)
+
+    return alibi, alibi_grad
+
+
+def _at_row_and_key(step, step_grad):
+    """A natural-unit step of ``_score_steps`` (bias, score_mod) at the element's row and key."""
+
+    @register_jitable
+    def at(y, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units):
+        return step(y, ctx[0] + row_off, ctx[1] + key_off, seqlen_q, seqlen_k, params, head_ctx)
+
+    @register_jitable
+    def at_grad(y, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units):
+        return step_grad(y, ctx[0] + row_off, ctx[1] + key_off, seqlen_q, seqlen_k, params, head_ctx)
+
+    return at, at_grad
+
+
+def _then_at(first, first_grad, step, step_grad):
+    @register_jitable
+    def score(s, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units):
+        y = first(s, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units)
+        return step(y, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units)
+
+    @register_jitable
+    def score_grad(s, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units):
+        y, dy = first_grad(s, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units)
+        z, dz = step_grad(y, ctx, row_off, key_off, seqlen_q, seqlen_k, params, head_ctx, units)
         return z, dz * dy
 
     return score, score_grad
@@ -396,7 +627,9 @@ class Hooks:
         self.sequence = sequence
 
         self.SCORE = variant.score
-        self.score, self.score_grad = _chain(_score_steps(variant, names))
+        self._variant, self._names, self._steps = variant, names, _score_steps(variant, names)
+        self.score, self.score_grad = _chain(self._steps)
+        self._tensor_core = {}
         if variant.alibi:
             ALIBI = names.index("alibi_slopes")
 
@@ -431,6 +664,29 @@ class Hooks:
                 return float32(1)
 
         self.dropout_factor = dropout_factor
+
+    def tensor_core_score(self, positive_scale):
+        """The tensor-core kernels' score point, on raw q.k (no scale applied):
+
+        - ``units = score_units(params, scale, head_ctx)`` once per head; the score in base 2 is
+          ``S * units[EXP] + units[OFFSET]`` (a positive factor, which the forward folds into its
+          exp2 after the max; the offset, which the softmax does not see, goes into the lse), the
+          rest are the features' constants in those units;
+        - ``ctx = score_row(row, key, seqlen_q, seqlen_k, params, head_ctx, units)`` once per base
+          (row, key) of a run of elements, and ``score_at(s, ctx, row_off, key_off, seqlen_q,
+          seqlen_k, params, head_ctx, units)`` per element at (row + row_off, key + key_off), the
+          offsets compile-time constants; ``score_at_grad`` returns (y, d score / d x) as
+          ``score_grad`` does.
+
+        The same scores as ``score`` (up to softcap's tanh, ``SOFTCAP_TANH``), with the scale folded
+        into softcap's argument and ALiBi's slope, and ALiBi's distance a float per base. With
+        ``positive_scale`` False, ALiBi alone stays in natural units (the scale's sign would
+        flip the max).
+        """
+        if positive_scale not in self._tensor_core:
+            self._tensor_core[positive_scale] = _tensor_core_score(self._variant, self._names, self._steps,
+                                                                   positive_scale)
+        return self._tensor_core[positive_scale]
 
 
 @lru_cache(maxsize=None)
