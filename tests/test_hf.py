@@ -265,18 +265,36 @@ def test_logits_match_sdpa(kind, padding):
 
 
 @pytest.mark.gpu
-def test_training_steps_match_sdpa():
-    """A few AdamW steps under float16 autocast (float32 weights) on a padded batch: our losses
-    follow SDPA's, and fall. Rotary embeddings leave query and key float32 and value half under
-    autocast; nbflash.hf casts them as autocast casts SDPA's."""
-    losses = {}
+def test_training_gradients_match_sdpa():
+    """Training on a padded batch under float16 autocast (float32 weights). Every parameter's
+    gradient is as close to the float32 gradient (SDPA, no autocast) as SDPA's own under autocast
+    (twice its error, plus a floor); then a few SGD steps, whose losses follow SDPA's and fall.
+    (AdamW's first steps are not a fair check: they move every weight by about lr times the sign of
+    its gradient, so float16 rounding on gradients near zero changes the loss by percents.)
+    Rotary embeddings leave query and key float32 and value half under autocast; nbflash.hf casts
+    them as autocast casts SDPA's."""
     ids, mask = batch(True, "cuda")
     labels = ids.masked_fill(mask == 0, -100)
-    for name, model in zip(("sdpa", "ours"), models("sdpa", STRICT)):
-        model.cuda().train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sdpa, ours = (model.cuda().train() for model in models("sdpa", STRICT))
+
+    def gradient(model, autocast):
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
+            model(ids, attention_mask=mask, labels=labels).loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    exact = gradient(sdpa, False)
+    theirs, got = gradient(sdpa, True), gradient(ours, True)
+    assert got.isfinite().all()
+    error = ((got - exact).norm() / exact.norm()).item()
+    sdpa_error = ((theirs - exact).norm() / exact.norm()).item()
+    assert error <= 2 * sdpa_error + 1e-3, f"gradient error {error:.3g} (SDPA's {sdpa_error:.3g})"
+
+    losses = {}
+    for name, model in (("sdpa", sdpa), ("ours", ours)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
         losses[name] = []
-        for _ in range(5):
+        for _ in range(4):
             optimizer.zero_grad()
             with torch.autocast("cuda", dtype=torch.float16):
                 loss = model(ids, attention_mask=mask, labels=labels).loss
@@ -284,8 +302,8 @@ def test_training_steps_match_sdpa():
             optimizer.step()
             losses[name].append(loss.item())
     for a, b in zip(losses["ours"], losses["sdpa"]):
-        assert abs(a - b) <= 1e-2 * abs(b), losses
-    assert losses["ours"][-1] < losses["ours"][0]
+        assert abs(a - b) <= 2e-2 * abs(b), losses
+    assert losses["ours"][-1] < losses["ours"][0], losses
 
 
 @pytest.mark.gpu

@@ -122,3 +122,22 @@ def test_return_attn_probs(rng, xp):
     assert np.allclose(probs.sum(-1), 1, atol=1e-5) and (probs[..., 0, 4:] == 0).all()
     expected = np.einsum("bhij,bjhd->bihd", probs, to_numpy(v).astype(np.float32).repeat(2, axis=2))
     assert np.abs(to_numpy(out) - expected).max() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_padding_mask_with_a_window_gpu(rng, xp, deterministic):
+    """What nbflash.hf passes for a padded batch: a bool (batch, 1, seqlen, seqlen) mask, left
+    padding under a causal band, with the narrowest window holding it, (-1, 0); GQA, head dim 64."""
+    batch, seqlen, nheads, nheads_k, headdim = 3, 77, 4, 2, 64
+    q, k, v = random_qkv(rng, xp, batch, seqlen, seqlen, nheads, nheads_k, headdim, "float16")
+    pads = [0, 5, 30]
+    mask = np.tril(np.ones((seqlen, seqlen), bool))[None, None].repeat(batch, 0)
+    for b, pad in enumerate(pads):
+        mask[b, :, :, :pad] = False
+    variant = {"bias": xp.asarray(mask), "window_size": (-1, 0)}
+    out, lse = nbflash.flash_attn_func(q, k, v, return_lse=True, **variant)
+    assert_attention_close(out, lse, q, k, v, False, **variant)
+    dout = random_like(rng, xp, q)
+    grads = flash_attn_backward(dout, q, k, v, out, lse, deterministic=deterministic, **variant)
+    assert_gradients_close(grads, dout, q, k, v, False, **variant)
