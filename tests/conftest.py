@@ -31,10 +31,11 @@ def _one_shared_array_per_line():
 
     The simulator gives a block one array per source line: the first thread there makes it
     (``np.empty``) and stores it under (file, line). It does not lock between finding nothing and
-    storing, so two threads arriving together (a thread switch in between) both make one; whoever
-    stored first then works on an array nobody else writes, and reads the rest of the tile as
-    uninitialized memory: a rare wrong answer, only in the first block of a launch, never on a GPU.
-    Here the array is made under a lock. Dynamic shared memory (shape 0) is left as it is.
+    storing, so two threads arriving together (a thread switch in between) both make one, and the
+    second store replaces the first: the threads that took the first array work on one nobody else
+    writes, reading the rest of the tile as uninitialized memory. A rare wrong answer, only in the
+    first block of a launch, never on a GPU. Here the array is made under a lock. Dynamic shared
+    memory (shape 0) is left as it is.
     """
     import sys
     import threading
