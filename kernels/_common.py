@@ -48,10 +48,14 @@ if SIMULATOR:
     sys.setswitchinterval(2e-4)
 KERNELS_DIR = os.path.dirname(os.path.abspath(__file__))
 
-# The lessons check against nbflash's float64 reference; find nbflash in this checkout when it is
-# not installed.
-if importlib.util.find_spec("nbflash") is None:
-    sys.path.append(os.path.dirname(KERNELS_DIR))
+# The lessons check against nbflash's float64 reference, and lesson 06 reads nbflash's kernels: this
+# checkout's nbflash, even where another copy is installed, so that an edit to nbflash/ shows in the
+# lessons as it does in the tests; an installed nbflash only when the lessons were copied elsewhere.
+_CHECKOUT = os.path.dirname(KERNELS_DIR)
+if os.path.isdir(os.path.join(_CHECKOUT, "nbflash")):
+    sys.path.insert(0, _CHECKOUT)
+elif importlib.util.find_spec("nbflash") is None:
+    sys.exit("the lessons need nbflash: run them from a checkout of nbflash, or pip install it")
 
 from nbflash.reference import attention_naive, attention_reference  # noqa: E402
 
