@@ -278,12 +278,6 @@ MMA_DECODE = [
     (256, 64, 4, 2),
 ]
 
-# Shared memory one multiprocessor offers to blocks (sm_80 164 KB, sm_86/89 100 KB, sm_90 228 KB),
-# less 1 KB per block that the system reserves; used only to estimate blocks per multiprocessor.
-SHARED_PER_SM = {(8, 0): 164 * 1024, (8, 6): 100 * 1024, (8, 7): 164 * 1024, (8, 9): 100 * 1024,
-                 (9, 0): 228 * 1024}
-
-
 @lru_cache(maxsize=None)
 def decode_config(dtype, headdim, variant, paged, rotary, rotary_interleaved, rows, positive_scale=True):
     """The decode kernel's configuration: ``rows`` = packed (query token, query head) rows per
@@ -294,9 +288,3 @@ def decode_config(dtype, headdim, variant, paged, rotary, rotary_interleaved, ro
     return MmaDecodeConfig(dtype=dtype, headdim=headdim, variant=variant, paged=paged, rotary=rotary,
                            rotary_interleaved=rotary_interleaved if rotary else True, m_tiles=m_tiles,
                            block_n=block_n, num_warps=num_warps, stages=stages, fold_scale=positive_scale)
-
-
-def decode_blocks_per_sm(config, device=0):
-    """About how many decode blocks one multiprocessor holds at once (shared memory bounds it)."""
-    shared = SHARED_PER_SM.get(_compute_capability(device), 100 * 1024)
-    return max(1, min(8, shared // (config.dynamic_shared_bytes + 1024)))

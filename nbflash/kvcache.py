@@ -288,19 +288,23 @@ def _multiprocessors(device):
 
 
 @lru_cache(maxsize=1024)
-def choose_splits(blocks, tiles, multiprocessors, blocks_per_sm):
-    """How many splits of the keys: enough blocks to fill every multiprocessor's slots in whole
-    waves. The smallest count whose wave efficiency (blocks over the slots of the waves they
-    take) is within 95% of the best (a wave 88% full leaves an eighth of the bandwidth idle, while
-    a few more splits cost the combine little); at most one split per MIN_TILES_PER_SPLIT key tiles."""
-    slots = multiprocessors * blocks_per_sm
-    if blocks >= slots:
+def choose_splits(blocks, tiles, multiprocessors):
+    """How many splits of the keys: enough blocks to give every multiprocessor one, in whole waves.
+    The smallest count whose wave efficiency (blocks over the multiprocessors of the waves they
+    take) is within 95% of the best; at most one split per MIN_TILES_PER_SPLIT key tiles.
+
+    One block per multiprocessor, not one per block slot: on the H200 a lone decode block keeps
+    its multiprocessor's share of the bandwidth busy (batch 1 / 128k: 16 splits on 132
+    multiprocessors ran as fast as 32 on the 264 slots of two blocks each), and every extra split
+    costs partial outputs written and read back by the combine (batch 16 / 16k: one split, 128
+    blocks, 0.80 of the copy bandwidth; two, filling the slots, 0.75)."""
+    if blocks >= multiprocessors:
         return 1
     most = max(1, min(MAX_SPLITS, tiles // MIN_TILES_PER_SPLIT))
 
     def efficiency(splits):
         n = blocks * splits
-        return n / (-(-n // slots) * slots)
+        return n / (-(-n // multiprocessors) * multiprocessors)
 
     best = max(efficiency(s) for s in range(1, most + 1))
     return next(s for s in range(1, most + 1) if efficiency(s) >= 0.95 * best)
@@ -361,8 +365,7 @@ class _Plan:
         splits = c.num_splits
         tiles = -(-(c.capacity + 1) // config.block_n)
         if splits == 0:
-            splits = choose_splits(c.batch * c.nheads_k * row_blocks, tiles, _multiprocessors(c.device),
-                                   configs.decode_blocks_per_sm(config))
+            splits = choose_splits(c.batch * c.nheads_k * row_blocks, tiles, _multiprocessors(c.device))
         self.splits = max(1, min(splits, tiles, MAX_SPLITS))
         self.decode_kernel = launch.compiled(config, c.device)
         self.decode_grid = config.grid(c.batch, c.nheads_k, row_blocks, self.splits)

@@ -126,10 +126,7 @@ def main():
                     row[f"{'x'.join(map(str, c))} host us"] = round(1e6 * float(np.median(timing.cpu_times)), 1)
                     row[f"{'x'.join(map(str, c))} gpu us"] = round(1e6 * float(np.median(timing.gpu_times[0])), 1)
                     splits = kvcache.choose_splits(batch * nheads_k, -(-(context + 1) // c[0]),
-                                                   kvcache._multiprocessors(0),
-                                                   configs.decode_blocks_per_sm(
-                                                       candidate_config(c, args.dtype, args.headdim,
-                                                                        page is not None, nheads // nheads_k)))
+                                                   kvcache._multiprocessors(0))
                     name = "x".join(map(str, c))
                     row[f"{name} us"] = round(us, 1)
                     row[f"{name} BW"] = round(kv_bytes / (us * 1e-6) / bandwidth, 3)

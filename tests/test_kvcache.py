@@ -394,14 +394,15 @@ def test_gpu_out_and_graph_capture(rng, xp):
 
 
 def test_choose_splits_fills_whole_waves():
-    # 8 blocks (batch 1, 8 KV heads) on 132 multiprocessors x 2 slots: 32 splits fill 256 of the
-    # 264 slots, the first count within 95% of a full wave (29, the first within 85%, left 12% idle).
-    assert kvcache.choose_splits(8, 2048, 132, 2) == 32
-    assert kvcache.choose_splits(512, 64, 132, 2) == 1  # batch 64 x 8 heads: already two waves
-    assert kvcache.choose_splits(128, 256, 132, 2) == 2  # 256 of 264 slots
-    assert kvcache.choose_splits(8, 6, 132, 2) == 3  # at most one split per MIN_TILES_PER_SPLIT tiles
-    # One block: the most splits (128) fill half the slots; 122 is the first within 95% of that.
-    assert kvcache.MAX_SPLITS == 128 and kvcache.choose_splits(1, 10**6, 132, 2) == 122
+    # 8 blocks (batch 1, 8 KV heads) on 132 multiprocessors: 16 splits give 128 of them a block,
+    # the first count within 95% of a full wave.
+    assert kvcache.choose_splits(8, 2048, 132) == 16
+    assert kvcache.choose_splits(512, 64, 132) == 1  # batch 64 x 8 heads: already four waves
+    assert kvcache.choose_splits(128, 256, 132) == 1  # batch 16 x 8 heads: 128 of 132
+    assert kvcache.choose_splits(8, 6, 132) == 3  # at most one split per MIN_TILES_PER_SPLIT tiles
+    assert kvcache.choose_splits(40, 2048, 132) == 13  # 520 blocks in 4 waves of 132 (3 splits: 0.91)
+    # One block: the most splits (128) fill 128 of 132; 122 is the first within 95% of that.
+    assert kvcache.MAX_SPLITS == 128 and kvcache.choose_splits(1, 10**6, 132) == 122
 
 
 @SIM
