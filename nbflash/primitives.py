@@ -523,14 +523,20 @@ else:
     pack_f16x2 = intrinsic(_pack("f16x2"))
     pack_bf16x2 = intrinsic(_pack("bf16x2"))
 
-    @intrinsic
-    def exp2_approx(typingctx, x):
-        sig = types.float32(types.float32)
+    def _unary_f32(text):
+        """The typer of a float32 -> float32 intrinsic that is one PTX instruction ($0 <- f($1))."""
 
-        def codegen(context, builder, signature, args):
-            return _asm(builder, _f32, args, "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+        def typer(typingctx, x):
+            sig = types.float32(types.float32)
 
-        return sig, codegen
+            def codegen(context, builder, signature, args):
+                return _asm(builder, _f32, args, text, "=f,f")
+
+            return sig, codegen
+
+        return typer
+
+    exp2_approx = intrinsic(_unary_f32("ex2.approx.ftz.f32 $0, $1;"))
 
     def _quad(op):
         text = ("{ .reg .f32 t; "
@@ -590,24 +596,8 @@ if SIMULATOR:
         return np.float32(np.ldexp(np.round(mantissa * 2048.0) / 2048.0, exponent))
 
 else:
-
-    @intrinsic
-    def rcp_approx(typingctx, x):
-        sig = types.float32(types.float32)
-
-        def codegen(context, builder, signature, args):
-            return _asm(builder, _f32, args, "rcp.approx.ftz.f32 $0, $1;", "=f,f")
-
-        return sig, codegen
-
-    @intrinsic
-    def tanh_approx(typingctx, x):
-        sig = types.float32(types.float32)
-
-        def codegen(context, builder, signature, args):
-            return _asm(builder, _f32, args, "tanh.approx.f32 $0, $1;", "=f,f")
-
-        return sig, codegen
+    rcp_approx = intrinsic(_unary_f32("rcp.approx.ftz.f32 $0, $1;"))
+    tanh_approx = intrinsic(_unary_f32("tanh.approx.f32 $0, $1;"))
 
 
 # ---------------------------------------------------------------------------------------------------

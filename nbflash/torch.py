@@ -50,25 +50,35 @@ class FlashAttnFunction(torch.autograd.Function):
                                                            *dropout, block_mask)
             out, lse = interface._flash_attn_forward(problem, q_, k_, v_)
             out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.problem = problem
-        ctx.deterministic = deterministic
-        ctx.mark_non_differentiable(lse)
+        _keep_for_backward(ctx, problem, deterministic, q, k, v, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
         if ctx.problem.variant.score_mod and not ctx.problem.variant.score_mod_grad:
             raise ValueError("score_mod's backward needs its derivative: pass score_mod_grad=... to "
                              "nbflash.torch.flash_attn_func")
-        dout = _last_dim_contiguous(dout.to(q.dtype))
-        with _on_torch_stream(q):
-            arrays = [validation.as_backend_array(x.detach(), name) for x, name in
-                      ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
-            grads = backward._flash_attn_backward(ctx.problem, *arrays, ctx.deterministic)
-            dq, dk, dv = (torch.from_dlpack(g) for g in grads)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+        return _gradients(ctx, dout, backward._flash_attn_backward) + (None,) * 10
+
+
+def _keep_for_backward(ctx, problem, deterministic, q, k, v, out, lse):
+    """What an autograd Function's backward recomputes attention from."""
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.problem = problem  # the variant, and its tensors (bias, slopes, offsets) kept alive with it
+    ctx.deterministic = deterministic
+    ctx.mark_non_differentiable(lse)
+
+
+def _gradients(ctx, dout, run_backward):
+    """(dq, dk, dv) as torch tensors: ``run_backward(problem, dout, q, k, v, out, lse, deterministic)``
+    on the tensors ``_keep_for_backward`` saved, queued on torch's stream."""
+    q, k, v, out, lse = ctx.saved_tensors
+    dout = _last_dim_contiguous(dout.to(q.dtype))
+    with _on_torch_stream(q):
+        arrays = [validation.as_backend_array(x.detach(), name) for x, name in
+                  ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
+        grads = run_backward(ctx.problem, *arrays, ctx.deterministic)
+        return tuple(torch.from_dlpack(g) for g in grads)
 
 
 def _detached(x):
@@ -153,22 +163,12 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
                                                           *dropout)
             out, lse = varlen._varlen_forward(problem, q_, k_, v_)
             out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.problem = problem  # holds the offsets (and slopes) for the backward
-        ctx.deterministic = deterministic
-        ctx.mark_non_differentiable(lse)
+        _keep_for_backward(ctx, problem, deterministic, q, k, v, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dout = _last_dim_contiguous(dout.to(q.dtype))
-        with _on_torch_stream(q):
-            arrays = [validation.as_backend_array(x.detach(), name) for x, name in
-                      ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
-            grads = varlen._varlen_backward(ctx.problem, *arrays, ctx.deterministic)
-            dq, dk, dv = (torch.from_dlpack(g) for g in grads)
-        return (dq, dk, dv) + (None,) * 11
+        return _gradients(ctx, dout, varlen._varlen_backward) + (None,) * 11
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
