@@ -174,8 +174,9 @@ def test_decode_ring_refills(rng, xp):
 
 @SIM
 def test_decode_paged_append_rotary(rng, xp):
-    # Pages of 16, two new tokens appended with NeoX rotary, leftpad, two query tokens, causal.
-    check_call(rng, xp, "bfloat16", 2, 2, 2, 1, 16, [40, 5], 70, causal=True, seqlen_new=2, page_size=16,
+    # Pages of 3, two new tokens appended with NeoX rotary, leftpad, two query tokens, causal;
+    # headdim 32: a lane copies rows 8 apart, so its next row carries over two pages at a time.
+    check_call(rng, xp, "bfloat16", 2, 2, 2, 1, 32, [40, 5], 70, causal=True, seqlen_new=2, page_size=3,
                rotary_dim=8, rotary_interleaved=False, leftpad=[3, 0], num_splits=2)
 
 

@@ -48,7 +48,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from numba import cuda, float32, int32, uint16, uint32
+from numba import cuda, float32, int32, int64, uint16, uint32
 from numba.types import float16
 
 from nbflash.problem import Variant
@@ -222,31 +222,37 @@ def build_decode_mma(config: MmaDecodeConfig):
     @unroll
     def lookup_pages(pages, offsets, k_cache, block_table, b, start, seqlen_k, n_start):
         """Paged caches: the page and the row in it of each key this lane copies for its warp's
-        share of a tile, keys n_start .. n_start + KW - 1 (page -1: past seqlen_k, or a page index
-        outside the cache). Called one tile ahead of the copies, so the block table's latency hides
-        behind a tile of work instead of stalling them; 32-bit division (the page size is a runtime
-        value)."""
+        share of a tile, keys n_start .. n_start + KW - 1 (page -1: past seqlen_k). Called one tile
+        ahead of the copies, so the block table's latency hides behind a tile of work instead of
+        stalling them. The lane's keys are ROWS_PER_ROUND apart: one division (the page size is a
+        runtime value) for the first, then the row steps on and carries into the next page."""
         page_size = uint32(k_cache.shape[1])
+        r0 = (cuda.threadIdx.x % 32) // CHUNK_SLOTS
+        position = uint32(start + n_start + r0)
+        index = position // page_size  # the sequence's page holding the lane's first key ...
+        row = position - index * page_size  # ... and the key's row in it
         for i in static_range(KV_COPIES):
-            r = (cuda.threadIdx.x % 32) // CHUNK_SLOTS + i * ROWS_PER_ROUND
-            j = n_start + r
-            position = uint32(start + j)
+            r = r0 + i * ROWS_PER_ROUND
             page = int32(-1)
-            if j < seqlen_k and r < KW:  # not checked against the cache here: that would wait for the load
-                page = block_table[b, position // page_size]
+            if n_start + r < seqlen_k and r < KW:  # not checked against the cache here: that would wait for the load
+                page = block_table[b, index]
             pages[i] = page
-            offsets[i] = int32(position % page_size)
+            offsets[i] = int32(row)
+            row += uint32(ROWS_PER_ROUND)
+            while row >= page_size:  # pages shorter than a round carry more than once
+                row -= page_size
+                index += uint32(1)
 
     @inline_device
     @unroll
-    def load_kv_tile(base, k_cache, v_cache, pages, offsets, k_thread, v_thread, hk, seqlen_k, n_start, stage):
+    def load_kv_tile(base, k_cache, v_cache, pages, offsets, k_thread, v_thread, seqlen_k, n_start, stage):
         """The warp's share of a tile: keys n_start .. n_start + KW - 1 of the sequence (cache
         positions start + j) into its rows of ring slot ``stage``; keys past seqlen_k and pages
         outside the cache are zero-filled. Lane ``lane`` copies the 16-byte chunk ``lane %
         CHUNK_SLOTS`` of rows lane // CHUNK_SLOTS + i * ROWS_PER_ROUND: consecutive lanes along a
         row (slots past the row's CHUNKS copy nothing). Contiguous caches: k_thread / v_thread are
-        the addresses of the lane's chunk in key 0, so a copy costs a multiply-add; paged: each
-        row's page and row in it (lookup_pages)."""
+        the addresses of the lane's chunk in key 0, so a copy costs a multiply-add; paged: in row 0
+        of page 0, and a copy adds its row's page and row in it (lookup_pages) times their strides."""
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
         r0, col = lane // CHUNK_SLOTS, (lane % CHUNK_SLOTS) * 8
         k_dst = base + uint32(Q_BYTES + stage * 2 * TILE_BYTES + (warp * KW + r0) * ROW_BYTES + col * 2)
@@ -273,9 +279,11 @@ def build_decode_mma(config: MmaDecodeConfig):
                     page = pages[i]
                     inside = j < seqlen_k and col < HD and page >= 0 and page < k_cache.shape[0]
                     k_from, v_from = k_fallback, v_fallback
-                    if inside:
-                        k_from = global_address(k_cache, page, offsets[i], hk, col)
-                        v_from = global_address(v_cache, page, offsets[i], hk, col)
+                    if inside:  # k_thread, v_thread: the lane's chunk in page 0, row 0
+                        # (page and row are >= 0 here: as unsigned, widening them costs nothing)
+                        page64, row64 = int64(uint32(page)), int64(uint32(offsets[i]))
+                        k_from = k_thread + page64 * k_cache.strides[0] + row64 * k_cache.strides[1]
+                        v_from = v_thread + page64 * v_cache.strides[0] + row64 * v_cache.strides[1]
                     size = uint32(16 if inside else 0)
                     cp_async_16_from(k_dst + uint32(i * ROWS_PER_ROUND * ROW_BYTES), k_from, size)
                     cp_async_16_from(v_dst + uint32(i * ROWS_PER_ROUND * ROW_BYTES), v_from, size)
@@ -544,16 +552,18 @@ def build_decode_mma(config: MmaDecodeConfig):
         cp_async_commit()
         pages = cuda.local.array(KV_COPIES, int32)  # paged: the pages and rows of the next tile's keys
         offsets = cuda.local.array(KV_COPIES, int32)
-        # Contiguous: the address of this lane's chunk of key 0 (cache position start).
-        k_thread = global_address(k_cache, cache_row, start, hk, (lane % CHUNK_SLOTS) * 8)
-        v_thread = global_address(v_cache, cache_row, start, hk, (lane % CHUNK_SLOTS) * 8)
+        # The address of this lane's chunk of key 0 (cache position start) when contiguous; of row
+        # 0 of page 0 when paged (a copy then adds its page's and row's strides).
+        first_row, first_position = (0, 0) if PAGED else (cache_row, start)
+        k_thread = global_address(k_cache, first_row, first_position, hk, (lane % CHUNK_SLOTS) * 8)
+        v_thread = global_address(v_cache, first_row, first_position, hk, (lane % CHUNK_SLOTS) * 8)
         share = warp * KW  # the warp's first key in every tile
         for st in static_range(STAGES):
             if tile_lo + st < tile_hi:
                 if PAGED:
                     lookup_pages(pages, offsets, k_cache, block_table, b, start, seqlen_k,
                                  (tile_lo + st) * BN + share)
-                load_kv_tile(base, k_cache, v_cache, pages, offsets, k_thread, v_thread, hk, seqlen_k,
+                load_kv_tile(base, k_cache, v_cache, pages, offsets, k_thread, v_thread, seqlen_k,
                              (tile_lo + st) * BN + share, st)
             cp_async_commit()
         if PAGED:
@@ -617,7 +627,7 @@ def build_decode_mma(config: MmaDecodeConfig):
             # flight while the warp waits for the next one.
             if j + STAGES < tile_hi:
                 warp_sync()  # every lane's reads of the slot are done
-                load_kv_tile(base, k_cache, v_cache, pages, offsets, k_thread, v_thread, hk, seqlen_k,
+                load_kv_tile(base, k_cache, v_cache, pages, offsets, k_thread, v_thread, seqlen_k,
                              (j + STAGES) * BN + share, stage)
                 if PAGED:  # the next copy's pages, while the warp waits for its tiles
                     lookup_pages(pages, offsets, k_cache, block_table, b, start, seqlen_k,
