@@ -30,6 +30,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped in the simulator)")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (setup.cfg's default): a worker per core, at most 4 in the simulator (each loads
+    Numba and runs the kernels in its own threads; more only adds start-up) and 8 on a GPU (the
+    workers share the device; more compile kernels at once than the cache can reuse)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 4 if SIMULATOR else 8))
+
+
 def pytest_collection_modifyitems(config, items):
     if SIMULATOR:
         skip = pytest.mark.skip(reason="needs a CUDA GPU; running in Numba's CUDA simulator")
