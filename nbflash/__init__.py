@@ -9,6 +9,7 @@ See ``flash_attn_func`` for shapes, dtypes and the causal convention; ``nbflash.
 PyTorch autograd function over the same kernels (torch stays optional: only that module imports it).
 """
 
+from . import _compile_speed
 from .backward import flash_attn_backward
 from .block_mask import BlockMask, create_block_mask
 from .configs import kernel_family
@@ -20,6 +21,8 @@ from .reference import (attention_naive, attention_probabilities, attention_refe
                         attention_varlen_reference, attention_varlen_reference_backward)
 
 __version__ = "0.1.0"
+
+_compile_speed.apply()  # before any kernel compiles: a faster, equivalent numba-cuda lowering pass
 
 __all__ = [
     "flash_attn_func",
