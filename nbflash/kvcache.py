@@ -30,7 +30,7 @@ from .kernels.kvcache import AppendConfig, CombineConfig
 from .problem import UNBOUNDED, Variant, window_bounds
 
 LOG2_E = math.log2(math.e)
-MAX_SPLITS = CombineConfig.max_splits  # the combine kernel holds this many weights
+MAX_SPLITS = decode_mma.MAX_SPLITS  # the decode kernel's merge holds a weight per (row, split)
 MIN_TILES_PER_SPLIT = 2  # a split smaller than this spends more on its prologue than on keys
 MAX_GRID_X = 2**31 - 1
 
@@ -230,6 +230,7 @@ def _stand_ins(device, dtype):
 
 
 _workspaces = {}  # (device, stream) -> CuPy memory, kept for the life of the process
+_merge_counters = {}  # (device, stream) -> int32 zeros: the decode kernel's split-merge tickets
 _retired = []  # outgrown workspaces: a captured CUDA graph may still point into them
 
 
@@ -245,6 +246,23 @@ def _workspace(nbytes, device):
             _retired.append(memory)
         memory = _workspaces[key] = cupy.cuda.alloc(max(nbytes, 1 << 20))
     return memory
+
+
+def _counters(slots, device):
+    """int32 zeros, at least ``slots`` of them, for the current stream: each decode launch with
+    several splits counts its blocks' arrivals there and leaves the counts at 0 again (so they
+    never need clearing, also under graph replay). Per stream, as the workspace: launches on two
+    streams may run at once."""
+    if runtime.SIMULATOR:
+        return np.zeros(slots, np.int32)
+    cupy = runtime.cupy()
+    key = (device, cupy.cuda.get_current_stream().ptr)
+    counters = _merge_counters.get(key)
+    if counters is None or counters.size < slots:
+        if counters is not None:
+            _retired.append(counters)  # a captured graph may still count there
+        counters = _merge_counters[key] = cupy.zeros(max(slots, 1024), np.int32)
+    return counters
 
 
 def _scratch(c, splits, want_lse, plan=None):
@@ -381,10 +399,7 @@ class _Plan:
         self.decode_kernel = launch.compiled(config, c.device)
         self.decode_grid = config.grid(c.batch, c.nheads_k, row_blocks, self.splits)
         self.decode_layout = object()
-        if self.splits > 1:
-            combine = CombineConfig("combine", c.dtype)
-            self.combine_kernel = launch.compiled(combine, c.device)
-            self.combine_grid = combine.grid(c.batch, c.nheads, c.seqlen_q)
+        self.merge_slots = c.batch * c.nheads_k * row_blocks  # the split merge's counters (one per block of rows)
 
     def bind(self, arrays, cache_seqlens):
         """The template call with this call's arrays and lengths; None when the lengths need the
@@ -459,14 +474,13 @@ def _decode(c, want_lse, plan):
     out = c.out if c.out is not None else launch.empty(c.q.shape, c.q.dtype)
     lse, o_part, lse_part = _scratch(c, splits, want_lse, plan)
     stand = _stand_ins(c.device, c.dtype)
-    arrays = (c.q, c.k_cache, c.v_cache, out, lse, o_part, lse_part, _or_stand_in(c.cache_seqlens, stand, "int32"),
-              _or_stand_in(c.cache_batch_idx, stand, "int32"), _or_stand_in(c.cache_leftpad, stand, "int32"),
-              _or_stand_in(c.block_table, stand, "table"), _or_stand_in(c.rotary_cos, stand, "rotary"),
-              _or_stand_in(c.rotary_sin, stand, "rotary"))
+    counters = _counters(plan.merge_slots, c.device) if splits > 1 else stand["int32"]
+    arrays = (c.q, c.k_cache, c.v_cache, out, lse, o_part, lse_part, counters,
+              _or_stand_in(c.cache_seqlens, stand, "int32"), _or_stand_in(c.cache_batch_idx, stand, "int32"),
+              _or_stand_in(c.cache_leftpad, stand, "int32"), _or_stand_in(c.block_table, stand, "table"),
+              _or_stand_in(c.rotary_cos, stand, "rotary"), _or_stand_in(c.rotary_sin, stand, "rotary"))
     scalars = (c.softmax_scale * LOG2_E, c.seqlen_new, c.fixed_len, plan.options)
     plan.decode_kernel.launch(plan.decode_grid, arrays, scalars, _params(c), plan.decode_layout)
-    if splits > 1:
-        plan.combine_kernel.launch(plan.combine_grid, (o_part, lse_part, out, lse), ())
     return out, lse
 
 

@@ -236,6 +236,16 @@ if SIMULATOR:
             raise IndexError(f"global address {addr:#x} (+16) is outside every array")
         out[:] = np.frombuffer((ctypes.c_uint8 * 16).from_address(addr), dtype=np.uint8)
 
+    def load_f32_cg(address):
+        """The float32 at a global address (see global_address), read at the L2 cache, past this
+        multiprocessor's L1 (ld.global.cg): for data other blocks of the running kernel wrote."""
+        addr = int(address)
+        if addr % 4:
+            raise ValueError(f"global address {addr:#x} is not 4-byte aligned")
+        if not _global_ranges.contains(addr, 4):
+            raise IndexError(f"global address {addr:#x} (+4) is outside every array")
+        return np.float32(ctypes.c_float.from_address(addr).value)
+
     _reduction_lock = threading.Lock()
 
     def red_add_f32x2(address, a, b):
@@ -423,6 +433,17 @@ else:
             _asm(builder, ir.VoidType(), list(args), "cp.async.cg.shared.global [$0], [$1], 16, $2;",
                  "r,l,r,~{memory}", side_effect=True)
             return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def load_f32_cg(typingctx, address):
+        """The float32 at a global address (see global_address), read at the L2 cache, past this
+        multiprocessor's L1 (ld.global.cg): for data other blocks of the running kernel wrote."""
+        sig = types.float32(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return _asm(builder, _f32, list(args), "ld.global.cg.f32 $0, [$1];", "=f,l,~{memory}", side_effect=True)
 
         return sig, codegen
 

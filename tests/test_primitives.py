@@ -197,6 +197,24 @@ def test_red_add_f32x2():
     check_red(np.random.default_rng(5))
 
 
+# --- ld.global.cg ------------------------------------------------------------------------------------
+
+@cuda.jit
+def _load_cg_kernel(x, coords, out):
+    lane = cuda.threadIdx.x
+    address = P.global_address(x, coords[lane, 0], coords[lane, 1], coords[lane, 2], coords[lane, 3])
+    out[lane] = P.load_f32_cg(address)
+
+
+def test_load_f32_cg():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 3, 2, 8)).astype(np.float32)
+    coords = np.stack([rng.integers(0, n, 32) for n in x.shape], axis=1).astype(np.int64)
+    out = np.full(32, np.nan, np.float32)
+    _load_cg_kernel[1, 32](x, coords, out)
+    np.testing.assert_array_equal(out, x[tuple(coords.T)])
+
+
 # --- packing, exp2, quad reductions -------------------------------------------------------------------
 
 @cuda.jit

@@ -15,7 +15,8 @@ reading each K/V row exactly once:
             and refills its share of the slot with the tile `stages` ahead
         merge the warps' (m_w, l_w, acc_w) through shared memory
         one split:  out = acc / l and lse
-        several:    the split's normalized partial output and lse, merged by ``combine`` below
+        several:    the split's normalized partial output and lse; the block that finishes its
+                    rows' last split merges them all by their log-sum-exps (no second launch)
 
 Packing the query heads of a group (GQA) and the query tokens into the rows of one tile means each
 K/V tile is read once per key/value head, not once per query head. Splitting the keys (``splits``,
@@ -60,6 +61,7 @@ from nbflash.primitives import (
     f32_to_bf16_bits,
     global_address,
     inline_device,
+    load_f32_cg,
     ldmatrix_x4,
     ldmatrix_x4_trans,
     mma_bf16,
@@ -84,6 +86,8 @@ LOG2E = math.log2(math.e)
 HAS_BATCH_IDX = 1  # cache_batch_idx maps sequence b to its cache row (contiguous caches)
 HAS_LEFTPAD = 2  # cache_leftpad gives each sequence's first cached position
 ROTARY_PER_TOKEN = 4  # query token i sits at position cache_len + i (causal or local attention)
+
+MAX_SPLITS = 128  # the most splits of the keys: the merge holds a weight per (row, split) in shared memory
 
 
 @dataclass(frozen=True)
@@ -144,8 +148,13 @@ class MmaDecodeConfig:
         return 4 * (self.num_warps * rows * self.headdim_padded + 2 * self.num_warps * rows + 2 * rows)
 
     @property
+    def combine_bytes(self):
+        """The splits' merge: a weight per (row, split), each row's max and sum, and the ticket."""
+        return 4 * (self.q_rows * MAX_SPLITS + 2 * self.q_rows + 1)
+
+    @property
     def dynamic_shared_bytes(self):
-        return self.q_rows * self.row_elems * 2 + max(self.ring_bytes, self.merge_bytes)
+        return self.q_rows * self.row_elems * 2 + max(self.ring_bytes, self.merge_bytes, self.combine_bytes)
 
     def grid(self, batch, nheads_k, row_blocks, splits):
         return (batch * nheads_k, row_blocks, splits)
@@ -182,6 +191,11 @@ def build_decode_mma(config: MmaDecodeConfig):
     MERGE_SUM = MERGE_MAX + WARPS * Q_ROWS  # [warp][row]
     BLOCK_MAX = MERGE_SUM + WARPS * Q_ROWS  # [row]: the block's max and sum
     BLOCK_SUM = BLOCK_MAX + Q_ROWS
+    # The splits' merge (merge_splits), over the same memory once the rows are written.
+    SPLIT_WEIGHT = Q_BYTES // 4  # [row][split]: lse_s, then exp(lse_s - lse_max) / total
+    SPLIT_MAX = SPLIT_WEIGHT + Q_ROWS * MAX_SPLITS  # [row]
+    SPLIT_SUM = SPLIT_MAX + Q_ROWS  # [row]
+    TICKET = SPLIT_SUM + Q_ROWS  # the block's place among its rows' splits, as a float32
     NEG_INF = float32(-math.inf)
     # cp.async.wait_group takes its count as a compile-time constant: groups that may stay in flight
     # (the prologue waits for Q only; the loop for tile j, with the next stages - 1 still coming).
@@ -504,14 +518,72 @@ def build_decode_mma(config: MmaDecodeConfig):
                     if col == 0:
                         lse_part[split, b, h, token] = lse_value
 
+    @inline_device
+    def merge_splits(words, out, lse, o_part, lse_part, counters, b, hk, group, row0, rows_total, splits):
+        """Flash-decoding's combine, in the block that finishes last: each block of a (sequence,
+        head, row block) has written its split's partial rows; it makes them visible device-wide
+        and takes a ticket; the block with the last ticket merges every split's rows, weighted by
+        exp(lse_s - lse) (lse = log sum_s exp(lse_s)), reading them past its L1 (other blocks wrote
+        them during this launch), and resets the counter for the next launch (or graph replay).
+        The merge reads the splits in order, so the result does not depend on which block is last."""
+        tid = cuda.threadIdx.x
+        slot = cuda.blockIdx.x * cuda.gridDim.y + cuda.blockIdx.y
+        cuda.threadfence()  # this thread's partial rows are visible to every block ...
+        cuda.syncthreads()  # ... and every thread's, before the ticket says so
+        if tid == 0:
+            words[TICKET] = float32(cuda.atomic.add(counters, slot, 1))
+        cuda.syncthreads()
+        if words[TICKET] != float32(splits - 1):
+            return
+        cuda.threadfence()  # the other blocks' rows are read after their tickets
+        rows = min(Q_ROWS, rows_total - row0)
+        for e in range(tid, rows * splits, THREADS):
+            r, sp = e // splits, e % splits
+            packed = row0 + r
+            address = global_address(lse_part, sp, b, hk * group + packed % group, packed // group)
+            words[SPLIT_WEIGHT + r * splits + sp] = load_f32_cg(address)
+        cuda.syncthreads()  # every split's lse is in shared memory
+        for r in range(tid, rows, THREADS):
+            lse_max = NEG_INF
+            for sp in range(splits):
+                lse_max = max(lse_max, words[SPLIT_WEIGHT + r * splits + sp])
+            shift = lse_max if lse_max != NEG_INF else float32(0)  # no key in any split: weights 0
+            total = float32(0)
+            for sp in range(splits):
+                total += math.exp(words[SPLIT_WEIGHT + r * splits + sp] - shift)
+            words[SPLIT_MAX + r] = shift
+            words[SPLIT_SUM + r] = total
+        cuda.syncthreads()  # every row's max and sum
+        for e in range(tid, rows * splits, THREADS):
+            r = e // splits
+            total = words[SPLIT_SUM + r]
+            weight = math.exp(words[SPLIT_WEIGHT + e] - words[SPLIT_MAX + r])
+            words[SPLIT_WEIGHT + e] = weight / total if total > float32(0) else float32(0)
+        cuda.syncthreads()  # the weights
+        for e in range(tid, rows * HD, THREADS):
+            r, col = e // HD, e % HD
+            packed = row0 + r
+            token, h = packed // group, hk * group + packed % group
+            o = float32(0)
+            for sp in range(splits):
+                address = global_address(o_part[sp], b, h, token, col)
+                o += words[SPLIT_WEIGHT + r * splits + sp] * load_f32_cg(address)
+            out[b, token, h, col] = store_elem(o)
+            if col == 0:
+                total = words[SPLIT_SUM + r]
+                lse[b, h, token] = words[SPLIT_MAX + r] + math.log(total) if total > float32(0) else NEG_INF
+        if tid == 0:
+            counters[slot] = 0
+
     # -----------------------------------------------------------------------------------------------
     # The kernel
     # -----------------------------------------------------------------------------------------------
 
     @cuda.jit
     @unroll
-    def decode_mma(q, k_cache, v_cache, out, lse, o_part, lse_part, cache_seqlens, cache_batch_idx, cache_leftpad,
-                   block_table, rotary_cos, rotary_sin, scale_log2, seqlen_new, fixed_len, options, params):
+    def decode_mma(q, k_cache, v_cache, out, lse, o_part, lse_part, counters, cache_seqlens, cache_batch_idx,
+                   cache_leftpad, block_table, rotary_cos, rotary_sin, scale_log2, seqlen_new, fixed_len, options,
+                   params):
         nheads_k = k_cache.shape[2]
         b, hk = cuda.blockIdx.x // nheads_k, cuda.blockIdx.x % nheads_k
         m_block, split, splits = cuda.blockIdx.y, cuda.blockIdx.z, cuda.gridDim.z
@@ -640,5 +712,7 @@ def build_decode_mma(config: MmaDecodeConfig):
         merge_warps(words, acc, m_i, l_i, softmax_log2, warp, g, t)
         cuda.syncthreads()  # every warp's rescaled acc and the block's sums are visible
         write_rows(words, out, lse, o_part, lse_part, b, hk, group, row0, rows_total, split, splits)
+        if splits > 1:
+            merge_splits(words, out, lse, o_part, lse_part, counters, b, hk, group, row0, rows_total, splits)
 
     return decode_mma

@@ -109,12 +109,12 @@ def build_append(config: AppendConfig):
 
 @dataclass(frozen=True)
 class CombineConfig:
-    """The split-KV combine (``kernel='combine'``) or the two-state merge (``kernel='merge'``)."""
+    """The two-state merge (``kernel='merge'``, merge_attention_states). The split-KV combine of
+    a decode step runs inside the decode kernel (decode_mma.merge_splits)."""
 
     kernel: str
     dtype: str
     threads: int = 128
-    max_splits: int = 128  # combine: the most splits it merges (its shared-memory weights)
 
     dynamic_shared_bytes = 0
 
@@ -131,50 +131,6 @@ def build_combine(config: CombineConfig):
     @cuda.jit(device=True, inline=True)
     def weights_base(lse_max):
         return lse_max if lse_max != NEG_INF else float32(0)
-
-    if config.kernel == "combine":
-        SPLITS = config.max_splits
-
-        @cuda.jit
-        def combine(o_part, lse_part, out, lse):
-            """out[b, i, h] and lse[b, h, i] from the splits' partial states: the weights once in
-            shared memory, then each thread a column, summing over the splits four at a time (the
-            loads of a group are in flight together)."""
-            nheads, seqlen_q = lse.shape[1], lse.shape[2]
-            item = cuda.blockIdx.x
-            b, h, i = item // (nheads * seqlen_q), (item // seqlen_q) % nheads, item % seqlen_q
-            splits, headdim = o_part.shape[0], o_part.shape[4]
-            weight = cuda.shared.array(SPLITS, float32)
-            tid = cuda.threadIdx.x
-            for s in range(tid, splits, THREADS):
-                weight[s] = lse_part[s, b, h, i]
-            cuda.syncthreads()  # every split's lse is in shared memory
-            lse_max = NEG_INF
-            for s in range(splits):
-                lse_max = max(lse_max, weight[s])
-            m = weights_base(lse_max)
-            total = float32(0)
-            for s in range(splits):
-                total += math.exp(weight[s] - m)
-            inv_total = float32(1) / total if total > float32(0) else float32(0)
-            cuda.syncthreads()  # every thread has read the lse values before they become weights
-            for s in range(tid, splits, THREADS):
-                weight[s] = math.exp(weight[s] - m) * inv_total
-            cuda.syncthreads()  # the weights are visible
-            for col in range(tid, headdim, THREADS):
-                o0 = o1 = o2 = o3 = float32(0)
-                for s in range(0, splits - 3, 4):
-                    o0 += weight[s] * o_part[s, b, h, i, col]
-                    o1 += weight[s + 1] * o_part[s + 1, b, h, i, col]
-                    o2 += weight[s + 2] * o_part[s + 2, b, h, i, col]
-                    o3 += weight[s + 3] * o_part[s + 3, b, h, i, col]
-                for s in range(splits - splits % 4, splits):
-                    o0 += weight[s] * o_part[s, b, h, i, col]
-                out[b, i, h, col] = store((o0 + o1) + (o2 + o3))
-            if tid == 0:
-                lse[b, h, i] = m + math.log(total) if total > float32(0) else NEG_INF
-
-        return combine
 
     @cuda.jit
     def merge(out_a, lse_a, out_b, lse_b, out, lse):

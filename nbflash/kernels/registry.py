@@ -62,8 +62,10 @@ def _backward(config):
 def _decode(config):
     t = KERNEL_DTYPE[config.dtype].name
     cache = f"{t}[:,:,:,:]"  # k_cache, v_cache: any strides, the last dim contiguous
+    # q, the caches, out, lse, the splits' partial outputs and lse, their merge's counters, then
+    # cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin
     arrays = (f"{t}[:,:,:,:], {cache}, {cache}, {t}[:,:,:,:], float32[:,:,::1], float32[:,:,:,:,::1], "
-              f"float32[:,:,:,::1], int32[:], int32[:], int32[:], int32[:,:], {t}[:,:], {t}[:,:]")
+              f"float32[:,:,:,::1], int32[::1], int32[:], int32[:], int32[:], int32[:,:], {t}[:,:], {t}[:,:]")
     return f"void({arrays}, float32, int32, int32, int32, {_params(config)})"
 
 
@@ -75,8 +77,6 @@ def _append(config):
 
 def _combine(config):
     t = KERNEL_DTYPE[config.dtype].name
-    if config.kernel == "combine":
-        return f"void(float32[:,:,:,:,::1], float32[:,:,:,::1], {t}[:,:,:,:], float32[:,:,:])"
     return f"void({t}[:,:,:,:], float32[:,:,:], {t}[:,:,:,:], float32[:,:,:], {t}[:,:,:,:], float32[:,:,:])"
 
 
