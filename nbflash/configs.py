@@ -2,10 +2,15 @@
 
 Every heuristic lives here. ``plan_forward`` turns the static part of a validated problem
 (``nbflash.problem.Static``) into a frozen config that the launcher compiles (once per config) and
-launches; ``plan_backward`` does the same for the backward's kernels. Two kernel families:
+launches; ``plan_backward`` does the same for the backward's kernels. Three kernel families:
 
+- ``"sm90"``: Hopper's wgmma, TMA and warp specialization (nbflash/kernels/forward_sm90.py): the
+  float16 / bfloat16 forward on compute capability 9.0, plain or windowed (causal) attention, a
+  positive scale, headdim a multiple of 8 up to 128, rows on 16-byte boundaries
+  (``sm90_unsupported_reason``); chosen by default at the headdims where it was measured faster
+  (``SM90_DEFAULT_HEADDIMS``). Its backward is the mma family's.
 - ``"mma"``: tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py); float16 and
-  bfloat16 on GPUs of compute capability 8.0 and newer. Chosen whenever it applies.
+  bfloat16 on GPUs of compute capability 8.0 and newer. Chosen wherever it applies and sm90 is not.
 - ``"portable"``: scalar float32 arithmetic (nbflash/kernels/forward_portable.py); any dtype, any
   GPU. Serves float32 and older GPUs.
 
@@ -20,12 +25,14 @@ from . import runtime
 from .problem import Variant
 from .kernels.backward_mma import MmaBackwardConfig
 from .kernels.forward_mma import MmaForwardConfig
+from .kernels.forward_sm90 import SERVED_VARIANTS as SM90_VARIANTS
+from .kernels.forward_sm90 import Sm90ForwardConfig
 from .kernels.backward_portable import PortableBackwardConfig
 from .kernels.decode_mma import MmaDecodeConfig
 from .kernels.backward_portable import shared_bytes as backward_shared_bytes
 from .kernels.forward_portable import PortableForwardConfig, shared_bytes
 
-FAMILIES = ("mma", "portable")
+FAMILIES = ("sm90", "mma", "portable")
 MMA_DTYPES = ("float16", "bfloat16")
 MMA_MIN_COMPUTE_CAPABILITY = (8, 0)
 
@@ -62,9 +69,11 @@ _forced_family = contextvars.ContextVar("nbflash_kernel_family", default=None)
 
 @contextlib.contextmanager
 def kernel_family(family):
-    """Run the calls inside the ``with`` block on one kernel family: ``"mma"`` or ``"portable"``.
+    """Run the calls inside the ``with`` block on one kernel family: ``"sm90"``, ``"mma"`` or
+    ``"portable"``.
 
-    A call the forced family cannot serve (float32 on ``"mma"``, say) raises ValueError.
+    A call the forced family cannot serve (float32 on ``"mma"``, say) raises ValueError. The sm90
+    family has no backward of its own: a backward under ``"sm90"`` runs the mma family's.
     """
     _check_family(family)
     token = _forced_family.set(family)
@@ -95,6 +104,53 @@ def mma_unsupported_reason(dtype, device=0):
     if cc < MMA_MIN_COMPUTE_CAPABILITY:
         return f"the tensor-core kernel needs compute capability >= 8.0, this GPU has {cc[0]}.{cc[1]}"
     return None
+
+
+SM90_COMPUTE_CAPABILITY = (9, 0)
+SM90_MAX_HEADDIM = 128
+
+# Hopper forward: (largest headdim, block_n, stages); block_m is 128 (two consumer warpgroups of 64
+# rows). Start points, not tuned yet.
+SM90_FORWARD = [
+    (64, 128, 3),
+    (128, 128, 2),
+]
+
+# The headdims at which the sm90 family is the default on compute capability 9.0: where it was
+# measured faster than the mma family. None yet: the family runs when forced.
+SM90_DEFAULT_HEADDIMS = ()
+
+
+def sm90_unsupported_reason(static):
+    """Why the sm90 forward cannot run this call (a problem's static part), or None when it can."""
+    reason = mma_unsupported_reason(static.dtype, static.device)
+    if reason:
+        return reason
+    cc = _compute_capability(static.device)
+    if cc != SM90_COMPUTE_CAPABILITY:
+        return f"the sm90 kernel runs on compute capability 9.0 only, this GPU has {cc[0]}.{cc[1]}"
+    if static.variant._replace(score_mod_grad="") not in SM90_VARIANTS:
+        return "the sm90 kernel serves plain and windowed (causal) attention without other features"
+    if static.headdim % 8 or static.headdim > SM90_MAX_HEADDIM:
+        return f"the sm90 kernel takes headdim a multiple of 8 up to {SM90_MAX_HEADDIM}, not {static.headdim}"
+    if not static.aligned:
+        return "the sm90 kernel's TMA needs every row of q, k, v on a 16-byte boundary"
+    if not static.positive_scale:
+        return "the sm90 kernel folds a positive softmax scale into exp2"
+    return None
+
+
+@lru_cache(maxsize=None)
+def sm90_forward_config(dtype, headdim, variant):
+    _, block_n, stages = _row(SM90_FORWARD, headdim)
+    return Sm90ForwardConfig(dtype=dtype, headdim=headdim, variant=variant, block_n=block_n, stages=stages)
+
+
+def _sm90_default(static):
+    """The sm90 family is the default for this call: it serves it and was measured faster there."""
+    if runtime.SIMULATOR or static.headdim not in SM90_DEFAULT_HEADDIMS:
+        return False  # the simulator keeps the default of the suite's cases: mma
+    return sm90_unsupported_reason(static) is None
 
 
 @lru_cache(maxsize=None)
@@ -150,6 +206,11 @@ def plan_forward(static, family=None):
     ``family`` forces a kernel family; by default the tensor-core family runs whenever it applies,
     the portable one otherwise.
     """
+    if family == "sm90" or (family is None and _sm90_default(static)):
+        reason = sm90_unsupported_reason(static)
+        if reason:
+            raise ValueError(f"kernel family 'sm90' cannot run this call: {reason}")
+        return sm90_forward_config(static.dtype, static.headdim, static.variant._replace(score_mod_grad=""))
     family = _resolve_family(static.dtype, static.device, family)
     variant = static.variant._replace(score_mod_grad="")  # only the backward differentiates
     if family == "mma":
@@ -229,7 +290,7 @@ def plan_backward(static, deterministic, family=None, aligned=None):
     """
     dtype, headdim, device = static.dtype, static.headdim, static.device
     aligned = static.aligned if aligned is None else aligned
-    family = _resolve_family(dtype, device, family)
+    family = _resolve_family(dtype, device, "mma" if family == "sm90" else family)
     atomic = not deterministic
     common = dict(dtype=dtype, headdim=headdim, variant=static.variant, atomic_dq=atomic)
     rows, rows_threads = PORTABLE_BACKWARD_ROWS

@@ -160,6 +160,7 @@ _log_ready = False  # _compile_log has decided whether to give LOG a handler
 # KV-cache kernels are not measured, taken as their families').
 KINDS = {
     "MmaForwardConfig": ("tensor-core forward", 10, 40),
+    "Sm90ForwardConfig": ("Hopper forward", 5, 20),  # 6-7 s measured on the H200's host
     "MmaBackwardConfig": ("tensor-core backward", 10, 40),
     "MmaDecodeConfig": ("tensor-core decode", 10, 40),
     "PortableForwardConfig": ("portable forward", 1, 5),
@@ -395,6 +396,7 @@ class CompiledKernel:
         self.dynamic_shared = config.dynamic_shared_bytes  # 0 for the portable kernels
         self.registers = self.static_shared = self.local_bytes = None  # known once compiled
         self._takes_params = "Tuple((" in signature  # the variant's runtime values, last
+        self._host_arguments = registry.HOST_ARGUMENTS.get(type(config))  # tensor maps, for the sm90 forward
         if runtime.SIMULATOR:
             self.kernel = registry.build(config)
             return
@@ -424,6 +426,8 @@ class CompiledKernel:
         of the signature, followed by the float32 ``scalars`` and, for a kernel that takes them,
         the variant's ``params`` (``Problem.params``); ``layout_key`` as in
         ``ParameterBuffer.write``."""
+        if self._host_arguments is not None:
+            arrays = self._host_arguments(self.config, arrays)
         if runtime.SIMULATOR:
             launch_config = self.kernel[grid, self.config.threads, 0, self.dynamic_shared]
             arrays = [_simulator_array(a) for a in arrays]

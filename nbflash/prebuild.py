@@ -30,7 +30,7 @@ from .kernels import registry
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEADDIMS = (32, 64, 96, 128, 256)
-FAMILIES = ("portable", "mma")
+FAMILIES = ("portable", "mma", "sm90")
 
 
 class MissingTool(RuntimeError):
@@ -95,9 +95,16 @@ def configurations(dtypes, headdims, families, cc, unaligned=False, variants=Non
             mma = "mma" in families and dtype != "float32" and cc >= (8, 0)
             for family in [f for f in families if f == "portable" or mma]:
                 jobs[configs.plan_forward(static, family)] = None
+                if family == "mma" and configs._sm90_default(static):  # what the forward runs by default
+                    jobs[configs.plan_forward(static)] = None
                 for deterministic in (False, True):
                     for config in configs.plan_backward(static, deterministic, family):
                         jobs[config] = None
+        if "sm90" in families and cc == configs.SM90_COMPUTE_CAPABILITY:  # the Hopper forward, forced or not
+            for dtype, headdim, variant in itertools.product(dtypes, headdims, variants):
+                static = Static(dtype, headdim, True, 0, variant)
+                if not configs.sm90_unsupported_reason(static):
+                    jobs[configs.plan_forward(static, "sm90")] = None
     return list(jobs)
 
 
@@ -140,13 +147,17 @@ def build_one(config, cc, cache_dir):
     if os.path.exists(os.path.join(cache_dir, key + ".cubin")):
         return config, "cached", 0.0
     start = time.time()
-    ptx, _ = cuda.compile_ptx(registry.build(config).py_func, signature, cc=cc)
+    # An arch-specific kernel (sm_90a's wgmma) compiles for its suffixed target, with its launch bounds.
+    suffix = getattr(config, "arch_suffix", "")
+    options = {"launch_bounds": config.launch_bounds} if hasattr(config, "launch_bounds") else {}
+    ptx, _ = cuda.compile_ptx(registry.build(config).py_func, signature, cc=(*cc, suffix) if suffix else cc,
+                              **options)
     entry = re.search(r"\.entry\s+(\S+)\s*\(", ptx).group(1)
     with tempfile.TemporaryDirectory() as tmp:
         ptx_path, cubin_path = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx_path, "w") as f:
             f.write(ptx)
-        arch = f"-arch=sm_{cc[0]}{cc[1]}"
+        arch = f"-arch=sm_{cc[0]}{cc[1]}{suffix}"
         done = subprocess.run([cuda_tool("ptxas"), arch, ptx_path, "-o", cubin_path], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"ptxas {arch} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -204,7 +215,8 @@ def parser(prog="python -m nbflash prebuild"):
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES, metavar="DTYPE",
                    help=f"element types (default: {' '.join(DTYPES)})")
     p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES, metavar="FAMILY",
-                   help="kernel families: portable, mma (tensor-core; fp16 and bf16 on cc >= 8.0) (default: both)")
+                   help="kernel families: portable, mma (tensor-core; fp16 and bf16 on cc >= 8.0), sm90 (the "
+                   "Hopper forward; cc 9.0) (default: all)")
     p.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), metavar="NAME",
                    help="nbflash.catalogue variants to build, of: " + ", ".join(sorted(VARIANTS))
                    + " (default: plain and causal)")

@@ -1,5 +1,5 @@
 """Hopper (sm_90a) primitives: fences, elect, setmaxnreg, named barriers, mbarriers, the 1-D bulk
-copy, 2-D TMA loads and stores, and wgmma, each as an inline-PTX intrinsic beside a plain-Python emulation.
+copy, 2-D TMA loads and stores, 4-D TMA loads, and wgmma, each as an inline-PTX intrinsic beside a plain-Python emulation.
 
 As in ``nbflash.primitives`` (whose ``shared_address`` and ``global_address`` these take), the choice
 between the two is made once, at import time, from ``numba.config.ENABLE_CUDASIM``; kernels import
@@ -425,6 +425,59 @@ if SIMULATOR:
             out[:] = box.view(np.uint8).reshape(-1)
         _complete_tx(bar, box.nbytes)
 
+    # A 4-D map (make_tensor_map_4d) is tagged apart: the tensor's address, shape and byte strides
+    # in the array's order, the box in the same order, and the swizzle.
+    _TENSOR_MAP_4D_TAG = 0x6E62_666C_746D_3464  # "nbfltm4d"
+
+    def _tensor_map_4d_words(x, box, swizzle):
+        nd = np.asarray(x)
+        words = np.zeros(16, dtype=np.uint64)
+        words[:15] = [_TENSOR_MAP_4D_TAG, nd.ctypes.data, *nd.shape, *nd.strides, *box, swizzle]
+        low, high = np.lib.array_utils.byte_bounds(nd)
+        _p._global_ranges.register(low, high)
+        return words
+
+    def tma_load_4d(dst, tensor_map, c0, c1, c2, c3, bar):
+        """cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes
+        [dst], [map, {c0, c1, c2, c3}], [bar]: as tma_load_2d for a map of a 4-D array x
+        (make_tensor_map_4d), the coordinates innermost first: the box whose first element is
+        x[c3, c2, c1, c0] (c0 a multiple of 8). The box lands in x's order, its last dimension
+        innermost, zero where it leaves the array; with SWIZZLE_128B its innermost extent is 128
+        bytes and each 128-byte row of the image is swizzled as in tma_load_2d. Emulation: an
+        immediate copy, then the complete_tx."""
+        addr = int(tensor_map)
+        if not _p._global_ranges.contains(addr, 128):
+            raise IndexError(f"tensor map address {addr:#x} is outside every array")
+        words = [int(w) for w in np.frombuffer((ctypes.c_uint8 * 128).from_address(addr), dtype=np.uint64)]
+        if words[0] != _TENSOR_MAP_4D_TAG:
+            raise ValueError("not a tensor map made by make_tensor_map_4d")
+        base, shape, strides, box, swizzle = words[1], words[2:6], words[6:10], words[10:14], words[14]
+        if (2 * int(np.int32(c0))) % 16:
+            raise ValueError(f"TMA innermost coordinate c0 = {int(c0)} is not 16-byte aligned (a multiple "
+                             "of 8 16-bit elements)")
+        if swizzle == SWIZZLE_128B and box[3] * 2 != 128:
+            raise NotImplementedError("the 128B swizzle emulation takes boxes of 128-byte rows")
+        span = sum((n - 1) * s for n, s in zip(shape, strides)) + 2
+        flat = np.frombuffer((ctypes.c_uint8 * span).from_address(base), dtype=np.uint16)
+        tensor = np.lib.stride_tricks.as_strided(flat, shape, strides)
+        start = [int(np.int32(c)) for c in (c3, c2, c1, c0)]
+        image = np.zeros(box, dtype=np.uint16)
+        inside, source = [], []
+        for lo, n, extent in zip(start, box, shape):
+            a, z = max(lo, 0), min(lo + n, extent)
+            inside.append(slice(a - lo, max(z, a) - lo))
+            source.append(slice(a, max(z, a)))
+        image[tuple(inside)] = tensor[tuple(source)]
+        out = np.frombuffer(_p._shared_bytes(dst, image.nbytes), dtype=np.uint8)
+        if swizzle == SWIZZLE_128B:
+            rows = image.size // 64
+            out.reshape(-1, 16)[_chunk_order(rows, swizzle)] = image.view(np.uint8).reshape(-1, 16)
+        elif swizzle == SWIZZLE_NONE:
+            out[:] = image.view(np.uint8).reshape(-1)
+        else:
+            raise NotImplementedError("TMA emulation: swizzle none or 128B")
+        _complete_tx(bar, image.nbytes)
+
     def tma_store_2d(tensor_map, c0, c1, src):
         """cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [map, {c0, c1}], [src]: the
         inverse of tma_load_2d: write the box image at shared address ``src`` (laid out, and
@@ -732,6 +785,9 @@ else:
     fence_proxy_tensormap_acquire = _ptx("fence.proxy.tensormap::generic.acquire.sys [$0], 128;", (i64,))
     tma_load_2d = _ptx("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
                        "[$0], [$1, {$2, $3}], [$4];", (u32, i64, types.int32, types.int32, u32))
+    tma_load_4d = _ptx("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                       "[$0], [$1, {$2, $3, $4, $5}], [$6];",
+                       (u32, i64, types.int32, types.int32, types.int32, types.int32, u32))
     tma_store_2d = _ptx("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [$0, {$1, $2}], [$3];",
                         (i64, types.int32, types.int32, u32))
     tma_store_commit = _ptx("cp.async.bulk.commit_group;")
@@ -767,6 +823,24 @@ else:
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuTensorMapEncodeTiled failed: {err}")
         return cupy.asarray(np.asarray([int(w) for w in tensor_map.opaque], dtype=np.uint64))
+
+    def _tensor_map_4d_words(x, box, swizzle):
+        from cuda.bindings import driver
+
+        modes = {SWIZZLE_NONE: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+                 SWIZZLE_128B: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B}
+        # The driver lists dimensions innermost first: the array's order reversed.
+        err, tensor_map = driver.cuTensorMapEncodeTiled(
+            driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, x.data.ptr,
+            [driver.cuuint64_t(n) for n in reversed(x.shape)],
+            [driver.cuuint64_t(s) for s in reversed(x.strides[:3])],
+            [driver.cuuint32_t(n) for n in reversed(box)], [driver.cuuint32_t(1)] * 4,
+            driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, modes[swizzle],
+            driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed: {err}")
+        return np.asarray([int(w) for w in tensor_map.opaque], dtype=np.uint64)
 
     def _register_tuple_asm(builder, lltype, count, text, constraints, inputs):
         ftype = ir.FunctionType(ir.LiteralStructType([lltype] * count), [a.type for a in inputs])
@@ -920,6 +994,35 @@ def make_tensor_map_2d(x, box_rows, box_cols, swizzle=SWIZZLE_NONE):
     if swizzle == SWIZZLE_128B and box_cols * 2 > 128:
         raise ValueError(f"{box_cols=}: the 128B swizzle takes box rows of at most 128 bytes")
     return _encode_tensor_map(x, box_rows, box_cols, swizzle)
+
+
+def tensor_map_4d_words(x, box, swizzle=SWIZZLE_NONE):
+    """Host side of tma_load_4d: the 16 words (a NumPy uint64[16]) of the tensor map of the 4-D array
+    ``x`` of 16-bit elements (last dimension contiguous, the other strides multiples of 16 bytes,
+    the data 16-byte aligned) for boxes of ``box`` elements, given in x's order (each at most 256;
+    the last x 2 bytes at most 128 with SWIZZLE_128B). The words must reach device memory (a CuPy
+    array, see make_tensor_map_4d) before a kernel reads them; the map names ``x``'s memory, so
+    ``x`` must outlive its use. On a GPU they are the driver's CUtensorMap; the simulator's are its
+    own."""
+    if x.ndim != 4 or x.dtype.itemsize != 2:
+        raise ValueError(f"tensor_map_4d_words takes a 4-D array of 16-bit elements, not {x.dtype} {x.shape}")
+    if x.strides[3] != 2 or any(s % 16 for s in x.strides[:3]):
+        raise ValueError(f"{x.strides=}: the last dimension contiguous, the others multiples of 16 bytes")
+    if len(box) != 4 or not all(1 <= n <= 256 for n in box) or (box[3] * 2) % 16:
+        raise ValueError(f"{box=}: four extents of at most 256, the last a multiple of 16 bytes")
+    if swizzle == SWIZZLE_128B and box[3] * 2 > 128:
+        raise ValueError(f"{box=}: the 128B swizzle takes innermost extents of at most 128 bytes")
+    return _tensor_map_4d_words(x, tuple(int(n) for n in box), swizzle)
+
+
+def make_tensor_map_4d(x, box, swizzle=SWIZZLE_NONE):
+    """tensor_map_4d_words in device memory (a CuPy uint64[16]; the words themselves in the simulator)."""
+    words = tensor_map_4d_words(x, box, swizzle)
+    if SIMULATOR:
+        return words
+    import cupy
+
+    return cupy.asarray(words)
 
 
 def make_mbarrier_wait(spin_limit):

@@ -21,6 +21,7 @@ from .backward_portable import PortableBackwardConfig, build_backward_portable
 from .decode_mma import MmaDecodeConfig, build_decode_mma
 from .forward_mma import MmaForwardConfig, build_forward_mma
 from .forward_portable import PortableForwardConfig, build_forward_portable
+from .forward_sm90 import Sm90ForwardConfig, build_forward_sm90, tensor_maps
 from .kvcache import AppendConfig, CombineConfig, build_append, build_combine
 
 
@@ -39,6 +40,13 @@ def _forward(config):
     t = KERNEL_DTYPE[config.dtype].name
     return (f"void({t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,:], {t}[{_written(config, 4)}], "
             f"float32[{_written(config, 3)}], float32, {_params(config)})")
+
+
+def _forward_sm90(config):
+    """The forward's arguments, then the tensor maps of q, k, v (``HOST_ARGUMENTS``)."""
+    t = KERNEL_DTYPE[config.dtype].name
+    return (f"void({t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,::1], float32[:,:,::1], uint64[:,::1], "
+            f"float32, {_params(config)})")
 
 
 def _backward(config):
@@ -83,11 +91,19 @@ def _combine(config):
 KERNELS = {
     PortableForwardConfig: (build_forward_portable, _forward),
     MmaForwardConfig: (build_forward_mma, _forward),
+    Sm90ForwardConfig: (build_forward_sm90, _forward_sm90),
     PortableBackwardConfig: (build_backward_portable, _backward),
     MmaBackwardConfig: (build_backward_mma, _backward),
     MmaDecodeConfig: (build_decode_mma, _decode),
     AppendConfig: (build_append, _append),
     CombineConfig: (build_combine, _combine),
+}
+
+
+# Arrays a kernel takes beyond those its callers pass, made on the host from them at each launch:
+# ``make(config, arrays) -> arrays``. The sm90 forward's TMA reads q, k, v through tensor maps.
+HOST_ARGUMENTS = {
+    Sm90ForwardConfig: lambda config, arrays: (*arrays, tensor_maps(config, *arrays[:3])),
 }
 
 

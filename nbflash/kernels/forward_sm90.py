@@ -1,0 +1,576 @@
+"""FlashAttention forward on Hopper (sm_90a): wgmma, TMA and warp specialization, as in FlashAttention-3.
+
+The algorithm is forward_mma.py's (the paper's Algorithm 1, flash-attn 2's split of the work); what
+changes is who moves the data and how the products are issued:
+
+    for each block of block_m query rows (one thread block):
+        producer warpgroup (one elected thread):
+            Q_i -> shared memory (TMA), once, completing on q_full
+            for each key tile j: wait until ring slot j % stages is empty, then
+                K_j, V_j -> slot (TMA), completing on k_full / v_full of the slot
+        each consumer warpgroup (64 query rows of the block):
+            m_i = -inf, l_i = 0, acc = 0                                (registers)
+            for each key tile j (slot j % stages):
+                wait k_full;  S = Q_i K_j^T                            (wgmma, both from shared memory)
+                S = mask(S)                   only on tiles that cross the window's edges or the tail
+                m_new = max(m_i, rowmax(S));  alpha = exp2((m_i - m_new) * scale_log2)
+                P = exp2(S * scale_log2 - m_new * scale_log2);  l_i = alpha * l_i + rowsum(P)
+                wait v_full;  acc = alpha * acc + P V_j                (wgmma, P from registers)
+                arrive on the slot's empty barrier (the producer may refill it)
+            O_i = acc / l_i;   lse_i = (m_i * scale_log2 + log2(l_i)) * ln(2)
+
+Two other schedules of the consumers' loop (``Sm90ForwardConfig.overlap`` and ``pingpong``): S_{j+1}
+issued together with P_j V_j, so that the softmax of S_{j+1} runs while P_j V_j is in flight and O is
+rescaled once it lands (FlashAttention-3's intra-warpgroup pipelining); and with it the two consumers
+taking turns to issue their products through named barriers 1 and 2 (ping-pong). Both are correct;
+at headdim 128 both measured slower than the plain loop (docs/perf-notes.md, "Hopper forward"), so
+the planner does not use them.
+
+Grid and threads: grid = (ceil(seqlen_q / block_m), nheads, batch); block = 128 * (consumers + 1)
+threads. Warpgroup 0 is the producer (it lowers its register cap with setmaxnreg, the consumers
+raise theirs); warpgroup 1 + c owns query rows [64 c, 64 c + 64) of the block's tile. With a window
+(causal is the window (-1, 0)) blockIdx.x is reversed so the query blocks with the most keys start
+first.
+
+Registers (the wgmma accumulator layout, nbflash/primitives_sm90.py): thread t of a consumer
+warpgroup (w = warp in the group, g = lane // 4, q4 = lane % 4) holds, of each 64-row accumulator,
+rows 16 w + g (registers 4 c + e) and 16 w + g + 8 (registers 4 c + 2 + e), columns 8 c + 2 q4 + e.
+A row's max and sum are reduced over the 4 lanes of a quad, as with mma.sync, and the k16 slice s of
+S (registers 8 s .. 8 s + 7) packs, pair by pair, into the A registers of P V's k-step s: P never
+leaves the registers.
+
+Shared memory (dynamic, 16-bit elements, every tile 1024-byte aligned): the Q tile, then the ring of
+K tiles, the ring of V tiles, then the mbarriers. A tile is stored as its 64-column chunks (headdim
+padded to a multiple of 64 by TMA's zero fill), each chunk rows of 128 bytes in the 128-byte swizzle
+that TMA writes and wgmma reads: the K-major operand image for Q and K, and read as keys x headdim
+the MN-major image for V. So no thread ever copies or re-lays a tile.
+
+Memory: q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_k, headdim), any
+strides that are multiples of 16 bytes with the last dimension contiguous, headdim a multiple of 8;
+float16 arrays, or uint16 arrays holding bfloat16 bits. ``maps`` holds the three 4-D tensor maps of
+q, k and v (``tensor_maps``: boxes of 1 x block rows x 1 x 64 columns), built by the launcher; rows
+past a sequence's end and columns past headdim arrive as zeros. out like q (C-contiguous), lse
+float32 (batch, nheads, seqlen_q), natural log. Query head h reads key/value head
+h // (nheads // nheads_k). A row that sees no key gets out = 0 and lse = -inf.
+
+Variants: the plain kernel and the window (causal included), with a positive scale folded into
+exp2. Everything else (score features, masks, dropout, block masks, packed sequences) stays with
+the sm80 family (nbflash/kernels/forward_mma.py), as do headdims above 128 and rows off 16 bytes.
+"""
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, uint32, uint64
+from numba.types import float16
+
+from nbflash.primitives import (
+    SIMULATOR,
+    exp2_approx,
+    f32_to_bf16_bits,
+    inline_device,
+    pack_bf16x2,
+    pack_f16x2,
+    quad_max,
+    quad_sum,
+    shared_address,
+    static_range,
+    unroll,
+)
+from nbflash.primitives_sm90 import (
+    SWIZZLE_128B,
+    array_address,
+    elect_sync,
+    fence_mbarrier_init,
+    fence_operands,
+    fence_proxy_tensormap_acquire,
+    launch_bounded,
+    make_wgmma_rs,
+    make_wgmma_ss,
+    mbarrier_arrive,
+    mbarrier_arrive_expect_tx,
+    mbarrier_init,
+    mbarrier_wait,
+    named_barrier_arrive,
+    named_barrier_sync,
+    registers_from,
+    registers_to,
+    setmaxnreg_dec,
+    setmaxnreg_inc,
+    smem_descriptor,
+    tensor_map_4d_words,
+    tma_load_4d,
+    wgmma_commit,
+    wgmma_fence,
+    wgmma_wait,
+)
+from nbflash.problem import Variant
+
+from . import variants
+
+LN2 = math.log(2.0)
+CHUNK = 64  # columns of a tile chunk: one 128-byte swizzled row of 16-bit elements
+ROW_BYTES = 128  # bytes of a chunk row
+GROUP = 128  # threads of a warpgroup
+SERVED_VARIANTS = (Variant(), Variant(window=True))
+
+
+@dataclass(frozen=True)
+class Sm90ForwardConfig:
+    """One compiled variant of the Hopper forward kernel."""
+
+    dtype: str  # 'float16' or 'bfloat16'
+    headdim: int  # a multiple of 8, at most 256
+    variant: Variant = Variant()
+    block_n: int = 128  # keys per K/V tile
+    consumers: int = 2  # consumer warpgroups of 64 query rows: block_m = 64 * consumers
+    stages: int = 2  # K/V tiles in flight (the ring)
+    producer_registers: int = 40  # setmaxnreg caps with two consumers (the register file: 64K)
+    consumer_registers: int = 232
+    overlap: bool = False  # issue S_{j+1} with P_j V_j, the softmax under the latter (FlashAttention-3)
+    pingpong: bool = False  # the two consumers take turns issuing their products (needs overlap)
+
+    def __post_init__(self):
+        if self.dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
+        if self.headdim % 8 or not 8 <= self.headdim <= 256:
+            raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..256")
+        if self.variant not in SERVED_VARIANTS:
+            raise ValueError(f"{self.variant=}: the sm90 forward serves the plain kernel and the window only")
+        if self.block_n % 16 or not 16 <= self.block_n <= 256:
+            raise ValueError(f"{self.block_n=} must be a multiple of 16 in 16..256 (a TMA box and a wgmma n)")
+        if self.consumers not in (1, 2):
+            raise ValueError(f"{self.consumers=} must be 1 or 2")
+        if self.pingpong and not (self.overlap and self.consumers == 2):
+            raise ValueError("pingpong=True takes two consumers and overlap=True")
+        if self.stages < 2:
+            raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
+
+    @property
+    def block_m(self):
+        return 64 * self.consumers
+
+    @property
+    def headdim_padded(self):
+        """headdim rounded up to whole 64-column chunks (TMA fills the rest with zeros)."""
+        return -(-self.headdim // CHUNK) * CHUNK
+
+    @property
+    def threads(self):
+        return GROUP * (self.consumers + 1)
+
+    @property
+    def q_bytes(self):
+        return self.block_m * self.headdim_padded * 2
+
+    @property
+    def kv_bytes(self):
+        """Bytes of one K (or V) tile."""
+        return self.block_n * self.headdim_padded * 2
+
+    @property
+    def shared_bytes(self):
+        """The tiles, the 1 + 3 stages mbarriers, and 1024 bytes of slack to align the tiles."""
+        return 1024 + self.q_bytes + 2 * self.stages * self.kv_bytes + 8 * (1 + 3 * self.stages)
+
+    @property
+    def dynamic_shared_bytes(self):
+        return self.shared_bytes
+
+    @property
+    def launch_bounds(self):
+        """(threads, blocks per SM): the register cap at entry that setmaxnreg needs."""
+        return (self.threads, 1)
+
+    arch_suffix = "a"  # wgmma, TMA and setmaxnreg assemble for sm_90a only
+
+    def grid(self, batch, nheads, seqlen_q):
+        return (-(-seqlen_q // self.block_m), nheads, batch)
+
+
+_MAPS = {}  # (box rows, arrays' pointers, shapes, strides) -> the device maps, most recent last
+_MAPS_KEPT = 32
+_COPIES = []  # the last broadcast inputs' contiguous copies
+
+
+def _broadcast(x):
+    """x has a stride-0 dimension of more than one element (one tensor seen over several rows)."""
+    return any(s == 0 and n > 1 for n, s in zip(x.shape, x.strides))
+
+
+def _words(config, q, k, v):
+    return np.stack([tensor_map_4d_words(x, (1, rows, 1, CHUNK), SWIZZLE_128B)
+                     for x, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n))])
+
+
+def tensor_maps(config, q, k, v):
+    """The kernel's ``maps``: the tensor maps of q, k, v (rows of 16-bit values) as a (3, 16) uint64
+    array on the backend, with the boxes the kernel loads (block_m or block_n rows of 64 columns,
+    swizzled as wgmma reads them). On a GPU the last few are kept: a model calls attention on the
+    same buffers again and again, and a map costs a driver call and a copy to the device. A
+    broadcast input (a stride 0, which a tensor map cannot hold) is copied for the call, its map
+    not kept, the copy held for the last few calls (CuPy's pool reuses memory in stream order)."""
+    if SIMULATOR:
+        return _words(config, q, k, v)
+    from nbflash import runtime
+
+    cupy = runtime.cupy()
+    if any(_broadcast(x) for x in (q, k, v)):
+        q, k, v = (cupy.ascontiguousarray(x) if _broadcast(x) else x for x in (q, k, v))
+        _COPIES.append((q, k, v))  # held past the launch (the maps name their memory)
+        del _COPIES[:-_MAPS_KEPT]
+        return cupy.asarray(_words(config, q, k, v))
+    key = (config.block_m, config.block_n, *((x.data.ptr, x.shape, x.strides) for x in (q, k, v)))
+    maps = _MAPS.pop(key, None)
+    if maps is None:
+        maps = cupy.asarray(_words(config, q, k, v))
+        while len(_MAPS) >= _MAPS_KEPT:
+            del _MAPS[next(iter(_MAPS))]
+    _MAPS[key] = maps
+    return maps
+
+
+@lru_cache(maxsize=None)
+def build_forward_sm90(config: Sm90ForwardConfig):
+    """Compile-time constants of ``config`` captured in a fresh ``@cuda.jit`` kernel."""
+    BM, BN, HD, HDP = config.block_m, config.block_n, config.headdim, config.headdim_padded
+    CONSUMERS, STAGES, THREADS = config.consumers, config.stages, config.threads
+    CHUNKS = HDP // CHUNK  # 64-column chunks of a tile
+    Q_BYTES, KV_BYTES = config.q_bytes, config.kv_bytes
+    Q_CHUNK_BYTES, KV_CHUNK_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
+    S_REGS, O_REGS, P_REGS = BN // 2, HDP // 2, BN // 4  # per thread: S and O accumulators, packed P
+    QK_STEPS, PV_STEPS = HDP // 16, BN // 16  # k16 steps of S = Q K^T and of O += P V
+    NT = BN // 8  # 8-column groups of S
+    DT = HDP // 8  # 8-column groups of O
+    EMPTY_ARRIVALS = CONSUMERS * GROUP  # every consumer thread releases a slot
+    SPLIT_REGISTERS = CONSUMERS == 2  # with one consumer the entry cap already suffices
+    PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
+    OVERLAP, PINGPONG = config.overlap, config.pingpong
+    TURN_THREADS = 2 * GROUP  # a turn barrier: the waiting consumer and the one handing over
+    hooks = variants.hooks(config.variant)
+    WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
+    head_context = hooks.head_context
+    NEG_INF = float32(-math.inf)
+    IS_F16 = config.dtype == "float16"
+    AB = "f16" if IS_F16 else "bf16"
+    pack = pack_f16x2 if IS_F16 else pack_bf16x2
+    wgmma_qk = make_wgmma_ss(BN, AB, 0)  # S (64 x BN) = Q (64 x HDP, K-major) K^T (K: BN rows, K-major)
+    wgmma_pv = make_wgmma_rs(HDP, AB, 1)  # O (64 x HDP) += P (registers) V (keys x HDP, MN-major)
+    # Descriptor strides (bytes): K-major 128B swizzle, 8-row groups 1024 apart (LBO unused: 16);
+    # V MN-major, 8-key groups 1024 apart, 64-column chunks a tile chunk apart.
+    K_MAJOR = (16, 1024)
+    V_MN_MAJOR = (KV_CHUNK_BYTES, 1024)
+
+    # -----------------------------------------------------------------------------------------------
+    # Tile addresses: a k16 step of a K-major tile is 32 bytes inside a 128-byte row, and the next
+    # chunk after 4 steps; a k16 step of V (16 keys) is 16 rows of 128 bytes.
+    # -----------------------------------------------------------------------------------------------
+
+    @inline_device
+    def k_step(chunk_bytes, kk):
+        """Descriptor increment (16-byte units) of k16 step kk of a K-major tile."""
+        return uint64(((kk // 4) * chunk_bytes + (kk % 4) * 32) >> 4)
+
+    @inline_device
+    def k_descriptor(k_ring, slot):
+        return smem_descriptor(k_ring + uint32(slot * KV_BYTES), K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
+
+    @inline_device
+    def v_descriptor(v_ring, slot):
+        return smem_descriptor(v_ring + uint32(slot * KV_BYTES), V_MN_MAJOR[0], V_MN_MAJOR[1], SWIZZLE_128B)
+
+    # -----------------------------------------------------------------------------------------------
+    # Consumer tile operations, on the thread's registers (local arrays indexed by constants)
+    # -----------------------------------------------------------------------------------------------
+
+    @inline_device
+    @unroll
+    def mask_scores(s, row0, n_start, seqlen_q, seqlen_k, params, head_ctx, q4):
+        """-inf where the row does not see the key: past the end, or outside its window."""
+        for rh in static_range(2):
+            row = row0 + 8 * rh
+            lo, hi = row_keys(row, seqlen_q, seqlen_k, params)
+            for c in static_range(NT):
+                for e in static_range(2):
+                    if hidden(n_start + 8 * c + 2 * q4 + e, lo, hi, row, seqlen_q, params, head_ctx):
+                        s[4 * c + 2 * rh + e] = NEG_INF
+
+    @inline_device
+    @unroll
+    def online_softmax(s, m_i, l_i, alpha, scale_log2):
+        """S -> P = exp2(S * scale_log2 - m_new * scale_log2) in place; l_i rescaled by, and ``alpha``
+        set to, exp2((m_i - m_new) * scale_log2), for the O accumulator (rescale_o). l_i stays a
+        per-lane partial sum."""
+        for rh in static_range(2):
+            m_prev = m_i[rh]
+            m_new = m_prev
+            for c in static_range(NT):
+                m_new = max(m_new, max(s[4 * c + 2 * rh], s[4 * c + 2 * rh + 1]))
+            m_new = quad_max(m_new)
+            # A row that has seen only masked keys keeps m = -inf; subtract 0 then, not -inf.
+            m_scaled = m_new * scale_log2 if m_new != NEG_INF else float32(0)
+            alpha[rh] = exp2_approx(m_prev * scale_log2 - m_scaled)
+            row_sum = float32(0)
+            for c in static_range(NT):
+                for e in static_range(2):
+                    p = exp2_approx(s[4 * c + 2 * rh + e] * scale_log2 - m_scaled)
+                    s[4 * c + 2 * rh + e] = p
+                    row_sum += p
+            l_i[rh] = l_i[rh] * alpha[rh] + row_sum
+            m_i[rh] = m_new
+
+    @inline_device
+    @unroll
+    def rescale_o(o, alpha):
+        for rh in static_range(2):
+            for c in static_range(DT):
+                o[4 * c + 2 * rh] *= alpha[rh]
+                o[4 * c + 2 * rh + 1] *= alpha[rh]
+
+    @inline_device
+    @unroll
+    def issue_qk(acc_s, desc_q, desc_k):
+        """S = Q_i K_j^T, issued as one commit group (asynchronous: valid after its wgmma_wait)."""
+        for kk in static_range(QK_STEPS):
+            acc_s = wgmma_qk(acc_s, desc_q + k_step(Q_CHUNK_BYTES, kk), desc_k + k_step(KV_CHUNK_BYTES, kk),
+                             uint32(0 if kk == 0 else 1))
+        wgmma_commit()
+        return acc_s
+
+    @inline_device
+    @unroll
+    def issue_pv(acc_o, p_regs, desc_v):
+        """O += P V_j, P from registers (k16 step ks: P's registers 4 ks .. 4 ks + 3), one commit group."""
+        for ks in static_range(PV_STEPS):
+            acc_o = wgmma_pv(acc_o, p_regs[4 * ks], p_regs[4 * ks + 1], p_regs[4 * ks + 2], p_regs[4 * ks + 3],
+                             desc_v + uint64(ks * 16 * ROW_BYTES >> 4), uint32(1))
+        wgmma_commit()
+        return acc_o
+
+    @inline_device
+    @unroll
+    def pack_p(s, p):
+        """P's A registers: k16 slice ks is S's registers 8 ks .. 8 ks + 7, packed in pairs."""
+        for i in static_range(P_REGS):
+            p[i] = pack(s[2 * i], s[2 * i + 1])
+
+    @inline_device
+    def store_element(out, b, row, h, col, value):
+        if IS_F16:
+            out[b, row, h, col] = float16(value)
+        else:
+            out[b, row, h, col] = f32_to_bf16_bits(value)
+
+    @inline_device
+    @unroll
+    def write_output(out, lse, o, m_i, l_i, b, h, row0, seqlen_q, scale_log2, q4):
+        """O_i = acc / l_i and lse_i, for rows inside the sequence; 0 and -inf for rows with no key."""
+        for rh in static_range(2):
+            l_row = quad_sum(l_i[rh])  # every lane of the warp takes part in the shuffle
+            row = row0 + 8 * rh
+            inv_l = float32(1) / l_row if l_row > float32(0) else float32(0)
+            if row < seqlen_q:
+                for c in static_range(DT):
+                    for e in static_range(2):
+                        col = 8 * c + 2 * q4 + e
+                        if col < HD:
+                            store_element(out, b, row, h, col, o[4 * c + 2 * rh + e] * inv_l)
+                if q4 == 0:
+                    if l_row > float32(0):
+                        lse[b, h, row] = (m_i[rh] * scale_log2 + math.log2(l_row)) * float32(LN2)
+                    else:
+                        lse[b, h, row] = NEG_INF
+
+    # -----------------------------------------------------------------------------------------------
+    # The kernel
+    # -----------------------------------------------------------------------------------------------
+
+    @launch_bounded(THREADS, 1)
+    @unroll
+    def forward_sm90(q, k, v, out, lse, maps, scale_log2, params):
+        m_block, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        if WINDOW:  # the last query blocks see the most keys (causal): start them first
+            m_block = cuda.gridDim.x - 1 - m_block
+        tid = cuda.threadIdx.x
+        group = tid // GROUP  # 0: the producer; 1 + c: consumer c
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        hk = h // (q.shape[2] // k.shape[2])  # GQA: the key/value head this query head reads
+        m_start = m_block * BM
+
+        # Shared memory: tiles from the first 1024-byte boundary (the simulator's emulated shared
+        # window places the array itself on one), then the barriers.
+        smem = cuda.shared.array(0, uint32)
+        base = shared_address(smem)
+        if not SIMULATOR:
+            base = base + ((uint32(1024) - (base & uint32(1023))) & uint32(1023))
+        q_tile = base
+        k_ring = base + uint32(Q_BYTES)
+        v_ring = k_ring + uint32(STAGES * KV_BYTES)
+        q_full = v_ring + uint32(STAGES * KV_BYTES)
+        k_full = q_full + uint32(8)  # + 8 * slot
+        v_full = k_full + uint32(8 * STAGES)
+        kv_empty = v_full + uint32(8 * STAGES)
+
+        # ---- Which key tiles this block visits (geometry.py): tiles [first_tile, end_tile), of
+        # which [first_full, end_full) every row sees whole and the others are masked ----
+        first_tile, first_full, end_full, end_tile = key_tiles(
+            m_start, min(m_start + BM, seqlen_q), seqlen_q, seqlen_k, params, BN)
+        n_tiles = end_tile - first_tile
+
+        if tid == 0:
+            mbarrier_init(q_full, 1)
+            for slot in range(STAGES):
+                mbarrier_init(k_full + uint32(8 * slot), 1)
+                mbarrier_init(v_full + uint32(8 * slot), 1)
+                mbarrier_init(kv_empty + uint32(8 * slot), EMPTY_ARRIVALS)
+            fence_mbarrier_init()
+        cuda.syncthreads()  # the barriers are initialised before anyone arrives on or waits for them
+
+        if group == 0:
+            # ---- Producer: one thread issues every copy; the ring's empty barriers pace it ----
+            if SPLIT_REGISTERS:
+                setmaxnreg_dec(PRODUCER_REGS)
+            if tid < 32:
+                if elect_sync() == uint32(1):
+                    maps_address = array_address(maps)
+                    q_map, k_map, v_map = maps_address, maps_address + 128, maps_address + 256
+                    fence_proxy_tensormap_acquire(q_map)  # the maps were copied from the host
+                    fence_proxy_tensormap_acquire(k_map)
+                    fence_proxy_tensormap_acquire(v_map)
+                    mbarrier_arrive_expect_tx(q_full, Q_BYTES)
+                    for chunk in static_range(CHUNKS):
+                        tma_load_4d(q_tile + uint32(chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK, h, m_start, b,
+                                    q_full)
+                    for i in range(n_tiles):
+                        slot, use = i % STAGES, i // STAGES
+                        if use > 0:  # the consumers have released the slot's previous tile
+                            mbarrier_wait(kv_empty + uint32(8 * slot), (use - 1) & 1)
+                        n_start = (first_tile + i) * BN
+                        k_tile = k_ring + uint32(slot * KV_BYTES)
+                        v_tile = v_ring + uint32(slot * KV_BYTES)
+                        mbarrier_arrive_expect_tx(k_full + uint32(8 * slot), KV_BYTES)
+                        for chunk in static_range(CHUNKS):
+                            tma_load_4d(k_tile + uint32(chunk * KV_CHUNK_BYTES), k_map, chunk * CHUNK, hk, n_start,
+                                        b, k_full + uint32(8 * slot))
+                        mbarrier_arrive_expect_tx(v_full + uint32(8 * slot), KV_BYTES)
+                        for chunk in static_range(CHUNKS):
+                            tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk, n_start,
+                                        b, v_full + uint32(8 * slot))
+        else:
+            # ---- Consumers: 64 query rows each ----
+            if SPLIT_REGISTERS:
+                setmaxnreg_inc(CONSUMER_REGS)
+            consumer = group - 1
+            lane = tid % 32
+            q4 = lane & 3
+            row0 = m_start + 64 * consumer + 16 * ((tid % GROUP) // 32) + (lane >> 2)  # +8: the second row
+            head_ctx = head_context(params, b, h)
+            desc_q = smem_descriptor(q_tile + uint32(64 * consumer * ROW_BYTES), K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
+
+            s = cuda.local.array(S_REGS, float32)
+            o = cuda.local.array(O_REGS, float32)
+            p = cuda.local.array(P_REGS, uint32)
+            m_i = cuda.local.array(2, float32)
+            l_i = cuda.local.array(2, float32)
+            alpha = cuda.local.array(2, float32)
+            for r in static_range(S_REGS):
+                s[r] = float32(0)
+            for r in static_range(O_REGS):
+                o[r] = float32(0)
+            for rh in static_range(2):
+                m_i[rh] = NEG_INF
+                l_i[rh] = float32(0)
+
+            mbarrier_wait(q_full, 0)
+            if not OVERLAP:
+                for i in range(n_tiles):
+                    j = first_tile + i
+                    slot, use = i % STAGES, i // STAGES
+
+                    # S = Q_i K_j^T
+                    acc_s = fence_operands(registers_from(s, S_REGS))
+                    mbarrier_wait(k_full + uint32(8 * slot), use & 1)
+                    wgmma_fence()  # the accumulator's registers are ordered before wgmma uses them
+                    acc_s = issue_qk(acc_s, desc_q, k_descriptor(k_ring, slot))
+                    wgmma_wait(0)
+                    registers_to(s, fence_operands(acc_s))
+
+                    # Mask the tiles that some row of the block does not see whole
+                    if j < first_full or j >= end_full:
+                        mask_scores(s, row0, j * BN, seqlen_q, seqlen_k, params, head_ctx, q4)
+
+                    # m_i, l_i, O rescaled; S becomes P, packed to 16 bits
+                    online_softmax(s, m_i, l_i, alpha, scale_log2)
+                    rescale_o(o, alpha)
+                    pack_p(s, p)
+
+                    # O += P V_j
+                    p_regs = fence_operands(registers_from(p, P_REGS))
+                    acc_o = fence_operands(registers_from(o, O_REGS))
+                    mbarrier_wait(v_full + uint32(8 * slot), use & 1)
+                    wgmma_fence()  # P's and the rescaled accumulator's registers are ordered before wgmma
+                    acc_o = issue_pv(acc_o, p_regs, v_descriptor(v_ring, slot))
+                    wgmma_wait(0)
+                    registers_to(o, fence_operands(acc_o))
+                    mbarrier_arrive(kv_empty + uint32(8 * slot))  # this thread is done with the slot's K and V
+            elif n_tiles > 0:
+                if PINGPONG and consumer == 1:
+                    named_barrier_arrive(1, TURN_THREADS)  # consumer 0 takes the first turn
+                # Overlapped (FlashAttention-3's intra-warpgroup pipelining): S_j = Q K_j^T is issued
+                # together with O += P_{j-1} V_{j-1}; the softmax of S_j runs while the P V product is
+                # still in flight, and O is rescaled by alpha_j once it has landed.
+                acc_s = fence_operands(registers_from(s, S_REGS))
+                mbarrier_wait(k_full, 0)
+                wgmma_fence()  # the accumulator's registers are ordered before wgmma uses them
+                acc_s = issue_qk(acc_s, desc_q, k_descriptor(k_ring, 0))
+                wgmma_wait(0)
+                registers_to(s, fence_operands(acc_s))
+                if first_tile < first_full or first_tile >= end_full:
+                    mask_scores(s, row0, first_tile * BN, seqlen_q, seqlen_k, params, head_ctx, q4)
+                online_softmax(s, m_i, l_i, alpha, scale_log2)  # O is still 0: nothing to rescale
+                pack_p(s, p)
+                for i in range(1, n_tiles):
+                    j = first_tile + i
+                    slot, use = i % STAGES, i // STAGES
+                    prev_slot, prev_use = (i - 1) % STAGES, (i - 1) // STAGES
+                    acc_s = fence_operands(registers_from(s, S_REGS))
+                    p_regs = fence_operands(registers_from(p, P_REGS))
+                    acc_o = fence_operands(registers_from(o, O_REGS))
+                    mbarrier_wait(k_full + uint32(8 * slot), use & 1)
+                    mbarrier_wait(v_full + uint32(8 * prev_slot), prev_use & 1)
+                    if PINGPONG:  # wait for this consumer's turn at the tensor cores
+                        named_barrier_sync(1 + consumer, TURN_THREADS)
+                    wgmma_fence()  # both accumulators' and P's registers are ordered before wgmma
+                    acc_s = issue_qk(acc_s, desc_q, k_descriptor(k_ring, slot))
+                    acc_o = issue_pv(acc_o, p_regs, v_descriptor(v_ring, prev_slot))
+                    if PINGPONG:  # the other consumer's turn: its products run under this one's softmax
+                        named_barrier_arrive(2 - consumer, TURN_THREADS)
+                    wgmma_wait(1)  # S_j has landed; P_{j-1} V_{j-1} may still run
+                    registers_to(s, fence_operands(acc_s))
+                    if j < first_full or j >= end_full:
+                        mask_scores(s, row0, j * BN, seqlen_q, seqlen_k, params, head_ctx, q4)
+                    online_softmax(s, m_i, l_i, alpha, scale_log2)
+                    registers_to(s, fence_operands(registers_from(s, S_REGS)))  # P done before the wait
+                    wgmma_wait(0)
+                    registers_to(o, fence_operands(acc_o))
+                    mbarrier_arrive(kv_empty + uint32(8 * prev_slot))  # done with tile j - 1's K and V
+                    rescale_o(o, alpha)
+                    pack_p(s, p)
+                last = (n_tiles - 1) % STAGES
+                p_regs = fence_operands(registers_from(p, P_REGS))
+                acc_o = fence_operands(registers_from(o, O_REGS))
+                mbarrier_wait(v_full + uint32(8 * last), ((n_tiles - 1) // STAGES) & 1)
+                wgmma_fence()  # P's and the accumulator's registers are ordered before wgmma
+                acc_o = issue_pv(acc_o, p_regs, v_descriptor(v_ring, last))
+                wgmma_wait(0)
+                registers_to(o, fence_operands(acc_o))
+                mbarrier_arrive(kv_empty + uint32(8 * last))
+                if PINGPONG and consumer == 0:
+                    named_barrier_sync(1, TURN_THREADS)  # consumer 1's last hand-over, so none is left over
+
+            # ---- Epilogue: normalise and write O_i and lse_i ----
+            write_output(out, lse, o, m_i, l_i, b, h, row0, seqlen_q, scale_log2, q4)
+
+    return forward_sm90

@@ -1,0 +1,285 @@
+"""The Hopper forward kernel (nbflash/kernels/forward_sm90.py) against a float64 NumPy reference.
+
+Without a GPU these run in Numba's simulator, where wgmma, TMA and the mbarriers are emulated
+(nbflash/primitives_sm90.py): tiny shapes, one or two consumer warpgroups, a K/V ring that wraps.
+On a GPU of compute capability 9.0 the same checks run on the hardware, plus a larger grid (awkward
+lengths, GQA, causal with seqlen_q != seqlen_k, headdims 64, 96, 128) and the public API on the
+"sm90" family. Outputs are poisoned with NaN before each launch, so an unwritten element fails; the
+tolerance is flash-attn's rule, twice the error of a naive same-precision implementation.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from numba import cuda, uint16, uint64
+
+from nbflash import primitives as P
+from nbflash import primitives_sm90 as H
+from nbflash import launch
+from nbflash.kernels.forward_sm90 import Sm90ForwardConfig
+from nbflash.problem import Variant, window_bounds
+from nbflash.reference import visible
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+NP_DTYPE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+PLAIN, WINDOW = Variant(), Variant(window=True)
+CAUSAL = (-1, 0)
+
+
+def _is_sm90():
+    if P.SIMULATOR:
+        return False
+    from numba import cuda
+
+    return cuda.is_available() and cuda.get_current_device().compute_capability == (9, 0)
+
+
+pytestmark = pytest.mark.skipif(not P.SIMULATOR and not _is_sm90(),
+                                reason="sm_90a instructions run only on compute capability 9.0")
+
+
+def reference(q, k, v, scale, window, p_dtype=None):
+    """Attention in float64 (or, with p_dtype, the naive low-precision version): out and lse."""
+    nheads, nheads_k = q.shape[2], k.shape[2]
+    work = np.float64 if p_dtype is None else np.float32
+    q, k, v = (x.astype(work) for x in (q, k, v))
+    k = np.repeat(k, nheads // nheads_k, axis=2)
+    v = np.repeat(v, nheads // nheads_k, axis=2)
+    s = np.einsum("bihd,bjhd->bhij", q, k) * scale
+    mask = visible(q.shape[1], k.shape[1], window_size=window) if window else None
+    if mask is not None:  # None: the window hides nothing
+        s = np.where(mask, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    p = p / np.where(l > 0, l, 1)
+    if p_dtype is not None:
+        p = p.astype(p_dtype).astype(work)
+    with np.errstate(divide="ignore"):
+        lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(l[..., 0]), -np.inf)
+    return np.einsum("bhij,bjhd->bihd", p, v), lse
+
+
+def run_kernel(config, q, k, v, scale, window, xp):
+    """Launch the kernel through nbflash's launcher (which makes the tensor maps and raises the
+    shared-memory limit) on (batch, seqlen, heads, headdim) host arrays; returns out and lse (host)."""
+    bits = config.dtype == "bfloat16"
+    dev = [xp.asarray(x.view(np.uint16) if bits else x) for x in (q, k, v)]
+    batch, seqlen_q, nheads, _ = q.shape
+    out = xp.asarray(np.full(q.shape, 0x7FC0 if bits else 0x7E00, dtype=np.uint16))  # NaN
+    if not bits:
+        out = out.view(np.float16)
+    lse = xp.full((batch, nheads, seqlen_q), np.nan, dtype=np.float32)
+    params = ()
+    if config.variant.window:
+        params = tuple(np.int32(x) for x in window_bounds(seqlen_q, k.shape[1], False, window)[:2])
+    launch.compiled(config).launch(config.grid(batch, nheads, seqlen_q), (*dev, out, lse),
+                                   (np.float32(scale * math.log2(math.e)),), params)
+    get = (lambda x: x.get()) if hasattr(out, "get") else (lambda x: x)
+    out, lse = get(out), get(lse)
+    return (out.view(ml_dtypes.bfloat16) if bits else out), lse
+
+
+def check(config, xp, batch=1, seqlen_q=20, seqlen_k=33, nheads=2, nheads_k=1, seed=0, window=CAUSAL,
+          heads_first=False):
+    window = window if config.variant.window else None
+    rng = np.random.default_rng(seed)
+    D, dt = config.headdim, NP_DTYPE[config.dtype]
+
+    def draw(seqlen, heads):
+        if heads_first:  # stored (batch, heads, seqlen, headdim), handed over as a transposed view
+            x = rng.standard_normal((batch, heads, seqlen, D)).astype(dt)
+            return np.ascontiguousarray(x).transpose(0, 2, 1, 3)
+        return rng.standard_normal((batch, seqlen, heads, D)).astype(dt)
+
+    q, k, v = draw(seqlen_q, nheads), draw(seqlen_k, nheads_k), draw(seqlen_k, nheads_k)
+    scale = 1.0 / math.sqrt(D)
+    out, lse = run_kernel(config, q, k, v, scale, window, xp)
+    ref, ref_lse = reference(q, k, v, scale, window)
+    naive, _ = reference(q, k, v, scale, window, p_dtype=dt)
+    out64 = out.astype(np.float64)
+    assert not np.isnan(out64).any(), "out has NaN (an element left unwritten, or a 0/0)"
+    err = np.abs(out64 - ref).max()
+    naive_err = np.abs(naive.astype(dt).astype(np.float64) - ref).max()
+    assert err <= 2 * naive_err + 1e-3, f"max error {err:.3g}, naive {naive_err:.3g}"
+    assert not np.isnan(lse).any()
+    no_key = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), no_key), "lse = -inf exactly where a row sees no key"
+    assert (out64.transpose(0, 2, 1, 3)[no_key] == 0).all(), "rows that see no key must be 0"
+    finite = ~no_key
+    assert np.allclose(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+# --- The simulator: tiny shapes (each launch of 256 or 384 Python threads takes seconds) -----------
+
+SMALL = dict(block_n=64, consumers=1)
+
+
+@pytest.mark.parametrize("dtype", ["float16"])  # bfloat16: test_two_consumers_padded_headdim
+def test_ring_wraps(dtype, xp):
+    # 3 key tiles through a 2-stage ring: the producer waits on an empty barrier; the tail is masked.
+    check(Sm90ForwardConfig(dtype, 64, PLAIN, **SMALL), xp, seqlen_q=9, seqlen_k=150, nheads=1)
+
+
+def test_causal_gqa_two_blocks(xp):
+    # seqlen_q > seqlen_k: the first rows see no key (out 0, lse -inf); 2 query blocks, GQA 2:1.
+    check(Sm90ForwardConfig("float16", 64, WINDOW, **SMALL), xp, seqlen_q=72, seqlen_k=40, nheads=2, nheads_k=1)
+
+
+@pytest.mark.parametrize("window", [False, True])
+def test_overlapped(window, xp):
+    # The overlapped consumer loop (S_{j+1} issued with P_j V_j): 3 key tiles through 2 stages; with
+    # the window, 2 query blocks of which the first has rows without keys.
+    config = Sm90ForwardConfig("float16", 64, WINDOW if window else PLAIN, overlap=True, **SMALL)
+    check(config, xp, seqlen_q=70 if window else 9, seqlen_k=150, nheads=1 if window else 2, nheads_k=1)
+
+
+def test_pingpong(xp):
+    # Two consumers taking turns (named barriers) in the overlapped loop, causal: 3 key tiles, the
+    # last a diagonal one.
+    config = Sm90ForwardConfig("float16", 64, WINDOW, block_n=64, overlap=True, pingpong=True)
+    check(config, xp, seqlen_q=70, seqlen_k=150, nheads=1, nheads_k=1)
+
+
+def test_two_consumers_padded_headdim(xp):
+    # Two consumer warpgroups (block_m 128), headdim 40 padded to 64 by TMA's zero fill, causal
+    # with a diagonal tile and a tile skipped for the first rows.
+    check(Sm90ForwardConfig("bfloat16", 40, WINDOW, block_n=64, consumers=2), xp, seqlen_q=70, seqlen_k=130,
+          nheads=1)
+
+
+# --- The GPU: the same kernel at sizes the simulator cannot afford -----------------------------------
+
+GPU_CASES = [
+    # (dtype, headdim, variant, batch, seqlen_q, seqlen_k, nheads, nheads_k)
+    ("float16", 64, PLAIN, 2, 113, 203, 4, 2),
+    ("float16", 128, PLAIN, 1, 1023, 1024, 2, 2),
+    ("bfloat16", 128, WINDOW, 2, 203, 113, 4, 1),
+    ("float16", 128, WINDOW, 1, 1024, 1024, 2, 1),
+    ("bfloat16", 64, WINDOW, 1, 1, 1, 1, 1),
+    ("float16", 96, WINDOW, 1, 300, 1000, 3, 1),
+    ("bfloat16", 128, PLAIN, 2, 2048, 2048, 2, 2),
+    ("float16", 64, WINDOW, 1, 4096, 4000, 2, 2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(P.SIMULATOR, reason="sizes the simulator cannot afford; needs a GPU")
+@pytest.mark.parametrize("case", GPU_CASES, ids=["-".join(map(str, c[:2] + ("w" if c[2].window else "p",) + c[3:]))
+                                                  for c in GPU_CASES])
+@pytest.mark.parametrize("schedule", ["stages2", "stages3", "overlap", "pingpong", "n176"])
+def test_forward_sm90_gpu(case, schedule, xp):
+    dtype, headdim, variant, batch, seqlen_q, seqlen_k, nheads, nheads_k = case
+    config = Sm90ForwardConfig(dtype, headdim, variant, block_n=176 if schedule == "n176" else 128,
+                               stages=3 if schedule == "stages3" else 2, overlap=schedule in ("overlap", "pingpong"),
+                               pingpong=schedule == "pingpong")
+    check(config, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, seed=seqlen_q)
+
+
+BOX = (1, 16, 1, 64)
+BOX_ELEMS = 16 * 64
+TILE_ALIGNMENT = H.TILE_ALIGNMENT  # a global name: Numba needs the alignment as a literal
+
+
+@cuda.jit
+def _tma_4d_kernel(tensor_map, corners, out):
+    # Thread 0 loads one box per phase of one mbarrier; everyone waits, then copies the image out.
+    t = cuda.threadIdx.x
+    bar_word = cuda.shared.array(1, uint64)
+    tile = cuda.shared.array(BOX_ELEMS, uint16, alignment=TILE_ALIGNMENT)
+    bar = P.shared_address(bar_word)
+    tmap = H.array_address(tensor_map)
+    if t == 0:
+        H.mbarrier_init(bar, 1)
+        H.fence_mbarrier_init()
+        H.fence_proxy_tensormap_acquire(tmap)  # the map was copied from the host
+    cuda.syncthreads()  # the barrier is initialised before anyone waits on it
+    for p in range(corners.shape[0]):
+        if t == 0:
+            H.mbarrier_arrive_expect_tx(bar, BOX_ELEMS * 2)  # the full box, even out of bounds
+            H.tma_load_4d(P.shared_address(tile), tmap, corners[p, 0], corners[p, 1], corners[p, 2],
+                          corners[p, 3], bar)
+        H.mbarrier_wait(bar, p % 2)
+        for i in range(t, BOX_ELEMS, 32):
+            out[p, i] = tile[i]
+        cuda.syncthreads()  # the box is read by all before the next load overwrites it
+
+
+def test_tensor_map_4d_box():
+    # The 4-D map (the emulation's, or on the GPU the driver's) against NumPy: boxes inside, past the
+    # end of dim 1 and of the last dim (zeros), of a strided view (rows of 72 in strides of 80).
+    xp = np
+    if not P.SIMULATOR:
+        import cupy as xp
+    x_full = np.random.default_rng(1).integers(0, 1 << 16, size=(2, 40, 3, 80), dtype=np.uint16)
+    x = x_full[:, :, :, :72]
+    corners = np.array([[0, 1, 0, 0], [8, 2, 30, 1], [64, 0, 32, 1]], dtype=np.int32)  # (c0, c1, c2, c3)
+    x_dev = xp.asarray(x_full)[:, :, :, :72]
+    tensor_map = H.make_tensor_map_4d(x_dev, BOX, H.SWIZZLE_128B)
+    out = xp.zeros((len(corners), BOX_ELEMS), dtype=np.uint16)
+    _tma_4d_kernel[1, 32](tensor_map, xp.asarray(corners), out)
+    out = out.get() if hasattr(out, "get") else out
+    padded = np.zeros((2, 40 + 16, 3, 72 + 64), dtype=np.uint16)
+    padded[:, :40, :, :72] = x
+    r, kk = np.meshgrid(np.arange(16), np.arange(64), indexing="ij")
+    offsets = (r // 8) * 1024 + (r % 8) * 128 + (((kk // 8) ^ (r % 8)) * 16) + (kk % 8) * 2  # K-major 128B
+    for p, (c0, c1, c2, c3) in enumerate(corners):
+        image = np.zeros(BOX_ELEMS, dtype=np.uint16)
+        image[offsets.ravel() // 2] = padded[c3, c2:c2 + 16, c1, c0:c0 + 64].ravel()
+        np.testing.assert_array_equal(out[p], image)
+
+
+# --- The public API on the "sm90" family -----------------------------------------------------------
+
+def test_public_api_sm90(monkeypatch, xp):
+    # flash_attn_func under kernel_family("sm90") plans this kernel (explain says so), launches it
+    # with the tensor maps the launcher makes, and returns out and lse within the budget.
+    import nbflash
+    from tests.helpers import assert_attention_close, poison_allocations, random_qkv
+
+    poison_allocations(monkeypatch)
+    rng = np.random.default_rng(7)
+    q, k, v = random_qkv(rng, xp, 1, 20, 33, 2, 1, 64, "float16")
+    with nbflash.kernel_family("sm90"):
+        assert nbflash.explain(q, k, v, causal=True)["family"] == "sm90"
+        out, lse, _ = nbflash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert_attention_close(out, lse, q, k, v, True)
+
+
+def test_sm90_refuses_what_it_does_not_serve(xp):
+    import nbflash
+
+    rng = np.random.default_rng(8)
+    q, k, v = random_qkv_small(rng, xp)
+    with nbflash.kernel_family("sm90"), pytest.raises(ValueError, match="kernel family 'sm90' cannot run"):
+        nbflash.flash_attn_func(q, k, v, softcap=5.0)
+
+
+def random_qkv_small(rng, xp):
+    from tests.helpers import random_qkv
+
+    return random_qkv(rng, xp, 1, 8, 8, 1, 1, 64, "float16")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(P.SIMULATOR, reason="sizes the simulator cannot afford; needs a GPU")
+@pytest.mark.parametrize("heads_first", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_public_api_sm90_gpu(monkeypatch, xp, heads_first, causal):
+    # The planned configs (nbflash.configs.SM90_FORWARD) through flash_attn_func, on both layouts a
+    # model hands over (heads-first views make the tensor maps' strides non-monotonic), GQA 4:1.
+    import nbflash
+    from tests.helpers import assert_attention_close, poison_allocations, random_qkv
+
+    poison_allocations(monkeypatch)
+    rng = np.random.default_rng(11)
+    for headdim, dtype in ((64, "bfloat16"), (128, "float16")):
+        q, k, v = random_qkv(rng, xp, 2, 517, 300, 8, 2, headdim, dtype, heads_first=heads_first)
+        with nbflash.kernel_family("sm90"):
+            assert nbflash.explain(q, k, v, causal=causal)["family"] == "sm90"
+            out, lse, _ = nbflash.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        assert_attention_close(out, lse, q, k, v, causal)
+
