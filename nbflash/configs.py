@@ -117,8 +117,10 @@ SM90_FORWARD = [
 ]
 
 # The headdims at which the sm90 family is the default on compute capability 9.0: where it was
-# measured faster than the mma family. None yet: the family runs when forced.
-SM90_DEFAULT_HEADDIMS = ()
+# measured faster than the mma family, causal and not (docs/perf-notes.md, "Hopper forward": fp16 at
+# seqlen 1k-16k, 1.17-2.01x the mma family, except headdim 64 causal at 1k: 176 against 178 TFLOP/s).
+# Other headdims it serves (multiples of 8 up to 128) are not measured yet: mma by default.
+SM90_DEFAULT_HEADDIMS = (64, 128)
 
 
 def sm90_unsupported_reason(static):

@@ -283,3 +283,14 @@ def test_public_api_sm90_gpu(monkeypatch, xp, heads_first, causal):
             out, lse, _ = nbflash.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
         assert_attention_close(out, lse, q, k, v, causal)
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(P.SIMULATOR, reason="the simulator keeps the mma family as the default")
+def test_sm90_is_the_default_where_measured_faster(xp):
+    import nbflash
+    from tests.helpers import random_qkv
+
+    rng = np.random.default_rng(12)
+    for headdim, expected in ((64, "sm90"), (128, "sm90"), (96, "mma"), (256, "mma")):
+        q, k, v = random_qkv(rng, xp, 1, 8, 8, 1, 1, headdim, "bfloat16")
+        assert nbflash.explain(q, k, v, causal=True)["family"] == expected, headdim

@@ -1,0 +1,111 @@
+"""Time schedules of the Hopper forward (nbflash/kernels/forward_sm90.py) side by side, fp16.
+
+    python scripts/sm90_schedules.py
+
+For each shape (flash-attn's grid: hidden 2048, batch 16384 / seqlen): the planned config ("base"),
+the overlapped loop ("overlap": S_{j+1} issued with P_j V_j), the two consumers taking turns
+("pingpong"), and at headdim 128 key tiles of 176 ("n176", "n176-pp"). TFLOP/s from CUDA events
+around each launch (median of 15 after 3 warm-ups); each schedule's output is compared with the
+base's. The configs are compiled first in worker processes (into nbflash's on-disk cache), each line
+saying the seconds, registers and local (spill) bytes. Needs a GPU of compute capability 9.0.
+"""
+
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SHAPES = [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True), (64, 16384, False),
+          (64, 4096, True)]  # (headdim, seqlen, causal)
+
+
+def schedules(headdim, causal):
+    from nbflash import configs
+    from nbflash.problem import Variant
+
+    base = configs.sm90_forward_config("float16", headdim, Variant(window=causal))
+    found = {"base": base, "overlap": base.__class__(**{**base.__dict__, "overlap": True}),
+             "pingpong": base.__class__(**{**base.__dict__, "overlap": True, "pingpong": True})}
+    if headdim == 128:
+        found["n176"] = base.__class__(**{**base.__dict__, "block_n": 176, "stages": 2})
+        found["n176-pp"] = base.__class__(**{**base.__dict__, "block_n": 176, "stages": 2, "overlap": True,
+                                             "pingpong": True})
+    return found
+
+
+def build(named):
+    from nbflash import launch
+
+    name, config = named
+    start = time.time()
+    kernel = launch.compiled(config)
+    return name, time.time() - start, kernel.registers, kernel.local_bytes
+
+
+def main():
+    import cupy
+
+    from nbflash import launch
+    from nbflash.kernels.geometry import visible_count
+    from nbflash.problem import window_bounds
+
+    jobs = {}
+    for headdim, _, causal in SHAPES:
+        for name, config in schedules(headdim, causal).items():
+            jobs[config] = f"hd {headdim} {'causal' if causal else 'plain'} {name}"
+    with ProcessPoolExecutor(min(12, os.cpu_count())) as pool:
+        for name, seconds, registers, local in pool.map(build, [(n, c) for c, n in jobs.items()]):
+            print(f"built {name}: {seconds:.1f} s, {registers} registers, {local} local bytes", flush=True)
+    rows = []
+    for headdim, seqlen, causal in SHAPES:
+        nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
+        rng = np.random.default_rng(seqlen + headdim)
+        q, k, v = (cupy.asarray(rng.standard_normal((batch, seqlen, nheads, headdim), np.float32)).astype(np.float16)
+                   for _ in range(3))
+        left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
+        params = (np.int32(left), np.int32(right)) if causal else ()
+        flops = 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
+        row, base = {"shape": (headdim, seqlen, causal)}, None
+        for name, config in schedules(headdim, causal).items():
+            kernel = launch.compiled(config)
+            out = cupy.full(q.shape, np.nan, np.float16)
+            lse = cupy.empty((batch, nheads, seqlen), np.float32)
+            grid = config.grid(batch, nheads, seqlen)
+            scale_log2 = np.float32(math.log2(math.e) / math.sqrt(headdim))
+
+            def call():
+                kernel.launch(grid, (q, k, v, out, lse), (scale_log2,), params)
+
+            call()
+            got = out.astype(np.float32)
+            base = got if base is None else base
+            difference = float(cupy.abs(got - base).max())
+            start, end, times = cupy.cuda.Event(), cupy.cuda.Event(), []
+            for _ in range(3):
+                call()
+            for _ in range(15):
+                start.record()
+                call()
+                end.record()
+                end.synchronize()
+                times.append(cupy.cuda.get_elapsed_time(start, end))
+            row[name] = (round(flops / float(np.median(times)) / 1e9, 1), difference)
+        rows.append(row)
+        print(row, flush=True)
+    names = list(schedules(128, False))
+    print("| hd | seqlen | causal | " + " | ".join(names) + " | max difference from base |")
+    print("|---|---|---|" + "---|" * (len(names) + 1))
+    for row in rows:
+        headdim, seqlen, causal = row["shape"]
+        cells = [str(row[n][0]) if n in row else "-" for n in names]
+        difference = max(row[n][1] for n in names if n in row)
+        print(f"| {headdim} | {seqlen} | {causal} | " + " | ".join(cells) + f" | {difference:.2g} |")
+
+
+if __name__ == "__main__":
+    main()
