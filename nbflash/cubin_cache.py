@@ -6,11 +6,17 @@ function's bytecode and closure, which no longer tell one configuration from ano
 launches its kernels through the driver anyway (``launch.CompiledKernel``), it can cache what the
 driver loads: the cubin Numba linked, and the name of the kernel in it.
 
-One file per kernel: the entry name, a newline, then the cubin. The file name is a hash of
-everything the machine code depends on: the kernel's module and the files all kernels share, the
-compiler's versions (numba, numba-cuda, llvmlite), the configuration, the signature and the GPU's
-compute capability. A file that cannot be read or loaded is treated as a miss, and a cache
-directory that cannot be written just means no caching.
+One file per kernel: the entry name, a newline, the SHA-256 of the cubin in hex, a newline, then
+the cubin. The file name is a hash of everything the machine code depends on: the file layout
+(``FORMAT``), the kernel's module and the files all kernels share, the compiler's versions (numba,
+numba-cuda, llvmlite), the configuration, the signature and the GPU's compute capability.
+
+Faults: a file is written to a temporary name in the same folder and renamed over the old one, so
+processes filling one cache at once never see half a file. A file that is there but cannot be read,
+is truncated or corrupt (its checksum does not match) or that the driver refuses is a miss with a
+RuntimeWarning saying so; the kernel is compiled again and the file replaced. A cache directory that
+cannot be written (read-only, full, not a folder) just means no caching: files already there are
+still loaded.
 
 The directory is ``$NBFLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/nbflash``, else ``~/.cache/nbflash``.
 """
@@ -21,7 +27,10 @@ import os
 import pathlib
 import sys
 import tempfile
+import warnings
 from functools import lru_cache
+
+FORMAT = "2"  # the file layout above: part of every key, so a file of an older layout is never read
 
 
 def cache_dir():
@@ -69,44 +78,71 @@ def _compiler_versions():
 
 def cache_key(config, signature, compute_capability):
     source = _source_hash(type(config).__module__)
-    parts = (source, _compiler_versions(), repr(config), signature, repr(tuple(compute_capability)))
+    parts = (FORMAT, source, _compiler_versions(), repr(config), signature, repr(tuple(compute_capability)))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
+def _corrupt(path, why):
+    warnings.warn(f"nbflash: the cached kernel {path} {why}; compiling it again (and replacing the file, where the cache can be written)",
+                  RuntimeWarning, stacklevel=3)
+
+
 def load(driver, key):
-    """The CUfunction cached under ``key``, loaded into the current context, or None."""
+    """The CUfunction cached under ``key``, loaded into the current context, or None: a miss when
+    there is no file, a miss with a RuntimeWarning when the file is unreadable, corrupt or refused."""
     path = cache_dir() / f"{key}.cubin"
     try:
         data = path.read_bytes()
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):  # never stored (or no cache folder): a plain miss
         return None
-    entry, _, cubin = data.partition(b"\n")
-    if not entry or not cubin:
+    except OSError as error:
+        _corrupt(path, f"cannot be read ({error})")
+        return None
+    entry, _, rest = data.partition(b"\n")
+    digest, _, cubin = rest.partition(b"\n")
+    if not entry or not cubin or hashlib.sha256(cubin).hexdigest().encode() != digest:
+        _corrupt(path, "is truncated or corrupt (its checksum does not match)")
         return None
     module, function = ctypes.c_void_p(), ctypes.c_void_p()
-    if driver.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cubin)) != 0:
+    status = driver.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cubin))
+    if status != 0:
+        _corrupt(path, f"was refused by the CUDA driver (cuModuleLoadData error {status})")
         return None
-    if driver.cuModuleGetFunction(ctypes.byref(function), module, ctypes.c_char_p(entry)) != 0:
+    status = driver.cuModuleGetFunction(ctypes.byref(function), module, ctypes.c_char_p(entry))
+    if status != 0:
         driver.cuModuleUnload(module)
+        _corrupt(path, f"has no kernel {entry.decode(errors='replace')!r} (cuModuleGetFunction error {status})")
         return None
     return function
 
 
 def store(key, entry_name, cubin):
-    """Write the cubin under ``key``: to a temporary file first, so readers never see half a file.
+    """Write the cubin under ``key``: to a temporary file in the cache folder first, then renamed
+    over ``key``'s file (atomic on one file system), so readers never see half a file.
 
     ``cubin`` is bytes, or what Numba's linker returns (a cuda.core ``ObjectCode``, whose ``code`` is
-    the bytes). Anything else is not cached: caching must never make a call fail.
+    the bytes). Anything else is not cached: caching must never make a call fail. Nothing is left
+    behind when the write fails (a read-only or full disk).
     """
     cubin = getattr(cubin, "code", cubin)
     if not isinstance(cubin, (bytes, bytearray, memoryview)):
         return
     cubin = bytes(cubin)
+    data = entry_name.encode() + b"\n" + hashlib.sha256(cubin).hexdigest().encode() + b"\n" + cubin
     folder = cache_dir()
+    temporary = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as f:
-            f.write(entry_name.encode() + b"\n" + cubin)
-        os.replace(f.name, folder / f"{key}.cubin")
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{key}.", suffix=".tmp", delete=False) as f:
+            temporary = f.name
+            f.write(data)
+        os.replace(temporary, folder / f"{key}.cubin")
+        temporary = None
     except OSError:
         pass  # a read-only or full disk: run without the cache
+    finally:
+        if temporary is not None:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass

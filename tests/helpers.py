@@ -1,6 +1,10 @@
-"""Shared test helpers: random inputs in any layout, poisoned outputs, the flash-attn error rule."""
+"""Shared test helpers: random inputs in any layout, poisoned outputs, the flash-attn error rule,
+small tiles for the simulator."""
+
+import contextlib
 
 import numpy as np
+import pytest
 
 import nbflash
 from nbflash.dtypes import SUPPORTED
@@ -68,3 +72,32 @@ def poison_allocations(monkeypatch):
 
     monkeypatch.setattr(launch, "empty", lambda shape, dtype: poisoned(real_empty(shape, dtype)))
     monkeypatch.setattr(launch, "empty_pair", lambda *args: tuple(poisoned(x) for x in real_pair(*args)))
+
+
+@contextlib.contextmanager
+def small_tiles():
+    """Plan every forward and backward with tiles of 8 rows (portable) and 16 (tensor-core), and
+    the backward's row-wise kernels with 8 rows of 4 threads: tiny sequences then span several
+    tiles, and the simulator runs blocks of 16-32 threads instead of 256 (several times faster)."""
+    from nbflash import backward, configs, interface
+
+    caches = (configs.portable_forward_config, configs.mma_forward_config, interface._forward_kernel,
+              backward._kernels)
+
+    def clear():
+        for cache in caches:
+            cache.cache_clear()
+
+    clear()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(configs, "PORTABLE_FORWARD", [(256, 4, 4, 2)])  # block_m 8
+            patch.setattr(configs, "PORTABLE_BACKWARD_DKDV", [(256, 4, 8)])  # block_n 8
+            patch.setattr(configs, "PORTABLE_BACKWARD_DQ", [(256, 4, 8)])  # block_m 8
+            patch.setattr(configs, "PORTABLE_BACKWARD_ROWS", (8, 4))
+            patch.setattr(configs, "MMA_FORWARD", [(256, 16, 16, 1)])
+            patch.setattr(configs, "MMA_BACKWARD_DKDV", [(256, 16, 16, 1)])
+            patch.setattr(configs, "MMA_BACKWARD_DQ", [(256, 16, 16, 1)])
+            yield
+    finally:
+        clear()  # after the tables are restored: no small-tile config outlives the block

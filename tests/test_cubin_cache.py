@@ -1,4 +1,9 @@
-"""The on-disk cubin cache: keys, files, and (on a GPU) that a hit skips Numba's compiler."""
+"""The on-disk cubin cache: keys, files, faults (damaged files, read-only folders), and (on a GPU)
+that a hit skips Numba's compiler and that a damaged file is recompiled and replaced. Processes
+filling one cache at once: tests/test_concurrency.py."""
+
+import hashlib
+import warnings
 
 import numpy as np
 import pytest
@@ -73,7 +78,8 @@ def test_store_takes_numba_linker_output_and_skips_what_it_cannot_write(cache):
         code = b"\x7fELF cubin"
 
     cubin_cache.store("linked", "_Z6kernel", ObjectCode())
-    assert (cache / "linked.cubin").read_bytes() == b"_Z6kernel\n\x7fELF cubin"
+    digest = hashlib.sha256(b"\x7fELF cubin").hexdigest().encode()
+    assert (cache / "linked.cubin").read_bytes() == b"_Z6kernel\n" + digest + b"\n\x7fELF cubin"
 
     class OnDisk:
         code = "/some/path.cubin"  # an ObjectCode backed by a file: not cached
@@ -83,13 +89,80 @@ def test_store_takes_numba_linker_output_and_skips_what_it_cannot_write(cache):
 
 
 def test_missing_corrupt_or_unloadable_files_are_misses(cache):
-    assert cubin_cache.load(FakeDriver(), "absent") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an absent file is a plain miss: no warning
+        assert cubin_cache.load(FakeDriver(), "absent") is None
     (cache / "empty.cubin").write_bytes(b"")
-    assert cubin_cache.load(FakeDriver(), "empty") is None
-    (cache / "noname.cubin").write_bytes(b"\ncubin")
-    assert cubin_cache.load(FakeDriver(), "noname") is None
+    with pytest.warns(RuntimeWarning, match="empty.cubin is truncated or corrupt"):
+        assert cubin_cache.load(FakeDriver(), "empty") is None
+    (cache / "noname.cubin").write_bytes(b"\n" + hashlib.sha256(b"cubin").hexdigest().encode() + b"\ncubin")
+    with pytest.warns(RuntimeWarning, match="noname.cubin is truncated or corrupt"):
+        assert cubin_cache.load(FakeDriver(), "noname") is None
     cubin_cache.store("bad", "_Z6kernel", b"not a cubin")
-    assert cubin_cache.load(FakeDriver(module_status=200), "bad") is None
+    with pytest.warns(RuntimeWarning, match="bad.cubin was refused by the CUDA driver"):
+        assert cubin_cache.load(FakeDriver(module_status=200), "bad") is None
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "old layout"])
+def test_damaged_file_is_a_miss_with_a_warning_then_replaced(cache, damage):
+    """A cubin cut short (a full disk, a copy interrupted), with a changed byte, or of the layout
+    before checksums: detected without the driver (which may load a damaged image), a warning,
+    and the next store replaces it."""
+    cubin = bytes(range(1, 200)) * 50
+    cubin_cache.store("k", "_Z6kernel", cubin)
+    path = cache / "k.cubin"
+    data = path.read_bytes()
+    damaged = {"truncated": data[: len(data) // 2], "flipped": data[:-7] + b"X" + data[-6:],
+               "old layout": b"_Z6kernel\n" + cubin}[damage]
+    path.write_bytes(damaged)
+    driver = FakeDriver()
+    with pytest.warns(RuntimeWarning, match=r"k.cubin is truncated or corrupt.*compiling it again"):
+        assert cubin_cache.load(driver, "k") is None
+    assert driver.loaded == []  # the damaged image never reached the driver
+    cubin_cache.store("k", "_Z6kernel", cubin)  # what a recompile does
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cubin_cache.load(driver, "k") is not None
+    assert path.read_bytes() == data
+
+
+def test_format_is_part_of_the_key(monkeypatch):
+    """Files of another layout are never even read: the key changes with FORMAT."""
+    config = configs.mma_forward_config("float16", 64, Variant(), True)
+    before = cubin_cache.cache_key(config, "sig", (9, 0))
+    monkeypatch.setattr(cubin_cache, "FORMAT", cubin_cache.FORMAT + "x")
+    assert cubin_cache.cache_key(config, "sig", (9, 0)) != before
+
+
+def test_unreadable_file_is_a_miss_with_a_warning(cache):
+    (cache / "dir.cubin").mkdir()  # a path that exists but cannot be read as a file
+    with pytest.warns(RuntimeWarning, match="dir.cubin cannot be read"):
+        assert cubin_cache.load(FakeDriver(), "dir") is None
+
+
+def test_read_only_cache_loads_and_stores_nothing(cache, monkeypatch):
+    """A cache directory nobody may write to (a shared, prebuilt cache): what is there loads, and a
+    new kernel is simply not cached, with no error and no file left behind. (Tests run as root,
+    whom permissions do not stop, so the refusal is the one the OS gives a non-root user.)"""
+    cubin_cache.store("there", "_Z6kernel", b"cubin")
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cubin_cache.tempfile, "NamedTemporaryFile", refused)
+    cubin_cache.store("new", "_Z6kernel", b"cubin")  # must not raise
+    assert cubin_cache.load(FakeDriver(), "there") is not None
+    assert cubin_cache.load(FakeDriver(), "new") is None
+    assert sorted(p.name for p in cache.iterdir()) == ["there.cubin"]
+
+
+def test_failed_rename_leaves_no_temporary_file(cache, monkeypatch):
+    def refused(src, dst):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cubin_cache.os, "replace", refused)
+    cubin_cache.store("k", "_Z6kernel", b"cubin")
+    assert list(cache.iterdir()) == []
 
 
 def test_unwritable_cache_dir_means_no_cache(tmp_path, monkeypatch):
@@ -125,6 +198,29 @@ def test_gpu_second_load_comes_from_disk_without_numba(cache, rng, xp, monkeypat
     assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
     with nbflash.kernel_family("mma"):
         assert nbflash.explain(q, k, v, causal=True)["config"]["headdim"] == 64
+
+
+@pytest.mark.gpu
+def test_gpu_damaged_cubin_is_recompiled_and_replaced(cache, rng, xp):
+    """A cached cubin cut in half: the next process (a fresh CompiledKernel) warns, compiles, and
+    leaves a good file that a third one loads without a warning; both compute exact attention."""
+    config = configs.portable_forward_config("float32", 16, Variant())
+    launch.CompiledKernel(config)
+    (path,) = cache.glob("*.cubin")
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])
+    with pytest.warns(RuntimeWarning, match="truncated or corrupt"):
+        second = launch.CompiledKernel(config)
+    _, digest, cubin = path.read_bytes().split(b"\n", 2)
+    assert hashlib.sha256(cubin).hexdigest().encode() == digest, "the damaged file was not replaced"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        third = launch.CompiledKernel(config)
+    q, k, v = random_qkv(rng, xp, 1, 40, 40, 2, 2, 16, "float32")
+    for kernel in (second, third):
+        out, lse = launch.empty(q.shape, q.dtype), launch.empty((1, 2, 40), np.float32)
+        kernel.launch(config.grid(1, 2, 40), (q, k, v, out, lse), (0.25 * 1.4426950408889634,), ())
+        assert_attention_close(out, None, q, k, v, False)
 
 
 def test_key_follows_the_kernels_own_module(monkeypatch):

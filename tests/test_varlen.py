@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import nbflash
-from nbflash import backward, configs, interface
 
+from . import helpers
 from .conftest import SIMULATOR
 from .helpers import assert_attention_close, poison_allocations, to_numpy
 from .test_backward import assert_gradients_close
@@ -23,21 +23,10 @@ def poisoned_outputs(monkeypatch):
 
 
 @pytest.fixture
-def small_tiles(monkeypatch):
+def small_tiles():
     """Tiles of 8 (portable) and 16 (tensor-core) rows, so that tiny sequences span several tiles."""
-    monkeypatch.setattr(configs, "PORTABLE_FORWARD", [(256, 4, 4, 2)])  # block_m 8
-    monkeypatch.setattr(configs, "PORTABLE_BACKWARD_DKDV", [(256, 4, 8)])  # block_n 8
-    monkeypatch.setattr(configs, "PORTABLE_BACKWARD_DQ", [(256, 4, 8)])  # block_m 8
-    monkeypatch.setattr(configs, "MMA_FORWARD", [(256, 16, 16, 1)])
-    monkeypatch.setattr(configs, "MMA_BACKWARD_DKDV", [(256, 16, 16, 1)])
-    monkeypatch.setattr(configs, "MMA_BACKWARD_DQ", [(256, 16, 16, 1)])
-    caches = (configs.portable_forward_config, configs.mma_forward_config, interface._forward_kernel,
-              backward._kernels)
-    for cache in caches:
-        cache.cache_clear()
-    yield
-    for cache in caches:
-        cache.cache_clear()
+    with helpers.small_tiles():
+        yield
 
 
 def offsets(lengths, xp):
