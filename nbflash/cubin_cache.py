@@ -83,8 +83,8 @@ def cache_key(config, signature, compute_capability):
 
 
 def _corrupt(path, why):
-    warnings.warn(f"nbflash: the cached kernel {path} {why}; compiling it again (and replacing the file, where the cache can be written)",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(f"nbflash: the cached kernel {path} {why}; compiling it again (and replacing the file, where the "
+                  f"cache can be written)", RuntimeWarning, stacklevel=3)
 
 
 def load(driver, key):

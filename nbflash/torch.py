@@ -21,6 +21,9 @@ from . import backward, interface, reference, runtime, validation, varlen
 def _on_torch_stream(tensor):
     """Make ``tensor``'s GPU CuPy's current device, and torch's current stream there CuPy's current
     stream, for the ``with`` block."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"q must be a torch tensor on the GPU, got {type(tensor).__name__} (nbflash.torch takes torch "
+                        f"tensors; nbflash.flash_attn_func takes CuPy arrays)")
     if tensor.device.type != "cuda":
         raise TypeError(f"q is a {tensor.device.type} tensor; nbflash runs on the GPU: pass q.cuda()")
     cupy = runtime.cupy()
@@ -45,9 +48,9 @@ class FlashAttnFunction(torch.autograd.Function):
         with _on_torch_stream(q):
             # torch refuses to export tensors that require gradients; the detached views share memory.
             slopes = alibi_slopes.detach() if alibi_slopes is not None else None
-            problem, q_, k_, v_ = validation.check_forward(q.detach(), k.detach(), v.detach(), softmax_scale, causal,
-                                                           window_size, softcap, slopes, _detached(bias), *user,
-                                                           *dropout, block_mask)
+            problem, q_, k_, v_ = validation.check_forward(_detached(q), _detached(k), _detached(v), softmax_scale,
+                                                           causal, window_size, softcap, slopes, _detached(bias),
+                                                           *user, *dropout, block_mask)
             out, lse = interface._flash_attn_forward(problem, q_, k_, v_)
             out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
         _keep_for_backward(ctx, problem, deterministic, q, k, v, out, lse)
@@ -81,8 +84,17 @@ def _gradients(ctx, dout, run_backward):
         return tuple(torch.from_dlpack(g) for g in grads)
 
 
+def _check_flags(deterministic, return_attn_probs, return_lse):
+    """The flags must be bools (a string such as "no" would otherwise count as True)."""
+    for value, name in ((deterministic, "deterministic"), (return_attn_probs, "return_attn_probs"),
+                        (return_lse, "return_lse")):
+        interface._check_flag(value, name)
+
+
 def _detached(x):
-    return x.detach() if x is not None else None
+    """A tensor without its autograd history (torch refuses to export one that requires gradients);
+    anything else as it is, for validation to refuse by name."""
+    return x.detach() if isinstance(x, torch.Tensor) else x
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -104,6 +116,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Dropout's seed comes from torch's default generator, so ``torch.manual_seed`` reproduces a run;
     the backward regenerates the forward's mask from it.
     """
+    _check_flags(deterministic, return_attn_probs, return_lse)
     seed = None
     if validation.check_dropout_p(dropout_p) > 0:
         seed = int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
@@ -112,9 +125,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                                        block_mask)
     if return_attn_probs:
         with _on_torch_stream(q), torch.no_grad():
-            problem, *arrays = validation.check_forward(q.detach(), k.detach(), v.detach(), softmax_scale, causal,
-                                                        window_size, softcap, _detached(alibi_slopes), _detached(bias),
-                                                        score_mod, mask_mod, None, dropout_p, seed, block_mask)
+            problem, *arrays = validation.check_forward(_detached(q), _detached(k), _detached(v), softmax_scale,
+                                                        causal, window_size, softcap, _detached(alibi_slopes),
+                                                        _detached(bias), score_mod, mask_mod, None, dropout_p, seed,
+                                                        block_mask)
             probs = reference.attention_probabilities(*arrays, problem.softmax_scale, False, problem.window(),
                                                       problem.softcap, problem.alibi_slopes,
                                                       bias=problem.bias if problem.mask is None else problem.mask,
@@ -157,7 +171,7 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                 window_size, softcap, alibi_slopes, deterministic, dropout):
         with _on_torch_stream(q):
-            problem, q_, k_, v_ = validation.check_varlen(q.detach(), k.detach(), v.detach(), cu_seqlens_q,
+            problem, q_, k_, v_ = validation.check_varlen(_detached(q), _detached(k), _detached(v), cu_seqlens_q,
                                                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                                           causal, window_size, softcap, _detached(alibi_slopes),
                                                           *dropout)
@@ -184,6 +198,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is not None:
         raise NotImplementedError("block_table (paged K/V) is not supported with packed sequences; pass the keys "
                                   "and values packed as k, v (total_k, nheads_k, headdim)")
+    _check_flags(deterministic, return_attn_probs, return_lse)
     seed = None
     if validation.check_dropout_p(dropout_p) > 0:
         seed = int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
@@ -194,8 +209,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                              window_size, softcap, alibi_slopes, deterministic, (dropout_p, seed))
     if return_attn_probs:
         with _on_torch_stream(q), torch.no_grad():
-            problem, *arrays = validation.check_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k, max_seqlen_q,
-                                                       max_seqlen_k, softmax_scale, causal, window_size, softcap,
-                                                       _detached(alibi_slopes), dropout_p, seed)
+            problem, *arrays = validation.check_varlen(_detached(q), _detached(k), _detached(v), cu_q, cu_k,
+                                                       max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+                                                       softcap, _detached(alibi_slopes), dropout_p, seed)
             return out, lse, torch.from_dlpack(varlen._varlen_probabilities(problem, *arrays))
     return (out, lse) if return_lse else out
