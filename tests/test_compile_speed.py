@@ -140,8 +140,11 @@ def _compile():
         from numba.cuda.cudadrv import nvvm
 
         nvvm.NVVM()
-    except Exception as error:  # no NVVM (numba-cuda without its CUDA extra, as in CI)
-        print(f"compile: NVVM is not installed ({type(error).__name__})")
+        from numba.cuda.cudadrv import nvrtc
+
+        nvrtc.get_supported_ccs()  # compile_ptx asks NVRTC which architectures it may target
+    except Exception as error:  # no NVVM or NVRTC (numba-cuda without its CUDA extra, as in CI)
+        print(f"compile: NVVM is not installed ({type(error).__name__}: NVVM or NVRTC missing)")
         return
     from numba import cuda
     from numba.cuda import lowering
