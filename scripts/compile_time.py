@@ -25,6 +25,9 @@ compiled from inside its type inference, and their own passes count in their own
 - ptxas:       PTX to cubin (``ptxas`` offline, Numba's linker on a GPU);
 - rest:        whatever else the compile call spent (Numba's dispatch, caching of typed results).
 
+Wall seconds per stage and in all, the range over ``--repeat`` runs, and the CPU seconds of the
+process and its ptxas (steadier than wall time on a machine other work shares).
+
 NBFLASH_COMPILE_PATCH=0 in the environment turns nbflash's compile-speed patches off
 (nbflash/_compile_speed.py), for a before/after. ``--ptx-dir`` writes each kernel's PTX there
 (``<kernel>.ptx``, with the NumbaEnv lines, whose names are not deterministic, removed) and
@@ -152,6 +155,7 @@ def measure(kernel, headdim, cc, ptx_dir):
     signature = registry.signature(config)
     from numba import cuda
 
+    cpu_start = _cpu_seconds()
     start = clock.mark = time.perf_counter()
     kernel_fn = clock.timed("build", registry.build)(config)
     report = ""
@@ -164,14 +168,15 @@ def measure(kernel, headdim, cc, ptx_dir):
         report = clock.timed("ptxas", _ptxas)(ptx, cc)
     clock._switch()
     total = time.perf_counter() - start
+    cpu = _cpu_seconds() - cpu_start
     if ptx_dir:
         os.makedirs(ptx_dir, exist_ok=True)
         with open(os.path.join(ptx_dir, f"{kernel}.ptx"), "w") as f:
             f.write(strip_env(ptx))
         if report:
-            with open(os.path.join(ptx_dir, f"{kernel}.ptxas"), "w") as f:
-                f.write(report)
-    result = dict(clock.seconds, total=total, patched=_compile_speed.applied(), detail=clock.detail)
+            with open(os.path.join(ptx_dir, f"{kernel}.ptxas"), "w") as f:  # less its own compile time
+                f.write("".join(line for line in report.splitlines(True) if "Compile time" not in line))
+    result = dict(clock.seconds, total=total, cpu=cpu, patched=_compile_speed.applied(), detail=clock.detail)
     result["registers"] = _registers(report)
     return result
 
@@ -191,6 +196,7 @@ def _first_call(kernel, headdim, clock):
     out = cupy.random.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16)
     lse = cupy.random.standard_normal((1, 4, 1024), dtype=cupy.float32)
     cupy.cuda.Device().synchronize()
+    cpu_start = _cpu_seconds()
     start = clock.mark = time.perf_counter()
     if kernel == "call-forward":
         nbflash.flash_attn_func(q, k, v, causal=True)
@@ -199,12 +205,53 @@ def _first_call(kernel, headdim, clock):
     cupy.cuda.Device().synchronize()
     clock._switch()
     total = time.perf_counter() - start
-    return dict(clock.seconds, total=total, patched=_compile_speed.applied(), detail=clock.detail, registers="")
+    return dict(clock.seconds, total=total, cpu=_cpu_seconds() - cpu_start, patched=_compile_speed.applied(),
+                detail=clock.detail, registers="")
+
+
+def _cpu_seconds():
+    """CPU time of this process and its finished children (ptxas): on a shared machine, steadier
+    than wall time."""
+    import resource
+
+    own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def strip_env(ptx):
     """The PTX without its ``.common .global`` NumbaEnv lines (names that differ run to run)."""
     return "".join(line for line in ptx.splitlines(True) if not (".common .global" in line and "NumbaEnv" in line))
+
+
+def canonical_registers(ptx):
+    """``ptx`` with its virtual registers renamed in order of first appearance (%rd1942 -> %rd<k>):
+    two PTX files that are equal after this differ only in register names."""
+    names = {}
+
+    def rename(match):
+        kind = match[1]
+        return names.setdefault(match[0], f"%{kind}<{sum(name.startswith('%' + kind + '<') for name in names.values())}>")
+
+    return re.sub(r"%(rd|rs|r|fd|f|p|hh|h|b)(\d+)\b", rename, ptx)
+
+
+def compare(before, after):
+    """Each kernel's PTX in folder ``before`` against ``after``: identical, identical up to register
+    names, or different (with the first differing line); and their ptxas reports."""
+    for name in sorted(f for f in os.listdir(before) if f.endswith(".ptx")):
+        old, new = (open(os.path.join(d, name)).read() for d in (before, after))
+        if old == new:
+            verdict = "identical"
+        elif canonical_registers(old) == canonical_registers(new):
+            verdict = "identical up to virtual register names"
+        else:
+            lines = [i for i, (a, b) in enumerate(zip(old.splitlines(), new.splitlines())) if a != b]
+            verdict = f"different (first at line {lines[0] + 1 if lines else '?'})"
+        report = name[:-4] + ".ptxas"
+        if all(os.path.exists(os.path.join(d, report)) for d in (before, after)):
+            same = open(os.path.join(before, report)).read() == open(os.path.join(after, report)).read()
+            verdict += "; ptxas report " + ("identical" if same else "differs")
+        print(f"{name[:-4]}: {verdict}")
 
 
 def _ptxas(ptx, cc):
@@ -242,8 +289,13 @@ def main(argv=None):
     p.add_argument("--json", help="also write every run's figures to this file")
     p.add_argument("--passes", type=int, default=0, metavar="N",
                    help="also print the N compiler passes (and wrapped functions) that took longest")
+    p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                   help="compare two --ptx-dir folders (PTX and ptxas reports) instead of compiling")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one kernel in this process
     args = p.parse_args(argv)
+    if args.compare:
+        compare(*args.compare)
+        return 0
     cc = tuple(int(x) for x in args.cc.split(".")) if args.cc else None
     if args.one:
         if not cc:
@@ -272,11 +324,12 @@ def main(argv=None):
     print(f"\ncold compile, float16 causal headdim {args.headdim}, {where}; patch "
           f"{'/'.join(sorted(map(str, patched)))}; medians of {args.repeat}; {os.cpu_count()} CPUs, load {load:.1f}")
     shown = [s for s in STAGES if any(r[s] > 0.005 for results in runs.values() for r in results)]
-    print(f"{'kernel':10}" + "".join(f"{s:>10}" for s in shown) + f"{'total':>10}  {'min-max':>11}  ptxas")
+    print(f"{'kernel':14}" + "".join(f"{s:>10}" for s in shown) + f"{'total':>10}  {'min-max':>11}{'cpu':>8}  ptxas")
     for kernel, results in runs.items():
         cells = "".join(f"{statistics.median(r[s] for r in results):10.2f}" for s in shown)
         totals = [r["total"] for r in results]
-        print(f"{kernel:10}{cells}{statistics.median(totals):10.2f}  {min(totals):5.1f}-{max(totals):<5.1f}"
+        cpu = statistics.median(r["cpu"] for r in results)
+        print(f"{kernel:14}{cells}{statistics.median(totals):10.2f}  {min(totals):5.1f}-{max(totals):<5.1f}{cpu:8.1f}"
               f"  {results[0]['registers']}")
     for kernel, results in runs.items() if args.passes else ():
         names = {name for r in results for name in r["detail"]}
