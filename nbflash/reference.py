@@ -96,8 +96,8 @@ class _Scores:
             t = xp.tanh(x / self.softcap)
             x, grad = rounded(self.softcap * t), 1 - t * t
         if self.slopes is not None:
-            rows = xp.asarray(rows)[:, None]
-            distance = xp.abs(rows + (self.seqlen_k - self.seqlen_q) - xp.arange(self.seqlen_k)[None, :])
+            diagonal = xp.asarray(rows)[:, None] + (self.seqlen_k - self.seqlen_q)  # ``rows`` stays 1-dim: used below
+            distance = xp.abs(diagonal - xp.arange(self.seqlen_k)[None, :])
             x = rounded(x - self.slopes[b, h] * distance)
         if self.bias is not None:
             bias = self.bias[min(b, self.bias.shape[0] - 1), min(h, self.bias.shape[1] - 1)]
@@ -167,6 +167,9 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
 
     Returns ``out`` (float64, q's shape) and, with ``return_lse``, ``lse`` (float64,
     (batch, nheads, seqlen_q), natural log). Rows that see no key give out = 0 and lse = -inf.
+    Non-finite inputs propagate as IEEE arithmetic says, never to a silent 0: a NaN in q's row i
+    makes row i of out and lse NaN; a score of +inf (an Inf in k) makes its row of out NaN (inf /
+    inf) and its lse +inf; a score of -inf masks that key.
     ``causal``, ``window_size``, ``softcap`` and ``alibi_slopes`` as in ``nbflash.flash_attn_func``.
     ``batch_offset``: the batch index dropout's stream gives q's first batch row (a packed
     sequence's index, ``attention_varlen_reference``).
@@ -183,8 +186,9 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
             for rows, mask in zip(blocks, masks):
                 s, _ = scores((q[b, rows, h] @ k_h.T) * scores.scale, b, h, rows, mask)
                 p, row_max, row_sum = _softmax_rows(s, xp)
-                seen = row_sum[:, 0] > 0  # rows that see at least one key
-                safe_sum = xp.where(row_sum > 0, row_sum, 1.0)
+                # Rows that see no key have sum 0; a NaN (from a NaN or Inf input) is kept, so it shows.
+                seen = row_sum[:, 0] != 0
+                safe_sum = xp.where(row_sum == 0, 1.0, row_sum)
                 factor = scores.dropout_factor(b, h, rows)  # dropout drops from P V, not from the sum
                 kept = p if factor is None else p * factor
                 out[b, rows, h] = xp.where(seen[:, None], (kept @ v_h) / safe_sum, 0.0)

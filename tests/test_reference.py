@@ -33,3 +33,42 @@ def test_reference_gradients_match_finite_differences(name):
         numeric = (loss(*plus) - loss(*minus)) / (2 * h)
         analytic = float((grad * direction).sum())
         assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (which, numeric, analytic)
+
+
+def test_alibi_with_a_per_row_bias_is_alibi_as_a_bias():
+    """ALiBi together with a bias or mask tensor of per-row values (found by tests/test_fuzz.py: the
+    ALiBi step once rebound the row indices to a column, so the bias after it was indexed into a
+    3-dim array and the call failed or broadcast): the same as the ALiBi distances added to the bias."""
+    rng = np.random.default_rng(3)
+    seqlen_q, seqlen_k, nheads = 5, 7, 2
+    q, k, v = (rng.standard_normal((1, n, nheads, 4)) for n in (seqlen_q, seqlen_k, seqlen_k))
+    slopes = np.array([0.3, 0.8], np.float32)
+    bias = rng.standard_normal((seqlen_q, seqlen_k)).astype(np.float32)
+    keep = rng.random((seqlen_q, seqlen_k)) < 0.8
+    distance = np.abs(np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q - np.arange(seqlen_k)[None, :])
+    alibi = -slopes.astype(np.float64)[:, None, None] * distance  # (nheads, seqlen_q, seqlen_k)
+    expected = attention_reference(q, k, v, bias=(alibi + bias)[None])
+    assert np.allclose(attention_reference(q, k, v, alibi_slopes=slopes, bias=bias), expected, atol=1e-12)
+    masked = attention_reference(q, k, v, bias=np.where(keep, alibi, -np.inf)[None])
+    assert np.allclose(attention_reference(q, k, v, alibi_slopes=slopes, bias=keep), masked, atol=1e-12)
+    grads = attention_reference_backward(q, q, k, v, alibi_slopes=slopes, bias=bias)
+    assert all(np.isfinite(g).all() for g in grads)
+
+
+def test_non_finite_inputs_propagate():
+    """A NaN in one row of q: that row of out and lse NaN, nothing else changed (never a silent 0);
+    an Inf in k: rows with a +inf score NaN with lse +inf."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, n, 1, 4)) for n in (6, 7, 7))
+    clean, clean_lse = attention_reference(q, k, v, return_lse=True)
+    q[0, 2, 0, 1] = np.nan
+    out, lse = attention_reference(q, k, v, return_lse=True)
+    assert np.isnan(out[0, 2]).all() and np.isnan(lse[0, 0, 2])
+    others = np.arange(6) != 2
+    assert np.array_equal(out[0, others], clean[0, others])
+    assert np.array_equal(lse[0, 0, others], clean_lse[0, 0, others])
+    q[0, 2, 0, 1] = 0.5
+    k[0, 3, 0, 0] = np.inf
+    out, lse = attention_reference(q, k, v, return_lse=True)
+    plus = q[0, :, 0, 0] > 0
+    assert np.array_equal(np.isnan(out[0, :, 0]).any(-1), plus) and (lse[0, 0, plus] == np.inf).all()
