@@ -6,7 +6,7 @@ launches; ``plan_backward`` does the same for the backward's kernels. Three kern
 
 - ``"sm90"``: Hopper's wgmma, TMA and warp specialization (nbflash/kernels/forward_sm90.py): the
   float16 / bfloat16 forward on compute capability 9.0, plain or windowed (causal) attention, a
-  positive scale, headdim a multiple of 8 up to 128, rows on 16-byte boundaries
+  positive scale, headdim a multiple of 8 up to 256, rows on 16-byte boundaries
   (``sm90_unsupported_reason``); chosen by default at the headdims where it was measured faster
   (``SM90_DEFAULT_HEADDIMS``). Its backward is the mma family's.
 - ``"mma"``: tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py); float16 and
@@ -107,20 +107,23 @@ def mma_unsupported_reason(dtype, device=0):
 
 
 SM90_COMPUTE_CAPABILITY = (9, 0)
-SM90_MAX_HEADDIM = 128
+SM90_MAX_HEADDIM = 256
 
 # Hopper forward: (largest headdim, block_n, stages); block_m is 128 (two consumer warpgroups of 64
-# rows). Start points, not tuned yet.
+# rows). Start points (FlashAttention-3's tile shapes), not tuned; at headdim 256, 80-key tiles in 2
+# stages fill the 227 KB of shared memory.
 SM90_FORWARD = [
     (64, 128, 3),
     (128, 128, 2),
+    (256, 80, 2),
 ]
 
 # The headdims at which the sm90 family is the default on compute capability 9.0: where it was
 # measured faster than the mma family, causal and not (docs/perf-notes.md, "Hopper forward": fp16 at
-# seqlen 1k-16k, 1.17-2.01x the mma family, except headdim 64 causal at 1k: 176 against 178 TFLOP/s).
-# Other headdims it serves (multiples of 8 up to 128) are not measured yet: mma by default.
-SM90_DEFAULT_HEADDIMS = (64, 128)
+# headdims 64 and 128, seqlen 1k-16k, 1.17-2.01x the mma family, except headdim 64 causal at 1k: 176
+# against 178 TFLOP/s; at headdim 256, seqlen 4k and 16k, 2.4-3.1x). Other headdims it serves
+# (multiples of 8 up to 256) are not measured yet: mma by default.
+SM90_DEFAULT_HEADDIMS = (64, 128, 256)
 
 
 def sm90_unsupported_reason(static):

@@ -55,7 +55,8 @@ h // (nheads // nheads_k). A row that sees no key gets out = 0 and lse = -inf.
 
 Variants: the plain kernel and the window (causal included), with a positive scale folded into
 exp2. Everything else (score features, masks, dropout, block masks, packed sequences) stays with
-the sm80 family (nbflash/kernels/forward_mma.py), as do headdims above 128 and rows off 16 bytes.
+the sm80 family (nbflash/kernels/forward_mma.py), as do headdims that are not multiples of 8 and rows
+off 16 bytes.
 """
 
 import math
