@@ -23,6 +23,9 @@ import nbflash
 from .conftest import SIMULATOR
 from .helpers import ERROR_FLOOR, assert_attention_close, random_qkv, small_tiles, to_numpy
 
+# NumPy's (and the simulator's) "invalid value" warnings are what a NaN input is expected to cause.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
 # (family, dtype): both families in the simulator; on a GPU also the default choice (sm90 or mma).
 FAMILIES = [("portable", "float32"), ("mma", "float16")] + ([] if SIMULATOR else [(None, "bfloat16")])
 SHAPE = (1, 9, 11, 2, 1, 8)  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim: two query tiles (small tiles)
@@ -153,18 +156,26 @@ def test_gpu_out_of_memory_is_a_clear_error_and_leaks_nothing():
         rows = int(fraction * total) // (nheads * headdim * 2)
         return cupy.broadcast_to(small, (1, rows, nheads, headdim)), rows
 
+    def memory_error(call):
+        """The MemoryError's message; the exception and its frames are gone when this returns, so
+        whatever the call had allocated is back in the pool unless something still holds it."""
+        try:
+            call()
+        except MemoryError as error:
+            return str(error)
+        raise AssertionError("no MemoryError")
+
     cupy.cuda.Device().synchronize()
     before = pool.used_bytes()
     q, _ = claiming(1.5)  # out alone: 1.5x the GPU
-    with pytest.raises(MemoryError, match="[Oo]ut of memory"):
-        nbflash.flash_attn_func(q, k, k, causal=True)
+    assert "out of memory" in memory_error(lambda: nbflash.flash_attn_func(q, k, k, causal=True)).lower()
     assert pool.used_bytes() == before
 
     q, rows = claiming(0.45)  # dq fits; the float32 dq accumulator (0.9x) does not
     lse = cupy.zeros((1, nheads, rows), cupy.float32)
     before = pool.used_bytes()
-    with pytest.raises(MemoryError, match="[Oo]ut of memory"):
-        nbflash.flash_attn_backward(q, q, k, k, q, lse, causal=True)
+    message = memory_error(lambda: nbflash.flash_attn_backward(q, q, k, k, q, lse, causal=True))
+    assert "out of memory" in message.lower()
     assert pool.used_bytes() == before
-    del lse
+    lse = None  # give the memory back to the GPU for the tests after this one
     pool.free_all_blocks()
