@@ -201,9 +201,20 @@ def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cac
     return c
 
 
+# The _Call attribute holding each runtime value a variant passes the kernels (Variant.param_names).
+_PARAM_ATTRIBUTES = {"window_left": "left", "window_right": "right", "softcap": "softcap",
+                     "alibi_slopes": "alibi_slopes"}
+
+
+@lru_cache(maxsize=None)
+def _param_attributes(variant):
+    return tuple(_PARAM_ATTRIBUTES[name] for name in variant.param_names())
+
+
 def _params(c):
-    values = {"window_left": c.left, "window_right": c.right, "softcap": c.softcap, "alibi_slopes": c.alibi_slopes}
-    return tuple(values[name] for name in c.variant.param_names())
+    """The variant's runtime values for the kernels, in their order (``()`` for plain attention)."""
+    attributes = _param_attributes(c.variant)
+    return tuple([getattr(c, name) for name in attributes]) if attributes else ()
 
 
 # ---------------------------------------------------------------------------------------------------
