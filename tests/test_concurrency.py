@@ -4,7 +4,7 @@ Shared host state, as read in the code (what a thread or a process could race on
 
 - ``launch.CompiledKernel``: one parameter buffer and launch config per kernel, written and
   launched under the kernel's lock (the driver is called holding the GIL, so nothing rewrites the
-  buffer while the driver reads it).
+  buffer while the driver reads it); held to that below with a fake driver, no GPU needed.
 - The caches of compiled kernels (``launch.compiled``, ``interface._forward_kernel``,
   ``backward._kernels``: ``functools.lru_cache``) and the remembered validations
   (``validation._REMEMBERED``, ``kvcache._REMEMBERED``: plain dicts of immutable problems / plans,
@@ -21,6 +21,8 @@ import os
 import subprocess
 import sys
 import threading
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -135,6 +137,66 @@ def _in_threads(work, count):
 
 def _bitwise_equal(a, b):
     return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def _fake_array(pointer, shape):
+    """What a launch reads from an array: shape, strides, size, itemsize and the data pointer."""
+    strides = tuple(int(np.prod(shape[i + 1:])) * 2 for i in range(len(shape)))
+    return SimpleNamespace(shape=shape, strides=strides, size=int(np.prod(shape)), itemsize=2,
+                           data=SimpleNamespace(ptr=pointer))
+
+
+def test_launches_from_eight_threads_never_mix_their_parameters(monkeypatch):
+    """``CompiledKernel.launch``'s GPU path with a fake driver: eight threads, each with its own
+    arrays, scalar, grid and stream, launch one kernel 100 times each. What the "driver" reads at
+    each launch (the data pointers and the scalar in the shared parameter buffer, the grid and the
+    stream in the shared launch config) is always one thread's call, never a mix: the kernel's lock
+    covers writing them and launching. (Checked to fail with the lock replaced by a no-op.)"""
+    import ctypes
+    import struct
+
+    from nbflash import launch, runtime
+
+    signature = "void(float16[:,:,:,:], float16[:,:,:,::1], float32)"
+    fields, _ = launch._parameter_layout(signature)
+    pointers = launch._pointer_words(signature)
+    kernel = object.__new__(launch.CompiledKernel)  # the state __init__ leaves, without a GPU
+    kernel.config, kernel._host_arguments, kernel.function = SimpleNamespace(threads=128), None, None
+    kernel._parameters = launch.ParameterBuffer(signature)
+    kernel._lock = threading.Lock()
+    kernel._launch_config = launch.LaunchConfig(block_x=128, block_y=1, block_z=1)
+    kernel._launch_config_pointer = ctypes.c_void_p(ctypes.addressof(kernel._launch_config))
+    kernel._grid = kernel._stream = None
+    streams = {}
+
+    def current_stream():  # each thread's own stream; a thread switch here is the dangerous one
+        time.sleep(0)  # gives up the GIL: another thread runs now if it can
+        return SimpleNamespace(ptr=streams[threading.get_ident()])
+
+    seen = []
+
+    def launch_ex(config, function, parameters, extra):  # what the driver would read
+        time.sleep(0)
+        words = struct.unpack(fields, bytes(kernel._parameters.buffer))
+        c = kernel._launch_config
+        seen.append((words[pointers[0]], words[pointers[1]], words[-1], (c.grid_x, c.grid_y, c.grid_z), c.stream))
+        return 0
+
+    kernel._current_stream, kernel._launch_ex = current_stream, launch_ex
+    monkeypatch.setattr(runtime, "SIMULATOR", False)
+
+    def work(i):
+        streams[threading.get_ident()] = 1000 + i
+        shape = (1, 8 + i, 2, 16)  # a layout of its own: every write repacks the whole buffer
+        arrays = (_fake_array(0x10000 * (i + 1), shape), _fake_array(0x10000 * (i + 1) + 0x100, shape))
+        for _ in range(100):
+            kernel.launch((i + 1, 2, 1), arrays, (float(i),))
+
+    _in_threads(work, 8)
+    assert len(seen) == 800
+    for a, b, scalar, grid, stream in seen:
+        i = a // 0x10000 - 1
+        assert (b, scalar, grid, stream) == (a + 0x100, float(i), (i + 1, 2, 1), 1000 + i)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU test below runs the kernels themselves in 8 threads")

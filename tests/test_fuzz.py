@@ -29,6 +29,7 @@ Two hypothesis profiles, chosen by ``NBFLASH_FUZZ_PROFILE``:
   A failure prints the smallest failing call hypothesis found and a ``@reproduce_failure`` blob.
 """
 
+import contextlib
 import os
 from types import SimpleNamespace
 
@@ -218,8 +219,9 @@ def dense_calls(draw, sizes):
 
 
 def within_budget(call, sizes, lengths=("seqlen_q", "seqlen_k")):
-    """``call`` cut down to the simulator's work budget: batch 1 first, then one key/value head (the
-    group ratio kept), then halved lengths (each at least 1; a packed batch's lengths all halved)."""
+    """``call`` cut down to ``sizes.work`` query-key pairs (times batch and heads): batch 1 first,
+    then one key/value head (the group ratio kept), then halved lengths (each at least 1; a packed
+    batch's lengths all halved)."""
     def rows(name):
         value = call[name]
         return value if isinstance(value, int) else max(sum(value), 1)
@@ -280,15 +282,8 @@ def _assume_family_serves(call, q, k, v, kwargs):
 
 
 def family(name):
-    return nbflash.kernel_family(name) if name else _nothing()
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    """The forced family's block, or none: None is the library's own choice."""
+    return nbflash.kernel_family(name) if name else contextlib.nullcontext()
 
 
 def _reference_variant(kwargs):
