@@ -45,7 +45,7 @@ import tempfile
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-KERNELS = ("forward", "dkdv", "dkdv_det", "dq")
+KERNELS = ("forward", "forward_sm90", "dkdv", "dkdv_det", "dq")
 CALLS = ("call-forward", "call-backward")  # on a GPU: a public call's first run, every kernel it compiles
 STAGES = ("build", "front end", "typing", "lowering", "sav scan", "passes", "IR text", "NVVM", "ptxas", "rest")
 
@@ -58,7 +58,7 @@ def _config(kernel, headdim, cc):
     configs = configurations(["float16"], [headdim], ["mma"], cc, variants=(Variant(window=True),))
     for config in configs:
         name = type(config).__name__
-        if kernel == "forward" and name == "MmaForwardConfig":
+        if (kernel, name) in (("forward", "MmaForwardConfig"), ("forward_sm90", "Sm90ForwardConfig")):
             return config
         if name == "MmaBackwardConfig" and kernel.startswith(config.kernel):
             if config.kernel == "dq" or config.atomic_dq == (kernel == "dkdv"):
@@ -163,9 +163,11 @@ def measure(kernel, headdim, cc, ptx_dir):
         overload = kernel_fn.compile(signature)
         overload._codelibrary.get_cubin()
         ptx = overload._codelibrary.get_asm_str() if ptx_dir else ""
-    else:
-        ptx, _ = cuda.compile_ptx(kernel_fn.py_func, signature, cc=cc)
-        report = clock.timed("ptxas", _ptxas)(ptx, cc)
+    else:  # as nbflash.prebuild compiles it: an arch-specific kernel for its suffixed target
+        suffix = getattr(config, "arch_suffix", "")
+        options = {"launch_bounds": config.launch_bounds} if hasattr(config, "launch_bounds") else {}
+        ptx, _ = cuda.compile_ptx(kernel_fn.py_func, signature, cc=(*cc, suffix) if suffix else cc, **options)
+        report = clock.timed("ptxas", _ptxas)(ptx)
     clock._switch()
     total = time.perf_counter() - start
     cpu = _cpu_seconds() - cpu_start
@@ -254,15 +256,16 @@ def compare(before, after):
         print(f"{name[:-4]}: {verdict}")
 
 
-def _ptxas(ptx, cc):
-    """ptxas -v on ``ptx``: its report (registers, spills)."""
+def _ptxas(ptx):
+    """ptxas -v on ``ptx``, for its ``.target``: its report (registers, spills)."""
     from nbflash.prebuild import cuda_tool
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        done = subprocess.run([cuda_tool("ptxas"), f"-arch=sm_{cc[0]}{cc[1]}", "-v", path, "-o",
+        arch = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M)[1]
+        done = subprocess.run([cuda_tool("ptxas"), f"-arch={arch}", "-v", path, "-o",
                                os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"ptxas failed: {done.stderr.strip()}")
@@ -281,7 +284,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cc", help="compile offline for this compute capability, e.g. 9.0 (no GPU needed)")
     p.add_argument("--kernels", nargs="+", default=["forward"], choices=KERNELS + CALLS,
-                   help="forward; dkdv (the default backward's, atomic dQ); dkdv_det and dq (deterministic); "
+                   help="forward (tensor-core, mma.sync); forward_sm90 (wgmma: the default for this "
+                   "config on compute capability 9.0); dkdv (the default backward's, atomic dQ); dkdv_det and dq (deterministic); "
                    "on a GPU also call-forward and call-backward: a first public call, all the kernels it compiles")
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--repeat", type=int, default=1, help="cold compiles per kernel; the table shows medians")
