@@ -64,6 +64,20 @@ def test_reading_lesson():
     assert error <= allowed
 
 
+def test_lesson_08_reading_sm90():
+    # Lesson 08 reads the Hopper kernel: every file:line it points at is still found, its layout
+    # claims hold for every thread of a warpgroup, and where the sm90 kernel runs (the simulator, or
+    # compute capability 9.0) its probe kernel confirms them and the library's kernel matches float64
+    # (causal, seqlen_q != seqlen_k).
+    result = load("08").main(24, 40, 16, True)
+    assert result["missing"] == []
+    assert result["layout"]
+    if result["error"] is None:
+        pytest.skip("the sm90 kernel runs only on compute capability 9.0")
+    assert result["probe"] and all(result["probe"].values()), result["probe"]
+    assert result["error"] <= result["allowed"]
+
+
 
 # Lesson 07, flash-decoding: lengths in tiles of n = BLOCK_N keys (8 in the simulator, 16 on a GPU),
 # so that every case splits the keys the same way on both; each case lists the key tiles each split
