@@ -33,9 +33,14 @@ def to_numpy(x):
     return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
-def assert_attention_close(out, lse, q, k, v, causal, softmax_scale=None, **variant):
+def assert_attention_close(out, lse, q, k, v, causal, softmax_scale=None, output_rounding=False, **variant):
     """out (and lse, if given) against float64, under flash-attn's twice-the-naive-error rule;
-    ``variant``: window_size, softcap, alibi_slopes, as given to flash_attn_func."""
+    ``variant``: window_size, softcap, alibi_slopes, as given to flash_attn_func.
+
+    ``output_rounding``: also allow half a unit in the last place of out's dtype at the largest
+    reference value: the error of storing the exact answer, which nothing avoids. The rule assumes
+    enough elements that the naive error already includes it; on a draw of a dozen outputs
+    (tests/test_fuzz.py) the naive path may round its largest one almost exactly."""
     dtype = nbflash.dtypes.dtype_name(q.dtype)
     assert out.shape == q.shape and out.dtype == q.dtype
     ref, ref_lse = nbflash.attention_reference(q, k, v, softmax_scale, causal, return_lse=True, **variant)
@@ -46,6 +51,8 @@ def assert_attention_close(out, lse, q, k, v, causal, softmax_scale=None, **vari
     error = np.abs(out64 - ref).max()
     naive_error = np.abs(naive.astype(np.float64) - ref).max()
     budget = 2 * naive_error + ERROR_FLOOR[dtype]
+    if output_rounding:
+        budget += 0.5 * float(np.spacing(np.abs(ref).max(initial=0.0).astype(SUPPORTED[dtype])))
     assert error <= budget, f"max error {error:.3g} > budget {budget:.3g} (naive {naive_error:.3g})"
     if lse is not None:
         lse = to_numpy(lse)

@@ -6,7 +6,10 @@ rows, rows off the 16-byte grid), dtypes, kernel families, scales (0 and negativ
 every variant (causal, windows, softcap, ALiBi, bias and mask tensors, score_mod / mask_mod,
 dropout), and holds the result to the same checks as the hand-written tests, through their helpers
 (tests/helpers.py, test_backward.py, test_varlen.py, test_kvcache.py): flash-attn's rule of at most
-twice the error of a same-precision naive implementation against float64.
+twice the error of a same-precision naive implementation against float64 (forward outputs also
+allowed the half-ulp of storing the exact answer in their dtype, ``output_rounding``: a draw of a
+dozen outputs can leave the naive path's largest one rounded almost exactly, as a longer run here
+found: bf16, 16 outputs, the kernel within 1.2 ulp everywhere and failing the bare rule).
 
 Poisoning: every buffer the library allocates starts as NaN (and ``out=`` of the KV-cache call is
 a NaN-filled view into a larger NaN array), so an element left unwritten shows; the spare elements
@@ -296,7 +299,8 @@ def run_dense_forward(call, xp):
     _assume_family_serves(call, q, k, v, kwargs)
     with family(call["family"]):
         out, lse = nbflash.flash_attn_func(q, k, v, return_lse=True, **kwargs)
-    assert_attention_close(out, lse, q, k, v, kwargs["causal"], kwargs["softmax_scale"], **_reference_variant(kwargs))
+    assert_attention_close(out, lse, q, k, v, kwargs["causal"], kwargs["softmax_scale"], output_rounding=True,
+                           **_reference_variant(kwargs))
     return q, k, v, out, lse, kwargs
 
 
@@ -388,7 +392,7 @@ def run_varlen(call, xp):
         variant.update(dropout_p=call["dropout_p"], seed=int(rng.integers(2**63)))
     with family(call["family"]):
         out, lse = nbflash.flash_attn_varlen_func(q, k, v, *args, causal=call["causal"], return_lse=True, **variant)
-    assert_varlen_forward(out, lse, q, k, v, cu_q, cu_k, call["causal"], **variant)
+    assert_varlen_forward(out, lse, q, k, v, cu_q, cu_k, call["causal"], output_rounding=True, **variant)
     if call["backward"]:
         with family(call["family"]):
             grads = nbflash.flash_attn_varlen_backward(dout, q, k, v, out, lse, *args, causal=call["causal"],
