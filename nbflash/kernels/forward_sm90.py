@@ -6,11 +6,12 @@ changes is who moves the data and how the products are issued:
     for each block of block_m query rows (one thread block):
         producer warpgroup (one elected thread):
             Q_i -> shared memory (TMA), once, completing on q_full
-            for each key tile j: wait until ring slot j % stages is empty, then
+            for the i-th key tile j the rows see (i = 0, 1, ...: causal and windows skip tiles,
+            so j = first_tile + i): wait until ring slot i % stages is empty, then
                 K_j, V_j -> slot (TMA), completing on k_full / v_full of the slot
         each consumer warpgroup (64 query rows of the block):
             m_i = -inf, l_i = 0, acc = 0                                (registers)
-            for each key tile j (slot j % stages):
+            for the i-th key tile j (slot i % stages):
                 wait k_full;  S = Q_i K_j^T                            (wgmma, both from shared memory)
                 S = mask(S)                   only on tiles that cross the window's edges or the tail
                 m_new = max(m_i, rowmax(S));  alpha = exp2((m_i - m_new) * scale_log2)
@@ -19,9 +20,9 @@ changes is who moves the data and how the products are issued:
                 arrive on the slot's empty barrier (the producer may refill it)
             O_i = acc / l_i;   lse_i = (m_i * scale_log2 + log2(l_i)) * ln(2)
 
-Two other schedules of the consumers' loop (``Sm90ForwardConfig.overlap`` and ``pingpong``): S_{j+1}
-issued together with P_j V_j, so that the softmax of S_{j+1} runs while P_j V_j is in flight and O is
-rescaled once it lands (FlashAttention-3's intra-warpgroup pipelining); and with it the two consumers
+Two other schedules of the consumers' loop (``Sm90ForwardConfig.overlap`` and ``pingpong``): S_j
+issued together with P_{j-1} V_{j-1}, so that the softmax of S_j runs while P_{j-1} V_{j-1} is in
+flight and O is rescaled once it lands (FlashAttention-3's intra-warpgroup pipelining); and with it the two consumers
 taking turns to issue their products through named barriers 1 and 2 (ping-pong). Both are correct;
 at headdim 128 both measured slower than the plain loop (docs/perf-notes.md, "Hopper forward"), so
 the planner does not use them.
@@ -130,7 +131,7 @@ class Sm90ForwardConfig:
     stages: int = 2  # K/V tiles in flight (the ring)
     producer_registers: int = 40  # setmaxnreg caps with two consumers (the register file: 64K)
     consumer_registers: int = 232
-    overlap: bool = False  # issue S_{j+1} with P_j V_j, the softmax under the latter (FlashAttention-3)
+    overlap: bool = False  # issue S_j with P_{j-1} V_{j-1}, the softmax under the latter (FlashAttention-3)
     pingpong: bool = False  # the two consumers take turns issuing their products (needs overlap)
 
     def __post_init__(self):
