@@ -20,14 +20,17 @@ candidate test), so it computes the same set and sets the same attributes.
 of ``static_getitem`` for arrays, finds none (after reloading every registry), and falls back on
 the generic ``getitem``: it re-types the call, builds the array's structure on the stack, unpacks
 its shape and strides, wraps each index for negative values, and so on: about 70 LLVM instructions
-per element, 6 ms each, that NVVM then folds away. ``static_getitem_array`` and
-``static_setitem_array`` are those lowerings, for what the generic path computes in that case:
-one element of a C-contiguous array, at integer constants (negative ones wrapped once, as the
-generic path wraps them). The element's address is the generic path's, ``data + sum(index[k] *
-prod(shape[k + 1:]))`` (computed in Horner form: the same integer, mod 2**64), loaded or stored by
-numba-cuda's own ``load_item`` / ``store_item`` after the same cast. Anything else (a view, another
-layout) goes to the generic path as before. The PTX of nbflash's kernels is byte-identical with
-and without them; LLVM IR shrinks, and NVVM takes less than half the time.
+per element (milliseconds of Python each), that NVVM then folds away. ``_lowering_element_access``
+wraps ``Lower.lower_expr`` and ``Lower.lower_inst`` to lower that case directly, for what the
+generic path computes there: one element of a C-contiguous array, at integer constants (negative
+ones wrapped, as the generic path wraps them), the call typed as the generic path had it. The
+element's address is the generic path's, ``data + sum(index[k] * prod(shape[k + 1:]))`` (in Horner
+form: the same integer, mod 2**64), loaded or stored by numba-cuda's own ``load_item`` /
+``store_item`` after the same casts. Anything else (a view, another layout, an optional array)
+goes to numba-cuda's code as before. LLVM IR shrinks, and NVVM takes less than half the time. The
+PTX of nbflash's kernels is byte-identical with and without it, except the hd 128 causal dK/dV and
+dQ kernels', which NVVM numbers a few virtual registers differently in (same ptxas registers,
+spills and stack; the same SASS but for a few instructions' order).
 
 ``tests/test_compile_speed.py`` checks each against numba-cuda's own code: the variable scan on
 the IR of nbflash's kernels; the element lowerings by running both on the CPU (llvmlite's JIT) for
