@@ -10,15 +10,16 @@ What the kernels do with non-finite inputs, and what these tests hold them to:
   see key j (causal, windows) are untouched;
 - a NaN in v's row j: NaN in every row that sees key j (rows masked from it may be NaN too: a
   masked key inside a visited tile still meets a 0 probability, and 0 * NaN is NaN);
-- the lse of a poisoned row is -inf in the kernels, where the reference gives NaN (a NaN row) or
-  +inf (a +inf score): a known difference, held by an xfail(strict) test below, so that fixing it
-  shows. Until then, check ``out`` for NaN: ``merge_attention_states`` weighs an lse of -inf as 0.
+- the lse of a poisoned row is NaN, as the reference's for a NaN in q (for a +inf score the
+  reference gives +inf and the kernels NaN: either way not the -inf of a row without keys, so
+  ``merge_attention_states`` does not drop the row's NaN).
 """
 
 import numpy as np
 import pytest
 
 import nbflash
+from nbflash.dtypes import BFLOAT16
 
 from .conftest import SIMULATOR
 from .helpers import ERROR_FLOOR, assert_attention_close, random_qkv, small_tiles, to_numpy
@@ -121,18 +122,25 @@ def test_nan_in_v_reaches_the_rows_that_see_it(rng, xp, family, dtype):
     assert nan_rows(out).all(), "every row sees key 10"
 
 
-@pytest.mark.xfail(strict=True, reason="the kernels give lse = -inf for a poisoned row (NaN in q, or a score of "
-                   "+inf); the reference gives NaN / +inf. Known difference, not yet fixed in the kernels")
-@pytest.mark.parametrize("family, dtype", FAMILIES[:1])
+@pytest.mark.parametrize("family, dtype", FAMILIES)
 def test_lse_of_a_poisoned_row_matches_the_reference(rng, xp, family, dtype):
     q, k, v = random_qkv(rng, xp, *SHAPE, dtype)
     poisoned = to_numpy(q).copy()
     poisoned[0, 2, 0, 0] = np.nan
     q = xp.asarray(poisoned)
-    _, lse = run(family, q, k, v)
+    out, lse = run(family, q, k, v)
     _, ref_lse = nbflash.attention_reference(q, k, v, return_lse=True)
     assert np.isnan(to_numpy(ref_lse)[0, 0, 2])
-    assert np.isnan(lse[0, 0, 2])
+    assert np.isnan(lse[0, 0, 2]) and np.isnan(out[0, 2, 0]).all()
+    clean = np.delete(lse[0, 0], 2)
+    assert np.isfinite(clean).all(), "only the poisoned row's lse is NaN"
+    # Merged with a clean state, the row stays NaN (an lse of -inf would have weighed it 0).
+    clean_out, clean_lse = run(family, random_qkv(rng, xp, *SHAPE, dtype)[0], k, v)
+    element = {"float32": np.float32, "float16": np.float16, "bfloat16": BFLOAT16}[dtype]
+    merged, merged_lse = nbflash.merge_attention_states(xp.asarray(out.astype(element)), xp.asarray(lse),
+                                                        xp.asarray(clean_out.astype(element)), xp.asarray(clean_lse))
+    assert np.isnan(to_numpy(merged).astype(np.float64)[0, 2, 0]).all()
+    assert np.isnan(to_numpy(merged_lse)[0, 0, 2])
 
 
 # ---- Out of memory ---------------------------------------------------------------------------

@@ -502,9 +502,9 @@ def build_decode_mma(config: MmaDecodeConfig):
                 for w in range(WARPS):
                     o += words[MERGE_ACC + (w * Q_ROWS + r) * HDP + col]
                 total = words[BLOCK_SUM + r]
-                o = o / total if total > float32(0) else float32(0)
+                o = o / total if total != float32(0) else float32(0)
                 lse_value = NEG_INF
-                if total > float32(0):
+                if total != float32(0):
                     lse_value = (words[BLOCK_MAX + r] + math.log2(total)) * float32(LN2)
                 if splits == 1:
                     if IS_F16:
@@ -558,7 +558,7 @@ def build_decode_mma(config: MmaDecodeConfig):
             r = e // splits
             total = words[SPLIT_SUM + r]
             weight = math.exp(words[SPLIT_WEIGHT + e] - words[SPLIT_MAX + r])
-            words[SPLIT_WEIGHT + e] = weight / total if total > float32(0) else float32(0)
+            words[SPLIT_WEIGHT + e] = weight / total if total != float32(0) else float32(0)
         cuda.syncthreads()  # the weights
         for e in range(tid, rows * HD, THREADS):
             r, col = e // HD, e % HD
@@ -571,7 +571,7 @@ def build_decode_mma(config: MmaDecodeConfig):
             out[b, token, h, col] = store_elem(o)
             if col == 0:
                 total = words[SPLIT_SUM + r]
-                lse[b, h, token] = words[SPLIT_MAX + r] + math.log(total) if total > float32(0) else NEG_INF
+                lse[b, h, token] = words[SPLIT_MAX + r] + math.log(total) if total != float32(0) else NEG_INF
         if tid == 0:
             counters[slot] = 0
 

@@ -423,7 +423,8 @@ def build_forward_mma(config: MmaForwardConfig):
             for r in static_range(2):
                 l_row = quad_sum(l_i[mt, r])  # every lane of the warp takes part in the shuffle
                 row = first_row + mt * 16 + g + 8 * r
-                inv_l = float32(1) / l_row if l_row > float32(0) else float32(0)
+                # l = 0: a row without keys (out 0, lse -inf); a NaN l (a NaN in q) stays NaN in both
+                inv_l = float32(1) / l_row if l_row != float32(0) else float32(0)
                 if row < seqlen_q:
                     for dt in static_range(DT):
                         for e in static_range(2):
@@ -431,7 +432,7 @@ def build_forward_mma(config: MmaForwardConfig):
                             if col < HD:
                                 store_element(out, b, row, h, col, acc[mt, dt, 2 * r + e] * inv_l)
                     if t == 0:
-                        if l_row > float32(0):
+                        if l_row != float32(0):
                             lse_log2 = m_i[mt, r] * scale_log2 + math.log2(l_row)
                             if SCORE:
                                 lse_log2 += lse_offset

@@ -299,13 +299,14 @@ def build_forward_portable(config):
             q_idx = q_start + row0 + r
             if q_idx < seqlen_q:
                 l_row = row_reduce(part_s, row0 + r, False)
-                inv_l = float32(1.0) / l_row if l_row > float32(0.0) else float32(0.0)
+                # l = 0: a row without keys (out 0, lse -inf); a NaN l (a NaN in q) stays NaN in both
+                inv_l = float32(1.0) / l_row if l_row != float32(0.0) else float32(0.0)
                 for f in range(FEATURES):
                     d = tx + THREADS_X * f
                     if d < HEADDIM:
                         out[batch, q_idx, head, d] = store(acc[r * FEATURES + f] * inv_l)
                 if tx == 0:
-                    if l_row > float32(0.0):
+                    if l_row != float32(0.0):
                         lse[batch, head, q_idx] = (m_i[r] + math.log2(l_row)) * float32(LN2)
                     else:
                         lse[batch, head, q_idx] = NEG_INF

@@ -372,7 +372,8 @@ def build_forward_sm90(config: Sm90ForwardConfig):
         for rh in static_range(2):
             l_row = quad_sum(l_i[rh])  # every lane of the warp takes part in the shuffle
             row = row0 + 8 * rh
-            inv_l = float32(1) / l_row if l_row > float32(0) else float32(0)
+            # l = 0: a row without keys (out 0, lse -inf); a NaN l (a NaN in q) stays NaN in both
+            inv_l = float32(1) / l_row if l_row != float32(0) else float32(0)
             if row < seqlen_q:
                 for c in static_range(DT):
                     for e in static_range(2):
@@ -380,7 +381,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                         if col < HD:
                             store_element(out, b, row, h, col, o[4 * c + 2 * rh + e] * inv_l)
                 if q4 == 0:
-                    if l_row > float32(0):
+                    if l_row != float32(0):
                         lse[b, h, row] = (m_i[rh] * scale_log2 + math.log2(l_row)) * float32(LN2)
                     else:
                         lse[b, h, row] = NEG_INF

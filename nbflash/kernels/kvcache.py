@@ -142,12 +142,12 @@ def build_combine(config: CombineConfig):
         m = weights_base(max(la, lb))
         wa, wb = math.exp(la - m), math.exp(lb - m)
         total = wa + wb
-        inv_total = float32(1) / total if total > float32(0) else float32(0)
+        inv_total = float32(1) / total if total != float32(0) else float32(0)
         for col in range(cuda.threadIdx.x, headdim, THREADS):
             o = (wa * load(out_a[b, i, h, col]) + wb * load(out_b[b, i, h, col])) * inv_total
             out[b, i, h, col] = store(o)
         if cuda.threadIdx.x == 0:
-            lse[b, h, i] = m + math.log(total) if total > float32(0) else NEG_INF
+            lse[b, h, i] = m + math.log(total) if total != float32(0) else NEG_INF
 
     return merge
 
