@@ -171,8 +171,9 @@ def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cac
     if causal is not True and causal is not False and not isinstance(causal, np.bool_):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     window_size = validation.check_window_size(window_size)
-    if (isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral)
-            or num_splits < 0):
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int >= 0 (0 picks the split count), got {num_splits!r}")
+    if num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 picks the split count), got {num_splits!r}")
     if return_softmax_lse is not True and return_softmax_lse is not False:
         raise TypeError(f"return_softmax_lse must be a bool, got {return_softmax_lse!r}")
