@@ -199,7 +199,22 @@ def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cac
     c.variant = Variant(window=window, softcap=c.softcap > 0, alibi=c.alibi_slopes is not None)
     # flash-attn rotates query token i at cache_len + i for causal or local attention, else at cache_len.
     c.rotary_per_token = c.causal or window_size != (UNBOUNDED, UNBOUNDED)
+    if not _rotary_positions_fit(c, fixed_len):
+        raise ValueError(f"with causal or a window, query token i is rotated at position cache_seqlens + i: "
+                         f"cache_seqlens={fixed_len} and seqlen_q={seqlen_q} reach position "
+                         f"{fixed_len + seqlen_q - 1}, past rotary_cos's {rotary_cos.shape[0]} rows "
+                         f"(rotary_cos.shape[0]): give a row for every position a query reaches")
     return c
+
+
+def _rotary_positions_fit(c, fixed_len):
+    """Whether every query token's rotary position is a row of rotary_cos, where the lengths are
+    known on the host (fixed_len >= 0); lengths on the GPU are not read back, and the kernel then
+    clamps a position past the table to its last row."""
+    if c.rotary_cos is None or fixed_len < 0:
+        return True
+    last = fixed_len + (c.seqlen_q - 1 if c.rotary_per_token else 0)
+    return last < c.rotary_cos.shape[0]
 
 
 # The _Call attribute holding each runtime value a variant passes the kernels (Variant.param_names).
@@ -424,7 +439,7 @@ class _Plan:
             c.alibi_slopes = _xp().broadcast_to(slopes, (c.batch, c.nheads)) if slopes.ndim == 1 else slopes
         if cache_seqlens is None or type(cache_seqlens) is int:
             c.fixed_len = c.capacity if cache_seqlens is None else cache_seqlens
-            if not 0 <= c.fixed_len <= c.capacity - c.seqlen_new:
+            if not 0 <= c.fixed_len <= c.capacity - c.seqlen_new or not _rotary_positions_fit(c, c.fixed_len):
                 return None
             c.cache_seqlens = None
         else:
@@ -591,7 +606,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (after rotary
             embedding, for k), before the attention, which then sees them.
         rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2) in q's dtype, one row per
-            cache position (seqlen_ro >= the cache's capacity), with k and v: the first
+            cache position (seqlen_ro >= the cache's capacity; with causal or a window also one
+            for each position cache_seqlens + i a query token reaches, checked when cache_seqlens
+            is an int: with lengths on the GPU a position past the table takes its last row), with
+            k and v: the first
             rotary_dim dims of the new k and of q are rotated. The new token t sits at position
             cache_seqlens[b] + t; query token i at cache_seqlens[b] + i with causal or a window,
             else at cache_seqlens[b] (flash-attn's convention). Computed in float32, stored in

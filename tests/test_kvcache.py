@@ -283,6 +283,10 @@ def bad_input_cases(xp):
         ((q, cache, cache), dict(k=new, v=new, cache_seqlens=lens, rotary_cos=xp.zeros((32, 9), np.float16),
                                  rotary_sin=xp.zeros((32, 9), np.float16)), ValueError, "rotary_dim"),
         ((q, cache, cache), dict(num_splits=-1), ValueError, "num_splits"),
+        # Three query tokens, causal, at cache_seqlens 31: token 2 is rotated at position 33 of 32.
+        ((xp.zeros((2, 3, 4, 16), np.float16), cache, cache),
+         dict(k=new, v=new, cache_seqlens=31, rotary_cos=cos, rotary_sin=cos, causal=True), ValueError,
+         "position 33, past rotary_cos's 32 rows"),
         ((q, cache, cache), dict(return_softmax_lse="yes"), TypeError, "return_softmax_lse"),
         ((q, cache, cache), dict(window_size=(-2, 0)), ValueError, "window_size"),
         ((q, cache, cache), dict(softcap=-1.0), ValueError, "softcap"),
@@ -291,7 +295,7 @@ def bad_input_cases(xp):
     ]
 
 
-@pytest.mark.parametrize("case", range(25))
+@pytest.mark.parametrize("case", range(26))
 def test_bad_input(xp, case):
     args, kwargs, error, message = bad_input_cases(xp)[case]
     with pytest.raises(error, match=message):
@@ -299,7 +303,7 @@ def test_bad_input(xp, case):
 
 
 def test_bad_input_cases_counted(xp):
-    assert len(bad_input_cases(xp)) == 25
+    assert len(bad_input_cases(xp)) == 26
 
 
 def test_merge_bad_input(xp):
