@@ -1,5 +1,7 @@
 """Hopper (sm_90a) primitives: fences, elect, setmaxnreg, named barriers, mbarriers, the 1-D bulk
-copy, 2-D TMA loads and stores, 4-D TMA loads, and wgmma, each as an inline-PTX intrinsic beside a plain-Python emulation.
+copy, 2-D TMA loads and stores, 4-D TMA loads, and wgmma (f16, bf16, and fp8: e4m3 / e5m2, whose
+intrinsics have been compiled and assembled but not yet run on a GPU), each as an inline-PTX
+intrinsic beside a plain-Python emulation.
 
 As in ``nbflash.primitives`` (whose ``shared_address`` and ``global_address`` these take), the choice
 between the two is made once, at import time, from ``numba.config.ENABLE_CUDASIM``; kernels import
@@ -57,6 +59,9 @@ TILE_ALIGNMENT = None if SIMULATOR else 1024
 # scripts/check_sm90_ptx.py checks the declarations in the compiled test kernels.
 BULK_ALIGNMENT = None if SIMULATOR else 16
 
+# wgmma's 8-bit float operand types (PTX names): m64nNk32, K-major operands, f32 accumulator.
+_FP8 = ("e4m3", "e5m2")
+
 
 # Operand images in shared memory that the descriptor can describe, as the wgmma emulation decodes
 # them (16-bit elements; r is the M or N index, k the K index; byte offsets from the start address;
@@ -71,6 +76,11 @@ BULK_ALIGNMENT = None if SIMULATOR else 16
 # shared address itself, so a swizzled tile starts 1024-byte aligned (TILE_ALIGNMENT) and a k16
 # step inside a 128-byte row just adds 32 bytes to the start. LBO is unused by K-major 128B (CUTLASS
 # sets 16). The 64B and 32B swizzles are encoded but not emulated.
+#
+# 8-bit elements (fp8: e4m3, e5m2) are K-major only (wgmma cannot transpose them), with the same
+# bytes: a core matrix is 8 rows of 16 k, a 128-byte row holds 128 k, so the K-major images above
+# hold with (k // 16) LBO + (k % 16) (no swizzle) and k (128B) for the k terms, and a k32 step is the
+# f16 k16 step's bytes (32 inside a swizzled row; 2 LBO without swizzle).
 
 
 @cuda.jit(device=True, inline=True)
@@ -537,9 +547,10 @@ if SIMULATOR:
                 self.entries.append((low, high, window))
                 return window + host - low
 
-        def to_host(self, window_addresses):
-            """Host addresses of an array of window addresses, all in one array's place."""
-            lo, hi = int(window_addresses.min()), int(window_addresses.max()) + 2
+        def to_host(self, window_addresses, esize=2):
+            """Host addresses of an array of window addresses of ``esize``-byte elements, all in one
+            array's place."""
+            lo, hi = int(window_addresses.min()), int(window_addresses.max()) + esize
             with self.lock:
                 for low, high, window in self.entries:
                     if window <= lo and hi <= window + high - low:
@@ -568,9 +579,10 @@ if SIMULATOR:
         cols = 8 * (r[None, :] // 4) + 2 * _Q[:, None] + r[None, :] % 2
         return rows, cols
 
-    def _operand_offsets(rows, cols_k, desc, mn_major):
+    def _operand_offsets(rows, cols_k, desc, mn_major, esize=2):
         """Window byte addresses of the elements (rows[i], cols_k[j]) of an operand described by
-        ``desc``: K-major (k contiguous) or MN-major (the row index contiguous)."""
+        ``desc``: K-major (k contiguous) or MN-major (the row index contiguous; 16-bit only), of
+        ``esize``-byte elements."""
         d = int(desc)
         start = (d & 0x3FFF) << 4
         lbo = ((d >> 16) & 0x3FFF) << 4
@@ -583,13 +595,14 @@ if SIMULATOR:
         if swizzle == SWIZZLE_NONE:
             if mn_major:  # 8x8 core matrices of 8 consecutive r (16 bytes) per k
                 off = (r // 8) * sbo + (k // 8) * lbo + (k % 8) * 16 + (r % 8) * 2
-            else:  # 8x8 core matrices of 8 consecutive k (16 bytes) per r
-                off = (r // 8) * sbo + (r % 8) * 16 + (k // 8) * lbo + (k % 8) * 2
+            else:  # core matrices of 8 r by 16 bytes of consecutive k
+                per_chunk = 16 // esize
+                off = (r // 8) * sbo + (r % 8) * 16 + (k // per_chunk) * lbo + (k % per_chunk) * esize
         elif swizzle == SWIZZLE_128B:
             if mn_major:  # 128-byte rows of 64 consecutive r, one per k; 8 k rows per 1024 bytes
                 off = (r // 64) * lbo + (k // 8) * sbo + (k % 8) * 128 + (r % 64) * 2
-            else:  # 128-byte rows of 64 consecutive k, one per r; 8 r rows per 1024 bytes
-                off = (r // 8) * sbo + (r % 8) * 128 + k * 2
+            else:  # 128-byte rows of consecutive k, one per r; 8 r rows per 1024 bytes
+                off = (r // 8) * sbo + (r % 8) * 128 + k * esize
         else:
             raise NotImplementedError("wgmma emulation: swizzle modes 64B and 32B are not modelled")
         addr = start + off
@@ -597,14 +610,17 @@ if SIMULATOR:
             addr = addr ^ (((addr >> 7) & 7) << 4)
         return addr
 
-    def _read_operand(desc, nrows, mn_major, decode):
-        addr = _operand_offsets(np.arange(nrows), np.arange(16), desc, mn_major)
-        if addr.min() % 2:
+    def _read_operand(desc, nrows, mn_major, decode, esize=2):
+        """The (nrows, k) operand of one wgmma: k = 16 16-bit or 32 8-bit elements."""
+        addr = _operand_offsets(np.arange(nrows), np.arange(32 // esize), desc, mn_major, esize)
+        if addr.min() % esize:
             raise ValueError("wgmma operand addresses must be 2-byte aligned")
-        host = _window().to_host(addr)
+        host = _window().to_host(addr, esize)
         lo = int(host.min())
-        span = int(host.max()) + 2 - lo
+        span = int(host.max()) + esize - lo
         raw = np.frombuffer((ctypes.c_uint8 * span).from_address(lo), dtype=np.uint8)
+        if esize == 1:
+            return decode(raw[host - lo])
         bits = raw[host - lo].astype(np.uint16) | (raw[host - lo + 1].astype(np.uint16) << 8)
         return decode(bits)  # (nrows, 16)
 
@@ -618,7 +634,7 @@ if SIMULATOR:
         """D = A B (+ C) with A (64, 16) and B as (n, 16), returned as every thread's fragment."""
         rows, cols = _acc_coords(n)
         c = np.asarray([[float(x) for x in p[-1]] for p in posted], dtype=np.float64)
-        d = a @ b.T  # float64: exact for f16/bf16 products of 16 terms up to the final rounding
+        d = a @ b.T  # float64: exact for f16/bf16 (16 terms) and fp8 (32 terms) up to the final rounding
         out = d[rows, cols]
         if scale_d:
             out = out + c
@@ -626,42 +642,74 @@ if SIMULATOR:
         return [tuple(out[t]) for t in range(128)]
 
     def _decode(ab):
+        if ab in _FP8:
+            import ml_dtypes
+
+            fp8 = ml_dtypes.float8_e4m3fn if ab == "e4m3" else ml_dtypes.float8_e5m2
+            return lambda bits: np.asarray(bits, dtype=np.uint8).view(fp8).astype(np.float64)
         return _p._decode_f16 if ab == "f16" else _p._decode_bf16
 
     def _make_wgmma_ss(n, ab, trans_b):
-        decode = _decode(ab)
+        decode, esize = _decode(ab), 1 if ab in _FP8 else 2
 
         def combine(posted):
-            a = _read_operand(_uniform(posted, 0, "desc_a"), 64, False, decode)
-            b = _read_operand(_uniform(posted, 1, "desc_b"), n, bool(trans_b), decode)
+            a = _read_operand(_uniform(posted, 0, "desc_a"), 64, False, decode, esize)
+            b = _read_operand(_uniform(posted, 1, "desc_b"), n, bool(trans_b), decode, esize)
             return _finish(n, posted, a, b, int(_uniform(posted, 2, "scale_d")))
 
         def wgmma(acc, desc_a, desc_b, scale_d):
             if len(acc) != n // 2:
-                raise ValueError(f"m64n{n}k16 takes {n // 2} accumulator registers, not {len(acc)}")
+                raise ValueError(f"m64n{n} takes {n // 2} accumulator registers, not {len(acc)}")
             return _group_collective(combine, (int(desc_a), int(desc_b), int(scale_d), acc), 128)
 
         return wgmma
 
+    def _a_fragment_coords(ab):
+        """(row, k) of each element of the RS form's A registers for every thread, in register order
+        and, within a register, from the low bits up: arrays of shape (128, 8) for 16-bit elements
+        (the accumulator's layout at n = 16), (128, 16) for 8-bit ones (register j: row 16 w + g +
+        8 (j % 2), k 16 (j // 2) + 4 q + byte)."""
+        if ab not in _FP8:
+            return _acc_coords(16)
+        j, byte = np.arange(16) // 4, np.arange(16) % 4
+        rows = _ROW_BASE[:, None] + 8 * (j[None, :] % 2)
+        cols = 16 * (j[None, :] // 2) + 4 * _Q[:, None] + byte[None, :]
+        return rows, cols
+
     def _make_wgmma_rs(n, ab, trans_b):
-        decode = _decode(ab)
-        rows, cols = _acc_coords(16)  # (128, 8): the registers' 8 halves
+        decode, fp8 = _decode(ab), ab in _FP8
+        rows, cols = _a_fragment_coords(ab)
 
         def combine(posted):
             regs = np.asarray([p[:4] for p in posted], dtype=np.uint32)
-            halves = np.stack([regs & np.uint32(0xFFFF), regs >> np.uint32(16)], axis=2)  # (128, 4, 2)
-            a = np.zeros((64, 16))
-            a[rows, cols] = decode(halves.reshape(128, 8).astype(np.uint16))
-            b = _read_operand(_uniform(posted, 4, "desc_b"), n, bool(trans_b), decode)
+            if fp8:  # (128, 4, 4): four bytes a register, the lowest first
+                parts = np.stack([(regs >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)], axis=2)
+                a = np.zeros((64, 32))
+                a[rows, cols] = decode(parts.reshape(128, 16).astype(np.uint8))
+            else:  # (128, 4, 2): two halves a register, the low one first
+                halves = np.stack([regs & np.uint32(0xFFFF), regs >> np.uint32(16)], axis=2)
+                a = np.zeros((64, 16))
+                a[rows, cols] = decode(halves.reshape(128, 8).astype(np.uint16))
+            b = _read_operand(_uniform(posted, 4, "desc_b"), n, bool(trans_b), decode, 1 if fp8 else 2)
             return _finish(n, posted, a, b, int(_uniform(posted, 5, "scale_d")))
 
         def wgmma(acc, a0, a1, a2, a3, desc_b, scale_d):
             if len(acc) != n // 2:
-                raise ValueError(f"m64n{n}k16 takes {n // 2} accumulator registers, not {len(acc)}")
+                raise ValueError(f"m64n{n} takes {n // 2} accumulator registers, not {len(acc)}")
             return _group_collective(
                 combine, (int(a0), int(a1), int(a2), int(a3), int(desc_b), int(scale_d), acc), 128)
 
         return wgmma
+
+    def pack_e4m3x4(x0, x1, x2, x3):
+        """Four float32 rounded to e4m3 (nearest even, saturating to +-448; NaN stays NaN), packed
+        in one uint32 with ``x0`` in the low byte: an fp8 A register of the RS wgmma
+        (cvt.rn.satfinite.e4m3x2.f32, twice)."""
+        import ml_dtypes
+
+        x = np.clip(np.array([x0, x1, x2, x3], dtype=np.float32), -448.0, 448.0)  # NaN passes through
+        b = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).astype(np.uint32)
+        return np.uint32(int(b[0]) | (int(b[1]) << 8) | (int(b[2]) << 16) | (int(b[3]) << 24))
 
     def wgmma_commit():
         """wgmma.commit_group.sync.aligned: close the group of wgmmas issued since the last commit.
@@ -852,16 +900,19 @@ else:
         if register_a:
             a = "{" + ", ".join(f"${regs + j}" for j in range(4)) + "}"
             desc_b, scale = regs + 4, regs + 5
-            layout = f"{trans_b}"  # imm-scale-a, imm-scale-b, imm-trans-b (A in registers: no trans-a)
+            layout = f", {trans_b}"  # imm-scale-a, imm-scale-b, imm-trans-b (A in registers: no trans-a)
             input_constraints = ["r"] * 4 + ["l", "r"]
         else:
             a = f"${regs}"
             desc_b, scale = regs + 1, regs + 2
-            layout = f"0, {trans_b}"
+            layout = f", 0, {trans_b}"
             input_constraints = ["l", "l", "r"]
+        k = 16
+        if ab in _FP8:  # k32, and no transpose operands: fp8 operands are K-major only
+            k, layout = 32, ""
         text = (f"{{ .reg .pred p; setp.ne.b32 p, ${scale}, 0; "
-                f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} "
-                f"{{{d}}}, {a}, ${desc_b}, p, 1, 1, {layout}; }}")
+                f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ab}.{ab} "
+                f"{{{d}}}, {a}, ${desc_b}, p, 1, 1{layout}; }}")
         # The accumulator is read and written: outputs tied to inputs (LLVM's spelling of "+f").
         constraints = ",".join(["=f"] * regs + input_constraints + [str(i) for i in range(regs)]
                                + ["~{memory}"])
@@ -904,6 +955,18 @@ else:
 
         return values(values), codegen
 
+    @intrinsic
+    def pack_e4m3x4(typingctx, x0, x1, x2, x3):
+        # cvt.rn.satfinite.e4m3x2.f32 d, a, b puts a in the upper byte and b in the lower.
+        text = ("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+                "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }")
+        sig = types.uint32(types.float32, types.float32, types.float32, types.float32)
+
+        def codegen(context, builder, signature, llargs):
+            ftype = ir.FunctionType(ir.IntType(32), [a.type for a in llargs])
+            return builder.asm(ftype, text, "=r,f,f,f,f", list(llargs), False)
+
+        return sig, codegen
 
     @intrinsic
     def registers_from(typingctx, arr, count):
@@ -939,18 +1002,23 @@ else:
 
 def _check_wgmma(n, ab, trans_b):
     if n % 8 or not 8 <= n <= 256:
-        raise ValueError(f"wgmma m64n{n}k16: n must be a multiple of 8 in [8, 256]")
-    if ab not in ("f16", "bf16"):
-        raise ValueError(f"wgmma operands {ab!r}: 'f16' or 'bf16'")
+        raise ValueError(f"wgmma m64n{n}: n must be a multiple of 8 in [8, 256]")
+    if ab not in ("f16", "bf16") + _FP8:
+        raise ValueError(f"wgmma operands {ab!r}: 'f16', 'bf16', 'e4m3' or 'e5m2'")
     if trans_b not in (0, 1):
         raise ValueError(f"{trans_b=}: 0 (B K-major) or 1 (B MN-major)")
+    if ab in _FP8 and trans_b:
+        raise ValueError(f"wgmma {ab}: 8-bit operands are K-major only (trans_b=0); transpose V in memory")
 
 
 def make_wgmma_ss(n, ab="f16", trans_b=0):
     """``wgmma(acc, desc_a, desc_b, scale_d) -> acc``: wgmma.mma_async.sync.aligned.m64n{n}k16
     .f32.{ab}.{ab}, both operands in shared memory (SS). A is 64x16 K-major through
     ``desc_a``; B is 16 x n, stored K-major (n rows of 16 k, ``trans_b=0``) or MN-major (16 rows
-    of n, ``trans_b=1``) through ``desc_b``. ``acc`` is this thread's n/2 float32 accumulator
+    of n, ``trans_b=1``) through ``desc_b``. With ``ab`` 'e4m3' or 'e5m2' (fp8) it is m64n{n}k32:
+    A 64x32 and B 32 x n, both K-major (``trans_b`` 0; the PTX has no transpose operands for
+    8-bit types), in the K-major images above descriptor_bits with 1-byte elements; the k32 step
+    moves the descriptor by the f16 k16 step's bytes. The fp8 form has not run on a GPU yet. ``acc`` is this thread's n/2 float32 accumulator
     registers (a UniTuple), updated in place: D = A B + D, or D = A B when ``scale_d`` is 0.
     Register r of thread t (w = t // 32, g = lane // 4, q = lane % 4) holds D[16 w + g +
     8 ((r // 2) % 2), 8 (r // 4) + 2 q + r % 2]. Warpgroup-wide (128 threads), asynchronous:
@@ -960,7 +1028,8 @@ def make_wgmma_ss(n, ab="f16", trans_b=0):
     second its own registers before the fence (fence_operands of a copy).
     Emulation: a warpgroup collective that decodes both descriptors (the layouts above
     descriptor_bits: no swizzle or 128B, base offset 0), multiplies in float64, rounds once to
-    float32 (the hardware accumulates in float32 in its own order) and completes at once."""
+    float32 (the hardware accumulates in float32 in its own order; for fp8 products it is said to
+    keep fewer bits in its partial sums, so a GPU check allows more) and completes at once."""
     _check_wgmma(n, ab, trans_b)
     return _make_wgmma_ss(n, ab, trans_b)
 
@@ -972,7 +1041,12 @@ def make_wgmma_rs(n, ab="f16", trans_b=0):
     accumulator's layout at n = 16, so a k16 slice of an accumulator packs into A without
     shuffles. Make (or load) the A registers before wgmma_fence and pass them through
     fence_operands: packed between the wgmmas, they made ptxas serialize them (C7511 in its -v
-    output); loaded from memory after the fence, they made it inject a warpgroup.arrive (C7519)."""
+    output); loaded from memory after the fence, they made it inject a warpgroup.arrive (C7519).
+    With ``ab`` 'e4m3' or 'e5m2' (k32, B K-major only): a0..a3 hold four fp8 values each (the
+    lowest k in the low byte; pack_e4m3x4 makes them), a_j of thread t holds A[16 w + g + 8 (j % 2),
+    16 (j // 2) + 4 q .. + 3] (CUTLASS's ALayout_64x32). That is not the accumulator's layout (a
+    thread's accumulator holds columns 2 q, 2 q + 1, 8 + 2 q, 9 + 2 q of each 16): P = S in fp8
+    needs its keys permuted, or the values moved between lanes. Not run on a GPU yet."""
     _check_wgmma(n, ab, trans_b)
     return _make_wgmma_rs(n, ab, trans_b)
 

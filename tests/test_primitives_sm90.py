@@ -32,14 +32,19 @@ TID = np.arange(128)
 W, G, Q = TID // 32, (TID % 32) >> 2, (TID % 32) & 3
 
 
+def _np_dtype(dtype):
+    return {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "e4m3": ml_dtypes.float8_e4m3fn,
+            "e5m2": ml_dtypes.float8_e5m2}[dtype]
+
+
 def _bits(x, dtype):
-    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
-    return np.asarray(x, dtype=np.float32).astype(np_dtype).view(np.uint16)
+    """x rounded to ``dtype``, as raw bits: uint16, or uint8 for the fp8 types."""
+    np_dtype = _np_dtype(dtype)
+    return np.asarray(x, dtype=np.float32).astype(np_dtype).view(np.uint8 if np_dtype(0).itemsize == 1 else np.uint16)
 
 
 def _values(bits, dtype):
-    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
-    return bits.view(np_dtype).astype(np.float64)
+    return bits.view(_np_dtype(dtype)).astype(np.float64)
 
 
 # --- elect.sync, setmaxnreg, fences -------------------------------------------------------------------
@@ -224,18 +229,21 @@ TILE_ALIGNMENT = H.TILE_ALIGNMENT  # a global name: Numba needs the alignment as
 
 
 def _image(x_bits, layout):
-    """The uint16 shared image of x (rows r = M or N index, columns k) in ``layout``."""
+    """The uint16 shared image of x (rows r = M or N index, columns k) in ``layout``; x of 16-bit
+    elements, or of 8-bit ones (uint8 bits, K-major: 16 k per 16-byte chunk, 128 per 128-byte row)."""
     rows, cols = x_bits.shape
+    size = x_bits.dtype.itemsize
+    per_chunk = 16 // size
     r, k = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
     if layout == "kmajor_none":
-        off = (r % 8) * 16 + (r // 8) * (128 * cols // 8) + (k // 8) * 128 + (k % 8) * 2
+        off = (r % 8) * 16 + (r // 8) * (128 * cols // per_chunk) + (k // per_chunk) * 128 + (k % per_chunk) * size
     elif layout == "kmajor_128b":
-        off = (r // 8) * 1024 + (r % 8) * 128 + (((k // 8) ^ (r % 8)) * 16) + (k % 8) * 2
+        off = (r // 8) * 1024 + (r % 8) * 128 + (((k // per_chunk) ^ (r % 8)) * 16) + (k % per_chunk) * size
     elif layout == "mnmajor_128b":  # x given as (n, k); n contiguous
         off = (k // 8) * 1024 + (k % 8) * 128 + ((((r % 64) // 8) ^ (k % 8)) * 16) + (r % 8) * 2
-    image = np.zeros(rows * cols, dtype=np.uint16)
-    image[off.ravel() // 2] = x_bits.ravel()
-    return image
+    image = np.zeros(rows * cols, dtype=x_bits.dtype)
+    image[off.ravel() // size] = x_bits.ravel()
+    return image.view(np.uint16)
 
 
 # (LBO, SBO, swizzle, k16 step in bytes) per layout, for 64 rows (A) or N rows (B) and K = 64.
@@ -314,13 +322,38 @@ def _a_registers(a_bits):
     return regs
 
 
+def _fp8_fragment_coords():
+    """(row, k) of the 16 bytes of a thread's 4 fp8 A registers (register j, byte e): row 16 w + g +
+    8 (j % 2), k 16 (j // 2) + 4 q + e. Arrays of shape (128, 16), register-major."""
+    j, e = np.arange(16) // 4, np.arange(16) % 4
+    rows = (16 * W + G)[:, None] + 8 * (j[None, :] % 2)
+    cols = 16 * (j[None, :] // 2) + 4 * Q[:, None] + e[None, :]
+    return rows, cols
+
+
+def _a_registers_fp8(a_bits):
+    """A (64 x K8 uint8 bits) as the fp8 RS form's registers: (K8 // 32, 128 threads, 4)."""
+    rows, cols = _fp8_fragment_coords()
+    steps = a_bits.shape[1] // 32
+    regs = np.empty((steps, 128, 4), dtype=np.uint32)
+    for s in range(steps):
+        b = a_bits[:, 32 * s:32 * s + 32][rows, cols].astype(np.uint32).reshape(128, 4, 4)
+        regs[s] = b[:, :, 0] | (b[:, :, 1] << 8) | (b[:, :, 2] << 16) | (b[:, :, 3] << 24)
+    return regs
+
+
 _wgmma_kernels = {}
 
 
 def check_wgmma(ab, a_layout, b_layout, register_a, scale_first, rescale, rng):
-    dtype = "float16" if ab == "f16" else "bfloat16"
-    a_bits = _bits(rng.standard_normal((64, K)), dtype)
-    b_bits = _bits(rng.standard_normal((N, K)), dtype)  # B as (n, k)
+    # fp8 (e4m3, e5m2): the same kernel and images in bytes: K8 = 128 one-byte elements fill the
+    # 128-byte rows that K = 64 16-bit ones do, and its four k32 steps move the descriptors as the
+    # four k16 steps do.
+    fp8 = ab in ("e4m3", "e5m2")
+    dtype = ab if fp8 else "float16" if ab == "f16" else "bfloat16"
+    depth = 2 * K if fp8 else K
+    a_bits = _bits(rng.standard_normal((64, depth)), dtype)
+    b_bits = _bits(rng.standard_normal((N, depth)), dtype)  # B as (n, k)
     c = rng.standard_normal((64, N)).astype(np.float32)
     rows, cols = _acc_coords(N)
     key = (ab, a_layout, b_layout, register_a)  # scale_first and rescale are runtime values
@@ -328,12 +361,21 @@ def check_wgmma(ab, a_layout, b_layout, register_a, scale_first, rescale, rng):
         _wgmma_kernels[key] = _make_wgmma_kernel(*key)
     d = np.full((128, REGS), np.nan, dtype=np.float32)
     _wgmma_kernels[key][1, 128](_image(a_bits, a_layout), _image(b_bits, b_layout),
-                                _a_registers(a_bits), c[rows, cols].copy(), d,
+                                (_a_registers_fp8 if fp8 else _a_registers)(a_bits), c[rows, cols].copy(), d,
                                 np.array([scale_first], dtype=np.uint32), np.array([rescale], dtype=np.float32))
-    a, b, h = _values(a_bits, dtype), _values(b_bits, dtype), K // 2
+    a, b, h = _values(a_bits, dtype), _values(b_bits, dtype), depth // 2
     expected = rescale * (a[:, :h] @ b[:, :h].T + (c if scale_first else 0)) + a[:, h:] @ b[:, h:].T
-    # K = 64 products of 16-bit values summed in float32: a few float32 ulps of the sum's size.
-    np.testing.assert_allclose(d, expected[rows, cols], rtol=1e-5, atol=1e-4)
+    if not fp8:
+        # K = 64 products of 16-bit values summed in float32: a few float32 ulps of the sum's size.
+        np.testing.assert_allclose(d, expected[rows, cols], rtol=1e-5, atol=1e-4)
+        return
+    # The emulation rounds once to float32. The GPU's fp8 accumulation is said to keep fewer bits in
+    # its partial sums (about 14), so there the bound is 2^-10 of the sum of |terms|; a wrong layout
+    # or k step is off by the size of the terms themselves.
+    magnitude = abs(rescale) * (np.abs(a[:, :h]) @ np.abs(b[:, :h]).T + np.abs(c)) + np.abs(a[:, h:]) @ np.abs(b[:, h:]).T
+    bound = (1e-6 if P.SIMULATOR else 2.0 ** -10) * magnitude[rows, cols] + 1e-6
+    err = np.abs(d.astype(np.float64) - expected[rows, cols])
+    assert (err <= bound).all(), f"max error {err.max():.3g}, worst ratio to the bound {(err / bound).max():.3g}"
 
 
 # (operands, A layout, B layout, A in registers, scale_d of the first k16 step, rescale halfway)
@@ -342,6 +384,11 @@ WGMMA_CASES = [
     ("bf16", "kmajor_128b", "kmajor_128b", False, 0, 1.0),
     ("f16", "kmajor_128b", "mnmajor_128b", False, 1, 0.375),
     ("bf16", "kmajor_none", "mnmajor_128b", True, 1, 1.5),
+    # fp8, m64nNk32: both operands K-major (all wgmma can read of 8-bit types)
+    ("e4m3", "kmajor_none", "kmajor_none", False, 1, 1.0),
+    ("e4m3", "kmajor_128b", "kmajor_128b", False, 0, 0.375),
+    ("e4m3", "kmajor_none", "kmajor_128b", True, 1, 1.5),
+    ("e5m2", "kmajor_128b", "kmajor_128b", True, 1, 1.0),
 ]
 
 
@@ -421,6 +468,132 @@ def check_two_gemm(rng):
 
 def test_two_gemm_registers(rng):
     check_two_gemm(rng)
+
+
+# --- fp8: e4m3 packing, and the two GEMMs with P in e4m3 registers ----------------------------------
+#
+# The fp8 A fragment is not the accumulator's layout: of the 16 keys of a half k32 slice, thread q of
+# a quad holds the accumulator's columns 2q, 2q+1, 8+2q, 9+2q, while register j of A wants k
+# positions 4q..4q+3. Packing a thread's own four values into one register needs no shuffle; it puts
+# key 8c + 2q + e (c: which 8-column group, e: which of the pair) at k position 4q + 2c + e. The sum
+# over keys does not care about their order as long as V's rows follow: V^T's k positions are
+# permuted the same way (FP8_KEY_ORDER), wherever V is transposed. That is what an fp8 forward does.
+
+FP8_KEY_ORDER = np.array([8 * ((p % 4) // 2) + 2 * (p // 4) + p % 2 for p in range(16)])  # key at k position p
+
+
+@cuda.jit
+def _pack_e4m3_kernel(x, out):
+    t = cuda.threadIdx.x
+    out[t] = H.pack_e4m3x4(x[t, 0], x[t, 1], x[t, 2], x[t, 3])
+
+
+def check_pack_e4m3(rng):
+    x = rng.standard_normal((32, 4)).astype(np.float32) * 40
+    # saturation (satfinite: +-448, never NaN from a finite value), the largest normal, a tie
+    # (2.0625 between 2 and 2.125: to even), the smallest subnormal, signed zero
+    x[0] = [1000.0, -1000.0, 448.0, 2.0625]
+    x[1] = [2.0 ** -9, -(2.0 ** -9), -0.0, 0.0]
+    out = np.zeros(32, dtype=np.uint32)
+    _pack_e4m3_kernel[1, 32](x, out)
+    expected = np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8).astype(np.uint32)
+    expected = expected[:, 0] | (expected[:, 1] << 8) | (expected[:, 2] << 16) | (expected[:, 3] << 24)
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_pack_e4m3(rng):
+    check_pack_e4m3(rng)
+
+
+FP8_K = 128  # Q and K: 128 one-byte elements a row (one 128-byte swizzled row)
+_s_wgmma_fp8 = H.make_wgmma_ss(N, "e4m3")
+_o_wgmma_fp8 = H.make_wgmma_rs(N, "e4m3")
+_vt_lbo, _vt_sbo, _vt_step = 128, 512, 256  # V^T: 64 rows of 64 keys, K-major, no swizzle
+
+
+@cuda.jit
+def _two_gemm_fp8_kernel(q_image, k_image, vt_image, s_out, o):
+    # S = Q K^T (SS, 4 k32 steps), P = e4m3(S) packed from the thread's own accumulators, then
+    # O = P V (RS, 2 k32 steps over the 64 keys) with V^T's keys in FP8_KEY_ORDER.
+    t = cuda.threadIdx.x
+    sq = cuda.shared.array(A_ELEMS, uint16, alignment=TILE_ALIGNMENT)
+    sk = cuda.shared.array(B_ELEMS, uint16, alignment=TILE_ALIGNMENT)
+    sv = cuda.shared.array(B_ELEMS, uint16, alignment=TILE_ALIGNMENT)
+    for i in range(t, A_ELEMS, 128):
+        sq[i] = q_image[i]
+    for i in range(t, B_ELEMS, 128):
+        sk[i] = k_image[i]
+        sv[i] = vt_image[i]
+    H.fence_proxy_async()  # the generic-proxy stores are seen by wgmma (the async proxy)
+    cuda.syncthreads()  # every thread's stores are in before any wgmma reads them
+    dq = H.smem_descriptor(P.shared_address(sq), _q_lbo, _q_sbo, _q_swz)
+    dk = H.smem_descriptor(P.shared_address(sk), _q_lbo, _q_sbo, _q_swz)
+    dv = H.smem_descriptor(P.shared_address(sv), _vt_lbo, _vt_sbo, H.SWIZZLE_NONE)
+    zero = cuda.local.array(REGS, float32)
+    for r in range(REGS):
+        zero[r] = 0.0
+    acc_s = H.fence_operands(H.registers_from(zero, REGS))
+    H.wgmma_fence()  # the zeroed accumulator is ordered before wgmma reads it (scale_d 0 ignores it)
+    for s in range(FP8_K // 32):  # a k32 step is 32 bytes inside the swizzled row, as f16's k16
+        acc_s = _s_wgmma_fp8(acc_s, dq + uint64(s * _q_step // 16), dk + uint64(s * _q_step // 16),
+                             uint32(0 if s == 0 else 1))
+    H.wgmma_commit()
+    H.wgmma_wait(0)
+    acc_s = H.fence_operands(acc_s)
+    H.registers_to(s_out[t], acc_s)
+    # P's A registers: k32 slice s is S's registers 16 s .. 16 s + 15; register j of it packs the
+    # row's (j % 2) values of the 8-column groups 2 (j // 2) and 2 (j // 2) + 1.
+    p = cuda.local.array(8, uint32)
+    for s in range(2):
+        for j in range(4):
+            r0 = 16 * s + 8 * (j // 2) + 2 * (j % 2)
+            p[4 * s + j] = H.pack_e4m3x4(acc_s[r0], acc_s[r0 + 1], acc_s[r0 + 4], acc_s[r0 + 5])
+    p_regs = H.fence_operands(H.registers_from(p, 8))
+    acc_o = acc_s  # any values: the first P V step has scale_d 0
+    H.wgmma_fence()  # the A fragments are ordered before wgmma reads them
+    for s in range(2):
+        acc_o = _o_wgmma_fp8(acc_o, p_regs[4 * s], p_regs[4 * s + 1], p_regs[4 * s + 2], p_regs[4 * s + 3],
+                             dv + uint64(s * _vt_step // 16), uint32(0 if s == 0 else 1))
+    H.wgmma_commit()
+    H.wgmma_wait(0)
+    H.registers_to(o[t], H.fence_operands(acc_o))
+
+
+def fp8_key_permuted(vt):
+    """V^T (rows, keys) with the keys of each 16 in FP8_KEY_ORDER."""
+    order = (np.arange(vt.shape[1]) // 16) * 16 + FP8_KEY_ORDER[np.arange(vt.shape[1]) % 16]
+    return vt[:, order]
+
+
+def check_two_gemm_fp8(rng):
+    q = _bits(rng.standard_normal((64, FP8_K)) * 0.5, "e4m3")
+    k = _bits(rng.standard_normal((N, FP8_K)) * 0.5, "e4m3")
+    v = _bits(rng.standard_normal((N, 64)), "e4m3")  # (key, d)
+    s_out = np.full((128, REGS), np.nan, dtype=np.float32)
+    o = np.full((128, REGS), np.nan, dtype=np.float32)
+    vt = fp8_key_permuted(np.ascontiguousarray(v.T))  # (d, key): the B operand, K-major
+    vt_image = np.zeros(B_ELEMS, dtype=np.uint16)  # 64 x 64 bytes: half the tile's array
+    vt_image[:vt.size // 2] = _image(vt, "kmajor_none")
+    _two_gemm_fp8_kernel[1, 128](_image(q, "kmajor_128b"), _image(k, "kmajor_128b"), vt_image, s_out, o)
+    rows, cols = _acc_coords(N)
+    qv, kv, vv = (_values(x, "e4m3") for x in (q, k, v))
+    s_ref = qv @ kv.T
+    magnitude = np.abs(qv) @ np.abs(kv).T
+    tol = 1e-6 if P.SIMULATOR else 2.0 ** -10  # see check_wgmma: the GPU's fp8 partial sums
+    assert (np.abs(s_out - s_ref[rows, cols]) <= tol * magnitude[rows, cols] + 1e-6).all()
+    # O against P = e4m3(the kernel's own S), so that a rounding of S that lands on the other side
+    # of an e4m3 boundary does not count; the keys in natural order: the permutation must cancel.
+    s_kernel = np.zeros((64, N))
+    s_kernel[rows, cols] = s_out
+    p = np.clip(s_kernel, -448, 448).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    expected = p @ vv
+    bound = tol * (np.abs(p) @ np.abs(vv)) + 1e-6
+    err = np.abs(o - expected[rows, cols])
+    assert (err <= bound[rows, cols]).all(), f"max error {err.max():.3g}"
+
+
+def test_two_gemm_fp8_registers(rng):
+    check_two_gemm_fp8(rng)
 
 
 # --- Two groups in flight: wait_group(1) frees the older while the newer runs ------------------------
@@ -598,6 +771,8 @@ def test_sm90_intrinsics_on_gpu(xp):
         for case in WGMMA_CASES:
             check_wgmma(*case, rng)
         check_two_gemm(rng)
+        check_pack_e4m3(rng)
+        check_two_gemm_fp8(rng)
         check_two_groups(rng)
         for swizzle in (H.SWIZZLE_NONE, H.SWIZZLE_128B):
             check_tma(swizzle, xp, rng)
@@ -657,6 +832,8 @@ def offline_kernels():
           types.Array(types.uint32, 1, "C")), {}),
         ("bounded_wait", _stuck_kernel, (types.Array(types.float16, 4, "C"),), {}),
         ("wgmma_two_gemm", _two_gemm_kernel, (u16_1d, u16_1d, u16_1d, f32_2d), {}),
+        ("pack_e4m3", _pack_e4m3_kernel, (f32_2d, types.Array(types.uint32, 1, "C")), {}),
+        ("wgmma_fp8_two_gemm", _two_gemm_fp8_kernel, (u16_1d, u16_1d, u16_1d, f32_2d, f32_2d), {}),
         ("wgmma_two_groups", _two_groups_kernel, (u16_1d, u16_1d, f32_2d, f32_2d, f32_2d), {}),
         ("tma_load_2d", _tma_kernel, (types.Array(types.uint64, 1, "C"), types.Array(types.int32, 2, "C"),
                                       types.Array(types.uint16, 2, "C")), {}),
