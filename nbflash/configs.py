@@ -8,7 +8,8 @@ launches; ``plan_backward`` does the same for the backward's kernels. Three kern
   float16 / bfloat16 forward on compute capability 9.0, plain or windowed (causal) attention, a
   positive scale, headdim a multiple of 8 up to 256, rows on 16-byte boundaries
   (``sm90_unsupported_reason``); chosen by default at the headdims where it was measured faster
-  (``SM90_DEFAULT_HEADDIMS``). Its backward is the mma family's.
+  (``SM90_DEFAULT_HEADDIMS``). Its backward is the mma family's. Its fp8 (e4m3) forward is reached
+  only through flash_attn_func's fp8 inputs (``SM90_FP8_FORWARD``; not yet run on a GPU).
 - ``"mma"``: tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py); float16 and
   bfloat16 on GPUs of compute capability 8.0 and newer. Chosen wherever it applies and sm90 is not.
 - ``"portable"``: scalar float32 arithmetic (nbflash/kernels/forward_portable.py); any dtype, any
@@ -26,7 +27,7 @@ from .problem import Variant
 from .kernels.backward_mma import MmaBackwardConfig
 from .kernels.forward_mma import MmaForwardConfig
 from .kernels.forward_sm90 import SERVED_VARIANTS as SM90_VARIANTS
-from .kernels.forward_sm90 import Sm90ForwardConfig
+from .kernels.forward_sm90 import FP8, Sm90ForwardConfig
 from .kernels.backward_portable import PortableBackwardConfig
 from .kernels.decode_mma import MmaDecodeConfig
 from .kernels.backward_portable import shared_bytes as backward_shared_bytes
@@ -143,6 +144,33 @@ def sm90_unsupported_reason(static):
     if not static.positive_scale:
         return "the sm90 kernel folds a positive softmax scale into exp2"
     return None
+
+
+# The fp8 (e4m3) Hopper forward (FlashAttention-3's fp8 path, nbflash.interface's fp8 entry): (largest
+# headdim, block_n, stages); block_m 128. block_n is a multiple of 128 (V^T's swizzled rows). Start
+# points, compiled and assembled (no spills at headdim 128) but NOT yet run on a GPU; only this
+# entry reaches them, never a default.
+SM90_FP8_FORWARD = [
+    (128, 128, 2),
+    (256, 128, 2),
+]
+
+
+def sm90_fp8_unsupported_reason(headdim, device=0):
+    """Why the fp8 forward cannot run (it exists for compute capability 9.0 only), or None."""
+    cc = _compute_capability(device)
+    if cc != SM90_COMPUTE_CAPABILITY:
+        return (f"the fp8 (float8_e4m3fn) forward runs on compute capability 9.0 only (wgmma), this GPU "
+                f"has {cc[0]}.{cc[1]}; pass float16 or bfloat16 inputs")
+    if headdim % 16 or headdim > SM90_MAX_HEADDIM:
+        return f"the fp8 forward takes headdim a multiple of 16 up to {SM90_MAX_HEADDIM}, not {headdim}"
+    return None
+
+
+@lru_cache(maxsize=None)
+def sm90_fp8_forward_config(headdim, variant):
+    _, block_n, stages = _row(SM90_FP8_FORWARD, headdim)
+    return Sm90ForwardConfig(dtype=FP8, headdim=headdim, variant=variant, block_n=block_n, stages=stages)
 
 
 @lru_cache(maxsize=None)

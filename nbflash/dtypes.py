@@ -10,11 +10,14 @@ import numpy as np
 FLOAT16 = np.dtype(np.float16)
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT32 = np.dtype(np.float32)
+# fp8 (e4m3) reaches only the sm90 fp8 forward (nbflash.interface), not SUPPORTED's paths.
+FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 SUPPORTED = {"float16": FLOAT16, "bfloat16": BFLOAT16, "float32": FLOAT32}
 
 # The dtype each kind of tensor is handed to the kernels as.
-KERNEL_DTYPE = {"float16": FLOAT16, "bfloat16": np.dtype(np.uint16), "float32": FLOAT32}
+KERNEL_DTYPE = {"float16": FLOAT16, "bfloat16": np.dtype(np.uint16), "float32": FLOAT32,
+                "float8_e4m3fn": np.dtype(np.uint16)}  # fp8: byte pairs (the sm90 fp8 forward)
 
 
 _NAMES = {dtype: name for name, dtype in SUPPORTED.items()}

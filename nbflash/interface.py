@@ -3,13 +3,16 @@
 import contextlib
 import dataclasses
 import math
+import numbers
 from functools import lru_cache
 
 import numpy as np
 
-from . import configs, launch, validation
+from . import configs, launch, runtime, validation
 from .block_mask import kernel_params
-from .dtypes import FLOAT32
+from .dtypes import BFLOAT16, FLOAT8_E4M3, FLOAT32
+from .kernels.forward_sm90 import FP8_KEY_ORDER
+from .problem import Variant, window_bounds
 from .reference import attention_probabilities
 
 LOG2_E = math.log2(math.e)
@@ -54,7 +57,8 @@ def _flash_attn_forward(problem, q, k, v, family=None):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False, bias=None,
-                    score_mod=None, mask_mod=None, block_mask=None, seed=None):
+                    score_mod=None, mask_mod=None, block_mask=None, seed=None, q_descale=None, k_descale=None,
+                    v_descale=None):
     """Exact scaled dot-product attention, softmax(q k^T * softmax_scale) v, in O(seqlen) memory.
 
     flash-attn 2.8's ``flash_attn_func``: the same arguments in the same order, so that a call
@@ -124,6 +128,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         seed: (nbflash) dropout's 64-bit seed: the same seed gives bit-identical results. None
             draws a fresh one; ``nbflash.last_dropout_seed()`` reads it back (the backward needs
             it: ``flash_attn_backward(..., dropout_p, ..., seed=...)``).
+        q_descale, k_descale, v_descale: FlashAttention-3's fp8 forward. With q, k, v of dtype
+            float8_e4m3fn (ml_dtypes' e4m3; on compute capability 9.0 only, an error elsewhere),
+            attention of the dequantized inputs q * q_descale, k * k_descale, v * v_descale: each a
+            float32 of shape (batch, nheads_k) (query head h takes row h // (nheads // nheads_k)),
+            a scalar, or None (1). Then headdim is a multiple of 16 up to 256, the rows 16-byte
+            aligned, out is bfloat16, and softmax_scale, causal, window_size and return_lse /
+            return_attn_probs (lse only: S_dmask is None) are the only other arguments taken; no
+            backward. P is rounded to e4m3 for P V, as in FlashAttention-3. V is transposed into
+            a new array on each call (wgmma reads 8-bit operands K-major only): one read and one
+            write of V's bytes. NOT yet run on a GPU: shown in Numba's simulator only.
 
     A query row that sees no key gets output 0 (and lse -inf), whatever the variant.
 
@@ -137,6 +151,18 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _check_flag(deterministic, "deterministic")
     _check_flag(return_attn_probs, "return_attn_probs")
     _check_flag(return_lse, "return_lse")
+    if (q_descale is not None or k_descale is not None or v_descale is not None
+            or getattr(q, "dtype", None) == FLOAT8_E4M3):  # FlashAttention-3's fp8 forward
+        others = dict(dropout_p=dropout_p != 0.0, softcap=softcap != 0.0, alibi_slopes=alibi_slopes is not None,
+                      bias=bias is not None, score_mod=score_mod is not None, mask_mod=mask_mod is not None,
+                      block_mask=block_mask is not None, seed=seed is not None)
+        taken = [name for name, given in others.items() if given]
+        if taken:
+            raise ValueError(f"the fp8 forward takes softmax_scale, causal and window_size only, not {taken}")
+        out, lse = _flash_attn_fp8(q, k, v, softmax_scale, causal, window_size, q_descale, k_descale, v_descale)
+        if return_attn_probs:
+            return out, lse, None
+        return (out, lse) if return_lse else out
     problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                                 bias, score_mod, mask_mod, None, dropout_p, seed, block_mask)
     out, lse = _flash_attn_forward(problem, q, k, v)
@@ -148,6 +174,75 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                                         seed=problem.seed)
         return out, lse, probs
     return (out, lse) if return_lse else out
+
+
+def _fp8_descales(descales, batch, nheads_k, xp):
+    """The three descales as one float32 (3, batch, nheads_k) array (the kernel's last param)."""
+    rows = []
+    for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if d is None:
+            d = 1.0
+        if isinstance(d, numbers.Real) or getattr(d, "ndim", None) == 0 and isinstance(d, np.generic):
+            d = xp.asarray(d, dtype=np.float32)
+        else:
+            d = validation.as_backend_array(d, name)
+        if d.shape not in ((), (1,), (batch, nheads_k)):
+            raise ValueError(f"{name} must be a scalar or of shape (batch, nheads_k) = {(batch, nheads_k)}, "
+                             f"got {tuple(d.shape)}")
+        rows.append(xp.broadcast_to(d.astype(np.float32).reshape(d.shape if d.ndim == 2 else ()),
+                                    (batch, nheads_k)))
+    return xp.ascontiguousarray(xp.stack(rows))
+
+
+def fp8_transposed_v(v):
+    """The fp8 kernel's V operand: V^T, (batch, nheads_k, headdim, seqlen_k rounded up to 16) bytes,
+    zeros past seqlen_k, the keys of each 16 in FP8_KEY_ORDER (nbflash/kernels/forward_sm90.py), as
+    uint16 byte pairs. A gather of V's bytes into a new array: its cost is one read and one write of
+    V per call (FlashAttention-3 can instead transpose V tile by tile in shared memory)."""
+    xp = np if runtime.SIMULATOR else runtime.cupy()
+    batch, seqlen_k, nheads_k, headdim = v.shape
+    padded = -(-seqlen_k // 16) * 16
+    position = np.arange(padded)
+    key = position // 16 * 16 + np.asarray(FP8_KEY_ORDER)[position % 16]  # the key at each position
+    inside = key < seqlen_k
+    vt = xp.zeros((batch, nheads_k, headdim, padded), dtype=np.uint8)
+    vt[:, :, :, xp.asarray(position[inside])] = v.view(np.uint8)[:, xp.asarray(key[inside])].transpose(0, 2, 3, 1)
+    return vt.view(np.uint16)
+
+
+def _flash_attn_fp8(q, k, v, softmax_scale, causal, window_size, q_descale, k_descale, v_descale):
+    """The fp8 forward (see flash_attn_func): checks, V^T, descales, launch. Returns (out, lse)."""
+    q, k, v = (validation.as_backend_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        if x.dtype != FLOAT8_E4M3:
+            raise TypeError(f"q_descale / k_descale / v_descale take float8_e4m3fn q, k and v; {name} is {x.dtype}")
+        if x.ndim == 4:
+            reason = configs.sm90_fp8_unsupported_reason(x.shape[3], 0 if runtime.SIMULATOR else x.device.id)
+            if reason:
+                raise ValueError(reason)
+        if x.ndim != 4 or 0 in x.shape or x.strides[3] != 1 or not validation.rows_aligned(x):
+            raise ValueError(f"{name} must be (batch, seqlen, heads, headdim), none of them 0, with a contiguous "
+                             f"last dim and 16-byte aligned rows, got shape {tuple(x.shape)}, strides "
+                             f"{tuple(x.strides)}")
+    batch, seqlen_q, nheads, headdim = q.shape
+    _, seqlen_k, nheads_k, _ = k.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != headdim or nheads % nheads_k:
+        raise ValueError(f"fp8: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v alike, "
+                         "batch and headdim as q's, nheads a multiple of nheads_k")
+    scale = validation.check_softmax_scale(softmax_scale, headdim)
+    if not scale > 0:
+        raise ValueError(f"the fp8 forward folds a positive softmax_scale into exp2, got {scale}")
+    left, right = validation.check_window_size(window_size)
+    left, right, window = window_bounds(seqlen_q, seqlen_k, causal, (left, right))
+    config = configs.sm90_fp8_forward_config(headdim, Variant(window=True) if window else Variant())
+    xp = np if runtime.SIMULATOR else runtime.cupy()
+    params = (np.int32(left), np.int32(right)) if window else ()
+    params = (*params, _fp8_descales((q_descale, k_descale, v_descale), batch, nheads_k, xp))
+    out, lse = launch.empty_pair(q.shape, BFLOAT16, (batch, nheads, seqlen_q), FLOAT32)
+    launch.compiled(config).launch(config.grid(batch, nheads, seqlen_q),
+                                   (q.view(np.uint16), k.view(np.uint16), fp8_transposed_v(v), out, lse),
+                                   (np.float32(scale * LOG2_E),), params)
+    return out, lse
 
 
 def _check_flag(value, name):

@@ -1,6 +1,6 @@
 """Compile every kernel of tests/test_primitives_sm90.py for sm_90a and assemble it with ptxas, with no GPU.
 
-    python scripts/check_sm90_ptx.py [--out DIR] [--only NAME ...] [--ptxas PATH]
+    python scripts/check_sm90_ptx.py [--out DIR] [--only NAME ...] [--ptxas PATH] [--fp8-forward]
 
 For each kernel: Numba -> PTX (``compile_ptx(..., cc=(9, 0, "a"))``) -> ``ptxas -arch=sm_90a``. Prints
 one line per kernel (registers, spills, ptxas warnings) and exits 1 if any kernel fails to compile or
@@ -14,7 +14,9 @@ alignment below 16 (other than 8-byte-aligned mbarrier words): Numba aligns a sh
 element size only, so a uint16 tile after an mbarrier word sits 8 bytes off and the copy faults on the
 GPU (misaligned address), which the simulator cannot see.
 
-With ``--out`` the PTX, cubin and ptxas log of each kernel are kept there.
+With ``--out`` the PTX, cubin and ptxas log of each kernel are kept there. ``--fp8-forward`` adds the
+fp8 forward's planned configs (nbflash.configs.SM90_FP8_FORWARD, plain and causal; spills are
+reported, not failed).
 
 Needs ptxas (the CUDA toolkit, or the nvidia-cuda-nvcc wheel) and Numba's NVVM; no GPU.
 """
@@ -53,7 +55,24 @@ EXPECTED = {
     "wgmma_e5m2": ["wgmma.mma_async.sync.aligned.m64n64k32.f32.e5m2.e5m2", "wgmma.wait_group.sync.aligned 0"],
     "wgmma_fp8_two_gemm": ["wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", "cvt.rn.satfinite.e4m3x2.f32"],
     "pack_e4m3": ["cvt.rn.satfinite.e4m3x2.f32"],
+    "forward_fp8": ["k32.f32.e4m3.e4m3", "cvt.rn.satfinite.e4m3x2.f32", "cp.async.bulk.tensor.4d"],
 }
+
+
+def fp8_forward_kernels():
+    """(name, Python function, signature, compile options) of the fp8 forward's planned configs."""
+    from nbflash import configs
+    from nbflash.kernels import registry
+    from nbflash.problem import Variant
+
+    kernels = []
+    for headdim, _, _ in configs.SM90_FP8_FORWARD:
+        for variant in (Variant(), Variant(window=True)):
+            config = configs.sm90_fp8_forward_config(headdim, variant)
+            name = f"forward_fp8_hd{headdim}_{'causal' if variant.window else 'plain'}"
+            kernels.append((name, registry.build(config).py_func, registry.signature(config),
+                            {"launch_bounds": config.launch_bounds}))
+    return kernels
 
 
 def expected_instructions(name):
@@ -117,6 +136,7 @@ def main():
     parser.add_argument("--out", help="keep PTX, cubins and ptxas logs in this folder")
     parser.add_argument("--only", nargs="*", help="kernel names (default: all)")
     parser.add_argument("--ptxas", help="the ptxas to assemble with (default: the nvcc wheel's, else PATH's)")
+    parser.add_argument("--fp8-forward", action="store_true", help="also the fp8 forward's planned configs")
     args = parser.parse_args()
 
     pretend_gpu((9, 0))
@@ -126,7 +146,8 @@ def main():
     out_dir = args.out or tempfile.mkdtemp(prefix="sm90_ptx_")
     os.makedirs(out_dir, exist_ok=True)
     failed = 0
-    for name, pyfunc, sig, options in offline_kernels():
+    kernels = offline_kernels() + (fp8_forward_kernels() if args.fp8_forward else [])
+    for name, pyfunc, sig, options in kernels:
         if args.only and name not in args.only:
             continue
         try:

@@ -6,6 +6,10 @@ On a GPU of compute capability 9.0 the same checks run on the hardware, plus a l
 lengths, GQA, causal with seqlen_q != seqlen_k, headdims 64, 96, 128) and the public API on the
 "sm90" family. Outputs are poisoned with NaN before each launch, so an unwritten element fails; the
 tolerance is flash-attn's rule, twice the error of a naive same-precision implementation.
+
+The fp8 (e4m3) forward with descales (flash_attn_func's q_descale, k_descale, v_descale) is checked
+the same way against the float64 attention of the dequantized inputs, in the simulator (two tiny
+cases) and, marked gpu, on a grid that has not run yet.
 """
 
 import math
@@ -149,6 +153,136 @@ def test_two_consumers_padded_headdim(xp):
     # with a diagonal tile and a tile skipped for the first rows.
     check(Sm90ForwardConfig("bfloat16", 40, WINDOW, block_n=64, consumers=2), xp, seqlen_q=70, seqlen_k=130,
           nheads=1)
+
+
+# --- fp8 (e4m3) q, k, v with per-(batch, kv head) descales: the error against the float64 attention
+# of the dequantized inputs, next to a naive implementation's that rounds P to e4m3 as the kernel
+# does (P = exp(S - m) before the division by the row sum), with a bfloat16 output ---------------------
+
+def fp8_case(rng, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, scalar_descales=False):
+    e4m3 = ml_dtypes.float8_e4m3fn
+    q, k, v = (rng.standard_normal((batch, n, h, headdim)).astype(np.float32).astype(e4m3)
+               for n, h in ((seqlen_q, nheads), (seqlen_k, nheads_k), (seqlen_k, nheads_k)))
+    if scalar_descales:
+        descales = tuple(np.float32(x) for x in rng.uniform(0.25, 2.0, 3))
+    else:
+        descales = tuple(rng.uniform(0.25, 2.0, (batch, nheads_k)).astype(np.float32) for _ in range(3))
+    return q, k, v, descales
+
+
+def fp8_dequantized(x, descale, nheads):
+    d = np.broadcast_to(np.asarray(descale, dtype=np.float64), (x.shape[0], x.shape[2]))
+    return x.astype(np.float64) * np.repeat(d, nheads // x.shape[2], axis=1)[:, None, :, None]
+
+
+def check_fp8_error(out, lse, q, k, v, descales, scale, window):
+    nheads = q.shape[2]
+    q64, k64, v64 = (fp8_dequantized(x, d, x.shape[2]) for x, d in zip((q, k, v), descales))
+    ref, ref_lse = reference(q64, k64, v64, scale, window)
+    # the naive fp8 attention: S in float32, P = exp(S - m) rounded to e4m3, P V / l, out in bfloat16
+    group = nheads // k.shape[2]
+    kk, vv = (np.repeat(x, group, axis=2).astype(np.float32) for x in (k64, v64))
+    s = np.einsum("bihd,bjhd->bhij", q64.astype(np.float32), kk) * np.float32(scale)
+    if window:
+        s = np.where(visible(q.shape[1], k.shape[1], window_size=window), s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    p8 = p.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    naive = np.einsum("bhij,bjhd->bihd", p8 / np.where(l > 0, l, 1), vv)
+    naive = naive.astype(ml_dtypes.bfloat16).astype(np.float64)
+    out64 = np.asarray(out).astype(np.float64)
+    assert not np.isnan(out64).any(), "out has NaN (an element left unwritten, or a 0/0)"
+    err, naive_err = np.abs(out64 - ref).max(), np.abs(naive - ref).max()
+    print(f"fp8 forward: max error {err:.3g} against float64 of the dequantized inputs (naive e4m3-P: {naive_err:.3g})")
+    assert err <= 2 * naive_err + 1e-3, f"max error {err:.3g}, naive {naive_err:.3g}"
+    lse = np.asarray(lse)
+    no_key = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), no_key), "lse = -inf exactly where a row sees no key"
+    assert (out64.transpose(0, 2, 1, 3)[no_key] == 0).all(), "rows that see no key must be 0"
+    assert np.allclose(lse[~no_key], ref_lse[~no_key], rtol=1e-4, atol=1e-4)
+    return err, naive_err
+
+
+def test_fp8_kernel_ring_wraps():
+    # A small config straight through the launcher: one consumer, headdim 64 padded to a 128-byte
+    # chunk, 3 key tiles of 128 through a 2-stage ring, seqlen_k 300 (V^T padded to 304, the tail
+    # masked), per-head descales.
+    from nbflash import interface
+
+    rng = np.random.default_rng(80)
+    config = Sm90ForwardConfig("float8_e4m3fn", 64, PLAIN, block_n=128, consumers=1)
+    q, k, v, descales = fp8_case(rng, 1, 9, 300, 2, 2, 64)
+    out = np.full(q.shape, np.nan, dtype=ml_dtypes.bfloat16)
+    lse = np.full((1, 2, 9), np.nan, dtype=np.float32)
+    scale = 1.0 / math.sqrt(64)
+    launch.compiled(config).launch(
+        config.grid(1, 2, 9), (q.view(np.uint16), k.view(np.uint16), interface.fp8_transposed_v(v), out, lse),
+        (np.float32(scale * math.log2(math.e)),), (interface._fp8_descales(descales, 1, 2, np),))
+    check_fp8_error(out, lse, q, k, v, descales, scale, None)
+
+
+def test_fp8_public_api_causal_gqa():
+    # flash_attn_func with e4m3 inputs and FlashAttention-3's descales (scalars here): the planned
+    # config (two consumers), causal with seqlen_q > seqlen_k (rows without keys), GQA 2:1.
+    import nbflash
+
+    q, k, v, descales = fp8_case(np.random.default_rng(81), 1, 70, 40, 2, 1, 128, scalar_descales=True)
+    out, lse = nbflash.flash_attn_func(q, k, v, causal=True, return_lse=True, q_descale=descales[0],
+                                       k_descale=descales[1], v_descale=descales[2])
+    assert out.dtype == ml_dtypes.bfloat16 and out.shape == q.shape
+    check_fp8_error(out, lse, q, k, v, descales, 1.0 / math.sqrt(128), CAUSAL)
+
+
+def test_fp8_refusals(monkeypatch):
+    import nbflash
+    from nbflash import configs
+
+    e4m3 = ml_dtypes.float8_e4m3fn
+    q = np.zeros((1, 8, 1, 64), dtype=e4m3)
+    with pytest.raises(ValueError, match="takes softmax_scale, causal and window_size only"):
+        nbflash.flash_attn_func(q, q, q, softcap=5.0)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        half = np.zeros((1, 8, 1, 64), dtype=np.float16)
+        nbflash.flash_attn_func(half, half, half, q_descale=np.float32(2))
+    with pytest.raises(ValueError, match=r"shape \(batch, nheads_k\)"):
+        nbflash.flash_attn_func(q, q, q, k_descale=np.ones((2, 1), np.float32))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nbflash.flash_attn_func(*(np.zeros((1, 8, 1, 40), dtype=e4m3),) * 3)
+    monkeypatch.setattr(configs, "_compute_capability", lambda device: (8, 9))
+    with pytest.raises(ValueError, match="compute capability 9.0 only"):
+        nbflash.flash_attn_func(q, q, q)
+
+
+FP8_GPU_CASES = [
+    # (headdim, causal, batch, seqlen_q, seqlen_k, nheads, nheads_k, scalar descales)
+    (128, False, 2, 113, 203, 4, 2, False),
+    (128, True, 1, 1023, 1024, 2, 1, False),
+    (128, True, 1, 1, 1, 1, 1, True),
+    (64, True, 2, 203, 113, 4, 1, False),
+    (96, False, 1, 300, 1000, 3, 1, True),
+    (256, False, 2, 1024, 1024, 2, 2, False),
+    (256, True, 1, 4096, 4000, 2, 1, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(P.SIMULATOR, reason="sizes the simulator cannot afford; needs a GPU")
+@pytest.mark.parametrize("case", FP8_GPU_CASES, ids=["-".join(map(str, c)) for c in FP8_GPU_CASES])
+def test_fp8_forward_gpu(case, xp):
+    # The fp8 forward on the hardware (never run yet): flash_attn_func with e4m3 CuPy arrays and
+    # descales on the device, against the float64 attention of the dequantized inputs.
+    import nbflash
+
+    headdim, causal, batch, seqlen_q, seqlen_k, nheads, nheads_k, scalar = case
+    q, k, v, descales = fp8_case(np.random.default_rng(seqlen_q), batch, seqlen_q, seqlen_k, nheads, nheads_k,
+                                 headdim, scalar_descales=scalar)
+    dev = [xp.asarray(x) for x in (q, k, v)]
+    dev_descales = [d if scalar else xp.asarray(d) for d in descales]
+    out, lse = nbflash.flash_attn_func(*dev, causal=causal, return_lse=True, q_descale=dev_descales[0],
+                                       k_descale=dev_descales[1], v_descale=dev_descales[2])
+    check_fp8_error(out.get(), lse.get(), q, k, v, descales, 1.0 / math.sqrt(headdim), CAUSAL if causal else None)
 
 
 # --- The GPU: the same kernel at sizes the simulator cannot afford -----------------------------------

@@ -54,6 +54,22 @@ past a sequence's end and columns past headdim arrive as zeros. out like q (C-co
 float32 (batch, nheads, seqlen_q), natural log. Query head h reads key/value head
 h // (nheads // nheads_k). A row that sees no key gets out = 0 and lse = -inf.
 
+fp8 (``dtype='float8_e4m3fn'``, FlashAttention-3's fp8 forward; compiled and assembled, run in the
+simulator, NOT yet run on a GPU): q, k and v in e4m3, handed over as uint16 arrays of byte pairs
+(so TMA and the tile chunks are those of the 16-bit path, a chunk now 128 columns), out bfloat16
+bits, lse as above. wgmma reads 8-bit operands K-major only, so V arrives transposed: ``v`` is
+V^T, (batch, nheads_k, headdim, seqlen_k rounded up to 16, zeros past the end), and within each
+16 keys in ``FP8_KEY_ORDER``. That order lets a thread pack P, rounded to e4m3 in registers, from
+its own S accumulators into P V's A registers without a shuffle (the fp8 A fragment holds 4
+consecutive k per register, the accumulator pairs 8 columns apart; tests/test_primitives_sm90.py
+shows the pairing). The transpose is the launcher's (nbflash/interface.py): one pass over V, a
+read and a write of its bytes, per call. The per-(batch, kv head) descales (FlashAttention-3's
+q_descale, k_descale, v_descale) come as the last entry of ``params``, a float32 (3, batch,
+nheads_k) array: the first two scale the scores (folded into the exp2 scale), the third O before
+it is written. The row sums l_i add P before its rounding to e4m3. block_n is a multiple of 128
+(V^T's 128-byte swizzled rows are 128 keys); headdim a multiple of 16, padded to 128-column
+chunks (headdim 64 then does twice the tensor-core work it needs); the plain consumer loop only.
+
 Variants: the plain kernel and the window (causal included), with a positive scale folded into
 exp2. Everything else (score features, masks, dropout, block masks, packed sequences) stays with
 the sm80 family (nbflash/kernels/forward_mma.py), as do headdims that are not multiples of 8 and rows
@@ -97,6 +113,7 @@ from nbflash.primitives_sm90 import (
     mbarrier_wait,
     named_barrier_arrive,
     named_barrier_sync,
+    pack_e4m3x4,
     registers_from,
     registers_to,
     setmaxnreg_dec,
@@ -117,13 +134,18 @@ CHUNK = 64  # columns of a tile chunk: one 128-byte swizzled row of 16-bit eleme
 ROW_BYTES = 128  # bytes of a chunk row
 GROUP = 128  # threads of a warpgroup
 SERVED_VARIANTS = (Variant(), Variant(window=True))
+FP8 = "float8_e4m3fn"  # the fp8 forward's input dtype (e4m3, as ml_dtypes and PyTorch name it)
+# fp8: the key at k position p of each 16 in P's A registers and in V^T's rows (see the docstring):
+# position 4 q + 2 c + e holds key 8 c + 2 q + e, the accumulator column thread q holds as value e
+# of 8-column group c.
+FP8_KEY_ORDER = tuple(8 * ((p % 4) // 2) + 2 * (p // 4) + p % 2 for p in range(16))
 
 
 @dataclass(frozen=True)
 class Sm90ForwardConfig:
     """One compiled variant of the Hopper forward kernel."""
 
-    dtype: str  # 'float16' or 'bfloat16'
+    dtype: str  # 'float16', 'bfloat16' or FP8 ('float8_e4m3fn': not yet run on a GPU)
     headdim: int  # a multiple of 8, at most 256
     variant: Variant = Variant()
     block_n: int = 128  # keys per K/V tile
@@ -135,8 +157,12 @@ class Sm90ForwardConfig:
     pingpong: bool = False  # the two consumers take turns issuing their products (needs overlap)
 
     def __post_init__(self):
-        if self.dtype not in ("float16", "bfloat16"):
-            raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
+        if self.dtype not in ("float16", "bfloat16", FP8):
+            raise ValueError(f"{self.dtype=} must be 'float16', 'bfloat16' or {FP8!r}")
+        if self.dtype == FP8:
+            if self.headdim % 16 or self.block_n % 128 or self.overlap:
+                raise ValueError(f"fp8: {self.headdim=} must be a multiple of 16 and {self.block_n=} of 128 "
+                                 f"(V^T's swizzled rows), with the plain loop ({self.overlap=})")
         if self.headdim % 8 or not 8 <= self.headdim <= 256:
             raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..256")
         if self.variant not in SERVED_VARIANTS:
@@ -155,9 +181,15 @@ class Sm90ForwardConfig:
         return 64 * self.consumers
 
     @property
+    def element_bytes(self):
+        return 1 if self.dtype == FP8 else 2
+
+    @property
     def headdim_padded(self):
-        """headdim rounded up to whole 64-column chunks (TMA fills the rest with zeros)."""
-        return -(-self.headdim // CHUNK) * CHUNK
+        """headdim rounded up to whole 128-byte chunks (TMA fills the rest with zeros): 64 columns,
+        or 128 of fp8."""
+        columns = ROW_BYTES // self.element_bytes
+        return -(-self.headdim // columns) * columns
 
     @property
     def threads(self):
@@ -165,12 +197,12 @@ class Sm90ForwardConfig:
 
     @property
     def q_bytes(self):
-        return self.block_m * self.headdim_padded * 2
+        return self.block_m * self.headdim_padded * self.element_bytes
 
     @property
     def kv_bytes(self):
-        """Bytes of one K (or V) tile."""
-        return self.block_n * self.headdim_padded * 2
+        """Bytes of one K (or V, or fp8 V^T) tile."""
+        return self.block_n * self.headdim_padded * self.element_bytes
 
     @property
     def shared_bytes(self):
@@ -203,8 +235,11 @@ def _broadcast(x):
 
 
 def _words(config, q, k, v):
-    return np.stack([tensor_map_4d_words(x, (1, rows, 1, CHUNK), SWIZZLE_128B)
-                     for x, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n))])
+    # fp8's v is V^T (batch, nheads_k, headdim, keys / 2 as uint16): boxes of headdim rows of 128 keys
+    v_box = (1, 1, config.headdim_padded, CHUNK) if config.dtype == FP8 else (1, config.block_n, 1, CHUNK)
+    return np.stack([tensor_map_4d_words(x, box, SWIZZLE_128B)
+                     for x, box in ((q, (1, config.block_m, 1, CHUNK)), (k, (1, config.block_n, 1, CHUNK)),
+                                    (v, v_box))])
 
 
 def tensor_maps(config, q, k, v):
@@ -224,7 +259,8 @@ def tensor_maps(config, q, k, v):
         _COPIES.append((q, k, v))  # held past the launch (the maps name their memory)
         del _COPIES[:-_MAPS_KEPT]
         return cupy.asarray(_words(config, q, k, v))
-    key = (config.block_m, config.block_n, *((x.data.ptr, x.shape, x.strides) for x in (q, k, v)))
+    key = (config.block_m, config.block_n, config.headdim_padded if config.dtype == FP8 else 0,
+           *((x.data.ptr, x.shape, x.strides) for x in (q, k, v)))
     maps = _MAPS.pop(key, None)
     if maps is None:
         maps = cupy.asarray(_words(config, q, k, v))
@@ -239,11 +275,15 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     """Compile-time constants of ``config`` captured in a fresh ``@cuda.jit`` kernel."""
     BM, BN, HD, HDP = config.block_m, config.block_n, config.headdim, config.headdim_padded
     CONSUMERS, STAGES, THREADS = config.consumers, config.stages, config.threads
-    CHUNKS = HDP // CHUNK  # 64-column chunks of a tile
+    IS_FP8 = config.dtype == FP8
+    ELEMENT_BYTES = config.element_bytes
+    CHUNKS = HDP * ELEMENT_BYTES // ROW_BYTES  # 128-byte chunks of a tile's rows
     Q_BYTES, KV_BYTES = config.q_bytes, config.kv_bytes
     Q_CHUNK_BYTES, KV_CHUNK_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
-    S_REGS, O_REGS, P_REGS = BN // 2, HDP // 2, BN // 4  # per thread: S and O accumulators, packed P
-    QK_STEPS, PV_STEPS = HDP // 16, BN // 16  # k16 steps of S = Q K^T and of O += P V
+    VT_CHUNKS, VT_CHUNK_BYTES = BN // ROW_BYTES, HDP * ROW_BYTES  # fp8's V^T tile: chunks of 128 keys
+    # k steps (k16 of 16-bit operands, k32 of fp8: 32 bytes of a row either way) of S = Q K^T and of O += P V
+    QK_STEPS, PV_STEPS = HDP * ELEMENT_BYTES // 32, BN * ELEMENT_BYTES // 32
+    S_REGS, O_REGS, P_REGS = BN // 2, HDP // 2, 4 * PV_STEPS  # per thread: S and O accumulators, packed P
     NT = BN // 8  # 8-column groups of S
     DT = HDP // 8  # 8-column groups of O
     EMPTY_ARRIVALS = CONSUMERS * GROUP  # every consumer thread releases a slot
@@ -255,11 +295,13 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
     head_context = hooks.head_context
     NEG_INF = float32(-math.inf)
-    IS_F16 = config.dtype == "float16"
-    AB = "f16" if IS_F16 else "bf16"
+    IS_F16 = config.dtype == "float16"  # else bfloat16 out (and in, except fp8's e4m3)
+    AB = "e4m3" if IS_FP8 else "f16" if IS_F16 else "bf16"
     pack = pack_f16x2 if IS_F16 else pack_bf16x2
+    DESCALES = len(variants.param_types(config.variant))  # fp8: params' entry of the descales
     wgmma_qk = make_wgmma_ss(BN, AB, 0)  # S (64 x BN) = Q (64 x HDP, K-major) K^T (K: BN rows, K-major)
-    wgmma_pv = make_wgmma_rs(HDP, AB, 1)  # O (64 x HDP) += P (registers) V (keys x HDP, MN-major)
+    # O (64 x HDP) += P (registers) V (keys x HDP, MN-major; fp8: V^T, HDP rows of keys, K-major)
+    wgmma_pv = make_wgmma_rs(HDP, AB, 0 if IS_FP8 else 1)
     # Descriptor strides (bytes): K-major 128B swizzle, 8-row groups 1024 apart (LBO unused: 16);
     # V MN-major, 8-key groups 1024 apart, 64-column chunks a tile chunk apart.
     K_MAJOR = (16, 1024)
@@ -279,9 +321,14 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     def k_descriptor(k_ring, slot):
         return smem_descriptor(k_ring + uint32(slot * KV_BYTES), K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
 
-    @inline_device
-    def v_descriptor(v_ring, slot):
-        return smem_descriptor(v_ring + uint32(slot * KV_BYTES), V_MN_MAJOR[0], V_MN_MAJOR[1], SWIZZLE_128B)
+    if IS_FP8:  # V^T is K-major, as K is: a k32 step (32 keys) is 32 bytes of its rows
+        @inline_device
+        def v_descriptor(v_ring, slot):
+            return smem_descriptor(v_ring + uint32(slot * KV_BYTES), K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
+    else:
+        @inline_device
+        def v_descriptor(v_ring, slot):
+            return smem_descriptor(v_ring + uint32(slot * KV_BYTES), V_MN_MAJOR[0], V_MN_MAJOR[1], SWIZZLE_128B)
 
     # -----------------------------------------------------------------------------------------------
     # Consumer tile operations, on the thread's registers (local arrays indexed by constants)
@@ -341,22 +388,58 @@ def build_forward_sm90(config: Sm90ForwardConfig):
         wgmma_commit()
         return acc_s
 
-    @inline_device
-    @unroll
-    def issue_pv(acc_o, p_regs, desc_v):
-        """O += P V_j, P from registers (k16 step ks: P's registers 4 ks .. 4 ks + 3), one commit group."""
-        for ks in static_range(PV_STEPS):
-            acc_o = wgmma_pv(acc_o, p_regs[4 * ks], p_regs[4 * ks + 1], p_regs[4 * ks + 2], p_regs[4 * ks + 3],
-                             desc_v + uint64(ks * 16 * ROW_BYTES >> 4), uint32(1))
-        wgmma_commit()
-        return acc_o
+    if IS_FP8:
+        @inline_device
+        @unroll
+        def issue_pv(acc_o, p_regs, desc_v):
+            """O += P V_j from V^T (K-major: k32 steps as K's), one commit group."""
+            for ks in static_range(PV_STEPS):
+                acc_o = wgmma_pv(acc_o, p_regs[4 * ks], p_regs[4 * ks + 1], p_regs[4 * ks + 2], p_regs[4 * ks + 3],
+                                 desc_v + k_step(VT_CHUNK_BYTES, ks), uint32(1))
+            wgmma_commit()
+            return acc_o
 
-    @inline_device
-    @unroll
-    def pack_p(s, p):
-        """P's A registers: k16 slice ks is S's registers 8 ks .. 8 ks + 7, packed in pairs."""
-        for i in static_range(P_REGS):
-            p[i] = pack(s[2 * i], s[2 * i + 1])
+        @inline_device
+        @unroll
+        def pack_p(s, p):
+            """P's e4m3 A registers: k32 slice ks is S's registers 16 ks .. 16 ks + 15; register j of it
+            packs the row's (j % 2) pair of 8-column groups 2 (j // 2) and 2 (j // 2) + 1, which puts
+            the keys in FP8_KEY_ORDER, as V^T has them."""
+            for ks in static_range(PV_STEPS):
+                for j in static_range(4):
+                    r0 = 16 * ks + 8 * (j // 2) + 2 * (j % 2)
+                    p[4 * ks + j] = pack_e4m3x4(s[r0], s[r0 + 1], s[r0 + 4], s[r0 + 5])
+
+        @inline_device
+        def fp8_scales(params, b, hk, scale_log2):
+            """The exp2 scale with q's and k's descales folded in, and v's descale (for O)."""
+            descale = params[DESCALES]
+            return scale_log2 * descale[0, b, hk] * descale[1, b, hk], descale[2, b, hk]
+
+        @inline_device
+        @unroll
+        def scale_o(o, factor):
+            for r in static_range(O_REGS):
+                o[r] *= factor
+    else:
+        @inline_device
+        @unroll
+        def issue_pv(acc_o, p_regs, desc_v):
+            """O += P V_j, P from registers (k16 step ks: P's registers 4 ks .. 4 ks + 3), one commit group."""
+            for ks in static_range(PV_STEPS):
+                acc_o = wgmma_pv(acc_o, p_regs[4 * ks], p_regs[4 * ks + 1], p_regs[4 * ks + 2], p_regs[4 * ks + 3],
+                                 desc_v + uint64(ks * 16 * ROW_BYTES >> 4), uint32(1))
+            wgmma_commit()
+            return acc_o
+
+        @inline_device
+        @unroll
+        def pack_p(s, p):
+            """P's A registers: k16 slice ks is S's registers 8 ks .. 8 ks + 7, packed in pairs."""
+            for i in static_range(P_REGS):
+                p[i] = pack(s[2 * i], s[2 * i + 1])
+
+        fp8_scales = scale_o = None  # the kernel's fp8 branches are compiled out
 
     @inline_device
     def store_element(out, b, row, h, col, value):
@@ -458,9 +541,14 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                             tma_load_4d(k_tile + uint32(chunk * KV_CHUNK_BYTES), k_map, chunk * CHUNK, hk, n_start,
                                         b, k_full + uint32(8 * slot))
                         mbarrier_arrive_expect_tx(v_full + uint32(8 * slot), KV_BYTES)
-                        for chunk in static_range(CHUNKS):
-                            tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk, n_start,
-                                        b, v_full + uint32(8 * slot))
+                        if IS_FP8:  # V^T: headdim rows of 128 keys a chunk (keys / 2 in uint16 columns)
+                            for chunk in static_range(VT_CHUNKS):
+                                tma_load_4d(v_tile + uint32(chunk * VT_CHUNK_BYTES), v_map,
+                                            n_start // 2 + chunk * CHUNK, 0, hk, b, v_full + uint32(8 * slot))
+                        else:
+                            for chunk in static_range(CHUNKS):
+                                tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk,
+                                            n_start, b, v_full + uint32(8 * slot))
         else:
             # ---- Consumers: 64 query rows each ----
             if SPLIT_REGISTERS:
@@ -470,6 +558,8 @@ def build_forward_sm90(config: Sm90ForwardConfig):
             q4 = lane & 3
             row0 = m_start + 64 * consumer + 16 * ((tid % GROUP) // 32) + (lane >> 2)  # +8: the second row
             head_ctx = head_context(params, b, h)
+            if IS_FP8:  # S and O in the inputs' true units
+                scale_log2, v_scale = fp8_scales(params, b, hk, scale_log2)
             desc_q = smem_descriptor(q_tile + uint32(64 * consumer * ROW_BYTES), K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
 
             s = cuda.local.array(S_REGS, float32)
@@ -574,6 +664,8 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                     named_barrier_sync(1, TURN_THREADS)  # consumer 1's last hand-over, so none is left over
 
             # ---- Epilogue: normalise and write O_i and lse_i ----
+            if IS_FP8:
+                scale_o(o, v_scale)
             write_output(out, lse, o, m_i, l_i, b, h, row0, seqlen_q, scale_log2, q4)
 
     return forward_sm90

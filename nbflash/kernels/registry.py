@@ -21,12 +21,12 @@ from .backward_portable import PortableBackwardConfig, build_backward_portable
 from .decode_mma import MmaDecodeConfig, build_decode_mma
 from .forward_mma import MmaForwardConfig, build_forward_mma
 from .forward_portable import PortableForwardConfig, build_forward_portable
-from .forward_sm90 import Sm90ForwardConfig, build_forward_sm90, tensor_maps
+from .forward_sm90 import FP8, Sm90ForwardConfig, build_forward_sm90, tensor_maps
 from .kvcache import AppendConfig, CombineConfig, build_append, build_combine
 
 
-def _params(config):
-    names = ", ".join(variants.param_types(config.variant))
+def _params(config, extra=()):
+    names = ", ".join((*variants.param_types(config.variant), *extra))
     return f"Tuple(({names}{',' if names else ''}))"
 
 
@@ -43,10 +43,12 @@ def _forward(config):
 
 
 def _forward_sm90(config):
-    """The forward's arguments, then the tensor maps of q, k, v (``HOST_ARGUMENTS``)."""
+    """The forward's arguments, then the tensor maps of q, k, v (``HOST_ARGUMENTS``). fp8: every
+    array uint16 (byte pairs in, bfloat16 bits out), and the descales after the variant's params."""
     t = KERNEL_DTYPE[config.dtype].name
+    params = _params(config, ("float32[:,:,::1]",) if config.dtype == FP8 else ())
     return (f"void({t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,:], {t}[:,:,:,::1], float32[:,:,::1], uint64[:,::1], "
-            f"float32, {_params(config)})")
+            f"float32, {params})")
 
 
 def _backward(config):
