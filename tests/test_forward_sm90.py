@@ -205,7 +205,11 @@ def check_fp8_error(out, lse, q, k, v, descales, scale, window):
     return err, naive_err
 
 
-def test_fp8_kernel_ring_wraps():
+def _host(x):
+    return x.get() if hasattr(x, "get") else x
+
+
+def test_fp8_kernel_ring_wraps(xp):
     # A small config straight through the launcher: one consumer, headdim 64 padded to a 128-byte
     # chunk, 3 key tiles of 128 through a 2-stage ring, seqlen_k 300 (V^T padded to 304, the tail
     # masked), per-head descales.
@@ -214,42 +218,45 @@ def test_fp8_kernel_ring_wraps():
     rng = np.random.default_rng(80)
     config = Sm90ForwardConfig("float8_e4m3fn", 64, PLAIN, block_n=128, consumers=1)
     q, k, v, descales = fp8_case(rng, 1, 9, 300, 2, 2, 64)
-    out = np.full(q.shape, np.nan, dtype=ml_dtypes.bfloat16)
-    lse = np.full((1, 2, 9), np.nan, dtype=np.float32)
+    out = xp.asarray(np.full(q.shape, np.nan, dtype=ml_dtypes.bfloat16))
+    lse = xp.full((1, 2, 9), np.nan, dtype=np.float32)
     scale = 1.0 / math.sqrt(64)
+    q_dev, k_dev, v_dev = (xp.asarray(x) for x in (q, k, v))
     launch.compiled(config).launch(
-        config.grid(1, 2, 9), (q.view(np.uint16), k.view(np.uint16), interface.fp8_transposed_v(v), out, lse),
-        (np.float32(scale * math.log2(math.e)),), (interface._fp8_descales(descales, 1, 2, np),))
-    check_fp8_error(out, lse, q, k, v, descales, scale, None)
+        config.grid(1, 2, 9), (q_dev.view(np.uint16), k_dev.view(np.uint16), interface.fp8_transposed_v(v_dev), out,
+                               lse),
+        (np.float32(scale * math.log2(math.e)),),
+        (interface._fp8_descales([xp.asarray(d) for d in descales], 1, 2, xp),))
+    check_fp8_error(_host(out), _host(lse), q, k, v, descales, scale, None)
 
 
-def test_fp8_public_api_causal_gqa():
+def test_fp8_public_api_causal_gqa(xp):
     # flash_attn_func with e4m3 inputs and FlashAttention-3's descales (scalars here): the planned
     # config (two consumers), causal with seqlen_q > seqlen_k (rows without keys), GQA 2:1.
     import nbflash
 
     q, k, v, descales = fp8_case(np.random.default_rng(81), 1, 70, 40, 2, 1, 128, scalar_descales=True)
-    out, lse = nbflash.flash_attn_func(q, k, v, causal=True, return_lse=True, q_descale=descales[0],
-                                       k_descale=descales[1], v_descale=descales[2])
+    out, lse = nbflash.flash_attn_func(*(xp.asarray(x) for x in (q, k, v)), causal=True, return_lse=True,
+                                       q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
     assert out.dtype == ml_dtypes.bfloat16 and out.shape == q.shape
-    check_fp8_error(out, lse, q, k, v, descales, 1.0 / math.sqrt(128), CAUSAL)
+    check_fp8_error(_host(out), _host(lse), q, k, v, descales, 1.0 / math.sqrt(128), CAUSAL)
 
 
-def test_fp8_refusals(monkeypatch):
+def test_fp8_refusals(monkeypatch, xp):
     import nbflash
     from nbflash import configs
 
     e4m3 = ml_dtypes.float8_e4m3fn
-    q = np.zeros((1, 8, 1, 64), dtype=e4m3)
+    q = xp.asarray(np.zeros((1, 8, 1, 64), dtype=e4m3))
     with pytest.raises(ValueError, match="takes softmax_scale, causal and window_size only"):
         nbflash.flash_attn_func(q, q, q, softcap=5.0)
     with pytest.raises(TypeError, match="float8_e4m3fn"):
-        half = np.zeros((1, 8, 1, 64), dtype=np.float16)
+        half = xp.zeros((1, 8, 1, 64), dtype=np.float16)
         nbflash.flash_attn_func(half, half, half, q_descale=np.float32(2))
     with pytest.raises(ValueError, match=r"shape \(batch, nheads_k\)"):
-        nbflash.flash_attn_func(q, q, q, k_descale=np.ones((2, 1), np.float32))
+        nbflash.flash_attn_func(q, q, q, k_descale=xp.ones((2, 1), np.float32))
     with pytest.raises(ValueError, match="multiple of 16"):
-        nbflash.flash_attn_func(*(np.zeros((1, 8, 1, 40), dtype=e4m3),) * 3)
+        nbflash.flash_attn_func(*(xp.asarray(np.zeros((1, 8, 1, 40), dtype=e4m3)),) * 3)
     monkeypatch.setattr(configs, "_compute_capability", lambda device: (8, 9))
     with pytest.raises(ValueError, match="compute capability 9.0 only"):
         nbflash.flash_attn_func(q, q, q)
@@ -282,7 +289,7 @@ def test_fp8_forward_gpu(case, xp):
     dev_descales = [d if scalar else xp.asarray(d) for d in descales]
     out, lse = nbflash.flash_attn_func(*dev, causal=causal, return_lse=True, q_descale=dev_descales[0],
                                        k_descale=dev_descales[1], v_descale=dev_descales[2])
-    check_fp8_error(out.get(), lse.get(), q, k, v, descales, 1.0 / math.sqrt(headdim), CAUSAL if causal else None)
+    check_fp8_error(_host(out), _host(lse), q, k, v, descales, 1.0 / math.sqrt(headdim), CAUSAL if causal else None)
 
 
 # --- The GPU: the same kernel at sizes the simulator cannot afford -----------------------------------

@@ -235,11 +235,12 @@ def _broadcast(x):
 
 
 def _words(config, q, k, v):
-    # fp8's v is V^T (batch, nheads_k, headdim, keys / 2 as uint16): boxes of headdim rows of 128 keys
-    v_box = (1, 1, config.headdim_padded, CHUNK) if config.dtype == FP8 else (1, config.block_n, 1, CHUNK)
-    return np.stack([tensor_map_4d_words(x, box, SWIZZLE_128B)
-                     for x, box in ((q, (1, config.block_m, 1, CHUNK)), (k, (1, config.block_n, 1, CHUNK)),
-                                    (v, v_box))])
+    if config.dtype == FP8:  # v is V^T (batch, nheads_k, headdim, keys / 2 as uint16): headdim rows of 128 keys
+        return np.stack([tensor_map_4d_words(q, (1, config.block_m, 1, CHUNK), SWIZZLE_128B),
+                         tensor_map_4d_words(k, (1, config.block_n, 1, CHUNK), SWIZZLE_128B),
+                         tensor_map_4d_words(v, (1, 1, config.headdim_padded, CHUNK), SWIZZLE_128B)])
+    return np.stack([tensor_map_4d_words(x, (1, rows, 1, CHUNK), SWIZZLE_128B)
+                     for x, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n))])
 
 
 def tensor_maps(config, q, k, v):
@@ -300,8 +301,10 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     pack = pack_f16x2 if IS_F16 else pack_bf16x2
     DESCALES = len(variants.param_types(config.variant))  # fp8: params' entry of the descales
     wgmma_qk = make_wgmma_ss(BN, AB, 0)  # S (64 x BN) = Q (64 x HDP, K-major) K^T (K: BN rows, K-major)
-    # O (64 x HDP) += P (registers) V (keys x HDP, MN-major; fp8: V^T, HDP rows of keys, K-major)
-    wgmma_pv = make_wgmma_rs(HDP, AB, 0 if IS_FP8 else 1)
+    if IS_FP8:  # O (64 x HDP) += P (registers) V, from V^T (HDP rows of keys, K-major)
+        wgmma_pv = make_wgmma_rs(HDP, AB, 0)
+    else:
+        wgmma_pv = make_wgmma_rs(HDP, AB, 1)  # O (64 x HDP) += P (registers) V (keys x HDP, MN-major)
     # Descriptor strides (bytes): K-major 128B swizzle, 8-row groups 1024 apart (LBO unused: 16);
     # V MN-major, 8-key groups 1024 apart, 64-column chunks a tile chunk apart.
     K_MAJOR = (16, 1024)
