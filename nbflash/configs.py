@@ -68,15 +68,20 @@ MMA_FORWARD = [
 _forced_family = contextvars.ContextVar("nbflash_kernel_family", default=None)
 
 
-@contextlib.contextmanager
 def kernel_family(family):
     """Run the calls inside the ``with`` block on one kernel family: ``"sm90"``, ``"mma"`` or
     ``"portable"``.
 
-    A call the forced family cannot serve (float32 on ``"mma"``, say) raises ValueError. The sm90
-    family has no backward of its own: a backward under ``"sm90"`` runs the mma family's.
+    A name that is not a family raises ValueError here, at the call (not only on entering the
+    block). A call the forced family cannot serve (float32 on ``"mma"``, say) raises ValueError.
+    The sm90 family has no backward of its own: a backward under ``"sm90"`` runs the mma family's.
     """
     _check_family(family)
+    return _forcing(family)
+
+
+@contextlib.contextmanager
+def _forcing(family):
     token = _forced_family.set(family)
     try:
         yield
