@@ -20,7 +20,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def _fill(cupy, shape, seed):
+def random_half(cupy, shape, seed):
+    """A large float16 array of N(0, 1) values, drawn a chunk at a time (no float32 copy of it all)."""
     x = cupy.empty(shape, np.float16)
     flat = x.reshape(-1)
     rng = cupy.random.default_rng(seed)
@@ -61,7 +62,7 @@ def main(argv=None):
     import nbflash
 
     n, h, d = args.seqlen, args.nheads, args.headdim
-    q, k, v = (_fill(cupy, (1, n, h, d), seed) for seed in (1, 2, 3))
+    q, k, v = (random_half(cupy, (1, n, h, d), seed) for seed in (1, 2, 3))
     inputs = 3 * q.nbytes
     forward = lambda: nbflash.flash_attn_func(q, k, v, causal=True, return_lse=True)  # noqa: E731
     (out, lse) = forward()  # warm-up (compiles on a cold cache)
@@ -72,7 +73,7 @@ def main(argv=None):
     print(f"forward : {fwd_ms:9.1f} ms  {flops / fwd_ms / 1e9:6.1f} TFLOP/s  "
           f"+{fwd_extra / 2**30:.2f} GiB (out and lse)")
     if not args.no_backward:
-        dout = _fill(cupy, out.shape, 4)
+        dout = random_half(cupy, out.shape, 4)
         backward = lambda: nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True)  # noqa: E731
         grads = backward()
         del grads

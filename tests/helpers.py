@@ -8,6 +8,7 @@ import pytest
 
 import nbflash
 from nbflash.dtypes import SUPPORTED
+from nbflash.reference import visible
 
 # Absolute floor added to the error budget (flash-attn's rule is "at most twice the error of a
 # same-precision naive implementation"; a float32 naive path can be nearly exact on easy inputs).
@@ -108,3 +109,30 @@ def small_tiles():
             yield
     finally:
         clear()  # after the tables are restored: no small-tile config outlives the block
+
+
+def kernel_reference(q, k, v, scale, window, p_dtype=None):
+    """What a forward kernel's test compares against, on (batch, seqlen, heads, headdim) host
+    arrays: attention in float64 (or, with p_dtype, the naive low-precision version), out and lse;
+    ``window`` a flash-attn window_size, or None."""
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    work = np.float64 if p_dtype is None else np.float32
+    q, k, v = (x.astype(work) for x in (q, k, v))
+    k = np.repeat(k, nheads // nheads_k, axis=2)
+    v = np.repeat(v, nheads // nheads_k, axis=2)
+    s = np.einsum("bihd,bjhd->bhij", q, k) * scale
+    mask = visible(seqlen_q, seqlen_k, window_size=window) if window else None
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    p = p / np.where(l > 0, l, 1)
+    if p_dtype is not None:
+        p = p.astype(p_dtype).astype(work)
+    out = np.einsum("bhij,bjhd->bihd", p, v)
+    with np.errstate(divide="ignore"):
+        lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(l[..., 0]), -np.inf)
+    return out, lse

@@ -25,6 +25,8 @@ from nbflash.kernels.forward_sm90 import Sm90ForwardConfig
 from nbflash.problem import Variant, window_bounds
 from nbflash.reference import visible
 
+from .helpers import kernel_reference as reference
+
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 NP_DTYPE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -42,29 +44,6 @@ def _is_sm90():
 
 pytestmark = pytest.mark.skipif(not P.SIMULATOR and not _is_sm90(),
                                 reason="sm_90a instructions run only on compute capability 9.0")
-
-
-def reference(q, k, v, scale, window, p_dtype=None):
-    """Attention in float64 (or, with p_dtype, the naive low-precision version): out and lse."""
-    nheads, nheads_k = q.shape[2], k.shape[2]
-    work = np.float64 if p_dtype is None else np.float32
-    q, k, v = (x.astype(work) for x in (q, k, v))
-    k = np.repeat(k, nheads // nheads_k, axis=2)
-    v = np.repeat(v, nheads // nheads_k, axis=2)
-    s = np.einsum("bihd,bjhd->bhij", q, k) * scale
-    mask = visible(q.shape[1], k.shape[1], window_size=window) if window else None
-    if mask is not None:  # None: the window hides nothing
-        s = np.where(mask, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0)
-    p = np.exp(s - m)
-    l = p.sum(axis=-1, keepdims=True)
-    p = p / np.where(l > 0, l, 1)
-    if p_dtype is not None:
-        p = p.astype(p_dtype).astype(work)
-    with np.errstate(divide="ignore"):
-        lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(l[..., 0]), -np.inf)
-    return np.einsum("bhij,bjhd->bihd", p, v), lse
 
 
 def run_kernel(config, q, k, v, scale, window, xp):

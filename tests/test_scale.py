@@ -12,12 +12,16 @@ across the 2^31-element boundary and at the end of the arrays.
 """
 
 import os
+import sys
 
 import numpy as np
 import pytest
 
 import nbflash
 from tests.conftest import SIMULATOR
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+from long_sequence import random_half  # noqa: E402  (scripts/ is not a package)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,18 +31,6 @@ pytestmark = [
 
 WINDOW = 96  # keys to the left of each row (and the row itself): causal, window (WINDOW, 0)
 SLICE = 256  # rows per checked slice
-
-
-def _fill(cupy, shape, seed):
-    """A large float16 array of N(0, 1) values, drawn a chunk at a time (no float32 copy of it all)."""
-    x = cupy.empty(shape, np.float16)
-    flat = x.reshape(-1)
-    rng = cupy.random.default_rng(seed)
-    step = 1 << 28
-    for start in range(0, flat.size, step):
-        stop = min(flat.size, start + step)
-        flat[start:stop] = rng.standard_normal(stop - start, dtype=np.float32).astype(np.float16)
-    return x
 
 
 def _slices(seqlen, nheads, headdim):
@@ -56,10 +48,10 @@ def test_forward_and_backward_past_2_31_elements():
 
     batch, seqlen, nheads, headdim = 1, (1 << 20) + 4096, 16, 128  # q, k, v: 2^31 + 2^23 elements each
     assert batch * seqlen * nheads * headdim > 1 << 31
-    q, k, v = (_fill(cupy, (batch, seqlen, nheads, headdim), seed) for seed in (1, 2, 3))
+    q, k, v = (random_half(cupy, (batch, seqlen, nheads, headdim), seed) for seed in (1, 2, 3))
     window = (WINDOW, 0)
     out, lse = nbflash.flash_attn_func(q, k, v, causal=True, window_size=window, return_lse=True)
-    dout = _fill(cupy, out.shape, 4)
+    dout = random_half(cupy, out.shape, 4)
     dq, dk, dv = nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, window_size=window)
     for a in _slices(seqlen, nheads, headdim):
         rows, keys = (a, a + SLICE), (a - WINDOW, a + SLICE)
@@ -82,7 +74,7 @@ def test_batch_past_2_31_elements():
 
     batch, seqlen, nheads, headdim = 4100, 512, 8, 128  # 2^31 + 2^22 elements each
     assert batch * seqlen * nheads * headdim > 1 << 31
-    q, k, v = (_fill(cupy, (batch, seqlen, nheads, headdim), seed) for seed in (5, 6, 7))
+    q, k, v = (random_half(cupy, (batch, seqlen, nheads, headdim), seed) for seed in (5, 6, 7))
     out = nbflash.flash_attn_func(q, k, v, causal=True)
     for b in (0, (1 << 31) // (seqlen * nheads * headdim), batch - 1):
         want = nbflash.attention_reference(q[b:b + 1].get(), k[b:b + 1].get(), v[b:b + 1].get(), causal=True)
@@ -103,8 +95,8 @@ def test_decode_cache_past_2_31_elements(page_size):
         shape = (batch * per_seq, page_size, nheads_k, headdim)
         table = cupy.asarray(rng.permutation(batch * per_seq).reshape(batch, per_seq).astype(np.int32))
     assert int(np.prod(shape)) > 1 << 31
-    k_cache, v_cache = _fill(cupy, shape, 9), _fill(cupy, shape, 10)
-    q = _fill(cupy, (batch, 1, nheads, headdim), 11)
+    k_cache, v_cache = random_half(cupy, shape, 9), random_half(cupy, shape, 10)
+    q = random_half(cupy, (batch, 1, nheads, headdim), 11)
     lengths = np.array([capacity, capacity - 1000], np.int32)
     out = nbflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cupy.asarray(lengths),
                                           block_table=table)
