@@ -77,7 +77,6 @@ from nbflash.primitives import (
     cp_async_commit,
     cp_async_wait,
     exp2_approx,
-    f32_to_bf16_bits,
     global_address,
     inline_device,
     ldmatrix_x4,
@@ -94,6 +93,7 @@ from nbflash.primitives import (
 )
 
 from . import variants
+from .tiles import output_store
 
 LN2 = math.log(2.0)
 
@@ -211,7 +211,6 @@ def build_forward_mma(config: MmaForwardConfig):
         ELEM, mma, pack = float16, mma_f16, pack_f16x2
     else:
         ELEM, mma, pack = uint16, mma_bf16, pack_bf16x2
-    IS_F16 = config.dtype == "float16"
 
     # -----------------------------------------------------------------------------------------------
     # Tile loads: global rows [row0, row0 + rows) of one head into a shared tile, zero-padded
@@ -407,12 +406,7 @@ def build_forward_mma(config: MmaForwardConfig):
                         for i in static_range(4):
                             acc[mt, dt, i] = d[i]
 
-    @inline_device
-    def store_element(out, b, row, h, col, value):
-        if IS_F16:
-            out[b, row, h, col] = float16(value)
-        else:
-            out[b, row, h, col] = f32_to_bf16_bits(value)
+    store_element = output_store(config.dtype)  # out[b, row, h, col] = value, narrowed
 
     @inline_device
     @unroll

@@ -82,12 +82,10 @@ from functools import lru_cache
 
 import numpy as np
 from numba import cuda, float32, uint32, uint64
-from numba.types import float16
 
 from nbflash.primitives import (
     SIMULATOR,
     exp2_approx,
-    f32_to_bf16_bits,
     inline_device,
     pack_bf16x2,
     pack_f16x2,
@@ -128,6 +126,7 @@ from nbflash.primitives_sm90 import (
 from nbflash.problem import Variant
 
 from . import variants
+from .tiles import output_store
 
 LN2 = math.log(2.0)
 CHUNK = 64  # columns of a tile chunk: one 128-byte swizzled row of 16-bit elements
@@ -444,12 +443,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
 
         fp8_scales = scale_o = None  # the kernel's fp8 branches are compiled out
 
-    @inline_device
-    def store_element(out, b, row, h, col, value):
-        if IS_F16:
-            out[b, row, h, col] = float16(value)
-        else:
-            out[b, row, h, col] = f32_to_bf16_bits(value)
+    store_element = output_store("float16" if IS_F16 else "bfloat16")  # out[b, row, h, col] = value, narrowed
 
     @inline_device
     @unroll

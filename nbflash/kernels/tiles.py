@@ -5,8 +5,9 @@ count, its element type), so its loops have constant trip counts.
 """
 
 from numba import cuda, float32
+from numba.types import float16
 
-from ..primitives import bf16_bits_to_f32, f32_to_bf16_bits, to_f32
+from ..primitives import bf16_bits_to_f32, f32_to_bf16_bits, inline_device, to_f32
 
 
 def element_io(dtype):
@@ -17,6 +18,25 @@ def element_io(dtype):
     if dtype == "bfloat16":
         return bf16_bits_to_f32, f32_to_bf16_bits
     return to_f32, to_f32
+
+
+def output_store(dtype):
+    """A device function ``store_element(out, b, row, h, col, value)``: out[b, row, h, col] =
+    value (float32) narrowed to ``dtype`` (float16, or bfloat16 as its uint16 bits), the tensor-core
+    kernels' output write."""
+    if dtype == "float16":
+
+        @inline_device
+        def store_element(out, b, row, h, col, value):
+            out[b, row, h, col] = float16(value)
+
+    else:
+
+        @inline_device
+        def store_element(out, b, row, h, col, value):
+            out[b, row, h, col] = f32_to_bf16_bits(value)
+
+    return store_element
 
 
 def tile_loader(headdim, num_threads, load):
