@@ -25,6 +25,9 @@ from functools import lru_cache
 from . import runtime
 from .problem import Variant
 from .kernels.backward_mma import MmaBackwardConfig
+from .kernels.backward_sm90 import MAX_HEADDIM as SM90_BACKWARD_MAX_HEADDIM
+from .kernels.backward_sm90 import SERVED_VARIANTS as SM90_BACKWARD_VARIANTS
+from .kernels.backward_sm90 import Sm90BackwardConfig
 from .kernels.forward_mma import MmaForwardConfig
 from .kernels.forward_sm90 import SERVED_VARIANTS as SM90_VARIANTS
 from .kernels.forward_sm90 import FP8, Sm90ForwardConfig
@@ -74,7 +77,9 @@ def kernel_family(family):
 
     A name that is not a family raises ValueError here, at the call (not only on entering the
     block). A call the forced family cannot serve (float32 on ``"mma"``, say) raises ValueError.
-    The sm90 family has no backward of its own: a backward under ``"sm90"`` runs the mma family's.
+    A backward under ``"sm90"`` runs the Hopper dK/dV kernel where it serves the call (atomic dq,
+    plain or windowed attention, headdim up to 128: ``sm90_backward_unsupported_reason``) and the
+    mma family's kernels otherwise.
     """
     _check_family(family)
     return _forcing(family)
@@ -317,17 +322,59 @@ MMA_BACKWARD_DQ = [
 ]
 
 
+# Hopper backward (nbflash/kernels/backward_sm90.py): (largest headdim, stages of the Q/dO ring);
+# block_m 64, block_n 128 (two consumer warpgroups of 64 keys). Start points, not tuned.
+SM90_BACKWARD = [
+    (64, 2),
+    (128, 2),
+]
+# The headdims at which the sm90 backward is the default on compute capability 9.0 (where it was
+# measured faster than the mma family); none yet: it runs when the "sm90" family is forced.
+SM90_BACKWARD_DEFAULT_HEADDIMS = ()
+
+
+def sm90_backward_unsupported_reason(static, deterministic, aligned):
+    """Why the sm90 backward (its dK/dV kernel) cannot run this call, or None when it can."""
+    reason = mma_unsupported_reason(static.dtype, static.device)
+    if reason:
+        return reason
+    cc = _compute_capability(static.device)
+    if cc != SM90_COMPUTE_CAPABILITY:
+        return f"the sm90 backward runs on compute capability 9.0 only, this GPU has {cc[0]}.{cc[1]}"
+    if deterministic:
+        return "the sm90 backward adds dq with atomics; deterministic=True runs the mma family's fixed order"
+    if static.variant._replace(score_mod_grad="") not in SM90_BACKWARD_VARIANTS:
+        return "the sm90 backward serves plain and windowed (causal) attention without other features"
+    if static.headdim % 8 or static.headdim > SM90_BACKWARD_MAX_HEADDIM:
+        return (f"the sm90 backward takes headdim a multiple of 8 up to {SM90_BACKWARD_MAX_HEADDIM}, "
+                f"not {static.headdim}")
+    if not aligned:
+        return "the sm90 backward's TMA needs every row of q, k, v and dout on a 16-byte boundary"
+    return None
+
+
+@lru_cache(maxsize=None)
+def sm90_backward_config(dtype, headdim, variant):
+    _, stages = _row(SM90_BACKWARD, headdim)
+    return Sm90BackwardConfig(dtype=dtype, headdim=headdim, variant=variant, stages=stages)
+
+
 def plan_backward(static, deterministic, family=None, aligned=None):
     """The kernel configs of a backward call: (preprocess, dkdv, dq or convert_dq), for a problem's
     static part (``Problem.static``). ``aligned``: every row of q, k, v and dout starts on a 16-byte
     boundary (the tensor-core kernels then copy tiles with cp.async); default ``static.aligned``.
 
-    ``family`` "mma" (tensor-core dK/dV and dQ kernels, float16/bfloat16 on compute capability
-    >= 8.0; the default wherever it applies) or "portable" (any dtype and GPU; the default
-    elsewhere). Both use the portable preprocess and dq-conversion kernels.
+    ``family`` "sm90" (the Hopper dK/dV kernel with atomic dq, where it serves the call:
+    ``sm90_backward_unsupported_reason``; the mma family's kernels otherwise; the default at
+    ``SM90_BACKWARD_DEFAULT_HEADDIMS``), "mma" (tensor-core dK/dV and dQ kernels, float16/bfloat16
+    on compute capability >= 8.0; the default wherever it applies) or "portable" (any dtype and
+    GPU; the default elsewhere). All use the portable preprocess and dq-conversion kernels.
     """
     dtype, headdim, device = static.dtype, static.headdim, static.device
     aligned = static.aligned if aligned is None else aligned
+    sm90 = family == "sm90" or (family is None and not runtime.SIMULATOR
+                                and headdim in SM90_BACKWARD_DEFAULT_HEADDIMS)
+    sm90 = sm90 and sm90_backward_unsupported_reason(static, deterministic, aligned) is None
     family = _resolve_family(dtype, device, "mma" if family == "sm90" else family)
     atomic = not deterministic
     common = dict(dtype=dtype, headdim=headdim, variant=static.variant, atomic_dq=atomic)
@@ -339,6 +386,8 @@ def plan_backward(static, deterministic, family=None, aligned=None):
     convert = PortableBackwardConfig("convert_dq", block_m=rows, block_n=rows,
                                      threads_per_row=rows_threads, **rowwise)
 
+    if sm90:
+        return preprocess, sm90_backward_config(dtype, headdim, static.variant._replace(score_mod_grad="")), convert
     if family == "mma":
         _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DKDV, headdim)
         vector = dict(common, aligned=aligned and headdim % 8 == 0)

@@ -649,11 +649,11 @@ if SIMULATOR:
             return lambda bits: np.asarray(bits, dtype=np.uint8).view(fp8).astype(np.float64)
         return _p._decode_f16 if ab == "f16" else _p._decode_bf16
 
-    def _make_wgmma_ss(n, ab, trans_b):
+    def _make_wgmma_ss(n, ab, trans_b, trans_a=0):
         decode, esize = _decode(ab), 1 if ab in _FP8 else 2
 
         def combine(posted):
-            a = _read_operand(_uniform(posted, 0, "desc_a"), 64, False, decode, esize)
+            a = _read_operand(_uniform(posted, 0, "desc_a"), 64, bool(trans_a), decode, esize)
             b = _read_operand(_uniform(posted, 1, "desc_b"), n, bool(trans_b), decode, esize)
             return _finish(n, posted, a, b, int(_uniform(posted, 2, "scale_d")))
 
@@ -894,7 +894,7 @@ else:
         ftype = ir.FunctionType(ir.LiteralStructType([lltype] * count), [a.type for a in inputs])
         return builder.asm(ftype, text, constraints, list(inputs), True)
 
-    def _wgmma_intrinsic(n, ab, trans_b, register_a):
+    def _wgmma_intrinsic(n, ab, trans_b, register_a, trans_a=0):
         regs = n // 2
         d = ", ".join(f"${i}" for i in range(regs))
         if register_a:
@@ -905,7 +905,7 @@ else:
         else:
             a = f"${regs}"
             desc_b, scale = regs + 1, regs + 2
-            layout = f", 0, {trans_b}"
+            layout = f", {trans_a}, {trans_b}"  # imm-trans-a, imm-trans-b
             input_constraints = ["l", "l", "r"]
         k = 16
         if ab in _FP8:  # k32, and no transpose operands: fp8 operands are K-major only
@@ -933,8 +933,8 @@ else:
 
         return intrinsic(_with_arity(1 + len(scalar_args), typer))
 
-    def _make_wgmma_ss(n, ab, trans_b):
-        return _wgmma_intrinsic(n, ab, trans_b, register_a=False)
+    def _make_wgmma_ss(n, ab, trans_b, trans_a=0):
+        return _wgmma_intrinsic(n, ab, trans_b, register_a=False, trans_a=trans_a)
 
     def _make_wgmma_rs(n, ab, trans_b):
         return _wgmma_intrinsic(n, ab, trans_b, register_a=True)
@@ -1000,22 +1000,26 @@ else:
         return types.void(arr, values), codegen
 
 
-def _check_wgmma(n, ab, trans_b):
+def _check_wgmma(n, ab, trans_b, trans_a=0):
     if n % 8 or not 8 <= n <= 256:
         raise ValueError(f"wgmma m64n{n}: n must be a multiple of 8 in [8, 256]")
     if ab not in ("f16", "bf16") + _FP8:
         raise ValueError(f"wgmma operands {ab!r}: 'f16', 'bf16', 'e4m3' or 'e5m2'")
     if trans_b not in (0, 1):
         raise ValueError(f"{trans_b=}: 0 (B K-major) or 1 (B MN-major)")
-    if ab in _FP8 and trans_b:
-        raise ValueError(f"wgmma {ab}: 8-bit operands are K-major only (trans_b=0); transpose V in memory")
+    if trans_a not in (0, 1):
+        raise ValueError(f"{trans_a=}: 0 (A K-major) or 1 (A MN-major)")
+    if ab in _FP8 and (trans_b or trans_a):
+        raise ValueError(f"wgmma {ab}: 8-bit operands are K-major only (trans_a=trans_b=0); transpose V in memory")
 
 
-def make_wgmma_ss(n, ab="f16", trans_b=0):
+def make_wgmma_ss(n, ab="f16", trans_b=0, trans_a=0):
     """``wgmma(acc, desc_a, desc_b, scale_d) -> acc``: wgmma.mma_async.sync.aligned.m64n{n}k16
-    .f32.{ab}.{ab}, both operands in shared memory (SS). A is 64x16 K-major through
-    ``desc_a``; B is 16 x n, stored K-major (n rows of 16 k, ``trans_b=0``) or MN-major (16 rows
-    of n, ``trans_b=1``) through ``desc_b``. With ``ab`` 'e4m3' or 'e5m2' (fp8) it is m64n{n}k32:
+    .f32.{ab}.{ab}, both operands in shared memory (SS). A is 64x16 through ``desc_a``,
+    stored K-major (64 rows of 16 k, ``trans_a=0``) or MN-major (16 rows of 64, ``trans_a=1``:
+    a transposed image, such as dS^T stored to give dS, 16-bit only); B is 16 x n, stored
+    K-major (n rows of 16 k, ``trans_b=0``) or MN-major (16 rows of n, ``trans_b=1``) through
+    ``desc_b``. With ``ab`` 'e4m3' or 'e5m2' (fp8) it is m64n{n}k32:
     A 64x32 and B 32 x n, both K-major (``trans_b`` 0; the PTX has no transpose operands for
     8-bit types), in the K-major images above descriptor_bits with 1-byte elements; the k32 step
     moves the descriptor by the f16 k16 step's bytes. The fp8 form has not run on a GPU yet. ``acc`` is this thread's n/2 float32 accumulator
@@ -1030,8 +1034,8 @@ def make_wgmma_ss(n, ab="f16", trans_b=0):
     descriptor_bits: no swizzle or 128B, base offset 0), multiplies in float64, rounds once to
     float32 (the hardware accumulates in float32 in its own order; for fp8 products it is said to
     keep fewer bits in its partial sums, so a GPU check allows more) and completes at once."""
-    _check_wgmma(n, ab, trans_b)
-    return _make_wgmma_ss(n, ab, trans_b)
+    _check_wgmma(n, ab, trans_b, trans_a)
+    return _make_wgmma_ss(n, ab, trans_b, trans_a)
 
 
 def make_wgmma_rs(n, ab="f16", trans_b=0):
@@ -1097,6 +1101,43 @@ def make_tensor_map_4d(x, box, swizzle=SWIZZLE_NONE):
     import cupy
 
     return cupy.asarray(words)
+
+
+_MAPS = {}  # (the caller's key, the arrays' pointers, shapes, strides) -> device maps, most recent last
+_MAPS_KEPT = 32
+_COPIES = []  # the last broadcast inputs' contiguous copies
+
+
+def _broadcast(x):
+    """x has a stride-0 dimension of more than one element (one tensor seen over several rows)."""
+    return any(s == 0 and n > 1 for n, s in zip(x.shape, x.strides))
+
+
+def cached_tensor_maps(key, arrays, make_words):
+    """A kernel's tensor maps of ``arrays`` in device memory: ``make_words(*arrays)`` (a NumPy
+    (n, 16) uint64 array, e.g. stacked tensor_map_4d_words) copied to the GPU, and kept for the
+    last few calls under ``key`` and the arrays' pointers, shapes and strides: a model calls
+    attention on the same buffers again and again, and a map costs a driver call and a copy. A
+    broadcast input (a stride 0, which a tensor map cannot hold) is copied for the call, its maps
+    not kept, the copy held for the last few calls (CuPy's pool reuses memory in stream order).
+    In the simulator the words themselves."""
+    if SIMULATOR:
+        return make_words(*arrays)
+    import cupy
+
+    if any(_broadcast(x) for x in arrays):
+        arrays = tuple(cupy.ascontiguousarray(x) if _broadcast(x) else x for x in arrays)
+        _COPIES.append(arrays)  # held past the launch (the maps name their memory)
+        del _COPIES[:-_MAPS_KEPT]
+        return cupy.asarray(make_words(*arrays))
+    full_key = (key, *((x.data.ptr, x.shape, x.strides) for x in arrays))
+    maps = _MAPS.pop(full_key, None)
+    if maps is None:
+        maps = cupy.asarray(make_words(*arrays))
+        while len(_MAPS) >= _MAPS_KEPT:
+            del _MAPS[next(iter(_MAPS))]
+    _MAPS[full_key] = maps
+    return maps
 
 
 def make_mbarrier_wait(spin_limit):

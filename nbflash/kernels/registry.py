@@ -18,6 +18,8 @@ from ..dtypes import KERNEL_DTYPE
 from . import variants
 from .backward_mma import MmaBackwardConfig, build_backward_mma
 from .backward_portable import PortableBackwardConfig, build_backward_portable
+from .backward_sm90 import Sm90BackwardConfig, build_backward_sm90
+from .backward_sm90 import tensor_maps as backward_tensor_maps
 from .decode_mma import MmaDecodeConfig, build_decode_mma
 from .forward_mma import MmaForwardConfig, build_forward_mma
 from .forward_portable import PortableForwardConfig, build_forward_portable
@@ -69,6 +71,15 @@ def _backward(config):
     return f"void({arrays}, float32, float32, {_params(config)})"
 
 
+def _backward_sm90(config):
+    """The dK/dV kernel's arguments (as the mma family's, with dq_accum), then the tensor maps of q,
+    k, v, dout (``HOST_ARGUMENTS``)."""
+    t = KERNEL_DTYPE[config.dtype].name
+    inputs = ", ".join([f"{t}[:,:,:,:]"] * 4)  # q, k, v, dout
+    return (f"void({inputs}, float32[:,:,:], float32[:,:,::1], {t}[:,:,:,::1], {t}[:,:,:,::1], "
+            f"float32[:,:,:,::1], uint64[:,::1], float32, float32, {_params(config)})")
+
+
 def _decode(config):
     t = KERNEL_DTYPE[config.dtype].name
     cache = f"{t}[:,:,:,:]"  # k_cache, v_cache: any strides, the last dim contiguous
@@ -96,6 +107,7 @@ KERNELS = {
     Sm90ForwardConfig: (build_forward_sm90, _forward_sm90),
     PortableBackwardConfig: (build_backward_portable, _backward),
     MmaBackwardConfig: (build_backward_mma, _backward),
+    Sm90BackwardConfig: (build_backward_sm90, _backward_sm90),
     MmaDecodeConfig: (build_decode_mma, _decode),
     AppendConfig: (build_append, _append),
     CombineConfig: (build_combine, _combine),
@@ -103,9 +115,11 @@ KERNELS = {
 
 
 # Arrays a kernel takes beyond those its callers pass, made on the host from them at each launch:
-# ``make(config, arrays) -> arrays``. The sm90 forward's TMA reads q, k, v through tensor maps.
+# ``make(config, arrays) -> arrays``. The sm90 kernels' TMA reads q, k, v (and the backward's dout)
+# through tensor maps.
 HOST_ARGUMENTS = {
     Sm90ForwardConfig: lambda config, arrays: (*arrays, tensor_maps(config, *arrays[:3])),
+    Sm90BackwardConfig: lambda config, arrays: (*arrays, backward_tensor_maps(config, *arrays[:4])),
 }
 
 

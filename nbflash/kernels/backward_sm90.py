@@ -1,0 +1,551 @@
+"""FlashAttention backward on Hopper (sm_90a): the dK/dV pass on wgmma and TMA, warp-specialized.
+
+The algorithm is backward_mma.py's (the paper's Algorithm 2, read that file first), with the
+Hopper forward's machinery (forward_sm90.py: the producer warpgroup, the mbarrier ring, TMA's
+swizzled tiles, wgmma's accumulator layout). Per (batch, head), with D = rowsum(dO * O) from the
+preprocess::
+
+    for each tile of block_n keys K_j, V_j (one thread block; loaded once by TMA):
+        producer warpgroup:
+            warp 0, one elected thread: K_j, V_j -> shared memory (completing on kv_full); then for
+                the i-th step (a query head of the GQA group and a query tile Q_i that sees K_j):
+                wait until ring slot i % stages is empty, then Q_i, dO_i -> the slot (TMA)
+            warp 1: the same steps; lse_i (in base 2) and D_i of the tile's rows -> the slot's
+                stats (plain loads and stores), arriving on the slot's full barrier with the TMA
+        each consumer warpgroup c (64 keys of the tile, rows 64 c .. 64 c + 63):
+            dK = dV = 0                                                    (registers)
+            for the i-th step (slot i % stages), once the slot is full:
+                S^T  = K_c Q_i^T,  dP^T = V_c dO_i^T         (wgmma, both operands in shared memory)
+                P^T  = exp2(S^T * scale_log2 - lse_log2[query])   (0 where masked: only on tiles
+                                                            crossing the window's edges or a tail)
+                dS^T = P^T * (dP^T - D[query])
+                dV  += P^T dO_i,  dK += dS^T Q_i          (wgmma, P^T and dS^T from registers)
+                dS^T -> shared memory (16 bit, the 128-byte swizzle)
+                dQ_i += dS K_c                       (wgmma from shared memory, A transposed: dS^T
+                                                            read as dS; into dq_accum by red.add)
+                arrive on the slot's empty barrier (the producer may refill it)
+            dK *= scale; write dK, dV
+
+Working on the transposed scores keeps a consumer's accumulator rows on its own keys (as in the
+mma backward): P^T and dS^T are in the accumulator layout of a 64-row wgmma, which is the register
+A operand of dV += P^T dO and dK += dS^T Q, so neither leaves the registers for those products;
+dK and dV stay in registers for the whole loop, summed over the GQA group's query heads in a fixed
+order. Q_i and dO_i are read through two descriptors each: K-major (queries by headdim, the B of
+S^T and dP^T) and MN-major (the same bytes as queries by headdim with headdim contiguous, the B of
+dV and dK). dQ needs dS with queries as its rows: the stored dS^T (rows of 64 queries, 128 bytes)
+is exactly the MN-major image of dS, which wgmma reads with its A-transpose flag. Each consumer
+adds its own 64 keys' share of dQ_i (K = its 64 keys), so the two consumers never wait for each
+other; the float32 atomics land in ``dq_accum``, which the portable convert_dq kernel scales and
+narrows, as for the mma family.
+
+Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch); block = 128 * (consumers + 1)
+threads; block_n = 64 * consumers, block_m = 64.
+
+Shared memory (dynamic, every tile 1024-byte aligned): K_j, V_j (block_n rows), the ring of Q_i and
+of dO_i tiles (block_m rows each), the consumers' dS^T tiles (two each, for even and odd steps: 64
+keys x 64 queries), the ring's stats (lse_log2 and D, block_m floats each per slot), then the
+mbarriers. A tile is stored as its 64-column chunks (headdim padded to a multiple of 64 by TMA's
+zero fill), rows of 128 bytes in the 128-byte swizzle, as in forward_sm90.py.
+
+Memory: q, dout (batch, seqlen_q, nheads, headdim), k, v (batch, seqlen_k, nheads_k, headdim), any
+strides that are multiples of 16 bytes with the last dimension contiguous, headdim a multiple of 8
+up to 128; float16 arrays, or uint16 arrays holding bfloat16 bits. lse, delta float32 (batch,
+nheads, seqlen_q); dk, dv like k, v (C-contiguous); dq_accum float32 like q, zeroed by the
+preprocess. ``maps`` holds the four 4-D tensor maps of q, k, v and dout (``tensor_maps``), built by
+the launcher. A row with lse = -inf (it sees no key) and rows past seqlen_q get lse_log2 = +inf, so
+their P is exactly 0; keys past seqlen_k are masked, and their dK, dV rows are not written.
+
+Variants: the plain kernel and the window (causal included), as the sm90 forward. Everything else
+(score features, masks, dropout, block masks, packed sequences), headdims above 128 (dK and dV of
+64 keys at headdim 256 would need all of a consumer's registers) and the deterministic mode (a
+fixed order instead of atomics) stay with the mma family (nbflash/kernels/backward_mma.py).
+"""
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, uint32, uint64
+
+from nbflash.primitives import (
+    SIMULATOR,
+    exp2_approx,
+    f32_as_u32,
+    global_address,
+    inline_device,
+    pack_bf16x2,
+    pack_f16x2,
+    red_add_f32x2,
+    shared_address,
+    static_range,
+    u32_as_f32,
+    unroll,
+)
+from nbflash.primitives_sm90 import (
+    SWIZZLE_128B,
+    array_address,
+    cached_tensor_maps,
+    elect_sync,
+    fence_mbarrier_init,
+    fence_operands,
+    fence_proxy_async,
+    fence_proxy_tensormap_acquire,
+    launch_bounded,
+    make_wgmma_rs,
+    make_wgmma_ss,
+    mbarrier_arrive,
+    mbarrier_arrive_expect_tx,
+    mbarrier_init,
+    mbarrier_wait,
+    named_barrier_sync,
+    registers_from,
+    registers_to,
+    setmaxnreg_dec,
+    setmaxnreg_inc,
+    smem_descriptor,
+    tensor_map_4d_words,
+    tma_load_4d,
+    wgmma_commit,
+    wgmma_fence,
+    wgmma_wait,
+)
+from nbflash.problem import Variant
+
+from . import variants
+from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
+from .tiles import output_store
+
+LOG2E = math.log2(math.e)
+KEYS = 64  # keys per consumer warpgroup: the M of its wgmmas
+MAX_HEADDIM = 128
+SERVED_VARIANTS = (Variant(), Variant(window=True))
+
+
+@dataclass(frozen=True)
+class Sm90BackwardConfig:
+    """One compiled variant of the Hopper dK/dV kernel (the backward's preprocess and dq conversion
+    are the portable family's)."""
+
+    dtype: str  # 'float16' or 'bfloat16'
+    headdim: int  # a multiple of 8, at most 128
+    variant: Variant = Variant()
+    consumers: int = 2  # consumer warpgroups of 64 keys: block_n = 64 * consumers
+    stages: int = 2  # query tiles in flight (the ring)
+    producer_registers: int = 40  # setmaxnreg caps with two consumers (the register file: 64K)
+    consumer_registers: int = 232
+    kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
+    block_m = 64  # query rows per step: the N of S^T = K Q^T, and the 128-byte row of dS^T
+
+    def __post_init__(self):
+        if self.dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
+        if self.headdim % 8 or not 8 <= self.headdim <= MAX_HEADDIM:
+            raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..{MAX_HEADDIM}")
+        if self.variant not in SERVED_VARIANTS:
+            raise ValueError(f"{self.variant=}: the sm90 backward serves the plain kernel and the window only")
+        if self.consumers not in (1, 2):
+            raise ValueError(f"{self.consumers=} must be 1 or 2")
+        if self.stages < 2:
+            raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
+
+    @property
+    def block_n(self):
+        return KEYS * self.consumers
+
+    @property
+    def headdim_padded(self):
+        """headdim rounded up to whole 64-column chunks (TMA fills the rest with zeros)."""
+        return -(-self.headdim // CHUNK) * CHUNK
+
+    @property
+    def threads(self):
+        return GROUP * (self.consumers + 1)
+
+    @property
+    def q_bytes(self):
+        """Bytes of one Q (or dO) tile."""
+        return self.block_m * self.headdim_padded * 2
+
+    @property
+    def kv_bytes(self):
+        return self.block_n * self.headdim_padded * 2
+
+    @property
+    def ds_bytes(self):
+        """Bytes of one consumer's dS^T tile (64 keys x block_m queries, 16 bit)."""
+        return KEYS * self.block_m * 2
+
+    @property
+    def stats_bytes(self):
+        """Bytes of one slot's lse_log2 and D."""
+        return 2 * self.block_m * 4
+
+    @property
+    def dynamic_shared_bytes(self):
+        """The tiles, the stats, 1 + 2 stages mbarriers, and 1024 bytes of slack to align the tiles."""
+        return (1024 + 2 * self.kv_bytes + 2 * self.stages * self.q_bytes + 2 * self.consumers * self.ds_bytes
+                + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages))
+
+    @property
+    def launch_bounds(self):
+        return (self.threads, 1)
+
+    arch_suffix = "a"  # wgmma, TMA and setmaxnreg assemble for sm_90a only
+
+    def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
+        return (-(-seqlen_k // self.block_n), nheads_k, batch)
+
+
+def _words(config, q, k, v, dout):
+    return np.stack([tensor_map_4d_words(x, (1, rows, 1, CHUNK), SWIZZLE_128B)
+                     for x, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n),
+                                     (dout, config.block_m))])
+
+
+def tensor_maps(config, q, k, v, dout):
+    """The kernel's ``maps``: the tensor maps of q, k, v, dout as a (4, 16) uint64 array on the
+    backend, with the boxes the kernel loads (kept for the last few calls, as the forward's)."""
+    key = (config.block_m, config.block_n, "backward")
+    return cached_tensor_maps(key, (q, k, v, dout), lambda *xs: _words(config, *xs))
+
+
+@lru_cache(maxsize=None)
+def build_backward_sm90(config: Sm90BackwardConfig):
+    """Compile-time constants of ``config`` captured in a fresh ``@cuda.jit`` kernel."""
+    BM, BN, HD, HDP = config.block_m, config.block_n, config.headdim, config.headdim_padded
+    CONSUMERS, STAGES, THREADS = config.consumers, config.stages, config.threads
+    CHUNKS = HDP // CHUNK
+    Q_BYTES, KV_BYTES, DS_BYTES, STATS_BYTES = config.q_bytes, config.kv_bytes, config.ds_bytes, config.stats_bytes
+    Q_CHUNK_BYTES, KV_CHUNK_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
+    HD_STEPS = HDP // 16  # k16 steps over headdim (S^T, dP^T)
+    Q_STEPS = BM // 16  # k16 steps over a query tile (dV, dK)
+    KEY_STEPS = KEYS // 16  # k16 steps over a consumer's keys (dQ)
+    S_REGS, ACC_REGS, P_REGS = BM // 2, HDP // 2, BM // 4  # per thread: S^T, dK (dV), packed P^T
+    DQ_REGS = CHUNK // 2  # one 64-column chunk of dQ
+    NT = BM // 8  # 8-column groups of S^T (queries)
+    DT = HDP // 8  # 8-column groups of dK, dV (headdim)
+    ROWS_PER_LANE = BM // 32  # producer warp 1: the stats rows of each lane
+    FULL_ARRIVALS = 1 + 32  # the TMA thread's expect_tx and the stats warp's 32 lanes
+    EMPTY_ARRIVALS = CONSUMERS * GROUP
+    SPLIT_REGISTERS = CONSUMERS == 2
+    PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
+    hooks = variants.hooks(config.variant)
+    query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
+    NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
+    IS_F16 = config.dtype == "float16"
+    AB = "f16" if IS_F16 else "bf16"
+    pack = pack_f16x2 if IS_F16 else pack_bf16x2
+    wgmma_keys_by_queries = make_wgmma_ss(BM, AB, 0)  # S^T (64 x BM) = K_c (K-major) Q_i^T (K-major)
+    wgmma_keys_acc = make_wgmma_rs(HDP, AB, 1)  # dV (64 x HDP) += P^T (registers) dO (queries x HDP, MN-major)
+    wgmma_dq = make_wgmma_ss(CHUNK, AB, 1, 1)  # dQ chunk (64 x 64) = dS (MN-major) K_c chunk (MN-major)
+    K_MAJOR = (16, 1024)  # descriptor strides (bytes): 8-row groups 1024 apart, LBO unused
+    STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
+    store_element = output_store(config.dtype)
+
+    @inline_device
+    def k_step(chunk_bytes, kk):
+        """Descriptor increment (16-byte units) of k16 step kk of a K-major tile."""
+        return uint64(((kk // 4) * chunk_bytes + (kk % 4) * 32) >> 4)
+
+    @inline_device
+    @unroll
+    def issue_keys_by_queries(acc, desc_a, desc_b):
+        """acc = A B^T over headdim (S^T = K_c Q_i^T or dP^T = V_c dO_i^T), one commit group."""
+        for kk in static_range(HD_STEPS):
+            acc = wgmma_keys_by_queries(acc, desc_a + k_step(KV_CHUNK_BYTES, kk), desc_b + k_step(Q_CHUNK_BYTES, kk),
+                                        uint32(0 if kk == 0 else 1))
+        wgmma_commit()
+        return acc
+
+    @inline_device
+    @unroll
+    def issue_keys_acc(acc, a_regs, desc_b):
+        """acc += A B over the query tile (dV += P^T dO_i or dK += dS^T Q_i), A from registers (k16
+        step ks: registers 4 ks .. 4 ks + 3), one commit group."""
+        for ks in static_range(Q_STEPS):
+            acc = wgmma_keys_acc(acc, a_regs[4 * ks], a_regs[4 * ks + 1], a_regs[4 * ks + 2], a_regs[4 * ks + 3],
+                                 desc_b + uint64(ks * STEP16), uint32(1))
+        wgmma_commit()
+        return acc
+
+    @inline_device
+    @unroll
+    def issue_dq(acc, desc_ds, desc_k):
+        """acc = dS K_c for one 64-column chunk of headdim, over the consumer's 64 keys."""
+        for ks in static_range(KEY_STEPS):
+            acc = wgmma_dq(acc, desc_ds + uint64(ks * STEP16), desc_k + uint64(ks * STEP16),
+                           uint32(0 if ks == 0 else 1))
+        wgmma_commit()
+        return acc
+
+    @inline_device
+    @unroll
+    def softmax_grad_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
+                       q4, masked):
+        """S^T -> P^T and dP^T -> dS^T = P^T (dP^T - D) in place, for the thread's two key rows
+        (key_row0, key_row0 + 8) and its query columns 8 c + 2 q4 + e; masked entries (keys past
+        seqlen_k, or outside a query's window) get P = dS = 0. ``masked`` is a constant at each
+        call site; ``stats`` indexes smem at the slot's lse_log2 (then D, BM words on)."""
+        for c in static_range(NT):
+            for e in static_range(2):
+                col = 8 * c + 2 * q4 + e
+                lse_c = u32_as_f32(smem[stats + col])
+                d_c = u32_as_f32(smem[stats + BM + col])
+                lo, hi = row_keys(q_start + col, seqlen_q, seqlen_k, params)  # used by the masked copy
+                for rh in static_range(2):
+                    r = 4 * c + 2 * rh + e
+                    p = exp2_approx(s[r] * scale_log2 - lse_c)
+                    if masked:
+                        if hidden(key_row0 + 8 * rh, lo, hi, q_start + col, seqlen_q, params, head_ctx):
+                            p = float32(0)
+                    s[r] = p
+                    dp[r] = p * (dp[r] - d_c)
+
+    @inline_device
+    @unroll
+    def pack_a(x, packed):
+        """A registers of a k16 slice ks: the accumulator's registers 8 ks .. 8 ks + 7, in pairs."""
+        for i in static_range(P_REGS):
+            packed[i] = pack(x[2 * i], x[2 * i + 1])
+
+    @inline_device
+    @unroll
+    def store_ds_t(smem, ds_word, packed, warp, g, q4):
+        """The thread's packed dS^T (rows 16 warp + g and + 8, query columns 8 c + 2 q4, + 1) into the
+        consumer's dS^T tile: rows of 128 bytes, 16-byte chunk c stored at c ^ (row % 8) (the
+        swizzle TMA writes and wgmma reads; row % 8 = g). ``ds_word`` is the tile's smem index."""
+        for i in static_range(P_REGS):
+            row = 16 * warp + g + 8 * (i % 2)
+            smem[ds_word + row * (ROW_BYTES // 4) + (((i // 2) ^ g) * 4) + q4] = packed[i]
+
+    @inline_device
+    @unroll
+    def add_dq(dq_accum, acc, b, row0, h, col0, seqlen_q, q4):
+        """dq_accum[b, row0 + (0, 8), h, col0 + 8 c + 2 q4 (+1)] += acc (unscaled), inside the arrays."""
+        for rh in static_range(2):
+            row = row0 + 8 * rh
+            if row < seqlen_q:
+                row_address = global_address(dq_accum, b, row, h, 0)
+                for c in static_range(CHUNK // 8):
+                    col = col0 + 8 * c + 2 * q4
+                    if col < HD:  # HD is a multiple of 8: both columns of the pair are inside
+                        red_add_f32x2(row_address + col * 4, acc[4 * c + 2 * rh], acc[4 * c + 2 * rh + 1])
+
+    @inline_device
+    @unroll
+    def store_rows(dst, acc, b, row0, h, seqlen, scale, q4):
+        """dst[b, row0 + (0, 8), h, :] = acc * scale, for rows inside the sequence."""
+        for rh in static_range(2):
+            row = row0 + 8 * rh
+            if row < seqlen:
+                for c in static_range(DT):
+                    for e in static_range(2):
+                        col = 8 * c + 2 * q4 + e
+                        if col < HD:
+                            store_element(dst, b, row, h, col, acc[4 * c + 2 * rh + e] * scale)
+
+    # -----------------------------------------------------------------------------------------------
+    # The kernel
+    # -----------------------------------------------------------------------------------------------
+
+    @launch_bounded(THREADS, 1)
+    @unroll
+    def backward_dkdv_sm90(q, k, v, dout, lse, delta, dk, dv, dq_accum, maps, scale_log2, scale, params):
+        n_block, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        group_id = tid // GROUP  # 0: the producer; 1 + c: consumer c
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        group = q.shape[2] // k.shape[2]  # GQA: query heads hk * group ... share this K/V tile
+        n_start = n_block * BN
+
+        # Shared memory: tiles from the first 1024-byte boundary, then the stats and the barriers.
+        smem = cuda.shared.array(0, uint32)
+        smem_start = shared_address(smem)
+        base = smem_start
+        if not SIMULATOR:
+            base = base + ((uint32(1024) - (base & uint32(1023))) & uint32(1023))
+        k_tile = base
+        v_tile = k_tile + uint32(KV_BYTES)
+        q_ring = v_tile + uint32(KV_BYTES)
+        do_ring = q_ring + uint32(STAGES * Q_BYTES)
+        ds_tiles = do_ring + uint32(STAGES * Q_BYTES)
+        stats_ring = ds_tiles + uint32(2 * CONSUMERS * DS_BYTES)
+        kv_full = stats_ring + uint32(STAGES * STATS_BYTES)
+        qd_full = kv_full + uint32(8)  # + 8 * slot
+        qd_empty = qd_full + uint32(8 * STAGES)
+        stats_word0 = (stats_ring - smem_start) // uint32(4)  # smem's index of the first slot's stats
+
+        # ---- Which query tiles see this key tile (geometry.py): [first_tile, end_tile), of which
+        # [first_full, end_full) see all of its keys; the key tail always masks. One step per
+        # (query head of the group, query tile).
+        first_tile, first_full, end_full, end_tile = query_tiles(
+            n_start, min(n_start + BN, seqlen_k), seqlen_q, seqlen_k, params, BM)
+        tail = n_start + BN > seqlen_k
+        tiles_per_head = end_tile - first_tile
+        steps = group * tiles_per_head
+
+        if tid == 0:
+            mbarrier_init(kv_full, 1)
+            for slot in range(STAGES):
+                mbarrier_init(qd_full + uint32(8 * slot), FULL_ARRIVALS)
+                mbarrier_init(qd_empty + uint32(8 * slot), EMPTY_ARRIVALS)
+            fence_mbarrier_init()
+        cuda.syncthreads()  # the barriers are initialised before anyone arrives on or waits for them
+
+        if group_id == 0:
+            # ---- Producer: warp 0 issues the copies, warp 1 stages lse and D ----
+            if SPLIT_REGISTERS:
+                setmaxnreg_dec(PRODUCER_REGS)
+            warp = tid // 32
+            lane = tid % 32
+            if warp == 0 and steps > 0:
+                if elect_sync() == uint32(1):
+                    maps_address = array_address(maps)
+                    q_map, k_map, v_map, do_map = (maps_address, maps_address + 128, maps_address + 256,
+                                                   maps_address + 384)
+                    fence_proxy_tensormap_acquire(q_map)  # the maps were copied from the host
+                    fence_proxy_tensormap_acquire(k_map)
+                    fence_proxy_tensormap_acquire(v_map)
+                    fence_proxy_tensormap_acquire(do_map)
+                    mbarrier_arrive_expect_tx(kv_full, 2 * KV_BYTES)
+                    for chunk in static_range(CHUNKS):
+                        tma_load_4d(k_tile + uint32(chunk * KV_CHUNK_BYTES), k_map, chunk * CHUNK, hk, n_start, b,
+                                    kv_full)
+                        tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk, n_start, b,
+                                    kv_full)
+                    for i in range(steps):
+                        slot, use = i % STAGES, i // STAGES
+                        if use > 0:  # the consumers have released the slot's previous tiles
+                            mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
+                        h = hk * group + i // tiles_per_head
+                        q_start = (first_tile + i % tiles_per_head) * BM
+                        full = qd_full + uint32(8 * slot)
+                        q_slot = q_ring + uint32(slot * Q_BYTES)
+                        do_slot = do_ring + uint32(slot * Q_BYTES)
+                        mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
+                        for chunk in static_range(CHUNKS):
+                            tma_load_4d(q_slot + uint32(chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK, h, q_start, b,
+                                        full)
+                            tma_load_4d(do_slot + uint32(chunk * Q_CHUNK_BYTES), do_map, chunk * CHUNK, h, q_start,
+                                        b, full)
+            elif warp == 1:
+                for i in range(steps):
+                    slot, use = i % STAGES, i // STAGES
+                    if use > 0:
+                        mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
+                    h = hk * group + i // tiles_per_head
+                    q_start = (first_tile + i % tiles_per_head) * BM
+                    stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
+                    for r in static_range(ROWS_PER_LANE):
+                        row = q_start + 32 * r + lane
+                        lse_log2, d = POS_INF, float32(0)  # rows past seqlen_q: P = 0
+                        if row < seqlen_q:
+                            x = lse[b, h, row]
+                            if x != NEG_INF:  # a row that sees no key keeps +inf: P = 0
+                                lse_log2 = x * float32(LOG2E)
+                            d = delta[b, h, row]
+                        smem[stats + 32 * r + lane] = f32_as_u32(lse_log2)
+                        smem[stats + BM + 32 * r + lane] = f32_as_u32(d)
+                    mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
+        else:
+            # ---- Consumers: 64 keys each ----
+            if SPLIT_REGISTERS:
+                setmaxnreg_inc(CONSUMER_REGS)
+            consumer = group_id - 1
+            lane = tid % 32
+            warp = (tid % GROUP) // 32
+            g, q4 = lane >> 2, lane & 3
+            key_base = n_start + KEYS * consumer  # the consumer's first key
+            key_row0 = key_base + 16 * warp + g  # the thread's first key row (+8: the second)
+            rows_off = uint32(KEYS * consumer * ROW_BYTES)  # the consumer's rows in a K or V chunk
+            desc_k = smem_descriptor(k_tile + rows_off, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
+            desc_v = smem_descriptor(v_tile + rows_off, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
+            ds_pair = ds_tiles + uint32(2 * consumer * DS_BYTES)  # the consumer's two dS^T tiles
+
+            s = cuda.local.array(S_REGS, float32)
+            dp = cuda.local.array(S_REGS, float32)
+            dk_acc = cuda.local.array(ACC_REGS, float32)
+            dv_acc = cuda.local.array(ACC_REGS, float32)
+            dq_acc = cuda.local.array(DQ_REGS, float32)
+            p = cuda.local.array(P_REGS, uint32)
+            ds = cuda.local.array(P_REGS, uint32)
+            for r in static_range(S_REGS):
+                s[r] = float32(0)
+                dp[r] = float32(0)
+            for r in static_range(ACC_REGS):
+                dk_acc[r] = float32(0)
+                dv_acc[r] = float32(0)
+            for r in static_range(DQ_REGS):
+                dq_acc[r] = float32(0)
+
+            if steps > 0:
+                mbarrier_wait(kv_full, 0)
+            for i in range(steps):
+                slot, use = i % STAGES, i // STAGES
+                h = hk * group + i // tiles_per_head
+                head_ctx = head_context(params, b, h)
+                tile = first_tile + i % tiles_per_head
+                q_start = tile * BM
+                q_slot = q_ring + uint32(slot * Q_BYTES)
+                do_slot = do_ring + uint32(slot * Q_BYTES)
+
+                # S^T = K_c Q_i^T and dP^T = V_c dO_i^T
+                acc_s = fence_operands(registers_from(s, S_REGS))
+                acc_dp = fence_operands(registers_from(dp, S_REGS))
+                mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
+                wgmma_fence()  # the accumulators' registers are ordered before wgmma uses them
+                acc_s = issue_keys_by_queries(
+                    acc_s, desc_k, smem_descriptor(q_slot, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B))
+                acc_dp = issue_keys_by_queries(
+                    acc_dp, desc_v, smem_descriptor(do_slot, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B))
+                wgmma_wait(0)
+                registers_to(s, fence_operands(acc_s))
+                registers_to(dp, fence_operands(acc_dp))
+
+                # P^T and dS^T; the mask only on tiles crossing the window's edges or a tail
+                stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
+                if tail or tile < first_full or tile >= end_full:
+                    softmax_grad_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
+                                   scale_log2, q4, True)
+                else:
+                    softmax_grad_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
+                                   scale_log2, q4, False)
+                pack_a(s, p)
+                pack_a(dp, ds)
+                # dS^T into the tile of this step's parity: the other may still be read by the last
+                # step's dQ in another warp; every warp is past that once the barrier below is passed
+                ds_tile = ds_pair + uint32((i % 2) * DS_BYTES)
+                store_ds_t(smem, (ds_tile - smem_start) // uint32(4), ds, warp, g, q4)
+                fence_proxy_async()  # the dS^T stores are ordered before wgmma reads them
+
+                # dV += P^T dO_i and dK += dS^T Q_i
+                p_regs = fence_operands(registers_from(p, P_REGS))
+                ds_regs = fence_operands(registers_from(ds, P_REGS))
+                acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
+                acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
+                named_barrier_sync(1 + consumer, GROUP)  # the warpgroup's dS^T is stored
+                wgmma_fence()  # P^T's, dS^T's and the accumulators' registers are ordered before wgmma
+                acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
+                acc_dk = issue_keys_acc(acc_dk, ds_regs, smem_descriptor(q_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
+
+                # dQ_i += dS K_c, a 64-column chunk at a time
+                desc_ds = smem_descriptor(ds_tile, DS_BYTES, 1024, SWIZZLE_128B)  # dS: queries contiguous
+                for chunk in static_range(CHUNKS):
+                    acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
+                    desc_kc = smem_descriptor(k_tile + uint32(chunk * KV_CHUNK_BYTES) + rows_off, KV_CHUNK_BYTES, 1024,
+                                              SWIZZLE_128B)
+                    acc_q = issue_dq(acc_q, desc_ds, desc_kc)
+                    wgmma_wait(0)
+                    registers_to(dq_acc, fence_operands(acc_q))
+                    if chunk == 0:  # dV's and dK's products are done with Q_i and dO_i as well
+                        registers_to(dv_acc, fence_operands(acc_dv))
+                        registers_to(dk_acc, fence_operands(acc_dk))
+                        mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
+                    add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, chunk * CHUNK, seqlen_q, q4)
+
+            # ---- Write dK = dS^T Q * scale and dV (keys no query sees get 0) ----
+            store_rows(dk, dk_acc, b, key_row0, hk, seqlen_k, scale, q4)
+            store_rows(dv, dv_acc, b, key_row0, hk, seqlen_k, float32(1), q4)
+
+    return backward_dkdv_sm90

@@ -1,0 +1,119 @@
+"""The Hopper backward (nbflash/kernels/backward_sm90.py) against float64, through the public
+``flash_attn_backward`` inside ``nbflash.kernel_family("sm90")``.
+
+Same rule as tests/test_backward.py (its helpers and its NaN-poisoned outputs are reused); every
+case first checks that the plan really holds the sm90 dK/dV kernel. Without a GPU these run in
+Numba's simulator, where wgmma, TMA and the mbarriers are emulated (384 Python threads a block:
+two tiny cases, one of which wraps the Q/dO ring and has rows without keys). On a GPU of compute
+capability 9.0 the grid of tests/test_backward.py runs (awkward lengths, GQA, both memory layouts,
+headdims 64-128), plus the plan's fallbacks and an agreement check with the mma family.
+"""
+
+import numpy as np
+import pytest
+
+import nbflash
+from nbflash import configs
+from nbflash.backward import flash_attn_backward
+from nbflash.kernels.backward_mma import MmaBackwardConfig
+from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
+from nbflash.problem import Static, Variant
+
+from .conftest import SIMULATOR
+from .helpers import random_qkv, to_numpy
+from .test_backward import poisoned_outputs  # noqa: F401  (autouse: every library buffer starts as NaN)
+from .test_backward import SEQLENS, assert_gradients_close, forward, random_like, run_case
+
+
+def _is_sm90():
+    if SIMULATOR:
+        return False
+    from numba import cuda
+
+    return cuda.is_available() and cuda.get_current_device().compute_capability == (9, 0)
+
+
+pytestmark = pytest.mark.skipif(not SIMULATOR and not _is_sm90(),
+                                reason="sm_90a instructions run only on compute capability 9.0")
+
+CAUSAL = Variant(window=True)
+
+
+def run_sm90(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal, heads_first=False):
+    static = Static(dtype, headdim, False, 0, CAUSAL if causal else Variant())
+    assert isinstance(configs.plan_backward(static, False, "sm90", True)[1], Sm90BackwardConfig)
+    return run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal, False,
+                    heads_first, family="sm90")
+
+
+def test_backward_sm90_planning():
+    """'sm90' plans the Hopper dK/dV kernel between the portable preprocess and dq conversion where
+    it serves the call, and the mma family's kernels where it does not."""
+    preprocess, dkdv, convert = configs.plan_backward(Static("float16", 128, False, 0, CAUSAL), False, "sm90", True)
+    assert (preprocess.kernel, convert.kernel) == ("preprocess", "convert_dq")
+    assert isinstance(dkdv, Sm90BackwardConfig) and dkdv.block_n == 128
+    assert dkdv.grid(2, 8, 2, 1000, 1000) == (8, 2, 2)
+    for static, deterministic, aligned in [
+        (Static("float16", 128, False, 0, CAUSAL), True, True),  # deterministic: a fixed order, no atomics
+        (Static("bfloat16", 256, False, 0), False, True),  # dK, dV of 64 keys need too many registers
+        (Static("float16", 60, False, 0), False, True),  # not a multiple of 8 (TMA's 16-byte rows)
+        (Static("float16", 64, False, 0), False, False),  # rows off 16 bytes
+        (Static("float16", 64, False, 0, Variant(softcap=True)), False, True),
+    ]:
+        plan = configs.plan_backward(static, deterministic, "sm90", aligned)
+        assert not any(isinstance(c, Sm90BackwardConfig) for c in plan)
+        assert isinstance(plan[1], MmaBackwardConfig)
+    if SIMULATOR:  # the simulator keeps the mma family as the default
+        assert isinstance(configs.plan_backward(Static("float16", 128, False, 0), False)[1], MmaBackwardConfig)
+
+
+# ---- Simulator: tiny shapes ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+def test_backward_sm90_small(rng, xp):
+    """One key block of two consumers (the second's keys partly past seqlen_k), one query tile."""
+    run_sm90(rng, xp, 1, 50, 75, 2, 1, 64, "float16", False)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+def test_backward_sm90_ring_and_rows_without_keys(rng, xp):
+    """Causal with seqlen_q > seqlen_k: three query tiles through a ring of two stages (the slots
+    are refilled), the first rows see no key (dq = 0), headdim 72 padded to two chunks, bfloat16."""
+    dq, dk, dv = run_sm90(rng, xp, 1, 140, 60, 1, 1, 72, "bfloat16", True)
+    dq = to_numpy(dq).astype(np.float32)
+    assert (dq[:, :80] == 0).all()
+
+
+# ---- GPU: the grid tests/test_backward.py runs on the portable kernels -----------------------
+
+HEADS = [(4, 4), (6, 2), (3, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [64, 72, 96, 128])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_gpu(rng, xp, seqlens, headdim, causal, dtype):
+    index = SEQLENS.index(seqlens) + headdim // 8
+    nheads, nheads_k = HEADS[index % len(HEADS)]
+    run_sm90(rng, xp, 2, *seqlens, nheads, nheads_k, headdim, dtype, causal, heads_first=headdim == 96)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_sm90_gpu_matches_mma(rng, xp, causal):
+    """The sm90 and mma families agree on a mid-size GQA problem (a check independent of the
+    reference), and the sm90 one meets the reference's rule."""
+    q, k, v = random_qkv(rng, xp, 2, 1000, 1531, 8, 2, 128, "float16")
+    dout = random_like(rng, xp, q)
+    out, lse = forward(q, k, v, None, causal)
+    with nbflash.kernel_family("mma"):
+        mma = flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
+    with nbflash.kernel_family("sm90"):
+        sm90 = flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
+    assert_gradients_close(sm90, dout, q, k, v, causal)
+    for a, b in zip(mma, sm90):
+        a, b = to_numpy(a).astype(np.float32), to_numpy(b).astype(np.float32)
+        assert np.abs(a - b).max() <= 2e-2 * max(1.0, np.abs(a).max())
