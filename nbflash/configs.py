@@ -5,11 +5,12 @@ Every heuristic lives here. ``plan_forward`` turns the static part of a validate
 launches; ``plan_backward`` does the same for the backward's kernels. Three kernel families:
 
 - ``"sm90"``: Hopper's wgmma, TMA and warp specialization (nbflash/kernels/forward_sm90.py): the
-  float16 / bfloat16 forward on compute capability 9.0, plain or windowed (causal) attention, a
-  positive scale, headdim a multiple of 8 up to 256, rows on 16-byte boundaries
-  (``sm90_unsupported_reason``); chosen by default at the headdims where it was measured faster
-  (``SM90_DEFAULT_HEADDIMS``). Its backward is the mma family's. Its fp8 (e4m3) forward is reached
-  only through flash_attn_func's fp8 inputs (``SM90_FP8_FORWARD``; not yet run on a GPU).
+  float16 / bfloat16 forward on compute capability 9.0, plain or windowed (causal) attention, with
+  or without softcap and ALiBi, a positive scale, headdim a multiple of 8 up to 256, rows on 16-byte
+  boundaries (``sm90_unsupported_reason``); chosen by default at the headdims where it was measured
+  faster (``SM90_DEFAULT_HEADDIMS``; measured without softcap and ALiBi). Its backward is the mma
+  family's. Its fp8 (e4m3) forward is reached only through flash_attn_func's fp8 inputs
+  (``SM90_FP8_FORWARD``; not yet run on a GPU).
 - ``"mma"``: tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py); float16 and
   bfloat16 on GPUs of compute capability 8.0 and newer. Chosen wherever it applies and sm90 is not.
 - ``"portable"``: scalar float32 arithmetic (nbflash/kernels/forward_portable.py); any dtype, any
@@ -133,7 +134,9 @@ SM90_FORWARD = [
 # measured faster than the mma family, causal and not (docs/perf-notes.md, "Hopper forward": fp16 at
 # headdims 64 and 128, seqlen 1k-16k, 1.17-2.01x the mma family, except headdim 64 causal at 1k: 176
 # against 178 TFLOP/s; at headdim 256, seqlen 4k and 16k, 2.4-3.1x). Other headdims it serves
-# (multiples of 8 up to 256) are not measured yet: mma by default.
+# (multiples of 8 up to 256) are not measured yet: mma by default. With softcap or ALiBi it is the
+# default at these headdims too, by the plain kernel's measurement: those variants' own speed on
+# sm90 is not measured yet (docs/perf-notes.md, "Hopper forward", has the prediction).
 SM90_DEFAULT_HEADDIMS = (64, 128, 256)
 
 
@@ -146,7 +149,8 @@ def sm90_unsupported_reason(static):
     if cc != SM90_COMPUTE_CAPABILITY:
         return f"the sm90 kernel runs on compute capability 9.0 only, this GPU has {cc[0]}.{cc[1]}"
     if static.variant._replace(score_mod_grad="") not in SM90_VARIANTS:
-        return "the sm90 kernel serves plain and windowed (causal) attention without other features"
+        return ("the sm90 kernel serves plain and windowed (causal) attention, with softcap and ALiBi, "
+                "without other features")
     if static.headdim % 8 or static.headdim > SM90_MAX_HEADDIM:
         return f"the sm90 kernel takes headdim a multiple of 8 up to {SM90_MAX_HEADDIM}, not {static.headdim}"
     if not static.aligned:

@@ -46,9 +46,11 @@ pytestmark = pytest.mark.skipif(not P.SIMULATOR and not _is_sm90(),
                                 reason="sm_90a instructions run only on compute capability 9.0")
 
 
-def run_kernel(config, q, k, v, scale, window, xp):
+def run_kernel(config, q, k, v, scale, window, xp, softcap=0.0, alibi_slopes=None):
     """Launch the kernel through nbflash's launcher (which makes the tensor maps and raises the
-    shared-memory limit) on (batch, seqlen, heads, headdim) host arrays; returns out and lse (host)."""
+    shared-memory limit) on (batch, seqlen, heads, headdim) host arrays; returns out and lse (host).
+    ``alibi_slopes``: float32 (nheads,) (handed over as a stride-0 view over batch, as validation
+    does) or (batch, nheads)."""
     bits = config.dtype == "bfloat16"
     dev = [xp.asarray(x.view(np.uint16) if bits else x) for x in (q, k, v)]
     batch, seqlen_q, nheads, _ = q.shape
@@ -56,9 +58,13 @@ def run_kernel(config, q, k, v, scale, window, xp):
     if not bits:
         out = out.view(np.float16)
     lse = xp.full((batch, nheads, seqlen_q), np.nan, dtype=np.float32)
-    params = ()
+    values = {"softcap": np.float32(softcap)}
+    if alibi_slopes is not None:
+        values["alibi_slopes"] = xp.broadcast_to(xp.asarray(alibi_slopes, dtype=np.float32), (batch, nheads))
     if config.variant.window:
-        params = tuple(np.int32(x) for x in window_bounds(seqlen_q, k.shape[1], False, window)[:2])
+        bounds = window_bounds(seqlen_q, k.shape[1], False, window)[:2]
+        values["window_left"], values["window_right"] = (np.int32(x) for x in bounds)
+    params = tuple(values[name] for name in config.variant.param_names())
     launch.compiled(config).launch(config.grid(batch, nheads, seqlen_q), (*dev, out, lse),
                                    (np.float32(scale * math.log2(math.e)),), params)
     get = (lambda x: x.get()) if hasattr(out, "get") else (lambda x: x)
@@ -132,6 +138,134 @@ def test_two_consumers_padded_headdim(xp):
     # with a diagonal tile and a tile skipped for the first rows.
     check(Sm90ForwardConfig("bfloat16", 40, WINDOW, block_n=64, consumers=2), xp, seqlen_q=70, seqlen_k=130,
           nheads=1)
+
+
+# --- Score features (softcap, ALiBi) through the tensor-core score point: against the float64
+# reference with the same features (nbflash.attention_reference), under the same rule ---------------
+
+def check_scores(config, xp, batch=1, seqlen_q=20, seqlen_k=33, nheads=2, nheads_k=1, seed=0, softcap=0.0,
+                 alibi="", window=CAUSAL):
+    """``alibi``: "" (none), "head" (one slope per head) or "batch" (one per (batch, head))."""
+    from tests.helpers import assert_attention_close
+
+    rng = np.random.default_rng(seed)
+    D, dt = config.headdim, NP_DTYPE[config.dtype]
+    q, k, v = (rng.standard_normal((batch, n, h, D)).astype(dt)
+               for n, h in ((seqlen_q, nheads), (seqlen_k, nheads_k), (seqlen_k, nheads_k)))
+    slopes = None
+    if alibi:
+        slopes = rng.uniform(0.05, 1.0, (batch, nheads) if alibi == "batch" else (nheads,)).astype(np.float32)
+    window = window if config.variant.window else None
+    scale = 1.0 / math.sqrt(D)
+    out, lse = run_kernel(config, q, k, v, scale, window, xp, softcap, slopes)
+    variant = dict(softcap=softcap, alibi_slopes=slopes)
+    if window is not None and window != CAUSAL:
+        variant["window_size"] = window
+    assert_attention_close(out, lse, q, k, v, window == CAUSAL, softmax_scale=scale, **variant)
+
+
+SOFTCAP, ALIBI = Variant(softcap=True), Variant(alibi=True)
+BOTH_CAUSAL = Variant(window=True, softcap=True, alibi=True)
+
+
+def test_softcap_ring_wraps(xp):
+    # softcap alone, a small cap (most scores in tanh's bend): 3 key tiles through the 2-stage ring,
+    # the tail tile masked, GQA 2:1.
+    check_scores(Sm90ForwardConfig("float16", 64, SOFTCAP, **SMALL), xp, seqlen_q=9, seqlen_k=150, softcap=2.5)
+
+
+def test_alibi_per_head(xp):
+    # ALiBi alone, one slope per head (a stride-0 view over batch), seqlen_q != seqlen_k: the
+    # distance is bottom-right aligned; a tail tile.
+    check_scores(Sm90ForwardConfig("float16", 64, ALIBI, **SMALL), xp, batch=2, seqlen_q=21, seqlen_k=75,
+                 nheads=2, nheads_k=2, alibi="head")
+
+
+def test_alibi_per_batch_head_causal_no_key(xp):
+    # ALiBi with one slope per (batch, head), causal, seqlen_q > seqlen_k: 2 query blocks, the
+    # first rows see no key (out 0, lse -inf).
+    check_scores(Sm90ForwardConfig("bfloat16", 64, Variant(window=True, alibi=True), **SMALL), xp, batch=2,
+                 seqlen_q=72, seqlen_k=40, nheads=2, nheads_k=1, alibi="batch")
+
+
+def test_softcap_alibi_causal_two_consumers(xp):
+    # Both features and causal, two consumer warpgroups, headdim 40 padded to 64, bfloat16: a
+    # diagonal tile, a tile skipped for the first rows; the lse carries softcap's offset.
+    check_scores(Sm90ForwardConfig("bfloat16", 40, BOTH_CAUSAL, block_n=64, consumers=2), xp, seqlen_q=70,
+                 seqlen_k=130, nheads=1, softcap=4.0, alibi="head")
+
+
+def test_softcap_alibi_window_overlapped(xp):
+    # Both features in the overlapped consumer loop (the score point on its first tile and in its
+    # steady state), a window (5, 3) that leaves no row without keys here: 3 key tiles.
+    check_scores(Sm90ForwardConfig("float16", 64, BOTH_CAUSAL, overlap=True, **SMALL), xp, seqlen_q=9,
+                 seqlen_k=150, nheads=2, nheads_k=1, softcap=6.0, alibi="batch", window=(5, 3))
+
+
+def test_public_api_sm90_softcap_alibi(monkeypatch, xp):
+    # flash_attn_func with softcap and per-head ALiBi slopes, causal, under kernel_family("sm90"):
+    # the planned config (two consumers), explain names the family, GQA 2:1.
+    import nbflash
+    from tests.helpers import assert_attention_close, poison_allocations, random_qkv
+
+    poison_allocations(monkeypatch)
+    rng = np.random.default_rng(9)
+    q, k, v = random_qkv(rng, xp, 1, 20, 33, 2, 1, 64, "float16")
+    slopes = xp.asarray(rng.uniform(0.1, 1.0, 2).astype(np.float32))
+    features = dict(softcap=5.0, alibi_slopes=slopes)
+    with nbflash.kernel_family("sm90"):
+        assert nbflash.explain(q, k, v, causal=True, **features)["family"] == "sm90"
+        out, lse, _ = nbflash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, **features)
+    assert_attention_close(out, lse, q, k, v, True, **features)
+
+
+SCORE_GPU_CASES = [
+    # (dtype, headdim, window, batch, seqlen_q, seqlen_k, nheads, nheads_k, softcap, alibi)
+    ("float16", 128, False, 2, 113, 203, 4, 2, 30.0, ""),
+    ("bfloat16", 128, True, 2, 203, 113, 4, 1, 0.0, "head"),
+    ("float16", 128, True, 1, 1023, 1024, 2, 1, 30.0, "batch"),
+    ("float16", 64, True, 2, 1024, 1000, 4, 4, 2.5, "head"),
+    ("bfloat16", 64, False, 1, 1, 1, 1, 1, 10.0, "batch"),
+    ("float16", 96, True, 1, 300, 1000, 3, 1, 0.0, "batch"),
+    ("bfloat16", 256, True, 1, 1023, 1024, 2, 1, 50.0, "head"),
+    ("float16", 256, False, 2, 113, 203, 4, 2, 0.0, "head"),
+    ("float16", 128, True, 1, 4096, 4000, 2, 2, 30.0, "head"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(P.SIMULATOR, reason="sizes the simulator cannot afford; needs a GPU")
+@pytest.mark.parametrize("case", SCORE_GPU_CASES, ids=["-".join(map(str, c[:2] + ("w" if c[2] else "p",) + c[3:8]))
+                                                        + f"-cap{c[8]:g}-alibi{c[9] or 'none'}"
+                                                        for c in SCORE_GPU_CASES])
+@pytest.mark.parametrize("schedule", ["stages2", "overlap", "pingpong"])
+def test_forward_sm90_scores_gpu(case, schedule, xp):
+    # softcap, ALiBi (one slope per head or per (batch, head)) or both, causal or not, on the
+    # hardware: the planned tile shapes through the three consumer loops.
+    dtype, headdim, window, batch, seqlen_q, seqlen_k, nheads, nheads_k, softcap, alibi = case
+    variant = Variant(window=window, softcap=softcap > 0, alibi=bool(alibi))
+    config = Sm90ForwardConfig(dtype, headdim, variant, block_n=128 if headdim <= 128 else 80,
+                               overlap=schedule != "stages2", pingpong=schedule == "pingpong")
+    check_scores(config, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, seed=seqlen_q, softcap=softcap,
+                 alibi=alibi)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(P.SIMULATOR, reason="the simulator keeps the mma family as the default")
+def test_sm90_is_the_default_for_softcap_alibi(monkeypatch, xp):
+    # On compute capability 9.0 the library's own choice for softcap and ALiBi at headdim 128 is the
+    # sm90 forward, and its answer is within the budget.
+    import nbflash
+    from tests.helpers import assert_attention_close, poison_allocations, random_qkv
+
+    poison_allocations(monkeypatch)
+    rng = np.random.default_rng(13)
+    q, k, v = random_qkv(rng, xp, 2, 517, 1000, 8, 2, 128, "bfloat16")
+    slopes = xp.asarray(rng.uniform(0.01, 0.5, (2, 8)).astype(np.float32))
+    for features in (dict(softcap=30.0), dict(alibi_slopes=slopes), dict(softcap=30.0, alibi_slopes=slopes)):
+        assert nbflash.explain(q, k, v, causal=True, **features)["family"] == "sm90", features
+        out, lse, _ = nbflash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, **features)
+        assert_attention_close(out, lse, q, k, v, True, **features)
 
 
 # --- fp8 (e4m3) q, k, v with per-(batch, kv head) descales: the error against the float64 attention
@@ -381,7 +515,7 @@ def test_sm90_refuses_what_it_does_not_serve(xp):
     rng = np.random.default_rng(8)
     q, k, v = random_qkv_small(rng, xp)
     with nbflash.kernel_family("sm90"), pytest.raises(ValueError, match="kernel family 'sm90' cannot run"):
-        nbflash.flash_attn_func(q, k, v, softcap=5.0)
+        nbflash.flash_attn_func(q, k, v, dropout_p=0.1)
 
 
 def random_qkv_small(rng, xp):

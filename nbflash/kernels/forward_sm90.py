@@ -70,10 +70,18 @@ it is written. The row sums l_i add P before its rounding to e4m3. block_n is a 
 (V^T's 128-byte swizzled rows are 128 keys); headdim a multiple of 16, padded to 128-column
 chunks (headdim 64 then does twice the tensor-core work it needs); the plain consumer loop only.
 
-Variants: the plain kernel and the window (causal included), with a positive scale folded into
-exp2. Everything else (score features, masks, dropout, block masks, packed sequences) stays with
-the sm80 family (nbflash/kernels/forward_mma.py), as do headdims that are not multiples of 8 and rows
-off 16 bytes.
+Variants (nbflash/kernels/variants.py): the plain kernel and the window (causal included), each
+with or without softcap and ALiBi (``SERVED_VARIANTS``), with a positive scale. Without a score
+feature the scale is folded into exp2. With one, the raw S goes through the variant's tensor-core
+score point (``Hooks.tensor_core_score``, as in forward_mma.py) right after it lands, before the
+mask: ``score_row`` once per row of the thread (row0 and row0 + 8; ALiBi's distance as a float),
+then ``score_at`` per column 8 c + 2 q4 + e. That leaves S in units whose positive factor to base 2
+(units[EXP]: softcap's cap, or the scale for ALiBi alone) takes the scale's place in exp2, plus an
+offset in base 2 (units[OFFSET], softcap's -1 of its exp2 tanh) that only the lse sees. A feature
+that is absent compiles to nothing. Everything else (bias and mask tensors, score_mod and
+mask_mod, dropout, block masks, packed sequences) stays with the sm80 family
+(nbflash/kernels/forward_mma.py), as do headdims that are not multiples of 8 and rows off 16
+bytes; the fp8 path serves the plain kernel and the window only (``FP8_VARIANTS``).
 """
 
 import math
@@ -132,7 +140,13 @@ LN2 = math.log(2.0)
 CHUNK = 64  # columns of a tile chunk: one 128-byte swizzled row of 16-bit elements
 ROW_BYTES = 128  # bytes of a chunk row
 GROUP = 128  # threads of a warpgroup
-SERVED_VARIANTS = (Variant(), Variant(window=True))
+# The plain kernel and the window (causal included): what the fp8 path serves.
+FP8_VARIANTS = (Variant(), Variant(window=True))
+# What the 16-bit forward serves: those, each with softcap, ALiBi or both on the scores (the
+# tensor-core score point, variants.py).
+SERVED_VARIANTS = FP8_VARIANTS + tuple(Variant(window=window, softcap=softcap, alibi=alibi)
+                                       for softcap, alibi in ((True, False), (False, True), (True, True))
+                                       for window in (False, True))
 FP8 = "float8_e4m3fn"  # the fp8 forward's input dtype (e4m3, as ml_dtypes and PyTorch name it)
 # fp8: the key at k position p of each 16 in P's A registers and in V^T's rows (see the docstring):
 # position 4 q + 2 c + e holds key 8 c + 2 q + e, the accumulator column thread q holds as value e
@@ -165,7 +179,10 @@ class Sm90ForwardConfig:
         if self.headdim % 8 or not 8 <= self.headdim <= 256:
             raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..256")
         if self.variant not in SERVED_VARIANTS:
-            raise ValueError(f"{self.variant=}: the sm90 forward serves the plain kernel and the window only")
+            raise ValueError(f"{self.variant=}: the sm90 forward serves the plain kernel, the window, softcap and "
+                             f"ALiBi only")
+        if self.dtype == FP8 and self.variant not in FP8_VARIANTS:
+            raise ValueError(f"{self.variant=}: the fp8 forward serves the plain kernel and the window only")
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise ValueError(f"{self.block_n=} must be a multiple of 16 in 16..256 (a TMA box and a wgmma n)")
         if self.consumers not in (1, 2):
@@ -294,6 +311,10 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     hooks = variants.hooks(config.variant)
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
     head_context = hooks.head_context
+    # A score feature (softcap, ALiBi): raw S through the tensor-core score point, into units whose
+    # positive factor to base 2 replaces the scale in exp2 (the scale is positive here: configs.py).
+    SCORE = hooks.SCORE
+    score_units, score_row, score_at, _ = hooks.tensor_core_score(True)
     NEG_INF = float32(-math.inf)
     IS_F16 = config.dtype == "float16"  # else bfloat16 out (and in, except fp8's e4m3)
     AB = "e4m3" if IS_FP8 else "f16" if IS_F16 else "bf16"
@@ -335,6 +356,18 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     # -----------------------------------------------------------------------------------------------
     # Consumer tile operations, on the thread's registers (local arrays indexed by constants)
     # -----------------------------------------------------------------------------------------------
+
+    @inline_device
+    @unroll
+    def score_scores(s, row0, n_start, seqlen_q, seqlen_k, params, head_ctx, units, q4):
+        """S = the variant's score features on raw Q K^T, in the units that units[EXP] turns to base 2
+        (variants.Hooks.tensor_core_score): what they read of a row is computed once per row."""
+        for rh in static_range(2):
+            ctx = score_row(row0 + 8 * rh, n_start + 2 * q4, seqlen_q, seqlen_k, params, head_ctx, units)
+            for c in static_range(NT):
+                for e in static_range(2):
+                    s[4 * c + 2 * rh + e] = score_at(s[4 * c + 2 * rh + e], ctx, 0, 8 * c + e, seqlen_q, seqlen_k,
+                                                     params, head_ctx, units)
 
     @inline_device
     @unroll
@@ -447,8 +480,9 @@ def build_forward_sm90(config: Sm90ForwardConfig):
 
     @inline_device
     @unroll
-    def write_output(out, lse, o, m_i, l_i, b, h, row0, seqlen_q, scale_log2, q4):
-        """O_i = acc / l_i and lse_i, for rows inside the sequence; 0 and -inf for rows with no key."""
+    def write_output(out, lse, o, m_i, l_i, b, h, row0, seqlen_q, scale_log2, lse_offset, q4):
+        """O_i = acc / l_i and lse_i, for rows inside the sequence; 0 and -inf for rows with no key.
+        ``lse_offset``: what a score feature's units leave out of the base-2 scores."""
         for rh in static_range(2):
             l_row = quad_sum(l_i[rh])  # every lane of the warp takes part in the shuffle
             row = row0 + 8 * rh
@@ -462,7 +496,10 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                             store_element(out, b, row, h, col, o[4 * c + 2 * rh + e] * inv_l)
                 if q4 == 0:
                     if l_row != float32(0):
-                        lse[b, h, row] = (m_i[rh] * scale_log2 + math.log2(l_row)) * float32(LN2)
+                        lse_log2 = m_i[rh] * scale_log2 + math.log2(l_row)
+                        if SCORE:
+                            lse_log2 += lse_offset
+                        lse[b, h, row] = lse_log2 * float32(LN2)
                     else:
                         lse[b, h, row] = NEG_INF
 
@@ -557,6 +594,10 @@ def build_forward_sm90(config: Sm90ForwardConfig):
             head_ctx = head_context(params, b, h)
             if IS_FP8:  # S and O in the inputs' true units
                 scale_log2, v_scale = fp8_scales(params, b, hk, scale_log2)
+            lse_offset = float32(0)
+            if SCORE:  # the features' constants for this head; exp2's factor becomes that of their units
+                units = score_units(params, scale_log2 * float32(LN2), head_ctx)
+                scale_log2, lse_offset = units[variants.EXP], units[variants.OFFSET]
             desc_q = smem_descriptor(q_tile + uint32(64 * consumer * ROW_BYTES), K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
 
             s = cuda.local.array(S_REGS, float32)
@@ -586,6 +627,8 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                     acc_s = issue_qk(acc_s, desc_q, k_descriptor(k_ring, slot))
                     wgmma_wait(0)
                     registers_to(s, fence_operands(acc_s))
+                    if SCORE:
+                        score_scores(s, row0, j * BN, seqlen_q, seqlen_k, params, head_ctx, units, q4)
 
                     # Mask the tiles that some row of the block does not see whole
                     if j < first_full or j >= end_full:
@@ -617,6 +660,8 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                 acc_s = issue_qk(acc_s, desc_q, k_descriptor(k_ring, 0))
                 wgmma_wait(0)
                 registers_to(s, fence_operands(acc_s))
+                if SCORE:
+                    score_scores(s, row0, first_tile * BN, seqlen_q, seqlen_k, params, head_ctx, units, q4)
                 if first_tile < first_full or first_tile >= end_full:
                     mask_scores(s, row0, first_tile * BN, seqlen_q, seqlen_k, params, head_ctx, q4)
                 online_softmax(s, m_i, l_i, alpha, scale_log2)  # O is still 0: nothing to rescale
@@ -639,6 +684,8 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                         named_barrier_arrive(2 - consumer, TURN_THREADS)
                     wgmma_wait(1)  # S_j has landed; P_{j-1} V_{j-1} may still run
                     registers_to(s, fence_operands(acc_s))
+                    if SCORE:
+                        score_scores(s, row0, j * BN, seqlen_q, seqlen_k, params, head_ctx, units, q4)
                     if j < first_full or j >= end_full:
                         mask_scores(s, row0, j * BN, seqlen_q, seqlen_k, params, head_ctx, q4)
                     online_softmax(s, m_i, l_i, alpha, scale_log2)
@@ -663,6 +710,6 @@ def build_forward_sm90(config: Sm90ForwardConfig):
             # ---- Epilogue: normalise and write O_i and lse_i ----
             if IS_FP8:
                 scale_o(o, v_scale)
-            write_output(out, lse, o, m_i, l_i, b, h, row0, seqlen_q, scale_log2, q4)
+            write_output(out, lse, o, m_i, l_i, b, h, row0, seqlen_q, scale_log2, lse_offset, q4)
 
     return forward_sm90
