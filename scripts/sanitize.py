@@ -216,9 +216,17 @@ def case_planted(rng, small):
         print("planted: needs a GPU (the simulator would raise IndexError)")
         return
     registry.KERNELS.setdefault(PlantedConfig, (_build_planted, lambda config: "void(float32[::1])"))
-    x = runtime.cupy().zeros(1 << 20, np.float32)  # the allocation's end: the write lands past it
-    launch.compiled(PlantedConfig()).launch((1, 1, 1), (x[: x.size - 1],), ())
+    x = planted_target(runtime.cupy())
+    launch.compiled(PlantedConfig()).launch((1, 1, 1), (x,), ())
     runtime.cupy().cuda.Device().synchronize()
+
+
+def planted_target(xp):
+    """The array the planted kernel writes one past: a whole allocation of its own, so that the
+    write lands past the allocation's end. (A view one element short of the allocation, as this
+    case first had, puts the write on the allocation's last element: in bounds, and memcheck on the
+    H200 rightly reported 0 errors.)"""
+    return xp.zeros(1 << 20, np.float32)
 
 
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
@@ -236,6 +244,13 @@ def run_case(name, small, seed=0):
 
 
 def _errors(text):
+    """The error count of a sanitizer's summary: memcheck, synccheck and initcheck end with
+    ``ERROR SUMMARY: N errors``, racecheck with ``RACECHECK SUMMARY: H hazards displayed (E errors,
+    W warnings)`` (its warnings count here too: a possible hazard is not a clean run). None when
+    there is no summary."""
+    match = re.search(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
+    if match:
+        return int(match.group(1)) + int(match.group(2))
     match = re.search(r"ERROR SUMMARY: (\d+) error", text)
     return int(match.group(1)) if match else None
 
