@@ -225,8 +225,10 @@ def planted_target(xp):
     """The array the planted kernel writes one past: a whole allocation of its own, so that the
     write lands past the allocation's end. (A view one element short of the allocation, as this
     case first had, puts the write on the allocation's last element: in bounds, and memcheck on the
-    H200 rightly reported 0 errors.)"""
-    return xp.zeros(1 << 20, np.float32)
+    H200 rightly reported 0 errors.) Its size, 512 bytes short of 4 MiB, is a multiple of CuPy's
+    512-byte rounding (the allocation ends where the array does) but not of the driver's 2 MiB
+    pages, so no other allocation can start where the write lands."""
+    return xp.zeros((1 << 20) - 128, np.float32)
 
 
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
