@@ -283,14 +283,16 @@ def fp8_case(rng, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, scalar_d
     return q, k, v, descales
 
 
-def fp8_dequantized(x, descale, nheads):
-    d = np.broadcast_to(np.asarray(descale, dtype=np.float64), (x.shape[0], x.shape[2]))
-    return x.astype(np.float64) * np.repeat(d, nheads // x.shape[2], axis=1)[:, None, :, None]
+def fp8_dequantized(x, descale, nheads_k):
+    """x in float64 times its descale: a scalar, or (batch, nheads_k) as FlashAttention-3's
+    descales are for q, k and v alike (q's head h takes its key/value head h // (nheads / nheads_k)'s)."""
+    d = np.broadcast_to(np.asarray(descale, dtype=np.float64), (x.shape[0], nheads_k))
+    return x.astype(np.float64) * np.repeat(d, x.shape[2] // nheads_k, axis=1)[:, None, :, None]
 
 
 def check_fp8_error(out, lse, q, k, v, descales, scale, window):
     nheads = q.shape[2]
-    q64, k64, v64 = (fp8_dequantized(x, d, x.shape[2]) for x, d in zip((q, k, v), descales))
+    q64, k64, v64 = (fp8_dequantized(x, d, k.shape[2]) for x, d in zip((q, k, v), descales))
     ref, ref_lse = reference(q64, k64, v64, scale, window)
     # the naive fp8 attention: S in float32, P = exp(S - m) rounded to e4m3, P V / l, out in bfloat16
     group = nheads // k.shape[2]
@@ -314,8 +316,19 @@ def check_fp8_error(out, lse, q, k, v, descales, scale, window):
     no_key = np.isneginf(ref_lse)
     assert np.array_equal(np.isneginf(lse), no_key), "lse = -inf exactly where a row sees no key"
     assert (out64.transpose(0, 2, 1, 3)[no_key] == 0).all(), "rows that see no key must be 0"
-    assert np.allclose(lse[~no_key], ref_lse[~no_key], rtol=1e-4, atol=1e-4)
+    lse_err = np.abs(lse[~no_key] - ref_lse[~no_key]).max(initial=0.0)
+    assert np.allclose(lse[~no_key], ref_lse[~no_key], rtol=1e-4, atol=1e-4), f"lse max error {lse_err:.3g}"
     return err, naive_err
+
+
+def test_fp8_dequantized_per_head_descales_with_gqa():
+    # q's descale is (batch, nheads_k) like k's and v's: q's heads 0, 1 take kv head 0's, 2, 3 kv head 1's
+    # (the helper first broadcast it to q's own heads and failed the first GPU run's GQA case).
+    x = np.ones((2, 1, 4, 1), np.float32)
+    d = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    assert fp8_dequantized(x, d, 2)[:, 0, :, 0].tolist() == [[1, 1, 2, 2], [3, 3, 4, 4]]
+    assert fp8_dequantized(x[:, :, :2], d, 2)[:, 0, :, 0].tolist() == [[1, 2], [3, 4]]
+    assert fp8_dequantized(x, np.float32(0.5), 2).max() == 0.5
 
 
 def _host(x):
