@@ -332,9 +332,11 @@ SM90_BACKWARD = [
     (64, 2),
     (128, 2),
 ]
-# The headdims at which the sm90 backward is the default on compute capability 9.0 (where it was
-# measured faster than the mma family); none yet: it runs when the "sm90" family is forced.
-SM90_BACKWARD_DEFAULT_HEADDIMS = ()
+# The headdims at which the sm90 backward is the default on compute capability 9.0: where it was
+# measured faster than the mma family (docs/perf-notes.md, "Hopper backward": fp16 at headdims 64
+# and 128, seqlen 4k and 16k, causal and not, 1.4-1.8x the mma family, 0.93-1.08x SDPA flash).
+# Headdims 72-120 it serves are not measured yet: mma by default.
+SM90_BACKWARD_DEFAULT_HEADDIMS = (64, 128)
 
 
 def sm90_backward_unsupported_reason(static, deterministic, aligned):

@@ -162,6 +162,7 @@ KINDS = {
     "MmaForwardConfig": ("tensor-core forward", 10, 40),
     "Sm90ForwardConfig": ("Hopper forward", 5, 20),  # 6-7 s measured on the H200's host
     "MmaBackwardConfig": ("tensor-core backward", 10, 40),
+    "Sm90BackwardConfig": ("Hopper backward", 5, 20),  # as the Hopper forward (not yet timed)
     "MmaDecodeConfig": ("tensor-core decode", 10, 40),
     "PortableForwardConfig": ("portable forward", 1, 5),
     "PortableBackwardConfig": ("portable backward", 1, 5),
@@ -190,7 +191,7 @@ def describe(config):
         details += [name for feature, name in FEATURES if getattr(variant, feature)]
         if variant.bias:
             details.append(f"{variant.bias} bias")
-    if part in BACKWARD_PARTS and not config.atomic_dq:
+    if part in BACKWARD_PARTS and not getattr(config, "atomic_dq", True):
         details.append("deterministic")
     if getattr(config, "aligned", True) is False and kind.startswith("tensor-core forward"):
         details.append("unaligned rows")

@@ -100,11 +100,17 @@ def configurations(dtypes, headdims, families, cc, unaligned=False, variants=Non
                 for deterministic in (False, True):
                     for config in configs.plan_backward(static, deterministic, family):
                         jobs[config] = None
-        if "sm90" in families and cc == configs.SM90_COMPUTE_CAPABILITY:  # the Hopper forward, forced or not
+                    if family == "mma":  # what the backward runs by default (sm90's dK/dV on Hopper)
+                        for config in configs.plan_backward(static, deterministic):
+                            jobs[config] = None
+        if "sm90" in families and cc == configs.SM90_COMPUTE_CAPABILITY:  # the Hopper kernels, forced or not
             for dtype, headdim, variant in itertools.product(dtypes, headdims, variants):
                 static = Static(dtype, headdim, True, 0, variant)
                 if not configs.sm90_unsupported_reason(static):
                     jobs[configs.plan_forward(static, "sm90")] = None
+                if not configs.mma_unsupported_reason(dtype):
+                    for config in configs.plan_backward(static, False, "sm90"):
+                        jobs[config] = None
     return list(jobs)
 
 

@@ -34,6 +34,11 @@ def to_numpy(x):
     return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
+# The tensor-core kernels' softcap tanh (nbflash/kernels/variants.py, SOFTCAP_TANH "exp2", from
+# ex2.approx and rcp.approx): within about 2e-7 of tanh, absolute; the lse check allows this much.
+TANH_ERROR = 2.5e-7
+
+
 def assert_attention_close(out, lse, q, k, v, causal, softmax_scale=None, output_rounding=False, **variant):
     """out (and lse, if given) against float64, under flash-attn's twice-the-naive-error rule;
     ``variant``: window_size, softcap, alibi_slopes, as given to flash_attn_func.
@@ -64,7 +69,10 @@ def assert_attention_close(out, lse, q, k, v, causal, softmax_scale=None, output
         assert (out64[np.transpose(no_key, (0, 2, 1))] == 0).all(), "rows that see no key must be 0"
         finite = ~no_key
         lse_error = np.abs(lse[finite] - ref_lse[finite]) / np.maximum(1.0, np.abs(ref_lse[finite]))
-        assert lse_error.max(initial=0.0) <= 1e-5, f"lse relative error {lse_error.max():.3g}"
+        # A softcap's tanh in the tensor-core kernels is off by up to TANH_ERROR (absolute), so a score
+        # by softcap * TANH_ERROR, and the lse (a smooth max of the scores) by as much.
+        lse_budget = 1e-5 + variant.get("softcap", 0.0) * TANH_ERROR
+        assert lse_error.max(initial=0.0) <= lse_budget, f"lse relative error {lse_error.max():.3g} > {lse_budget:.3g}"
     return error, naive_error
 
 

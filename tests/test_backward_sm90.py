@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import nbflash
-from nbflash import configs
+from nbflash import configs, launch
 from nbflash.backward import flash_attn_backward
 from nbflash.kernels.backward_mma import MmaBackwardConfig
 from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
@@ -53,6 +53,7 @@ def test_backward_sm90_planning():
     assert (preprocess.kernel, convert.kernel) == ("preprocess", "convert_dq")
     assert isinstance(dkdv, Sm90BackwardConfig) and dkdv.block_n == 128
     assert dkdv.grid(2, 8, 2, 1000, 1000) == (8, 2, 2)
+    assert launch.describe(dkdv) == "Hopper backward dK/dV (float16, headdim 128, causal/window)"
     for static, deterministic, aligned in [
         (Static("float16", 128, False, 0, CAUSAL), True, True),  # deterministic: a fixed order, no atomics
         (Static("bfloat16", 256, False, 0), False, True),  # dK, dV of 64 keys need too many registers

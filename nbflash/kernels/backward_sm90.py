@@ -17,7 +17,7 @@ preprocess::
             for the i-th step (slot i % stages), once the slot is full:
                 S^T  = K_c Q_i^T,  dP^T = V_c dO_i^T         (wgmma, both operands in shared memory)
                 P^T  = exp2(S^T * scale_log2 - lse_log2[query])   (0 where masked: only on tiles
-                                                            crossing the window's edges or a tail)
+                                        crossing the window's edges or a tail; while dP^T is in flight)
                 dS^T = P^T * (dP^T - D[query])
                 dV  += P^T dO_i,  dK += dS^T Q_i          (wgmma, P^T and dS^T from registers)
                 dS^T -> shared memory (16 bit, the 128-byte swizzle)
@@ -134,7 +134,9 @@ class Sm90BackwardConfig:
     stages: int = 2  # query tiles in flight (the ring)
     producer_registers: int = 40  # setmaxnreg caps with two consumers (the register file: 64K)
     consumer_registers: int = 232
+    overlap: bool = True  # P^T's exponentials run while dP^T's product is in flight
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
+    atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
     block_m = 64  # query rows per step: the N of S^T = K Q^T, and the 128-byte row of dS^T
 
     def __post_init__(self):
@@ -230,6 +232,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     EMPTY_ARRIVALS = CONSUMERS * GROUP
     SPLIT_REGISTERS = CONSUMERS == 2
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
+    PENDING = 1 if config.overlap else 0  # commit groups left in flight while P^T is computed
     hooks = variants.hooks(config.variant)
     query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
@@ -281,17 +284,16 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 
     @inline_device
     @unroll
-    def softmax_grad_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
-                       q4, masked):
-        """S^T -> P^T and dP^T -> dS^T = P^T (dP^T - D) in place, for the thread's two key rows
-        (key_row0, key_row0 + 8) and its query columns 8 c + 2 q4 + e; masked entries (keys past
-        seqlen_k, or outside a query's window) get P = dS = 0. ``masked`` is a constant at each
+    def probabilities_t(s, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, q4,
+                        masked):
+        """S^T -> P^T = exp2(S^T * scale_log2 - lse_log2[query]) in place, for the thread's two key
+        rows (key_row0, key_row0 + 8) and its query columns 8 c + 2 q4 + e; masked entries (keys
+        past seqlen_k, or outside a query's window) get P = 0. ``masked`` is a constant at each
         call site; ``stats`` indexes smem at the slot's lse_log2 (then D, BM words on)."""
         for c in static_range(NT):
             for e in static_range(2):
                 col = 8 * c + 2 * q4 + e
                 lse_c = u32_as_f32(smem[stats + col])
-                d_c = u32_as_f32(smem[stats + BM + col])
                 lo, hi = row_keys(q_start + col, seqlen_q, seqlen_k, params)  # used by the masked copy
                 for rh in static_range(2):
                     r = 4 * c + 2 * rh + e
@@ -300,7 +302,17 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                         if hidden(key_row0 + 8 * rh, lo, hi, q_start + col, seqlen_q, params, head_ctx):
                             p = float32(0)
                     s[r] = p
-                    dp[r] = p * (dp[r] - d_c)
+
+    @inline_device
+    @unroll
+    def score_gradients_t(p, dp, smem, stats, q4):
+        """dP^T -> dS^T = P^T (dP^T - D[query]) in place (P^T = 0 where masked gives dS^T = 0)."""
+        for c in static_range(NT):
+            for e in static_range(2):
+                d_c = u32_as_f32(smem[stats + BM + 8 * c + 2 * q4 + e])
+                for rh in static_range(2):
+                    r = 4 * c + 2 * rh + e
+                    dp[r] = p[r] * (dp[r] - d_c)
 
     @inline_device
     @unroll
@@ -490,7 +502,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 q_slot = q_ring + uint32(slot * Q_BYTES)
                 do_slot = do_ring + uint32(slot * Q_BYTES)
 
-                # S^T = K_c Q_i^T and dP^T = V_c dO_i^T
+                # S^T = K_c Q_i^T and dP^T = V_c dO_i^T, two commit groups
                 acc_s = fence_operands(registers_from(s, S_REGS))
                 acc_dp = fence_operands(registers_from(dp, S_REGS))
                 mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
@@ -499,18 +511,20 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     acc_s, desc_k, smem_descriptor(q_slot, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B))
                 acc_dp = issue_keys_by_queries(
                     acc_dp, desc_v, smem_descriptor(do_slot, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B))
-                wgmma_wait(0)
+                wgmma_wait(PENDING)  # S^T has landed (with overlap, dP^T may still run)
                 registers_to(s, fence_operands(acc_s))
-                registers_to(dp, fence_operands(acc_dp))
 
-                # P^T and dS^T; the mask only on tiles crossing the window's edges or a tail
+                # P^T, the mask only on tiles crossing the window's edges or a tail; then dS^T
                 stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
                 if tail or tile < first_full or tile >= end_full:
-                    softmax_grad_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
-                                   scale_log2, q4, True)
+                    probabilities_t(s, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
+                                    scale_log2, q4, True)
                 else:
-                    softmax_grad_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
-                                   scale_log2, q4, False)
+                    probabilities_t(s, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
+                                    scale_log2, q4, False)
+                wgmma_wait(0)  # dP^T has landed
+                registers_to(dp, fence_operands(acc_dp))
+                score_gradients_t(s, dp, smem, stats, q4)
                 pack_a(s, p)
                 pack_a(dp, ds)
                 # dS^T into the tile of this step's parity: the other may still be read by the last
