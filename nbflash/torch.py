@@ -6,7 +6,8 @@
 
 torch stays optional: only this module imports it, and nothing in nbflash imports this module.
 Tensors cross to CuPy and back through DLPack without a copy, and every kernel is queued on torch's
-current stream (wrapped as a CuPy ExternalStream), so the calls order with the surrounding torch work
+current stream (wrapped as a CuPy stream: ``Stream.from_external`` on CuPy 14 and newer, the
+``ExternalStream`` it deprecates on older CuPy), so the calls order with the surrounding torch work
 exactly like a torch op's.
 """
 
@@ -28,9 +29,43 @@ def _on_torch_stream(tensor):
         raise TypeError(f"q is a {tensor.device.type} tensor; nbflash runs on the GPU: pass q.cuda()")
     cupy = runtime.cupy()
     device = tensor.device.index
-    stream = torch.cuda.current_stream(tensor.device)
-    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream.cuda_stream, device):
+    with cupy.cuda.Device(device), _cupy_stream(cupy, torch.cuda.current_stream(tensor.device), device):
         yield
+
+
+class _StreamPointer:
+    """A raw CUDA stream pointer with the CUDA stream protocol, for torch versions whose streams
+    lack ``__cuda_stream__``."""
+
+    def __init__(self, pointer):
+        self.pointer = pointer
+
+    def __cuda_stream__(self):
+        return (0, self.pointer)
+
+
+_CUPY_STREAMS = {}  # (device, stream pointer) -> the CuPy stream wrapping it
+_CUPY_STREAMS_AT_MOST = 64
+
+
+def _cupy_stream(cupy, stream, device):
+    """The CuPy stream for torch's ``stream`` on ``device``: ``cupy.cuda.Stream.from_external``
+    where CuPy has it (14 and newer, where ``ExternalStream`` is deprecated and warns on each
+    construction), else ``cupy.cuda.ExternalStream``. Neither owns the stream (torch does). Kept
+    per (device, pointer), so that a call makes no new one: the wrapper holds nothing but the
+    pointer (and, from_external, a reference to torch's stream object)."""
+    key = (device, stream.cuda_stream)
+    wrapped = _CUPY_STREAMS.get(key)
+    if wrapped is None:
+        from_external = getattr(cupy.cuda.Stream, "from_external", None)
+        if from_external is not None:
+            wrapped = from_external(stream if hasattr(stream, "__cuda_stream__") else _StreamPointer(key[1]))
+        else:
+            wrapped = cupy.cuda.ExternalStream(key[1], device)
+        if len(_CUPY_STREAMS) >= _CUPY_STREAMS_AT_MOST:
+            _CUPY_STREAMS.clear()
+        _CUPY_STREAMS[key] = wrapped
+    return wrapped
 
 
 def _last_dim_contiguous(x):

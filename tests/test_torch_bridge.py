@@ -1,12 +1,14 @@
-"""nbflash.torch: autograd through our kernels, against PyTorch's SDPA (math backend). GPU only."""
+"""nbflash.torch: autograd through our kernels, against PyTorch's SDPA (math backend), on the GPU
+(marked gpu); the wrapping of torch's stream for CuPy against a fake CuPy module, anywhere."""
 
+import contextlib
 import copy
 import subprocess
 import sys
+import types
+import warnings
 
 import pytest
-
-pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
@@ -38,6 +40,7 @@ def gradients(attention, q, k, v, dout, **kwargs):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(
     "shape, causal",
@@ -104,6 +107,7 @@ class TinyAttentionModel(torch.nn.Module):
         return self.out(self.attention(q, k, v, causal=True).reshape(batch, seqlen, dim))
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_training_steps_match_sdpa(dtype):
     """A few Adam steps on the same model and data: our losses follow SDPA's."""
@@ -131,6 +135,7 @@ def test_training_steps_match_sdpa(dtype):
     assert losses["ours"][-1] < losses["ours"][0]  # it trained
 
 
+@pytest.mark.gpu
 def test_runs_on_torch_current_stream():
     """Forward and backward are queued on torch's current stream: a side stream gives the same result."""
     from nbflash.torch import flash_attn_func
@@ -148,6 +153,7 @@ def test_runs_on_torch_current_stream():
         assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
 def test_strided_views_and_broadcast_gradient():
     """Inputs as transposed views of (batch, heads, seq, dim) tensors, read in place; ``out.sum()``
     hands the backward a broadcast (stride-0) gradient, which the bridge makes readable."""
@@ -161,11 +167,13 @@ def test_strided_views_and_broadcast_gradient():
     assert (base.grad.float() - expected.float()).abs().max().item() < 2e-2
 
 
+@pytest.mark.gpu
 def test_nbflash_does_not_import_torch():
     code = "import sys, nbflash, nbflash.backward; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
 def test_kvcache_appends_in_place_and_matches_cupy(paged):
     """nbflash.torch.flash_attn_with_kvcache writes the new tokens into the torch caches themselves
@@ -211,6 +219,7 @@ def test_kvcache_appends_in_place_and_matches_cupy(paged):
                                             block_table=table, causal=True)
     assert torch.equal(torch.from_dlpack(again), out)
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_gradients_match_sdpa_math_per_sequence(dtype, causal):
@@ -239,3 +248,114 @@ def test_varlen_gradients_match_sdpa_math_per_sequence(dtype, causal):
         for mine, theirs in zip((out[rows_q], dq[rows_q], dk[rows_k], dv[rows_k]), ref):
             theirs = theirs[0]
             assert (mine.float() - theirs).abs().max().item() < tolerance * max(1.0, theirs.abs().max().item())
+
+
+# --- torch's stream as CuPy's: Stream.from_external where CuPy has it (14 deprecates ExternalStream and
+# warns on each one), else ExternalStream; against a fake CuPy module, so these run without a GPU ---------
+
+class FakeTorchStream:
+    """What nbflash reads of a torch stream: its pointer, and the CUDA stream protocol (recent torch)."""
+
+    def __init__(self, pointer):
+        self.cuda_stream = pointer
+
+    def __cuda_stream__(self):
+        return (0, self.cuda_stream)
+
+
+class OldFakeTorchStream:
+    """A torch stream from before the CUDA stream protocol: the pointer only."""
+
+    def __init__(self, pointer):
+        self.cuda_stream = pointer
+
+
+def fake_cupy(from_external):
+    """A CuPy module as nbflash.torch uses it, recording the streams it is asked to make and the ones
+    entered. ExternalStream warns as CuPy 14's does where from_external exists (and not where it does not)."""
+    made, entered = [], []
+
+    class Wrapped:
+        def __init__(self, how, pointer, device):
+            self.how, self.pointer, self.device = how, pointer, device
+
+        @contextlib.contextmanager
+        def _entered(self):
+            entered.append(self)
+            yield self
+
+        def __enter__(self):
+            self._context = self._entered()
+            return self._context.__enter__()
+
+        def __exit__(self, *exc):
+            return self._context.__exit__(*exc)
+
+    class Stream:
+        pass
+
+    if from_external:
+        def make_from_external(obj):
+            version, pointer = obj.__cuda_stream__()
+            assert version == 0
+            made.append(Wrapped("from_external", pointer, -1))
+            return made[-1]
+
+        Stream.from_external = staticmethod(make_from_external)
+
+    def external_stream(pointer, device_id=-1):
+        if from_external:
+            warnings.warn("ExternalStream is deprecated. Use Stream.from_external() instead", DeprecationWarning,
+                          stacklevel=2)
+        made.append(Wrapped("ExternalStream", pointer, device_id))
+        return made[-1]
+
+    cuda = types.SimpleNamespace(Stream=Stream, ExternalStream=external_stream,
+                                 Device=lambda device: contextlib.nullcontext())
+    return types.SimpleNamespace(cuda=cuda), made, entered
+
+
+class CudaLooking(torch.Tensor):
+    """A CPU tensor that says it is on cuda:1, to reach the stream wrapping without a GPU."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("protocol", [True, False], ids=["torch-stream-protocol", "older-torch"])
+@pytest.mark.parametrize("from_external", [True, False], ids=["cupy-14", "older-cupy"])
+def test_torch_stream_wrapped_without_deprecation_warning(monkeypatch, recwarn, from_external, protocol):
+    import nbflash.torch as nbtorch
+    from nbflash import runtime
+
+    cupy, made, entered = fake_cupy(from_external)
+    monkeypatch.setattr(runtime, "cupy", lambda: cupy)
+    monkeypatch.setattr(nbtorch, "_CUPY_STREAMS", {})
+    streams = {"main": (FakeTorchStream if protocol else OldFakeTorchStream)(0x1230),
+               "side": (FakeTorchStream if protocol else OldFakeTorchStream)(0x4560)}
+    current = {"stream": streams["main"]}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["stream"])
+    q = torch.zeros(2).as_subclass(CudaLooking)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # a DeprecationWarning raises here
+        for name in ("main", "main", "side", "main"):
+            current["stream"] = streams[name]
+            with nbtorch._on_torch_stream(q):
+                pass
+    assert [w for w in recwarn.list if issubclass(w.category, DeprecationWarning)] == []
+    how = "from_external" if from_external else "ExternalStream"
+    # one wrapper per torch stream, made on first use and kept: the calls on main reuse its one
+    assert [(m.how, m.pointer) for m in made] == [(how, 0x1230), (how, 0x4560)]
+    assert [m.pointer for m in entered] == [0x1230, 0x1230, 0x4560, 0x1230]
+    if not from_external:
+        assert [m.device for m in made] == [1, 1]  # ExternalStream is told the tensor's device
+
+
+def test_torch_streams_have_the_stream_protocol_here():
+    """The torch installed here: its streams carry __cuda_stream__ (returning (0, pointer)), which
+    Stream.from_external reads; older torch is served by nbflash.torch's own wrapper of the pointer."""
+    if not hasattr(torch.cuda.Stream, "__cuda_stream__"):
+        pytest.skip(f"torch {torch.__version__}'s streams lack __cuda_stream__")
+    assert hasattr(torch.cuda.ExternalStream, "__cuda_stream__")
+
