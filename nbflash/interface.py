@@ -58,7 +58,7 @@ def _flash_attn_forward(problem, q, k, v, family=None):
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False, bias=None,
                     score_mod=None, mask_mod=None, block_mask=None, seed=None, q_descale=None, k_descale=None,
-                    v_descale=None):
+                    v_descale=None, fp8_dtype=None):
     """Exact scaled dot-product attention, softmax(q k^T * softmax_scale) v, in O(seqlen) memory.
 
     flash-attn 2.8's ``flash_attn_func``: the same arguments in the same order, so that a call
@@ -129,7 +129,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             draws a fresh one; ``nbflash.last_dropout_seed()`` reads it back (the backward needs
             it: ``flash_attn_backward(..., dropout_p, ..., seed=...)``).
         q_descale, k_descale, v_descale: FlashAttention-3's fp8 forward. With q, k, v of dtype
-            float8_e4m3fn (ml_dtypes' e4m3; on compute capability 9.0 only, an error elsewhere),
+            float8_e4m3fn (ml_dtypes' e4m3), or uint8 arrays of e4m3 bytes with
+            ``fp8_dtype="float8_e4m3fn"`` (on compute capability 9.0 only, an error elsewhere),
             attention of the dequantized inputs q * q_descale, k * k_descale, v * v_descale: each a
             float32 of shape (batch, nheads_k) (query head h takes row h // (nheads // nheads_k)),
             a scalar, or None (1). Then headdim is a multiple of 16 up to 256, the rows 16-byte
@@ -137,7 +138,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             return_attn_probs (lse only: S_dmask is None) are the only other arguments taken; no
             backward. P is rounded to e4m3 for P V, as in FlashAttention-3. V is transposed into
             a new array on each call (wgmma reads 8-bit operands K-major only): one read and one
-            write of V's bytes. NOT yet run on a GPU: shown in Numba's simulator only.
+            write of V's bytes. Its GPU tests have not passed yet: on an H200 they stopped at
+            uploading float8 to CuPy; the same path run on uint8 CuPy storage outside the tests met
+            the out bound in 6 of 6 cases, lse's 1e-4 in 3 (docs/benchmarks.md).
+        fp8_dtype: (nbflash) None, or "float8_e4m3fn": q, k and v are uint8 arrays holding e4m3
+            bytes, which then take the fp8 forward exactly as float8_e4m3fn arrays do (the kernel
+            reads the same bytes). CuPy has no float8 dtype, so this is the route on a GPU::
+
+                q8 = cupy.asarray(q.astype(ml_dtypes.float8_e4m3fn).view(numpy.uint8))  # e4m3 bytes
+                out = nbflash.flash_attn_func(q8, k8, v8, causal=True, fp8_dtype="float8_e4m3fn",
+                                              q_descale=qd, k_descale=kd, v_descale=vd)  # bfloat16
+
+            uint8 arrays without it are an error, as is fp8_dtype with float16/bfloat16/float32
+            arrays; e5m2 is not supported (the fp8 forward reads e4m3 only).
 
     A query row that sees no key gets output 0 (and lse -inf), whatever the variant.
 
@@ -151,8 +164,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _check_flag(deterministic, "deterministic")
     _check_flag(return_attn_probs, "return_attn_probs")
     _check_flag(return_lse, "return_lse")
-    if (q_descale is not None or k_descale is not None or v_descale is not None
+    if (q_descale is not None or k_descale is not None or v_descale is not None or fp8_dtype is not None
             or getattr(q, "dtype", None) == FLOAT8_E4M3):  # FlashAttention-3's fp8 forward
+        q, k, v = validation.check_fp8_inputs(q, k, v, fp8_dtype)
         others = dict(dropout_p=dropout_p != 0.0, softcap=softcap != 0.0, alibi_slopes=alibi_slopes is not None,
                       bias=bias is not None, score_mod=score_mod is not None, mask_mod=mask_mod is not None,
                       block_mask=block_mask is not None, seed=seed is not None)
@@ -211,11 +225,9 @@ def fp8_transposed_v(v):
 
 
 def _flash_attn_fp8(q, k, v, softmax_scale, causal, window_size, q_descale, k_descale, v_descale):
-    """The fp8 forward (see flash_attn_func): checks, V^T, descales, launch. Returns (out, lse)."""
-    q, k, v = (validation.as_backend_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    """The fp8 forward (see flash_attn_func) on uint8 backend arrays of e4m3 bytes (as
+    validation.check_fp8_inputs gives them): checks, V^T, descales, launch. Returns (out, lse)."""
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        if x.dtype != FLOAT8_E4M3:
-            raise TypeError(f"q_descale / k_descale / v_descale take float8_e4m3fn q, k and v; {name} is {x.dtype}")
         if x.ndim == 4:
             reason = configs.sm90_fp8_unsupported_reason(x.shape[3], 0 if runtime.SIMULATOR else x.device.id)
             if reason:

@@ -126,6 +126,31 @@ def _check_flags(deterministic, return_attn_probs, return_lse):
         interface._check_flag(value, name)
 
 
+_FLOAT8 = {getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+           if hasattr(torch, name)}
+
+
+def _fp8_bytes(q, k, v, fp8_dtype):
+    """(q, k, v, fp8_dtype) for the core's fp8 forward: torch.float8_e4m3fn tensors as their bytes
+    (torch.uint8 views, which CuPy can hold, as it cannot hold float8) with fp8_dtype saying what
+    they are; other tensors detached as they are, for the core to check."""
+    tensors = (q, k, v)
+    for x, name in zip(tensors, "qkv"):
+        if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"the fp8 forward has no backward and {name} requires grad; call it under "
+                             f"torch.no_grad() or pass {name}.detach()")
+    dtypes = [getattr(x, "dtype", None) for x in tensors]
+    if not any(d in _FLOAT8 for d in dtypes):
+        return (*(_detached(x) for x in tensors), fp8_dtype)
+    if len(set(dtypes)) > 1:
+        raise TypeError(f"q, k and v must have one dtype, got q.dtype={dtypes[0]}, k.dtype={dtypes[1]}, "
+                        f"v.dtype={dtypes[2]}")
+    if dtypes[0] != torch.float8_e4m3fn:
+        raise ValueError(f"q, k and v are {dtypes[0]}: the fp8 forward reads float8_e4m3fn only (e5m2 is not "
+                         f"supported, nor are the fnuz formats); pass torch.float8_e4m3fn tensors")
+    return (*(x.detach().view(torch.uint8) for x in tensors), "float8_e4m3fn" if fp8_dtype is None else fp8_dtype)
+
+
 def _detached(x):
     """A tensor without its autograd history (torch refuses to export one that requires gradients);
     anything else as it is, for validation to refuse by name."""
@@ -134,7 +159,8 @@ def _detached(x):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False, bias=None,
-                    score_mod=None, mask_mod=None, score_mod_grad=None, block_mask=None):
+                    score_mod=None, mask_mod=None, score_mod_grad=None, block_mask=None, q_descale=None,
+                    k_descale=None, v_descale=None, fp8_dtype=None):
     """``nbflash.flash_attn_func`` on torch tensors, differentiable with respect to q, k and v:
     flash-attn 2.8's ``flash_attn_func``, argument for argument, so that
     ``from nbflash.torch import flash_attn_func`` replaces ``from flash_attn import flash_attn_func``.
@@ -150,8 +176,32 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
     Dropout's seed comes from torch's default generator, so ``torch.manual_seed`` reproduces a run;
     the backward regenerates the forward's mask from it.
+
+    The fp8 forward (FlashAttention-3's, as in nbflash.flash_attn_func; compute capability 9.0):
+    q, k, v ``torch.float8_e4m3fn`` tensors (or torch.uint8 tensors of e4m3 bytes with
+    ``fp8_dtype="float8_e4m3fn"``), ``q_descale``, ``k_descale``, ``v_descale`` float32 CUDA
+    tensors of shape (batch, nheads_k), scalars or None; out is bfloat16. Inference only (no
+    backward): q, k and v must not require gradients where autograd is on::
+
+        out = flash_attn_func(q.to(torch.float8_e4m3fn), k8, v8, causal=True, q_descale=qd, k_descale=kd,
+                              v_descale=vd)
     """
     _check_flags(deterministic, return_attn_probs, return_lse)
+    if (q_descale is not None or k_descale is not None or v_descale is not None or fp8_dtype is not None
+            or getattr(q, "dtype", None) in _FLOAT8):
+        if score_mod_grad is not None:
+            raise ValueError("the fp8 forward takes softmax_scale, causal and window_size only, not score_mod_grad "
+                             "(it has no backward)")
+        q, k, v, fp8_dtype = _fp8_bytes(q, k, v, fp8_dtype)
+        with _on_torch_stream(q), torch.no_grad():
+            result = interface.flash_attn_func(
+                q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, _detached(alibi_slopes),
+                deterministic, return_attn_probs, return_lse=return_lse, bias=_detached(bias), score_mod=score_mod,
+                mask_mod=mask_mod, block_mask=block_mask, q_descale=_detached(q_descale),
+                k_descale=_detached(k_descale), v_descale=_detached(v_descale), fp8_dtype=fp8_dtype)
+            if not isinstance(result, tuple):
+                return torch.from_dlpack(result)
+            return tuple(None if x is None else torch.from_dlpack(x) for x in result)
     seed = None
     if validation.check_dropout_p(dropout_p) > 0:
         seed = int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from . import runtime
-from .dtypes import dtype_name
+from .dtypes import FLOAT8_E4M3, dtype_name
 from .block_mask import check_block_mask
 from .kernels.variants import user_function
 from .problem import UNBOUNDED, Problem, Variant, window_bounds
@@ -90,6 +90,45 @@ def rows_aligned(x):
     boundary: the kernels may copy its rows 16 bytes at a time."""
     pointer = x.ctypes.data if runtime.SIMULATOR else x.data.ptr
     return pointer % 16 == 0 and not any(s % 16 for s in x.strides[:3])
+
+
+FP8_DTYPE = "float8_e4m3fn"  # the one fp8 format the fp8 forward reads (FlashAttention-3's forward format)
+FP8_BYTES_HINT = f"pass fp8_dtype={FP8_DTYPE!r} if these are e4m3 bytes (uint8 arrays: CuPy has no float8 dtype)"
+
+
+def check_fp8_inputs(q, k, v, fp8_dtype):
+    """The fp8 forward's q, k, v as uint8 backend arrays of e4m3 bytes: float8_e4m3fn arrays (NumPy,
+    under the simulator), or uint8 arrays with ``fp8_dtype='float8_e4m3fn'`` saying what their bytes
+    are (CuPy, which cannot hold float8). The kernel reads byte pairs, so both are the same bytes."""
+    if fp8_dtype is not None:
+        name = fp8_dtype if isinstance(fp8_dtype, str) else _dtype_name_or_str(fp8_dtype)
+        if "e5m2" in name:
+            raise ValueError(f"fp8_dtype={fp8_dtype!r}: the fp8 forward reads e4m3 only, e5m2 is not supported; "
+                             f"quantize q, k and v to e4m3 and pass fp8_dtype={FP8_DTYPE!r}")
+        if name != FP8_DTYPE:
+            raise ValueError(f"fp8_dtype must be {FP8_DTYPE!r} (the bytes of q, k and v are e4m3) or None, "
+                             f"got {fp8_dtype!r}")
+    q, k, v = (as_backend_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must have one dtype, got q.dtype={q.dtype}, k.dtype={k.dtype}, "
+                        f"v.dtype={v.dtype}")
+    if q.dtype == np.uint8 and fp8_dtype is None:
+        raise TypeError(f"q, k and v are uint8 and fp8_dtype is None; {FP8_BYTES_HINT}")
+    if fp8_dtype is not None and q.dtype not in (np.uint8, FLOAT8_E4M3):
+        raise TypeError(f"fp8_dtype={fp8_dtype!r} takes q, k and v as uint8 arrays of e4m3 bytes, got {q.dtype} "
+                        f"(pass x.view(uint8) of e4m3 data, or leave fp8_dtype None for float16/bfloat16/float32)")
+    if q.dtype not in (np.uint8, FLOAT8_E4M3):
+        raise TypeError(f"q_descale / k_descale / v_descale take float8_e4m3fn q, k and v (or uint8 arrays of e4m3 "
+                        f"bytes with fp8_dtype={FP8_DTYPE!r}); q, k and v are {q.dtype}")
+    return tuple(x.view(np.uint8) for x in (q, k, v))
+
+
+def _dtype_name_or_str(dtype):
+    """A dtype's name (ml_dtypes' float8 types included); else its str without a "torch." prefix."""
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype).removeprefix("torch.")
 
 
 def check_softmax_scale(softmax_scale, headdim):
@@ -265,7 +304,8 @@ def _check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
 
     dtype = dtype_name(q.dtype)
     if dtype is None:
-        raise TypeError(f"q.dtype={q.dtype} is not supported; expected float16, bfloat16 or float32")
+        raise TypeError(f"q.dtype={q.dtype} is not supported; expected float16, bfloat16 or float32"
+                        + (f"; {FP8_BYTES_HINT}" if q.dtype == np.uint8 else ""))
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name}.dtype={x.dtype} differs from q.dtype={q.dtype}; they must match")

@@ -9,6 +9,7 @@ device array in the simulator). test_errors.py, test_kvcache.py and test_backwar
 cases of some rows, with the exact messages.
 """
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -46,7 +47,13 @@ def arrays(xp):
     )
     a["strided_q"] = xp.zeros((2, 8, 4, 32), np.float16)[..., ::2]  # last dim not contiguous
     a["host"] = np.zeros((2, 8, 4, 16), np.float16)  # host memory: refused on a GPU
+    a["bytes_q"], a["bytes_k"] = xp.zeros((2, 8, 4, 16), np.uint8), xp.zeros((2, 6, 2, 16), np.uint8)  # e4m3 bytes
     return a
+
+
+def fp8(a, *, q=None, k=None, **kwargs):
+    """The fp8 forward's call on uint8 arrays of e4m3 bytes (CuPy has no float8 dtype)."""
+    return (a["bytes_q"] if q is None else q, a["bytes_k"] if k is None else k, a["bytes_k"]), kwargs
 
 
 def dense(a, **kwargs):
@@ -114,6 +121,21 @@ CASES = [
     ("flash_attn_func", lambda a: ((a["host"], a["k"], a["k"]), {}), TypeError, r"q is a NumPy \(host\) array", "gpu"),
     ("flash_attn_func", lambda a: ((a["q"], DeviceArray(), a["k"]), {}), TypeError,
      "k must be a NumPy array when running in Numba's CUDA simulator", "simulator"),
+    # flash_attn_func's fp8 forward: uint8 arrays of e4m3 bytes need fp8_dtype, which names e4m3 and uint8 arrays
+    ("flash_attn_func", lambda a: fp8(a), TypeError, "pass fp8_dtype='float8_e4m3fn' if these are e4m3 bytes", None),
+    ("flash_attn_func", lambda a: fp8(a, q_descale=2.0), TypeError,
+     "pass fp8_dtype='float8_e4m3fn' if these are e4m3 bytes", None),
+    ("flash_attn_func", lambda a: dense(a, fp8_dtype="float8_e4m3fn"), TypeError,
+     "fp8_dtype='float8_e4m3fn' takes q, k and v as uint8 arrays", None),
+    ("flash_attn_func", lambda a: fp8(a, fp8_dtype="float8_e5m2"), ValueError, "e5m2 is not supported", None),
+    ("flash_attn_func", lambda a: fp8(a, fp8_dtype=np.float16), ValueError, "fp8_dtype must be 'float8_e4m3fn'",
+     None),
+    ("flash_attn_func", lambda a: fp8(a, k=a["k"], fp8_dtype="float8_e4m3fn"), TypeError,
+     "q, k and v must have one dtype", None),
+    ("flash_attn_func", lambda a: fp8(a, q=a["bytes_q"].view(ml_dtypes.float8_e4m3fn)), TypeError,
+     "q, k and v must have one dtype", "simulator"),  # float8 arrays exist only in NumPy
+    ("flash_attn_func", lambda a: fp8(a, fp8_dtype="float8_e4m3fn", softcap=5.0), ValueError,
+     "the fp8 forward takes softmax_scale, causal and window_size only", None),
     ("explain", lambda a: dense(a, causal=1), TypeError, "causal must be a bool", None),
     ("explain", lambda a: ((a["q"], a["k"], a["k"][..., :8]), {}), ValueError, "k and v must have the same shape",
      None),
@@ -201,6 +223,17 @@ TORCH_CASES = [
     ("flash_attn_func", lambda t: ((t["q"].numpy(), t["k"], t["k"]), {}), TypeError, "q must be a torch tensor"),
     ("flash_attn_func", lambda t: ((t["q"], t["k"], t["k"]), {}), TypeError, "q is a cpu tensor"),
     ("flash_attn_func", lambda t: ((t["q"], t["k"], t["k"]), dict(dropout_p=2.0)), ValueError, "dropout_p must be in"),
+    # the fp8 forward: torch.float8_e4m3fn tensors take it (as uint8 bytes to CuPy); on CPU tensors the
+    # argument checks run, then the GPU check refuses them by name
+    ("flash_attn_func", lambda t: ((t["fp8_q"], t["fp8_k"], t["fp8_k"]), dict(q_descale=2.0)), TypeError,
+     "q is a cpu tensor"),
+    ("flash_attn_func", lambda t: ((t["fp8_q"], t["k"], t["k"]), {}), TypeError, "q, k and v must have one dtype"),
+    ("flash_attn_func", lambda t: ((t["fp8_q"].to(TORCH.float8_e5m2),) * 3, {}), ValueError,
+     "e5m2 is not supported"),
+    ("flash_attn_func", lambda t: ((t["fp8_q"].requires_grad_(), t["fp8_k"], t["fp8_k"]), {}), ValueError,
+     "the fp8 forward has no backward and q requires grad"),
+    ("flash_attn_func", lambda t: ((t["fp8_q"], t["fp8_k"], t["fp8_k"]), dict(score_mod_grad=lambda *a: 1.0)),
+     ValueError, "not score_mod_grad"),
     ("flash_attn_varlen_func", lambda t: ((t["q"][0], t["k"][0], t["k"][0], t["cu"], t["cu"], 6, 6),
                                           dict(return_lse="no")), TypeError, "return_lse must be a bool"),
     ("flash_attn_varlen_func", lambda t: ((t["q"][0], t["k"][0], t["k"][0], t["cu"], t["cu"], 6, 6), {}), TypeError,
@@ -226,6 +259,7 @@ def test_bad_input_torch(case):
     name, make, error, message = TORCH_CASES[case]
     tensors = dict(q=TORCH.zeros(2, 6, 4, 16, dtype=TORCH.float16), k=TORCH.zeros(2, 6, 2, 16, dtype=TORCH.float16),
                    cu=TORCH.tensor([0, 6], dtype=TORCH.int32))
+    tensors.update(fp8_q=tensors["q"].to(TORCH.float8_e4m3fn), fp8_k=tensors["k"].to(TORCH.float8_e4m3fn))
     args, kwargs = make(tensors)
     with pytest.raises(error, match=message):
         getattr(nbtorch, name)(*args, **kwargs)

@@ -9,7 +9,9 @@ tolerance is flash-attn's rule, twice the error of a naive same-precision implem
 
 The fp8 (e4m3) forward with descales (flash_attn_func's q_descale, k_descale, v_descale) is checked
 the same way against the float64 attention of the dequantized inputs, in the simulator (two tiny
-cases) and, marked gpu, on a grid that has not run yet.
+cases, on float8_e4m3fn NumPy arrays, and the uint8 + fp8_dtype route against them bit for bit)
+and, marked gpu, on a grid that has not passed yet. On a GPU every fp8 test uploads the e4m3 bytes
+as uint8 CuPy arrays with fp8_dtype="float8_e4m3fn" (fp8_inputs): CuPy has no float8 dtype.
 """
 
 import math
@@ -335,6 +337,15 @@ def _host(x):
     return x.get() if hasattr(x, "get") else x
 
 
+def fp8_inputs(xp, *arrays):
+    """e4m3 host arrays as the backend takes them, and the keywords that say what they are: the
+    float8_e4m3fn NumPy arrays themselves under the simulator; on a GPU, uint8 CuPy arrays of the
+    same bytes with fp8_dtype (CuPy has no float8 dtype)."""
+    if xp is np:
+        return list(arrays), {}
+    return [xp.asarray(x.view(np.uint8)) for x in arrays], dict(fp8_dtype="float8_e4m3fn")
+
+
 def test_fp8_kernel_ring_wraps(xp):
     # A small config straight through the launcher: one consumer, headdim 64 padded to a 128-byte
     # chunk, 3 key tiles of 128 through a 2-stage ring, seqlen_k 300 (V^T padded to 304, the tail
@@ -347,7 +358,7 @@ def test_fp8_kernel_ring_wraps(xp):
     out = xp.asarray(np.full(q.shape, np.nan, dtype=ml_dtypes.bfloat16))
     lse = xp.full((1, 2, 9), np.nan, dtype=np.float32)
     scale = 1.0 / math.sqrt(64)
-    q_dev, k_dev, v_dev = (xp.asarray(x) for x in (q, k, v))
+    (q_dev, k_dev, v_dev), _ = fp8_inputs(xp, q, k, v)
     launch.compiled(config).launch(
         config.grid(1, 2, 9), (q_dev.view(np.uint16), k_dev.view(np.uint16), interface.fp8_transposed_v(v_dev), out,
                                lse),
@@ -362,8 +373,9 @@ def test_fp8_public_api_causal_gqa(xp):
     import nbflash
 
     q, k, v, descales = fp8_case(np.random.default_rng(81), 1, 70, 40, 2, 1, 128, scalar_descales=True)
-    out, lse = nbflash.flash_attn_func(*(xp.asarray(x) for x in (q, k, v)), causal=True, return_lse=True,
-                                       q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
+    dev, fp8_dtype = fp8_inputs(xp, q, k, v)
+    out, lse = nbflash.flash_attn_func(*dev, causal=True, return_lse=True, q_descale=descales[0],
+                                       k_descale=descales[1], v_descale=descales[2], **fp8_dtype)
     assert out.dtype == ml_dtypes.bfloat16 and out.shape == q.shape
     check_fp8_error(_host(out), _host(lse), q, k, v, descales, 1.0 / math.sqrt(128), CAUSAL)
 
@@ -373,19 +385,37 @@ def test_fp8_refusals(monkeypatch, xp):
     from nbflash import configs
 
     e4m3 = ml_dtypes.float8_e4m3fn
-    q = xp.asarray(np.zeros((1, 8, 1, 64), dtype=e4m3))
+    (q,), fp8_dtype = fp8_inputs(xp, np.zeros((1, 8, 1, 64), dtype=e4m3))
     with pytest.raises(ValueError, match="takes softmax_scale, causal and window_size only"):
-        nbflash.flash_attn_func(q, q, q, softcap=5.0)
+        nbflash.flash_attn_func(q, q, q, softcap=5.0, **fp8_dtype)
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         half = xp.zeros((1, 8, 1, 64), dtype=np.float16)
         nbflash.flash_attn_func(half, half, half, q_descale=np.float32(2))
     with pytest.raises(ValueError, match=r"shape \(batch, nheads_k\)"):
-        nbflash.flash_attn_func(q, q, q, k_descale=xp.ones((2, 1), np.float32))
+        nbflash.flash_attn_func(q, q, q, k_descale=xp.ones((2, 1), np.float32), **fp8_dtype)
     with pytest.raises(ValueError, match="multiple of 16"):
-        nbflash.flash_attn_func(*(xp.asarray(np.zeros((1, 8, 1, 40), dtype=e4m3)),) * 3)
+        (q40,), _ = fp8_inputs(xp, np.zeros((1, 8, 1, 40), dtype=e4m3))
+        nbflash.flash_attn_func(q40, q40, q40, **fp8_dtype)
     monkeypatch.setattr(configs, "_compute_capability", lambda device: (8, 9))
     with pytest.raises(ValueError, match="compute capability 9.0 only"):
-        nbflash.flash_attn_func(q, q, q)
+        nbflash.flash_attn_func(q, q, q, **fp8_dtype)
+
+
+@pytest.mark.skipif(not P.SIMULATOR, reason="CuPy cannot hold float8_e4m3fn: on a GPU the uint8 route is the only one")
+def test_fp8_uint8_bytes_route_is_bit_identical():
+    # uint8 arrays of the same bytes with fp8_dtype: the same kernel on the same bytes, so out and lse
+    # bit for bit those of the float8_e4m3fn arrays (per-head descales, GQA 2:1, a window).
+    import nbflash
+
+    q, k, v, descales = fp8_case(np.random.default_rng(82), 1, 5, 20, 2, 1, 64)
+    call = dict(window_size=(7, 2), return_lse=True, q_descale=descales[0], k_descale=descales[1],
+                v_descale=descales[2])
+    out, lse = nbflash.flash_attn_func(q, k, v, **call)
+    out8, lse8 = nbflash.flash_attn_func(*(x.view(np.uint8) for x in (q, k, v)), fp8_dtype="float8_e4m3fn", **call)
+    assert out8.dtype == out.dtype == ml_dtypes.bfloat16 and lse8.dtype == lse.dtype == np.float32
+    assert np.array_equal(out8.view(np.uint16), out.view(np.uint16)), "out differs between the two routes"
+    assert np.array_equal(lse8, lse, equal_nan=True), "lse differs between the two routes"
+    check_fp8_error(out, lse, q, k, v, descales, 1.0 / math.sqrt(64), (7, 2))
 
 
 FP8_GPU_CASES = [
@@ -404,17 +434,18 @@ FP8_GPU_CASES = [
 @pytest.mark.skipif(P.SIMULATOR, reason="sizes the simulator cannot afford; needs a GPU")
 @pytest.mark.parametrize("case", FP8_GPU_CASES, ids=["-".join(map(str, c)) for c in FP8_GPU_CASES])
 def test_fp8_forward_gpu(case, xp):
-    # The fp8 forward on the hardware (never run yet): flash_attn_func with e4m3 CuPy arrays and
-    # descales on the device, against the float64 attention of the dequantized inputs.
+    # The fp8 forward on the hardware (its tests not passed yet): flash_attn_func with the e4m3 bytes
+    # in uint8 CuPy arrays (fp8_dtype; CuPy cannot hold float8) and descales on the device, against
+    # the float64 attention of the dequantized inputs.
     import nbflash
 
     headdim, causal, batch, seqlen_q, seqlen_k, nheads, nheads_k, scalar = case
     q, k, v, descales = fp8_case(np.random.default_rng(seqlen_q), batch, seqlen_q, seqlen_k, nheads, nheads_k,
                                  headdim, scalar_descales=scalar)
-    dev = [xp.asarray(x) for x in (q, k, v)]
+    dev, fp8_dtype = fp8_inputs(xp, q, k, v)
     dev_descales = [d if scalar else xp.asarray(d) for d in descales]
     out, lse = nbflash.flash_attn_func(*dev, causal=causal, return_lse=True, q_descale=dev_descales[0],
-                                       k_descale=dev_descales[1], v_descale=dev_descales[2])
+                                       k_descale=dev_descales[1], v_descale=dev_descales[2], **fp8_dtype)
     check_fp8_error(_host(out), _host(lse), q, k, v, descales, 1.0 / math.sqrt(headdim), CAUSAL if causal else None)
 
 

@@ -1,5 +1,6 @@
-"""nbflash.torch: autograd through our kernels, against PyTorch's SDPA (math backend), on the GPU
-(marked gpu); the wrapping of torch's stream for CuPy against a fake CuPy module, anywhere."""
+"""nbflash.torch: autograd through our kernels, against PyTorch's SDPA (math backend), and the fp8
+forward through it, on the GPU (marked gpu); the wrapping of torch's stream for CuPy against a fake
+CuPy module, anywhere."""
 
 import contextlib
 import copy
@@ -8,6 +9,7 @@ import sys
 import types
 import warnings
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -359,3 +361,41 @@ def test_torch_streams_have_the_stream_protocol_here():
         pytest.skip(f"torch {torch.__version__}'s streams lack __cuda_stream__")
     assert hasattr(torch.cuda.ExternalStream, "__cuda_stream__")
 
+
+# --- the fp8 forward through nbflash.torch: float8_e4m3fn tensors, their bytes handed to CuPy as uint8 ---------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("descales", ["tensors", "scalars"])
+def test_fp8_forward_matches_the_cupy_route(descales):
+    """torch.float8_e4m3fn tensors give bit for bit what the CuPy route (the same bytes in uint8 CuPy
+    arrays, fp8_dtype) gives, bfloat16 out and float32 lse, on torch's current stream; uint8 tensors
+    with fp8_dtype too."""
+    import cupy
+    import ml_dtypes
+
+    import nbflash
+    from nbflash.torch import flash_attn_func
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the fp8 forward runs on compute capability 9.0 only")
+    rng = np.random.default_rng(7)
+    host = [rng.standard_normal((2, n, h, 128)).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+            for n, h in ((113, 4), (203, 2), (203, 2))]
+    if descales == "tensors":
+        scales = [rng.uniform(0.25, 2.0, (2, 2)).astype(np.float32) for _ in range(3)]
+        torch_scales = [torch.from_numpy(d).cuda() for d in scales]
+        cupy_scales = [cupy.asarray(d) for d in scales]
+    else:
+        torch_scales = cupy_scales = [0.5, 1.5, 0.75]
+    names = ("q_descale", "k_descale", "v_descale")
+    expected_out, expected_lse = nbflash.flash_attn_func(
+        *(cupy.asarray(x.view(np.uint8)) for x in host), causal=True, return_lse=True, fp8_dtype="float8_e4m3fn",
+        **dict(zip(names, cupy_scales)))
+    tensors = [torch.from_numpy(x.view(np.uint8)).cuda().view(torch.float8_e4m3fn) for x in host]
+    out, lse = flash_attn_func(*tensors, causal=True, return_lse=True, **dict(zip(names, torch_scales)))
+    assert out.dtype == torch.bfloat16 and out.shape == tensors[0].shape and lse.dtype == torch.float32
+    assert torch.equal(out.view(torch.int16).cpu(), torch.from_numpy(expected_out.get().view(np.int16)))
+    assert torch.equal(lse.cpu(), torch.from_numpy(expected_lse.get()))
+    out_bytes = flash_attn_func(*(x.view(torch.uint8) for x in tensors), causal=True, fp8_dtype="float8_e4m3fn",
+                                **dict(zip(names, torch_scales)))
+    assert torch.equal(out_bytes.view(torch.int16), out.view(torch.int16))
