@@ -8,9 +8,11 @@ launches; ``plan_backward`` does the same for the backward's kernels. Three kern
   float16 / bfloat16 forward on compute capability 9.0, plain or windowed (causal) attention, with
   or without softcap and ALiBi, a positive scale, headdim a multiple of 8 up to 256, rows on 16-byte
   boundaries (``sm90_unsupported_reason``); chosen by default at the headdims where it was measured
-  faster (``SM90_DEFAULT_HEADDIMS``; measured without softcap and ALiBi). Its backward is the mma
-  family's. Its fp8 (e4m3) forward is reached only through flash_attn_func's fp8 inputs
-  (``SM90_FP8_FORWARD``; not yet run on a GPU).
+  faster (``SM90_DEFAULT_HEADDIMS``; measured without softcap and ALiBi). Its backward
+  (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; the same variants, headdim up
+  to 128, ``sm90_backward_unsupported_reason``) is the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``
+  for plain and causal attention; the mma family's backward elsewhere. Its fp8 (e4m3) forward is
+  reached only through flash_attn_func's fp8 inputs (``SM90_FP8_FORWARD``).
 - ``"mma"``: tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py); float16 and
   bfloat16 on GPUs of compute capability 8.0 and newer. Chosen wherever it applies and sm90 is not.
 - ``"portable"``: scalar float32 arithmetic (nbflash/kernels/forward_portable.py); any dtype, any
@@ -79,8 +81,8 @@ def kernel_family(family):
     A name that is not a family raises ValueError here, at the call (not only on entering the
     block). A call the forced family cannot serve (float32 on ``"mma"``, say) raises ValueError.
     A backward under ``"sm90"`` runs the Hopper dK/dV kernel where it serves the call (atomic dq,
-    plain or windowed attention, headdim up to 128: ``sm90_backward_unsupported_reason``) and the
-    mma family's kernels otherwise.
+    plain or windowed attention with or without softcap and ALiBi, headdim up to 128:
+    ``sm90_backward_unsupported_reason``) and the mma family's kernels otherwise.
     """
     _check_family(family)
     return _forcing(family)
@@ -337,6 +339,8 @@ SM90_BACKWARD = [
 # and 128, seqlen 4k and 16k, causal and not, 1.4-1.8x the mma family, 0.93-1.08x SDPA flash).
 # Headdims 72-120 it serves are not measured yet: mma by default.
 SM90_BACKWARD_DEFAULT_HEADDIMS = (64, 128)
+# ... for these variants (measured); softcap and ALiBi run on it when "sm90" is forced (not yet run on a GPU)
+SM90_BACKWARD_DEFAULT_VARIANTS = (Variant(), Variant(window=True))
 
 
 def sm90_backward_unsupported_reason(static, deterministic, aligned):
@@ -350,7 +354,8 @@ def sm90_backward_unsupported_reason(static, deterministic, aligned):
     if deterministic:
         return "the sm90 backward adds dq with atomics; deterministic=True runs the mma family's fixed order"
     if static.variant._replace(score_mod_grad="") not in SM90_BACKWARD_VARIANTS:
-        return "the sm90 backward serves plain and windowed (causal) attention without other features"
+        return ("the sm90 backward serves plain and windowed (causal) attention, with softcap and ALiBi, "
+                "without other features")
     if static.headdim % 8 or static.headdim > SM90_BACKWARD_MAX_HEADDIM:
         return (f"the sm90 backward takes headdim a multiple of 8 up to {SM90_BACKWARD_MAX_HEADDIM}, "
                 f"not {static.headdim}")
@@ -378,8 +383,8 @@ def plan_backward(static, deterministic, family=None, aligned=None):
     """
     dtype, headdim, device = static.dtype, static.headdim, static.device
     aligned = static.aligned if aligned is None else aligned
-    sm90 = family == "sm90" or (family is None and not runtime.SIMULATOR
-                                and headdim in SM90_BACKWARD_DEFAULT_HEADDIMS)
+    sm90 = family == "sm90" or (family is None and not runtime.SIMULATOR and headdim in SM90_BACKWARD_DEFAULT_HEADDIMS
+                                and static.variant._replace(score_mod_grad="") in SM90_BACKWARD_DEFAULT_VARIANTS)
     sm90 = sm90 and sm90_backward_unsupported_reason(static, deterministic, aligned) is None
     family = _resolve_family(dtype, device, "mma" if family == "sm90" else family)
     atomic = not deterministic

@@ -15,6 +15,7 @@ import pytest
 import nbflash
 from nbflash import configs, launch
 from nbflash.backward import flash_attn_backward
+from nbflash.catalogue import variant_arguments
 from nbflash.kernels.backward_mma import MmaBackwardConfig
 from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
 from nbflash.problem import Static, Variant
@@ -23,6 +24,7 @@ from .conftest import SIMULATOR
 from .helpers import random_qkv, to_numpy
 from .test_backward import poisoned_outputs  # noqa: F401  (autouse: every library buffer starts as NaN)
 from .test_backward import SEQLENS, assert_gradients_close, forward, random_like, run_case
+from .test_variants_attention import split
 
 
 def _is_sm90():
@@ -59,7 +61,7 @@ def test_backward_sm90_planning():
         (Static("bfloat16", 256, False, 0), False, True),  # dK, dV of 64 keys need too many registers
         (Static("float16", 60, False, 0), False, True),  # not a multiple of 8 (TMA's 16-byte rows)
         (Static("float16", 64, False, 0), False, False),  # rows off 16 bytes
-        (Static("float16", 64, False, 0, Variant(softcap=True)), False, True),
+        (Static("float16", 64, False, 0, Variant(dropout=True)), False, True),
     ]:
         plan = configs.plan_backward(static, deterministic, "sm90", aligned)
         assert not any(isinstance(c, Sm90BackwardConfig) for c in plan)
@@ -84,6 +86,39 @@ def test_backward_sm90_ring_and_rows_without_keys(rng, xp):
     dq, dk, dv = run_sm90(rng, xp, 1, 140, 60, 1, 1, 72, "bfloat16", True)
     dq = to_numpy(dq).astype(np.float32)
     assert (dq[:, :80] == 0).all()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the variants' grid below")
+def test_backward_sm90_score_features_small(rng, xp):
+    """Window + softcap + per-batch ALiBi (the catalogue's "combined"): P^T from the score point of
+    the raw S^T, dS^T times the softcap's derivative, the lse less the features' offset."""
+    run_sm90_variant(rng, xp, "combined", "float16", 2, 70, 60, 2, 1, 64)
+
+
+def run_sm90_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim):
+    causal, arguments = split(variant_arguments(name, batch, nheads, seqlen_k, xp, seqlen_q))
+    window = "window_size" in arguments or causal
+    variant = Variant(window=window, softcap=arguments.get("softcap", 0) > 0, alibi="alibi_slopes" in arguments)
+    static = Static(dtype, headdim, True, 0, variant)
+    assert isinstance(configs.plan_backward(static, False, "sm90")[1], Sm90BackwardConfig)
+    q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
+    out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **arguments)
+    dout = random_like(rng, xp, q)
+    with nbflash.kernel_family("sm90"):
+        grads = flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **arguments)
+    assert_gradients_close(grads, dout, q, k, v, causal, **arguments)
+
+
+SCORE_VARIANTS = ["softcap", "causal-softcap", "alibi", "causal-alibi", "combined", "window"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", SCORE_VARIANTS)
+@pytest.mark.parametrize("shape", [(2, 113, 203, 4, 2, 64), (1, 1023, 1024, 4, 1, 128), (2, 300, 257, 2, 2, 96)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_backward_sm90_variants_gpu(rng, xp, shape, name, dtype):
+    run_sm90_variant(rng, xp, name, dtype, *shape)
 
 
 # ---- GPU: the grid tests/test_backward.py runs on the portable kernels -----------------------

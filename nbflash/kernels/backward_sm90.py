@@ -55,8 +55,10 @@ preprocess. ``maps`` holds the four 4-D tensor maps of q, k, v and dout (``tenso
 the launcher. A row with lse = -inf (it sees no key) and rows past seqlen_q get lse_log2 = +inf, so
 their P is exactly 0; keys past seqlen_k are masked, and their dK, dV rows are not written.
 
-Variants: the plain kernel and the window (causal included), as the sm90 forward. Everything else
-(score features, masks, dropout, block masks, packed sequences), headdims above 128 (dK and dV of
+Variants: the plain kernel and the window (causal included), each with or without softcap and ALiBi,
+whose scores come from the tensor-core score point of the raw S^T (``Hooks.tensor_core_score``, as
+in the mma backward) and whose derivative multiplies dS^T. Everything else (masks, dropout, block
+masks, packed sequences), headdims above 128 (dK and dV of
 64 keys at headdim 256 would need all of a consumer's registers) and the deterministic mode (a
 fixed order instead of atomics) stay with the mma family (nbflash/kernels/backward_mma.py).
 """
@@ -119,7 +121,10 @@ from .tiles import output_store
 LOG2E = math.log2(math.e)
 KEYS = 64  # keys per consumer warpgroup: the M of its wgmmas
 MAX_HEADDIM = 128
-SERVED_VARIANTS = (Variant(), Variant(window=True))
+# The plain kernel and the window (causal), each with or without softcap and ALiBi (the tensor-core
+# score point, as in the mma backward).
+SERVED_VARIANTS = tuple(Variant(window=window, softcap=softcap, alibi=alibi)
+                        for window in (False, True) for softcap in (False, True) for alibi in (False, True))
 
 
 @dataclass(frozen=True)
@@ -232,9 +237,13 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     EMPTY_ARRIVALS = CONSUMERS * GROUP
     SPLIT_REGISTERS = CONSUMERS == 2
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
-    PENDING = 1 if config.overlap else 0  # commit groups left in flight while P^T is computed
     hooks = variants.hooks(config.variant)
     query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
+    SCORE = hooks.SCORE  # softcap, ALiBi: P from the raw S^T through the score point, dS carries its derivative
+    # No max here: any scale works, but ALiBi's slope per unit of a zero scale would not.
+    score_units, score_row, _, score_at_grad = hooks.tensor_core_score(False)
+    # commit groups left in flight while P^T is computed (with a score feature dS^T is made with P^T)
+    PENDING = 1 if config.overlap and not hooks.SCORE else 0
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
     IS_F16 = config.dtype == "float16"
     AB = "f16" if IS_F16 else "bf16"
@@ -284,24 +293,39 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 
     @inline_device
     @unroll
-    def probabilities_t(s, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, q4,
-                        masked):
+    def probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
+                        units, q4, masked):
         """S^T -> P^T = exp2(S^T * scale_log2 - lse_log2[query]) in place, for the thread's two key
         rows (key_row0, key_row0 + 8) and its query columns 8 c + 2 q4 + e; masked entries (keys
-        past seqlen_k, or outside a query's window) get P = 0. ``masked`` is a constant at each
-        call site; ``stats`` indexes smem at the slot's lse_log2 (then D, BM words on)."""
+        past seqlen_k, or outside a query's window) get P = 0. With a score feature P comes from the
+        variant's score of the raw S^T (in units[EXP] to base 2), and dP^T (landed) becomes dS^T at
+        once, times the score's derivative (score_gradients_t's work, fused: the derivatives never
+        all live at once).
+        ``masked`` is a constant at each call site; ``stats`` indexes smem at the slot's lse_log2
+        (less the score features' offset; then D, BM words on)."""
+        # The score features' (row, key) bases: queries q_start + 2 q4 + column offset, the two key rows
+        ctx = (score_row(q_start + 2 * q4, key_row0, seqlen_q, seqlen_k, params, head_ctx, units),
+               score_row(q_start + 2 * q4, key_row0 + 8, seqlen_q, seqlen_k, params, head_ctx, units))
         for c in static_range(NT):
             for e in static_range(2):
                 col = 8 * c + 2 * q4 + e
                 lse_c = u32_as_f32(smem[stats + col])
+                d_c = u32_as_f32(smem[stats + BM + col])  # used with a score feature
                 lo, hi = row_keys(q_start + col, seqlen_q, seqlen_k, params)  # used by the masked copy
                 for rh in static_range(2):
                     r = 4 * c + 2 * rh + e
-                    p = exp2_approx(s[r] * scale_log2 - lse_c)
+                    dy = float32(1)
+                    if SCORE:
+                        y, dy = score_at_grad(s[r], ctx[rh], 8 * c + e, 0, seqlen_q, seqlen_k, params, head_ctx, units)
+                        p = exp2_approx(y * units[variants.EXP] - lse_c)
+                    else:
+                        p = exp2_approx(s[r] * scale_log2 - lse_c)
                     if masked:
                         if hidden(key_row0 + 8 * rh, lo, hi, q_start + col, seqlen_q, params, head_ctx):
                             p = float32(0)
                     s[r] = p
+                    if SCORE:
+                        dp[r] = p * (dp[r] - d_c) * dy
 
     @inline_device
     @unroll
@@ -449,13 +473,17 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     h = hk * group + i // tiles_per_head
                     q_start = (first_tile + i % tiles_per_head) * BM
                     stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
+                    # the score features' offset (variants.OFFSET) out of lse, as out of their scores
+                    offset = float32(0)
+                    if SCORE:
+                        offset = score_units(params, scale, head_context(params, b, h))[variants.OFFSET]
                     for r in static_range(ROWS_PER_LANE):
                         row = q_start + 32 * r + lane
                         lse_log2, d = POS_INF, float32(0)  # rows past seqlen_q: P = 0
                         if row < seqlen_q:
                             x = lse[b, h, row]
                             if x != NEG_INF:  # a row that sees no key keeps +inf: P = 0
-                                lse_log2 = x * float32(LOG2E)
+                                lse_log2 = x * float32(LOG2E) - offset
                             d = delta[b, h, row]
                         smem[stats + 32 * r + lane] = f32_as_u32(lse_log2)
                         smem[stats + BM + 32 * r + lane] = f32_as_u32(d)
@@ -496,7 +524,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             for i in range(steps):
                 slot, use = i % STAGES, i // STAGES
                 h = hk * group + i // tiles_per_head
-                head_ctx = head_context(params, b, h)
+                head_ctx = head_context(params, b, h)  # (b, h, ALiBi slope): what the variant reads per head
+                units = score_units(params, scale, head_ctx)  # the score features' constants for this head
                 tile = first_tile + i % tiles_per_head
                 q_start = tile * BM
                 q_slot = q_ring + uint32(slot * Q_BYTES)
@@ -513,18 +542,21 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     acc_dp, desc_v, smem_descriptor(do_slot, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B))
                 wgmma_wait(PENDING)  # S^T has landed (with overlap, dP^T may still run)
                 registers_to(s, fence_operands(acc_s))
+                if SCORE:  # dP^T too: its derivative is used as it is made
+                    registers_to(dp, fence_operands(acc_dp))
 
                 # P^T, the mask only on tiles crossing the window's edges or a tail; then dS^T
                 stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
                 if tail or tile < first_full or tile >= end_full:
-                    probabilities_t(s, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
-                                    scale_log2, q4, True)
+                    probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
+                                    scale_log2, units, q4, True)
                 else:
-                    probabilities_t(s, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
-                                    scale_log2, q4, False)
-                wgmma_wait(0)  # dP^T has landed
-                registers_to(dp, fence_operands(acc_dp))
-                score_gradients_t(s, dp, smem, stats, q4)
+                    probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
+                                    scale_log2, units, q4, False)
+                if not SCORE:
+                    wgmma_wait(0)  # dP^T has landed
+                    registers_to(dp, fence_operands(acc_dp))
+                    score_gradients_t(s, dp, smem, stats, q4)
                 pack_a(s, p)
                 pack_a(dp, ds)
                 # dS^T into the tile of this step's parity: the other may still be read by the last
