@@ -328,11 +328,12 @@ MMA_BACKWARD_DQ = [
 ]
 
 
-# Hopper backward (nbflash/kernels/backward_sm90.py): (largest headdim, stages of the Q/dO ring);
-# block_m 64, block_n 128 (two consumer warpgroups of 64 keys). Start points, not tuned.
+# Hopper backward (nbflash/kernels/backward_sm90.py): (largest headdim, stages of the Q/dO ring, dQ's
+# split between the consumers); block_m 64, block_n 128 (two consumer warpgroups of 64 keys). Start
+# points, not tuned ("columns", half the atomics, is not yet measured).
 SM90_BACKWARD = [
-    (64, 2),
-    (128, 2),
+    (64, 2, "keys"),
+    (128, 2, "keys"),
 ]
 # The headdims at which the sm90 backward is the default on compute capability 9.0: where it was
 # measured faster than the mma family (docs/perf-notes.md, "Hopper backward": fp16 at headdims 64
@@ -366,8 +367,8 @@ def sm90_backward_unsupported_reason(static, deterministic, aligned):
 
 @lru_cache(maxsize=None)
 def sm90_backward_config(dtype, headdim, variant):
-    _, stages = _row(SM90_BACKWARD, headdim)
-    return Sm90BackwardConfig(dtype=dtype, headdim=headdim, variant=variant, stages=stages)
+    _, stages, dq_split = _row(SM90_BACKWARD, headdim)
+    return Sm90BackwardConfig(dtype=dtype, headdim=headdim, variant=variant, stages=stages, dq_split=dq_split)
 
 
 def plan_backward(static, deterministic, family=None, aligned=None):

@@ -1,6 +1,14 @@
-"""Time schedules of the Hopper forward (nbflash/kernels/forward_sm90.py) side by side, fp16.
+"""Time schedules of the Hopper forward (nbflash/kernels/forward_sm90.py) side by side, fp16; with
+--backward, those of the Hopper backward (nbflash/kernels/backward_sm90.py).
 
     python scripts/sm90_schedules.py
+    python scripts/sm90_schedules.py --backward
+
+Backward: the planned config ("base"), the serial step ("serial": no overlap of P^T with dP^T), a
+3-stage Q/dO ring ("3stages"), dQ split by columns between the consumers ("columns": half the
+atomics, a barrier across both per step), and both ("3st-columns", headdim 128 only for the
+column split); each timed as a whole flash_attn_backward call (preprocess and dq conversion
+included, the same for all), FLOPs 2.5x the forward's, its dq, dk, dv compared with the base's.
 
 For each shape (flash-attn's grid: hidden 2048, batch 16384 / seqlen): the planned config ("base"),
 the overlapped loop ("overlap": S_{j+1} issued with P_j V_j), the two consumers taking turns
@@ -107,5 +115,81 @@ def main():
         print(f"| {headdim} | {seqlen} | {causal} | " + " | ".join(cells) + f" | {difference:.2g} |")
 
 
+def backward_schedules(headdim, causal):
+    from nbflash import configs
+    from nbflash.problem import Variant
+
+    base = configs.sm90_backward_config("float16", headdim, Variant(window=causal))
+    found = {"base": base, "serial": base.__class__(**{**base.__dict__, "overlap": False}),
+             "3stages": base.__class__(**{**base.__dict__, "stages": 3})}
+    if base.headdim_padded == 128:
+        found["columns"] = base.__class__(**{**base.__dict__, "dq_split": "columns"})
+        found["3st-columns"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "columns"})
+    return found
+
+
+def main_backward():
+    import cupy
+
+    import nbflash
+    from nbflash import backward, configs
+    from nbflash.kernels.geometry import visible_count
+    from nbflash.problem import window_bounds
+
+    jobs = {}
+    for headdim, _, causal in SHAPES:
+        for name, config in backward_schedules(headdim, causal).items():
+            jobs[config] = f"hd {headdim} {'causal' if causal else 'plain'} {name}"
+    with ProcessPoolExecutor(min(12, os.cpu_count())) as pool:
+        for name, seconds, registers, local in pool.map(build, [(n, c) for c, n in jobs.items()]):
+            print(f"built {name}: {seconds:.1f} s, {registers} registers, {local} local bytes", flush=True)
+    planned = configs.sm90_backward_config
+    rows = []
+    try:
+        for headdim, seqlen, causal in SHAPES:
+            nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
+            rng = np.random.default_rng(seqlen + headdim)
+            q, k, v, dout = (cupy.asarray(rng.standard_normal((batch, seqlen, nheads, headdim), np.float32))
+                             .astype(np.float16) for _ in range(4))
+            out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+            left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
+            flops = 2.5 * 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
+            row, base = {"shape": (headdim, seqlen, causal)}, None
+            for name, config in backward_schedules(headdim, causal).items():
+                configs.sm90_backward_config = lambda *args, config=config: config
+                backward._kernels.cache_clear()
+
+                def call():
+                    with nbflash.kernel_family("sm90"):
+                        return nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
+
+                got = [g.astype(np.float32) for g in call()]
+                base = got if base is None else base
+                difference = max(float(cupy.abs(a - b).max()) for a, b in zip(got, base))
+                start, end, times = cupy.cuda.Event(), cupy.cuda.Event(), []
+                for _ in range(3):
+                    call()
+                for _ in range(10):
+                    start.record()
+                    call()
+                    end.record()
+                    end.synchronize()
+                    times.append(cupy.cuda.get_elapsed_time(start, end))
+                row[name] = (round(flops / float(np.median(times)) / 1e9, 1), difference)
+            rows.append(row)
+            print(row, flush=True)
+    finally:
+        configs.sm90_backward_config = planned
+        backward._kernels.cache_clear()
+    names = list(backward_schedules(128, False))
+    print("| hd | seqlen | causal | " + " | ".join(names) + " | max difference from base |")
+    print("|---|---|---|" + "---|" * (len(names) + 1))
+    for row in rows:
+        headdim, seqlen, causal = row["shape"]
+        cells = [str(row[n][0]) if n in row else "-" for n in names]
+        difference = max(row[n][1] for n in names if n in row)
+        print(f"| {headdim} | {seqlen} | {causal} | " + " | ".join(cells) + f" | {difference:.2g} |")
+
+
 if __name__ == "__main__":
-    main()
+    main_backward() if "--backward" in sys.argv[1:] else main()

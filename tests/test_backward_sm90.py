@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import nbflash
-from nbflash import configs, launch
+from nbflash import backward, configs, launch
 from nbflash.backward import flash_attn_backward
 from nbflash.catalogue import variant_arguments
 from nbflash.kernels.backward_mma import MmaBackwardConfig
@@ -86,6 +86,36 @@ def test_backward_sm90_ring_and_rows_without_keys(rng, xp):
     dq, dk, dv = run_sm90(rng, xp, 1, 140, 60, 1, 1, 72, "bfloat16", True)
     dq = to_numpy(dq).astype(np.float32)
     assert (dq[:, :80] == 0).all()
+
+
+@pytest.fixture
+def sm90_backward_table(request, monkeypatch):
+    """Plan the sm90 backward with the (stages, dq_split) given as the test's parameter."""
+    stages, dq_split = request.param
+    monkeypatch.setattr(configs, "SM90_BACKWARD", [(128, stages, dq_split)])
+    configs.sm90_backward_config.cache_clear()
+    backward._kernels.cache_clear()
+    yield
+    configs.sm90_backward_config.cache_clear()
+    backward._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the schedules' grid below")
+@pytest.mark.parametrize("sm90_backward_table", [(3, "columns")], indirect=True, ids=["3stages-columns"])
+def test_backward_sm90_dq_by_columns_small(rng, xp, sm90_backward_table):
+    """dQ split by columns between the consumers over all 128 keys (both consumers' dS^T read by
+    each), a 3-stage ring; causal with tails, headdim 96 padded to 128, GQA."""
+    assert configs.plan_backward(Static("float16", 96, True, 0, CAUSAL), False, "sm90")[1].dq_split == "columns"
+    run_sm90(rng, xp, 1, 140, 100, 2, 1, 96, "float16", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sm90_backward_table", [(3, "keys"), (2, "columns"), (3, "columns")], indirect=True,
+                         ids=["3stages", "columns", "3stages-columns"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_schedules_gpu(rng, xp, sm90_backward_table, seqlens, causal):
+    run_sm90(rng, xp, 2, *seqlens, 6, 2, 128, "bfloat16" if causal else "float16", causal, heads_first=causal)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the variants' grid below")

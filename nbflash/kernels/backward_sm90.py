@@ -140,6 +140,10 @@ class Sm90BackwardConfig:
     producer_registers: int = 40  # setmaxnreg caps with two consumers (the register file: 64K)
     consumer_registers: int = 232
     overlap: bool = True  # P^T's exponentials run while dP^T's product is in flight
+    # dQ_i's split between the consumers: "keys", each adds dS K_c for its own 64 keys and all of
+    # headdim; "columns", each adds half of headdim's columns over all block_n keys (half the atomics,
+    # a barrier across both consumers per step; two consumers, headdim padded to 128)
+    dq_split: str = "keys"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
     block_m = 64  # query rows per step: the N of S^T = K Q^T, and the 128-byte row of dS^T
@@ -155,6 +159,11 @@ class Sm90BackwardConfig:
             raise ValueError(f"{self.consumers=} must be 1 or 2")
         if self.stages < 2:
             raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
+        if self.dq_split not in ("keys", "columns"):
+            raise ValueError(f"{self.dq_split=} must be 'keys' or 'columns'")
+        if self.dq_split == "columns" and (self.consumers != 2 or self.headdim_padded != 2 * CHUNK):
+            raise ValueError("dq_split='columns' takes two consumers and a headdim padded to 128 (one 64-column "
+                             f"chunk each), not {self.consumers=}, {self.headdim_padded=}")
 
     @property
     def block_n(self):
@@ -227,7 +236,9 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     Q_CHUNK_BYTES, KV_CHUNK_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
     HD_STEPS = HDP // 16  # k16 steps over headdim (S^T, dP^T)
     Q_STEPS = BM // 16  # k16 steps over a query tile (dV, dK)
-    KEY_STEPS = KEYS // 16  # k16 steps over a consumer's keys (dQ)
+    DQ_BY_COLUMNS = config.dq_split == "columns"
+    KEY_STEPS = (BN if DQ_BY_COLUMNS else KEYS) // 16  # k16 steps of dQ: all keys, or the consumer's
+    DQ_CHUNKS = 1 if DQ_BY_COLUMNS else CHUNKS  # 64-column chunks of dQ a consumer adds
     S_REGS, ACC_REGS, P_REGS = BM // 2, HDP // 2, BM // 4  # per thread: S^T, dK (dV), packed P^T
     DQ_REGS = CHUNK // 2  # one 64-column chunk of dQ
     NT = BM // 8  # 8-column groups of S^T (queries)
@@ -562,6 +573,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 # dS^T into the tile of this step's parity: the other may still be read by the last
                 # step's dQ in another warp; every warp is past that once the barrier below is passed
                 ds_tile = ds_pair + uint32((i % 2) * DS_BYTES)
+                if DQ_BY_COLUMNS:  # a parity's tiles side by side: dS^T of all block_n keys, rows in order
+                    ds_tile = ds_tiles + uint32(((i % 2) * CONSUMERS + consumer) * DS_BYTES)
                 store_ds_t(smem, (ds_tile - smem_start) // uint32(4), ds, warp, g, q4)
                 fence_proxy_async()  # the dS^T stores are ordered before wgmma reads them
 
@@ -570,17 +583,26 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 ds_regs = fence_operands(registers_from(ds, P_REGS))
                 acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
                 acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
-                named_barrier_sync(1 + consumer, GROUP)  # the warpgroup's dS^T is stored
+                if DQ_BY_COLUMNS:
+                    named_barrier_sync(1, CONSUMERS * GROUP)  # both consumers' dS^T is stored
+                else:
+                    named_barrier_sync(1 + consumer, GROUP)  # the warpgroup's dS^T is stored
                 wgmma_fence()  # P^T's, dS^T's and the accumulators' registers are ordered before wgmma
                 acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
                 acc_dk = issue_keys_acc(acc_dk, ds_regs, smem_descriptor(q_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
 
                 # dQ_i += dS K_c, a 64-column chunk at a time
                 desc_ds = smem_descriptor(ds_tile, DS_BYTES, 1024, SWIZZLE_128B)  # dS: queries contiguous
-                for chunk in static_range(CHUNKS):
+                if DQ_BY_COLUMNS:  # from the parity's first tile: all block_n keys
+                    desc_ds = smem_descriptor(ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES), DS_BYTES, 1024,
+                                              SWIZZLE_128B)
+                for chunk in static_range(DQ_CHUNKS):
                     acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
                     desc_kc = smem_descriptor(k_tile + uint32(chunk * KV_CHUNK_BYTES) + rows_off, KV_CHUNK_BYTES, 1024,
                                               SWIZZLE_128B)
+                    if DQ_BY_COLUMNS:  # the consumer's chunk of headdim, every key of the tile
+                        desc_kc = smem_descriptor(k_tile + uint32(consumer * KV_CHUNK_BYTES), KV_CHUNK_BYTES, 1024,
+                                                  SWIZZLE_128B)
                     acc_q = issue_dq(acc_q, desc_ds, desc_kc)
                     wgmma_wait(0)
                     registers_to(dq_acc, fence_operands(acc_q))
@@ -588,7 +610,13 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                         registers_to(dv_acc, fence_operands(acc_dv))
                         registers_to(dk_acc, fence_operands(acc_dk))
                         mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
-                    add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, chunk * CHUNK, seqlen_q, q4)
+                    if DQ_BY_COLUMNS:  # the chunk a constant in each copy (a run-time one spilled 208 bytes)
+                        if consumer == 0:
+                            add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, 0, seqlen_q, q4)
+                        else:
+                            add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, CHUNK, seqlen_q, q4)
+                    else:
+                        add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, chunk * CHUNK, seqlen_q, q4)
 
             # ---- Write dK = dS^T Q * scale and dV (keys no query sees get 0) ----
             store_rows(dk, dk_acc, b, key_row0, hk, seqlen_k, scale, q4)
