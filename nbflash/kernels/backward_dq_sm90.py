@@ -1,0 +1,494 @@
+"""FlashAttention backward on Hopper (sm_90a): the deterministic dQ pass, on wgmma and TMA, warp-specialized.
+
+The deterministic backward (``deterministic=True``) runs dK/dV without atomics and this kernel for
+dQ: each query tile's dQ_i is summed in registers over the key tiles in a fixed order and written
+once, so a run is bit-identical to the last. The algorithm is backward_mma.py's ``dq`` kernel (the
+paper's Algorithm 2 with the loops swapped for dQ: read that file first), with the Hopper
+forward's machinery (forward_sm90.py: the producer warpgroup, the K/V mbarrier ring, TMA's
+swizzled tiles, wgmma's accumulator layout). Per (batch, head), with D = rowsum(dO * O) from the
+preprocess::
+
+    for each block of block_m query rows (one thread block):
+        producer warpgroup (one elected thread):
+            Q_i, dO_i -> shared memory (TMA), once, completing on q_full
+            for the i-th key tile j the rows see (j = first_tile + i): wait until ring slot
+                i % stages is empty, then K_j, V_j -> the slot (TMA), completing on k_full / v_full
+        each consumer warpgroup (64 query rows of the block):
+            lse_log2, D of the thread's two rows (registers, read once); dQ = 0 (registers)
+            for the i-th key tile j (slot i % stages), once K_j and V_j have landed:
+                S = Q_i K_j^T,  dP = dO_i V_j^T            (wgmma, both operands in shared memory)
+                P = exp2(S * scale_log2 - lse_log2[row])      (0 where masked: only on tiles that
+                                       cross the window's edges or the tail; while dP is in flight)
+                dS = P * (dP - D[row])
+                dQ += dS K_j                            (wgmma, dS packed to 16 bit in registers)
+                arrive on the slot's empty barrier (the producer may refill it)
+            dq = dQ * scale
+
+This is the forward's loop with dP in place of the online softmax and dS K_j in place of P V_j:
+the row statistics are final (the forward's lse), so nothing is rescaled. S and dP are
+64 x block_n accumulators of the same wgmma (K_j and V_j both read K-major, keys by headdim); dS,
+in the accumulator layout, packs pair by pair into the A registers of dQ's k16 steps, exactly as
+the forward packs P; K_j is then read MN-major (keys by headdim, headdim contiguous), as the
+forward reads V_j. So dS never leaves the registers and no thread copies or re-lays a tile.
+
+Grid and threads: grid = (ceil(seqlen_q / block_m), nheads, batch); block = 128 * (consumers + 1)
+threads; block_m = 64 * consumers. Warpgroup 0 is the producer (it lowers its register cap with
+setmaxnreg, the consumers raise theirs); warpgroup 1 + c owns query rows [64 c, 64 c + 64) of the
+block's tile. With a window (causal is the window (-1, 0)) blockIdx.x is reversed so the query
+blocks with the most keys start first.
+
+Registers (the wgmma accumulator layout, nbflash/primitives_sm90.py): thread t of a consumer
+warpgroup (w = warp in the group, g = lane // 4, q4 = lane % 4) holds, of each 64-row accumulator,
+rows 16 w + g (registers 4 c + e) and 16 w + g + 8 (registers 4 c + 2 + e), columns 8 c + 2 q4 + e.
+Per thread: S and dP (block_n / 2 each), dQ (headdim padded / 2), the packed dS (block_n / 4).
+
+Shared memory (dynamic, 16-bit elements, every tile 1024-byte aligned): the Q and dO tiles, the
+ring of K tiles, the ring of V tiles, then the mbarriers. A tile is stored as its 64-column chunks
+(headdim padded to a multiple of 64 by TMA's zero fill), rows of 128 bytes in the 128-byte swizzle,
+as in forward_sm90.py.
+
+Memory: q, dout (batch, seqlen_q, nheads, headdim), k, v (batch, seqlen_k, nheads_k, headdim), any
+strides that are multiples of 16 bytes with the last dimension contiguous, headdim a multiple of 8
+up to 128; float16 arrays, or uint16 arrays holding bfloat16 bits. lse (natural log), delta
+float32 (batch, nheads, seqlen_q); dq like q (C-contiguous), written in q's dtype. ``maps`` holds
+the four 4-D tensor maps of q, k, v and dout (``tensor_maps``), built by the launcher; rows past a
+sequence's end and columns past headdim arrive as zeros. Query head h reads key/value head
+h // (nheads // nheads_k). A row with lse = -inf (it sees no key) and rows past seqlen_q get
+lse_log2 = +inf, so their P is exactly 0 and a row that sees no key gets dq = 0.
+
+Variants: the plain kernel and the window (causal included). Score features (softcap, ALiBi),
+masks, dropout, block masks and packed sequences stay with the mma family's dq kernel
+(nbflash/kernels/backward_mma.py). Not yet run on a GPU.
+"""
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, uint32, uint64
+
+from nbflash.primitives import (
+    SIMULATOR,
+    exp2_approx,
+    inline_device,
+    pack_bf16x2,
+    pack_f16x2,
+    shared_address,
+    static_range,
+    unroll,
+)
+from nbflash.primitives_sm90 import (
+    SWIZZLE_128B,
+    array_address,
+    cached_tensor_maps,
+    elect_sync,
+    fence_mbarrier_init,
+    fence_operands,
+    fence_proxy_tensormap_acquire,
+    launch_bounded,
+    make_wgmma_rs,
+    make_wgmma_ss,
+    mbarrier_arrive,
+    mbarrier_arrive_expect_tx,
+    mbarrier_init,
+    mbarrier_wait,
+    registers_from,
+    registers_to,
+    setmaxnreg_dec,
+    setmaxnreg_inc,
+    smem_descriptor,
+    tensor_map_4d_words,
+    tma_load_4d,
+    wgmma_commit,
+    wgmma_fence,
+    wgmma_wait,
+)
+from nbflash.problem import Variant
+
+from . import variants
+from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
+from .tiles import output_store
+
+LOG2E = math.log2(math.e)
+MAX_HEADDIM = 128  # S, dP and dQ of 64 rows live in a consumer's registers together
+MAX_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory a block of compute capability 9.0 may take
+SERVED_VARIANTS = (Variant(), Variant(window=True))  # the plain kernel and the window (causal included)
+
+
+@dataclass(frozen=True)
+class Sm90DqConfig:
+    """One compiled variant of the Hopper deterministic dQ kernel (the backward's preprocess is the
+    portable family's; dK/dV come from a kernel without atomics)."""
+
+    dtype: str  # 'float16' or 'bfloat16'
+    headdim: int  # a multiple of 8, at most 128
+    variant: Variant = Variant()
+    block_n: int = 128  # keys per K/V tile
+    stages: int = 2  # K/V tiles in flight (the ring)
+    consumers: int = 2  # consumer warpgroups of 64 query rows: block_m = 64 * consumers
+    producer_registers: int = 40  # setmaxnreg caps with two consumers (the register file: 64K)
+    consumer_registers: int = 232
+    kernel = "dq"  # the backward's plan reads it (one kernel of the three)
+    atomic_dq = False  # dQ is written once per query tile: a fixed order, no atomics
+
+    def __post_init__(self):
+        if self.dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
+        if self.headdim % 8 or not 8 <= self.headdim <= MAX_HEADDIM:
+            raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..{MAX_HEADDIM}")
+        if self.variant not in SERVED_VARIANTS:
+            raise ValueError(f"{self.variant=}: the sm90 dQ kernel serves the plain kernel and the window only")
+        if self.block_n % 16 or not 16 <= self.block_n <= 256:
+            raise ValueError(f"{self.block_n=} must be a multiple of 16 in 16..256 (a TMA box and a wgmma n)")
+        if self.consumers not in (1, 2):
+            raise ValueError(f"{self.consumers=} must be 1 or 2")
+        if self.stages < 2:
+            raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
+        if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
+            raise ValueError(f"{self.dynamic_shared_bytes=} exceeds {MAX_SHARED_BYTES} (fewer stages or a smaller "
+                             f"block_n)")
+
+    @property
+    def block_m(self):
+        return 64 * self.consumers
+
+    @property
+    def headdim_padded(self):
+        """headdim rounded up to whole 64-column chunks (TMA fills the rest with zeros)."""
+        return -(-self.headdim // CHUNK) * CHUNK
+
+    @property
+    def threads(self):
+        return GROUP * (self.consumers + 1)
+
+    @property
+    def q_bytes(self):
+        """Bytes of the Q (or dO) tile."""
+        return self.block_m * self.headdim_padded * 2
+
+    @property
+    def kv_bytes(self):
+        """Bytes of one K (or V) tile."""
+        return self.block_n * self.headdim_padded * 2
+
+    @property
+    def dynamic_shared_bytes(self):
+        """The tiles, the 1 + 3 stages mbarriers, and 1024 bytes of slack to align the tiles."""
+        return 1024 + 2 * self.q_bytes + 2 * self.stages * self.kv_bytes + 8 * (1 + 3 * self.stages)
+
+    @property
+    def launch_bounds(self):
+        """(threads, blocks per SM): the register cap at entry that setmaxnreg needs."""
+        return (self.threads, 1)
+
+    arch_suffix = "a"  # wgmma, TMA and setmaxnreg assemble for sm_90a only
+
+    def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
+        return (-(-seqlen_q // self.block_m), nheads, batch)
+
+
+def _words(config, q, k, v, dout):
+    return np.stack([tensor_map_4d_words(x, (1, rows, 1, CHUNK), SWIZZLE_128B)
+                     for x, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n),
+                                     (dout, config.block_m))])
+
+
+def tensor_maps(config, q, k, v, dout):
+    """The kernel's ``maps``: the tensor maps of q, k, v, dout as a (4, 16) uint64 array on the
+    backend, with the boxes the kernel loads (block_m or block_n rows of 64 columns, swizzled as
+    wgmma reads them), kept for the last few calls as the forward's."""
+    key = (config.block_m, config.block_n, "backward_dq")
+    return cached_tensor_maps(key, (q, k, v, dout), lambda *xs: _words(config, *xs))
+
+
+@lru_cache(maxsize=None)
+def build_backward_dq_sm90(config: Sm90DqConfig):
+    """Compile-time constants of ``config`` captured in a fresh ``@cuda.jit`` kernel."""
+    BM, BN, HD, HDP = config.block_m, config.block_n, config.headdim, config.headdim_padded
+    CONSUMERS, STAGES, THREADS = config.consumers, config.stages, config.threads
+    CHUNKS = HDP // CHUNK
+    Q_BYTES, KV_BYTES = config.q_bytes, config.kv_bytes
+    Q_CHUNK_BYTES, KV_CHUNK_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
+    HD_STEPS = HDP // 16  # k16 steps over headdim (S, dP)
+    KEY_STEPS = BN // 16  # k16 steps over a key tile (dQ)
+    S_REGS, DQ_REGS, DS_REGS = BN // 2, HDP // 2, BN // 4  # per thread: S (dP), dQ, packed dS
+    NT = BN // 8  # 8-column groups of S
+    DT = HDP // 8  # 8-column groups of dQ
+    EMPTY_ARRIVALS = CONSUMERS * GROUP  # every consumer thread releases a slot
+    SPLIT_REGISTERS = CONSUMERS == 2  # with one consumer the entry cap already suffices
+    PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
+    hooks = variants.hooks(config.variant)
+    WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
+    head_context = hooks.head_context
+    NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
+    IS_F16 = config.dtype == "float16"
+    AB = "f16" if IS_F16 else "bf16"
+    pack = pack_f16x2 if IS_F16 else pack_bf16x2
+    wgmma_scores = make_wgmma_ss(BN, AB, 0)  # S (64 x BN) = Q K^T and dP = dO V^T, all K-major
+    wgmma_dq = make_wgmma_rs(HDP, AB, 1)  # dQ (64 x HDP) += dS (registers) K (keys x HDP, MN-major)
+    # Descriptor strides (bytes): K-major 128B swizzle, 8-row groups 1024 apart (LBO unused: 16);
+    # K MN-major, 8-key groups 1024 apart, 64-column chunks a tile chunk apart.
+    K_MAJOR = (16, 1024)
+    K_MN_MAJOR = (KV_CHUNK_BYTES, 1024)
+    STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
+    store_element = output_store(config.dtype)
+
+    # -----------------------------------------------------------------------------------------------
+    # Tile addresses: a k16 step of a K-major tile is 32 bytes inside a 128-byte row, and the next
+    # chunk after 4 steps; a k16 step of MN-major K (16 keys) is 16 rows of 128 bytes.
+    # -----------------------------------------------------------------------------------------------
+
+    @inline_device
+    def k_step(chunk_bytes, kk):
+        """Descriptor increment (16-byte units) of k16 step kk of a K-major tile."""
+        return uint64(((kk // 4) * chunk_bytes + (kk % 4) * 32) >> 4)
+
+    @inline_device
+    def key_major_descriptor(ring, slot):
+        """K_j or V_j as the B of S or dP: keys by headdim, K-major."""
+        return smem_descriptor(ring + uint32(slot * KV_BYTES), K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
+
+    @inline_device
+    def k_mn_descriptor(k_ring, slot):
+        """K_j as the B of dQ: keys (the k of the product) by headdim, MN-major."""
+        return smem_descriptor(k_ring + uint32(slot * KV_BYTES), K_MN_MAJOR[0], K_MN_MAJOR[1], SWIZZLE_128B)
+
+    # -----------------------------------------------------------------------------------------------
+    # Consumer tile operations, on the thread's registers (local arrays indexed by constants)
+    # -----------------------------------------------------------------------------------------------
+
+    @inline_device
+    @unroll
+    def issue_scores(acc, desc_a, desc_b):
+        """acc = A B^T over headdim (S = Q_i K_j^T or dP = dO_i V_j^T), one commit group."""
+        for kk in static_range(HD_STEPS):
+            acc = wgmma_scores(acc, desc_a + k_step(Q_CHUNK_BYTES, kk), desc_b + k_step(KV_CHUNK_BYTES, kk),
+                               uint32(0 if kk == 0 else 1))
+        wgmma_commit()
+        return acc
+
+    @inline_device
+    @unroll
+    def issue_dq(acc, ds_regs, desc_k):
+        """dQ += dS K_j, dS from registers (k16 step ks: registers 4 ks .. 4 ks + 3), one commit group."""
+        for ks in static_range(KEY_STEPS):
+            acc = wgmma_dq(acc, ds_regs[4 * ks], ds_regs[4 * ks + 1], ds_regs[4 * ks + 2], ds_regs[4 * ks + 3],
+                           desc_k + uint64(ks * STEP16), uint32(1))
+        wgmma_commit()
+        return acc
+
+    @inline_device
+    def row_stats(lse, delta, b, h, row, seqlen_q):
+        """(lse_log2, D) of a query row: lse in base 2, P's subtrahend, +inf (P = 0) for a row that
+        sees no key (lse = -inf) and for rows past seqlen_q; D = 0 there."""
+        if row >= seqlen_q:
+            return POS_INF, float32(0)
+        x = lse[b, h, row]
+        return (x * float32(LOG2E) if x != NEG_INF else POS_INF), delta[b, h, row]
+
+    @inline_device
+    @unroll
+    def probabilities(s, lse_row, row0, n_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, q4, masked):
+        """S -> P = exp2(S * scale_log2 - lse_log2[row]) in place, for the thread's rows row0 and
+        row0 + 8 and its key columns n_start + 8 c + 2 q4 + e; with ``masked`` (a constant at each
+        call site) P = 0 where the row does not see the key (past the end, or outside its window)."""
+        for rh in static_range(2):
+            row = row0 + 8 * rh
+            lo, hi = row_keys(row, seqlen_q, seqlen_k, params)  # used by the masked copy
+            for c in static_range(NT):
+                for e in static_range(2):
+                    r = 4 * c + 2 * rh + e
+                    p = exp2_approx(s[r] * scale_log2 - lse_row[rh])
+                    if masked:
+                        if hidden(n_start + 8 * c + 2 * q4 + e, lo, hi, row, seqlen_q, params, head_ctx):
+                            p = float32(0)
+                    s[r] = p
+
+    @inline_device
+    @unroll
+    def score_gradients(p, dp, d_row):
+        """dP -> dS = P (dP - D[row]) in place (P = 0 where masked gives dS = 0)."""
+        for rh in static_range(2):
+            for c in static_range(NT):
+                for e in static_range(2):
+                    r = 4 * c + 2 * rh + e
+                    dp[r] = p[r] * (dp[r] - d_row[rh])
+
+    @inline_device
+    @unroll
+    def pack_ds(ds, packed):
+        """dS's A registers: k16 slice ks is dS's registers 8 ks .. 8 ks + 7, packed in pairs."""
+        for i in static_range(DS_REGS):
+            packed[i] = pack(ds[2 * i], ds[2 * i + 1])
+
+    @inline_device
+    @unroll
+    def store_rows(dst, acc, b, row0, h, seqlen, scale, q4):
+        """dst[b, row0 + (0, 8), h, :] = acc * scale, narrowed, for rows inside the sequence."""
+        for rh in static_range(2):
+            row = row0 + 8 * rh
+            if row < seqlen:
+                for c in static_range(DT):
+                    for e in static_range(2):
+                        col = 8 * c + 2 * q4 + e
+                        if col < HD:
+                            store_element(dst, b, row, h, col, acc[4 * c + 2 * rh + e] * scale)
+
+    # -----------------------------------------------------------------------------------------------
+    # The kernel
+    # -----------------------------------------------------------------------------------------------
+
+    @launch_bounded(THREADS, 1)
+    @unroll
+    def backward_dq_sm90(q, k, v, dout, lse, delta, dq, maps, scale_log2, scale, params):
+        m_block, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        if WINDOW:  # the last query blocks see the most keys (causal): start them first
+            m_block = cuda.gridDim.x - 1 - m_block
+        tid = cuda.threadIdx.x
+        group = tid // GROUP  # 0: the producer; 1 + c: consumer c
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        hk = h // (q.shape[2] // k.shape[2])  # GQA: the key/value head this query head reads
+        m_start = m_block * BM
+
+        # Shared memory: tiles from the first 1024-byte boundary (the simulator's emulated shared
+        # window places the array itself on one), then the barriers.
+        smem = cuda.shared.array(0, uint32)
+        base = shared_address(smem)
+        if not SIMULATOR:
+            base = base + ((uint32(1024) - (base & uint32(1023))) & uint32(1023))
+        q_tile = base
+        do_tile = q_tile + uint32(Q_BYTES)
+        k_ring = do_tile + uint32(Q_BYTES)
+        v_ring = k_ring + uint32(STAGES * KV_BYTES)
+        q_full = v_ring + uint32(STAGES * KV_BYTES)
+        k_full = q_full + uint32(8)  # + 8 * slot
+        v_full = k_full + uint32(8 * STAGES)
+        kv_empty = v_full + uint32(8 * STAGES)
+
+        # ---- Which key tiles this block visits (geometry.py, as in the forward): tiles
+        # [first_tile, end_tile), of which [first_full, end_full) every row sees whole ----
+        first_tile, first_full, end_full, end_tile = key_tiles(
+            m_start, min(m_start + BM, seqlen_q), seqlen_q, seqlen_k, params, BN)
+        n_tiles = end_tile - first_tile
+
+        if tid == 0:
+            mbarrier_init(q_full, 1)
+            for slot in range(STAGES):
+                mbarrier_init(k_full + uint32(8 * slot), 1)
+                mbarrier_init(v_full + uint32(8 * slot), 1)
+                mbarrier_init(kv_empty + uint32(8 * slot), EMPTY_ARRIVALS)
+            fence_mbarrier_init()
+        cuda.syncthreads()  # the barriers are initialised before anyone arrives on or waits for them
+
+        if group == 0:
+            # ---- Producer: one thread issues every copy; the ring's empty barriers pace it. A block
+            # whose rows see no key copies nothing (its consumers write dq = 0) ----
+            if SPLIT_REGISTERS:
+                setmaxnreg_dec(PRODUCER_REGS)
+            if tid < 32 and n_tiles > 0:
+                if elect_sync() == uint32(1):
+                    maps_address = array_address(maps)
+                    q_map, k_map, v_map, do_map = (maps_address, maps_address + 128, maps_address + 256,
+                                                   maps_address + 384)
+                    fence_proxy_tensormap_acquire(q_map)  # the maps were copied from the host
+                    fence_proxy_tensormap_acquire(k_map)
+                    fence_proxy_tensormap_acquire(v_map)
+                    fence_proxy_tensormap_acquire(do_map)
+                    mbarrier_arrive_expect_tx(q_full, 2 * Q_BYTES)
+                    for chunk in static_range(CHUNKS):
+                        tma_load_4d(q_tile + uint32(chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK, h, m_start, b,
+                                    q_full)
+                        tma_load_4d(do_tile + uint32(chunk * Q_CHUNK_BYTES), do_map, chunk * CHUNK, h, m_start, b,
+                                    q_full)
+                    for i in range(n_tiles):
+                        slot, use = i % STAGES, i // STAGES
+                        if use > 0:  # the consumers have released the slot's previous tiles
+                            mbarrier_wait(kv_empty + uint32(8 * slot), (use - 1) & 1)
+                        n_start = (first_tile + i) * BN
+                        k_tile = k_ring + uint32(slot * KV_BYTES)
+                        v_tile = v_ring + uint32(slot * KV_BYTES)
+                        mbarrier_arrive_expect_tx(k_full + uint32(8 * slot), KV_BYTES)
+                        for chunk in static_range(CHUNKS):
+                            tma_load_4d(k_tile + uint32(chunk * KV_CHUNK_BYTES), k_map, chunk * CHUNK, hk, n_start,
+                                        b, k_full + uint32(8 * slot))
+                        mbarrier_arrive_expect_tx(v_full + uint32(8 * slot), KV_BYTES)
+                        for chunk in static_range(CHUNKS):
+                            tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk, n_start,
+                                        b, v_full + uint32(8 * slot))
+        else:
+            # ---- Consumers: 64 query rows each ----
+            if SPLIT_REGISTERS:
+                setmaxnreg_inc(CONSUMER_REGS)
+            consumer = group - 1
+            lane = tid % 32
+            q4 = lane & 3
+            row0 = m_start + 64 * consumer + 16 * ((tid % GROUP) // 32) + (lane >> 2)  # +8: the second row
+            head_ctx = head_context(params, b, h)
+            rows_off = uint32(64 * consumer * ROW_BYTES)  # the consumer's rows in a Q or dO chunk
+            desc_q = smem_descriptor(q_tile + rows_off, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
+            desc_do = smem_descriptor(do_tile + rows_off, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
+
+            # lse_log2 and D of the thread's two rows, read once
+            lse_row = cuda.local.array(2, float32)
+            d_row = cuda.local.array(2, float32)
+            for rh in static_range(2):
+                lse_log2, d = row_stats(lse, delta, b, h, row0 + 8 * rh, seqlen_q)
+                lse_row[rh] = lse_log2
+                d_row[rh] = d
+
+            s = cuda.local.array(S_REGS, float32)  # S, then P
+            dp = cuda.local.array(S_REGS, float32)  # dP, then dS
+            dq_acc = cuda.local.array(DQ_REGS, float32)
+            ds = cuda.local.array(DS_REGS, uint32)  # dS packed to 16 bit
+            for r in static_range(S_REGS):
+                s[r] = float32(0)
+                dp[r] = float32(0)
+            for r in static_range(DQ_REGS):
+                dq_acc[r] = float32(0)
+
+            if n_tiles > 0:
+                mbarrier_wait(q_full, 0)
+            for i in range(n_tiles):
+                j = first_tile + i
+                n_start = j * BN
+                slot, use = i % STAGES, i // STAGES
+
+                # S = Q_i K_j^T and dP = dO_i V_j^T, two commit groups
+                acc_s = fence_operands(registers_from(s, S_REGS))
+                acc_dp = fence_operands(registers_from(dp, S_REGS))
+                mbarrier_wait(k_full + uint32(8 * slot), use & 1)
+                mbarrier_wait(v_full + uint32(8 * slot), use & 1)
+                wgmma_fence()  # the accumulators' registers are ordered before wgmma uses them
+                acc_s = issue_scores(acc_s, desc_q, key_major_descriptor(k_ring, slot))
+                acc_dp = issue_scores(acc_dp, desc_do, key_major_descriptor(v_ring, slot))
+                wgmma_wait(1)  # S has landed; dP may still run
+                registers_to(s, fence_operands(acc_s))
+
+                # P, the mask only on tiles that some row of the block does not see whole
+                if j < first_full or j >= end_full:
+                    probabilities(s, lse_row, row0, n_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, q4,
+                                  True)
+                else:
+                    probabilities(s, lse_row, row0, n_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, q4,
+                                  False)
+
+                # dS = P (dP - D), packed to 16 bits
+                wgmma_wait(0)  # dP has landed
+                registers_to(dp, fence_operands(acc_dp))
+                score_gradients(s, dp, d_row)
+                pack_ds(dp, ds)
+
+                # dQ_i += dS K_j
+                ds_regs = fence_operands(registers_from(ds, DS_REGS))
+                acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
+                wgmma_fence()  # dS's and the accumulator's registers are ordered before wgmma
+                acc_q = issue_dq(acc_q, ds_regs, k_mn_descriptor(k_ring, slot))
+                wgmma_wait(0)
+                registers_to(dq_acc, fence_operands(acc_q))
+                mbarrier_arrive(kv_empty + uint32(8 * slot))  # this thread is done with the slot's K and V
+
+            # ---- Write dQ_i * scale (rows that see no key get 0) ----
+            store_rows(dq, dq_acc, b, row0, h, seqlen_q, scale, q4)
+
+    return backward_dq_sm90
