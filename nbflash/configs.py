@@ -31,6 +31,8 @@ from .kernels.backward_mma import MmaBackwardConfig
 from .kernels.backward_sm90 import MAX_HEADDIM as SM90_BACKWARD_MAX_HEADDIM
 from .kernels.backward_sm90 import SERVED_VARIANTS as SM90_BACKWARD_VARIANTS
 from .kernels.backward_sm90 import Sm90BackwardConfig
+from .kernels.backward_dq_sm90 import SERVED_VARIANTS as SM90_DQ_VARIANTS
+from .kernels.backward_dq_sm90 import Sm90DqConfig
 from .kernels.forward_mma import MmaForwardConfig
 from .kernels.forward_sm90 import SERVED_VARIANTS as SM90_VARIANTS
 from .kernels.forward_sm90 import FP8, Sm90ForwardConfig
@@ -377,8 +379,9 @@ def plan_backward(static, deterministic, family=None, aligned=None):
     boundary (the tensor-core kernels then copy tiles with cp.async); default ``static.aligned``.
 
     ``family`` "sm90" (the Hopper dK/dV kernel with atomic dq, where it serves the call:
-    ``sm90_backward_unsupported_reason``; the mma family's kernels otherwise; the default at
-    ``SM90_BACKWARD_DEFAULT_HEADDIMS``), "mma" (tensor-core dK/dV and dQ kernels, float16/bfloat16
+    ``sm90_backward_unsupported_reason``; with deterministic=True the mma dK/dV kernel without
+    atomics and the Hopper dQ kernel, plain or windowed attention; the mma family's kernels
+    otherwise; the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``, not deterministic), "mma" (tensor-core dK/dV and dQ kernels, float16/bfloat16
     on compute capability >= 8.0; the default wherever it applies) or "portable" (any dtype and
     GPU; the default elsewhere). All use the portable preprocess and dq-conversion kernels.
     """
@@ -386,6 +389,9 @@ def plan_backward(static, deterministic, family=None, aligned=None):
     aligned = static.aligned if aligned is None else aligned
     sm90 = family == "sm90" or (family is None and not runtime.SIMULATOR and headdim in SM90_BACKWARD_DEFAULT_HEADDIMS
                                 and static.variant._replace(score_mod_grad="") in SM90_BACKWARD_DEFAULT_VARIANTS)
+    # deterministic=True under "sm90": the mma dK/dV kernel without atomics and the sm90 dQ kernel
+    sm90_dq = (family == "sm90" and deterministic and sm90_backward_unsupported_reason(static, False, aligned) is None
+               and static.variant._replace(score_mod_grad="") in SM90_DQ_VARIANTS)
     sm90 = sm90 and sm90_backward_unsupported_reason(static, deterministic, aligned) is None
     family = _resolve_family(dtype, device, "mma" if family == "sm90" else family)
     atomic = not deterministic
@@ -409,6 +415,8 @@ def plan_backward(static, deterministic, family=None, aligned=None):
                                  vector_dq=vector_dq, **vector)
         if atomic:
             return preprocess, dkdv, convert
+        if sm90_dq:
+            return preprocess, dkdv, Sm90DqConfig(dtype, headdim, static.variant._replace(score_mod_grad=""))
         _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DQ, headdim)
         dq = MmaBackwardConfig("dq", block_m=block_m, block_n=block_n, num_warps=num_warps, **vector)
         return preprocess, dkdv, dq

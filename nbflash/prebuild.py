@@ -109,8 +109,9 @@ def configurations(dtypes, headdims, families, cc, unaligned=False, variants=Non
                 if not configs.sm90_unsupported_reason(static):
                     jobs[configs.plan_forward(static, "sm90")] = None
                 if not configs.mma_unsupported_reason(dtype):
-                    for config in configs.plan_backward(static, False, "sm90"):
-                        jobs[config] = None
+                    for deterministic in (False, True):
+                        for config in configs.plan_backward(static, deterministic, "sm90"):
+                            jobs[config] = None
     return list(jobs)
 
 

@@ -17,6 +17,7 @@ from nbflash import backward, configs, launch
 from nbflash.backward import flash_attn_backward
 from nbflash.catalogue import variant_arguments
 from nbflash.kernels.backward_mma import MmaBackwardConfig
+from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
 from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
 from nbflash.problem import Static, Variant
 
@@ -56,8 +57,12 @@ def test_backward_sm90_planning():
     assert isinstance(dkdv, Sm90BackwardConfig) and dkdv.block_n == 128
     assert dkdv.grid(2, 8, 2, 1000, 1000) == (8, 2, 2)
     assert launch.describe(dkdv) == "Hopper backward dK/dV (float16, headdim 128, causal/window)"
+    # deterministic: the mma dK/dV kernel without atomics, then the sm90 dQ kernel (a fixed order)
+    _, dkdv, dq = configs.plan_backward(Static("float16", 128, False, 0, CAUSAL), True, "sm90", True)
+    assert isinstance(dkdv, MmaBackwardConfig) and not dkdv.atomic_dq and isinstance(dq, Sm90DqConfig)
+    assert launch.describe(dq) == "Hopper backward dQ (float16, headdim 128, causal/window, deterministic)"
     for static, deterministic, aligned in [
-        (Static("float16", 128, False, 0, CAUSAL), True, True),  # deterministic: a fixed order, no atomics
+        (Static("float16", 128, False, 0, Variant(softcap=True)), True, True),  # sm90's dQ: plain and window
         (Static("bfloat16", 256, False, 0), False, True),  # dK, dV of 64 keys need too many registers
         (Static("float16", 60, False, 0), False, True),  # not a multiple of 8 (TMA's 16-byte rows)
         (Static("float16", 64, False, 0), False, False),  # rows off 16 bytes
@@ -86,6 +91,23 @@ def test_backward_sm90_ring_and_rows_without_keys(rng, xp):
     dq, dk, dv = run_sm90(rng, xp, 1, 140, 60, 1, 1, 72, "bfloat16", True)
     dq = to_numpy(dq).astype(np.float32)
     assert (dq[:, :80] == 0).all()
+
+
+def test_backward_sm90_deterministic_small(rng, xp):
+    """deterministic=True under "sm90": the sm90 dQ kernel after the mma dK/dV kernel, through the
+    public call (causal, tails, GQA); on a GPU at a larger size and bit-identical twice (the
+    simulator's kernel-level test, tests/test_backward_dq_sm90.py, reruns it there)."""
+    shape = (1, 40, 45, 2, 1, 64) if SIMULATOR else (2, 1023, 1024, 8, 2, 128)
+    q, k, v = random_qkv(rng, xp, *shape, "float16")
+    dout = random_like(rng, xp, q)
+    out, lse = forward(q, k, v, None, True)
+    with nbflash.kernel_family("sm90"):
+        runs = [flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+                for _ in range(1 if SIMULATOR else 3)]
+    assert_gradients_close(runs[0], dout, q, k, v, True)
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
 
 
 @pytest.fixture

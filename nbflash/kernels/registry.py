@@ -18,6 +18,8 @@ from ..dtypes import KERNEL_DTYPE
 from . import variants
 from .backward_mma import MmaBackwardConfig, build_backward_mma
 from .backward_portable import PortableBackwardConfig, build_backward_portable
+from .backward_dq_sm90 import Sm90DqConfig, build_backward_dq_sm90
+from .backward_dq_sm90 import tensor_maps as backward_dq_tensor_maps
 from .backward_sm90 import Sm90BackwardConfig, build_backward_sm90
 from .backward_sm90 import tensor_maps as backward_tensor_maps
 from .decode_mma import MmaDecodeConfig, build_decode_mma
@@ -80,6 +82,15 @@ def _backward_sm90(config):
             f"float32[:,:,:,::1], uint64[:,::1], float32, float32, {_params(config)})")
 
 
+def _backward_dq_sm90(config):
+    """The deterministic dQ kernel's arguments (as the mma family's), then the tensor maps of q, k,
+    v, dout (``HOST_ARGUMENTS``)."""
+    t = KERNEL_DTYPE[config.dtype].name
+    inputs = ", ".join([f"{t}[:,:,:,:]"] * 4)  # q, k, v, dout
+    return (f"void({inputs}, float32[:,:,:], float32[:,:,::1], {t}[:,:,:,::1], uint64[:,::1], "
+            f"float32, float32, {_params(config)})")
+
+
 def _decode(config):
     t = KERNEL_DTYPE[config.dtype].name
     cache = f"{t}[:,:,:,:]"  # k_cache, v_cache: any strides, the last dim contiguous
@@ -108,6 +119,7 @@ KERNELS = {
     PortableBackwardConfig: (build_backward_portable, _backward),
     MmaBackwardConfig: (build_backward_mma, _backward),
     Sm90BackwardConfig: (build_backward_sm90, _backward_sm90),
+    Sm90DqConfig: (build_backward_dq_sm90, _backward_dq_sm90),
     MmaDecodeConfig: (build_decode_mma, _decode),
     AppendConfig: (build_append, _append),
     CombineConfig: (build_combine, _combine),
@@ -120,6 +132,7 @@ KERNELS = {
 HOST_ARGUMENTS = {
     Sm90ForwardConfig: lambda config, arrays: (*arrays, tensor_maps(config, *arrays[:3])),
     Sm90BackwardConfig: lambda config, arrays: (*arrays, backward_tensor_maps(config, *arrays[:4])),
+    Sm90DqConfig: lambda config, arrays: (*arrays, backward_dq_tensor_maps(config, *arrays[:4])),
 }
 
 
