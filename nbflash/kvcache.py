@@ -259,75 +259,65 @@ def _stand_ins(device, dtype):
 _workspaces = {}  # (device, stream) -> CuPy memory, kept for the life of the process
 _merge_counters = {}  # (device, stream) -> int32 zeros: the decode kernel's split-merge tickets
 _retired = []  # outgrown workspaces: a captured CUDA graph may still point into them
+_replaced = 0  # how many workspaces and counters were made: a plan's kept views are older than that
 
 
-def _workspace(nbytes, device):
-    """Device memory of at least ``nbytes`` owned by the library for the current stream: stream
+def _workspace(nbytes, device, stream):
+    """Device memory of at least ``nbytes`` owned by the library for ``stream`` (a pointer): stream
     order keeps two calls on one stream from overlapping, and a graph captured on it keeps
     pointing at memory nobody else reuses."""
-    cupy = runtime.cupy()
-    key = (device, cupy.cuda.get_current_stream().ptr)
+    global _replaced
+    key = (device, stream)
     memory = _workspaces.get(key)
     if memory is None or memory.mem.size < nbytes:
         if memory is not None:
             _retired.append(memory)
-        memory = _workspaces[key] = cupy.cuda.alloc(max(nbytes, 1 << 20))
+        memory = _workspaces[key] = runtime.cupy().cuda.alloc(max(nbytes, 1 << 20))
+        _replaced += 1
     return memory
 
 
-def _counters(slots, device):
-    """int32 zeros, at least ``slots`` of them, for the current stream: each decode launch with
-    several splits counts its blocks' arrivals there and leaves the counts at 0 again (so they
-    never need clearing, also under graph replay). Per stream, as the workspace: launches on two
-    streams may run at once."""
+def _counters(slots, device, stream):
+    """int32 zeros, at least ``slots`` of them, for ``stream``: each decode launch with several
+    splits counts its blocks' arrivals there and leaves the counts at 0 again (so they never need
+    clearing, also under graph replay). Per stream, as the workspace: launches on two streams may
+    run at once."""
+    global _replaced
     if runtime.SIMULATOR:
         return np.zeros(slots, np.int32)
-    cupy = runtime.cupy()
-    key = (device, cupy.cuda.get_current_stream().ptr)
+    key = (device, stream)
     counters = _merge_counters.get(key)
     if counters is None or counters.size < slots:
         if counters is not None:
             _retired.append(counters)  # a captured graph may still count there
-        counters = _merge_counters[key] = cupy.zeros(max(slots, 1024), np.int32)
+        counters = _merge_counters[key] = runtime.cupy().zeros(max(slots, 1024), np.int32)
+        _replaced += 1
     return counters
 
 
-def _scratch(c, splits, want_lse, plan=None):
-    """(lse, o_part, lse_part): lse is returned to the caller when ``want_lse``, so it is a fresh
-    array then; the rest lives in the stream's workspace. ``plan`` keeps the views into the
-    workspace for the next call of the same plan on the same workspace (making three CuPy arrays
-    is a third of a decode call's host time)."""
-    rows = c.batch * c.nheads * c.seqlen_q
-    if plan is not None and not runtime.SIMULATOR:
-        memory = _workspace(4 * (splits * rows * (c.headdim + 1) + rows) + 512, c.device)
-        kept = plan.scratch_views
-        if kept is None or kept[0] is not memory:
-            kept = plan.scratch_views = (memory, _scratch(c, splits, False))
-        lse, o_part, lse_part = kept[1]
-        if want_lse:
-            lse = runtime.cupy().empty((c.batch, c.nheads, c.seqlen_q), np.float32)
-        return lse, o_part, lse_part
+def _scratch(c, splits, merge_slots, stream):
+    """(lse, o_part, lse_part, counters) for a decode launch of call ``c`` (its shapes) with
+    ``splits`` splits: the split merge's partial results and tickets, and an lse the caller does not
+    see. On a GPU they live in the stream's workspace and are made once per plan and stream
+    (``_Plan.scratch``); under the simulator, every call makes its own."""
+    shape = (c.batch, c.nheads, c.seqlen_q)
+    stand = _stand_ins(c.device, c.dtype)
     if runtime.SIMULATOR:
-        lse = np.empty((c.batch, c.nheads, c.seqlen_q), np.float32)
         if splits == 1:
-            stand = _stand_ins(c.device, c.dtype)
-            return lse, stand["o_part"], stand["lse_part"]
-        return (lse, np.empty((splits, c.batch, c.nheads, c.seqlen_q, c.headdim), np.float32),
-                np.empty((splits, c.batch, c.nheads, c.seqlen_q), np.float32))
+            return np.empty(shape, np.float32), stand["o_part"], stand["lse_part"], stand["int32"]
+        return (np.empty(shape, np.float32), np.empty((splits, *shape, c.headdim), np.float32),
+                np.empty((splits, *shape), np.float32), _counters(merge_slots, c.device, stream))
     cupy = runtime.cupy()
-    part_words = splits * rows * (c.headdim + 1) if splits > 1 else 0
-    lse_words = 0 if want_lse else rows
-    memory = _workspace(4 * (part_words + lse_words) + 512, c.device)
-    lse = (cupy.empty((c.batch, c.nheads, c.seqlen_q), np.float32) if want_lse else
-           cupy.ndarray((c.batch, c.nheads, c.seqlen_q), np.float32, memory))
+    rows = c.batch * c.nheads * c.seqlen_q
+    memory = _workspace(4 * (splits * rows * (c.headdim + 1) + rows) + 512, c.device, stream)
+    lse = cupy.ndarray(shape, np.float32, memory)
     if splits == 1:
-        stand = _stand_ins(c.device, c.dtype)
-        return lse, stand["o_part"], stand["lse_part"]
-    offset = -(-4 * lse_words // 256) * 256
-    o_part = cupy.ndarray((splits, c.batch, c.nheads, c.seqlen_q, c.headdim), np.float32, memory + offset)
+        return lse, stand["o_part"], stand["lse_part"], stand["int32"]
+    offset = -(-4 * rows // 256) * 256
+    o_part = cupy.ndarray((splits, *shape, c.headdim), np.float32, memory + offset)
     offset += -(-4 * splits * rows * c.headdim // 256) * 256
-    lse_part = cupy.ndarray((splits, c.batch, c.nheads, c.seqlen_q), np.float32, memory + offset)
-    return lse, o_part, lse_part
+    lse_part = cupy.ndarray((splits, *shape), np.float32, memory + offset)
+    return lse, o_part, lse_part, _counters(merge_slots, c.device, stream)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -388,17 +378,19 @@ def _options(c):
     return options
 
 
-def _or_stand_in(x, stand, kind):
-    return stand[kind] if x is None else x
-
-
 class _Plan:
     """What a call's kernels and launches are, worked out once for every call that looks the same to
-    validation (the same shapes, strides, dtypes, alignment, devices and flags: ``_remember_key``)."""
+    validation (the same shapes, strides, dtypes, alignment, devices and flags: ``_remember_key``).
+    ``run`` launches them for a call's arrays; it is the one route of every call, checked in full
+    or remembered."""
 
-    def __init__(self, c):
+    def __init__(self, c, key=None):
         self.template = c
+        self.key = key
         self.decode = _uses_decode_kernel(c)
+        self.stand = _stand_ins(c.device, c.dtype)
+        self.options = _options(c)
+        self._current_stream = None if runtime.SIMULATOR else runtime.cupy().cuda.get_current_stream
         if c.k is not None:
             self.append_config = AppendConfig(c.dtype, paged=c.paged, rotary=c.rotary_cos is not None,
                                               rotary_interleaved=c.interleaved)
@@ -407,8 +399,6 @@ class _Plan:
             self.append_layout = object()  # stands for the append's array layouts (ParameterBuffer.write)
         if self.decode:
             self._plan_decode(c)
-        self.options = _options(c)
-        self.scratch_views = None  # (workspace, views into it): _scratch
 
     def _plan_decode(self, c):
         config = configs.decode_config(c.dtype, c.headdim, c.variant, c.paged, c.rotary_cos is not None,
@@ -427,88 +417,137 @@ class _Plan:
         self.decode_grid = config.grid(c.batch, c.nheads_k, row_blocks, self.splits)
         self.decode_layout = object()
         self.merge_slots = c.batch * c.nheads_k * row_blocks  # the split merge's counters (one per block of rows)
+        self.scale_log2 = c.softmax_scale * LOG2_E
+        attributes = _param_attributes(c.variant)
+        # The variant's runtime values; ALiBi's slopes are each call's array, at this index.
+        self.params = tuple(getattr(c, name) for name in attributes)
+        self.slopes_at = attributes.index("alibi_slopes") if c.alibi_slopes is not None else None
+        self._scratch = {}  # stream -> (_replaced when made, (lse, o_part, lse_part, counters))
 
-    def bind(self, arrays, cache_seqlens):
-        """The template call with this call's arrays and lengths; None when the lengths need the
-        full check (which then raises the error)."""
+    def lengths(self, cache_seqlens):
+        """(fixed_len, cache_seqlens array or None) of a remembered call, whose cache_seqlens is of
+        the template's kind; None when the lengths need the full check (which then raises)."""
+        if cache_seqlens is None or type(cache_seqlens) is int:
+            c = self.template
+            fixed_len = c.capacity if cache_seqlens is None else cache_seqlens
+            if not 0 <= fixed_len <= c.capacity - c.seqlen_new or not _rotary_positions_fit(c, fixed_len):
+                return None
+            return fixed_len, None
+        return -1, cache_seqlens
+
+    def scratch(self, stream):
+        """The decode launch's (lse, o_part, lse_part, counters) on ``stream``: views into its
+        workspace kept from the plan's last call there, unless a workspace was made since (making
+        these CuPy arrays was a third of a decode call's host time)."""
+        if stream is None:  # the simulator
+            return _scratch(self.template, self.splits, self.merge_slots, None)
+        kept = self._scratch.get(stream)
+        if kept is None or kept[0] != _replaced:
+            views = _scratch(self.template, self.splits, self.merge_slots, stream)
+            kept = self._scratch[stream] = (_replaced, views)
+        return kept[1]
+
+    def bind(self, arrays, fixed_len, cache_seqlens):
+        """The template call with this call's arrays and lengths (for the gathered route)."""
         c = _Call()
         c.__dict__.update(self.template.__dict__)  # a shallow copy, without copy.copy's protocol
         (c.q, c.k_cache, c.v_cache, c.k, c.v, c.rotary_cos, c.rotary_sin, c.cache_batch_idx, c.cache_leftpad,
          c.block_table, slopes, c.out) = arrays
         if slopes is not None:
             c.alibi_slopes = _xp().broadcast_to(slopes, (c.batch, c.nheads)) if slopes.ndim == 1 else slopes
-        if cache_seqlens is None or type(cache_seqlens) is int:
-            c.fixed_len = c.capacity if cache_seqlens is None else cache_seqlens
-            if not 0 <= c.fixed_len <= c.capacity - c.seqlen_new or not _rotary_positions_fit(c, c.fixed_len):
-                return None
-            c.cache_seqlens = None
-        else:
-            c.cache_seqlens = cache_seqlens
+        c.fixed_len, c.cache_seqlens = fixed_len, cache_seqlens
         return c
+
+    def run(self, arrays, fixed_len, cache_seqlens, want_lse):
+        """This call's launches: the append of the new k (rotated) and v into the cache, in place,
+        then the decode kernel (or the gathered route). ``arrays`` in ``flash_attn_with_kvcache``'s
+        order, of the template's layouts. Returns (out, lse)."""
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, batch_idx, leftpad, table, slopes, out = arrays
+        stand = self.stand
+        stream = None if self._current_stream is None else self._current_stream().ptr  # asked once a call
+        lengths = stand["int32"] if cache_seqlens is None else cache_seqlens
+        batch_idx = stand["int32"] if batch_idx is None else batch_idx
+        table = stand["table"] if table is None else table
+        if rotary_cos is None:
+            rotary_cos = rotary_sin = stand["rotary"]
+        if k is not None:
+            self.append_kernel.launch(self.append_grid, (k_cache, v_cache, k, v, lengths, batch_idx, table,
+                                                         rotary_cos, rotary_sin),
+                                      (fixed_len, self.options), (), self.append_layout, stream)
+        if not self.decode:
+            return _gathered(self.bind(arrays, fixed_len, cache_seqlens))
+        c = self.template
+        if out is None:
+            out = launch.empty(q.shape, q.dtype)
+        lse, o_part, lse_part, counters = self.scratch(stream)
+        if want_lse:
+            lse = launch.empty((c.batch, c.nheads, c.seqlen_q), FLOAT32)
+        params = self.params
+        if self.slopes_at is not None:
+            if slopes.ndim == 1:
+                slopes = _xp().broadcast_to(slopes, (c.batch, c.nheads))
+            params = (*params[:self.slopes_at], slopes, *params[self.slopes_at + 1:])
+        self.decode_kernel.launch(self.decode_grid, (q, k_cache, v_cache, out, lse, o_part, lse_part, counters,
+                                                     lengths, batch_idx, stand["int32"] if leftpad is None else leftpad,
+                                                     table, rotary_cos, rotary_sin),
+                                  (self.scale_log2, c.seqlen_new, fixed_len, self.options), params,
+                                  self.decode_layout, stream)
+        return out, lse
 
 
 # A serving loop calls with the same shapes again and again: such a call skips validation and
 # planning. Only plain backend arrays (or None) and plain Python scalars qualify.
 _REMEMBERED = {}
 _REMEMBER_AT_MOST = 256
+_last_plan = None  # the plan of the last remembered call (a serving loop's every layer has one)
+# Whether a pointer's alignment is part of the verdict, per array of a call (in the order of
+# flash_attn_with_kvcache's arguments): the decode kernel copies rows of q and of the caches 16
+# bytes at a time (_uses_decode_kernel); every other array it reads or writes element by element.
+_ALIGNMENT_MATTERS = (True, True, True) + (False,) * 9
 
 
 def _remember_key(arrays, cache_seqlens, scalars):
-    """What validation's verdict on a call depends on, as a dict key; None if the call does not
-    qualify (then it is checked in full)."""
-    if runtime.SIMULATOR:
-        array_type, device = np.ndarray, 0
-    else:
-        cupy = runtime.cupy()
-        array_type, device = cupy.ndarray, cupy.cuda.runtime.getDevice()
-    parts = [device]
-    for x in arrays:
-        if x is None:
-            parts.append(None)
-        elif type(x) is array_type:
-            pointer, on = (x.ctypes.data, 0) if runtime.SIMULATOR else (x.data.ptr, x.data.device_id)
-            parts.append((x.shape, x.strides, x.dtype, pointer % 16 == 0, on))
-        else:
-            return None
-    if cache_seqlens is None or type(cache_seqlens) is int:
-        parts.append(type(cache_seqlens))
-    elif type(cache_seqlens) is array_type:
-        parts.append((cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype,
-                      0 if runtime.SIMULATOR else cache_seqlens.data.device_id))
-    else:
-        return None
+    """What validation's and planning's verdict on a call depends on, as a dict key: the current
+    device, the flags and, per array, its shape, strides, dtype, device and, where it matters, its
+    pointer's alignment (never the pointer: a serving loop's layers share one plan); None if the
+    call does not qualify (then it is checked in full)."""
     softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, return_lse = scalars
     if not ((softmax_scale is None or type(softmax_scale) is float) and type(causal) is bool
             and type(window_size) is tuple and type(softcap) is float and type(rotary_interleaved) is bool
             and type(num_splits) is int and type(return_lse) is bool):
         return None
-    if not all(type(w) is int for w in window_size):
+    if len(window_size) != 2 or type(window_size[0]) is not int or type(window_size[1]) is not int:
         return None
-    return (*parts, *scalars)
-
-
-def _append(c, plan):
-    """The new k (rotated) and v into the cache, in place."""
-    stand = _stand_ins(c.device, c.dtype)
-    arrays = (c.k_cache, c.v_cache, c.k, c.v, _or_stand_in(c.cache_seqlens, stand, "int32"),
-              _or_stand_in(c.cache_batch_idx, stand, "int32"), _or_stand_in(c.block_table, stand, "table"),
-              _or_stand_in(c.rotary_cos, stand, "rotary"), _or_stand_in(c.rotary_sin, stand, "rotary"))
-    plan.append_kernel.launch(plan.append_grid, arrays, (c.fixed_len, plan.options), (), plan.append_layout)
-
-
-def _decode(c, want_lse, plan):
-    splits = plan.splits
-    out = c.out if c.out is not None else launch.empty(c.q.shape, c.q.dtype)
-    lse, o_part, lse_part = _scratch(c, splits, want_lse, plan)
-    stand = _stand_ins(c.device, c.dtype)
-    counters = _counters(plan.merge_slots, c.device) if splits > 1 else stand["int32"]
-    arrays = (c.q, c.k_cache, c.v_cache, out, lse, o_part, lse_part, counters,
-              _or_stand_in(c.cache_seqlens, stand, "int32"), _or_stand_in(c.cache_batch_idx, stand, "int32"),
-              _or_stand_in(c.cache_leftpad, stand, "int32"), _or_stand_in(c.block_table, stand, "table"),
-              _or_stand_in(c.rotary_cos, stand, "rotary"), _or_stand_in(c.rotary_sin, stand, "rotary"))
-    scalars = (c.softmax_scale * LOG2_E, c.seqlen_new, c.fixed_len, plan.options)
-    plan.decode_kernel.launch(plan.decode_grid, arrays, scalars, _params(c), plan.decode_layout)
-    return out, lse
+    simulator = runtime.SIMULATOR
+    if simulator:
+        array_type, device = np.ndarray, 0
+    else:
+        cupy = runtime.cupy()
+        array_type, device = cupy.ndarray, cupy.cuda.runtime.getDevice()
+    parts = [device, *scalars]
+    for x, alignment in zip(arrays, _ALIGNMENT_MATTERS):
+        if x is None:
+            parts.append(None)
+        elif type(x) is array_type:
+            if simulator:
+                parts += (x.shape, x.strides, x.dtype, 0)
+                if alignment:
+                    parts.append(x.ctypes.data % 16 == 0)
+            else:
+                data = x.data
+                parts += (x.shape, x.strides, x.dtype, data.device_id)
+                if alignment:
+                    parts.append(data.ptr % 16 == 0)
+        else:
+            return None
+    if cache_seqlens is None or type(cache_seqlens) is int:
+        parts.append(type(cache_seqlens))
+    elif type(cache_seqlens) is array_type:
+        parts += (cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype,
+                  0 if simulator else cache_seqlens.data.device_id)
+    else:
+        return None
+    return tuple(parts)
 
 
 def _sequence_lengths(c, xp):
@@ -640,27 +679,31 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Returns out, or (out, softmax_lse) with return_softmax_lse.
     """
+    global _last_plan
     arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
               alibi_slopes, out)
     key = _remember_key(arrays, cache_seqlens, (softmax_scale, causal, window_size, softcap, rotary_interleaved,
                                                 num_splits, return_softmax_lse))
-    plan = _REMEMBERED.get(key) if key is not None else None
-    c = plan.bind(arrays, cache_seqlens) if plan is not None else None
-    if c is None:
+    plan = lengths = None
+    if key is not None:
+        plan = _last_plan
+        if plan is None or plan.key != key:
+            plan = _last_plan = _REMEMBERED.get(key)
+        if plan is not None:
+            lengths = plan.lengths(cache_seqlens)
+    if lengths is None:
         c = _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
                    num_splits, return_softmax_lse, out)
-        plan = _Plan(c)
+        plan = _Plan(c, key)
         if key is not None:
             if len(_REMEMBERED) >= _REMEMBER_AT_MOST:
                 _REMEMBERED.clear()
-            _REMEMBERED[key] = plan
-    if c.k is not None:
-        _append(c, plan)
-    if plan.decode:
-        out, lse = _decode(c, return_softmax_lse, plan)
-    else:
-        out, lse = _gathered(c)
+            _REMEMBERED[key] = _last_plan = plan
+        arrays = (c.q, c.k_cache, c.v_cache, c.k, c.v, c.rotary_cos, c.rotary_sin, c.cache_batch_idx,
+                  c.cache_leftpad, c.block_table, c.alibi_slopes, c.out)
+        lengths = (c.fixed_len, c.cache_seqlens)
+    out, lse = plan.run(arrays, *lengths, return_softmax_lse)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -423,11 +423,12 @@ class CompiledKernel:
         self._grid = self._stream = None  # what the launch config holds now
         self._launch_ex = _driver().cuLaunchKernelEx
 
-    def launch(self, grid, arrays, scalars, params=(), layout_key=None):
+    def launch(self, grid, arrays, scalars, params=(), layout_key=None, stream=None):
         """Queue the kernel on CuPy's current stream. ``arrays`` are backend arrays, in the order
         of the signature, followed by the float32 ``scalars`` and, for a kernel that takes them,
         the variant's ``params`` (``Problem.params``); ``layout_key`` as in
-        ``ParameterBuffer.write``."""
+        ``ParameterBuffer.write``; ``stream``: the current stream's pointer, where the caller has
+        asked CuPy for it already (a call of several launches asks once)."""
         if self._host_arguments is not None:
             arrays = self._host_arguments(self.config, arrays)
         if runtime.SIMULATOR:
@@ -441,7 +442,8 @@ class CompiledKernel:
             scalars = (*scalars, *(p for p in params if not getattr(p, "ndim", 0)))
         with self._lock:
             self._parameters.write(arrays, scalars, layout_key)
-            stream = self._current_stream().ptr
+            if stream is None:
+                stream = self._current_stream().ptr
             if grid != self._grid or stream != self._stream:
                 c = self._launch_config
                 c.grid_x, c.grid_y, c.grid_z = grid

@@ -8,8 +8,10 @@ Shared host state, as read in the code (what a thread or a process could race on
 - The caches of compiled kernels (``launch.compiled``, ``interface._forward_kernel``,
   ``backward._kernels``: ``functools.lru_cache``) and the remembered validations
   (``validation._REMEMBERED``, ``kvcache._REMEMBERED``: plain dicts of immutable problems / plans,
-  each call binding its own copy). Two threads missing at once may both compile and both store;
-  each gets a working kernel and the last store wins. A cleared dict is a miss, never a wrong hit.
+  each call launching with its own arrays; a plan's one mutable part, its views into each stream's
+  workspace, is a dict keyed by stream). Two threads missing at once may both compile and both
+  store; each gets a working kernel and the last store wins. A cleared dict is a miss, never a
+  wrong hit; ``kvcache._last_plan`` is only used after its key compares equal to the call's.
 - Per thread by construction: the forced kernel family (a ContextVar), the last dropout seed
   (threading.local), the KV-cache workspace (one per stream).
 - The on-disk cache: each file written under a temporary name and renamed (``cubin_cache.store``),
