@@ -500,16 +500,17 @@ class _Plan:
 _REMEMBERED = {}
 _REMEMBER_AT_MOST = 256
 _last_plan = None  # the plan of the last remembered call (a serving loop's every layer has one)
-# Whether a pointer's alignment is part of the verdict, per array of a call (in the order of
-# flash_attn_with_kvcache's arguments): the decode kernel copies rows of q and of the caches 16
-# bytes at a time (_uses_decode_kernel); every other array it reads or writes element by element.
-_ALIGNMENT_MATTERS = (True, True, True) + (False,) * 9
+# The arrays whose pointers' alignment is part of the verdict, first in the order of
+# flash_attn_with_kvcache's arguments: q, k_cache and v_cache, whose rows the decode kernel copies
+# 16 bytes at a time when all three are aligned (_uses_decode_kernel); every other array it reads
+# or writes element by element.
+_ALIGNED_ARRAYS = 3
 
 
 def _remember_key(arrays, cache_seqlens, scalars):
     """What validation's and planning's verdict on a call depends on, as a dict key: the current
-    device, the flags and, per array, its shape, strides, dtype, device and, where it matters, its
-    pointer's alignment (never the pointer: a serving loop's layers share one plan); None if the
+    device, the flags, per array its shape, strides, dtype and device, and whether q and the caches
+    are all 16-byte aligned (never a pointer: a serving loop's layers share one plan); None if the
     call does not qualify (then it is checked in full)."""
     softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, return_lse = scalars
     if not ((softmax_scale is None or type(softmax_scale) is float) and type(causal) is bool
@@ -525,21 +526,23 @@ def _remember_key(arrays, cache_seqlens, scalars):
         cupy = runtime.cupy()
         array_type, device = cupy.ndarray, cupy.cuda.runtime.getDevice()
     parts = [device, *scalars]
-    for x, alignment in zip(arrays, _ALIGNMENT_MATTERS):
+    pointers = 0  # q's and the caches' pointers or-ed: their low 4 bits are 0 when all are aligned
+    for i, x in enumerate(arrays):
         if x is None:
             parts.append(None)
         elif type(x) is array_type:
             if simulator:
                 parts += (x.shape, x.strides, x.dtype, 0)
-                if alignment:
-                    parts.append(x.ctypes.data % 16 == 0)
+                if i < _ALIGNED_ARRAYS:
+                    pointers |= x.ctypes.data
             else:
                 data = x.data
                 parts += (x.shape, x.strides, x.dtype, data.device_id)
-                if alignment:
-                    parts.append(data.ptr % 16 == 0)
+                if i < _ALIGNED_ARRAYS:
+                    pointers |= data.ptr
         else:
             return None
+    parts.append(pointers % 16 == 0)
     if cache_seqlens is None or type(cache_seqlens) is int:
         parts.append(type(cache_seqlens))
     elif type(cache_seqlens) is array_type:
