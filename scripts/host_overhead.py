@@ -8,9 +8,12 @@ Then the first call's time in fresh processes: cold (empty on-disk kernel cache)
 filled by the cold run).
 
     python scripts/host_overhead.py
+    python scripts/host_overhead.py --decode    # flash_attn_with_kvcache instead, with a cProfile
 """
 
+import cProfile
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -96,5 +99,43 @@ def main():
         print(f"first call {dtype}: cold cache import {cold[0]} s, call {cold[1]} s; warm cache import {warm[0]} s, call {warm[1]} s")
 
 
+def decode_main():
+    """A decode step's host time (batch 1, 32/8 heads, headdim 128, fp16, a 1024-token cache, lengths
+    on the GPU, ``out=``): attention alone and with a one-token append, each next to the trivial
+    kernel, then a cProfile of 2000 calls of each by own time."""
+    batch, nheads, nheads_k, headdim, capacity = 1, 32, 8, 128, 1024
+    q = cupy.zeros((batch, 1, nheads, headdim), cupy.float16)
+    k_cache = cupy.zeros((batch, capacity, nheads_k, headdim), cupy.float16)
+    v_cache = cupy.zeros_like(k_cache)
+    k_new = cupy.zeros((batch, 1, nheads_k, headdim), cupy.float16)
+    v_new = cupy.zeros_like(k_new)
+    lengths = cupy.full((batch,), 100, cupy.int32)  # the append rewrites token 100 each call
+    out = cupy.empty_like(q)
+    trivial = cupy.ElementwiseKernel("T q, T k", "T out", "out = q + k", "nbflash_trivial")
+    calls = {
+        "flash_attn_with_kvcache": lambda: nbflash.flash_attn_with_kvcache(q, k_cache, v_cache,
+                                                                           cache_seqlens=lengths, out=out),
+        "flash_attn_with_kvcache + append": lambda: nbflash.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, out=out),
+    }
+    rows = [("cupy ElementwiseKernel (q + q)", host_us(lambda: trivial(q, q, out)))]
+    rows += [(name, host_us(fn)) for name, fn in calls.items()]
+    rows.append(("cupy ElementwiseKernel (q + q), again", host_us(lambda: trivial(q, q, out))))
+    base = rows[0][1]
+    print("host time per decode call (1 x 1024 cache, 32/8 heads, headdim 128, float16, out=):")
+    for name, us in rows:
+        print(f"  {name:40s} {us:8.1f} us  {us / base:5.2f}x")
+    for name, fn in calls.items():
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(4):  # rounds of 500: the launch queue never fills
+            for _ in range(500):
+                fn()
+            cupy.cuda.get_current_stream().synchronize()
+        profiler.disable()
+        print(f"\ncProfile of 2000 calls, {name}, by own time:")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+
+
 if __name__ == "__main__":
-    main()
+    decode_main() if "--decode" in sys.argv[1:] else main()
