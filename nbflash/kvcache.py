@@ -397,6 +397,10 @@ class _Plan:
             self.append_kernel = launch.compiled(self.append_config, c.device)
             self.append_grid = self.append_config.grid(c.batch, c.seqlen_new, c.nheads_k)
             self.append_layout = object()  # stands for the append's array layouts (ParameterBuffer.write)
+            # The append's arguments that are each call's (the rest are the plan's stand-ins): the
+            # caches, k, v, and whichever of lengths, cache_batch_idx, block_table, rotary are given.
+            given = (c.cache_seqlens, c.cache_batch_idx, c.block_table, c.rotary_cos, c.rotary_sin)
+            self.append_varying = (0, 1, 2, 3, *(4 + i for i, x in enumerate(given) if x is not None))
         if self.decode:
             self._plan_decode(c)
 
@@ -415,14 +419,19 @@ class _Plan:
         self.splits = max(1, min(splits, tiles, MAX_SPLITS))
         self.decode_kernel = launch.compiled(config, c.device)
         self.decode_grid = config.grid(c.batch, c.nheads_k, row_blocks, self.splits)
-        self.decode_layout = object()
+        # The decode launch's arguments that are each call's: q, the caches, out, lse (fresh when
+        # returned), the given optional arrays and ALiBi's slopes; the split scratch and the
+        # stand-ins are the same objects on every launch with a stream's layout key (scratch).
+        given = (c.cache_seqlens, c.cache_batch_idx, c.cache_leftpad, c.block_table, c.rotary_cos, c.rotary_sin)
+        self.decode_varying = (0, 1, 2, 3, 4, *(8 + i for i, x in enumerate(given) if x is not None),
+                               *((14,) if c.alibi_slopes is not None else ()))
         self.merge_slots = c.batch * c.nheads_k * row_blocks  # the split merge's counters (one per block of rows)
         self.scale_log2 = c.softmax_scale * LOG2_E
         attributes = _param_attributes(c.variant)
         # The variant's runtime values; ALiBi's slopes are each call's array, at this index.
         self.params = tuple(getattr(c, name) for name in attributes)
         self.slopes_at = attributes.index("alibi_slopes") if c.alibi_slopes is not None else None
-        self._scratch = {}  # stream -> (_replaced when made, (lse, o_part, lse_part, counters))
+        self._scratch = {}  # stream -> (_replaced when made, (lse, o_part, lse_part, counters), layout key)
 
     def lengths(self, cache_seqlens):
         """(fixed_len, cache_seqlens array or None) of a remembered call, whose cache_seqlens is of
@@ -436,16 +445,17 @@ class _Plan:
         return -1, cache_seqlens
 
     def scratch(self, stream):
-        """The decode launch's (lse, o_part, lse_part, counters) on ``stream``: views into its
-        workspace kept from the plan's last call there, unless a workspace was made since (making
-        these CuPy arrays was a third of a decode call's host time)."""
+        """The decode launch's (lse, o_part, lse_part, counters) on ``stream`` and the layout key
+        that stands for them (and the plan's stand-ins) in the decode kernel's parameter buffer:
+        views into the stream's workspace kept from the plan's last call there, unless a workspace
+        was made since (making these CuPy arrays was a third of a decode call's host time)."""
         if stream is None:  # the simulator
-            return _scratch(self.template, self.splits, self.merge_slots, None)
+            return _scratch(self.template, self.splits, self.merge_slots, None), None
         kept = self._scratch.get(stream)
         if kept is None or kept[0] != _replaced:
             views = _scratch(self.template, self.splits, self.merge_slots, stream)
-            kept = self._scratch[stream] = (_replaced, views)
-        return kept[1]
+            kept = self._scratch[stream] = (_replaced, views, object())
+        return kept[1], kept[2]
 
     def bind(self, arrays, fixed_len, cache_seqlens):
         """The template call with this call's arrays and lengths (for the gathered route)."""
@@ -473,13 +483,14 @@ class _Plan:
         if k is not None:
             self.append_kernel.launch(self.append_grid, (k_cache, v_cache, k, v, lengths, batch_idx, table,
                                                          rotary_cos, rotary_sin),
-                                      (fixed_len, self.options), (), self.append_layout, stream)
+                                      (fixed_len, self.options), (), self.append_layout, stream,
+                                      self.append_varying)
         if not self.decode:
             return _gathered(self.bind(arrays, fixed_len, cache_seqlens))
         c = self.template
         if out is None:
             out = launch.empty(q.shape, q.dtype)
-        lse, o_part, lse_part, counters = self.scratch(stream)
+        (lse, o_part, lse_part, counters), layout = self.scratch(stream)
         if want_lse:
             lse = launch.empty((c.batch, c.nheads, c.seqlen_q), FLOAT32)
         params = self.params
@@ -491,7 +502,7 @@ class _Plan:
                                                      lengths, batch_idx, stand["int32"] if leftpad is None else leftpad,
                                                      table, rotary_cos, rotary_sin),
                                   (self.scale_log2, c.seqlen_new, fixed_len, self.options), params,
-                                  self.decode_layout, stream)
+                                  layout, stream, self.decode_varying)
         return out, lse
 
 

@@ -361,10 +361,21 @@ class ParameterBuffer:
                 word += 1
         self._layout = self._layout_key = None
 
-    def write(self, arrays, scalars, layout_key=None):
+    def write(self, arrays, scalars, layout_key=None, varying=None):
         """``layout_key``: optional; an object that stands for the arrays' shapes and strides (the
         same object only ever for the same layouts, as the forward's checked Problem does). When it
-        is the previous call's, the shapes and strides are not even read."""
+        is the previous call's, the shapes and strides are not even read. ``varying``: optional,
+        with a ``layout_key``; the indices of the arrays that may differ from those of the last
+        call with that key: the caller passes the very same objects at every other index with it
+        (a decode plan's stand-ins and workspace views), whose pointers are then not rewritten."""
+        if varying is not None and layout_key is not None and layout_key is self._layout_key:
+            words, pointer_words = self._words, self._pointer_words
+            for i in varying:
+                words[pointer_words[i]] = arrays[i].data.ptr
+            buffer = self.buffer
+            for (offset, pack), value in zip(self._scalar_packers, scalars):
+                pack(buffer, offset, value)
+            return
         if layout_key is None or layout_key is not self._layout_key:
             layout = [(a.shape, a.strides) for a in arrays]
             self._layout_key = layout_key  # held, so that its identity is never reused
@@ -423,12 +434,13 @@ class CompiledKernel:
         self._grid = self._stream = None  # what the launch config holds now
         self._launch_ex = _driver().cuLaunchKernelEx
 
-    def launch(self, grid, arrays, scalars, params=(), layout_key=None, stream=None):
+    def launch(self, grid, arrays, scalars, params=(), layout_key=None, stream=None, varying=None):
         """Queue the kernel on CuPy's current stream. ``arrays`` are backend arrays, in the order
         of the signature, followed by the float32 ``scalars`` and, for a kernel that takes them,
         the variant's ``params`` (``Problem.params``); ``layout_key`` as in
-        ``ParameterBuffer.write``; ``stream``: the current stream's pointer, where the caller has
-        asked CuPy for it already (a call of several launches asks once)."""
+        ``ParameterBuffer.write`` (``varying`` too: indices into ``arrays`` followed by the
+        params' arrays); ``stream``: the current stream's pointer, where the caller has asked CuPy
+        for it already (a call of several launches asks once)."""
         if self._host_arguments is not None:
             arrays = self._host_arguments(self.config, arrays)
         if runtime.SIMULATOR:
@@ -441,7 +453,7 @@ class CompiledKernel:
             arrays = (*arrays, *(p for p in params if getattr(p, "ndim", 0)))
             scalars = (*scalars, *(p for p in params if not getattr(p, "ndim", 0)))
         with self._lock:
-            self._parameters.write(arrays, scalars, layout_key)
+            self._parameters.write(arrays, scalars, layout_key, varying)
             if stream is None:
                 stream = self._current_stream().ptr
             if grid != self._grid or stream != self._stream:

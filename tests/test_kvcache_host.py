@@ -182,3 +182,20 @@ def test_bad_inputs_after_a_remembered_call_still_raise():
         with pytest.raises(ValueError, match="out must have shape"):
             nbflash.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
         assert len(driver.seen) == launches
+
+
+def test_two_plans_sharing_a_kernel_launch_their_own_scratch():
+    """Two cache sizes, one decode kernel (one parameter buffer), called in turn: each launch
+    carries its own plan's split scratch and counters, never the other's left in the buffer."""
+    with fake_gpu(record=True) as (cupy, driver):
+        cases = [decode_case("plain", capacity=capacity) for capacity in (1024, 4096)]
+        for _ in range(3):
+            for (q, k_cache, v_cache), kwargs in cases:
+                nbflash.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
+                plan, = [p for p in kvcache._REMEMBERED.values() if p.template.capacity == k_cache.shape[1]]
+                (lse, o_part, lse_part, counters), _ = plan.scratch(0)
+                assert pointers(driver.seen[-1], plan.decode_kernel.config)[3:8] == [
+                    ptr(kwargs["out"]), ptr(lse), ptr(o_part), ptr(lse_part), ptr(counters)]
+        plans = list(kvcache._REMEMBERED.values())
+        assert len(plans) == 2 and plans[0].decode_kernel is plans[1].decode_kernel
+        assert plans[0].splits != plans[1].splits
