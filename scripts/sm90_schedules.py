@@ -5,7 +5,7 @@
     python scripts/sm90_schedules.py --backward
 
 Backward: the planned config ("base"), the serial step ("serial": no overlap of P^T with dP^T), a
-3-stage Q/dO ring ("3stages"), dQ split by columns between the consumers ("columns": half the
+3-stage Q/dO ring ("3stages"), setmaxnreg 24 / 240 instead of 40 / 232 ("regs240"), dQ split by columns between the consumers ("columns": half the
 atomics, a barrier across both per step), and both ("3st-columns", headdim 128 only for the
 column split); each timed as a whole flash_attn_backward call (preprocess and dq conversion
 included, the same for all), FLOPs 2.5x the forward's, its dq, dk, dv compared with the base's.
@@ -121,7 +121,8 @@ def backward_schedules(headdim, causal):
 
     base = configs.sm90_backward_config("float16", headdim, Variant(window=causal))
     found = {"base": base, "serial": base.__class__(**{**base.__dict__, "overlap": False}),
-             "3stages": base.__class__(**{**base.__dict__, "stages": 3})}
+             "3stages": base.__class__(**{**base.__dict__, "stages": 3}),
+             "regs240": base.__class__(**{**base.__dict__, "producer_registers": 24, "consumer_registers": 240})}
     if base.headdim_padded == 128:
         found["columns"] = base.__class__(**{**base.__dict__, "dq_split": "columns"})
         found["3st-columns"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "columns"})
