@@ -144,3 +144,15 @@ def kernel_reference(q, k, v, scale, window, p_dtype=None):
     with np.errstate(divide="ignore"):
         lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(l[..., 0]), -np.inf)
     return out, lse
+
+
+def is_sm90():
+    """A GPU of compute capability 9.0 is here (sm_90a code runs on nothing else); False in the
+    simulator and where no GPU is (the offline compile check imports the sm90 tests with none)."""
+    from nbflash import primitives
+
+    if primitives.SIMULATOR:
+        return False
+    from numba import cuda
+
+    return cuda.is_available() and cuda.get_current_device().compute_capability == (9, 0)

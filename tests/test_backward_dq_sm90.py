@@ -20,23 +20,17 @@ import pytest
 from nbflash import launch
 from nbflash.dtypes import KERNEL_DTYPE
 from nbflash.kernels import registry, variants
-from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig, build_backward_dq_sm90, tensor_maps
+from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig, build_backward_dq_sm90
+from nbflash.kernels.backward_sm90 import tensor_maps
 from nbflash.problem import Variant, window_bounds
 from nbflash.reference import attention_naive_backward, attention_reference, attention_reference_backward
 
 from .conftest import SIMULATOR
-from .helpers import ERROR_FLOOR, random_qkv, to_numpy
+from .helpers import ERROR_FLOOR, is_sm90, random_qkv, to_numpy
 
 
-def _is_sm90():
-    if SIMULATOR:
-        return False
-    from numba import cuda
 
-    return cuda.is_available() and cuda.get_current_device().compute_capability == (9, 0)
-
-
-pytestmark = pytest.mark.skipif(not SIMULATOR and not _is_sm90(),
+pytestmark = pytest.mark.skipif(not SIMULATOR and not is_sm90(),
                                 reason="sm_90a instructions run only on compute capability 9.0")
 
 NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}

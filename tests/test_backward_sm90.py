@@ -22,21 +22,14 @@ from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
 from nbflash.problem import Static, Variant
 
 from .conftest import SIMULATOR
-from .helpers import random_qkv, to_numpy
+from .helpers import is_sm90, random_qkv, to_numpy
 from .test_backward import poisoned_outputs  # noqa: F401  (autouse: every library buffer starts as NaN)
 from .test_backward import SEQLENS, assert_gradients_close, forward, random_like, run_case
 from .test_variants_attention import split
 
 
-def _is_sm90():
-    if SIMULATOR:
-        return False
-    from numba import cuda
 
-    return cuda.is_available() and cuda.get_current_device().compute_capability == (9, 0)
-
-
-pytestmark = pytest.mark.skipif(not SIMULATOR and not _is_sm90(),
+pytestmark = pytest.mark.skipif(not SIMULATOR and not is_sm90(),
                                 reason="sm_90a instructions run only on compute capability 9.0")
 
 CAUSAL = Variant(window=True)

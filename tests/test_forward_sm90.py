@@ -27,7 +27,7 @@ from nbflash.kernels.forward_sm90 import Sm90ForwardConfig
 from nbflash.problem import Variant, window_bounds
 from nbflash.reference import visible
 
-from .helpers import kernel_reference as reference
+from .helpers import is_sm90, kernel_reference as reference
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -36,15 +36,8 @@ PLAIN, WINDOW = Variant(), Variant(window=True)
 CAUSAL = (-1, 0)
 
 
-def _is_sm90():
-    if P.SIMULATOR:
-        return False
-    from numba import cuda
 
-    return cuda.is_available() and cuda.get_current_device().compute_capability == (9, 0)
-
-
-pytestmark = pytest.mark.skipif(not P.SIMULATOR and not _is_sm90(),
+pytestmark = pytest.mark.skipif(not P.SIMULATOR and not is_sm90(),
                                 reason="sm_90a instructions run only on compute capability 9.0")
 
 

@@ -51,8 +51,8 @@ Memory: q, dout (batch, seqlen_q, nheads, headdim), k, v (batch, seqlen_k, nhead
 strides that are multiples of 16 bytes with the last dimension contiguous, headdim a multiple of 8
 up to 128; float16 arrays, or uint16 arrays holding bfloat16 bits. lse (natural log), delta
 float32 (batch, nheads, seqlen_q); dq like q (C-contiguous), written in q's dtype. ``maps`` holds
-the four 4-D tensor maps of q, k, v and dout (``tensor_maps``), built by the launcher; rows past a
-sequence's end and columns past headdim arrive as zeros. Query head h reads key/value head
+the four 4-D tensor maps of q, k, v and dout (backward_sm90.tensor_maps), built by the launcher;
+rows past a sequence's end and columns past headdim arrive as zeros. Query head h reads key/value head
 h // (nheads // nheads_k). A row with lse = -inf (it sees no key) and rows past seqlen_q get
 lse_log2 = +inf, so their P is exactly 0 and a row that sees no key gets dq = 0.
 
@@ -65,7 +65,6 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from nbflash.primitives import (
@@ -81,7 +80,6 @@ from nbflash.primitives import (
 from nbflash.primitives_sm90 import (
     SWIZZLE_128B,
     array_address,
-    cached_tensor_maps,
     elect_sync,
     fence_mbarrier_init,
     fence_operands,
@@ -98,7 +96,6 @@ from nbflash.primitives_sm90 import (
     setmaxnreg_dec,
     setmaxnreg_inc,
     smem_descriptor,
-    tensor_map_4d_words,
     tma_load_4d,
     wgmma_commit,
     wgmma_fence,
@@ -186,20 +183,6 @@ class Sm90DqConfig:
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
         return (-(-seqlen_q // self.block_m), nheads, batch)
-
-
-def _words(config, q, k, v, dout):
-    return np.stack([tensor_map_4d_words(x, (1, rows, 1, CHUNK), SWIZZLE_128B)
-                     for x, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n),
-                                     (dout, config.block_m))])
-
-
-def tensor_maps(config, q, k, v, dout):
-    """The kernel's ``maps``: the tensor maps of q, k, v, dout as a (4, 16) uint64 array on the
-    backend, with the boxes the kernel loads (block_m or block_n rows of 64 columns, swizzled as
-    wgmma reads them), kept for the last few calls as the forward's."""
-    key = (config.block_m, config.block_n, "backward_dq")
-    return cached_tensor_maps(key, (q, k, v, dout), lambda *xs: _words(config, *xs))
 
 
 @lru_cache(maxsize=None)

@@ -221,8 +221,10 @@ def _words(config, q, k, v, dout):
 
 def tensor_maps(config, q, k, v, dout):
     """The kernel's ``maps``: the tensor maps of q, k, v, dout as a (4, 16) uint64 array on the
-    backend, with the boxes the kernel loads (kept for the last few calls, as the forward's)."""
-    key = (config.block_m, config.block_n, "backward")
+    backend, with the boxes the kernel loads (block_m rows of q and dout, block_n of k and v, 64
+    columns, swizzled as wgmma reads them), kept for the last few calls as the forward's. Any
+    backward config with those two attributes: this kernel's and the deterministic dQ kernel's."""
+    key = (type(config).__name__, config.block_m, config.block_n)
     return cached_tensor_maps(key, (q, k, v, dout), lambda *xs: _words(config, *xs))
 
 

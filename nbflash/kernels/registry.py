@@ -19,7 +19,6 @@ from . import variants
 from .backward_mma import MmaBackwardConfig, build_backward_mma
 from .backward_portable import PortableBackwardConfig, build_backward_portable
 from .backward_dq_sm90 import Sm90DqConfig, build_backward_dq_sm90
-from .backward_dq_sm90 import tensor_maps as backward_dq_tensor_maps
 from .backward_sm90 import Sm90BackwardConfig, build_backward_sm90
 from .backward_sm90 import tensor_maps as backward_tensor_maps
 from .decode_mma import MmaDecodeConfig, build_decode_mma
@@ -132,7 +131,7 @@ KERNELS = {
 HOST_ARGUMENTS = {
     Sm90ForwardConfig: lambda config, arrays: (*arrays, tensor_maps(config, *arrays[:3])),
     Sm90BackwardConfig: lambda config, arrays: (*arrays, backward_tensor_maps(config, *arrays[:4])),
-    Sm90DqConfig: lambda config, arrays: (*arrays, backward_dq_tensor_maps(config, *arrays[:4])),
+    Sm90DqConfig: lambda config, arrays: (*arrays, backward_tensor_maps(config, *arrays[:4])),
 }
 
 
