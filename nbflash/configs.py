@@ -8,7 +8,7 @@ launches; ``plan_backward`` does the same for the backward's kernels. Three kern
   float16 / bfloat16 forward on compute capability 9.0, plain or windowed (causal) attention, with
   or without softcap and ALiBi, a positive scale, headdim a multiple of 8 up to 256, rows on 16-byte
   boundaries (``sm90_unsupported_reason``); chosen by default at the headdims where it was measured
-  faster (``SM90_DEFAULT_HEADDIMS``; measured without softcap and ALiBi). Its backward
+  faster (``SM90_DEFAULT_HEADDIMS``; with softcap and ALiBi measured at headdim 128). Its backward
   (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; the same variants, headdim up
   to 128, ``sm90_backward_unsupported_reason``) is the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``
   for plain and causal attention; the mma family's backward elsewhere. Its fp8 (e4m3) forward is
@@ -139,8 +139,9 @@ SM90_FORWARD = [
 # headdims 64 and 128, seqlen 1k-16k, 1.17-2.01x the mma family, except headdim 64 causal at 1k: 176
 # against 178 TFLOP/s; at headdim 256, seqlen 4k and 16k, 2.4-3.1x). Other headdims it serves
 # (multiples of 8 up to 256) are not measured yet: mma by default. With softcap or ALiBi it is the
-# default at these headdims too, by the plain kernel's measurement: those variants' own speed on
-# sm90 is not measured yet (docs/perf-notes.md, "Hopper forward", has the prediction).
+# default at these headdims too: measured at headdim 128, seqlen 8k, fp16 (docs/perf-notes.md,
+# "Hopper forward"), softcap 320-360 and ALiBi 411-476 TFLOP/s against the mma family's ~236 and ~259
+# (causal); headdims 64 and 256 with them are not measured.
 SM90_DEFAULT_HEADDIMS = (64, 128, 256)
 
 
