@@ -268,9 +268,12 @@ def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), sof
 
     Returns a dict: ``family`` ('sm90', 'mma' or 'portable'), ``config`` (the block configuration and the
     variant), ``grid``, ``block``, ``dynamic_shared_bytes``, and, on a GPU, the compiled kernel's
-    ``registers`` per thread, ``static_shared_bytes`` and ``local_bytes`` per thread (spills).
-    Compiles the kernel if it is not compiled yet. Honors an enclosing ``nbflash.kernel_family``
-    block.
+    ``registers`` per thread, ``static_shared_bytes`` and ``local_bytes`` per thread (spills); and
+    ``backward``: what ``flash_attn_backward`` would run for these inputs, as {"default": [...],
+    "deterministic": [...]}, each a list of its kernels in a few words (e.g. "Hopper backward dK/dV
+    (float16, headdim 128, causal/window)"; planned, not compiled; a dout whose rows are off 16 bytes
+    may change it). Compiles the forward kernel if it is not compiled yet. Honors an enclosing
+    ``nbflash.kernel_family`` block.
     """
     problem, q, k, v = validation.check_forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                                 bias, score_mod, mask_mod, block_mask=block_mask)
@@ -286,4 +289,9 @@ def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), sof
         "static_shared_bytes": kernel.static_shared,
         "registers": kernel.registers,
         "local_bytes": kernel.local_bytes,
+        "backward": {
+            mode: [launch.describe(c) for c in configs.plan_backward(problem.static, deterministic,
+                                                                     configs.forced_family())]
+            for mode, deterministic in (("default", False), ("deterministic", True))
+        },
     }

@@ -10,7 +10,7 @@ import pytest
 import nbflash
 
 from .conftest import SIMULATOR
-from .helpers import assert_attention_close, poison_allocations, random_qkv
+from .helpers import assert_attention_close, is_sm90, poison_allocations, random_qkv
 
 DTYPES = ["float32", "float16", "bfloat16"]
 
@@ -166,3 +166,23 @@ def test_forward_gpu_on_current_stream(rng, xp):
     assert_attention_close(out, None, q, k, v, False)
 
 
+
+
+def test_explain_reports_the_backward(rng, xp):
+    """explain() says which kernels the backward would run, by default and deterministic, and
+    follows a forced family (planned, not compiled)."""
+    q, k, v = random_qkv(rng, xp, 1, 8, 8, 2, 1, 64, "float16")
+    with nbflash.kernel_family("mma"):  # the default on a GPU of compute capability 8.x, and in the simulator
+        backward = nbflash.explain(q, k, v, causal=True)["backward"]
+    assert backward["default"] == ["portable backward preprocess (float16, headdim 64)",
+                                   "tensor-core backward dK/dV (float16, headdim 64, causal/window)",
+                                   "portable backward dQ conversion (float16, headdim 64)"]
+    assert backward["deterministic"][1:] == ["tensor-core backward dK/dV (float16, headdim 64, causal/window, "
+                                             "deterministic)",
+                                             "tensor-core backward dQ (float16, headdim 64, causal/window, "
+                                             "deterministic)"]
+    if SIMULATOR or is_sm90():  # the sm90 family exists there only
+        with nbflash.kernel_family("sm90"):
+            backward = nbflash.explain(q, k, v, causal=True)["backward"]
+        assert backward["default"][1] == "Hopper backward dK/dV (float16, headdim 64, causal/window)"
+        assert backward["deterministic"][2] == "Hopper backward dQ (float16, headdim 64, causal/window, deterministic)"
