@@ -36,7 +36,9 @@ dV and dK). dQ needs dS with queries as its rows: the stored dS^T (rows of 64 qu
 is exactly the MN-major image of dS, which wgmma reads with its A-transpose flag. Each consumer
 adds its own 64 keys' share of dQ_i (K = its 64 keys), so the two consumers never wait for each
 other; the float32 atomics land in ``dq_accum``, which the portable convert_dq kernel scales and
-narrows, as for the mma family.
+narrows, as for the mma family. With ``dq_split="columns"`` each consumer instead adds half of
+headdim's columns over all block_n keys, reading both consumers' dS^T tiles (laid side by side),
+after a barrier across both: half the atomics (not yet measured).
 
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch); block = 128 * (consumers + 1)
 threads; block_n = 64 * consumers, block_m = 64.
