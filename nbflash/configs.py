@@ -5,10 +5,12 @@ Every heuristic lives here. ``plan_forward`` turns the static part of a validate
 launches; ``plan_backward`` does the same for the backward's kernels. Three kernel families:
 
 - ``"sm90"``: Hopper's wgmma, TMA and warp specialization (nbflash/kernels/forward_sm90.py): the
-  float16 / bfloat16 forward on compute capability 9.0, plain or windowed (causal) attention, with
-  or without softcap and ALiBi, a positive scale, headdim a multiple of 8 up to 256, rows on 16-byte
-  boundaries (``sm90_unsupported_reason``); chosen by default at the headdims where it was measured
-  faster (``SM90_DEFAULT_HEADDIMS``; with softcap and ALiBi measured at headdim 128). Its backward
+  float16 / bfloat16 forward on compute capability 9.0, every variant but block masks and packed
+  sequences (the window, softcap, ALiBi, bias and mask tensors, score_mod, mask_mod, dropout), a
+  positive scale, headdim a multiple of 8 up to 256, rows on 16-byte boundaries
+  (``sm90_unsupported_reason``); chosen by default at the headdims where it was measured faster
+  (``SM90_DEFAULT_HEADDIMS``; with softcap and ALiBi measured at headdim 128), for the variants
+  measured (``SM90_DEFAULT_VARIANTS``: the others run on it only when "sm90" is forced). Its backward
   (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; the same variants, headdim up
   to 128, ``sm90_backward_unsupported_reason``) is the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``
   for plain and causal attention; the mma family's backward elsewhere. Its fp8 (e4m3) forward is
@@ -34,8 +36,8 @@ from .kernels.backward_sm90 import Sm90BackwardConfig
 from .kernels.backward_dq_sm90 import SERVED_VARIANTS as SM90_DQ_VARIANTS
 from .kernels.backward_dq_sm90 import Sm90DqConfig
 from .kernels.forward_mma import MmaForwardConfig
-from .kernels.forward_sm90 import SERVED_VARIANTS as SM90_VARIANTS
-from .kernels.forward_sm90 import FP8, Sm90ForwardConfig
+from .kernels.forward_sm90 import UNSERVED_FEATURES as SM90_UNSERVED_FEATURES
+from .kernels.forward_sm90 import FP8, Sm90ForwardConfig, served as sm90_serves
 from .kernels.backward_portable import PortableBackwardConfig
 from .kernels.decode_mma import MmaDecodeConfig
 from .kernels.backward_portable import shared_bytes as backward_shared_bytes
@@ -143,6 +145,12 @@ SM90_FORWARD = [
 # "Hopper forward"), softcap 320-360 and ALiBi 411-476 TFLOP/s against the mma family's ~236 and ~259
 # (causal); headdims 64 and 256 with them are not measured.
 SM90_DEFAULT_HEADDIMS = (64, 128, 256)
+# ... for the variants measured there: plain and windowed (causal) attention, each with or without
+# softcap and ALiBi. The bias and mask tensors, score_mod, mask_mod and dropout run on the sm90
+# forward only when "sm90" is forced (not yet run on a GPU; docs/perf-notes.md, "Hopper forward",
+# has the prediction); mma by default.
+SM90_DEFAULT_VARIANTS = tuple(Variant(window=window, softcap=softcap, alibi=alibi)
+                              for softcap in (False, True) for alibi in (False, True) for window in (False, True))
 
 
 def sm90_unsupported_reason(static):
@@ -153,9 +161,8 @@ def sm90_unsupported_reason(static):
     cc = _compute_capability(static.device)
     if cc != SM90_COMPUTE_CAPABILITY:
         return f"the sm90 kernel runs on compute capability 9.0 only, this GPU has {cc[0]}.{cc[1]}"
-    if static.variant._replace(score_mod_grad="") not in SM90_VARIANTS:
-        return ("the sm90 kernel serves plain and windowed (causal) attention, with softcap and ALiBi, "
-                "without other features")
+    if not sm90_serves(static.variant):
+        return f"the sm90 kernel serves every variant but {' and '.join(SM90_UNSERVED_FEATURES)}"
     if static.headdim % 8 or static.headdim > SM90_MAX_HEADDIM:
         return f"the sm90 kernel takes headdim a multiple of 8 up to {SM90_MAX_HEADDIM}, not {static.headdim}"
     if not static.aligned:
@@ -202,6 +209,8 @@ def _sm90_default(static):
     """The sm90 family is the default for this call: it serves it and was measured faster there."""
     if runtime.SIMULATOR or static.headdim not in SM90_DEFAULT_HEADDIMS:
         return False  # the simulator keeps the default of the suite's cases: mma
+    if static.variant._replace(score_mod_grad="") not in SM90_DEFAULT_VARIANTS:
+        return False  # served, not yet measured: mma
     return sm90_unsupported_reason(static) is None
 
 

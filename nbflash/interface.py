@@ -21,8 +21,9 @@ LOG2_E = math.log2(math.e)
 @lru_cache(maxsize=None)
 def _forward_kernel(static, family):
     """The compiled kernel for a problem's static part; one cache lookup per call."""
+    config = configs.plan_forward(static, family)  # a family that cannot serve the call says so itself
     with user_functions_compile(static.variant):
-        return launch.compiled(configs.plan_forward(static, family), static.device)
+        return launch.compiled(config, static.device)
 
 
 @contextlib.contextmanager

@@ -102,3 +102,13 @@ def test_backward_needs_the_seed(rng, xp):
         flash_attn_backward(q, q, k, v, out, lse, 0.1)
     with pytest.raises(TypeError, match="seed must be an int"):
         nbflash.flash_attn_func(q, k, v, 0.1, seed=-1)
+
+
+def test_dropout_pair_is_two_words():
+    # The tensor-core kernels' pair of an even key and the next (one Philox call): dropout_word's
+    # words for both keys.
+    from nbflash.kernels.philox import dropout_pair, dropout_word
+
+    for row, key, b, h in ((0, 0, 0, 0), (5, 2, 1, 3), (77, 130, 2, 15), (1023, 4094, 0, 7)):
+        assert dropout_pair(row, key, b, h, 12345, 678) == (dropout_word(row, key, b, h, 12345, 678),
+                                                             dropout_word(row, key + 1, b, h, 12345, 678))

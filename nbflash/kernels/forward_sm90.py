@@ -70,17 +70,22 @@ it is written. The row sums l_i add P before its rounding to e4m3. block_n is a 
 (V^T's 128-byte swizzled rows are 128 keys); headdim a multiple of 16, padded to 128-column
 chunks (headdim 64 then does twice the tensor-core work it needs); the plain consumer loop only.
 
-Variants (nbflash/kernels/variants.py): the plain kernel and the window (causal included), each
-with or without softcap and ALiBi (``SERVED_VARIANTS``), with a positive scale. Without a score
-feature the scale is folded into exp2. With one, the raw S goes through the variant's tensor-core
-score point (``Hooks.tensor_core_score``, as in forward_mma.py) right after it lands, before the
-mask: ``score_row`` once per row of the thread (row0 and row0 + 8; ALiBi's distance as a float),
-then ``score_at`` per column 8 c + 2 q4 + e. That leaves S in units whose positive factor to base 2
-(units[EXP]: softcap's cap, or the scale for ALiBi alone) takes the scale's place in exp2, plus an
-offset in base 2 (units[OFFSET], softcap's -1 of its exp2 tanh) that only the lse sees. A feature
-that is absent compiles to nothing. Everything else (bias and mask tensors, score_mod and
-mask_mod, dropout, block masks, packed sequences) stays with the sm80 family
-(nbflash/kernels/forward_mma.py), as do headdims that are not multiples of 8 and rows off 16
+Variants (nbflash/kernels/variants.py): every feature but the block mask and packed sequences
+(``served``), with a positive scale: the window (causal included), softcap, ALiBi, the additive
+bias tensor, the boolean mask tensor, score_mod, mask_mod and dropout, in any combination. Without a
+score feature the scale is folded into exp2. With one, the raw S goes through the variant's
+tensor-core score point (``Hooks.tensor_core_score``, as in forward_mma.py) right after it lands,
+before the mask: ``score_row`` once per row of the thread (row0 and row0 + 8; ALiBi's distance as a
+float), then ``score_at`` per column 8 c + 2 q4 + e (the bias tensor and score_mod read that
+element's (row, key)). That leaves S in units whose positive factor to base 2 (units[EXP]:
+softcap's cap, the scale for ALiBi alone, log2(e) in the natural units of a bias or score_mod)
+takes the scale's place in exp2, plus an offset in base 2 (units[OFFSET], softcap's -1 of its exp2
+tanh) that only the lse sees. The mask point is ``hidden`` on the same elements; with an element
+mask (the mask tensor, mask_mod) no tile is known to be whole (``key_tiles`` says so), so every
+visited tile takes it. Dropout is the probability point: each P times its factor as it is packed
+for P V (``drop_p``), after l_i has summed the undropped P, as forward_mma.py's mma_p_v does. A
+feature that is absent compiles to nothing. Block masks and packed sequences stay with the sm80
+family (nbflash/kernels/forward_mma.py), as do headdims that are not multiples of 8 and rows off 16
 bytes; the fp8 path serves the plain kernel and the window only (``FP8_VARIANTS``).
 """
 
@@ -142,11 +147,17 @@ ROW_BYTES = 128  # bytes of a chunk row
 GROUP = 128  # threads of a warpgroup
 # The plain kernel and the window (causal included): what the fp8 path serves.
 FP8_VARIANTS = (Variant(), Variant(window=True))
-# What the 16-bit forward serves: those, each with softcap, ALiBi or both on the scores (the
-# tensor-core score point, variants.py).
-SERVED_VARIANTS = FP8_VARIANTS + tuple(Variant(window=window, softcap=softcap, alibi=alibi)
-                                       for softcap, alibi in ((True, False), (False, True), (True, True))
-                                       for window in (False, True))
+# What the 16-bit forward does not serve (nbflash/kernels/forward_mma.py does): tile classes that
+# skip tiles, and packed sequences.
+UNSERVED_FEATURES = ("block_mask", "varlen")
+
+
+def served(variant):
+    """The 16-bit forward serves ``variant``: any combination of the window, softcap, ALiBi, the bias
+    and mask tensors, score_mod, mask_mod and dropout (none of ``UNSERVED_FEATURES``)."""
+    return not any(getattr(variant, feature) for feature in UNSERVED_FEATURES)
+
+
 FP8 = "float8_e4m3fn"  # the fp8 forward's input dtype (e4m3, as ml_dtypes and PyTorch name it)
 # fp8: the key at k position p of each 16 in P's A registers and in V^T's rows (see the docstring):
 # position 4 q + 2 c + e holds key 8 c + 2 q + e, the accumulator column thread q holds as value e
@@ -178,9 +189,8 @@ class Sm90ForwardConfig:
                                  f"(V^T's swizzled rows), with the plain loop ({self.overlap=})")
         if self.headdim % 8 or not 8 <= self.headdim <= 256:
             raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..256")
-        if self.variant not in SERVED_VARIANTS:
-            raise ValueError(f"{self.variant=}: the sm90 forward serves the plain kernel, the window, softcap and "
-                             f"ALiBi only")
+        if not served(self.variant):
+            raise ValueError(f"{self.variant=}: the sm90 forward serves no {' and no '.join(UNSERVED_FEATURES)}")
         if self.dtype == FP8 and self.variant not in FP8_VARIANTS:
             raise ValueError(f"{self.variant=}: the fp8 forward serves the plain kernel and the window only")
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
@@ -311,9 +321,11 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     hooks = variants.hooks(config.variant)
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
     head_context = hooks.head_context
-    # A score feature (softcap, ALiBi): raw S through the tensor-core score point, into units whose
-    # positive factor to base 2 replaces the scale in exp2 (the scale is positive here: configs.py).
+    # A score feature (softcap, ALiBi, bias, score_mod): raw S through the tensor-core score point, into
+    # units whose positive factor to base 2 replaces the scale in exp2 (the scale is positive here:
+    # configs.py).
     SCORE = hooks.SCORE
+    DROPOUT, dropout_factors = hooks.DROPOUT, hooks.dropout_factors
     score_units, score_row, score_at, _ = hooks.tensor_core_score(True)
     NEG_INF = float32(-math.inf)
     IS_F16 = config.dtype == "float16"  # else bfloat16 out (and in, except fp8's e4m3)
@@ -372,7 +384,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     @inline_device
     @unroll
     def mask_scores(s, row0, n_start, seqlen_q, seqlen_k, params, head_ctx, q4):
-        """-inf where the row does not see the key: past the end, or outside its window."""
+        """-inf where the row does not see the key: past the end, outside its window, or masked."""
         for rh in static_range(2):
             row = row0 + 8 * rh
             lo, hi = row_keys(row, seqlen_q, seqlen_k, params)
@@ -404,6 +416,18 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                     row_sum += p
             l_i[rh] = l_i[rh] * alpha[rh] + row_sum
             m_i[rh] = m_new
+
+    @inline_device
+    @unroll
+    def drop_p(s, row0, n_start, params, head_ctx, q4):
+        """The probability point: P *= its dropout factor (1 / (1 - p) or 0), element by element, after
+        online_softmax has summed the undropped P into l_i and before pack_p (each P's last use)."""
+        for rh in static_range(2):
+            row = row0 + 8 * rh
+            for c in static_range(NT):  # keys 8 c + 2 q4 and the next: one Philox call (an even key)
+                f0, f1 = dropout_factors(row, n_start + 8 * c + 2 * q4, params, head_ctx)
+                s[4 * c + 2 * rh] *= f0
+                s[4 * c + 2 * rh + 1] *= f1
 
     @inline_device
     @unroll
@@ -637,6 +661,8 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                     # m_i, l_i, O rescaled; S becomes P, packed to 16 bits
                     online_softmax(s, m_i, l_i, alpha, scale_log2)
                     rescale_o(o, alpha)
+                    if DROPOUT:
+                        drop_p(s, row0, j * BN, params, head_ctx, q4)
                     pack_p(s, p)
 
                     # O += P V_j
@@ -665,6 +691,8 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                 if first_tile < first_full or first_tile >= end_full:
                     mask_scores(s, row0, first_tile * BN, seqlen_q, seqlen_k, params, head_ctx, q4)
                 online_softmax(s, m_i, l_i, alpha, scale_log2)  # O is still 0: nothing to rescale
+                if DROPOUT:
+                    drop_p(s, row0, first_tile * BN, params, head_ctx, q4)
                 pack_p(s, p)
                 for i in range(1, n_tiles):
                     j = first_tile + i
@@ -694,6 +722,8 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                     registers_to(o, fence_operands(acc_o))
                     mbarrier_arrive(kv_empty + uint32(8 * prev_slot))  # done with tile j - 1's K and V
                     rescale_o(o, alpha)
+                    if DROPOUT:
+                        drop_p(s, row0, j * BN, params, head_ctx, q4)
                     pack_p(s, p)
                 last = (n_tiles - 1) % STAGES
                 p_regs = fence_operands(registers_from(p, P_REGS))

@@ -50,6 +50,16 @@ def dropout_word(row, key, b, h, seed_lo, seed_hi):
     return words[3]
 
 
+@register_jitable
+def dropout_pair(row, key, b, h, seed_lo, seed_hi):
+    """``dropout_word`` of (row, key) and (row, key + 1) for an even key: words key % 4 and the next
+    of one call (both keys share the counter key // 4)."""
+    words = philox(uint32(key // 4), uint32(row), uint32((b << 16) | h), uint32(0), uint32(seed_lo), uint32(seed_hi))
+    if key % 4 == 0:
+        return words[0], words[1]
+    return words[2], words[3]
+
+
 def philox_numpy(c0, c1, c2, c3, k0, k1):
     """``philox`` on NumPy uint32 arrays (broadcast together): the reference's generator."""
     c0, c1, c2, c3 = (np.asarray(c, np.uint64) for c in np.broadcast_arrays(c0, c1, c2, c3))

@@ -20,7 +20,8 @@ built here at fixed points of its tile step:
   returns d score / d x (the bias gets no gradient). The tensor-core kernels call the same features
   through ``Hooks.tensor_core_score`` instead: on raw q.k, with the scale folded into them, ALiBi's
   distance a float per row and softcap's tanh from MUFU instructions;
-- the probability point (after exp, before P V): dropout's factor of each probability;
+- the probability point (after exp, before P V): dropout's factor of each probability
+  (``dropout_factor``; ``dropout_factors`` for an even key and the next, from one Philox call);
 - the **layout**: with packed sequences (``VARLEN``), ``sequence(params, b, total_q, total_k)``
   gives sequence b's rows as (q_start, seqlen_q, k_start, seqlen_k) (geometry.packed_sequence);
   each kernel, under ``if VARLEN:``, narrows its arrays to those rows and exits the blocks that lie
@@ -46,7 +47,7 @@ from numba.extending import register_jitable
 from ..dtypes import KERNEL_DTYPE
 from ..primitives import bf16_bits_to_f32, exp2_approx, rcp_approx, tanh_approx
 from . import geometry
-from .philox import dropout_word
+from .philox import dropout_pair, dropout_word
 
 LOG2E = math.log2(math.e)
 
@@ -657,13 +658,25 @@ class Hooks:
                 word = dropout_word(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
                 return params[SCALE] if word >= params[THRESHOLD] else float32(0)
 
+            @register_jitable
+            def dropout_factors(row, key, params, head_ctx):
+                """The factors of (row, key) and (row, key + 1) for an even key: both words of one
+                Philox call (dropout_word's counter is key // 4, its word key % 4)."""
+                w0, w1 = dropout_pair(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
+                threshold, scale = params[THRESHOLD], params[SCALE]
+                return (scale if w0 >= threshold else float32(0)), (scale if w1 >= threshold else float32(0))
+
         else:
 
             @register_jitable
             def dropout_factor(row, key, params, head_ctx):
                 return float32(1)
 
-        self.dropout_factor = dropout_factor
+            @register_jitable
+            def dropout_factors(row, key, params, head_ctx):
+                return float32(1), float32(1)
+
+        self.dropout_factor, self.dropout_factors = dropout_factor, dropout_factors
 
     def tensor_core_score(self, positive_scale):
         """The tensor-core kernels' score point, on raw q.k (no scale applied):
