@@ -264,6 +264,12 @@ def test_mask_tensor_without_window(monkeypatch, xp):
     check_variant(xp, monkeypatch, "float16", 1, 21, 75, 1, 1, 64, name="document-mask", **SMALL)
 
 
+def test_mask_tensor_causal_no_key(monkeypatch, xp):
+    # The document mask with causal, seqlen_q > seqlen_k: 2 query blocks, rows that see no key, the
+    # mask read at clamped (row, key) past both ends (the band and the row test decide there).
+    check_variant(xp, monkeypatch, "bfloat16", 1, 72, 40, 1, 1, 64, causal=True, name="document-mask", **SMALL)
+
+
 def test_bias_softcap_alibi_window_overlapped(monkeypatch, xp):
     # A float16 bias (batch, heads, seqlen_q, seqlen_k) after softcap and ALiBi, in natural units,
     # a window, in the overlapped consumer loop: 3 key tiles.

@@ -381,17 +381,37 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                     s[4 * c + 2 * rh + e] = score_at(s[4 * c + 2 * rh + e], ctx, 0, 8 * c + e, seqlen_q, seqlen_k,
                                                      params, head_ctx, units)
 
-    @inline_device
-    @unroll
-    def mask_scores(s, row0, n_start, seqlen_q, seqlen_k, params, head_ctx, q4):
-        """-inf where the row does not see the key: past the end, outside its window, or masked."""
-        for rh in static_range(2):
-            row = row0 + 8 * rh
-            lo, hi = row_keys(row, seqlen_q, seqlen_k, params)
-            for c in static_range(NT):
-                for e in static_range(2):
-                    if hidden(n_start + 8 * c + 2 * q4 + e, lo, hi, row, seqlen_q, params, head_ctx):
-                        s[4 * c + 2 * rh + e] = NEG_INF
+    # The mask tensor alone: its test without a branch per element (hidden_clamped; with a branch per
+    # element, 116 bytes of spills at hd 128, none without). A mask_mod keeps the guarded test: the
+    # user's code run on every element unconditionally spilled 604 bytes (with the tests' score_mod).
+    if config.variant.mask and not config.variant.mask_mod:
+        hidden_clamped = hooks.hidden_clamped
+
+        @inline_device
+        @unroll
+        def mask_scores(s, row0, n_start, seqlen_q, seqlen_k, params, head_ctx, q4):
+            """-inf where the row does not see the key: past the end, outside its window, or masked."""
+            for rh in static_range(2):
+                row = row0 + 8 * rh
+                lo, hi = row_keys(row, seqlen_q, seqlen_k, params)
+                for c in static_range(NT):
+                    for e in static_range(2):
+                        x = s[4 * c + 2 * rh + e]
+                        dropped = hidden_clamped(n_start + 8 * c + 2 * q4 + e, lo, hi, row, seqlen_q, seqlen_k, params,
+                                                 head_ctx)
+                        s[4 * c + 2 * rh + e] = NEG_INF if dropped else x
+    else:
+        @inline_device
+        @unroll
+        def mask_scores(s, row0, n_start, seqlen_q, seqlen_k, params, head_ctx, q4):
+            """-inf where the row does not see the key: past the end, outside its window, or masked."""
+            for rh in static_range(2):
+                row = row0 + 8 * rh
+                lo, hi = row_keys(row, seqlen_q, seqlen_k, params)
+                for c in static_range(NT):
+                    for e in static_range(2):
+                        if hidden(n_start + 8 * c + 2 * q4 + e, lo, hi, row, seqlen_q, params, head_ctx):
+                            s[4 * c + 2 * rh + e] = NEG_INF
 
     @inline_device
     @unroll

@@ -584,6 +584,25 @@ class Hooks:
 
         self.key_tiles, self.query_tiles, self.row_keys, self.hidden = key_tiles, query_tiles, row_keys, hidden
 
+        if keep is not None:
+
+            @register_jitable
+            def hidden_clamped(key, lo, hi, row, seqlen_q, seqlen_k, params, head_ctx):
+                """``hidden`` without a branch per element (the sm90 forward's, for the mask tensor):
+                the element masks read at (row, key) clamped into the sequence (always in bounds, so
+                the read needs no guard; where the clamp moves it, the band or the row test decides),
+                the tests combined bitwise."""
+                kept = keep(min(row, seqlen_q - 1), min(key, seqlen_k - 1), params, head_ctx)
+                return outside(key, lo, hi) | ((row < seqlen_q) & (not kept))
+
+        else:
+
+            @register_jitable
+            def hidden_clamped(key, lo, hi, row, seqlen_q, seqlen_k, params, head_ctx):
+                return outside(key, lo, hi)
+
+        self.hidden_clamped = hidden_clamped
+
         self.BLOCK_MASK = variant.block_mask
         if variant.block_mask:
             CLASSES = names.index("block_mask")
