@@ -153,7 +153,7 @@ TOPICS = [
             (REGISTRY, None, "HOST_ARGUMENTS = {", 0, "the launcher adds the maps to every launch"),
             (KERNEL, "_words", "tensor_map_4d_words(x, (1, rows, 1, CHUNK), SWIZZLE_128B)", 0,
              "the three maps and their boxes"),
-            (KERNEL, "tensor_maps", "maps = _MAPS.pop(key, None)", 0, "maps kept for buffers used again"),
+            (PRIMS, "cached_tensor_maps", "maps = _MAPS.pop(full_key, None)", 0, "maps kept for buffers used again"),
             (PRIMS, "_tensor_map_4d_words", "cuTensorMapEncodeTiled(", 0, "GPU: the driver encodes the map"),
             (KERNEL, "forward_sm90", "fence_proxy_tensormap_acquire(q_map)", 0, "the maps came from the host"),
             (KERNEL, "forward_sm90", "base = base + ((uint32(1024)", 0, "tiles start on a 1024-byte boundary"),

@@ -46,6 +46,22 @@ def schedules(headdim, causal):
     return found
 
 
+def median_ms(call, repeats):
+    """Median milliseconds of ``call`` between CUDA events, after 3 warm-up calls."""
+    import cupy
+
+    start, end, times = cupy.cuda.Event(), cupy.cuda.Event(), []
+    for _ in range(3):
+        call()
+    for _ in range(repeats):
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return float(np.median(times))
+
+
 def build(named):
     from nbflash import launch
 
@@ -93,16 +109,7 @@ def main():
             got = out.astype(np.float32)
             base = got if base is None else base
             difference = float(cupy.abs(got - base).max())
-            start, end, times = cupy.cuda.Event(), cupy.cuda.Event(), []
-            for _ in range(3):
-                call()
-            for _ in range(15):
-                start.record()
-                call()
-                end.record()
-                end.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(start, end))
-            row[name] = (round(flops / float(np.median(times)) / 1e9, 1), difference)
+            row[name] = (round(flops / median_ms(call, 15) / 1e9, 1), difference)
         rows.append(row)
         print(row, flush=True)
     names = list(schedules(128, False))
@@ -167,16 +174,7 @@ def main_backward():
                 got = [g.astype(np.float32) for g in call()]
                 base = got if base is None else base
                 difference = max(float(cupy.abs(a - b).max()) for a, b in zip(got, base))
-                start, end, times = cupy.cuda.Event(), cupy.cuda.Event(), []
-                for _ in range(3):
-                    call()
-                for _ in range(10):
-                    start.record()
-                    call()
-                    end.record()
-                    end.synchronize()
-                    times.append(cupy.cuda.get_elapsed_time(start, end))
-                row[name] = (round(flops / float(np.median(times)) / 1e9, 1), difference)
+                row[name] = (round(flops / median_ms(call, 10) / 1e9, 1), difference)
             rows.append(row)
             print(row, flush=True)
     finally:

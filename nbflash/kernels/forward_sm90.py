@@ -111,6 +111,7 @@ from nbflash.primitives import (
 from nbflash.primitives_sm90 import (
     SWIZZLE_128B,
     array_address,
+    cached_tensor_maps,
     elect_sync,
     fence_mbarrier_init,
     fence_operands,
@@ -250,16 +251,6 @@ class Sm90ForwardConfig:
         return (-(-seqlen_q // self.block_m), nheads, batch)
 
 
-_MAPS = {}  # (box rows, arrays' pointers, shapes, strides) -> the device maps, most recent last
-_MAPS_KEPT = 32
-_COPIES = []  # the last broadcast inputs' contiguous copies
-
-
-def _broadcast(x):
-    """x has a stride-0 dimension of more than one element (one tensor seen over several rows)."""
-    return any(s == 0 and n > 1 for n, s in zip(x.shape, x.strides))
-
-
 def _words(config, q, k, v):
     if config.dtype == FP8:  # v is V^T (batch, nheads_k, headdim, keys / 2 as uint16): headdim rows of 128 keys
         return np.stack([tensor_map_4d_words(q, (1, config.block_m, 1, CHUNK), SWIZZLE_128B),
@@ -272,29 +263,10 @@ def _words(config, q, k, v):
 def tensor_maps(config, q, k, v):
     """The kernel's ``maps``: the tensor maps of q, k, v (rows of 16-bit values) as a (3, 16) uint64
     array on the backend, with the boxes the kernel loads (block_m or block_n rows of 64 columns,
-    swizzled as wgmma reads them). On a GPU the last few are kept: a model calls attention on the
-    same buffers again and again, and a map costs a driver call and a copy to the device. A
-    broadcast input (a stride 0, which a tensor map cannot hold) is copied for the call, its map
-    not kept, the copy held for the last few calls (CuPy's pool reuses memory in stream order)."""
-    if SIMULATOR:
-        return _words(config, q, k, v)
-    from nbflash import runtime
-
-    cupy = runtime.cupy()
-    if any(_broadcast(x) for x in (q, k, v)):
-        q, k, v = (cupy.ascontiguousarray(x) if _broadcast(x) else x for x in (q, k, v))
-        _COPIES.append((q, k, v))  # held past the launch (the maps name their memory)
-        del _COPIES[:-_MAPS_KEPT]
-        return cupy.asarray(_words(config, q, k, v))
-    key = (config.block_m, config.block_n, config.headdim_padded if config.dtype == FP8 else 0,
-           *((x.data.ptr, x.shape, x.strides) for x in (q, k, v)))
-    maps = _MAPS.pop(key, None)
-    if maps is None:
-        maps = cupy.asarray(_words(config, q, k, v))
-        while len(_MAPS) >= _MAPS_KEPT:
-            del _MAPS[next(iter(_MAPS))]
-    _MAPS[key] = maps
-    return maps
+    swizzled as wgmma reads them); kept for the last few calls, a broadcast input copied first
+    (primitives_sm90.cached_tensor_maps)."""
+    key = (config.block_m, config.block_n, config.headdim_padded if config.dtype == FP8 else 0)
+    return cached_tensor_maps(key, (q, k, v), lambda *xs: _words(config, *xs))
 
 
 @lru_cache(maxsize=None)
