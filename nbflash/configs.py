@@ -341,15 +341,19 @@ MMA_BACKWARD_DQ = [
 
 
 # Hopper backward (nbflash/kernels/backward_sm90.py): (largest headdim, stages of the Q/dO ring, dQ's
-# split between the consumers); block_m 64, block_n 128 (two consumer warpgroups of 64 keys). Start
-# points, not tuned ("columns", half the atomics, is not yet measured).
+# split between the consumers); block_m 64, block_n 128 (two consumer warpgroups of 64 keys).
+# Measured on the H200 (scripts/sm90_schedules.py --backward, docs/perf-notes.md "Hopper backward"):
+# halving dQ's atomics is the large step: "columns" 1.23-1.32x "keys" at headdim 128, "steps"
+# 1.06-1.11x at headdim 64 (where "columns" cannot split one 64-column chunk); a third stage is
+# within noise with either.
 SM90_BACKWARD = [
-    (64, 2, "keys"),
-    (128, 2, "keys"),
+    (64, 2, "steps"),
+    (128, 2, "columns"),
 ]
 # The headdims at which the sm90 backward is the default on compute capability 9.0: where it was
 # measured faster than the mma family (docs/perf-notes.md, "Hopper backward": fp16 at headdims 64
-# and 128, seqlen 4k and 16k, causal and not, 1.4-1.8x the mma family, 0.93-1.08x SDPA flash).
+# and 128, seqlen 4k and 16k, causal and not, 1.4-1.8x the mma family; with dQ's atomics halved,
+# 0.98-1.20x SDPA flash).
 # Headdims 72-120 it serves are not measured yet: mma by default.
 SM90_BACKWARD_DEFAULT_HEADDIMS = (64, 128)
 # ... for these variants (measured); softcap and ALiBi run on it when "sm90" is forced (not yet run on a GPU)

@@ -4,10 +4,11 @@
     python scripts/sm90_schedules.py
     python scripts/sm90_schedules.py --backward
 
-Backward: the planned config ("base"), the serial step ("serial": no overlap of P^T with dP^T), a
+Backward: 2 stages with dQ split by keys ("base"), the serial step ("serial": no overlap of P^T with dP^T), a
 3-stage Q/dO ring ("3stages"), setmaxnreg 24 / 240 instead of 40 / 232 ("regs240"), dQ split by columns between the consumers ("columns": half the
 atomics, a barrier across both per step), and both ("3st-columns", headdim 128 only for the
-column split); each timed as a whole flash_attn_backward call (preprocess and dq conversion
+column split), the consumers taking turns by step for dQ ("steps": half the atomics at any headdim)
+with 2 and 3 stages, and the planner's choice ("planned", configs.SM90_BACKWARD); each timed as a whole flash_attn_backward call (preprocess and dq conversion
 included, the same for all), FLOPs 2.5x the forward's, its dq, dk, dv compared with the base's.
 
 For each shape (flash-attn's grid: hidden 2048, batch 16384 / seqlen): the planned config ("base"),
@@ -28,8 +29,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-SHAPES = [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True), (64, 16384, False),
-          (64, 4096, True)]  # (headdim, seqlen, causal)
+SHAPES = [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True), (64, 4096, False),
+          (64, 16384, False), (64, 4096, True), (64, 16384, True)]  # (headdim, seqlen, causal)
 
 
 def schedules(headdim, causal):
@@ -126,13 +127,17 @@ def backward_schedules(headdim, causal):
     from nbflash import configs
     from nbflash.problem import Variant
 
-    base = configs.sm90_backward_config("float16", headdim, Variant(window=causal))
+    planned = configs.sm90_backward_config("float16", headdim, Variant(window=causal))
+    base = planned.__class__(**{**planned.__dict__, "stages": 2, "dq_split": "keys"})
     found = {"base": base, "serial": base.__class__(**{**base.__dict__, "overlap": False}),
              "3stages": base.__class__(**{**base.__dict__, "stages": 3}),
              "regs240": base.__class__(**{**base.__dict__, "producer_registers": 24, "consumer_registers": 240})}
     if base.headdim_padded == 128:
         found["columns"] = base.__class__(**{**base.__dict__, "dq_split": "columns"})
         found["3st-columns"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "columns"})
+    found["steps"] = base.__class__(**{**base.__dict__, "dq_split": "steps"})
+    found["3st-steps"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps"})
+    found["planned"] = planned
     return found
 
 
@@ -144,9 +149,11 @@ def main_backward():
     from nbflash.kernels.geometry import visible_count
     from nbflash.problem import window_bounds
 
+    # Every shape's schedules from the planner, before the loop below stands in for it.
+    table = {(headdim, causal): backward_schedules(headdim, causal) for headdim, _, causal in SHAPES}
     jobs = {}
-    for headdim, _, causal in SHAPES:
-        for name, config in backward_schedules(headdim, causal).items():
+    for (headdim, causal), found in table.items():
+        for name, config in found.items():
             jobs[config] = f"hd {headdim} {'causal' if causal else 'plain'} {name}"
     with ProcessPoolExecutor(min(12, os.cpu_count())) as pool:
         for name, seconds, registers, local in pool.map(build, [(n, c) for c, n in jobs.items()]):
@@ -163,7 +170,7 @@ def main_backward():
             left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
             flops = 2.5 * 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
             row, base = {"shape": (headdim, seqlen, causal)}, None
-            for name, config in backward_schedules(headdim, causal).items():
+            for name, config in table[headdim, causal].items():
                 configs.sm90_backward_config = lambda *args, config=config: config
                 backward._kernels.cache_clear()
 
@@ -180,7 +187,7 @@ def main_backward():
     finally:
         configs.sm90_backward_config = planned
         backward._kernels.cache_clear()
-    names = list(backward_schedules(128, False))
+    names = list(table[128, False])
     print("| hd | seqlen | causal | " + " | ".join(names) + " | max difference from base |")
     print("|---|---|---|" + "---|" * (len(names) + 1))
     for row in rows:

@@ -124,6 +124,24 @@ def test_backward_sm90_dq_by_columns_small(rng, xp, sm90_backward_table):
     run_sm90(rng, xp, 1, 70, 100, 1, 1, 96, "float16", True)
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the schedules' grid below")
+@pytest.mark.parametrize("sm90_backward_table", [(2, "steps")], indirect=True, ids=["steps"])
+def test_backward_sm90_dq_by_steps_small(rng, xp, sm90_backward_table):
+    """dQ added by the consumers in turn (step parity), each over all 128 keys; causal with tails
+    over two query tiles, so each consumer adds one."""
+    assert configs.plan_backward(Static("float16", 64, True, 0, CAUSAL), False, "sm90")[1].dq_split == "steps"
+    run_sm90(rng, xp, 1, 70, 100, 1, 1, 64, "float16", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sm90_backward_table", [(2, "steps"), (3, "steps")], indirect=True, ids=["steps", "3stages-steps"])
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_dq_by_steps_gpu(rng, xp, sm90_backward_table, seqlens, causal, headdim):
+    run_sm90(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sm90_backward_table", [(3, "keys"), (2, "columns"), (3, "columns")], indirect=True,
                          ids=["3stages", "columns", "3stages-columns"])

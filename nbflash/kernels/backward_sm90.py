@@ -38,7 +38,10 @@ adds its own 64 keys' share of dQ_i (K = its 64 keys), so the two consumers neve
 other; the float32 atomics land in ``dq_accum``, which the portable convert_dq kernel scales and
 narrows, as for the mma family. With ``dq_split="columns"`` each consumer instead adds half of
 headdim's columns over all block_n keys, reading both consumers' dS^T tiles (laid side by side),
-after a barrier across both: half the atomics (not yet measured).
+after a barrier across both: half the atomics. With ``dq_split="steps"`` (any headdim) the
+consumers take turns by step parity, the one whose turn it is adding the whole dQ_i over all block_n
+keys: half the atomics too. The plan uses "columns" at headdim 128 and "steps" at 64
+(configs.SM90_BACKWARD: 21-32% and 6-11% faster than "keys" on the H200).
 
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch); block = 128 * (consumers + 1)
 threads; block_n = 64 * consumers, block_m = 64.
@@ -144,7 +147,9 @@ class Sm90BackwardConfig:
     overlap: bool = True  # P^T's exponentials run while dP^T's product is in flight
     # dQ_i's split between the consumers: "keys", each adds dS K_c for its own 64 keys and all of
     # headdim; "columns", each adds half of headdim's columns over all block_n keys (half the atomics,
-    # a barrier across both consumers per step; two consumers, headdim padded to 128)
+    # a barrier across both consumers per step; two consumers, headdim padded to 128); "steps", the
+    # consumers take turns by step parity, each adding the whole dQ_i over all block_n keys on its
+    # steps (half the atomics as well, for any headdim; two consumers)
     dq_split: str = "keys"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
@@ -161,8 +166,10 @@ class Sm90BackwardConfig:
             raise ValueError(f"{self.consumers=} must be 1 or 2")
         if self.stages < 2:
             raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
-        if self.dq_split not in ("keys", "columns"):
-            raise ValueError(f"{self.dq_split=} must be 'keys' or 'columns'")
+        if self.dq_split not in ("keys", "columns", "steps"):
+            raise ValueError(f"{self.dq_split=} must be 'keys', 'columns' or 'steps'")
+        if self.dq_split == "steps" and self.consumers != 2:
+            raise ValueError(f"dq_split='steps' takes two consumers, not {self.consumers=}")
         if self.dq_split == "columns" and (self.consumers != 2 or self.headdim_padded != 2 * CHUNK):
             raise ValueError("dq_split='columns' takes two consumers and a headdim padded to 128 (one 64-column "
                              f"chunk each), not {self.consumers=}, {self.headdim_padded=}")
@@ -241,7 +248,9 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     HD_STEPS = HDP // 16  # k16 steps over headdim (S^T, dP^T)
     Q_STEPS = BM // 16  # k16 steps over a query tile (dV, dK)
     DQ_BY_COLUMNS = config.dq_split == "columns"
-    KEY_STEPS = (BN if DQ_BY_COLUMNS else KEYS) // 16  # k16 steps of dQ: all keys, or the consumer's
+    DQ_BY_STEPS = config.dq_split == "steps"
+    DQ_ALL_KEYS = DQ_BY_COLUMNS or DQ_BY_STEPS  # dQ reads both consumers' dS^T (a barrier across both)
+    KEY_STEPS = (BN if DQ_ALL_KEYS else KEYS) // 16  # k16 steps of dQ: all keys, or the consumer's
     DQ_CHUNKS = 1 if DQ_BY_COLUMNS else CHUNKS  # 64-column chunks of dQ a consumer adds
     S_REGS, ACC_REGS, P_REGS = BM // 2, HDP // 2, BM // 4  # per thread: S^T, dK (dV), packed P^T
     DQ_REGS = CHUNK // 2  # one 64-column chunk of dQ
@@ -577,7 +586,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 # dS^T into the tile of this step's parity: the other may still be read by the last
                 # step's dQ in another warp; every warp is past that once the barrier below is passed
                 ds_tile = ds_pair + uint32((i % 2) * DS_BYTES)
-                if DQ_BY_COLUMNS:  # a parity's tiles side by side: dS^T of all block_n keys, rows in order
+                if DQ_ALL_KEYS:  # a parity's tiles side by side: dS^T of all block_n keys, rows in order
                     ds_tile = ds_tiles + uint32(((i % 2) * CONSUMERS + consumer) * DS_BYTES)
                 store_ds_t(smem, (ds_tile - smem_start) // uint32(4), ds, warp, g, q4)
                 fence_proxy_async()  # the dS^T stores are ordered before wgmma reads them
@@ -587,7 +596,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 ds_regs = fence_operands(registers_from(ds, P_REGS))
                 acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
                 acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
-                if DQ_BY_COLUMNS:
+                if DQ_ALL_KEYS:
                     named_barrier_sync(1, CONSUMERS * GROUP)  # both consumers' dS^T is stored
                 else:
                     named_barrier_sync(1 + consumer, GROUP)  # the warpgroup's dS^T is stored
@@ -597,13 +606,19 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 
                 # dQ_i += dS K_c, a 64-column chunk at a time
                 desc_ds = smem_descriptor(ds_tile, DS_BYTES, 1024, SWIZZLE_128B)  # dS: queries contiguous
-                if DQ_BY_COLUMNS:  # from the parity's first tile: all block_n keys
+                if DQ_ALL_KEYS:  # from the parity's first tile: all block_n keys
                     desc_ds = smem_descriptor(ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES), DS_BYTES, 1024,
                                               SWIZZLE_128B)
+                if DQ_BY_STEPS and i % 2 != consumer:  # the other consumer adds this step's dQ_i
+                    wgmma_wait(0)  # dV's and dK's products are done with Q_i and dO_i
+                    registers_to(dv_acc, fence_operands(acc_dv))
+                    registers_to(dk_acc, fence_operands(acc_dk))
+                    mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
+                    continue
                 for chunk in static_range(DQ_CHUNKS):
                     acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
-                    desc_kc = smem_descriptor(k_tile + uint32(chunk * KV_CHUNK_BYTES) + rows_off, KV_CHUNK_BYTES, 1024,
-                                              SWIZZLE_128B)
+                    desc_kc = smem_descriptor(k_tile + uint32(chunk * KV_CHUNK_BYTES) + (uint32(0) if DQ_BY_STEPS
+                                              else rows_off), KV_CHUNK_BYTES, 1024, SWIZZLE_128B)
                     if DQ_BY_COLUMNS:  # the consumer's chunk of headdim, every key of the tile
                         desc_kc = smem_descriptor(k_tile + uint32(consumer * KV_CHUNK_BYTES), KV_CHUNK_BYTES, 1024,
                                                   SWIZZLE_128B)
