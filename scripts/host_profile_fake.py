@@ -26,7 +26,12 @@ import sys
 import time
 from types import SimpleNamespace
 
-os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # Numba must not look for a GPU; nbflash is told it has one
+if __name__ == "__main__":
+    # Numba must not look for a GPU; nbflash is told it has one. Only when run as a script: imported
+    # (tests/test_kvcache_host.py) the process has chosen already, and setting it then would turn
+    # Numba's later compiles on a GPU machine into the simulator's (every later test in that process
+    # then fails with "'FakeCUDAKernel' object has no attribute ...").
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import numpy as np  # noqa: E402
 

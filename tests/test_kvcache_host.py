@@ -199,3 +199,18 @@ def test_two_plans_sharing_a_kernel_launch_their_own_scratch():
         plans = list(kvcache._REMEMBERED.values())
         assert len(plans) == 2 and plans[0].decode_kernel is plans[1].decode_kernel
         assert plans[0].splits != plans[1].splits
+
+
+def test_importing_the_fake_leaves_the_simulator_switch_alone():
+    """Imported (as above), host_profile_fake must not switch Numba to its simulator: on a GPU machine
+    that turned every later compile in the same test process into the simulator's."""
+    import subprocess
+
+    scripts = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts")
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); import host_profile_fake; "
+            "print(os.environ.get('NUMBA_ENABLE_CUDASIM'))")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    done = subprocess.run([sys.executable, "-c", code, scripts], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "None"
