@@ -383,8 +383,9 @@ def sm90_backward_unsupported_reason(static, deterministic, aligned):
 
 @lru_cache(maxsize=None)
 def sm90_backward_config(dtype, headdim, variant):
-    _, stages, dq_split = _row(SM90_BACKWARD, headdim)
-    return Sm90BackwardConfig(dtype=dtype, headdim=headdim, variant=variant, stages=stages, dq_split=dq_split)
+    _, stages, dq_split, *reduce = _row(SM90_BACKWARD, headdim)
+    return Sm90BackwardConfig(dtype=dtype, headdim=headdim, variant=variant, stages=stages, dq_split=dq_split,
+                              dq_reduce=reduce[0] if reduce else "red")
 
 
 def plan_backward(static, deterministic, family=None, aligned=None):

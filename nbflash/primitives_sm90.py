@@ -442,10 +442,62 @@ if SIMULATOR:
     def _tensor_map_4d_words(x, box, swizzle):
         nd = np.asarray(x)
         words = np.zeros(16, dtype=np.uint64)
-        words[:15] = [_TENSOR_MAP_4D_TAG, nd.ctypes.data, *nd.shape, *nd.strides, *box, swizzle]
+        words[:16] = [_TENSOR_MAP_4D_TAG, nd.ctypes.data, *nd.shape, *nd.strides, *box, swizzle, nd.itemsize]
         low, high = np.lib.array_utils.byte_bounds(nd)
         _p._global_ranges.register(low, high)
         return words
+
+    def _tensor_map_4d(tensor_map):
+        """The emulated 4-D map at device address ``tensor_map``: (base, shape, strides, box,
+        swizzle, itemsize)."""
+        addr = int(tensor_map)
+        if not _p._global_ranges.contains(addr, 128):
+            raise IndexError(f"tensor map address {addr:#x} is outside every array")
+        words = [int(w) for w in np.frombuffer((ctypes.c_uint8 * 128).from_address(addr), dtype=np.uint64)]
+        if words[0] != _TENSOR_MAP_4D_TAG:
+            raise ValueError("not a tensor map made by make_tensor_map_4d")
+        return words[1], words[2:6], words[6:10], words[10:14], words[14], words[15]
+
+    def _box_slices(start, box, shape):
+        """(inside the box, inside the tensor) slices of a box at ``start`` (x's order), clipped."""
+        inside, source = [], []
+        for lo, n, extent in zip(start, box, shape):
+            a, z = max(lo, 0), min(lo + n, extent)
+            inside.append(slice(a - lo, max(z, a) - lo))
+            source.append(slice(a, max(z, a)))
+        return tuple(inside), tuple(source)
+
+    def tma_reduce_add_4d(tensor_map, c0, c1, c2, c3, src):
+        """cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [map, {c0, c1, c2,
+        c3}], [src]: add the box image at shared address ``src`` (laid out, and swizzled, as
+        tma_load_4d leaves a box) element by element into the float32 array of the map
+        (make_tensor_map_4d of a float32 array) at x[c3, c2, c1, c0], c0 innermost (a multiple of 4
+        elements: 16 bytes); elements outside the array are not added. Each element's addition is
+        atomic (other blocks may add to the same elements), their order unspecified. Asynchronous,
+        in this thread's bulk group, as tma_store_2d: tma_store_commit closes the group,
+        tma_store_wait(n) waits for its reads of shared memory. Write the tile with ordinary stores,
+        then fence_proxy_async and a barrier, then one thread issues. Emulation: an immediate
+        addition."""
+        base, shape, strides, box, swizzle, itemsize = _tensor_map_4d(tensor_map)
+        if itemsize != 4:
+            raise NotImplementedError("the TMA reduce-add emulation takes maps of float32 arrays")
+        if (4 * int(np.int32(c0))) % 16:
+            raise ValueError(f"TMA innermost coordinate c0 = {int(c0)} is not 16-byte aligned (a multiple "
+                             "of 4 32-bit elements)")
+        nbytes = int(np.prod(box)) * 4
+        image = np.frombuffer(_p._shared_bytes(src, nbytes), dtype=np.uint8).reshape(-1, 16)
+        if swizzle == SWIZZLE_128B:
+            if box[3] * 4 != 128:
+                raise NotImplementedError("the 128B swizzle emulation takes boxes of 128-byte rows")
+            image = image[_chunk_order(image.shape[0] // 8, swizzle)]
+        elif swizzle != SWIZZLE_NONE:
+            raise NotImplementedError("TMA emulation: swizzle none or 128B")
+        values = image.reshape(-1).view(np.float32).reshape(box)
+        span = sum((n - 1) * st for n, st in zip(shape, strides)) + 4
+        flat = np.frombuffer((ctypes.c_uint8 * span).from_address(base), dtype=np.float32)
+        tensor = np.lib.stride_tricks.as_strided(flat, shape, strides)
+        inside, target = _box_slices([int(np.int32(c)) for c in (c3, c2, c1, c0)], box, shape)
+        tensor[target] += values[inside]
 
     def tma_load_4d(dst, tensor_map, c0, c1, c2, c3, bar):
         """cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes
@@ -455,13 +507,9 @@ if SIMULATOR:
         innermost, zero where it leaves the array; with SWIZZLE_128B its innermost extent is 128
         bytes and each 128-byte row of the image is swizzled as in tma_load_2d. Emulation: an
         immediate copy, then the complete_tx."""
-        addr = int(tensor_map)
-        if not _p._global_ranges.contains(addr, 128):
-            raise IndexError(f"tensor map address {addr:#x} is outside every array")
-        words = [int(w) for w in np.frombuffer((ctypes.c_uint8 * 128).from_address(addr), dtype=np.uint64)]
-        if words[0] != _TENSOR_MAP_4D_TAG:
-            raise ValueError("not a tensor map made by make_tensor_map_4d")
-        base, shape, strides, box, swizzle = words[1], words[2:6], words[6:10], words[10:14], words[14]
+        base, shape, strides, box, swizzle, itemsize = _tensor_map_4d(tensor_map)
+        if itemsize != 2:
+            raise NotImplementedError("the TMA load emulation takes maps of 16-bit elements")
         if (2 * int(np.int32(c0))) % 16:
             raise ValueError(f"TMA innermost coordinate c0 = {int(c0)} is not 16-byte aligned (a multiple "
                              "of 8 16-bit elements)")
@@ -470,14 +518,9 @@ if SIMULATOR:
         span = sum((n - 1) * s for n, s in zip(shape, strides)) + 2
         flat = np.frombuffer((ctypes.c_uint8 * span).from_address(base), dtype=np.uint16)
         tensor = np.lib.stride_tricks.as_strided(flat, shape, strides)
-        start = [int(np.int32(c)) for c in (c3, c2, c1, c0)]
         image = np.zeros(box, dtype=np.uint16)
-        inside, source = [], []
-        for lo, n, extent in zip(start, box, shape):
-            a, z = max(lo, 0), min(lo + n, extent)
-            inside.append(slice(a - lo, max(z, a) - lo))
-            source.append(slice(a, max(z, a)))
-        image[tuple(inside)] = tensor[tuple(source)]
+        inside, source = _box_slices([int(np.int32(c)) for c in (c3, c2, c1, c0)], box, shape)
+        image[inside] = tensor[source]
         out = np.frombuffer(_p._shared_bytes(dst, image.nbytes), dtype=np.uint8)
         if swizzle == SWIZZLE_128B:
             rows = image.size // 64
@@ -838,6 +881,9 @@ else:
                        (u32, i64, types.int32, types.int32, types.int32, types.int32, u32))
     tma_store_2d = _ptx("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [$0, {$1, $2}], [$3];",
                         (i64, types.int32, types.int32, u32))
+    tma_reduce_add_4d = _ptx("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group "
+                             "[$0, {$1, $2, $3, $4}], [$5];",
+                             (i64, types.int32, types.int32, types.int32, types.int32, u32))
     tma_store_commit = _ptx("cp.async.bulk.commit_group;")
     tma_store_wait = _ptx_literal("cp.async.bulk.wait_group.read {};", _check_pending)
 
@@ -877,9 +923,12 @@ else:
 
         modes = {SWIZZLE_NONE: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
                  SWIZZLE_128B: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B}
-        # The driver lists dimensions innermost first: the array's order reversed.
+        # The driver lists dimensions innermost first: the array's order reversed. 16-bit elements
+        # as UINT16 (loads copy bits); float32 as FLOAT32 (what a reduce-add needs to add floats).
+        data_type = (driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16 if x.dtype.itemsize == 2
+                     else driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32)
         err, tensor_map = driver.cuTensorMapEncodeTiled(
-            driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, x.data.ptr,
+            data_type, 4, x.data.ptr,
             [driver.cuuint64_t(n) for n in reversed(x.shape)],
             [driver.cuuint64_t(s) for s in reversed(x.strides[:3])],
             [driver.cuuint32_t(n) for n in reversed(box)], [driver.cuuint32_t(1)] * 4,
@@ -1075,20 +1124,22 @@ def make_tensor_map_2d(x, box_rows, box_cols, swizzle=SWIZZLE_NONE):
 
 
 def tensor_map_4d_words(x, box, swizzle=SWIZZLE_NONE):
-    """Host side of tma_load_4d: the 16 words (a NumPy uint64[16]) of the tensor map of the 4-D array
-    ``x`` of 16-bit elements (last dimension contiguous, the other strides multiples of 16 bytes,
-    the data 16-byte aligned) for boxes of ``box`` elements, given in x's order (each at most 256;
-    the last x 2 bytes at most 128 with SWIZZLE_128B). The words must reach device memory (a CuPy
-    array, see make_tensor_map_4d) before a kernel reads them; the map names ``x``'s memory, so
-    ``x`` must outlive its use. On a GPU they are the driver's CUtensorMap; the simulator's are its
-    own."""
-    if x.ndim != 4 or x.dtype.itemsize != 2:
-        raise ValueError(f"tensor_map_4d_words takes a 4-D array of 16-bit elements, not {x.dtype} {x.shape}")
-    if x.strides[3] != 2 or any(s % 16 for s in x.strides[:3]):
+    """Host side of tma_load_4d (and of tma_reduce_add_4d): the 16 words (a NumPy uint64[16]) of the
+    tensor map of the 4-D array ``x`` of 16-bit elements, or float32 ones for a reduce-add (last
+    dimension contiguous, the other strides multiples of 16 bytes, the data 16-byte aligned) for
+    boxes of ``box`` elements, given in x's order (each at most 256; the last at most 128 bytes
+    with SWIZZLE_128B). The words must reach device memory (a CuPy array, see make_tensor_map_4d)
+    before a kernel reads them; the map names ``x``'s memory, so ``x`` must outlive its use. On a
+    GPU they are the driver's CUtensorMap; the simulator's are its own."""
+    if x.ndim != 4 or not (x.dtype.itemsize == 2 or x.dtype == np.float32):
+        raise ValueError(f"tensor_map_4d_words takes a 4-D array of 16-bit elements or float32, not {x.dtype} "
+                         f"{x.shape}")
+    item = x.dtype.itemsize
+    if x.strides[3] != item or any(s % 16 for s in x.strides[:3]):
         raise ValueError(f"{x.strides=}: the last dimension contiguous, the others multiples of 16 bytes")
-    if len(box) != 4 or not all(1 <= n <= 256 for n in box) or (box[3] * 2) % 16:
+    if len(box) != 4 or not all(1 <= n <= 256 for n in box) or (box[3] * item) % 16:
         raise ValueError(f"{box=}: four extents of at most 256, the last a multiple of 16 bytes")
-    if swizzle == SWIZZLE_128B and box[3] * 2 > 128:
+    if swizzle == SWIZZLE_128B and box[3] * item > 128:
         raise ValueError(f"{box=}: the 128B swizzle takes innermost extents of at most 128 bytes")
     return _tensor_map_4d_words(x, tuple(int(n) for n in box), swizzle)
 

@@ -48,6 +48,8 @@ EXPECTED = {
     "tma_store_2d": ["cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group",
                      "cp.async.bulk.wait_group.read 0"],
     "tma_store_corner": ["cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group"],
+    "tma_reduce_add_4d": ["cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group",
+                          "cp.async.bulk.commit_group", "cp.async.bulk.wait_group.read 0"],
     "tma_load_2d": ["cp.async.bulk.tensor.2d.shared::cluster.global.tile", "fence.proxy.tensormap::generic.acquire"],
     "wgmma": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "wgmma.commit_group.sync.aligned",
               "wgmma.wait_group.sync.aligned 0"],

@@ -8,7 +8,8 @@ Backward: 2 stages with dQ split by keys ("base"), the serial step ("serial": no
 3-stage Q/dO ring ("3stages"), setmaxnreg 24 / 240 instead of 40 / 232 ("regs240"), dQ split by columns between the consumers ("columns": half the
 atomics, a barrier across both per step), and both ("3st-columns", headdim 128 only for the
 column split), the consumers taking turns by step for dQ ("steps": half the atomics at any headdim)
-with 2 and 3 stages, and the planner's choice ("planned", configs.SM90_BACKWARD); each timed as a whole flash_attn_backward call (preprocess and dq conversion
+with 2 and 3 stages, each split with dQ added by TMA reduce-adds from shared memory ("-tma"),
+and the planner's choice ("planned", configs.SM90_BACKWARD); each timed as a whole flash_attn_backward call (preprocess and dq conversion
 included, the same for all), FLOPs 2.5x the forward's, its dq, dk, dv compared with the base's.
 
 For each shape (flash-attn's grid: hidden 2048, batch 16384 / seqlen): the planned config ("base"),
@@ -137,6 +138,9 @@ def backward_schedules(headdim, causal):
         found["3st-columns"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "columns"})
     found["steps"] = base.__class__(**{**base.__dict__, "dq_split": "steps"})
     found["3st-steps"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps"})
+    if base.headdim_padded == 128:
+        found["columns-tma"] = base.__class__(**{**base.__dict__, "dq_split": "columns", "dq_reduce": "tma"})
+    found["steps-tma"] = base.__class__(**{**base.__dict__, "dq_split": "steps", "dq_reduce": "tma"})
     found["planned"] = planned
     return found
 

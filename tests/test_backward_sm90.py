@@ -105,9 +105,9 @@ def test_backward_sm90_deterministic_small(rng, xp):
 
 @pytest.fixture
 def sm90_backward_table(request, monkeypatch):
-    """Plan the sm90 backward with the (stages, dq_split) given as the test's parameter."""
-    stages, dq_split = request.param
-    monkeypatch.setattr(configs, "SM90_BACKWARD", [(128, stages, dq_split)])
+    """Plan the sm90 backward with the (stages, dq_split[, dq_reduce]) given as the test's parameter."""
+    stages, dq_split, *reduce = request.param
+    monkeypatch.setattr(configs, "SM90_BACKWARD", [(128, stages, dq_split, *reduce)])
     configs.sm90_backward_config.cache_clear()
     backward._kernels.cache_clear()
     yield
@@ -131,6 +131,32 @@ def test_backward_sm90_dq_by_steps_small(rng, xp, sm90_backward_table):
     over two query tiles, so each consumer adds one."""
     assert configs.plan_backward(Static("float16", 64, True, 0, CAUSAL), False, "sm90")[1].dq_split == "steps"
     run_sm90(rng, xp, 1, 70, 100, 1, 1, 64, "float16", True)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+@pytest.mark.parametrize("sm90_backward_table", [(2, "columns", "tma"), (2, "steps", "tma")], indirect=True,
+                         ids=["columns-tma", "steps-tma"])
+def test_backward_sm90_dq_by_tma_small(rng, xp, sm90_backward_table):
+    """dQ_i staged in shared memory (the 128B swizzle of float32 boxes) and added into dq_accum by
+    TMA reduce-adds: causal with tails over two query tiles; by columns at headdim 96 (the second
+    consumer's last box wholly past headdim, not issued), by steps at 64 with GQA."""
+    split = configs.SM90_BACKWARD[0][2]
+    headdim, nheads = (96, 1) if split == "columns" else (64, 2)
+    planned = configs.plan_backward(Static("float16", headdim, True, 0, CAUSAL), False, "sm90")[1]
+    assert (planned.dq_split, planned.dq_reduce) == (split, "tma")
+    run_sm90(rng, xp, 1, 70, 100, nheads, 1, headdim, "float16", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sm90_backward_table", [(2, "columns", "tma"), (2, "steps", "tma")], indirect=True,
+                         ids=["columns-tma", "steps-tma"])
+@pytest.mark.parametrize("headdim", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_dq_by_tma_gpu(rng, xp, sm90_backward_table, seqlens, causal, headdim):
+    if configs.SM90_BACKWARD[0][2] == "columns" and headdim == 64:
+        pytest.skip("the column split takes headdims padded to 128")
+    run_sm90(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
 
 
 @pytest.mark.gpu

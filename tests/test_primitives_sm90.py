@@ -735,6 +735,66 @@ def check_tma_store(swizzle, xp, rng):
     np.testing.assert_array_equal(got, expected[:100, :136])
 
 
+RED_ROWS, RED_COLS = 64, 32  # a float32 box of 128-byte rows: what the 128B swizzle takes
+RED_ELEMS = RED_ROWS * RED_COLS
+
+
+@cuda.jit
+def _tma_reduce_kernel(tensor_map, corners, boxes):
+    # For each corner (c0 headdim, c1 head, c2 row, c3 batch): the block writes a float32 box image
+    # (swizzled as a TMA load leaves one) with ordinary stores, then thread 0 adds it into the
+    # tensor by TMA and waits until the tile has been read.
+    t = cuda.threadIdx.x
+    tile = cuda.shared.array(RED_ELEMS, float32, alignment=TILE_ALIGNMENT)
+    tmap = H.array_address(tensor_map)
+    if t == 0:
+        H.fence_proxy_tensormap_acquire(tmap)
+    for p in range(corners.shape[0]):
+        for i in range(t, RED_ELEMS, 64):
+            tile[i] = boxes[p, i]
+        H.fence_proxy_async()
+        cuda.syncthreads()
+        if t == 0:
+            H.tma_reduce_add_4d(tmap, corners[p, 0], corners[p, 1], corners[p, 2], corners[p, 3],
+                                P.shared_address(tile))
+            H.tma_store_commit()
+            H.tma_store_wait(0)
+        cuda.syncthreads()
+
+
+def _swizzled_f32(box):
+    """The 128B-swizzled image of a (rows, 32) float32 box: 16-byte chunk j of row r at j ^ (r % 8)."""
+    rows = box.shape[0]
+    chunks = np.ascontiguousarray(box, dtype=np.float32).view(np.uint8).reshape(rows, 8, 16)
+    image = np.empty_like(chunks)
+    for r in range(rows):
+        image[r, np.arange(8) ^ (r % 8)] = chunks[r]
+    return image.reshape(-1).view(np.float32)
+
+
+def check_tma_reduce(xp, rng):
+    # Boxes added into a (2, 100, 3, 72) float32 tensor (batch, rows, heads, headdim) holding random
+    # values: two overlapping ones (their sums add), one partly past the rows and the headdim's
+    # end (the outside is dropped), one before row 0; c0 multiples of 4 elements (16 bytes).
+    x = rng.standard_normal((2, 100, 3, 72)).astype(np.float32)
+    corners = np.asarray([(0, 1, 0, 0), (0, 1, 32, 0), (64, 2, 80, 1), (32, 0, -16, 1)], dtype=np.int32)
+    boxes = rng.standard_normal((len(corners), RED_ROWS, RED_COLS)).astype(np.float32)
+    images = np.stack([_swizzled_f32(b) for b in boxes])
+    x_dev = xp.asarray(x.copy())  # the simulator's array is x itself otherwise
+    tensor_map = H.make_tensor_map_4d(x_dev, (1, RED_ROWS, 1, RED_COLS), H.SWIZZLE_128B)
+    _tma_reduce_kernel[1, 64](tensor_map, xp.asarray(corners), xp.asarray(images))
+    got = x_dev.get() if hasattr(x_dev, "get") else x_dev
+    expected = np.zeros((2, 100 + 2 * RED_ROWS, 3, 72 + RED_COLS), np.float64)
+    expected[:, RED_ROWS:RED_ROWS + 100, :, :72] = x
+    for (c0, c1, c2, c3), box in zip(corners, boxes):
+        expected[c3, RED_ROWS + c2:RED_ROWS + c2 + RED_ROWS, c1, c0:c0 + RED_COLS] += box
+    np.testing.assert_allclose(got, expected[:, RED_ROWS:RED_ROWS + 100, :, :72], rtol=1e-6, atol=1e-6)
+
+
+def test_tma_reduce_add_4d(xp, rng):
+    check_tma_reduce(xp, rng)
+
+
 @pytest.mark.parametrize("swizzle", [H.SWIZZLE_NONE, H.SWIZZLE_128B], ids=["none", "128b"])
 def test_tma_2d(swizzle, xp, rng):
     check_tma(swizzle, xp, rng)
@@ -777,6 +837,7 @@ def test_sm90_intrinsics_on_gpu(xp):
         for swizzle in (H.SWIZZLE_NONE, H.SWIZZLE_128B):
             check_tma(swizzle, xp, rng)
             check_tma_store(swizzle, xp, rng)
+        check_tma_reduce(xp, rng)
 
 
 # --- Offline: every kernel above compiles for sm_90a and assembles (scripts/check_sm90_ptx.py) --------
@@ -840,6 +901,8 @@ def offline_kernels():
         ("tma_store_2d", _tma_store_kernel, (types.Array(types.uint64, 1, "C"), types.Array(types.int32, 2, "C"),
                                              types.Array(types.uint16, 2, "C")), {}),
         ("tma_store_corner", _tma_corner_kernel, (types.Array(types.uint64, 1, "C"), types.int32), {}),
+        ("tma_reduce_add_4d", _tma_reduce_kernel, (types.Array(types.uint64, 1, "C"), types.Array(types.int32, 2, "C"),
+                                                   f32_2d), {}),
     ]
     for case in WGMMA_CASES:
         kernel = _make_wgmma_kernel(*case[:4])

@@ -113,6 +113,9 @@ from nbflash.primitives_sm90 import (
     smem_descriptor,
     tensor_map_4d_words,
     tma_load_4d,
+    tma_reduce_add_4d,
+    tma_store_commit,
+    tma_store_wait,
     wgmma_commit,
     wgmma_fence,
     wgmma_wait,
@@ -125,6 +128,8 @@ from .tiles import output_store
 
 LOG2E = math.log2(math.e)
 KEYS = 64  # keys per consumer warpgroup: the M of its wgmmas
+MAX_SHARED_BYTES = 232448  # dynamic shared memory a block may have on compute capability 9.0
+DQ_BOX_COLS = 32  # float32 columns of a dQ box for the TMA reduce-add: 128-byte rows
 MAX_HEADDIM = 128
 # The plain kernel and the window (causal), each with or without softcap and ALiBi (the tensor-core
 # score point, as in the mma backward).
@@ -151,6 +156,11 @@ class Sm90BackwardConfig:
     # consumers take turns by step parity, each adding the whole dQ_i over all block_n keys on its
     # steps (half the atomics as well, for any headdim; two consumers)
     dq_split: str = "keys"
+    # How dQ_i reaches dq_accum: "red", each thread's float32 pairs by red.global.add.v2; "tma", the
+    # consumer's tile through shared memory by TMA reduce-adds (one thread issues, the async proxy
+    # adds: no reductions from the threads, so no memory fence waits on them). "tma" takes a split
+    # over all keys ("columns" or "steps").
+    dq_reduce: str = "red"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
     block_m = 64  # query rows per step: the N of S^T = K Q^T, and the 128-byte row of dS^T
@@ -168,6 +178,13 @@ class Sm90BackwardConfig:
             raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
         if self.dq_split not in ("keys", "columns", "steps"):
             raise ValueError(f"{self.dq_split=} must be 'keys', 'columns' or 'steps'")
+        if self.dq_reduce not in ("red", "tma"):
+            raise ValueError(f"{self.dq_reduce=} must be 'red' or 'tma'")
+        if self.dq_reduce == "tma" and self.dq_split not in ("columns", "steps"):
+            raise ValueError(f"dq_reduce='tma' takes dq_split 'columns' or 'steps', not {self.dq_split!r}")
+        if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
+            raise ValueError(f"{self.dynamic_shared_bytes} bytes of shared memory exceed a block's "
+                             f"{MAX_SHARED_BYTES}: fewer stages, or dq_reduce='red'")
         if self.dq_split == "steps" and self.consumers != 2:
             raise ValueError(f"dq_split='steps' takes two consumers, not {self.consumers=}")
         if self.dq_split == "columns" and (self.consumers != 2 or self.headdim_padded != 2 * CHUNK):
@@ -202,6 +219,17 @@ class Sm90BackwardConfig:
         return KEYS * self.block_m * 2
 
     @property
+    def dq_stage_bytes(self):
+        """Bytes of one consumer's dQ staging tiles for dq_reduce="tma": its dQ_i columns (one
+        64-column chunk with "columns", all of headdim with "steps") in float32, as boxes of 64 rows
+        x 32 columns (128-byte rows, the 128B swizzle); two of them with "columns" (a consumer adds
+        every step, so its last step's tile may still be read), one with "steps" (every other step)."""
+        if self.dq_reduce != "tma":
+            return 0
+        chunks = 1 if self.dq_split == "columns" else self.headdim_padded // CHUNK
+        return (2 if self.dq_split == "columns" else 1) * chunks * self.block_m * CHUNK * 4
+
+    @property
     def stats_bytes(self):
         """Bytes of one slot's lse_log2 and D."""
         return 2 * self.block_m * 4
@@ -210,7 +238,7 @@ class Sm90BackwardConfig:
     def dynamic_shared_bytes(self):
         """The tiles, the stats, 1 + 2 stages mbarriers, and 1024 bytes of slack to align the tiles."""
         return (1024 + 2 * self.kv_bytes + 2 * self.stages * self.q_bytes + 2 * self.consumers * self.ds_bytes
-                + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages))
+                + self.consumers * self.dq_stage_bytes + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages))
 
     @property
     def launch_bounds(self):
@@ -222,19 +250,24 @@ class Sm90BackwardConfig:
         return (-(-seqlen_k // self.block_n), nheads_k, batch)
 
 
-def _words(config, q, k, v, dout):
-    return np.stack([tensor_map_4d_words(x, (1, rows, 1, CHUNK), SWIZZLE_128B)
-                     for x, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n),
-                                     (dout, config.block_m))])
+def _words(config, q, k, v, dout, dq_accum=None):
+    words = [tensor_map_4d_words(x, (1, rows, 1, CHUNK), SWIZZLE_128B)
+             for x, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n), (dout, config.block_m))]
+    if dq_accum is not None:
+        words.append(tensor_map_4d_words(dq_accum, (1, config.block_m, 1, DQ_BOX_COLS), SWIZZLE_128B))
+    return np.stack(words)
 
 
-def tensor_maps(config, q, k, v, dout):
+def tensor_maps(config, q, k, v, dout, dq_accum=None):
     """The kernel's ``maps``: the tensor maps of q, k, v, dout as a (4, 16) uint64 array on the
     backend, with the boxes the kernel loads (block_m rows of q and dout, block_n of k and v, 64
-    columns, swizzled as wgmma reads them), kept for the last few calls as the forward's. Any
-    backward config with those two attributes: this kernel's and the deterministic dQ kernel's."""
-    key = (type(config).__name__, config.block_m, config.block_n)
-    return cached_tensor_maps(key, (q, k, v, dout), lambda *xs: _words(config, *xs))
+    columns, swizzled as wgmma reads them), and with dq_reduce="tma" a fifth, of dq_accum (boxes
+    of block_m rows x 32 float32 columns), kept for the last few calls as the forward's. Any
+    backward config with block_m and block_n: this kernel's and the deterministic dQ kernel's."""
+    dq_accum = dq_accum if getattr(config, "dq_reduce", "red") == "tma" else None
+    key = (type(config).__name__, config.block_m, config.block_n, dq_accum is not None)
+    arrays = (q, k, v, dout) if dq_accum is None else (q, k, v, dout, dq_accum)
+    return cached_tensor_maps(key, arrays, lambda *xs: _words(config, *xs))
 
 
 @lru_cache(maxsize=None)
@@ -252,6 +285,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     DQ_ALL_KEYS = DQ_BY_COLUMNS or DQ_BY_STEPS  # dQ reads both consumers' dS^T (a barrier across both)
     KEY_STEPS = (BN if DQ_ALL_KEYS else KEYS) // 16  # k16 steps of dQ: all keys, or the consumer's
     DQ_CHUNKS = 1 if DQ_BY_COLUMNS else CHUNKS  # 64-column chunks of dQ a consumer adds
+    DQ_TMA = config.dq_reduce == "tma"  # dQ_i staged in shared memory, added by TMA
+    DQ_STAGE_BYTES = config.dq_stage_bytes  # a consumer's staging tiles
+    DQ_BUFFERS = 2 if DQ_BY_COLUMNS else 1  # ... in how many buffers
+    DQ_PENDING = DQ_BUFFERS - 1  # reduce-add groups that may still read staging when one is rewritten
+    DQ_BOX_BYTES = BM * DQ_BOX_COLS * 4
     S_REGS, ACC_REGS, P_REGS = BM // 2, HDP // 2, BM // 4  # per thread: S^T, dK (dV), packed P^T
     DQ_REGS = CHUNK // 2  # one 64-column chunk of dQ
     NT = BM // 8  # 8-column groups of S^T (queries)
@@ -394,6 +432,22 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 
     @inline_device
     @unroll
+    def stage_dq(smem, stage_word, acc, warp, g, q4):
+        """The thread's share of a 64 x 64 dQ chunk (rows 16 warp + g and + 8, columns 8 c + 2 q4,
+        + 1) into two staging boxes of 32 float32 columns (``stage_word``: their smem index): rows of
+        128 bytes, 16-byte chunk j of row r stored at j ^ (r % 8) (the 128B swizzle, as TMA reads
+        it; r % 8 = g). A warp's stores of one c then fill all 32 banks twice: no conflicts."""
+        for c in static_range(CHUNK // 8):
+            box = stage_word + (c // 4) * (DQ_BOX_BYTES // 4)
+            chunk = 2 * (c % 4) + (q4 >> 1)
+            for rh in static_range(2):
+                row = 16 * warp + g + 8 * rh
+                word = box + row * (ROW_BYTES // 4) + ((chunk ^ g) * 4) + 2 * (q4 & 1)
+                smem[word] = f32_as_u32(acc[4 * c + 2 * rh])
+                smem[word + 1] = f32_as_u32(acc[4 * c + 2 * rh + 1])
+
+    @inline_device
+    @unroll
     def store_rows(dst, acc, b, row0, h, seqlen, scale, q4):
         """dst[b, row0 + (0, 8), h, :] = acc * scale, for rows inside the sequence."""
         for rh in static_range(2):
@@ -430,7 +484,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         q_ring = v_tile + uint32(KV_BYTES)
         do_ring = q_ring + uint32(STAGES * Q_BYTES)
         ds_tiles = do_ring + uint32(STAGES * Q_BYTES)
-        stats_ring = ds_tiles + uint32(2 * CONSUMERS * DS_BYTES)
+        dq_stage = ds_tiles + uint32(2 * CONSUMERS * DS_BYTES)  # dq_reduce="tma": the consumers' dQ tiles
+        stats_ring = dq_stage + uint32(CONSUMERS * DQ_STAGE_BYTES)
         kv_full = stats_ring + uint32(STAGES * STATS_BYTES)
         qd_full = kv_full + uint32(8)  # + 8 * slot
         qd_empty = qd_full + uint32(8 * STAGES)
@@ -543,6 +598,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             for r in static_range(DQ_REGS):
                 dq_acc[r] = float32(0)
 
+            # dq_reduce="tma": dq_accum's map (the fifth), read by the consumer's thread 0, which issues
+            # its reduce-adds (recomputed where used: nothing more held across the loop)
+            if DQ_TMA and tid % GROUP == 0:
+                fence_proxy_tensormap_acquire(array_address(maps) + 512)  # the map was copied from the host
+
             if steps > 0:
                 mbarrier_wait(kv_full, 0)
             for i in range(steps):
@@ -596,6 +656,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 ds_regs = fence_operands(registers_from(ds, P_REGS))
                 acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
                 acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
+                if DQ_TMA and tid % GROUP == 0:  # the staging buffer this step writes has been read by its last add
+                    tma_store_wait(DQ_PENDING)
                 if DQ_ALL_KEYS:
                     named_barrier_sync(1, CONSUMERS * GROUP)  # both consumers' dS^T is stored
                 else:
@@ -629,14 +691,33 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                         registers_to(dv_acc, fence_operands(acc_dv))
                         registers_to(dk_acc, fence_operands(acc_dk))
                         mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
-                    if DQ_BY_COLUMNS:  # the chunk a constant in each copy (a run-time one spilled 208 bytes)
+                    if DQ_TMA:  # staged, for the reduce-adds below
+                        stage_dq(smem, (dq_stage - smem_start) // uint32(4) + uint32(
+                            ((consumer * DQ_BUFFERS + i % DQ_BUFFERS) * DQ_CHUNKS + chunk) * (2 * DQ_BOX_BYTES // 4)),
+                            dq_acc, warp, g, q4)
+                    elif DQ_BY_COLUMNS:  # the chunk a constant in each copy (a run-time one spilled 208 bytes)
                         if consumer == 0:
                             add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, 0, seqlen_q, q4)
                         else:
                             add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, CHUNK, seqlen_q, q4)
                     else:
                         add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, chunk * CHUNK, seqlen_q, q4)
+                if DQ_TMA:  # the warpgroup's dQ_i tile is staged: one thread adds it by TMA
+                    fence_proxy_async()  # the staging stores are ordered before the async proxy reads them
+                    named_barrier_sync(2 + consumer, GROUP)
+                    if tid % GROUP == 0:
+                        dq_map = array_address(maps) + 512
+                        buffer = dq_stage + uint32((consumer * DQ_BUFFERS + i % DQ_BUFFERS) * DQ_CHUNKS * 2 * DQ_BOX_BYTES)
+                        for chunk in static_range(DQ_CHUNKS):
+                            col0 = consumer * CHUNK if DQ_BY_COLUMNS else chunk * CHUNK
+                            for half in static_range(2):
+                                if col0 + half * DQ_BOX_COLS < HD:  # a box wholly past headdim adds nothing
+                                    tma_reduce_add_4d(dq_map, col0 + half * DQ_BOX_COLS, h, q_start, b,
+                                                      buffer + uint32((2 * chunk + half) * DQ_BOX_BYTES))
+                        tma_store_commit()
 
+            if DQ_TMA and tid % GROUP == 0:
+                tma_store_wait(0)  # the staging tiles are read before the block's shared memory goes
             # ---- Write dK = dS^T Q * scale and dV (keys no query sees get 0) ----
             store_rows(dk, dk_acc, b, key_row0, hk, seqlen_k, scale, q4)
             store_rows(dv, dv_acc, b, key_row0, hk, seqlen_k, float32(1), q4)
