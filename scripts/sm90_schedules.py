@@ -9,7 +9,8 @@ Backward: 2 stages with dQ split by keys ("base"), the serial step ("serial": no
 atomics, a barrier across both per step), and both ("3st-columns", headdim 128 only for the
 column split), the consumers taking turns by step for dQ ("steps": half the atomics at any headdim)
 with 2 and 3 stages, each split with dQ added by TMA reduce-adds from shared memory ("-tma"),
-and the planner's choice ("planned", configs.SM90_BACKWARD); each timed as a whole flash_attn_backward call (preprocess and dq conversion
+the planner's choice with the grid's key tiles slowest ("heavy-first": with causal attention the
+blocks with the most query tiles start first), and the planner's choice ("planned", configs.SM90_BACKWARD); each timed as a whole flash_attn_backward call (preprocess and dq conversion
 included, the same for all), FLOPs 2.5x the forward's, its dq, dk, dv compared with the base's.
 
 For each shape (flash-attn's grid: hidden 2048, batch 16384 / seqlen): the planned config ("base"),
@@ -141,6 +142,7 @@ def backward_schedules(headdim, causal):
     if base.headdim_padded == 128:
         found["columns-tma"] = base.__class__(**{**base.__dict__, "dq_split": "columns", "dq_reduce": "tma"})
     found["steps-tma"] = base.__class__(**{**base.__dict__, "dq_split": "steps", "dq_reduce": "tma"})
+    found["heavy-first"] = planned.__class__(**{**planned.__dict__, "heavy_first": True})
     found["planned"] = planned
     return found
 

@@ -9,6 +9,8 @@ capability 9.0 the grid of tests/test_backward.py runs (awkward lengths, GQA, bo
 headdims 64-128), plus the plan's fallbacks and an agreement check with the mma family.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -145,6 +147,32 @@ def test_backward_sm90_dq_by_tma_small(rng, xp, sm90_backward_table):
     planned = configs.plan_backward(Static("float16", headdim, True, 0, CAUSAL), False, "sm90")[1]
     assert (planned.dq_split, planned.dq_reduce) == (split, "tma")
     run_sm90(rng, xp, 1, 70, 100, nheads, 1, headdim, "float16", True)
+
+
+@pytest.fixture
+def heavy_first(monkeypatch):
+    """Plan the sm90 backward with the grid's key tiles slowest (heavy_first)."""
+    planned = configs.sm90_backward_config
+    monkeypatch.setattr(configs, "sm90_backward_config",
+                        lambda *args: dataclasses.replace(planned(*args), heavy_first=True))
+    backward._kernels.cache_clear()
+    yield
+    backward._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the case below at size")
+def test_backward_sm90_heavy_first_small(rng, xp, heavy_first):
+    """Key tiles as the grid's slowest index (blockIdx.z): causal over two key tiles and a tail,
+    GQA (the heads in blockIdx.x)."""
+    dkdv = configs.plan_backward(Static("float16", 64, True, 0, CAUSAL), False, "sm90")[1]
+    assert dkdv.heavy_first and dkdv.grid(2, 4, 2, 70, 200) == (2, 2, 2)
+    run_sm90(rng, xp, 1, 70, 200, 2, 1, 64, "float16", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_sm90_heavy_first_gpu(rng, xp, heavy_first, causal):
+    run_sm90(rng, xp, 2, 1023, 2048, 6, 2, 128, "float16", causal)
 
 
 @pytest.mark.gpu

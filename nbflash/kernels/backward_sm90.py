@@ -43,8 +43,9 @@ consumers take turns by step parity, the one whose turn it is adding the whole d
 keys: half the atomics too. The plan uses "columns" at headdim 128 and "steps" at 64
 (configs.SM90_BACKWARD: 21-32% and 6-11% faster than "keys" on the H200).
 
-Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch); block = 128 * (consumers + 1)
-threads; block_n = 64 * consumers, block_m = 64.
+Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_first``
+(nheads_k, batch, ceil(seqlen_k / block_n)); block = 128 * (consumers + 1) threads; block_n = 64 *
+consumers, block_m = 64.
 
 Shared memory (dynamic, every tile 1024-byte aligned): K_j, V_j (block_n rows), the ring of Q_i and
 of dO_i tiles (block_m rows each), the consumers' dS^T tiles (two each, for even and odd steps: 64
@@ -161,6 +162,10 @@ class Sm90BackwardConfig:
     # adds: no reductions from the threads, so no memory fence waits on them). "tma" takes a split
     # over all keys ("columns" or "steps").
     dq_reduce: str = "red"
+    # The grid's order: False, key tiles fastest (a head's tiles side by side); True, key tiles
+    # slowest, so that with causal attention the tiles that see the most query tiles (the first)
+    # start first and the last wave holds the shortest blocks (longest-first scheduling)
+    heavy_first: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
     block_m = 64  # query rows per step: the N of S^T = K Q^T, and the 128-byte row of dS^T
@@ -247,7 +252,8 @@ class Sm90BackwardConfig:
     arch_suffix = "a"  # wgmma, TMA and setmaxnreg assemble for sm_90a only
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
-        return (-(-seqlen_k // self.block_n), nheads_k, batch)
+        tiles = -(-seqlen_k // self.block_n)
+        return (nheads_k, batch, tiles) if self.heavy_first else (tiles, nheads_k, batch)
 
 
 def _words(config, q, k, v, dout, dq_accum=None):
@@ -286,6 +292,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     KEY_STEPS = (BN if DQ_ALL_KEYS else KEYS) // 16  # k16 steps of dQ: all keys, or the consumer's
     DQ_CHUNKS = 1 if DQ_BY_COLUMNS else CHUNKS  # 64-column chunks of dQ a consumer adds
     DQ_TMA = config.dq_reduce == "tma"  # dQ_i staged in shared memory, added by TMA
+    HEAVY_FIRST = config.heavy_first
     DQ_STAGE_BYTES = config.dq_stage_bytes  # a consumer's staging tiles
     DQ_BUFFERS = 2 if DQ_BY_COLUMNS else 1  # ... in how many buffers
     DQ_PENDING = DQ_BUFFERS - 1  # reduce-add groups that may still read staging when one is rewritten
@@ -466,7 +473,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     @launch_bounded(THREADS, 1)
     @unroll
     def backward_dkdv_sm90(q, k, v, dout, lse, delta, dk, dv, dq_accum, maps, scale_log2, scale, params):
-        n_block, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        if HEAVY_FIRST:
+            hk, b, n_block = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        else:
+            n_block, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         tid = cuda.threadIdx.x
         group_id = tid // GROUP  # 0: the producer; 1 + c: consumer c
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
