@@ -4,16 +4,21 @@
     python scripts/sm90_schedules.py
     python scripts/sm90_schedules.py --backward
 
-Backward: 2 stages with dQ split by keys ("base"), the serial step ("serial": no overlap of P^T with dP^T), a
-3-stage Q/dO ring ("3stages"), setmaxnreg 24 / 240 instead of 40 / 232 ("regs240"), dQ split by columns between the consumers ("columns": half the
-atomics, a barrier across both per step), and both ("3st-columns", headdim 128 only for the
-column split), the consumers taking turns by step for dQ ("steps": half the atomics at any headdim)
-with 2 and 3 stages, each split with dQ added by TMA reduce-adds from shared memory ("-tma"),
-the planner's choice with the grid's key tiles slowest ("heavy-first": with causal attention the
-blocks with the most query tiles start first), and the planner's choice ("planned", configs.SM90_BACKWARD); each timed as a whole flash_attn_backward call (preprocess and dq conversion
-included, the same for all), FLOPs 2.5x the forward's, its dq, dk, dv compared with the base's.
+Backward, each column a schedule:
+- "base": 2 stages, dQ split by keys (each consumer adds dS K_c for its own 64 keys);
+- "serial": no overlap of P^T with dP^T; "3stages": a 3-stage Q/dO ring; "regs240": setmaxnreg
+  24 / 240 instead of 40 / 232;
+- "columns" / "3st-columns": dQ split by columns between the consumers (half the atomics, a barrier
+  across both per step; headdim 128 only), 2 and 3 stages;
+- "steps" / "3st-steps": the consumers take turns by step for dQ (half the atomics, any headdim);
+- "columns-tma", "steps-tma": those splits with dQ added by TMA reduce-adds from shared memory;
+- "heavy-first": the planner's choice with the grid's key tiles slowest (with causal attention the
+  blocks that see the most query tiles start first);
+- "planned": the planner's choice (configs.SM90_BACKWARD).
+Each is timed as a whole flash_attn_backward call (preprocess and dq conversion included, the same
+for all), FLOPs 2.5x the forward's, its dq, dk, dv compared with the base's.
 
-For each shape (flash-attn's grid: hidden 2048, batch 16384 / seqlen): the planned config ("base"),
+Forward, for each shape (flash-attn's grid: hidden 2048, batch 16384 / seqlen): the planned config ("base"),
 the overlapped loop ("overlap": S_{j+1} issued with P_j V_j), the two consumers taking turns
 ("pingpong"), and at headdim 128 key tiles of 176 ("n176", "n176-pp"). TFLOP/s from CUDA events
 around each launch (median of 15 after 3 warm-ups); each schedule's output is compared with the
