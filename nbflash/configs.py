@@ -462,12 +462,14 @@ MMA_DECODE = [
 ]
 
 @lru_cache(maxsize=None)
-def decode_config(dtype, headdim, variant, paged, rotary, rotary_interleaved, rows, positive_scale=True):
+def decode_config(dtype, headdim, variant, paged, rotary, rotary_interleaved, rows, positive_scale=True,
+                  append=False):
     """The decode kernel's configuration: ``rows`` = packed (query token, query head) rows per
     key/value head (seqlen_q * nheads / nheads_k); two 16-row tiles per block when they are more
-    than 16 and the accumulators fit (headdim <= 64)."""
+    than 16 and the accumulators fit (headdim <= 64); ``append``: the new tokens appended inside it."""
     _, block_n, num_warps, stages = _row(MMA_DECODE, headdim)
     m_tiles = 2 if rows > 16 and headdim <= 64 else 1
     return MmaDecodeConfig(dtype=dtype, headdim=headdim, variant=variant, paged=paged, rotary=rotary,
                            rotary_interleaved=rotary_interleaved if rotary else True, m_tiles=m_tiles,
-                           block_n=block_n, num_warps=num_warps, stages=stages, fold_scale=positive_scale)
+                           block_n=block_n, num_warps=num_warps, stages=stages, fold_scale=positive_scale,
+                           append=append)

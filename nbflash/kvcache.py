@@ -31,6 +31,10 @@ from .problem import UNBOUNDED, Variant, window_bounds
 
 LOG2_E = math.log2(math.e)
 MAX_SPLITS = decode_mma.MAX_SPLITS  # the decode kernel's merge holds a weight per (row, split)
+# Append the new tokens inside the decode launch where it can (_Plan.fused_append), instead of a
+# launch of the append kernel before it: one launch a decode step. Off until it has run on a GPU
+# (the simulator and the host path's tests pass with it on).
+FUSED_APPEND = False
 MIN_TILES_PER_SPLIT = 2  # a split smaller than this spends more on its prologue than on keys
 MAX_GRID_X = 2**31 - 1
 
@@ -391,7 +395,12 @@ class _Plan:
         self.stand = _stand_ins(c.device, c.dtype)
         self.options = _options(c)
         self._current_stream = None if runtime.SIMULATOR else runtime.cupy().cuda.get_current_stream
-        if c.k is not None:
+        # The append inside the decode launch (MmaDecodeConfig.append): where every new key is in
+        # some block's keys, i.e. every query row's window is unbounded on the left (the last
+        # query token then sees them all), and no leftpad (a key below it is no block's)
+        self.fused_append = (FUSED_APPEND and c.k is not None and self.decode and c.left > c.capacity
+                             and c.cache_leftpad is None and c.seqlen_q > 0)
+        if c.k is not None and not self.fused_append:
             self.append_config = AppendConfig(c.dtype, paged=c.paged, rotary=c.rotary_cos is not None,
                                               rotary_interleaved=c.interleaved)
             self.append_kernel = launch.compiled(self.append_config, c.device)
@@ -406,7 +415,8 @@ class _Plan:
 
     def _plan_decode(self, c):
         config = configs.decode_config(c.dtype, c.headdim, c.variant, c.paged, c.rotary_cos is not None,
-                                       c.interleaved, c.nheads // c.nheads_k * c.seqlen_q, c.softmax_scale > 0)
+                                       c.interleaved, c.nheads // c.nheads_k * c.seqlen_q, c.softmax_scale > 0,
+                                       append=self.fused_append)
         rows_total = c.nheads // c.nheads_k * c.seqlen_q
         row_blocks = -(-rows_total // config.q_rows)
         if c.batch * c.nheads_k > MAX_GRID_X or row_blocks > validation.MAX_GRID_YZ:
@@ -423,8 +433,8 @@ class _Plan:
         # returned), the given optional arrays and ALiBi's slopes; the split scratch and the
         # stand-ins are the same objects on every launch with a stream's layout key (scratch).
         given = (c.cache_seqlens, c.cache_batch_idx, c.cache_leftpad, c.block_table, c.rotary_cos, c.rotary_sin)
-        self.decode_varying = (0, 1, 2, 3, 4, *(8 + i for i, x in enumerate(given) if x is not None),
-                               *((14,) if c.alibi_slopes is not None else ()))
+        self.decode_varying = (0, 1, 2, 3, 4, *(8 + i for i, x in enumerate(given) if x is not None), 14, 15,
+                               *((16,) if c.alibi_slopes is not None else ()))
         self.merge_slots = c.batch * c.nheads_k * row_blocks  # the split merge's counters (one per block of rows)
         self.scale_log2 = c.softmax_scale * LOG2_E
         attributes = _param_attributes(c.variant)
@@ -480,7 +490,7 @@ class _Plan:
         table = stand["table"] if table is None else table
         if rotary_cos is None:
             rotary_cos = rotary_sin = stand["rotary"]
-        if k is not None:
+        if k is not None and not self.fused_append:
             self.append_kernel.launch(self.append_grid, (k_cache, v_cache, k, v, lengths, batch_idx, table,
                                                          rotary_cos, rotary_sin),
                                       (fixed_len, self.options), (), self.append_layout, stream,
@@ -500,7 +510,8 @@ class _Plan:
             params = (*params[:self.slopes_at], slopes, *params[self.slopes_at + 1:])
         self.decode_kernel.launch(self.decode_grid, (q, k_cache, v_cache, out, lse, o_part, lse_part, counters,
                                                      lengths, batch_idx, stand["int32"] if leftpad is None else leftpad,
-                                                     table, rotary_cos, rotary_sin),
+                                                     table, rotary_cos, rotary_sin,
+                                                     q if k is None else k, q if v is None else v),
                                   (self.scale_log2, c.seqlen_new, fixed_len, self.options), params,
                                   layout, stream, self.decode_varying)
         return out, lse

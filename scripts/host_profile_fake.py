@@ -252,7 +252,10 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=30, help="rounds; the fastest is printed (default 30)")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--top", type=int, default=15, help="cProfile rows per case (0: none)")
+    parser.add_argument("--fused-append", action="store_true",
+                        help="the append inside the decode launch (kvcache.FUSED_APPEND)")
     args = parser.parse_args(argv)
+    kvcache.FUSED_APPEND = args.fused_append
 
     print("flash_attn_with_kvcache host time, fake CuPy and driver (a CPU measurement, not a GPU's host):")
     print(f"  {'floor: 2 shapes, a stream, a no-op driver call':48s} {trivial_us(args.calls, args.rounds):7.2f} us")

@@ -188,16 +188,57 @@ def test_decode_variants_batch_idx(rng, xp):
                alibi=True, batch_idx=True, seqlen_new=1, rotary_dim=16)
 
 
+@pytest.fixture
+def fused_append(monkeypatch):
+    """The append inside the decode launch (kvcache.FUSED_APPEND), with no plan kept from before."""
+    monkeypatch.setattr(kvcache, "FUSED_APPEND", True)
+    monkeypatch.setattr(kvcache, "_last_plan", None)
+    kvcache._REMEMBERED.clear()
+    yield
+    kvcache._REMEMBERED.clear()
+
+
+def fused_plans():
+    return [plan.fused_append for plan in kvcache._REMEMBERED.values()]
+
+
+@SIM
+def test_decode_fused_append_contiguous(rng, xp, fused_append):
+    # Two new tokens appended inside the decode launch, GQA 4/2 through cache_batch_idx with
+    # interleaved rotary, causal, three splits: sequence 0's new keys 63 and 64 lie in two key
+    # tiles, so two splits' blocks each write one; an empty cache.
+    check_call(rng, xp, "float16", 3, 2, 4, 2, 16, [63, 130, 0], 150, causal=True, seqlen_new=2, rotary_dim=8,
+               batch_idx=True, num_splits=3)
+    assert fused_plans() == [True]
+
+
+@SIM
+def test_decode_fused_append_paged(rng, xp, fused_append):
+    # Pages of 3, three new tokens across pages with NeoX rotary, three query tokens, not causal;
+    # a left window is not fused (a new key may be no query row's): the append kernel runs first.
+    check_call(rng, xp, "bfloat16", 2, 3, 2, 1, 32, [40, 5], 70, seqlen_new=3, page_size=3, rotary_dim=8,
+               rotary_interleaved=False, num_splits=2)
+    assert fused_plans() == [True]
+    check_call(rng, xp, "bfloat16", 2, 3, 2, 1, 32, [40, 5], 70, causal=True, window_size=(2, 0), seqlen_new=3,
+               page_size=3, num_splits=2)
+    assert sorted(fused_plans()) == [False, True]
+
+
 @SIM
 def test_gathered_float32(rng, xp):
     # float32 goes the gathered route: pages of 1, append, interleaved rotary, not causal.
     check_call(rng, xp, "float32", 2, 2, 2, 1, 8, [6, 0], 12, seqlen_new=3, page_size=1, rotary_dim=4)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["append-kernel", "fused"])
 @pytest.mark.parametrize("page_size", [None, 4])
-def test_device_lengths_overflow_write_nothing_outside(rng, xp, page_size):
+def test_device_lengths_overflow_write_nothing_outside(rng, xp, page_size, fused, monkeypatch):
     """Lengths on the device are not read back: an append past the capacity (or a page index outside
-    the cache) is dropped by the kernels, and the guard regions stay as they were."""
+    the cache) is dropped by the kernels, and the guard regions stay as they were; so with the append
+    inside the decode launch."""
+    monkeypatch.setattr(kvcache, "FUSED_APPEND", fused)
+    monkeypatch.setattr(kvcache, "_last_plan", None)
+    kvcache._REMEMBERED.clear()
     q, k_whole, k_cache, v_whole, v_cache, args = make_case(rng, xp, "float16", 2, 1, 2, 1, 16, [15, 3], 16,
                                                             seqlen_new=3, page_size=page_size)
     if page_size is not None:
@@ -342,6 +383,17 @@ def test_gpu_decode_paged_append(rng, xp, page_size, rotary, num_splits):
     check_call(rng, xp, "float16", 3, 2, 16, 4, 128, [900, 0, 2000], 2048, causal=True, seqlen_new=3,
                page_size=page_size, rotary_dim=0 if rotary is None else 64, rotary_interleaved=rotary != "neox",
                num_splits=num_splits, leftpad=[7, 0, 0])
+
+
+@GPU
+@pytest.mark.parametrize("page_size", [None, 1, 16, 256])
+@pytest.mark.parametrize("rotary", ["interleaved", "neox", None])
+@pytest.mark.parametrize("num_splits", [0, 7])
+def test_gpu_decode_fused_append(rng, xp, page_size, rotary, num_splits, fused_append):
+    check_call(rng, xp, "float16", 3, 2, 16, 4, 128, [900, 0, 2000], 2048, causal=True, seqlen_new=3,
+               page_size=page_size, rotary_dim=0 if rotary is None else 64, rotary_interleaved=rotary != "neox",
+               num_splits=num_splits)
+    assert fused_plans() == [True]
 
 
 @GPU

@@ -214,3 +214,22 @@ def test_importing_the_fake_leaves_the_simulator_switch_alone():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "None"
+
+
+def test_fused_append_is_one_launch_with_the_calls_k_and_v(monkeypatch):
+    """With the append inside the decode launch, a decode step with new tokens is one launch, and it
+    carries that call's k and v (after the rotary tables); a left window keeps the append kernel."""
+    monkeypatch.setattr(kvcache, "FUSED_APPEND", True)
+    with fake_gpu(record=True) as (cupy, driver):
+        (q, k_cache, v_cache), kwargs = decode_case("append")
+        for step in range(3):
+            new = {name: FakeArray(kwargs[name].shape, kwargs[name].dtype) for name in ("k", "v", "out")}
+            nbflash.flash_attn_with_kvcache(q, k_cache, v_cache, **{**kwargs, **new})
+            plan, = kvcache._REMEMBERED.values()
+            assert plan.fused_append and plan.decode_kernel.config.append
+            got = pointers(driver.seen[-1], plan.decode_kernel.config)
+            assert got[:4] == [ptr(q), ptr(k_cache), ptr(v_cache), ptr(new["out"])]
+            assert got[14:16] == [ptr(new["k"]), ptr(new["v"])]
+        assert len(driver.seen) == 3
+        nbflash.flash_attn_with_kvcache(q, k_cache, v_cache, causal=True, window_size=(8, 0), **kwargs)
+        assert len(driver.seen) == 5 and not kvcache._last_plan.fused_append

@@ -38,7 +38,9 @@ table cannot make the kernel read outside the cache.
 
 Rotary embedding (``rotary``): the Q tile is rotated in shared memory after it lands, at position
 cache_len_b + token (``options & ROTARY_PER_TOKEN``, causal or local attention) or cache_len_b;
-the new keys were rotated by the append kernel (nbflash/kernels/kvcache.py) before they were stored.
+the new keys were rotated by the append kernel (nbflash/kernels/kvcache.py) before they were stored,
+or, with ``append``, by this kernel: each block first writes the new tokens whose keys are in its
+split (rotated, with kvcache.py's append_rows), then copies its tiles as always.
 
 The fragment layout and the online softmax are the tensor-core forward's (forward_mma.py); what
 differs is who owns what: there a warp owns rows and walks every key, here every warp holds all the
@@ -77,6 +79,7 @@ from nbflash.primitives import (
 )
 
 from . import variants
+from .kvcache import make_append_rows
 from .tiles import element_io
 
 LN2 = math.log(2.0)
@@ -105,6 +108,11 @@ class MmaDecodeConfig:
     num_warps: int = 4
     stages: int = 3  # K/V tiles in flight in the cp.async ring
     fold_scale: bool = True  # the scale is positive: fold it into exp2 (not with a score feature)
+    # The append fused: each block writes the new tokens' k (rotated with rotary) and v that fall in
+    # its split's keys into the cache before it copies them (k_new, v_new; kernels/kvcache.py's
+    # append_rows), so a decode step with new tokens is one launch. Every new key must be in some
+    # block's keys: the planner fuses only where every query row's window is unbounded on the left.
+    append: bool = False
 
     def __post_init__(self):
         if self.dtype not in ("float16", "bfloat16"):
@@ -208,6 +216,8 @@ def build_decode_mma(config: MmaDecodeConfig):
         ELEM, mma, pack = uint16, mma_bf16, pack_bf16x2
     IS_F16 = config.dtype == "float16"
     load_elem, store_elem = element_io(config.dtype)
+    APPEND = config.append
+    append_rows = make_append_rows(config.dtype, PAGED, ROTARY, INTERLEAVED)
 
     # -----------------------------------------------------------------------------------------------
     # Loads into shared memory
@@ -582,8 +592,8 @@ def build_decode_mma(config: MmaDecodeConfig):
     @cuda.jit
     @unroll
     def decode_mma(q, k_cache, v_cache, out, lse, o_part, lse_part, counters, cache_seqlens, cache_batch_idx,
-                   cache_leftpad, block_table, rotary_cos, rotary_sin, scale_log2, seqlen_new, fixed_len, options,
-                   params):
+                   cache_leftpad, block_table, rotary_cos, rotary_sin, k_new, v_new, scale_log2, seqlen_new, fixed_len,
+                   options, params):
         nheads_k = k_cache.shape[2]
         b, hk = cuda.blockIdx.x // nheads_k, cuda.blockIdx.x % nheads_k
         m_block, split, splits = cuda.blockIdx.y, cuda.blockIdx.z, cuda.gridDim.z
@@ -616,6 +626,18 @@ def build_decode_mma(config: MmaDecodeConfig):
         smem = cuda.shared.array(0, ELEM)
         words = cuda.shared.array(0, float32)  # the same memory, as float32 (for the merge)
         base = shared_address(smem)
+
+        if APPEND:
+            # ---- The new tokens i whose keys (cache_len + i - start) are this split's: written
+            # into the cache by this block before it copies them (the same values by every block of
+            # rows that sees them) ----
+            i_lo = max(0, tile_lo * BN + start - cache_len)
+            i_hi = min(seqlen_new, tile_hi * BN + start - cache_len)
+            if i_lo < i_hi:
+                append_rows(k_cache, v_cache, k_new, v_new, b, hk, cache_len, i_lo, i_hi, cache_row, block_table,
+                            rotary_cos, rotary_sin, tid, THREADS)
+                cuda.threadfence_block()
+                cuda.syncthreads()  # the rows are in global memory before any warp copies them
 
         # ---- Prologue: Q and the first `stages` K/V tiles in flight ----
         # Each warp copies its own share of every tile (keys warp * KW .. warp * KW + KW - 1 of it)

@@ -42,67 +42,82 @@ class AppendConfig:
         return (batch * seqlen_new * nheads_k, 1, 1)
 
 
-@lru_cache(maxsize=None)
-def build_append(config: AppendConfig):
-    THREADS, PAGED = config.threads, config.paged
-    ROTARY, INTERLEAVED = config.rotary, config.rotary_interleaved
-    load, store = element_io(config.dtype)
-    HAS_BATCH_IDX = 1  # options bit, as in decode_mma
+def make_append_rows(dtype, paged, rotary, interleaved):
+    """The append as a device function, for the append kernel and for the decode kernel that fuses
+    it (decode_mma.py, ``append``): ``append_rows(k_cache, v_cache, k, v, b, hk, cache_len, i_lo,
+    i_hi, cache_row, block_table, rotary_cos, rotary_sin, first, step)`` writes new tokens i_lo ..
+    i_hi - 1 of sequence b, KV head hk, at cache positions cache_len + i, its elements shared among
+    threads (this one's: first, first + step, ...). ``cache_row``: the contiguous cache's row of b."""
+    load, store = element_io(dtype)
 
     @cuda.jit(device=True, inline=True)
-    def rotated(x, token_row, col, rotary_dim, cos_row, rotary_cos, rotary_sin):
+    def rotated(x, b, i, hk, col, rotary_dim, cos_row, rotary_cos, rotary_sin):
         """Element ``col`` of a row after rotary embedding: pairs (2d, 2d + 1) when interleaved, else
         (d, d + rotary_dim / 2), each turned by the angle of frequency d; columns past rotary_dim
         pass through."""
-        value = load(x[token_row[0], token_row[1], token_row[2], col])
+        value = load(x[b, i, hk, col])
         if col >= rotary_dim:
             return value
         half = rotary_dim // 2
-        if INTERLEAVED:
+        if interleaved:
             d, first = col // 2, col % 2 == 0
             partner = col + 1 if first else col - 1
         else:
             first = col < half
             d = col if first else col - half
             partner = col + half if first else col - half
-        other = load(x[token_row[0], token_row[1], token_row[2], partner])
+        other = load(x[b, i, hk, partner])
         c = load(rotary_cos[cos_row, d])
         s = load(rotary_sin[cos_row, d])
         return value * c - other * s if first else other * s + value * c
 
+    @cuda.jit(device=True, inline=True)
+    def append_rows(k_cache, v_cache, k, v, b, hk, cache_len, i_lo, i_hi, cache_row, block_table, rotary_cos,
+                    rotary_sin, first, step):
+        headdim = k.shape[3]
+        capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+        rotary_dim = 2 * rotary_cos.shape[1] if rotary else 0
+        for item in range(i_lo * headdim + first, i_hi * headdim, step):
+            i, col = item // headdim, item % headdim
+            position = cache_len + i
+            if position < 0 or position >= capacity:
+                continue  # overflow: nothing is written outside the cache
+            if paged:
+                row = block_table[b, position // k_cache.shape[1]]
+                offset = position % k_cache.shape[1]
+            else:
+                row, offset = cache_row, position
+            if row < 0 or row >= k_cache.shape[0]:
+                continue  # a page (or a batch index) outside the cache
+            if rotary:
+                cos_row = min(position, rotary_cos.shape[0] - 1)
+                k_cache[row, offset, hk, col] = store(rotated(k, b, i, hk, col, rotary_dim, cos_row, rotary_cos,
+                                                              rotary_sin))
+            else:
+                k_cache[row, offset, hk, col] = k[b, i, hk, col]
+            v_cache[row, offset, hk, col] = v[b, i, hk, col]
+
+    return append_rows
+
+
+@lru_cache(maxsize=None)
+def build_append(config: AppendConfig):
+    THREADS = config.threads
+    HAS_BATCH_IDX = 1  # options bit, as in decode_mma
+    append_rows = make_append_rows(config.dtype, config.paged, config.rotary, config.rotary_interleaved)
+
     @cuda.jit
     def append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
                fixed_len, options):
-        seqlen_new, nheads_k, headdim = k.shape[1], k.shape[2], k.shape[3]
+        seqlen_new, nheads_k = k.shape[1], k.shape[2]
         item = cuda.blockIdx.x
         b = item // (seqlen_new * nheads_k)
         i = (item // nheads_k) % seqlen_new
         hk = item % nheads_k
         cache_len = fixed_len if fixed_len >= 0 else cache_seqlens[b]
-        position = cache_len + i
-        capacity = block_table.shape[1] * k_cache.shape[1] if PAGED else k_cache.shape[1]
-        if position < 0 or position >= capacity:
-            return  # overflow: nothing is written outside the cache
-        if PAGED:
-            row = block_table[b, position // k_cache.shape[1]]
-            offset = position % k_cache.shape[1]
-            if row < 0 or row >= k_cache.shape[0]:
-                return  # a page outside the cache
-        else:
-            row = cache_batch_idx[b] if options & HAS_BATCH_IDX else b
-            offset = position
-            if row < 0 or row >= k_cache.shape[0]:
-                return
-        rotary_dim = 2 * rotary_cos.shape[1] if ROTARY else 0
-        cos_row = min(position, rotary_cos.shape[0] - 1)
-        source = (b, i, hk)
-        for col in range(cuda.threadIdx.x, headdim, THREADS):
-            if ROTARY:
-                k_cache[row, offset, hk, col] = store(rotated(k, source, col, rotary_dim, cos_row, rotary_cos,
-                                                              rotary_sin))
-            else:
-                k_cache[row, offset, hk, col] = k[b, i, hk, col]
-            v_cache[row, offset, hk, col] = v[b, i, hk, col]
+        cache_row = cache_batch_idx[b] if options & HAS_BATCH_IDX else b
+        append_rows(k_cache, v_cache, k, v, b, hk, cache_len, i, i + 1, cache_row, block_table, rotary_cos,
+                    rotary_sin, cuda.threadIdx.x, THREADS)
 
     return append
 

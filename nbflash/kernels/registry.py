@@ -94,9 +94,11 @@ def _decode(config):
     t = KERNEL_DTYPE[config.dtype].name
     cache = f"{t}[:,:,:,:]"  # k_cache, v_cache: any strides, the last dim contiguous
     # q, the caches, out, lse, the splits' partial outputs and lse, their merge's counters, then
-    # cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin
+    # cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin, and the new
+    # tokens' k and v (read only where the append is fused: MmaDecodeConfig.append)
     arrays = (f"{t}[:,:,:,:], {cache}, {cache}, {t}[:,:,:,:], float32[:,:,::1], float32[:,:,:,:,::1], "
-              f"float32[:,:,:,::1], int32[::1], int32[:], int32[:], int32[:], int32[:,:], {t}[:,:], {t}[:,:]")
+              f"float32[:,:,:,::1], int32[::1], int32[:], int32[:], int32[:], int32[:,:], {t}[:,:], {t}[:,:], "
+              f"{t}[:,:,:,:], {t}[:,:,:,:]")
     return f"void({arrays}, float32, int32, int32, int32, {_params(config)})"
 
 
