@@ -458,6 +458,24 @@ if SIMULATOR:
             raise ValueError("not a tensor map made by make_tensor_map_4d")
         return words[1], words[2:6], words[6:10], words[10:14], words[14], words[15]
 
+    def _mapped_array(tensor_map, dtype, c0, what):
+        """(the array, box, swizzle) of the emulated 4-D map, its elements of ``dtype`` (checked),
+        after the checks the hardware makes of a box at innermost coordinate c0."""
+        base, shape, strides, box, swizzle, itemsize = _tensor_map_4d(tensor_map)
+        dtype = np.dtype(dtype)
+        if itemsize != dtype.itemsize:
+            raise NotImplementedError(f"the TMA {what} emulation takes maps of {dtype} elements")
+        if (itemsize * int(np.int32(c0))) % 16:
+            raise ValueError(f"TMA innermost coordinate c0 = {int(c0)} is not 16-byte aligned (a multiple "
+                             f"of {16 // itemsize} {8 * itemsize}-bit elements)")
+        if swizzle == SWIZZLE_128B and box[3] * itemsize != 128:
+            raise NotImplementedError("the 128B swizzle emulation takes boxes of 128-byte rows")
+        if swizzle not in (SWIZZLE_NONE, SWIZZLE_128B):
+            raise NotImplementedError("TMA emulation: swizzle none or 128B")
+        span = sum((n - 1) * st for n, st in zip(shape, strides)) + itemsize
+        flat = np.frombuffer((ctypes.c_uint8 * span).from_address(base), dtype=dtype)
+        return np.lib.stride_tricks.as_strided(flat, shape, strides), box, swizzle
+
     def _box_slices(start, box, shape):
         """(inside the box, inside the tensor) slices of a box at ``start`` (x's order), clipped."""
         inside, source = [], []
@@ -478,25 +496,12 @@ if SIMULATOR:
         tma_store_wait(n) waits for its reads of shared memory. Write the tile with ordinary stores,
         then fence_proxy_async and a barrier, then one thread issues. Emulation: an immediate
         addition."""
-        base, shape, strides, box, swizzle, itemsize = _tensor_map_4d(tensor_map)
-        if itemsize != 4:
-            raise NotImplementedError("the TMA reduce-add emulation takes maps of float32 arrays")
-        if (4 * int(np.int32(c0))) % 16:
-            raise ValueError(f"TMA innermost coordinate c0 = {int(c0)} is not 16-byte aligned (a multiple "
-                             "of 4 32-bit elements)")
-        nbytes = int(np.prod(box)) * 4
-        image = np.frombuffer(_p._shared_bytes(src, nbytes), dtype=np.uint8).reshape(-1, 16)
+        tensor, box, swizzle = _mapped_array(tensor_map, np.float32, c0, "reduce-add")
+        image = np.frombuffer(_p._shared_bytes(src, int(np.prod(box)) * 4), dtype=np.uint8).reshape(-1, 16)
         if swizzle == SWIZZLE_128B:
-            if box[3] * 4 != 128:
-                raise NotImplementedError("the 128B swizzle emulation takes boxes of 128-byte rows")
             image = image[_chunk_order(image.shape[0] // 8, swizzle)]
-        elif swizzle != SWIZZLE_NONE:
-            raise NotImplementedError("TMA emulation: swizzle none or 128B")
         values = image.reshape(-1).view(np.float32).reshape(box)
-        span = sum((n - 1) * st for n, st in zip(shape, strides)) + 4
-        flat = np.frombuffer((ctypes.c_uint8 * span).from_address(base), dtype=np.float32)
-        tensor = np.lib.stride_tricks.as_strided(flat, shape, strides)
-        inside, target = _box_slices([int(np.int32(c)) for c in (c3, c2, c1, c0)], box, shape)
+        inside, target = _box_slices([int(np.int32(c)) for c in (c3, c2, c1, c0)], box, tensor.shape)
         tensor[target] += values[inside]
 
     def tma_load_4d(dst, tensor_map, c0, c1, c2, c3, bar):
@@ -507,17 +512,8 @@ if SIMULATOR:
         innermost, zero where it leaves the array; with SWIZZLE_128B its innermost extent is 128
         bytes and each 128-byte row of the image is swizzled as in tma_load_2d. Emulation: an
         immediate copy, then the complete_tx."""
-        base, shape, strides, box, swizzle, itemsize = _tensor_map_4d(tensor_map)
-        if itemsize != 2:
-            raise NotImplementedError("the TMA load emulation takes maps of 16-bit elements")
-        if (2 * int(np.int32(c0))) % 16:
-            raise ValueError(f"TMA innermost coordinate c0 = {int(c0)} is not 16-byte aligned (a multiple "
-                             "of 8 16-bit elements)")
-        if swizzle == SWIZZLE_128B and box[3] * 2 != 128:
-            raise NotImplementedError("the 128B swizzle emulation takes boxes of 128-byte rows")
-        span = sum((n - 1) * s for n, s in zip(shape, strides)) + 2
-        flat = np.frombuffer((ctypes.c_uint8 * span).from_address(base), dtype=np.uint16)
-        tensor = np.lib.stride_tricks.as_strided(flat, shape, strides)
+        tensor, box, swizzle = _mapped_array(tensor_map, np.uint16, c0, "load")
+        shape = tensor.shape
         image = np.zeros(box, dtype=np.uint16)
         inside, source = _box_slices([int(np.int32(c)) for c in (c3, c2, c1, c0)], box, shape)
         image[inside] = tensor[source]
@@ -525,10 +521,8 @@ if SIMULATOR:
         if swizzle == SWIZZLE_128B:
             rows = image.size // 64
             out.reshape(-1, 16)[_chunk_order(rows, swizzle)] = image.view(np.uint8).reshape(-1, 16)
-        elif swizzle == SWIZZLE_NONE:
-            out[:] = image.view(np.uint8).reshape(-1)
         else:
-            raise NotImplementedError("TMA emulation: swizzle none or 128B")
+            out[:] = image.view(np.uint8).reshape(-1)
         _complete_tx(bar, image.nbytes)
 
     def tma_store_2d(tensor_map, c0, c1, src):
