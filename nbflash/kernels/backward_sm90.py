@@ -443,7 +443,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         """The thread's share of a 64 x 64 dQ chunk (rows 16 warp + g and + 8, columns 8 c + 2 q4,
         + 1) into two staging boxes of 32 float32 columns (``stage_word``: their smem index): rows of
         128 bytes, 16-byte chunk j of row r stored at j ^ (r % 8) (the 128B swizzle, as TMA reads
-        it; r % 8 = g). A warp's stores of one c then fill all 32 banks twice: no conflicts."""
+        it; r % 8 = g). Two 32-bit stores per pair: a warp's store of one c reaches 16 banks twice
+        (2-way conflicts); one 64-bit store per pair would fill all 32 banks twice without any."""
         for c in static_range(CHUNK // 8):
             box = stage_word + (c // 4) * (DQ_BOX_BYTES // 4)
             chunk = 2 * (c % 4) + (q4 >> 1)
