@@ -119,15 +119,15 @@ def run_tiny(seqlen_q, seqlen_k, headdim, causal):
     """One fp16 problem through the library's tensor-core kernel; returns (error, allowed) or None."""
     from nbflash import configs, interface, reference, validation
 
-    if "mma" not in getattr(configs, "FAMILIES", ()):
-        print("\nSkipping the run: nbflash.configs does not offer the kernel family 'mma' yet.")
+    if not {"mma", "sm80"} & set(getattr(configs, "FAMILIES", ())):
+        print("\nSkipping the run: nbflash.configs does not offer the tensor-core family 'sm80' yet.")
         return None
     rng = np.random.default_rng(0)
     shapes = [(1, seqlen_q, 1, headdim)] + [(1, seqlen_k, 1, headdim)] * 2
     host = [rng.standard_normal(shape).astype(np.float16) for shape in shapes]
     arrays = host if _common.SIMULATOR else [_common.cupy.asarray(x) for x in host]
     problem, q, k, v = validation.check_forward(*arrays, None, causal)
-    out, _ = interface._flash_attn_forward(problem, q, k, v, family="mma")
+    out, _ = interface._flash_attn_forward(problem, q, k, v, family="sm80")
     out = np.asarray(out if _common.SIMULATOR else _common.cupy.asnumpy(out), dtype=np.float64)
     exact = reference.attention_reference(*host, causal=causal)
     naive = reference.attention_naive(*host, causal=causal)

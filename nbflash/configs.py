@@ -2,7 +2,8 @@
 
 Every heuristic lives here. ``plan_forward`` turns the static part of a validated problem
 (``nbflash.problem.Static``) into a frozen config that the launcher compiles (once per config) and
-launches; ``plan_backward`` does the same for the backward's kernels. Three kernel families:
+launches; ``plan_backward`` does the same for the backward's kernels. Three kernel families, named by the
+architecture they need (``"mma"``, the sm80 family's first name, stays an alias of ``"sm80"``):
 
 - ``"sm90"``: Hopper's wgmma, TMA and warp specialization (nbflash/kernels/forward_sm90.py): the
   float16 / bfloat16 forward on compute capability 9.0, every variant but block masks and packed
@@ -13,10 +14,11 @@ launches; ``plan_backward`` does the same for the backward's kernels. Three kern
   measured (``SM90_DEFAULT_VARIANTS``: the others run on it only when "sm90" is forced). Its backward
   (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; the same variants, headdim up
   to 128, ``sm90_backward_unsupported_reason``) is the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``
-  for plain and causal attention; the mma family's backward elsewhere. Its fp8 (e4m3) forward is
+  for plain and causal attention; the sm80 family's backward elsewhere. Its fp8 (e4m3) forward is
   reached only through flash_attn_func's fp8 inputs (``SM90_FP8_FORWARD``).
-- ``"mma"``: tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py); float16 and
-  bfloat16 on GPUs of compute capability 8.0 and newer. Chosen wherever it applies and sm90 is not.
+- ``"sm80"`` (alias ``"mma"``): tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py);
+  float16 and bfloat16 on GPUs of compute capability 8.0 and newer (Ampere, Ada, and Hopper where
+  sm90 does not serve a call). Chosen wherever it applies and sm90 is not.
 - ``"portable"``: scalar float32 arithmetic (nbflash/kernels/forward_portable.py); any dtype, any
   GPU. Serves float32 and older GPUs.
 
@@ -43,7 +45,13 @@ from .kernels.decode_mma import MmaDecodeConfig
 from .kernels.backward_portable import shared_bytes as backward_shared_bytes
 from .kernels.forward_portable import PortableForwardConfig, shared_bytes
 
-FAMILIES = ("sm90", "mma", "portable")
+FAMILIES = ("sm90", "sm80", "portable")
+FAMILY_ALIASES = {"mma": "sm80"}  # earlier names, still accepted everywhere a family is named
+
+
+def canonical_family(family):
+    """A family's name as FAMILIES spells it (``"mma"`` -> ``"sm80"``); None stays None."""
+    return FAMILY_ALIASES.get(family, family)
 MMA_DTYPES = ("float16", "bfloat16")
 MMA_MIN_COMPUTE_CAPABILITY = (8, 0)
 
@@ -79,17 +87,17 @@ _forced_family = contextvars.ContextVar("nbflash_kernel_family", default=None)
 
 
 def kernel_family(family):
-    """Run the calls inside the ``with`` block on one kernel family: ``"sm90"``, ``"mma"`` or
-    ``"portable"``.
+    """Run the calls inside the ``with`` block on one kernel family: ``"sm90"``, ``"sm80"`` (or
+    its alias ``"mma"``) or ``"portable"``.
 
     A name that is not a family raises ValueError here, at the call (not only on entering the
-    block). A call the forced family cannot serve (float32 on ``"mma"``, say) raises ValueError.
+    block). A call the forced family cannot serve (float32 on ``"sm80"``, say) raises ValueError.
     A backward under ``"sm90"`` runs the Hopper dK/dV kernel where it serves the call (atomic dq,
     plain or windowed attention with or without softcap and ALiBi, headdim up to 128:
-    ``sm90_backward_unsupported_reason``) and the mma family's kernels otherwise.
+    ``sm90_backward_unsupported_reason``) and the sm80 family's kernels otherwise.
     """
     _check_family(family)
-    return _forcing(family)
+    return _forcing(canonical_family(family))
 
 
 @contextlib.contextmanager
@@ -102,8 +110,8 @@ def _forcing(family):
 
 
 def _check_family(family):
-    if family not in FAMILIES:
-        raise ValueError(f"{family=} is not a kernel family; expected one of {FAMILIES}")
+    if canonical_family(family) not in FAMILIES:
+        raise ValueError(f"{family=} is not a kernel family; expected one of {FAMILIES} (or the alias 'mma')")
 
 
 @lru_cache(maxsize=None)
@@ -252,12 +260,13 @@ def _resolve_family(dtype, device, family):
     """The family a call runs on: ``family`` if given (an error if it cannot serve the call), else
     the tensor-core family wherever it applies and the portable one otherwise."""
     if family is None:
-        return "portable" if mma_unsupported_reason(dtype, device) else "mma"
+        return "portable" if mma_unsupported_reason(dtype, device) else "sm80"
     _check_family(family)
-    if family == "mma":
+    family = canonical_family(family)
+    if family == "sm80":
         reason = mma_unsupported_reason(dtype, device)
         if reason:
-            raise ValueError(f"kernel family 'mma' cannot run this call: {reason}")
+            raise ValueError(f"kernel family 'sm80' (mma.sync) cannot run this call: {reason}")
     return family
 
 
@@ -267,6 +276,7 @@ def plan_forward(static, family=None):
     ``family`` forces a kernel family; by default the tensor-core family runs whenever it applies,
     the portable one otherwise.
     """
+    family = canonical_family(family)
     if family == "sm90" or (family is None and _sm90_default(static)):
         reason = sm90_unsupported_reason(static)
         if reason:
@@ -274,7 +284,7 @@ def plan_forward(static, family=None):
         return sm90_forward_config(static.dtype, static.headdim, static.variant._replace(score_mod_grad=""))
     family = _resolve_family(static.dtype, static.device, family)
     variant = static.variant._replace(score_mod_grad="")  # only the backward differentiates
-    if family == "mma":
+    if family == "sm80":
         return mma_forward_config(static.dtype, static.headdim, variant, static.aligned, static.positive_scale)
     return portable_forward_config(static.dtype, static.headdim, variant)
 
@@ -369,7 +379,7 @@ def sm90_backward_unsupported_reason(static, deterministic, aligned):
     if cc != SM90_COMPUTE_CAPABILITY:
         return f"the sm90 backward runs on compute capability 9.0 only, this GPU has {cc[0]}.{cc[1]}"
     if deterministic:
-        return "the sm90 backward adds dq with atomics; deterministic=True runs the mma family's fixed order"
+        return "the sm90 backward adds dq with atomics; deterministic=True runs the sm80 family's fixed order"
     if static.variant._replace(score_mod_grad="") not in SM90_BACKWARD_VARIANTS:
         return ("the sm90 backward serves plain and windowed (causal) attention, with softcap and ALiBi, "
                 "without other features")
@@ -394,21 +404,23 @@ def plan_backward(static, deterministic, family=None, aligned=None):
     boundary (the tensor-core kernels then copy tiles with cp.async); default ``static.aligned``.
 
     ``family`` "sm90" (the Hopper dK/dV kernel with atomic dq, where it serves the call:
-    ``sm90_backward_unsupported_reason``; with deterministic=True the mma dK/dV kernel without
-    atomics and the Hopper dQ kernel, plain or windowed attention; the mma family's kernels
-    otherwise; the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``, not deterministic), "mma" (tensor-core dK/dV and dQ kernels, float16/bfloat16
-    on compute capability >= 8.0; the default wherever it applies) or "portable" (any dtype and
-    GPU; the default elsewhere). All use the portable preprocess and dq-conversion kernels.
+    ``sm90_backward_unsupported_reason``; with deterministic=True the sm80 dK/dV kernel without
+    atomics and the Hopper dQ kernel, plain or windowed attention; the sm80 family's kernels
+    otherwise; the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``, not deterministic), "sm80" (alias
+    "mma": tensor-core dK/dV and dQ kernels, float16/bfloat16 on compute capability >= 8.0; the
+    default wherever it applies) or "portable" (any dtype and GPU; the default elsewhere). All use the
+    portable preprocess and dq-conversion kernels.
     """
+    family = canonical_family(family)
     dtype, headdim, device = static.dtype, static.headdim, static.device
     aligned = static.aligned if aligned is None else aligned
     sm90 = family == "sm90" or (family is None and not runtime.SIMULATOR and headdim in SM90_BACKWARD_DEFAULT_HEADDIMS
                                 and static.variant._replace(score_mod_grad="") in SM90_BACKWARD_DEFAULT_VARIANTS)
-    # deterministic=True under "sm90": the mma dK/dV kernel without atomics and the sm90 dQ kernel
+    # deterministic=True under "sm90": the sm80 dK/dV kernel without atomics and the sm90 dQ kernel
     sm90_dq = (family == "sm90" and deterministic and sm90_backward_unsupported_reason(static, False, aligned) is None
                and static.variant._replace(score_mod_grad="") in SM90_DQ_VARIANTS)
     sm90 = sm90 and sm90_backward_unsupported_reason(static, deterministic, aligned) is None
-    family = _resolve_family(dtype, device, "mma" if family == "sm90" else family)
+    family = _resolve_family(dtype, device, "sm80" if family == "sm90" else family)
     atomic = not deterministic
     common = dict(dtype=dtype, headdim=headdim, variant=static.variant, atomic_dq=atomic)
     rows, rows_threads = PORTABLE_BACKWARD_ROWS
@@ -421,7 +433,7 @@ def plan_backward(static, deterministic, family=None, aligned=None):
 
     if sm90:
         return preprocess, sm90_backward_config(dtype, headdim, static.variant._replace(score_mod_grad="")), convert
-    if family == "mma":
+    if family == "sm80":
         _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DKDV, headdim)
         vector = dict(common, aligned=aligned and headdim % 8 == 0)
         # sm_90 adds two float32 columns to dq_accum per vector reduction, half the atomics.

@@ -267,7 +267,7 @@ def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), sof
             bias=None, score_mod=None, mask_mod=None, block_mask=None):
     """Which kernel and configuration ``flash_attn_func(q, k, v, ...)`` runs, without running it.
 
-    Returns a dict: ``family`` ('sm90', 'mma' or 'portable'), ``config`` (the block configuration and the
+    Returns a dict: ``family`` ('sm90', 'sm80' or 'portable'), ``config`` (the block configuration and the
     variant), ``grid``, ``block``, ``dynamic_shared_bytes``, and, on a GPU, the compiled kernel's
     ``registers`` per thread, ``static_shared_bytes`` and ``local_bytes`` per thread (spills); and
     ``backward``: what ``flash_attn_backward`` would run for these inputs, as {"default": [...],
@@ -282,7 +282,7 @@ def explain(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), sof
     config = kernel.config
     return {
         "family": ("sm90" if isinstance(config, configs.Sm90ForwardConfig)
-                   else "mma" if isinstance(config, configs.MmaForwardConfig) else "portable"),
+                   else "sm80" if isinstance(config, configs.MmaForwardConfig) else "portable"),
         "config": {**dataclasses.asdict(config), "block_m": config.block_m, "block_n": config.block_n},
         "grid": config.grid(problem.batch, problem.nheads, problem.seqlen_q),
         "block": (config.threads, 1, 1),

@@ -30,7 +30,8 @@ from .kernels import registry
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEADDIMS = (32, 64, 96, 128, 256)
-FAMILIES = ("portable", "mma", "sm90")
+FAMILIES = ("portable", "sm80", "sm90")
+FAMILY_NAMES = FAMILIES + ("mma",)  # "mma": the sm80 family's earlier name
 
 
 class MissingTool(RuntimeError):
@@ -90,17 +91,18 @@ def configurations(dtypes, headdims, families, cc, unaligned=False, variants=Non
     variants = variants or (Variant(), Variant(window=True))
     jobs = {}
     with _planning_for(cc) as configs:
+        families = [configs.canonical_family(f) for f in families]
         for dtype, headdim, variant, aligned in itertools.product(dtypes, headdims, variants, alignments):
             static = Static(dtype, headdim, aligned, 0, variant)
-            mma = "mma" in families and dtype != "float32" and cc >= (8, 0)
+            mma = "sm80" in families and dtype != "float32" and cc >= (8, 0)
             for family in [f for f in families if f == "portable" or mma]:
                 jobs[configs.plan_forward(static, family)] = None
-                if family == "mma" and configs._sm90_default(static):  # what the forward runs by default
+                if family == "sm80" and configs._sm90_default(static):  # what the forward runs by default
                     jobs[configs.plan_forward(static)] = None
                 for deterministic in (False, True):
                     for config in configs.plan_backward(static, deterministic, family):
                         jobs[config] = None
-                    if family == "mma":  # what the backward runs by default (sm90's dK/dV on Hopper)
+                    if family == "sm80":  # what the backward runs by default (sm90's dK/dV on Hopper)
                         for config in configs.plan_backward(static, deterministic):
                             jobs[config] = None
         if "sm90" in families and cc == configs.SM90_COMPUTE_CAPABILITY:  # the Hopper kernels, forced or not
@@ -221,9 +223,9 @@ def parser(prog="python -m nbflash prebuild"):
                    help=f"head dimensions (default: {' '.join(map(str, HEADDIMS))})")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES, metavar="DTYPE",
                    help=f"element types (default: {' '.join(DTYPES)})")
-    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES, metavar="FAMILY",
-                   help="kernel families: portable, mma (tensor-core; fp16 and bf16 on cc >= 8.0), sm90 (the "
-                   "Hopper forward; cc 9.0) (default: all)")
+    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILY_NAMES, metavar="FAMILY",
+                   help="kernel families: portable, sm80 (alias mma: tensor cores by mma.sync; fp16 and bf16 on "
+                   "cc >= 8.0), sm90 (the Hopper kernels; cc 9.0) (default: all)")
     p.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), metavar="NAME",
                    help="nbflash.catalogue variants to build, of: " + ", ".join(sorted(VARIANTS))
                    + " (default: plain and causal)")

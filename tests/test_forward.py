@@ -27,7 +27,7 @@ def run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtyp
         out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     else:
         with nbflash.kernel_family(family):
-            assert nbflash.explain(q, k, v, causal=causal)["family"] == family
+            assert nbflash.explain(q, k, v, causal=causal)["family"] == nbflash.configs.canonical_family(family)
             out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     assert lse.shape == (batch, nheads, seqlen_q)
     assert_attention_close(out, lse, q, k, v, causal)
@@ -69,9 +69,29 @@ def test_forward_small_headdims(rng, xp, headdim, family):
     run_case(rng, xp, 1, 9, 17, 1, 1, headdim, "float16", True, family=family)
 
 
+def test_families_are_named_by_architecture_and_mma_is_an_alias(rng, xp):
+    """'sm80' names the mma.sync family; 'mma', its first name, forces the same kernels everywhere
+    a family is named (the forward, the backward, the prebuild list); explain() says 'sm80'."""
+    from nbflash import configs, prebuild
+    from nbflash.problem import Static
+
+    assert configs.FAMILIES == ("sm90", "sm80", "portable") and configs.canonical_family("mma") == "sm80"
+    static = Static("float16", 64, True, 0)
+    assert configs.plan_forward(static, "mma") == configs.plan_forward(static, "sm80")
+    assert configs.plan_backward(static, True, "mma") == configs.plan_backward(static, True, "sm80")
+    assert (prebuild.configurations(["float16"], [64], ["mma"], (8, 0))
+            == prebuild.configurations(["float16"], [64], ["sm80"], (8, 0)))
+    q, k, v = random_qkv(rng, xp, 1, 4, 4, 1, 1, 8, "float16")
+    for name in ("mma", "sm80"):
+        with nbflash.kernel_family(name):
+            assert configs.forced_family() == "sm80" and nbflash.explain(q, k, v)["family"] == "sm80"
+    with pytest.raises(ValueError, match="not a kernel family.*'sm80'.*alias 'mma'"):
+        nbflash.kernel_family("sm70")
+
+
 def test_default_family_is_mma_for_16_bit(rng, xp):
     q, k, v = random_qkv(rng, xp, 1, 4, 4, 1, 1, 8, "bfloat16")
-    assert nbflash.explain(q, k, v)["family"] == "mma"
+    assert nbflash.explain(q, k, v)["family"] == "sm80"
     q, k, v = random_qkv(rng, xp, 1, 4, 4, 1, 1, 8, "float32")
     assert nbflash.explain(q, k, v)["family"] == "portable"
 

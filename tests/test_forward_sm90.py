@@ -404,7 +404,7 @@ def test_new_variants_default_mma_forced_sm90_gpu(monkeypatch, xp):
             features["seed"] = features.pop("dropout_seed")
         causal = features.pop("causal", False)
         if name != "dropout":  # explain takes no dropout_p
-            assert nbflash.explain(q, k, v, causal=causal, **features)["family"] == "mma", name
+            assert nbflash.explain(q, k, v, causal=causal, **features)["family"] == "sm80", name
         with nbflash.kernel_family("sm90"):
             if name != "dropout":
                 assert nbflash.explain(q, k, v, causal=causal, **features)["family"] == "sm90", name
@@ -820,6 +820,6 @@ def test_sm90_is_the_default_where_measured_faster(xp):
     from tests.helpers import random_qkv
 
     rng = np.random.default_rng(12)
-    for headdim, expected in ((64, "sm90"), (128, "sm90"), (256, "sm90"), (96, "mma"), (40, "mma")):
+    for headdim, expected in ((64, "sm90"), (128, "sm90"), (256, "sm90"), (96, "sm80"), (40, "sm80")):
         q, k, v = random_qkv(rng, xp, 1, 8, 8, 1, 1, headdim, "bfloat16")
         assert nbflash.explain(q, k, v, causal=True)["family"] == expected, headdim
