@@ -32,6 +32,17 @@ PTX of nbflash's kernels is byte-identical with and without it, except the hd 12
 dQ kernels', which NVVM numbers a few virtual registers differently in (same ptxas registers,
 spills and stack; the same SASS but for a few instructions' order).
 
+Typing a call looks up the overload's implementation in a cache keyed by the call's types and the
+compile's flags (``templates._OverloadMethodTemplate._get_impl`` and its kin): each lookup hashes a
+``TargetConfig`` and, on a hit, compares two. ``TargetConfig.__hash__`` is the hash of its sorted
+option names (``sorted(self.values())`` sorts the keys of a dict of every option), the same for
+every instance of a class, computed by building that dict of ~30 options each time;
+``__eq__`` builds two such dicts. ``config_hash`` returns the same number from the class's option
+names, computed once per class; ``config_eq`` answers True at once when both are of one class and
+hold the same explicitly set values (then every option's value is the same object or an equal
+one), and otherwise compares ``values()`` as before. About a seventh of the profiled calls of an
+unrolled kernel's compile went to those two.
+
 ``tests/test_compile_speed.py`` checks each against numba-cuda's own code: the variable scan on
 the IR of nbflash's kernels; the element lowerings by running both on the CPU (llvmlite's JIT) for
 random shapes and indices, and, where NVVM is installed, by the PTX of a kernel compiled with and
@@ -155,10 +166,35 @@ def _lowering_element_access(lower_expr, lower_inst):
     return lower_expr_fast, lower_inst_fast
 
 
+_CONFIG_HASHES = {}  # TargetConfig subclass -> the hash of its sorted option names
+
+
+def config_hash(self):
+    """``TargetConfig.__hash__``'s value: the hash of the sorted option names, once per class."""
+    cls = type(self)
+    found = _CONFIG_HASHES.get(cls)
+    if found is None:
+        found = _CONFIG_HASHES[cls] = hash(tuple(sorted(cls.options)))
+    return found
+
+
+def _config_eq(original_eq):
+    from numba.cuda.core.targetconfig import TargetConfig
+
+    def config_eq(self, other):
+        """``TargetConfig.__eq__``, with a shortcut for two configs of one class and the same set values."""
+        if isinstance(other, TargetConfig) and type(self) is type(other) and self._values == other._values:
+            return True
+        return original_eq(self, other)
+
+    return config_eq
+
+
 def _targets():
     """name -> (install: a function that installs the stand-in and returns the original or an undo,
     [what the equivalence relies on: numba-cuda's functions whose sources are hashed], sha256)."""
     from numba.cuda import cgutils, lowering
+    from numba.cuda.core import targetconfig
     from numba.cuda.np import arrayobj
 
     def scan():
@@ -171,7 +207,18 @@ def _targets():
         lowering.Lower.lower_expr, lowering.Lower.lower_inst = _lowering_element_access(*originals)
         return originals
 
+    def config_identity():
+        config = targetconfig.TargetConfig
+        originals = config.__hash__, config.__eq__
+        config.__hash__, config.__eq__ = config_hash, _config_eq(originals[1])
+        return originals
+
     return {
+        "config hash and equality": (
+            config_identity,
+            [targetconfig.TargetConfig.__hash__, targetconfig.TargetConfig.__eq__, targetconfig.TargetConfig.values,
+             targetconfig._MetaTargetConfig.__init__],
+            "4fa80487cc0c4c30d79a3cb0afdc4a76f2f080a1274dbd86114aa77930a28fcc"),
         "singly assigned variables": (
             scan, [lowering.Lower._find_singly_assigned_variable],
             "c3b499f76517288510a5188fbb59bb96f7ca7d619b0cf4245b5f66a8bd90bbe4"),
@@ -233,11 +280,16 @@ def applied():
 
 def original(name):
     """numba-cuda's own method(s) that the stand-in ``name`` (a key of ``_targets()``) replaces or
-    wraps, installed or not: ``_find_singly_assigned_variable``; ``(lower_expr, lower_inst)``."""
+    wraps, installed or not: ``_find_singly_assigned_variable``; ``(lower_expr, lower_inst)``;
+    ``(TargetConfig.__hash__, TargetConfig.__eq__)``."""
     if name in _state["originals"]:
         return _state["originals"][name]
     from numba.cuda import lowering
 
     if name == "singly assigned variables":
         return lowering.Lower._find_singly_assigned_variable
+    if name == "config hash and equality":
+        from numba.cuda.core.targetconfig import TargetConfig
+
+        return TargetConfig.__hash__, TargetConfig.__eq__
     return lowering.Lower.lower_expr, lowering.Lower.lower_inst

@@ -12,6 +12,9 @@ process for all (importing Numba's compiler takes seconds), and need no GPU:
   indices (negative ones too), numba-cuda's generic ``getitem`` / ``setitem`` lowering and nbflash's
   are compiled side by side into one LLVM module, run on the CPU by llvmlite's JIT on the same
   arrays, and must read the same element and leave the same array;
+- the config hash and equality: for compile flags with options unset, set to other values and set
+  explicitly to their defaults, and configs of another class with the same options, the stand-ins
+  give numba-cuda's hash and equality for every pair;
 - where NVVM is installed: a small unrolled tensor-core kernel compiled with the stand-ins (the
   scan checked against numba-cuda's inside it, on every function lowered) and without them must
   give the same PTX;
@@ -51,6 +54,10 @@ def test_variable_scan_matches_numba_cuda_on_kernel_ir(child):
 
 def test_element_access_matches_numba_cuda_on_the_cpu(child):
     assert "element access: checked" in child
+
+
+def test_config_identity_matches_numba_cuda(child):
+    assert "config identity: checked" in child
 
 
 def test_compile_gives_the_same_ptx(child):
@@ -316,12 +323,49 @@ def _element_access():
     print(f"element access: checked {checked} arrays")
 
 
+def _config_identity():
+    from numba.cuda.core.targetconfig import Option, TargetConfig
+    from numba.cuda.flags import Flags
+
+    from nbflash import _compile_speed
+
+    their_hash, their_eq = _compile_speed.original("config hash and equality")
+    our_eq = _compile_speed._config_eq(their_eq)
+
+    class Other(TargetConfig):  # another class, the same option names as Flags
+        locals().update({name: Option(type=option.type, default=option.default, doc="")
+                         for name, option in Flags.options.items()})
+
+    configs = []
+    for cls in (Flags, Other):
+        configs.append(cls())  # nothing set
+        explicit = cls()
+        explicit.boundscheck = cls.options["boundscheck"].default  # set, to the default
+        configs.append(explicit)
+        changed = cls()
+        changed.debuginfo, changed.boundscheck = True, True
+        configs.append(changed)
+        same = cls()
+        same.debuginfo, same.boundscheck = True, True  # another object, the same values
+        configs.append(same)
+        configs.append(changed.copy())
+    pairs = 0
+    for a in configs:
+        assert _compile_speed.config_hash(a) == their_hash(a)
+        for b in configs + [None, 3]:
+            assert our_eq(a, b) == their_eq(a, b), (a, b)
+            pairs += 1
+    print(f"config identity: checked {pairs} pairs")
+
+
 def _guard():
     from numba.cuda import lowering
+    from numba.cuda.core.targetconfig import TargetConfig
 
     from nbflash import _compile_speed
 
     assert _compile_speed.applied(), _compile_speed._state["reason"]
+    assert TargetConfig.__hash__ is _compile_speed.config_hash
     assert lowering.Lower._find_singly_assigned_variable is _compile_speed.find_singly_assigned_variables
     assert lowering.Lower.lower_expr.__wrapped__ is _compile_speed.original("constant-index element access")[0]
     code = ("import nbflash, numba.cuda.lowering as l; from nbflash import _compile_speed as c; "
@@ -334,6 +378,7 @@ def _guard():
 
 if __name__ == "__main__":
     _guard()
+    _config_identity()
     _frontend()
     _element_access()
     _compile()
