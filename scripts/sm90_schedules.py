@@ -55,19 +55,10 @@ def schedules(headdim, causal):
 
 
 def median_ms(call, repeats):
-    """Median milliseconds of ``call`` between CUDA events, after 3 warm-up calls."""
-    import cupy
+    """Median milliseconds of ``call`` between CUDA events over ``repeats`` calls, after 3 warm-ups."""
+    from nbflash.measure import time_ms
 
-    start, end, times = cupy.cuda.Event(), cupy.cuda.Event(), []
-    for _ in range(3):
-        call()
-    for _ in range(repeats):
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return float(np.median(times))
+    return time_ms(call, warmup=3, repeats=repeats, budget_s=math.inf)
 
 
 def build(named):
