@@ -9,6 +9,7 @@ filled by the cold run).
 
     python scripts/host_overhead.py
     python scripts/host_overhead.py --decode    # flash_attn_with_kvcache instead, with a cProfile
+    python scripts/host_overhead.py --decode --fused-append   # the append inside the decode launch
 """
 
 import cProfile
@@ -122,7 +123,10 @@ def decode_main():
     rows += [(name, host_us(fn)) for name, fn in calls.items()]
     rows.append(("cupy ElementwiseKernel (q + q), again", host_us(lambda: trivial(q, q, out))))
     base = rows[0][1]
-    print("host time per decode call (1 x 1024 cache, 32/8 heads, headdim 128, float16, out=):")
+    from nbflash import kvcache
+
+    fused = " (append fused into the decode launch)" if kvcache.FUSED_APPEND else ""
+    print(f"host time per decode call (1 x 1024 cache, 32/8 heads, headdim 128, float16, out=){fused}:")
     for name, us in rows:
         print(f"  {name:40s} {us:8.1f} us  {us / base:5.2f}x")
     for name, fn in calls.items():
@@ -138,4 +142,8 @@ def decode_main():
 
 
 if __name__ == "__main__":
+    if "--fused-append" in sys.argv[1:]:
+        from nbflash import kvcache
+
+        kvcache.FUSED_APPEND = True
     decode_main() if "--decode" in sys.argv[1:] else main()
