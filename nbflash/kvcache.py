@@ -32,9 +32,10 @@ from .problem import UNBOUNDED, Variant, window_bounds
 LOG2_E = math.log2(math.e)
 MAX_SPLITS = decode_mma.MAX_SPLITS  # the decode kernel's merge holds a weight per (row, split)
 # Append the new tokens inside the decode launch where it can (_Plan.fused_append), instead of a
-# launch of the append kernel before it: one launch a decode step. Off until it has run on a GPU
-# (the simulator and the host path's tests pass with it on).
-FUSED_APPEND = False
+# launch of the append kernel before it: one launch a decode step (on the H200: the GPU tests of
+# tests/test_kvcache.py pass with it, and a decode call with an append took the host time of one
+# without, 1.48x a trivial kernel's instead of 2.69x; docs/benchmarks.md).
+FUSED_APPEND = True
 MIN_TILES_PER_SPLIT = 2  # a split smaller than this spends more on its prologue than on keys
 MAX_GRID_X = 2**31 - 1
 

@@ -490,18 +490,25 @@ if SIMULATOR:
         c3}], [src]: add the box image at shared address ``src`` (laid out, and swizzled, as
         tma_load_4d leaves a box) element by element into the float32 array of the map
         (make_tensor_map_4d of a float32 array) at x[c3, c2, c1, c0], c0 innermost (a multiple of 4
-        elements: 16 bytes); elements outside the array are not added. Each element's addition is
+        elements: 16 bytes); elements past the array's ends are not added. Every coordinate must be
+        0 or more: a box starting before the array (a negative coordinate, innermost or not)
+        faulted on the H200 (illegal instruction, ending the context), where loads and stores take
+        one; the emulation raises. Each element's addition is
         atomic (other blocks may add to the same elements), their order unspecified. Asynchronous,
         in this thread's bulk group, as tma_store_2d: tma_store_commit closes the group,
         tma_store_wait(n) waits for its reads of shared memory. Write the tile with ordinary stores,
         then fence_proxy_async and a barrier, then one thread issues. Emulation: an immediate
         addition."""
         tensor, box, swizzle = _mapped_array(tensor_map, np.float32, c0, "reduce-add")
+        corner = [int(np.int32(c)) for c in (c3, c2, c1, c0)]
+        if min(corner) < 0:
+            raise ValueError(f"tma_reduce_add_4d at (c0, c1, c2, c3) = {tuple(corner[::-1])}: a negative "
+                             "coordinate (the GPU faults: illegal instruction)")
         image = np.frombuffer(_p._shared_bytes(src, int(np.prod(box)) * 4), dtype=np.uint8).reshape(-1, 16)
         if swizzle == SWIZZLE_128B:
             image = image[_chunk_order(image.shape[0] // 8, swizzle)]
         values = image.reshape(-1).view(np.float32).reshape(box)
-        inside, target = _box_slices([int(np.int32(c)) for c in (c3, c2, c1, c0)], box, tensor.shape)
+        inside, target = _box_slices(corner, box, tensor.shape)
         tensor[target] += values[inside]
 
     def tma_load_4d(dst, tensor_map, c0, c1, c2, c3, bar):

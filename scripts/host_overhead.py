@@ -9,7 +9,7 @@ filled by the cold run).
 
     python scripts/host_overhead.py
     python scripts/host_overhead.py --decode    # flash_attn_with_kvcache instead, with a cProfile
-    python scripts/host_overhead.py --decode --fused-append   # the append inside the decode launch
+    python scripts/host_overhead.py --decode --append-launch  # the append as a launch of its own
 """
 
 import cProfile
@@ -125,7 +125,7 @@ def decode_main():
     base = rows[0][1]
     from nbflash import kvcache
 
-    fused = " (append fused into the decode launch)" if kvcache.FUSED_APPEND else ""
+    fused = "" if kvcache.FUSED_APPEND else " (the append a launch of its own)"
     print(f"host time per decode call (1 x 1024 cache, 32/8 heads, headdim 128, float16, out=){fused}:")
     for name, us in rows:
         print(f"  {name:40s} {us:8.1f} us  {us / base:5.2f}x")
@@ -142,8 +142,8 @@ def decode_main():
 
 
 if __name__ == "__main__":
-    if "--fused-append" in sys.argv[1:]:
+    if "--append-launch" in sys.argv[1:]:
         from nbflash import kvcache
 
-        kvcache.FUSED_APPEND = True
+        kvcache.FUSED_APPEND = False
     decode_main() if "--decode" in sys.argv[1:] else main()

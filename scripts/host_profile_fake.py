@@ -161,6 +161,7 @@ def _reset_caches():
     kvcache._stand_ins.cache_clear()
     kvcache._multiprocessors.cache_clear()
     kvcache._REMEMBERED.clear()
+    kvcache._last_plan = None  # else the next call with an equal key takes the last fake GPU's plan
     kvcache._workspaces.clear()
     kvcache._merge_counters.clear()
     validation._REMEMBERED.clear()
@@ -252,10 +253,10 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=30, help="rounds; the fastest is printed (default 30)")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--top", type=int, default=15, help="cProfile rows per case (0: none)")
-    parser.add_argument("--fused-append", action="store_true",
-                        help="the append inside the decode launch (kvcache.FUSED_APPEND)")
+    parser.add_argument("--append-launch", action="store_true",
+                        help="the append as a launch of its own (kvcache.FUSED_APPEND off)")
     args = parser.parse_args(argv)
-    kvcache.FUSED_APPEND = args.fused_append
+    kvcache.FUSED_APPEND = not args.append_launch
 
     print("flash_attn_with_kvcache host time, fake CuPy and driver (a CPU measurement, not a GPU's host):")
     print(f"  {'floor: 2 shapes, a stream, a no-op driver call':48s} {trivial_us(args.calls, args.rounds):7.2f} us")
@@ -281,6 +282,7 @@ def main(argv=None):
                 profiler.disable()
                 profiles.append((name, profiler))
             kvcache._REMEMBERED.clear()
+            kvcache._last_plan = None
     for name, profiler in profiles:
         text = io.StringIO()
         stats = pstats.Stats(profiler, stream=text)

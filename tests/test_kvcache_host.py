@@ -44,9 +44,11 @@ def ptr(x):
     return x.data.ptr
 
 
-def test_remembered_calls_launch_their_own_arrays():
+def test_remembered_calls_launch_their_own_arrays(monkeypatch):
     """Four decode steps with new q, k, v, out and cache_seqlens objects each (and the caches as new
-    views at other addresses): one plan, and every launch carries that call's pointers and stream."""
+    views at other addresses): one plan, and every launch carries that call's pointers and stream.
+    The append as a launch of its own (what windows and cache_leftpad take)."""
+    monkeypatch.setattr(kvcache, "FUSED_APPEND", False)
     with fake_gpu(record=True) as (cupy, driver):
         (q, k_cache, v_cache), kwargs = decode_case("append")
         for step in range(4):
@@ -68,7 +70,8 @@ def test_remembered_calls_launch_their_own_arrays():
         assert len(driver.seen) == 8 and len(kvcache._REMEMBERED) == 1
 
 
-def test_remembered_int_lengths_reach_the_kernels_and_overflow_raises():
+def test_remembered_int_lengths_reach_the_kernels_and_overflow_raises(monkeypatch):
+    monkeypatch.setattr(kvcache, "FUSED_APPEND", False)  # the append kernel's length too
     with fake_gpu(record=True) as (cupy, driver):
         (q, k_cache, v_cache), kwargs = decode_case("append", capacity=64)
         del kwargs["cache_seqlens"]

@@ -775,9 +775,11 @@ def _swizzled_f32(box):
 def check_tma_reduce(xp, rng):
     # Boxes added into a (2, 100, 3, 72) float32 tensor (batch, rows, heads, headdim) holding random
     # values: two overlapping ones (their sums add), one partly past the rows and the headdim's
-    # end (the outside is dropped), one before row 0; c0 multiples of 4 elements (16 bytes).
+    # end (the outside is dropped), one ending at the last row; c0 multiples of 4 elements (16
+    # bytes). No box starts before the tensor: on the H200 a negative coordinate (row -16, or
+    # c0 = -32) faulted with an illegal instruction (test_tma_reduce_refuses_negative_coordinates).
     x = rng.standard_normal((2, 100, 3, 72)).astype(np.float32)
-    corners = np.asarray([(0, 1, 0, 0), (0, 1, 32, 0), (64, 2, 80, 1), (32, 0, -16, 1)], dtype=np.int32)
+    corners = np.asarray([(0, 1, 0, 0), (0, 1, 32, 0), (64, 2, 80, 1), (32, 0, 36, 1)], dtype=np.int32)
     boxes = rng.standard_normal((len(corners), RED_ROWS, RED_COLS)).astype(np.float32)
     images = np.stack([_swizzled_f32(b) for b in boxes])
     x_dev = xp.asarray(x.copy())  # the simulator's array is x itself otherwise
@@ -793,6 +795,16 @@ def check_tma_reduce(xp, rng):
 
 def test_tma_reduce_add_4d(xp, rng):
     check_tma_reduce(xp, rng)
+
+
+@pytest.mark.skipif(not P.SIMULATOR, reason="the GPU faults (illegal instruction), ending the test process's context")
+@pytest.mark.parametrize("corner", [(0, 0, -16, 0), (-32, 0, 0, 0)], ids=["row", "innermost"])
+def test_tma_reduce_refuses_negative_coordinates(corner):
+    x = np.zeros((1, 100, 1, 72), np.float32)  # outlives the map, which names its memory
+    tensor_map = H.make_tensor_map_4d(x, (1, RED_ROWS, 1, RED_COLS), H.SWIZZLE_128B)
+    images = np.zeros((1, RED_ELEMS), np.float32)
+    with pytest.raises(ValueError, match="negative coordinate"):
+        _tma_reduce_kernel[1, 64](tensor_map, np.asarray([corner], dtype=np.int32), images)
 
 
 @pytest.mark.parametrize("swizzle", [H.SWIZZLE_NONE, H.SWIZZLE_128B], ids=["none", "128b"])
