@@ -770,6 +770,15 @@ if SIMULATOR:
         around wgmma_fence / wgmma_wait). Emulation: the identity."""
         return values
 
+    def copy_operands(values):
+        """A tuple of registers (float32 or uint32) copied into others by a volatile asm (one mov
+        each): values a wgmma wrote, taken out of its accumulator right after the wgmma_wait that
+        covers it, to be kept past the next wgmma's issue. Read from the accumulator itself after
+        another wgmma is issued (in a later step of a loop), ptxas cannot tell which wait covers
+        them and serializes every wgmma of the kernel (C7519 in its -v output). Emulation: the
+        identity."""
+        return values
+
     def registers_from(arr, count):
         """A UniTuple of the first ``count`` (a literal) elements of the 1-D array ``arr``: the form
         an accumulator or an A fragment takes (a register tuple), from a local or global array."""
@@ -1001,6 +1010,23 @@ else:
             lltype = context.get_value_type(values.dtype)
             inputs = [builder.extract_value(llargs[0], i) for i in range(count)]
             out = _register_tuple_asm(builder, lltype, count, "", constraints, inputs)
+            return context.make_tuple(builder, values, [builder.extract_value(out, i) for i in range(count)])
+
+        return values(values), codegen
+
+    @intrinsic
+    def copy_operands(typingctx, values):
+        if not isinstance(values, types.UniTuple) or values.dtype not in (types.float32, types.uint32):
+            return None
+        count = values.count
+        code = "f" if values.dtype == types.float32 else "r"
+        text = " ".join(f"mov.b32 ${i}, ${count + i};" for i in range(count))
+        constraints = ",".join([f"={code}"] * count + [code] * count)
+
+        def codegen(context, builder, signature, llargs):
+            lltype = context.get_value_type(values.dtype)
+            inputs = [builder.extract_value(llargs[0], i) for i in range(count)]
+            out = _register_tuple_asm(builder, lltype, count, text, constraints, inputs)
             return context.make_tuple(builder, values, [builder.extract_value(out, i) for i in range(count)])
 
         return values(values), codegen

@@ -1,6 +1,6 @@
 """Compile every kernel of tests/test_primitives_sm90.py for sm_90a and assemble it with ptxas, with no GPU.
 
-    python scripts/check_sm90_ptx.py [--out DIR] [--only NAME ...] [--ptxas PATH] [--fp8-forward]
+    python scripts/check_sm90_ptx.py [--out DIR] [--only NAME ...] [--ptxas PATH] [--fp8-forward] [--backward]
 
 For each kernel: Numba -> PTX (``compile_ptx(..., cc=(9, 0, "a"))``) -> ``ptxas -arch=sm_90a``. Prints
 one line per kernel (registers, spills, ptxas warnings) and exits 1 if any kernel fails to compile or
@@ -16,7 +16,9 @@ GPU (misaligned address), which the simulator cannot see.
 
 With ``--out`` the PTX, cubin and ptxas log of each kernel are kept there. ``--fp8-forward`` adds the
 fp8 forward's planned configs (nbflash.configs.SM90_FP8_FORWARD, plain and causal; spills are
-reported, not failed).
+reported, not failed); ``--backward`` the sm90 dK/dV kernel's planned configs (configs.SM90_BACKWARD,
+plain) and its defer_dq schedule at headdim 64, whose wgmmas ptxas serialized (C7519) until the dQ
+issue got its own wgmma_fence.
 
 Needs ptxas (the CUDA toolkit, or the nvidia-cuda-nvcc wheel) and Numba's NVVM; no GPU.
 """
@@ -58,6 +60,8 @@ EXPECTED = {
     "wgmma_fp8_two_gemm": ["wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", "cvt.rn.satfinite.e4m3x2.f32"],
     "pack_e4m3": ["cvt.rn.satfinite.e4m3x2.f32"],
     "forward_fp8": ["k32.f32.e4m3.e4m3", "cvt.rn.satfinite.e4m3x2.f32", "cp.async.bulk.tensor.4d"],
+    "copy_operands": ["mov.b32"],
+    "backward_sm90": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "red.global.add.v2.f32", "cp.async.bulk.tensor.4d"],
 }
 
 
@@ -75,6 +79,23 @@ def fp8_forward_kernels():
             kernels.append((name, registry.build(config).py_func, registry.signature(config),
                             {"launch_bounds": config.launch_bounds}))
     return kernels
+
+
+def backward_kernels():
+    """(name, Python function, signature, compile options) of the sm90 dK/dV kernel's planned
+    configs (fp16, plain) and of the defer_dq schedule at headdim 64."""
+    import dataclasses
+
+    from nbflash import configs
+    from nbflash.kernels import registry
+    from nbflash.problem import Variant
+
+    found = [(f"backward_sm90_hd{headdim}", configs.sm90_backward_config("float16", headdim, Variant()))
+             for headdim, *_ in configs.SM90_BACKWARD]
+    found.append(("backward_sm90_defer_dq_hd64", dataclasses.replace(
+        configs.sm90_backward_config("float16", 64, Variant()), dq_split="steps", defer_dq=True)))
+    return [(name, registry.build(config).py_func, registry.signature(config), {"launch_bounds": config.launch_bounds})
+            for name, config in found]
 
 
 def expected_instructions(name):
@@ -139,6 +160,7 @@ def main():
     parser.add_argument("--only", nargs="*", help="kernel names (default: all)")
     parser.add_argument("--ptxas", help="the ptxas to assemble with (default: the nvcc wheel's, else PATH's)")
     parser.add_argument("--fp8-forward", action="store_true", help="also the fp8 forward's planned configs")
+    parser.add_argument("--backward", action="store_true", help="also the sm90 dK/dV kernel's planned configs")
     args = parser.parse_args()
 
     pretend_gpu((9, 0))
@@ -148,7 +170,8 @@ def main():
     out_dir = args.out or tempfile.mkdtemp(prefix="sm90_ptx_")
     os.makedirs(out_dir, exist_ok=True)
     failed = 0
-    kernels = offline_kernels() + (fp8_forward_kernels() if args.fp8_forward else [])
+    kernels = (offline_kernels() + (fp8_forward_kernels() if args.fp8_forward else [])
+               + (backward_kernels() if args.backward else []))
     for name, pyfunc, sig, options in kernels:
         if args.only and name not in args.only:
             continue

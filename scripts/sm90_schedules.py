@@ -14,6 +14,8 @@ Backward, each column a schedule:
 - "columns-tma", "steps-tma": those splits with dQ added by TMA reduce-adds from shared memory;
 - "heavy-first": the planner's choice with the grid's key tiles slowest (with causal attention the
   blocks that see the most query tiles start first);
+- "defer-dq" / "3st-defer-dq" (headdim 64): "steps" with dQ_i's atomics deferred to the next step,
+  under its S^T and dP^T products (defer_dq), 2 and 3 stages;
 - "planned": the planner's choice (configs.SM90_BACKWARD).
 Each is timed as a whole flash_attn_backward call (preprocess and dq conversion included, the same
 for all), FLOPs 2.5x the forward's, its dq, dk, dv compared with the base's.
@@ -139,6 +141,9 @@ def backward_schedules(headdim, causal):
         found["columns-tma"] = base.__class__(**{**base.__dict__, "dq_split": "columns", "dq_reduce": "tma"})
     found["steps-tma"] = base.__class__(**{**base.__dict__, "dq_split": "steps", "dq_reduce": "tma"})
     found["heavy-first"] = planned.__class__(**{**planned.__dict__, "heavy_first": True})
+    if base.headdim_padded == 64:
+        found["defer-dq"] = base.__class__(**{**base.__dict__, "dq_split": "steps", "defer_dq": True})
+        found["3st-defer-dq"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps", "defer_dq": True})
     found["planned"] = planned
     return found
 

@@ -175,6 +175,63 @@ def test_backward_sm90_heavy_first_gpu(rng, xp, heavy_first, causal):
     run_sm90(rng, xp, 2, 1023, 2048, 6, 2, 128, "float16", causal)
 
 
+@pytest.fixture
+def defer_dq(request, monkeypatch):
+    """Plan the sm90 backward with dQ_i's atomics deferred to the next step (defer_dq), dQ split
+    as the parameter says ("steps" or "columns")."""
+    planned = configs.sm90_backward_config
+    monkeypatch.setattr(configs, "sm90_backward_config", lambda *args: dataclasses.replace(
+        planned(*args), dq_split=request.param, defer_dq=True))
+    backward._kernels.cache_clear()
+    yield request.param
+    backward._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+@pytest.mark.parametrize("defer_dq", ["steps", "columns"], indirect=True)
+def test_backward_sm90_defer_dq_small(rng, xp, defer_dq):
+    """dQ_i added at the next step's start (the last one after the loop): causal with tails over
+    three query tiles and GQA 2:1 (six steps, so each consumer's turns with "steps" include the
+    last, added after the loop); by columns at headdim 96."""
+    headdim = 64 if defer_dq == "steps" else 96
+    dkdv = configs.plan_backward(Static("float16", headdim, True, 0, CAUSAL), False, "sm90")[1]
+    assert dkdv.defer_dq and dkdv.dq_split == defer_dq
+    run_sm90(rng, xp, 1, 150, 100, 2, 1, headdim, "float16", True)
+
+
+def test_defer_dq_takes_one_chunk_per_consumer():
+    from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
+
+    for kwargs in (dict(headdim=128, dq_split="steps"), dict(headdim=64, dq_split="keys"),
+                   dict(headdim=128, dq_split="columns", dq_reduce="tma")):
+        with pytest.raises(ValueError, match="defer_dq=True takes"):
+            Sm90BackwardConfig(dtype="float16", variant=Variant(), defer_dq=True, **kwargs)
+    assert Sm90BackwardConfig(dtype="float16", headdim=40, variant=Variant(), dq_split="steps", defer_dq=True)
+
+
+def test_defer_dq_assembles_without_serialized_wgmma():
+    """ptxas on the defer_dq kernel (headdim 64, "steps"): no C75xx message (the dQ product under a
+    branch once made ptxas serialize every wgmma of the kernel), no spill; offline, no GPU."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    run = subprocess.run([sys.executable, os.path.join(root, "scripts", "check_sm90_ptx.py"), "--backward", "--only",
+                          "backward_sm90_defer_dq_hd64"], capture_output=True, text=True, cwd=root, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "ok   backward_sm90_defer_dq_hd64: 168 registers, 0 bytes spilled" in run.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("defer_dq", ["steps"], indirect=True)
+@pytest.mark.parametrize("headdim", [40, 64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_defer_dq_gpu(rng, xp, defer_dq, seqlens, causal, headdim):
+    run_sm90(rng, xp, 2, *seqlens, 4, 2, headdim, "float16", causal)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sm90_backward_table", [(2, "columns", "tma"), (2, "steps", "tma")], indirect=True,
                          ids=["columns-tma", "steps-tma"])

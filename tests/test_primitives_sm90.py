@@ -75,6 +75,27 @@ def test_small():
     check_small()
 
 
+@cuda.jit
+def _copy_kernel(x, out, u, out_u):
+    # copy_operands: each thread's four float32 and four uint32 values through the copying asm.
+    t = cuda.threadIdx.x
+    H.registers_to(out[t], H.copy_operands(H.registers_from(x[t], 4)))
+    H.registers_to(out_u[t], H.copy_operands(H.registers_from(u[t], 4)))
+
+
+def check_copy(rng):
+    x = rng.standard_normal((32, 4)).astype(np.float32)
+    u = rng.integers(0, 1 << 32, size=(32, 4), dtype=np.uint32)
+    out, out_u = np.full_like(x, np.nan), np.zeros_like(u)
+    _copy_kernel[1, 32](x, out, u, out_u)
+    np.testing.assert_array_equal(out, x)
+    np.testing.assert_array_equal(out_u, u)
+
+
+def test_copy_operands(rng):
+    check_copy(rng)
+
+
 # --- Named barriers: bar.arrive / bar.sync hand-offs between warps ------------------------------------
 
 ROUNDS = 4
@@ -837,6 +858,7 @@ def test_sm90_intrinsics_on_gpu(xp):
     rng = np.random.default_rng(90)
     for _ in range(5):
         check_small()
+        check_copy(rng)
         check_descriptor_bits()
         check_named_barriers()
         check_mbarrier(rng)
@@ -897,6 +919,8 @@ def offline_kernels():
     f32_2d = types.Array(types.float32, 2, "C")
     kernels = [
         ("small", _small_kernel, (types.Array(types.uint32, 1, "C"),), {"launch_bounds": (128, 1)}),
+        ("copy_operands", _copy_kernel, (f32_2d, f32_2d, types.Array(types.uint32, 2, "C"),
+                                         types.Array(types.uint32, 2, "C")), {}),
         ("descriptor_bits", _descriptor_kernel, (types.Array(types.int64, 2, "C"), types.Array(types.uint64, 1, "C")),
          {}),
         ("named_barriers", _named_barrier_kernel, (types.Array(types.uint32, 2, "C"),), {}),

@@ -96,6 +96,7 @@ from nbflash.primitives_sm90 import (
     cached_tensor_maps,
     elect_sync,
     fence_mbarrier_init,
+    copy_operands,
     fence_operands,
     fence_proxy_async,
     fence_proxy_tensormap_acquire,
@@ -166,6 +167,12 @@ class Sm90BackwardConfig:
     # slowest, so that with causal attention the tiles that see the most query tiles (the first)
     # start first and the last wave holds the shortest blocks (longest-first scheduling)
     heavy_first: bool = False
+    # dQ_i's atomics deferred to the next step, issued right after its S^T and dP^T products: the
+    # tensor cores work while the consumer adds (without it they wait for the other consumer's
+    # products, if any); dQ_i's registers stay live across the step boundary, S^T's and dP^T's in
+    # flight under the adds (64 more live registers). Takes one 64-column chunk of dQ_i per consumer
+    # ("columns", or "steps" at headdims up to 64) and dq_reduce="red"
+    defer_dq: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
     block_m = 64  # query rows per step: the N of S^T = K Q^T, and the 128-byte row of dS^T
@@ -190,6 +197,11 @@ class Sm90BackwardConfig:
         if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
             raise ValueError(f"{self.dynamic_shared_bytes} bytes of shared memory exceed a block's "
                              f"{MAX_SHARED_BYTES}: fewer stages, or dq_reduce='red'")
+        if self.defer_dq and (self.dq_reduce != "red" or self.dq_split not in ("columns", "steps")
+                              or (self.dq_split == "steps" and self.headdim_padded != CHUNK)):
+            raise ValueError("defer_dq=True takes dq_reduce='red' and a dQ_i of one 64-column chunk per "
+                             "consumer: dq_split='columns', or 'steps' at a headdim up to 64; not "
+                             f"{self.dq_split=}, {self.dq_reduce=}, {self.headdim=}")
         if self.dq_split == "steps" and self.consumers != 2:
             raise ValueError(f"dq_split='steps' takes two consumers, not {self.consumers=}")
         if self.dq_split == "columns" and (self.consumers != 2 or self.headdim_padded != 2 * CHUNK):
@@ -293,6 +305,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     DQ_CHUNKS = 1 if DQ_BY_COLUMNS else CHUNKS  # 64-column chunks of dQ a consumer adds
     DQ_TMA = config.dq_reduce == "tma"  # dQ_i staged in shared memory, added by TMA
     HEAVY_FIRST = config.heavy_first
+    DEFER_DQ = config.defer_dq  # dQ_i added while step i+1's S^T and dP^T are in flight
     DQ_STAGE_BYTES = config.dq_stage_bytes  # a consumer's staging tiles
     DQ_BUFFERS = 2 if DQ_BY_COLUMNS else 1  # ... in how many buffers
     DQ_PENDING = DQ_BUFFERS - 1  # reduce-add groups that may still read staging when one is rewritten
@@ -338,6 +351,20 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                                         uint32(0 if kk == 0 else 1))
         wgmma_commit()
         return acc
+
+    @inline_device
+    def issue_scores(s, dp, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use):
+        """S^T = K_c Q_i^T and dP^T = V_c dO_i^T of the step whose tiles are in ring ``slot`` (its
+        ``use``-th fill), once they have landed: two commit groups; returns their accumulators."""
+        acc_s = fence_operands(registers_from(s, S_REGS))
+        acc_dp = fence_operands(registers_from(dp, S_REGS))
+        mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
+        wgmma_fence()  # the accumulators' registers are ordered before wgmma uses them
+        acc_s = issue_keys_by_queries(acc_s, desc_k, smem_descriptor(q_ring + uint32(slot * Q_BYTES), K_MAJOR[0],
+                                                                     K_MAJOR[1], SWIZZLE_128B))
+        acc_dp = issue_keys_by_queries(acc_dp, desc_v, smem_descriptor(do_ring + uint32(slot * Q_BYTES), K_MAJOR[0],
+                                                                       K_MAJOR[1], SWIZZLE_128B))
+        return acc_s, acc_dp
 
     @inline_device
     @unroll
@@ -436,6 +463,20 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     col = col0 + 8 * c + 2 * q4
                     if col < HD:  # HD is a multiple of 8: both columns of the pair are inside
                         red_add_f32x2(row_address + col * 4, acc[4 * c + 2 * rh], acc[4 * c + 2 * rh + 1])
+
+    @inline_device
+    def add_dq_of_step(dq_accum, acc, b, hk, group, first_tile, tiles_per_head, i, consumer, warp, g, seqlen_q, q4):
+        """defer_dq: step i's dQ_i chunk (held in ``acc``) into dq_accum, if it was this consumer's
+        to add (every step with "columns", its turns with "steps")."""
+        h = hk * group + i // tiles_per_head
+        row0 = (first_tile + i % tiles_per_head) * BM + 16 * warp + g
+        if DQ_BY_COLUMNS:  # the chunk a constant in each copy (a run-time one spilled 208 bytes)
+            if consumer == 0:
+                add_dq(dq_accum, acc, b, row0, h, 0, seqlen_q, q4)
+            else:
+                add_dq(dq_accum, acc, b, row0, h, CHUNK, seqlen_q, q4)
+        elif i % 2 == consumer:
+            add_dq(dq_accum, acc, b, row0, h, 0, seqlen_q, q4)
 
     @inline_device
     @unroll
@@ -598,6 +639,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             dk_acc = cuda.local.array(ACC_REGS, float32)
             dv_acc = cuda.local.array(ACC_REGS, float32)
             dq_acc = cuda.local.array(DQ_REGS, float32)
+            dq_keep = cuda.local.array(DQ_REGS if DEFER_DQ else 1, float32)  # defer_dq: dQ_i until it is added
             p = cuda.local.array(P_REGS, uint32)
             ds = cuda.local.array(P_REGS, uint32)
             for r in static_range(S_REGS):
@@ -627,14 +669,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 do_slot = do_ring + uint32(slot * Q_BYTES)
 
                 # S^T = K_c Q_i^T and dP^T = V_c dO_i^T, two commit groups
-                acc_s = fence_operands(registers_from(s, S_REGS))
-                acc_dp = fence_operands(registers_from(dp, S_REGS))
-                mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
-                wgmma_fence()  # the accumulators' registers are ordered before wgmma uses them
-                acc_s = issue_keys_by_queries(
-                    acc_s, desc_k, smem_descriptor(q_slot, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B))
-                acc_dp = issue_keys_by_queries(
-                    acc_dp, desc_v, smem_descriptor(do_slot, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B))
+                acc_s, acc_dp = issue_scores(s, dp, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use)
+                if DEFER_DQ and i > 0:  # the last step's dQ (its turn's) added while they run
+                    add_dq_of_step(dq_accum, dq_keep, b, hk, group, first_tile, tiles_per_head, i - 1, consumer,
+                                   warp, g, seqlen_q, q4)
                 wgmma_wait(PENDING)  # S^T has landed (with overlap, dP^T may still run)
                 registers_to(s, fence_operands(acc_s))
                 if SCORE:  # dP^T too: its derivative is used as it is made
@@ -695,6 +733,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     if DQ_BY_COLUMNS:  # the consumer's chunk of headdim, every key of the tile
                         desc_kc = smem_descriptor(k_tile + uint32(consumer * KV_CHUNK_BYTES), KV_CHUNK_BYTES, 1024,
                                                   SWIZZLE_128B)
+                    if DEFER_DQ:
+                        wgmma_fence()
                     acc_q = issue_dq(acc_q, desc_ds, desc_kc)
                     wgmma_wait(0)
                     registers_to(dq_acc, fence_operands(acc_q))
@@ -706,6 +746,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                         stage_dq(smem, (dq_stage - smem_start) // uint32(4) + uint32(
                             ((consumer * DQ_BUFFERS + i % DQ_BUFFERS) * DQ_CHUNKS + chunk) * (2 * DQ_BOX_BYTES // 4)),
                             dq_acc, warp, g, q4)
+                    elif DEFER_DQ:  # kept, out of the accumulator's registers, to add at the next step's start
+                        registers_to(dq_keep, copy_operands(registers_from(dq_acc, DQ_REGS)))
                     elif DQ_BY_COLUMNS:  # the chunk a constant in each copy (a run-time one spilled 208 bytes)
                         if consumer == 0:
                             add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, 0, seqlen_q, q4)
@@ -727,6 +769,9 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                                                       buffer + uint32((2 * chunk + half) * DQ_BOX_BYTES))
                         tma_store_commit()
 
+            if DEFER_DQ and steps > 0:
+                add_dq_of_step(dq_accum, dq_keep, b, hk, group, first_tile, tiles_per_head, steps - 1, consumer, warp,
+                               g, seqlen_q, q4)
             if DQ_TMA and tid % GROUP == 0:
                 tma_store_wait(0)  # the staging tiles are read before the block's shared memory goes
             # ---- Write dK = dS^T Q * scale and dV (keys no query sees get 0) ----
