@@ -998,30 +998,10 @@ else:
     def _make_wgmma_rs(n, ab, trans_b):
         return _wgmma_intrinsic(n, ab, trans_b, register_a=True)
 
-    @intrinsic
-    def fence_operands(typingctx, values):
-        if not isinstance(values, types.UniTuple) or values.dtype not in (types.float32, types.uint32):
-            return None
+    def _register_tuple_intrinsic(values, text, constraints):
+        """Typing and codegen of an intrinsic that passes a UniTuple of registers through one asm
+        (``text`` with ``constraints``), returning the asm's outputs as the tuple."""
         count = values.count
-        code = "f" if values.dtype == types.float32 else "r"
-        constraints = ",".join([f"={code}"] * count + [str(i) for i in range(count)] + ["~{memory}"])
-
-        def codegen(context, builder, signature, llargs):
-            lltype = context.get_value_type(values.dtype)
-            inputs = [builder.extract_value(llargs[0], i) for i in range(count)]
-            out = _register_tuple_asm(builder, lltype, count, "", constraints, inputs)
-            return context.make_tuple(builder, values, [builder.extract_value(out, i) for i in range(count)])
-
-        return values(values), codegen
-
-    @intrinsic
-    def copy_operands(typingctx, values):
-        if not isinstance(values, types.UniTuple) or values.dtype not in (types.float32, types.uint32):
-            return None
-        count = values.count
-        code = "f" if values.dtype == types.float32 else "r"
-        text = " ".join(f"mov.b32 ${i}, ${count + i};" for i in range(count))
-        constraints = ",".join([f"={code}"] * count + [code] * count)
 
         def codegen(context, builder, signature, llargs):
             lltype = context.get_value_type(values.dtype)
@@ -1030,6 +1010,30 @@ else:
             return context.make_tuple(builder, values, [builder.extract_value(out, i) for i in range(count)])
 
         return values(values), codegen
+
+    def _register_code(values):
+        """The asm constraint letter of a tuple of float32 or uint32 registers, else None."""
+        if not isinstance(values, types.UniTuple) or values.dtype not in (types.float32, types.uint32):
+            return None
+        return "f" if values.dtype == types.float32 else "r"
+
+    @intrinsic
+    def fence_operands(typingctx, values):
+        code = _register_code(values)
+        if code is None:
+            return None
+        count = values.count
+        constraints = ",".join([f"={code}"] * count + [str(i) for i in range(count)] + ["~{memory}"])
+        return _register_tuple_intrinsic(values, "", constraints)
+
+    @intrinsic
+    def copy_operands(typingctx, values):
+        code = _register_code(values)
+        if code is None:
+            return None
+        count = values.count
+        text = " ".join(f"mov.b32 ${i}, ${count + i};" for i in range(count))
+        return _register_tuple_intrinsic(values, text, ",".join([f"={code}"] * count + [code] * count))
 
     @intrinsic
     def pack_e4m3x4(typingctx, x0, x1, x2, x3):
