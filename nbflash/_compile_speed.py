@@ -167,6 +167,7 @@ def _lowering_element_access(lower_expr, lower_inst):
 
 
 _CONFIG_HASHES = {}  # TargetConfig subclass -> the hash of its sorted option names
+_CONFIG_DEFAULTS = {}  # TargetConfig subclass -> {option name: default}
 
 
 def config_hash(self):
@@ -178,13 +179,29 @@ def config_hash(self):
     return found
 
 
+def _config_defaults(cls):
+    """The default of each option of a TargetConfig class, once per class."""
+    found = _CONFIG_DEFAULTS.get(cls)
+    if found is None:
+        found = _CONFIG_DEFAULTS[cls] = {name: option.default for name, option in cls.options.items()}
+    return found
+
+
 def _config_eq(original_eq):
     from numba.cuda.core.targetconfig import TargetConfig
 
     def config_eq(self, other):
-        """``TargetConfig.__eq__``, with a shortcut for two configs of one class and the same set values."""
-        if isinstance(other, TargetConfig) and type(self) is type(other) and self._values == other._values:
-            return True
+        """``TargetConfig.__eq__`` (every option's value equal: an option's value is its set value,
+        else its default): for two configs of one class, at once when the set values are the same,
+        else from the set values over the class's defaults; numba-cuda's comparison otherwise. All
+        configs of a class hash alike, so a dict lookup compares every one it meets: the
+        comparison's cost is typing's (numba-cuda's reads ~30 properties twice)."""
+        if isinstance(other, TargetConfig) and type(self) is type(other):
+            mine, theirs = self._values, other._values
+            if mine == theirs:
+                return True
+            defaults = _config_defaults(type(self))
+            return {**defaults, **mine} == {**defaults, **theirs}
         return original_eq(self, other)
 
     return config_eq

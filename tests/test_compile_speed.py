@@ -349,6 +349,9 @@ def _config_identity():
         same.debuginfo, same.boundscheck = True, True  # another object, the same values
         configs.append(same)
         configs.append(changed.copy())
+        partial = cls()
+        partial.debuginfo = True  # one of changed's two values
+        configs.append(partial)
     pairs = 0
     for a in configs:
         assert _compile_speed.config_hash(a) == their_hash(a)
