@@ -75,7 +75,8 @@ TOPICS = [
         bytes as B stored MN-major (k = queries, n = headdim contiguous). The swizzled image is the
         same; only the descriptor's strides and the transpose bit differ, so no thread re-lays a
         tile.""",
-     [(KERNEL, BODY, "smem_descriptor(q_slot, K_MAJOR[0]", 0, "Q_i as S^T's B, K-major"),
+     [(KERNEL, "issue_scores", "smem_descriptor(q_ring + uint32(slot * Q_BYTES), K_MAJOR[0]", 0,
+       "Q_i as S^T's B, K-major"),
       (KERNEL, BODY, "smem_descriptor(q_slot, Q_CHUNK_BYTES", 0, "the same Q_i as dK's B, MN-major")]),
     ("4. dS^T stored, read back as dS", """
         dQ_i += dS K needs dS with queries as rows (wgmma's M), but the registers hold dS^T. Each

@@ -27,6 +27,7 @@ from .conftest import SIMULATOR
 from .helpers import is_sm90, random_qkv, to_numpy
 from .test_backward import poisoned_outputs  # noqa: F401  (autouse: every library buffer starts as NaN)
 from .test_backward import SEQLENS, assert_gradients_close, forward, random_like, run_case
+from .test_primitives_sm90 import _offline_toolchain
 from .test_variants_attention import split
 
 
@@ -209,6 +210,8 @@ def test_defer_dq_takes_one_chunk_per_consumer():
     assert Sm90BackwardConfig(dtype="float16", headdim=40, variant=Variant(), dq_split="steps", defer_dq=True)
 
 
+@pytest.mark.skipif(not _offline_toolchain(),
+                    reason="needs ptxas and Numba's offline compilers (NVVM, NVRTC: numba-cuda[cu12] or [cu13])")
 def test_defer_dq_assembles_without_serialized_wgmma():
     """ptxas on the defer_dq kernel (headdim 64, "steps"): no C75xx message (the dQ product under a
     branch once made ptxas serialize every wgmma of the kernel), no spill; offline, no GPU."""

@@ -94,9 +94,9 @@ from nbflash.primitives_sm90 import (
     SWIZZLE_128B,
     array_address,
     cached_tensor_maps,
+    copy_operands,
     elect_sync,
     fence_mbarrier_init,
-    copy_operands,
     fence_operands,
     fence_proxy_async,
     fence_proxy_tensormap_acquire,
@@ -733,7 +733,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     if DQ_BY_COLUMNS:  # the consumer's chunk of headdim, every key of the tile
                         desc_kc = smem_descriptor(k_tile + uint32(consumer * KV_CHUNK_BYTES), KV_CHUNK_BYTES, 1024,
                                                   SWIZZLE_128B)
-                    if DEFER_DQ:
+                    if DEFER_DQ:  # a fence of its own under the turn's branch, else ptxas serializes (C7519)
                         wgmma_fence()
                     acc_q = issue_dq(acc_q, desc_ds, desc_kc)
                     wgmma_wait(0)
