@@ -38,10 +38,11 @@ compile's flags (``templates._OverloadMethodTemplate._get_impl`` and its kin): e
 option names (``sorted(self.values())`` sorts the keys of a dict of every option), the same for
 every instance of a class, computed by building that dict of ~30 options each time;
 ``__eq__`` builds two such dicts. ``config_hash`` returns the same number from the class's option
-names, computed once per class; ``config_eq`` answers True at once when both are of one class and
-hold the same explicitly set values (then every option's value is the same object or an equal
-one), and otherwise compares ``values()`` as before. About a seventh of the profiled calls of an
-unrolled kernel's compile went to those two.
+names, computed once per class; ``config_eq`` compares two configs of one class by their set
+values over the class's defaults (an option's value is its set value, else its default: the
+getter the metaclass makes), at once when the set values are equal, and configs of two classes
+through ``values()`` as before. About a seventh of the profiled calls of an unrolled kernel's
+compile went to those two.
 
 ``tests/test_compile_speed.py`` checks each against numba-cuda's own code: the variable scan on
 the IR of nbflash's kernels; the element lowerings by running both on the CPU (llvmlite's JIT) for

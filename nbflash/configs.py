@@ -52,6 +52,8 @@ FAMILY_ALIASES = {"mma": "sm80"}  # earlier names, still accepted everywhere a f
 def canonical_family(family):
     """A family's name as FAMILIES spells it (``"mma"`` -> ``"sm80"``); None stays None."""
     return FAMILY_ALIASES.get(family, family)
+
+
 MMA_DTYPES = ("float16", "bfloat16")
 MMA_MIN_COMPUTE_CAPABILITY = (8, 0)
 

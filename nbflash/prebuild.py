@@ -26,12 +26,13 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 
 from . import cubin_cache, launch, runtime
+from .configs import FAMILY_ALIASES
 from .kernels import registry
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEADDIMS = (32, 64, 96, 128, 256)
 FAMILIES = ("portable", "sm80", "sm90")
-FAMILY_NAMES = FAMILIES + ("mma",)  # "mma": the sm80 family's earlier name
+FAMILY_NAMES = FAMILIES + tuple(FAMILY_ALIASES)  # with the earlier names ("mma")
 
 
 class MissingTool(RuntimeError):

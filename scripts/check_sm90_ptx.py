@@ -17,8 +17,8 @@ GPU (misaligned address), which the simulator cannot see.
 With ``--out`` the PTX, cubin and ptxas log of each kernel are kept there. ``--fp8-forward`` adds the
 fp8 forward's planned configs (nbflash.configs.SM90_FP8_FORWARD, plain and causal; spills are
 reported, not failed); ``--backward`` the sm90 dK/dV kernel's planned configs (configs.SM90_BACKWARD,
-plain) and its defer_dq schedule at headdim 64, whose wgmmas ptxas serialized (C7519) until the dQ
-issue got its own wgmma_fence.
+plain) and its defer_dq schedule at headdim 64, whose wgmmas ptxas serialized (C7519) until the kept
+dQ left the accumulator's registers (copy_operands) and the dQ issue got its own wgmma_fence.
 
 Needs ptxas (the CUDA toolkit, or the nvidia-cuda-nvcc wheel) and Numba's NVVM; no GPU.
 """

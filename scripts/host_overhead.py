@@ -125,8 +125,8 @@ def decode_main():
     base = rows[0][1]
     from nbflash import kvcache
 
-    fused = "" if kvcache.FUSED_APPEND else " (the append a launch of its own)"
-    print(f"host time per decode call (1 x 1024 cache, 32/8 heads, headdim 128, float16, out=){fused}:")
+    append = "" if kvcache.FUSED_APPEND else " (the append a launch of its own)"
+    print(f"host time per decode call (1 x 1024 cache, 32/8 heads, headdim 128, float16, out=){append}:")
     for name, us in rows:
         print(f"  {name:40s} {us:8.1f} us  {us / base:5.2f}x")
     for name, fn in calls.items():

@@ -189,12 +189,14 @@ def test_decode_variants_batch_idx(rng, xp):
 
 
 @pytest.fixture
-def fused_append(monkeypatch):
-    """The append inside the decode launch (kvcache.FUSED_APPEND), with no plan kept from before."""
-    monkeypatch.setattr(kvcache, "FUSED_APPEND", True)
+def fused_append(request, monkeypatch):
+    """The append inside the decode launch (kvcache.FUSED_APPEND; a test's indirect parameter may
+    say False), with no plan kept from before."""
+    fused = getattr(request, "param", True)
+    monkeypatch.setattr(kvcache, "FUSED_APPEND", fused)
     monkeypatch.setattr(kvcache, "_last_plan", None)
     kvcache._REMEMBERED.clear()
-    yield
+    yield fused
     kvcache._REMEMBERED.clear()
 
 
@@ -230,21 +232,19 @@ def test_gathered_float32(rng, xp):
     check_call(rng, xp, "float32", 2, 2, 2, 1, 8, [6, 0], 12, seqlen_new=3, page_size=1, rotary_dim=4)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["append-kernel", "fused"])
+@pytest.mark.parametrize("fused_append", [False, True], ids=["append-kernel", "fused"], indirect=True)
 @pytest.mark.parametrize("page_size", [None, 4])
-def test_device_lengths_overflow_write_nothing_outside(rng, xp, page_size, fused, monkeypatch):
+def test_device_lengths_overflow_write_nothing_outside(rng, xp, page_size, fused_append):
     """Lengths on the device are not read back: an append past the capacity (or a page index outside
     the cache) is dropped by the kernels, and the guard regions stay as they were; so with the append
     inside the decode launch."""
-    monkeypatch.setattr(kvcache, "FUSED_APPEND", fused)
-    monkeypatch.setattr(kvcache, "_last_plan", None)
-    kvcache._REMEMBERED.clear()
     q, k_whole, k_cache, v_whole, v_cache, args = make_case(rng, xp, "float16", 2, 1, 2, 1, 16, [15, 3], 16,
                                                             seqlen_new=3, page_size=page_size)
     if page_size is not None:
         args["block_table"][1, 0] = k_cache.shape[0] + 1  # a page past the cache (into the guard rows)
     k_before, v_before = to_numpy(k_whole).copy(), to_numpy(v_whole).copy()
     out = nbflash.flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=1, **args)
+    assert fused_plans() == [fused_append]
     assert not np.isnan(to_numpy(out).astype(np.float32)).any()
     k_now = to_numpy(k_whole)
     for guard in (slice(0, GUARD), slice(GUARD + k_cache.shape[0], None)):
