@@ -18,7 +18,8 @@ With ``--out`` the PTX, cubin and ptxas log of each kernel are kept there. ``--f
 fp8 forward's planned configs (nbflash.configs.SM90_FP8_FORWARD, plain and causal; spills are
 reported, not failed); ``--backward`` the sm90 dK/dV kernel's planned configs (configs.SM90_BACKWARD,
 plain) and its defer_dq schedule at headdim 64, whose wgmmas ptxas serialized (C7519) until the kept
-dQ left the accumulator's registers (copy_operands) and the dQ issue got its own wgmma_fence.
+dQ left the accumulator's registers (copy_operands) and the dQ issue got its own wgmma_fence; and
+the 32-column "columns" split at headdim 64, without and with defer_dq.
 
 Needs ptxas (the CUDA toolkit, or the nvidia-cuda-nvcc wheel) and Numba's NVVM; no GPU.
 """
@@ -83,7 +84,8 @@ def fp8_forward_kernels():
 
 def backward_kernels():
     """(name, Python function, signature, compile options) of the sm90 dK/dV kernel's planned
-    configs (fp16, plain) and of the defer_dq schedule at headdim 64."""
+    configs (fp16, plain), and at headdim 64 of the defer_dq schedule and the 32-column "columns"
+    split (without and with defer_dq)."""
     import dataclasses
 
     from nbflash import configs
@@ -92,8 +94,11 @@ def backward_kernels():
 
     found = [(f"backward_sm90_hd{headdim}", configs.sm90_backward_config("float16", headdim, Variant()))
              for headdim, *_ in configs.SM90_BACKWARD]
-    found.append(("backward_sm90_defer_dq_hd64", dataclasses.replace(
-        configs.sm90_backward_config("float16", 64, Variant()), dq_split="steps", defer_dq=True)))
+    hd64 = configs.sm90_backward_config("float16", 64, Variant())
+    found.append(("backward_sm90_defer_dq_hd64", dataclasses.replace(hd64, dq_split="steps", defer_dq=True)))
+    # dQ by 32-column halves (wgmma N = 32), without and with the deferred atomics
+    found.append(("backward_sm90_columns_hd64", dataclasses.replace(hd64, dq_split="columns")))
+    found.append(("backward_sm90_columns_defer_dq_hd64", dataclasses.replace(hd64, dq_split="columns", defer_dq=True)))
     return [(name, registry.build(config).py_func, registry.signature(config), {"launch_bounds": config.launch_bounds})
             for name, config in found]
 

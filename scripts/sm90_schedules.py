@@ -2,20 +2,21 @@
 --backward, those of the Hopper backward (nbflash/kernels/backward_sm90.py).
 
     python scripts/sm90_schedules.py
-    python scripts/sm90_schedules.py --backward
+    python scripts/sm90_schedules.py --backward [--headdims D ...] [--only NAME ...]
 
 Backward, each column a schedule:
 - "base": 2 stages, dQ split by keys (each consumer adds dS K_c for its own 64 keys);
 - "serial": no overlap of P^T with dP^T; "3stages": a 3-stage Q/dO ring; "regs240": setmaxnreg
   24 / 240 instead of 40 / 232;
 - "columns" / "3st-columns": dQ split by columns between the consumers (half the atomics, a barrier
-  across both per step; headdim 128 only), 2 and 3 stages;
+  across both per step; halves of 64 columns at headdim 128, of 32 at 64), 2 and 3 stages;
 - "steps" / "3st-steps": the consumers take turns by step for dQ (half the atomics, any headdim);
 - "columns-tma", "steps-tma": those splits with dQ added by TMA reduce-adds from shared memory;
 - "heavy-first": the planner's choice with the grid's key tiles slowest (with causal attention the
   blocks that see the most query tiles start first);
 - "defer-dq" / "3st-defer-dq" (headdim 64): "steps" with dQ_i's atomics deferred to the next step,
-  under its S^T and dP^T products (defer_dq), 2 and 3 stages;
+  under its S^T and dP^T products (defer_dq), 2 and 3 stages; "columns-defer-dq", "columns" with
+  the deferred atomics;
 - "planned": the planner's choice (configs.SM90_BACKWARD).
 Each is timed as a whole flash_attn_backward call (preprocess and dq conversion included, the same
 for all), FLOPs 2.5x the forward's, its dq, dk, dv compared with the base's.
@@ -28,6 +29,7 @@ base's. The configs are compiled first in worker processes (into nbflash's on-di
 saying the seconds, registers and local (spill) bytes. Needs a GPU of compute capability 9.0.
 """
 
+import argparse
 import math
 import os
 import sys
@@ -38,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+ONLY = None  # --only: the backward schedules to time (None: all)
 SHAPES = [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True), (64, 4096, False),
           (64, 16384, False), (64, 4096, True), (64, 16384, True)]  # (headdim, seqlen, causal)
 
@@ -132,9 +135,8 @@ def backward_schedules(headdim, causal):
     found = {"base": base, "serial": base.__class__(**{**base.__dict__, "overlap": False}),
              "3stages": base.__class__(**{**base.__dict__, "stages": 3}),
              "regs240": base.__class__(**{**base.__dict__, "producer_registers": 24, "consumer_registers": 240})}
-    if base.headdim_padded == 128:
-        found["columns"] = base.__class__(**{**base.__dict__, "dq_split": "columns"})
-        found["3st-columns"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "columns"})
+    found["columns"] = base.__class__(**{**base.__dict__, "dq_split": "columns"})  # halves of 32 columns at hd 64
+    found["3st-columns"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "columns"})
     found["steps"] = base.__class__(**{**base.__dict__, "dq_split": "steps"})
     found["3st-steps"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps"})
     if base.headdim_padded == 128:
@@ -144,8 +146,9 @@ def backward_schedules(headdim, causal):
     if base.headdim_padded == 64:
         found["defer-dq"] = base.__class__(**{**base.__dict__, "dq_split": "steps", "defer_dq": True})
         found["3st-defer-dq"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps", "defer_dq": True})
+        found["columns-defer-dq"] = base.__class__(**{**base.__dict__, "dq_split": "columns", "defer_dq": True})
     found["planned"] = planned
-    return found
+    return {name: config for name, config in found.items() if ONLY is None or name in ONLY}
 
 
 def main_backward():
@@ -194,7 +197,7 @@ def main_backward():
     finally:
         configs.sm90_backward_config = planned
         backward._kernels.cache_clear()
-    names = list(table[128, False])
+    names = list(dict.fromkeys(name for found in table.values() for name in found))
     print("| hd | seqlen | causal | " + " | ".join(names) + " | max difference from base |")
     print("|---|---|---|" + "---|" * (len(names) + 1))
     for row in rows:
@@ -204,5 +207,20 @@ def main_backward():
         print(f"| {headdim} | {seqlen} | {causal} | " + " | ".join(cells) + f" | {difference:.2g} |")
 
 
+def parse_args():
+    parser = argparse.ArgumentParser(description="Time the Hopper kernels' schedules side by side.")
+    parser.add_argument("--backward", action="store_true", help="the backward's schedules (default: the forward's)")
+    parser.add_argument("--headdims", type=int, nargs="+", metavar="D", help="only the shapes of these headdims")
+    parser.add_argument("--only", nargs="+", metavar="NAME",
+                        help="only these schedules (the backward's; 'base', the differences' reference, and "
+                             "'planned' are always timed)")
+    return parser.parse_args()
+
+
 if __name__ == "__main__":
-    main_backward() if "--backward" in sys.argv[1:] else main()
+    args = parse_args()
+    if args.headdims:
+        SHAPES = [shape for shape in SHAPES if shape[0] in args.headdims]
+    if args.only:
+        ONLY = {"base", "planned", *args.only}
+    main_backward() if args.backward else main()

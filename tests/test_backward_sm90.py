@@ -10,6 +10,7 @@ headdims 64-128), plus the plan's fallbacks and an agreement check with the mma 
 """
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -120,11 +121,14 @@ def sm90_backward_table(request, monkeypatch):
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the schedules' grid below")
 @pytest.mark.parametrize("sm90_backward_table", [(3, "columns")], indirect=True, ids=["3stages-columns"])
-def test_backward_sm90_dq_by_columns_small(rng, xp, sm90_backward_table):
+@pytest.mark.parametrize("headdim", [96, 40])
+def test_backward_sm90_dq_by_columns_small(rng, xp, sm90_backward_table, headdim):
     """dQ split by columns between the consumers over all 128 keys (both consumers' dS^T read by
-    each), a 3-stage ring; causal with tails, headdim 96 padded to 128."""
-    assert configs.plan_backward(Static("float16", 96, True, 0, CAUSAL), False, "sm90")[1].dq_split == "columns"
-    run_sm90(rng, xp, 1, 70, 100, 1, 1, 96, "float16", True)
+    each), a 3-stage ring; causal with tails. Headdim 96 padded to 128: a 64-column chunk each;
+    40 padded to 64: halves of 32 columns (wgmma N = 32, the second's descriptor starting 64 bytes
+    into K's swizzled rows), the second half mostly past headdim."""
+    assert configs.plan_backward(Static("float16", headdim, True, 0, CAUSAL), False, "sm90")[1].dq_split == "columns"
+    run_sm90(rng, xp, 1, 70, 100, 1, 1, headdim, "float16", True)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the schedules' grid below")
@@ -208,26 +212,41 @@ def test_defer_dq_takes_one_chunk_per_consumer():
         with pytest.raises(ValueError, match="defer_dq=True takes"):
             Sm90BackwardConfig(dtype="float16", variant=Variant(), defer_dq=True, **kwargs)
     assert Sm90BackwardConfig(dtype="float16", headdim=40, variant=Variant(), dq_split="steps", defer_dq=True)
+    assert Sm90BackwardConfig(dtype="float16", headdim=64, variant=Variant(), dq_split="columns", defer_dq=True)
+
+
+def test_dq_by_columns_configs():
+    """"columns" halves headdim padded to 64 (32 columns each) or 128; the TMA reduce-add stages
+    64-column chunks, so with "columns" it takes 128; two consumers."""
+    for headdim in (8, 40, 64, 72, 128):
+        assert Sm90BackwardConfig(dtype="float16", headdim=headdim, variant=Variant(), dq_split="columns")
+    with pytest.raises(ValueError, match="dq_reduce='tma' takes a headdim padded to 128"):
+        Sm90BackwardConfig(dtype="float16", headdim=64, variant=Variant(), dq_split="columns", dq_reduce="tma")
+    with pytest.raises(ValueError, match="takes two consumers"):
+        Sm90BackwardConfig(dtype="float16", headdim=64, variant=Variant(), dq_split="columns", consumers=1)
 
 
 @pytest.mark.skipif(not _offline_toolchain(),
                     reason="needs ptxas and Numba's offline compilers (NVVM, NVRTC: numba-cuda[cu12] or [cu13])")
 def test_defer_dq_assembles_without_serialized_wgmma():
     """ptxas on the defer_dq kernel (headdim 64, "steps"): no C75xx message (the dQ product under a
-    branch once made ptxas serialize every wgmma of the kernel), no spill; offline, no GPU."""
+    branch once made ptxas serialize every wgmma of the kernel), no spill; and on the 32-column
+    "columns" kernels at headdim 64, with and without defer_dq; offline, no GPU."""
     import os
     import subprocess
     import sys
 
     root = os.path.join(os.path.dirname(__file__), "..")
+    names = ["backward_sm90_defer_dq_hd64", "backward_sm90_columns_hd64", "backward_sm90_columns_defer_dq_hd64"]
     run = subprocess.run([sys.executable, os.path.join(root, "scripts", "check_sm90_ptx.py"), "--backward", "--only",
-                          "backward_sm90_defer_dq_hd64"], capture_output=True, text=True, cwd=root, timeout=600)
+                          *names], capture_output=True, text=True, cwd=root, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "ok   backward_sm90_defer_dq_hd64: 168 registers, 0 bytes spilled" in run.stdout
+    for name in names:
+        assert re.search(rf"^ok   {name}: \d+ registers, 0 bytes spilled$", run.stdout, re.M), run.stdout
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("defer_dq", ["steps"], indirect=True)
+@pytest.mark.parametrize("defer_dq", ["steps", "columns"], indirect=True)
 @pytest.mark.parametrize("headdim", [40, 64])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
@@ -253,6 +272,18 @@ def test_backward_sm90_dq_by_tma_gpu(rng, xp, sm90_backward_table, seqlens, caus
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_sm90_dq_by_steps_gpu(rng, xp, sm90_backward_table, seqlens, causal, headdim):
+    run_sm90(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sm90_backward_table", [(2, "columns"), (3, "columns")], indirect=True,
+                         ids=["columns", "3stages-columns"])
+@pytest.mark.parametrize("headdim", [40, 64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_dq_by_half_columns_gpu(rng, xp, sm90_backward_table, seqlens, causal, headdim):
+    """"columns" at headdims padded to 64: 32-column halves (wgmma N = 32, the second half's K
+    descriptor 64 bytes into the swizzled rows)."""
     run_sm90(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
 
 

@@ -154,7 +154,8 @@ class Sm90BackwardConfig:
     overlap: bool = True  # P^T's exponentials run while dP^T's product is in flight
     # dQ_i's split between the consumers: "keys", each adds dS K_c for its own 64 keys and all of
     # headdim; "columns", each adds half of headdim's columns over all block_n keys (half the atomics,
-    # a barrier across both consumers per step; two consumers, headdim padded to 128); "steps", the
+    # a barrier across both consumers per step; two consumers, headdim padded to 64 or 128: halves of
+    # 32 or 64 columns, the N of its wgmma); "steps", the
     # consumers take turns by step parity, each adding the whole dQ_i over all block_n keys on its
     # steps (half the atomics as well, for any headdim; two consumers)
     dq_split: str = "keys"
@@ -199,14 +200,16 @@ class Sm90BackwardConfig:
                              f"{MAX_SHARED_BYTES}: fewer stages, or dq_reduce='red'")
         if self.defer_dq and (self.dq_reduce != "red" or self.dq_split not in ("columns", "steps")
                               or (self.dq_split == "steps" and self.headdim_padded != CHUNK)):
-            raise ValueError("defer_dq=True takes dq_reduce='red' and a dQ_i of one 64-column chunk per "
-                             "consumer: dq_split='columns', or 'steps' at a headdim up to 64; not "
+            raise ValueError("defer_dq=True takes dq_reduce='red' and a dQ_i of at most one 64-column chunk "
+                             "per consumer: dq_split='columns', or 'steps' at a headdim up to 64; not "
                              f"{self.dq_split=}, {self.dq_reduce=}, {self.headdim=}")
         if self.dq_split == "steps" and self.consumers != 2:
             raise ValueError(f"dq_split='steps' takes two consumers, not {self.consumers=}")
-        if self.dq_split == "columns" and (self.consumers != 2 or self.headdim_padded != 2 * CHUNK):
-            raise ValueError("dq_split='columns' takes two consumers and a headdim padded to 128 (one 64-column "
-                             f"chunk each), not {self.consumers=}, {self.headdim_padded=}")
+        if self.dq_split == "columns" and self.consumers != 2:
+            raise ValueError(f"dq_split='columns' takes two consumers, not {self.consumers=}")
+        if self.dq_split == "columns" and self.dq_reduce == "tma" and self.headdim_padded != 2 * CHUNK:
+            raise ValueError("dq_split='columns' with dq_reduce='tma' takes a headdim padded to 128 (a 64-column "
+                             f"chunk per consumer, staged as two boxes), not {self.headdim_padded=}")
 
     @property
     def block_n(self):
@@ -303,6 +306,12 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     DQ_ALL_KEYS = DQ_BY_COLUMNS or DQ_BY_STEPS  # dQ reads both consumers' dS^T (a barrier across both)
     KEY_STEPS = (BN if DQ_ALL_KEYS else KEYS) // 16  # k16 steps of dQ: all keys, or the consumer's
     DQ_CHUNKS = 1 if DQ_BY_COLUMNS else CHUNKS  # 64-column chunks of dQ a consumer adds
+    # dQ columns per product: a consumer's half of headdim with "columns" (32 at headdim 64, 64 at
+    # 128), else a 64-column chunk; the half's first byte in a row of K's tile: 64 bytes into the one
+    # chunk at headdim 64 (the 128B swizzle is of the address, so a descriptor may start mid-row),
+    # the second chunk at 128
+    DQ_COLS = HDP // 2 if DQ_BY_COLUMNS else CHUNK
+    HALF_OFFSET = (DQ_COLS // CHUNK) * KV_CHUNK_BYTES + (DQ_COLS % CHUNK) * 2
     DQ_TMA = config.dq_reduce == "tma"  # dQ_i staged in shared memory, added by TMA
     HEAVY_FIRST = config.heavy_first
     DEFER_DQ = config.defer_dq  # dQ_i added while step i+1's S^T and dP^T are in flight
@@ -311,7 +320,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     DQ_PENDING = DQ_BUFFERS - 1  # reduce-add groups that may still read staging when one is rewritten
     DQ_BOX_BYTES = BM * DQ_BOX_COLS * 4
     S_REGS, ACC_REGS, P_REGS = BM // 2, HDP // 2, BM // 4  # per thread: S^T, dK (dV), packed P^T
-    DQ_REGS = CHUNK // 2  # one 64-column chunk of dQ
+    DQ_REGS = DQ_COLS // 2  # a product's dQ columns
     NT = BM // 8  # 8-column groups of S^T (queries)
     DT = HDP // 8  # 8-column groups of dK, dV (headdim)
     ROWS_PER_LANE = BM // 32  # producer warp 1: the stats rows of each lane
@@ -332,7 +341,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     pack = pack_f16x2 if IS_F16 else pack_bf16x2
     wgmma_keys_by_queries = make_wgmma_ss(BM, AB, 0)  # S^T (64 x BM) = K_c (K-major) Q_i^T (K-major)
     wgmma_keys_acc = make_wgmma_rs(HDP, AB, 1)  # dV (64 x HDP) += P^T (registers) dO (queries x HDP, MN-major)
-    wgmma_dq = make_wgmma_ss(CHUNK, AB, 1, 1)  # dQ chunk (64 x 64) = dS (MN-major) K_c chunk (MN-major)
+    wgmma_dq = make_wgmma_ss(DQ_COLS, AB, 1, 1)  # dQ (64 x DQ_COLS) = dS (MN-major) K's columns (MN-major)
     K_MAJOR = (16, 1024)  # descriptor strides (bytes): 8-row groups 1024 apart, LBO unused
     STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
     store_element = output_store(config.dtype)
@@ -380,7 +389,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     @inline_device
     @unroll
     def issue_dq(acc, desc_ds, desc_k):
-        """acc = dS K_c for one 64-column chunk of headdim, over the consumer's 64 keys."""
+        """acc = dS K for DQ_COLS columns of headdim, over the consumer's 64 keys or all block_n."""
         for ks in static_range(KEY_STEPS):
             acc = wgmma_dq(acc, desc_ds + uint64(ks * STEP16), desc_k + uint64(ks * STEP16),
                            uint32(0 if ks == 0 else 1))
@@ -459,7 +468,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             row = row0 + 8 * rh
             if row < seqlen_q:
                 row_address = global_address(dq_accum, b, row, h, 0)
-                for c in static_range(CHUNK // 8):
+                for c in static_range(DQ_COLS // 8):
                     col = col0 + 8 * c + 2 * q4
                     if col < HD:  # HD is a multiple of 8: both columns of the pair are inside
                         red_add_f32x2(row_address + col * 4, acc[4 * c + 2 * rh], acc[4 * c + 2 * rh + 1])
@@ -474,7 +483,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             if consumer == 0:
                 add_dq(dq_accum, acc, b, row0, h, 0, seqlen_q, q4)
             else:
-                add_dq(dq_accum, acc, b, row0, h, CHUNK, seqlen_q, q4)
+                add_dq(dq_accum, acc, b, row0, h, DQ_COLS, seqlen_q, q4)
         elif i % 2 == consumer:
             add_dq(dq_accum, acc, b, row0, h, 0, seqlen_q, q4)
 
@@ -730,8 +739,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
                     desc_kc = smem_descriptor(k_tile + uint32(chunk * KV_CHUNK_BYTES) + (uint32(0) if DQ_BY_STEPS
                                               else rows_off), KV_CHUNK_BYTES, 1024, SWIZZLE_128B)
-                    if DQ_BY_COLUMNS:  # the consumer's chunk of headdim, every key of the tile
-                        desc_kc = smem_descriptor(k_tile + uint32(consumer * KV_CHUNK_BYTES), KV_CHUNK_BYTES, 1024,
+                    if DQ_BY_COLUMNS:  # the consumer's half of headdim, every key of the tile
+                        desc_kc = smem_descriptor(k_tile + uint32(consumer * HALF_OFFSET), KV_CHUNK_BYTES, 1024,
                                                   SWIZZLE_128B)
                     if DEFER_DQ:  # a fence of its own under the turn's branch, else ptxas serializes (C7519)
                         wgmma_fence()
@@ -752,7 +761,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                         if consumer == 0:
                             add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, 0, seqlen_q, q4)
                         else:
-                            add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, CHUNK, seqlen_q, q4)
+                            add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, DQ_COLS, seqlen_q, q4)
                     else:
                         add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, chunk * CHUNK, seqlen_q, q4)
                 if DQ_TMA:  # the warpgroup's dQ_i tile is staged: one thread adds it by TMA
