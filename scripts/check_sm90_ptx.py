@@ -84,8 +84,8 @@ def fp8_forward_kernels():
 
 def backward_kernels():
     """(name, Python function, signature, compile options) of the sm90 dK/dV kernel's planned
-    configs (fp16, plain), and at headdim 64 of the defer_dq schedule and the 32-column "columns"
-    split (without and with defer_dq)."""
+    configs (fp16, plain), and at headdim 64 of the defer_dq schedule, the 32-column "columns"
+    split (without and with defer_dq) and 128 query rows per step ("columns" and "steps")."""
     import dataclasses
 
     from nbflash import configs
@@ -99,6 +99,9 @@ def backward_kernels():
     # dQ by 32-column halves (wgmma N = 32), without and with the deferred atomics
     found.append(("backward_sm90_columns_hd64", dataclasses.replace(hd64, dq_split="columns")))
     found.append(("backward_sm90_columns_defer_dq_hd64", dataclasses.replace(hd64, dq_split="columns", defer_dq=True)))
+    # 128 query rows per step
+    for split in ("columns", "steps"):
+        found.append((f"backward_sm90_m128_{split}_hd64", dataclasses.replace(hd64, block_m=128, dq_split=split)))
     return [(name, registry.build(config).py_func, registry.signature(config), {"launch_bounds": config.launch_bounds})
             for name, config in found]
 

@@ -192,6 +192,28 @@ def defer_dq(request, monkeypatch):
     backward._kernels.cache_clear()
 
 
+@pytest.fixture
+def block_m_128(request, monkeypatch):
+    """Plan the sm90 backward with 128 query rows per step, dQ split as the parameter says."""
+    planned = configs.sm90_backward_config
+    monkeypatch.setattr(configs, "sm90_backward_config", lambda *args: dataclasses.replace(
+        planned(*args), block_m=128, dq_split=request.param))
+    backward._kernels.cache_clear()
+    yield request.param
+    backward._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+@pytest.mark.parametrize("block_m_128", ["columns", "steps"], indirect=True)
+def test_backward_sm90_block_m_128_small(rng, xp, block_m_128):
+    """128 query rows per step (dS^T in two 64-query chunks, dQ_i by two m64 products, every product
+    from fresh zeros): causal with tails over two query tiles and GQA 2:1 (four steps, so each
+    consumer's turns with "steps" come twice); headdim 40 (padded to 64: "columns" halves of 32)."""
+    dkdv = configs.plan_backward(Static("float16", 40, True, 0, CAUSAL), False, "sm90")[1]
+    assert (dkdv.block_m, dkdv.dq_split) == (128, block_m_128)
+    run_sm90(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True)
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 @pytest.mark.parametrize("defer_dq", ["steps", "columns"], indirect=True)
 def test_backward_sm90_defer_dq_small(rng, xp, defer_dq):
@@ -273,6 +295,26 @@ def test_backward_sm90_dq_by_tma_gpu(rng, xp, sm90_backward_table, seqlens, caus
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_sm90_dq_by_steps_gpu(rng, xp, sm90_backward_table, seqlens, causal, headdim):
     run_sm90(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m_128", ["columns", "steps", "keys"], indirect=True)
+@pytest.mark.parametrize("headdim", [40, 64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_block_m_128_gpu(rng, xp, block_m_128, seqlens, causal, headdim):
+    run_sm90(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
+
+
+def test_block_m_configs():
+    """block_m 64 or 128; 128 takes dq_reduce="red" and no defer_dq, and at headdim 128 exceeds
+    shared memory with two stages."""
+    for kwargs in (dict(block_m=96), dict(block_m=128, dq_split="columns", dq_reduce="tma"),
+                   dict(block_m=128, dq_split="steps", defer_dq=True), dict(block_m=128, headdim=128)):
+        with pytest.raises(ValueError, match="block_m|shared memory"):
+            Sm90BackwardConfig(**{"dtype": "float16", "headdim": 64, "variant": Variant(), **kwargs})
+    config = Sm90BackwardConfig(dtype="float16", headdim=64, variant=Variant(), block_m=128, dq_split="columns")
+    assert config.ds_bytes == 64 * 128 * 2 and config.q_bytes == 128 * 64 * 2
 
 
 @pytest.mark.gpu

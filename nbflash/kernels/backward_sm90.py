@@ -45,7 +45,8 @@ keys: half the atomics too. The plan uses "columns" at headdim 128 and "steps" a
 
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_first``
 (nheads_k, batch, ceil(seqlen_k / block_n)); block = 128 * (consumers + 1) threads; block_n = 64 *
-consumers, block_m = 64.
+consumers, block_m = 64 (or 128 with ``block_m=128``: two 64-query chunks of dS^T, dQ_i by two
+m64 products; an option to time, not planned).
 
 Shared memory (dynamic, every tile 1024-byte aligned): K_j, V_j (block_n rows), the ring of Q_i and
 of dO_i tiles (block_m rows each), the consumers' dS^T tiles (two each, for even and odd steps: 64
@@ -174,9 +175,14 @@ class Sm90BackwardConfig:
     # flight under the adds (64 more live registers). Takes one 64-column chunk of dQ_i per consumer
     # ("columns", or "steps" at headdims up to 64) and dq_reduce="red"
     defer_dq: bool = False
+    # Query rows per step: the N of S^T = K Q^T. 64: dS^T's rows are 128 bytes; 128: half the steps
+    # (and their waits and barriers) per key tile, dS^T stored as two 64-query chunks, dQ_i made by
+    # two m64 products per column chunk; S^T and dP^T then take 64 registers each, so every product
+    # starts from fresh zeros rather than from the last step's registers (nothing but dK and dV live
+    # across the loop). 128 takes dq_reduce="red" and no defer_dq
+    block_m: int = 64
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
-    block_m = 64  # query rows per step: the N of S^T = K Q^T, and the 128-byte row of dS^T
 
     def __post_init__(self):
         if self.dtype not in ("float16", "bfloat16"):
@@ -203,6 +209,11 @@ class Sm90BackwardConfig:
             raise ValueError("defer_dq=True takes dq_reduce='red' and a dQ_i of at most one 64-column chunk "
                              "per consumer: dq_split='columns', or 'steps' at a headdim up to 64; not "
                              f"{self.dq_split=}, {self.dq_reduce=}, {self.headdim=}")
+        if self.block_m not in (64, 128):
+            raise ValueError(f"{self.block_m=} must be 64 or 128")
+        if self.block_m == 128 and (self.dq_reduce != "red" or self.defer_dq):
+            raise ValueError(f"block_m=128 takes dq_reduce='red' and defer_dq=False, not {self.dq_reduce=}, "
+                             f"{self.defer_dq=}")
         if self.dq_split == "steps" and self.consumers != 2:
             raise ValueError(f"dq_split='steps' takes two consumers, not {self.consumers=}")
         if self.dq_split == "columns" and self.consumers != 2:
@@ -235,7 +246,8 @@ class Sm90BackwardConfig:
 
     @property
     def ds_bytes(self):
-        """Bytes of one consumer's dS^T tile (64 keys x block_m queries, 16 bit)."""
+        """Bytes of one consumer's dS^T tile (64 keys x block_m queries, 16 bit: block_m / 64 chunks of
+        64 rows of 128 bytes)."""
         return KEYS * self.block_m * 2
 
     @property
@@ -319,6 +331,14 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     DQ_BUFFERS = 2 if DQ_BY_COLUMNS else 1  # ... in how many buffers
     DQ_PENDING = DQ_BUFFERS - 1  # reduce-add groups that may still read staging when one is rewritten
     DQ_BOX_BYTES = BM * DQ_BOX_COLS * 4
+    Q_CHUNKS = BM // 64  # 64-query chunks of a dS^T tile, and m64 products (halves) of dQ_i
+    DS_CHUNK = KEYS * ROW_BYTES  # bytes of a consumer's chunk: 64 keys x 64 queries
+    # A parity's dS^T tiles: with a split over all keys, chunk by chunk, each holding every consumer's
+    # keys in order (dQ_i's k16 steps walk all block_n keys of one chunk); else each consumer's own
+    # tile, its chunks in a row. One chunk (block_m 64): the consumers' tiles side by side, either way.
+    DS_CHUNK_STRIDE = (CONSUMERS if DQ_ALL_KEYS else 1) * DS_CHUNK
+    PARITY_CHUNKS = CONSUMERS * Q_CHUNKS  # chunks of one parity's tiles
+    FRESH = BM > 64  # every product starts from zeros: no accumulator's registers live across the loop
     S_REGS, ACC_REGS, P_REGS = BM // 2, HDP // 2, BM // 4  # per thread: S^T, dK (dV), packed P^T
     DQ_REGS = DQ_COLS // 2  # a product's dQ columns
     NT = BM // 8  # 8-column groups of S^T (queries)
@@ -362,11 +382,16 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         return acc
 
     @inline_device
-    def issue_scores(s, dp, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use):
+    def issue_scores(s, dp, zeros, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use):
         """S^T = K_c Q_i^T and dP^T = V_c dO_i^T of the step whose tiles are in ring ``slot`` (its
-        ``use``-th fill), once they have landed: two commit groups; returns their accumulators."""
-        acc_s = fence_operands(registers_from(s, S_REGS))
-        acc_dp = fence_operands(registers_from(dp, S_REGS))
+        ``use``-th fill), once they have landed: two commit groups; returns their accumulators (from
+        ``zeros`` with FRESH: the first k16 step ignores them, and s and dp are then dead between steps)."""
+        if FRESH:
+            acc_s = fence_operands(registers_from(zeros, S_REGS))
+            acc_dp = fence_operands(registers_from(zeros, S_REGS))
+        else:
+            acc_s = fence_operands(registers_from(s, S_REGS))
+            acc_dp = fence_operands(registers_from(dp, S_REGS))
         mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
         wgmma_fence()  # the accumulators' registers are ordered before wgmma uses them
         acc_s = issue_keys_by_queries(acc_s, desc_k, smem_descriptor(q_ring + uint32(slot * Q_BYTES), K_MAJOR[0],
@@ -454,11 +479,13 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     @unroll
     def store_ds_t(smem, ds_word, packed, warp, g, q4):
         """The thread's packed dS^T (rows 16 warp + g and + 8, query columns 8 c + 2 q4, + 1) into the
-        consumer's dS^T tile: rows of 128 bytes, 16-byte chunk c stored at c ^ (row % 8) (the
-        swizzle TMA writes and wgmma reads; row % 8 = g). ``ds_word`` is the tile's smem index."""
+        consumer's dS^T tile: 64-query chunks (c // 8) DS_CHUNK_STRIDE bytes apart, rows of 128 bytes,
+        16-byte unit c % 8 stored at (c % 8) ^ (row % 8) (the swizzle TMA writes and wgmma reads; row
+        % 8 = g). ``ds_word`` is the tile's smem index."""
         for i in static_range(P_REGS):
             row = 16 * warp + g + 8 * (i % 2)
-            smem[ds_word + row * (ROW_BYTES // 4) + (((i // 2) ^ g) * 4) + q4] = packed[i]
+            chunk, unit = (i // 2) // 8, (i // 2) % 8
+            smem[ds_word + chunk * (DS_CHUNK_STRIDE // 4) + row * (ROW_BYTES // 4) + ((unit ^ g) * 4) + q4] = packed[i]
 
     @inline_device
     @unroll
@@ -472,6 +499,13 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     col = col0 + 8 * c + 2 * q4
                     if col < HD:  # HD is a multiple of 8: both columns of the pair are inside
                         red_add_f32x2(row_address + col * 4, acc[4 * c + 2 * rh], acc[4 * c + 2 * rh + 1])
+
+    @inline_device
+    def add_dq_rows(dq_accum, acc, acc_hi, b, row0, h, col0, seqlen_q, q4):
+        """add_dq of a product's rows; with block_m 128 also of the second product's, 64 rows on."""
+        add_dq(dq_accum, acc, b, row0, h, col0, seqlen_q, q4)
+        if Q_CHUNKS == 2:
+            add_dq(dq_accum, acc_hi, b, row0 + 64, h, col0, seqlen_q, q4)
 
     @inline_device
     def add_dq_of_step(dq_accum, acc, b, hk, group, first_tile, tiles_per_head, i, consumer, warp, g, seqlen_q, q4):
@@ -648,6 +682,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             dk_acc = cuda.local.array(ACC_REGS, float32)
             dv_acc = cuda.local.array(ACC_REGS, float32)
             dq_acc = cuda.local.array(DQ_REGS, float32)
+            dq_hi = cuda.local.array(DQ_REGS if Q_CHUNKS == 2 else 1, float32)  # block_m 128: the second 64 rows
+            zeros = cuda.local.array(S_REGS if FRESH else 1, float32)  # FRESH: what every product starts from
             dq_keep = cuda.local.array(DQ_REGS if DEFER_DQ else 1, float32)  # defer_dq: dQ_i until it is added
             p = cuda.local.array(P_REGS, uint32)
             ds = cuda.local.array(P_REGS, uint32)
@@ -659,6 +695,9 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 dv_acc[r] = float32(0)
             for r in static_range(DQ_REGS):
                 dq_acc[r] = float32(0)
+            if FRESH:
+                for r in static_range(S_REGS):
+                    zeros[r] = float32(0)
 
             # dq_reduce="tma": dq_accum's map (the fifth), read by the consumer's thread 0, which issues
             # its reduce-adds (recomputed where used: nothing more held across the loop)
@@ -678,7 +717,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 do_slot = do_ring + uint32(slot * Q_BYTES)
 
                 # S^T = K_c Q_i^T and dP^T = V_c dO_i^T, two commit groups
-                acc_s, acc_dp = issue_scores(s, dp, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use)
+                acc_s, acc_dp = issue_scores(s, dp, zeros, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use)
                 if DEFER_DQ and i > 0:  # the last step's dQ (its turn's) added while they run
                     add_dq_of_step(dq_accum, dq_keep, b, hk, group, first_tile, tiles_per_head, i - 1, consumer,
                                    warp, g, seqlen_q, q4)
@@ -704,8 +743,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 # dS^T into the tile of this step's parity: the other may still be read by the last
                 # step's dQ in another warp; every warp is past that once the barrier below is passed
                 ds_tile = ds_pair + uint32((i % 2) * DS_BYTES)
-                if DQ_ALL_KEYS:  # a parity's tiles side by side: dS^T of all block_n keys, rows in order
-                    ds_tile = ds_tiles + uint32(((i % 2) * CONSUMERS + consumer) * DS_BYTES)
+                if DQ_ALL_KEYS:  # a parity's chunks hold dS^T of all block_n keys, rows in order
+                    ds_tile = ds_tiles + uint32(((i % 2) * PARITY_CHUNKS + consumer) * DS_CHUNK)
                 store_ds_t(smem, (ds_tile - smem_start) // uint32(4), ds, warp, g, q4)
                 fence_proxy_async()  # the dS^T stores are ordered before wgmma reads them
 
@@ -724,7 +763,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
                 acc_dk = issue_keys_acc(acc_dk, ds_regs, smem_descriptor(q_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
 
-                # dQ_i += dS K_c, a 64-column chunk at a time
+                # dQ_i += dS K_c, a 64-column chunk at a time (block_m 128: two products each, 64 queries
+                # apiece, from dS^T's two chunks)
                 desc_ds = smem_descriptor(ds_tile, DS_BYTES, 1024, SWIZZLE_128B)  # dS: queries contiguous
                 if DQ_ALL_KEYS:  # from the parity's first tile: all block_n keys
                     desc_ds = smem_descriptor(ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES), DS_BYTES, 1024,
@@ -736,17 +776,26 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
                     continue
                 for chunk in static_range(DQ_CHUNKS):
-                    acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
                     desc_kc = smem_descriptor(k_tile + uint32(chunk * KV_CHUNK_BYTES) + (uint32(0) if DQ_BY_STEPS
                                               else rows_off), KV_CHUNK_BYTES, 1024, SWIZZLE_128B)
                     if DQ_BY_COLUMNS:  # the consumer's half of headdim, every key of the tile
                         desc_kc = smem_descriptor(k_tile + uint32(consumer * HALF_OFFSET), KV_CHUNK_BYTES, 1024,
                                                   SWIZZLE_128B)
+                    if FRESH:  # fresh zeros for both halves; the fence orders them before the products
+                        acc_q = fence_operands(registers_from(zeros, DQ_REGS))
+                        acc_q_hi = fence_operands(registers_from(zeros, DQ_REGS))
+                        wgmma_fence()
+                    else:
+                        acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
                     if DEFER_DQ:  # a fence of its own under the turn's branch, else ptxas serializes (C7519)
                         wgmma_fence()
                     acc_q = issue_dq(acc_q, desc_ds, desc_kc)
+                    if Q_CHUNKS == 2:
+                        acc_q_hi = issue_dq(acc_q_hi, desc_ds + uint64(DS_CHUNK_STRIDE >> 4), desc_kc)
                     wgmma_wait(0)
                     registers_to(dq_acc, fence_operands(acc_q))
+                    if Q_CHUNKS == 2:
+                        registers_to(dq_hi, fence_operands(acc_q_hi))
                     if chunk == 0:  # dV's and dK's products are done with Q_i and dO_i as well
                         registers_to(dv_acc, fence_operands(acc_dv))
                         registers_to(dk_acc, fence_operands(acc_dk))
@@ -759,11 +808,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                         registers_to(dq_keep, copy_operands(registers_from(dq_acc, DQ_REGS)))
                     elif DQ_BY_COLUMNS:  # the chunk a constant in each copy (a run-time one spilled 208 bytes)
                         if consumer == 0:
-                            add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, 0, seqlen_q, q4)
+                            add_dq_rows(dq_accum, dq_acc, dq_hi, b, q_start + 16 * warp + g, h, 0, seqlen_q, q4)
                         else:
-                            add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, DQ_COLS, seqlen_q, q4)
+                            add_dq_rows(dq_accum, dq_acc, dq_hi, b, q_start + 16 * warp + g, h, DQ_COLS, seqlen_q, q4)
                     else:
-                        add_dq(dq_accum, dq_acc, b, q_start + 16 * warp + g, h, chunk * CHUNK, seqlen_q, q4)
+                        add_dq_rows(dq_accum, dq_acc, dq_hi, b, q_start + 16 * warp + g, h, chunk * CHUNK, seqlen_q, q4)
                 if DQ_TMA:  # the warpgroup's dQ_i tile is staged: one thread adds it by TMA
                     fence_proxy_async()  # the staging stores are ordered before the async proxy reads them
                     named_barrier_sync(2 + consumer, GROUP)
