@@ -17,7 +17,7 @@ Backward, each column a schedule:
 - "defer-dq" / "3st-defer-dq" (headdim 64): "steps" with dQ_i's atomics deferred to the next step,
   under its S^T and dP^T products (defer_dq), 2 and 3 stages; "columns-defer-dq", "columns" with
   the deferred atomics; "m128-columns", "m128-steps" (headdim 64): 128 query rows per step, and
-  "m128-columns-r240" with setmaxnreg 24 / 240;
+  "m128-columns-r240" with setmaxnreg 32 / 240;
 - "planned": the planner's choice (configs.SM90_BACKWARD).
 Each is timed as a whole flash_attn_backward call (preprocess and dq conversion included, the same
 for all), FLOPs 2.5x the forward's, its dq, dk, dv compared with the base's.
@@ -151,7 +151,7 @@ def backward_schedules(headdim, causal):
         for split in ("columns", "steps"):  # 128 query rows per step
             found[f"m128-{split}"] = base.__class__(**{**base.__dict__, "block_m": 128, "dq_split": split})
         found["m128-columns-r240"] = base.__class__(**{**base.__dict__, "block_m": 128, "dq_split": "columns",
-                                                      "producer_registers": 24, "consumer_registers": 240})
+                                                      "producer_registers": 32, "consumer_registers": 240})
     found["planned"] = planned
     return {name: config for name, config in found.items() if ONLY is None or name in ONLY}
 
