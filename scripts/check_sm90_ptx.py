@@ -102,6 +102,8 @@ def backward_kernels():
     # 128 query rows per step
     for split in ("columns", "steps"):
         found.append((f"backward_sm90_m128_{split}_hd64", dataclasses.replace(hd64, block_m=128, dq_split=split)))
+    found.append(("backward_sm90_m128_columns_r240_hd64", dataclasses.replace(
+        hd64, block_m=128, dq_split="columns", producer_registers=32, consumer_registers=240)))
     return [(name, registry.build(config).py_func, registry.signature(config), {"launch_bounds": config.launch_bounds})
             for name, config in found]
 
@@ -162,6 +164,77 @@ def check(name, pyfunc, sig, options, out_dir, ptxas):
     return True, summary
 
 
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+_BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)\s*$")
+
+
+def loop_local_accesses(cubin, cuobjdump):
+    """(wgmmas, instructions, local loads and stores) of the loop that holds the kernel's first
+    HGMMA: the strongly connected component of the SASS control-flow graph containing its block
+    (None without wgmma). Spills outside the loop (values kept for the epilogue) cost once per
+    block; these cost every step."""
+    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    code = [(int(m.group(1), 16), m.group(2).strip()) for m in _SASS_LINE.finditer(sass)]
+    at = {address: i for i, (address, _) in enumerate(code)}
+
+    def target(text):
+        m = _BRANCH_TARGET.search(text)
+        return at.get(int(m.group(1), 16)) if m else None
+
+    starts = {0}  # basic blocks begin at branch targets and after branches and exits
+    for i, (_, text) in enumerate(code):
+        if target(text) is not None:
+            starts.add(target(text))
+        if re.search(r"\b(BRA|EXIT)\b", text):
+            starts.add(i + 1)
+    starts = sorted(i for i in starts if i < len(code))
+    ends = starts[1:] + [len(code)]
+    block = {i: b for b, (s, e) in enumerate(zip(starts, ends)) for i in range(s, e)}
+    successors = []
+    for s, e in zip(starts, ends):
+        last = code[e - 1][1]
+        out = {block[target(last)]} if target(last) is not None else set()
+        if not (re.match(r"(BRA|EXIT)\b", last)) and e < len(code):  # unpredicated branches do not fall through
+            out.add(block[e])
+        successors.append(out)
+    # Tarjan's strongly connected components, iteratively
+    order, low, component, stack, on_stack = {}, {}, {}, [], set()
+    for root in range(len(starts)):
+        if root in order:
+            continue
+        work = [(root, iter(successors[root]))]
+        order[root] = low[root] = len(order)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == order[v]:
+                    while True:
+                        x = stack.pop()
+                        on_stack.discard(x)
+                        component[x] = v
+                        if x == v:
+                            break
+            elif w not in order:
+                order[w] = low[w] = len(order)
+                stack.append(w)
+                on_stack.add(w)
+                work.append((w, iter(successors[w])))
+            elif w in on_stack:
+                low[v] = min(low[v], order[w])
+    first = next((i for i, (_, text) in enumerate(code) if "HGMMA" in text), None)
+    if first is None:
+        return None
+    body = [text for i, (_, text) in enumerate(code) if component[block[i]] == component[block[first]]]
+    return (sum("HGMMA" in t for t in body), len(body),
+            sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in body))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="keep PTX, cubins and ptxas logs in this folder")
@@ -169,6 +242,8 @@ def main():
     parser.add_argument("--ptxas", help="the ptxas to assemble with (default: the nvcc wheel's, else PATH's)")
     parser.add_argument("--fp8-forward", action="store_true", help="also the fp8 forward's planned configs")
     parser.add_argument("--backward", action="store_true", help="also the sm90 dK/dV kernel's planned configs")
+    parser.add_argument("--loop-spills", action="store_true",
+                        help="also count the local loads and stores in the loop holding the wgmmas (needs cuobjdump)")
     args = parser.parse_args()
 
     pretend_gpu((9, 0))
@@ -192,6 +267,10 @@ def main():
             ok, message = False, f"{type(e).__name__}: {e}"
         failed += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name}: {message}", flush=True)
+        counts = ok and args.loop_spills and loop_local_accesses(os.path.join(out_dir, f"{name}.cubin"),
+                                                                 cuda_tool("cuobjdump"))
+        if counts:
+            print("     its loop: {} HGMMA, {} instructions, {} local loads/stores".format(*counts), flush=True)
     print(f"{failed} failed" if failed else "all kernels compiled for sm_90a and assembled")
     sys.exit(1 if failed else 0)
 
