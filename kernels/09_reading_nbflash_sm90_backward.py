@@ -92,7 +92,7 @@ TOPICS = [
      [(KERNEL, "store_ds_t", "^ g) * 4)", 0, "the swizzled store of packed dS^T pairs"),
       (KERNEL, BODY, "fence_proxy_async()", 0, "generic stores ordered before the async proxy's reads"),
       (KERNEL, BODY, "named_barrier_sync(1 + consumer, GROUP)", 0, "the warpgroup's dS^T is stored"),
-      (KERNEL, "build_backward_sm90", "wgmma_dq = make_wgmma_ss(CHUNK, AB, 1, 1)", 0, "dQ: A transposed, B MN-major"),
+      (KERNEL, "build_backward_sm90", "wgmma_dq = make_wgmma_ss(DQ_COLS, AB, 1, 1)", 0, "dQ: A transposed, B MN-major"),
       (PRIMS, "make_wgmma_ss", "trans_a", 0, "the A-transpose flag of the primitive")]),
     ("5. The producer's two warps and one full barrier", """
         The forward's producer has one busy thread. Here warp 0's elected thread issues the TMA
