@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from . import backward, interface, reference, runtime, validation, varlen
+from . import backward, interface, packed, reference, runtime, validation, varlen
 
 
 @contextlib.contextmanager
@@ -299,3 +299,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                                        softcap, _detached(alibi_slopes), dropout_p, seed)
             return out, lse, torch.from_dlpack(varlen._varlen_probabilities(problem, *arrays))
     return (out, lse) if return_lse else out
+
+
+# flash-attn's packed functions on torch tensors: flash_attn_func and flash_attn_varlen_func above
+# on views of qkv or kv (no copy), so autograd's gradient reaches the packed tensor packed the same
+# way (nbflash/packed.py).
+(flash_attn_qkvpacked_func, flash_attn_kvpacked_func, flash_attn_varlen_qkvpacked_func,
+ flash_attn_varlen_kvpacked_func) = packed.packed_functions(flash_attn_func, flash_attn_varlen_func)

@@ -44,6 +44,8 @@ def arrays(xp):
         decode_q=xp.zeros((2, 1, 4, 16), np.float16), cache=xp.zeros((2, 32, 2, 16), np.float16),
         new=xp.zeros((2, 1, 2, 16), np.float16), cos=xp.zeros((32, 4), np.float16),
         merge_out=xp.zeros((1, 2, 2, 8), np.float16), merge_lse=xp.zeros((1, 2, 2), np.float32),
+        qkv=xp.zeros((2, 8, 3, 4, 16), np.float16), kv=xp.zeros((2, 6, 2, 2, 16), np.float16),
+        packed_qkv=xp.zeros((8, 3, 4, 16), np.float16), packed_kv=xp.zeros((6, 2, 2, 16), np.float16),
     )
     a["strided_q"] = xp.zeros((2, 8, 4, 32), np.float16)[..., ::2]  # last dim not contiguous
     a["host"] = np.zeros((2, 8, 4, 16), np.float16)  # host memory: refused on a GPU
@@ -204,6 +206,28 @@ CASES = [
      "lse_b.dtype=float16", None),
     ("merge_attention_states", lambda a: merge(a, lse_b=a["merge_lse"][:, :1]), ValueError, "lse_b must have shape",
      None),
+    # the packed functions: the packing, then a check of the function they call
+    ("flash_attn_qkvpacked_func", lambda a: ((a["kv"],), {}), ValueError, "qkv must have shape", None),
+    ("flash_attn_qkvpacked_func", lambda a: ((a["qkv"],), dict(causal="yes")), TypeError, "causal must be a bool",
+     None),
+    ("flash_attn_kvpacked_func", lambda a: ((a["q"], a["k"]), {}), ValueError, "kv must have shape", None),
+    ("flash_attn_kvpacked_func", lambda a: ((a["q"][:, :, :3], a["kv"]), {}), ValueError, "nheads=3", None),
+    ("flash_attn_varlen_qkvpacked_func", lambda a: ((a["qkv"], a["cu_q"], 5), {}), ValueError, "qkv must have shape",
+     None),
+    ("flash_attn_varlen_qkvpacked_func", lambda a: ((a["packed_qkv"], a["cu_q"].astype(np.int64), 5), {}), TypeError,
+     "cu_seqlens_q", None),
+    ("flash_attn_varlen_kvpacked_func", lambda a: ((a["packed_q"], [1.0], a["cu_q"], a["cu_k"], 5, 4), {}),
+     TypeError, "kv must be an array", None),
+    ("flash_attn_qkvpacked_backward", lambda a: ((a["q"], a["kv"], a["q"], a["lse"]), {}), ValueError,
+     "qkv must have shape", None),
+    ("flash_attn_kvpacked_backward", lambda a: ((a["q"], a["q"], a["kv"], a["q"], a["lse"].astype(np.float16)), {}),
+     TypeError, "lse", None),
+    ("flash_attn_varlen_qkvpacked_backward", lambda a: ((a["packed_q"], a["packed_kv"], a["packed_q"],
+                                                         a["packed_lse"], a["cu_q"], 5), {}), ValueError,
+     "qkv must have shape", None),
+    ("flash_attn_varlen_kvpacked_backward", lambda a: ((a["packed_q"], a["packed_q"], a["qkv"], a["packed_q"],
+                                                        a["packed_lse"], a["cu_q"], a["cu_k"], 5, 4), {}), ValueError,
+     "kv must have shape", None),
     # create_block_mask and kernel_family
     ("create_block_mask", lambda a: ((5, 1, 1, 8, 8), {}), TypeError, "mask_mod must be a Python function", None),
     ("create_block_mask", lambda a: ((lambda b, h, i, j: i >= j, 1, 1, "8", 8), {}), TypeError,
@@ -239,6 +263,14 @@ TORCH_CASES = [
     ("flash_attn_varlen_func", lambda t: ((t["q"][0], t["k"][0], t["k"][0], t["cu"], t["cu"], 6, 6), {}), TypeError,
      "q is a cpu tensor"),
     ("flash_attn_with_kvcache", lambda t: ((t["q"][:, :1], t["k"], t["k"]), {}), TypeError, "q is a cpu tensor"),
+    ("flash_attn_qkvpacked_func", lambda t: ((t["q"],), {}), ValueError, "qkv must have shape"),
+    ("flash_attn_qkvpacked_func", lambda t: ((TORCH.stack([t["q"]] * 3, 2),), dict(return_lse="no")), TypeError,
+     "return_lse must be a bool"),
+    ("flash_attn_kvpacked_func", lambda t: ((t["q"], t["k"]), {}), ValueError, "kv must have shape"),
+    ("flash_attn_varlen_qkvpacked_func", lambda t: ((TORCH.stack([t["q"][0]] * 3, 1), t["cu"], 6), {}), TypeError,
+     "q is a cpu tensor"),
+    ("flash_attn_varlen_kvpacked_func", lambda t: ((t["q"][0], t["k"][0], t["cu"], t["cu"], 6, 6), {}), ValueError,
+     "kv must have shape"),
 ]
 
 
