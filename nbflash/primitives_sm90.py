@@ -1242,6 +1242,22 @@ def make_mbarrier_wait(spin_limit):
 mbarrier_wait = make_mbarrier_wait(WAIT_SPIN_LIMIT)
 
 
+def check_register_split(threads, producer, consumer, consumers):
+    """Raise ValueError unless setmaxnreg caps of ``producer`` registers (one warpgroup) and
+    ``consumer`` registers (each of ``consumers`` warpgroups) fit in what the block holds at entry:
+    ``threads`` times ptxas's cap under the launch bounds (65536 / threads, rounded down to a
+    multiple of 8; 168 at 384 threads). A warpgroup's setmaxnreg.inc waits until the others'
+    .dec have freed enough registers, so caps that add up to more never return: 32 / 240 with two
+    consumers (65,536 registers against 64,512) hung on the H200."""
+    entry = min(255, 65536 // threads) // 8 * 8
+    wanted = 128 * (producer + consumers * consumer)
+    if wanted > entry * threads:
+        raise ValueError(f"setmaxnreg caps {producer} / {consumer} ask {wanted} registers for {consumers} consumer "
+                         f"warpgroups and a producer, more than the {entry * threads} the block holds at entry "
+                         f"({threads} threads x {entry}): a warpgroup would wait forever in setmaxnreg.inc. "
+                         f"Lower them, e.g. 40 / 232 or 24 / 240")
+
+
 def launch_bounded(max_threads, min_blocks=1):
     """``cuda.jit`` with launch bounds (``.maxntid``, ``.minnctapersm``), which give ptxas the
     register cap at entry that setmaxnreg needs; the simulator's jit takes none."""

@@ -103,7 +103,7 @@ def backward_kernels():
     for split in ("columns", "steps"):
         found.append((f"backward_sm90_m128_{split}_hd64", dataclasses.replace(hd64, block_m=128, dq_split=split)))
     found.append(("backward_sm90_m128_columns_r240_hd64", dataclasses.replace(
-        hd64, block_m=128, dq_split="columns", producer_registers=32, consumer_registers=240)))
+        hd64, block_m=128, dq_split="columns", producer_registers=24, consumer_registers=240)))
     return [(name, registry.build(config).py_func, registry.signature(config), {"launch_bounds": config.launch_bounds})
             for name, config in found]
 

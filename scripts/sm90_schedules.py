@@ -2,7 +2,8 @@
 --backward, those of the Hopper backward (nbflash/kernels/backward_sm90.py).
 
     python scripts/sm90_schedules.py
-    python scripts/sm90_schedules.py --backward [--headdims D ...] [--only NAME ...]
+    python scripts/sm90_schedules.py --backward [--headdims D ...] [--only NAME ...] [--anchors]
+    python scripts/sm90_schedules.py --parts [--headdims D ...]
 
 Backward, each column a schedule:
 - "base": 2 stages, dQ split by keys (each consumer adds dS K_c for its own 64 keys);
@@ -17,8 +18,15 @@ Backward, each column a schedule:
 - "defer-dq" / "3st-defer-dq" (headdim 64): "steps" with dQ_i's atomics deferred to the next step,
   under its S^T and dP^T products (defer_dq), 2 and 3 stages; "columns-defer-dq", "columns" with
   the deferred atomics; "m128-columns", "m128-steps" (headdim 64): 128 query rows per step, and
-  "m128-columns-r240" with setmaxnreg 32 / 240;
+  "m128-columns-r240" with setmaxnreg 24 / 240 (32 / 240 asks more registers than the block holds
+  and hangs: check_register_split);
 - "planned": the planner's choice (configs.SM90_BACKWARD).
+With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
+as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
+schedule's ratio to SDPA flash after the table.
+With --parts, the planned backward's three launches (preprocess: D and dq_accum's zeros; the dK/dV
+kernel; the dq conversion) timed one at a time on each shape, and the bytes the two row-wise
+kernels move over their time (GB/s), next to a device-to-device copy's.
 Each is timed as a whole flash_attn_backward call (preprocess and dq conversion included, the same
 for all), FLOPs 2.5x the forward's, its dq, dk, dv compared with the base's.
 
@@ -42,6 +50,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 ONLY = None  # --only: the backward schedules to time (None: all)
+ANCHORS = False  # --anchors: SDPA's backward next to the schedules
 SHAPES = [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True), (64, 4096, False),
           (64, 16384, False), (64, 4096, True), (64, 16384, True)]  # (headdim, seqlen, causal)
 
@@ -151,7 +160,7 @@ def backward_schedules(headdim, causal):
         for split in ("columns", "steps"):  # 128 query rows per step
             found[f"m128-{split}"] = base.__class__(**{**base.__dict__, "block_m": 128, "dq_split": split})
         found["m128-columns-r240"] = base.__class__(**{**base.__dict__, "block_m": 128, "dq_split": "columns",
-                                                      "producer_registers": 32, "consumer_registers": 240})
+                                                      "producer_registers": 24, "consumer_registers": 240})
     found["planned"] = planned
     return {name: config for name, config in found.items() if ONLY is None or name in ONLY}
 
@@ -174,7 +183,7 @@ def main_backward():
         for name, seconds, registers, local in pool.map(build, [(n, c) for c, n in jobs.items()]):
             print(f"built {name}: {seconds:.1f} s, {registers} registers, {local} local bytes", flush=True)
     planned = configs.sm90_backward_config
-    rows = []
+    rows, began = [], time.time()
     try:
         for headdim, seqlen, causal in SHAPES:
             nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
@@ -197,12 +206,16 @@ def main_backward():
                 base = got if base is None else base
                 difference = max(float(cupy.abs(a - b).max()) for a, b in zip(got, base))
                 row[name] = (round(flops / median_ms(call, 10) / 1e9, 1), difference)
+            if ANCHORS:
+                for name, ms in sdpa_backward_ms(q, k, v, causal).items():
+                    row[name] = (round(flops / ms / 1e9, 1), 0.0)
             rows.append(row)
-            print(row, flush=True)
+            print(f"{time.time() - began:.0f} s", row, flush=True)
     finally:
         configs.sm90_backward_config = planned
         backward._kernels.cache_clear()
     names = list(dict.fromkeys(name for found in table.values() for name in found))
+    names += ["SDPA flash", "SDPA cuDNN"] if ANCHORS else []
     print("| hd | seqlen | causal | " + " | ".join(names) + " | max difference from base |")
     print("|---|---|---|" + "---|" * (len(names) + 1))
     for row in rows:
@@ -210,6 +223,73 @@ def main_backward():
         cells = [str(row[n][0]) if n in row else "-" for n in names]
         difference = max(row[n][1] for n in names if n in row)
         print(f"| {headdim} | {seqlen} | {causal} | " + " | ".join(cells) + f" | {difference:.2g} |")
+    if ANCHORS:
+        ours = [n for n in names if not n.startswith("SDPA")]
+        print("\nRatio to SDPA flash's backward:")
+        print("| hd | seqlen | causal | " + " | ".join(ours) + " |")
+        print("|---|---|---|" + "---|" * len(ours))
+        for row in rows:
+            headdim, seqlen, causal = row["shape"]
+            anchor = row["SDPA flash"][0]
+            cells = [f"{row[n][0] / anchor:.2f}" if n in row else "-" for n in ours]
+            print(f"| {headdim} | {seqlen} | {causal} | " + " | ".join(cells) + " |")
+
+
+def sdpa_backward_ms(q, k, v, causal):
+    """SDPA flash's and cuDNN's backward on these inputs, milliseconds, timed as bench.py times them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench", os.path.join(os.path.dirname(__file__), "bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return {f"SDPA {label}": bench.sdpa_backward_runner(backend)(q, k, v, causal).time_ms(warmup=2, repeats=10)
+            for label, backend in (("flash", "FLASH_ATTENTION"), ("cuDNN", "CUDNN_ATTENTION"))}
+
+
+def main_parts():
+    import cupy
+
+    import nbflash
+    from nbflash import backward, validation
+    from nbflash.kernels.geometry import visible_count
+    from nbflash.problem import window_bounds
+
+    copy_src = cupy.empty(1 << 28, np.uint8)
+    copy_dst = cupy.empty_like(copy_src)
+    copy_gbs = 2 * copy_src.nbytes / median_ms(lambda: copy_dst.__setitem__(Ellipsis, copy_src), 20) / 1e6
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
+    print("| hd | seqlen | causal | preprocess us | GB/s | dK/dV us | TFLOP/s | convert us | GB/s | whole call us |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for headdim, seqlen, causal in SHAPES:
+        nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
+        rng = np.random.default_rng(seqlen + headdim)
+        q, k, v, dout = (cupy.asarray(rng.standard_normal((batch, seqlen, nheads, headdim), np.float32))
+                         .astype(np.float16) for _ in range(4))
+        out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        problem, q_, k_, v_ = validation.check_forward(q, k, v, None, causal)
+        preprocess, dkdv, convert = backward._kernels(problem.static, False, None, problem.aligned)
+        shape = (batch, nheads, nheads, seqlen, seqlen)
+        delta = cupy.empty((batch, nheads, seqlen), np.float32)
+        dq_accum = cupy.empty(q.shape, np.float32)
+        dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
+        scale = np.float32(problem.softmax_scale)
+        scale_log2 = np.float32(problem.softmax_scale * math.log2(math.e))
+        params = backward.kernel_params(problem, dkdv.config)
+        times = {
+            "pre": median_ms(lambda: preprocess.launch(preprocess.config.grid(*shape), (out, dout, delta, dq_accum),
+                                                       ()), 20),
+            "dkdv": median_ms(lambda: dkdv.launch(dkdv.config.grid(*shape), (q_, k_, v_, dout, lse, delta, dk, dv,
+                                                                            dq_accum), (scale_log2, scale), params), 10),
+            "convert": median_ms(lambda: convert.launch(convert.config.grid(*shape), (dq_accum, dq), (scale,)), 20),
+            "call": median_ms(lambda: nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal), 10),
+        }
+        left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
+        flops = 2.5 * 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
+        pre_bytes = out.nbytes + dout.nbytes + dq_accum.nbytes + delta.nbytes  # read O, dO; write zeros, D
+        convert_bytes = dq_accum.nbytes + dq.nbytes
+        print(f"| {headdim} | {seqlen} | {causal} | {1e3 * times['pre']:.0f} | {pre_bytes / times['pre'] / 1e6:.0f} "
+              f"| {1e3 * times['dkdv']:.0f} | {flops / times['dkdv'] / 1e9:.1f} | {1e3 * times['convert']:.0f} | "
+              f"{convert_bytes / times['convert'] / 1e6:.0f} | {1e3 * times['call']:.0f} |", flush=True)
 
 
 def parse_args():
@@ -219,6 +299,10 @@ def parse_args():
     parser.add_argument("--only", nargs="+", metavar="NAME",
                         help="only these schedules (the backward's; 'base', the differences' reference, and "
                              "'planned' are always timed)")
+    parser.add_argument("--anchors", action="store_true",
+                        help="with --backward: time SDPA's flash and cuDNN backwards in the same loop")
+    parser.add_argument("--parts", action="store_true",
+                        help="the planned backward's preprocess, dK/dV and dq conversion timed apart")
     return parser.parse_args()
 
 
@@ -228,4 +312,5 @@ if __name__ == "__main__":
         SHAPES = [shape for shape in SHAPES if shape[0] in args.headdims]
     if args.only:
         ONLY = {"base", "planned", *args.only}
-    main_backward() if args.backward else main()
+    ANCHORS = args.anchors
+    main_parts() if args.parts else main_backward() if args.backward else main()

@@ -317,6 +317,21 @@ def test_block_m_configs():
     assert config.ds_bytes == 64 * 128 * 2 and config.q_bytes == 128 * 64 * 2
 
 
+def test_register_split_must_fit():
+    """setmaxnreg caps that ask for more registers than the block holds at entry (168 per thread at
+    384 threads) raise: 32 / 240 hung on the H200 (the consumers' setmaxnreg.inc never returns).
+    40 / 232 and 24 / 240 fill the 64,512 registers exactly; one consumer keeps its entry cap."""
+    from nbflash.kernels.forward_sm90 import Sm90ForwardConfig
+
+    for cls in (Sm90BackwardConfig, Sm90DqConfig, Sm90ForwardConfig):
+        for producer, consumer in ((32, 240), (48, 232), (40, 240)):
+            with pytest.raises(ValueError, match=f"setmaxnreg caps {producer} / {consumer} ask"):
+                cls(dtype="float16", headdim=64, producer_registers=producer, consumer_registers=consumer)
+        for producer, consumer in ((40, 232), (24, 240)):
+            cls(dtype="float16", headdim=64, producer_registers=producer, consumer_registers=consumer)
+        cls(dtype="float16", headdim=64, consumers=1, producer_registers=32, consumer_registers=240)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sm90_backward_table", [(2, "columns"), (3, "columns")], indirect=True,
                          ids=["columns", "3stages-columns"])

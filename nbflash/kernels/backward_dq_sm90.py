@@ -80,6 +80,7 @@ from nbflash.primitives import (
 from nbflash.primitives_sm90 import (
     SWIZZLE_128B,
     array_address,
+    check_register_split,
     elect_sync,
     fence_mbarrier_init,
     fence_operands,
@@ -142,6 +143,8 @@ class Sm90DqConfig:
             raise ValueError(f"{self.consumers=} must be 1 or 2")
         if self.stages < 2:
             raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
+        if self.consumers == 2:  # setmaxnreg splits the registers (one consumer keeps the entry cap)
+            check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
         if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
             raise ValueError(f"{self.dynamic_shared_bytes=} exceeds {MAX_SHARED_BYTES} (fewer stages or a smaller "
                              f"block_n)")

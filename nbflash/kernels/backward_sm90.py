@@ -94,6 +94,7 @@ from nbflash.primitives import (
 from nbflash.primitives_sm90 import (
     SWIZZLE_128B,
     array_address,
+    check_register_split,
     cached_tensor_maps,
     copy_operands,
     elect_sync,
@@ -216,6 +217,8 @@ class Sm90BackwardConfig:
                              f"{self.defer_dq=}")
         if self.dq_split == "steps" and self.consumers != 2:
             raise ValueError(f"dq_split='steps' takes two consumers, not {self.consumers=}")
+        if self.consumers == 2:  # setmaxnreg splits the registers (one consumer keeps the entry cap)
+            check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
         if self.dq_split == "columns" and self.consumers != 2:
             raise ValueError(f"dq_split='columns' takes two consumers, not {self.consumers=}")
         if self.dq_split == "columns" and self.dq_reduce == "tma" and self.headdim_padded != 2 * CHUNK:

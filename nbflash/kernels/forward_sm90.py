@@ -111,6 +111,7 @@ from nbflash.primitives import (
 from nbflash.primitives_sm90 import (
     SWIZZLE_128B,
     array_address,
+    check_register_split,
     cached_tensor_maps,
     elect_sync,
     fence_mbarrier_init,
@@ -202,6 +203,8 @@ class Sm90ForwardConfig:
             raise ValueError("pingpong=True takes two consumers and overlap=True")
         if self.stages < 2:
             raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
+        if self.consumers == 2:  # setmaxnreg splits the registers (one consumer keeps the entry cap)
+            check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
 
     @property
     def block_m(self):
