@@ -15,6 +15,8 @@ Backward, each column a schedule:
 - "columns-tma", "steps-tma": those splits with dQ added by TMA reduce-adds from shared memory;
 - "heavy-first": the planner's choice with the grid's key tiles slowest (with causal attention the
   blocks that see the most query tiles start first);
+- "heavy-groups4", "heavy-groups8": the planner's choice, longest-first within groups of 4 or 8
+  (batch, KV head) pairs (heavy_groups);
 - "defer-dq" / "3st-defer-dq" (headdim 64): "steps" with dQ_i's atomics deferred to the next step,
   under its S^T and dP^T products (defer_dq), 2 and 3 stages; "columns-defer-dq", "columns" with
   the deferred atomics; "m128-columns", "m128-steps" (headdim 64): 128 query rows per step, and
@@ -153,6 +155,8 @@ def backward_schedules(headdim, causal):
         found["columns-tma"] = base.__class__(**{**base.__dict__, "dq_split": "columns", "dq_reduce": "tma"})
     found["steps-tma"] = base.__class__(**{**base.__dict__, "dq_split": "steps", "dq_reduce": "tma"})
     found["heavy-first"] = planned.__class__(**{**planned.__dict__, "heavy_first": True})
+    for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
+        found[f"heavy-groups{groups}"] = planned.__class__(**{**planned.__dict__, "heavy_groups": groups})
     if base.headdim_padded == 64:
         found["defer-dq"] = base.__class__(**{**base.__dict__, "dq_split": "steps", "defer_dq": True})
         found["3st-defer-dq"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps", "defer_dq": True})

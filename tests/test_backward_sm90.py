@@ -181,6 +181,46 @@ def test_backward_sm90_heavy_first_gpu(rng, xp, heavy_first, causal):
 
 
 @pytest.fixture
+def heavy_groups(request, monkeypatch):
+    """Plan the sm90 backward longest-first within groups of (batch, KV head) pairs, as many as
+    the parameter says."""
+    planned = configs.sm90_backward_config
+    monkeypatch.setattr(configs, "sm90_backward_config",
+                        lambda *args: dataclasses.replace(planned(*args), heavy_groups=request.param))
+    backward._kernels.cache_clear()
+    yield request.param
+    backward._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+@pytest.mark.parametrize("heavy_groups", [2], indirect=True)
+def test_backward_sm90_heavy_groups_small(rng, xp, heavy_groups):
+    """Groups of 2 (batch, KV head) pairs, key tile by key tile: three pairs, so the second group's
+    second block of each tile has no pair and exits; causal over two key tiles and a tail."""
+    dkdv = configs.plan_backward(Static("float16", 64, True, 0, CAUSAL), False, "sm90")[1]
+    assert dkdv.heavy_groups == 2 and dkdv.grid(1, 3, 3, 70, 150) == (4, 2, 1)
+    run_sm90(rng, xp, 1, 70, 150, 3, 3, 64, "float16", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heavy_groups", [4], indirect=True)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_backward_sm90_heavy_groups_gpu(rng, xp, heavy_groups, causal, batch):
+    """Six and eighteen (batch, KV head) pairs: partial last groups."""
+    run_sm90(rng, xp, batch, 1023, 2048, 12, 6, 128, "float16", causal)
+
+
+def test_heavy_groups_config():
+    with pytest.raises(ValueError, match="heavy_groups"):
+        Sm90BackwardConfig(dtype="float16", headdim=64, heavy_groups=4, heavy_first=True)
+    with pytest.raises(ValueError, match="heavy_groups"):
+        Sm90BackwardConfig(dtype="float16", headdim=64, heavy_groups=-1)
+    config = Sm90BackwardConfig(dtype="float16", headdim=64, heavy_groups=4)
+    assert config.grid(4, 32, 8, 4096, 4096) == (4 * 32, 8, 1)
+
+
+@pytest.fixture
 def defer_dq(request, monkeypatch):
     """Plan the sm90 backward with dQ_i's atomics deferred to the next step (defer_dq), dQ split
     as the parameter says ("steps" or "columns")."""
