@@ -34,7 +34,8 @@ for all), FLOPs 2.5x the forward's, its dq, dk, dv compared with the base's.
 
 Forward, for each shape (flash-attn's grid: hidden 2048, batch 16384 / seqlen): the planned config ("base"),
 the overlapped loop ("overlap": S_{j+1} issued with P_j V_j), the two consumers taking turns
-("pingpong"), and at headdim 128 key tiles of 176 ("n176", "n176-pp"). TFLOP/s from CUDA events
+("pingpong"), longest-first inside groups of 4 or 8 (batch, head) pairs ("heavy-groups4",
+"heavy-groups8"), and at headdim 128 key tiles of 176 ("n176", "n176-pp"). TFLOP/s from CUDA events
 around each launch (median of 15 after 3 warm-ups); each schedule's output is compared with the
 base's. The configs are compiled first in worker processes (into nbflash's on-disk cache), each line
 saying the seconds, registers and local (spill) bytes. Needs a GPU of compute capability 9.0.
@@ -64,6 +65,8 @@ def schedules(headdim, causal):
     base = configs.sm90_forward_config("float16", headdim, Variant(window=causal))
     found = {"base": base, "overlap": base.__class__(**{**base.__dict__, "overlap": True}),
              "pingpong": base.__class__(**{**base.__dict__, "overlap": True, "pingpong": True})}
+    for groups in (4, 8):  # longest-first within groups of (batch, head) pairs
+        found[f"heavy-groups{groups}"] = base.__class__(**{**base.__dict__, "heavy_groups": groups})
     if headdim == 128:
         found["n176"] = base.__class__(**{**base.__dict__, "block_n": 176, "stages": 2})
         found["n176-pp"] = base.__class__(**{**base.__dict__, "block_n": 176, "stages": 2, "overlap": True,

@@ -129,6 +129,25 @@ def test_pingpong(xp):
     check(config, xp, seqlen_q=70, seqlen_k=150, nheads=1, nheads_k=1)
 
 
+def test_heavy_groups(xp):
+    # Longest-first within groups of 2 (batch, head) pairs, causal: three pairs (batch 1, 3 query
+    # heads over one KV head), so the second group's second block of each query block exits; two
+    # query blocks, the first with rows that see no key.
+    config = Sm90ForwardConfig("float16", 64, WINDOW, heavy_groups=2, **SMALL)
+    assert config.grid(1, 3, 72) == (4, 2, 1)
+    check(config, xp, seqlen_q=72, seqlen_k=40, nheads=3, nheads_k=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(P.SIMULATOR, reason="sizes the simulator cannot afford; needs a GPU")
+@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_heavy_groups_gpu(window, batch, xp):
+    # Groups of 8 over 12 and 36 (batch, head) pairs (partial last groups), GQA 3:1, hd 128.
+    config = Sm90ForwardConfig("float16", 128, WINDOW if window else PLAIN, heavy_groups=8)
+    check(config, xp, batch=batch, seqlen_q=1000, seqlen_k=1100, nheads=12, nheads_k=4)
+
+
 def test_two_consumers_padded_headdim(xp):
     # Two consumer warpgroups (block_m 128), headdim 40 padded to 64 by TMA's zero fill, causal
     # with a diagonal tile and a tile skipped for the first rows.

@@ -27,7 +27,9 @@ taking turns to issue their products through named barriers 1 and 2 (ping-pong).
 at headdim 128 both measured slower than the plain loop (docs/perf-notes.md, "Hopper forward"), so
 the planner does not use them.
 
-Grid and threads: grid = (ceil(seqlen_q / block_m), nheads, batch); block = 128 * (consumers + 1)
+Grid and threads: grid = (ceil(seqlen_q / block_m), nheads, batch), or with ``heavy_groups`` G
+(G ceil(seqlen_q / block_m), ceil(batch nheads / G), 1): each row of blocks a group of G (batch,
+query head) pairs, query block by query block; block = 128 * (consumers + 1)
 threads. Warpgroup 0 is the producer (it lowers its register cap with setmaxnreg, the consumers
 raise theirs); warpgroup 1 + c owns query rows [64 c, 64 c + 64) of the block's tile. With a window
 (causal is the window (-1, 0)) blockIdx.x is reversed so the query blocks with the most keys start
@@ -181,6 +183,11 @@ class Sm90ForwardConfig:
     consumer_registers: int = 232
     overlap: bool = False  # issue S_j with P_{j-1} V_{j-1}, the softmax under the latter (FlashAttention-3)
     pingpong: bool = False  # the two consumers take turns issuing their products (needs overlap)
+    # Longest-first within groups of this many (batch, query head) pairs (0: off): the grid walks
+    # the groups one after another and, inside a group, each pair's heaviest query block, then the
+    # next; so the last wave holds short blocks (with a window) while the blocks running together
+    # still read a few heads' K and V (scripts/dispatch_model.py models the backward's case)
+    heavy_groups: int = 0
 
     def __post_init__(self):
         if self.dtype not in ("float16", "bfloat16", FP8):
@@ -203,6 +210,8 @@ class Sm90ForwardConfig:
             raise ValueError("pingpong=True takes two consumers and overlap=True")
         if self.stages < 2:
             raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
+        if self.heavy_groups < 0:
+            raise ValueError(f"heavy_groups={self.heavy_groups} must be 0 (off) or a group size")
         if self.consumers == 2:  # setmaxnreg splits the registers (one consumer keeps the entry cap)
             check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
 
@@ -251,7 +260,10 @@ class Sm90ForwardConfig:
     arch_suffix = "a"  # wgmma, TMA and setmaxnreg assemble for sm_90a only
 
     def grid(self, batch, nheads, seqlen_q):
-        return (-(-seqlen_q // self.block_m), nheads, batch)
+        tiles = -(-seqlen_q // self.block_m)
+        if self.heavy_groups:
+            return (self.heavy_groups * tiles, -(-(batch * nheads) // self.heavy_groups), 1)
+        return (tiles, nheads, batch)
 
 
 def _words(config, q, k, v):
@@ -295,6 +307,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     TURN_THREADS = 2 * GROUP  # a turn barrier: the waiting consumer and the one handing over
     hooks = variants.hooks(config.variant)
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
+    HEAVY_GROUPS = config.heavy_groups
     head_context = hooks.head_context
     # A score feature (softcap, ALiBi, bias, score_mod): raw S through the tensor-core score point, into
     # units whose positive factor to base 2 replaces the scale in exp2 (the scale is positive here:
@@ -530,8 +543,15 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     @unroll
     def forward_sm90(q, k, v, out, lse, maps, scale_log2, params):
         m_block, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        m_blocks = cuda.gridDim.x
+        if HEAVY_GROUPS:  # query block blockIdx.x // G of the group's pair blockIdx.x % G
+            pair = cuda.blockIdx.y * HEAVY_GROUPS + cuda.blockIdx.x % HEAVY_GROUPS
+            if pair >= q.shape[0] * q.shape[2]:
+                return  # the last group's missing pairs: the whole block, before any barrier
+            m_block, b, h = cuda.blockIdx.x // HEAVY_GROUPS, pair // q.shape[2], pair % q.shape[2]
+            m_blocks = cuda.gridDim.x // HEAVY_GROUPS
         if WINDOW:  # the last query blocks see the most keys (causal): start them first
-            m_block = cuda.gridDim.x - 1 - m_block
+            m_block = m_blocks - 1 - m_block
         tid = cuda.threadIdx.x
         group = tid // GROUP  # 0: the producer; 1 + c: consumer c
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
