@@ -29,7 +29,9 @@ padded batch and on nested (jagged) tensors.
 """
 
 import argparse
+import dataclasses
 import functools
+import math
 import importlib.util
 import multiprocessing
 import os
@@ -48,7 +50,9 @@ from nbflash.dtypes import SUPPORTED
 from nbflash import backward
 from nbflash.backward import _flash_attn_backward
 from nbflash.catalogue import VARIANTS, variant_arguments
-from nbflash.interface import _flash_attn_forward
+from nbflash import launch
+from nbflash.block_mask import kernel_params
+from nbflash.interface import _flash_attn_forward, _kernel_for
 from nbflash.kernels.geometry import visible_count
 from nbflash.problem import window_bounds
 from nbflash.measure import time_ms
@@ -60,6 +64,28 @@ def nbflash_runner(family):
     def run(q, k, v, causal, **variant):
         problem, q_, k_, v_ = check_forward(q, k, v, None, causal, **variant)
         return lambda: _flash_attn_forward(problem, q_, k_, v_, family=family)
+
+    return run
+
+
+def nbflash_grouped_runner(family, groups):
+    """Times the forward of ``family``'s planned kernel with ``heavy_groups=groups``: longest-first
+    within groups of (batch, head) pairs (nbflash/kernels/geometry.py, ``grouped_block``)."""
+
+    def run(q, k, v, causal, **variant):
+        problem, q_, k_, v_ = check_forward(q, k, v, None, causal, **variant)
+        config = dataclasses.replace(_kernel_for(problem, family).config, heavy_groups=groups)
+        kernel = launch.compiled(config)
+        grid = config.grid(problem.batch, problem.nheads, problem.seqlen_q)
+        scale_log2 = np.float32(problem.softmax_scale * math.log2(math.e))
+
+        def call():
+            out, lse = launch.empty_pair(q_.shape, q_.dtype, (problem.batch, problem.nheads, problem.seqlen_q),
+                                         np.float32)
+            kernel.launch(grid, (q_, k_, v_, out, lse), (scale_log2,), kernel_params(problem, config))
+            return out, lse
+
+        return call
 
     return run
 
@@ -327,7 +353,7 @@ DEFAULTS = {
 TRAINING = ("forward", "backward", "forward+backward")
 # The passes each pass-specific flag goes with; the other passes refuse it.
 FLAG_PASSES = {
-    **dict.fromkeys(("seqlens", "variants", "families", "dkdv_blocks", "no_naive"), TRAINING),
+    **dict.fromkeys(("seqlens", "variants", "families", "dkdv_blocks", "heavy_groups", "no_naive"), TRAINING),
     "causal": (*TRAINING, "varlen"),
     **dict.fromkeys(("decode_shapes", "decode_heads", "page_sizes", "seqlen_q", "num_splits"), ("decode",)),
     **dict.fromkeys(("varlen_lengths", "varlen_heads", "jobs"), ("varlen",)),
@@ -361,6 +387,11 @@ def build_parser():
         help="time the forward, the backward alone (FLOPs counted as 2.5x the forward's), or both "
         "(3.5x); or decode: flash_attn_with_kvcache against a KV cache, as bandwidth; or varlen: "
         "flash_attn_varlen_func's forward on a batch of mixed lengths",
+    )
+    parser.add_argument(
+        "--heavy-groups", type=int, nargs="+", default=None, metavar="G",
+        help="--pass forward: also time each family's planned kernel with heavy_groups=G (longest-first "
+        "within groups of G (batch, head) pairs), one column each",
     )
     parser.add_argument(
         "--dkdv-blocks", nargs="+", default=None, metavar="MxNxW",
@@ -434,6 +465,11 @@ def resolve_arguments(parser, args):
             parser.error("--jobs must be >= 0 (0: compile each kernel on first use)")
     else:
         args.dkdv_blocks = args.dkdv_blocks or []
+        args.heavy_groups = args.heavy_groups or []
+        if args.heavy_groups and args.which != "forward":
+            parser.error("--heavy-groups goes with --pass forward")
+        if any(g <= 0 for g in args.heavy_groups):
+            parser.error("--heavy-groups takes positive group sizes")
         args.no_naive = bool(args.no_naive)
     return args
 
@@ -472,6 +508,9 @@ def main(argv=None):
 
     flop_factor, nbflash_pass, sdpa = PASSES[args.which]
     runners = {f"nbflash {f}": nbflash_pass(f) for f in args.families}
+    for groups in args.heavy_groups:
+        for family in args.families:
+            runners[f"nbflash {family} g{groups}"] = nbflash_grouped_runner(family, groups)
     for blocks in args.dkdv_blocks:
         if args.which != "backward":
             parser.error("--dkdv-blocks goes with --pass backward")

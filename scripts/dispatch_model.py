@@ -12,6 +12,9 @@ compared with the ideal (all steps spread evenly). Orders:
 
     python scripts/dispatch_model.py [--sms 132] [--block-m 64] [--block-n 128]
 
+(The forward's causal query blocks have the same shape of work: --block-n is then its block_m and
+--block-m its block_n, and --sms the block slots, e.g. 264 for the mma forward's 2 blocks per SM.)
+
 It models the order only: no memory system (heavy-first measured slower than the model says at
 headdim 64 because the blocks running together then read many heads' Q and dO; groups keep that
 to a few heads, as the default does).
@@ -19,6 +22,12 @@ to a few heads, as the default does).
 
 import argparse
 import heapq
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from nbflash.kernels.geometry import grouped_block, grouped_grid  # noqa: E402
 
 SHAPES = [(2048, 16, 8), (4096, 16, 4), (8192, 16, 2), (16384, 16, 1), (4096, 32, 4), (16384, 32, 1)]  # seqlen, KV heads, batch
 GROUPS = (2, 4, 8, 16)
@@ -39,9 +48,10 @@ def orders(seqlen, heads, batch, block_m, block_n, groups):
     pairs = batch * heads
     found = {"default": [steps[n] for _ in range(pairs) for n in range(tiles)],
              "heavy-first": [steps[n] for n in range(tiles) for _ in range(pairs)]}
-    for g in groups:
-        found[f"groups of {g}"] = [steps[n] for first in range(0, pairs, g)
-                                   for n in range(tiles) for _ in range(min(g, pairs - first))]
+    for g in groups:  # the kernels' own mapping of a block to its (tile, pair)
+        x_blocks, y_blocks, _ = grouped_grid(tiles, pairs, g)
+        found[f"groups of {g}"] = [steps[tile] for y in range(y_blocks) for x in range(x_blocks)
+                                   for tile, pair in [grouped_block(x, y, g)] if pair < pairs]
     return found, sum(steps) * pairs
 
 

@@ -1,6 +1,7 @@
 """scripts/bench.py without a GPU: which flags each pass takes, its defaults, the varlen pass's
 sequence lengths and FLOP count, and how the torch anchors' backward is timed alone (on a tiny CPU
-graph, where torch is importable). Nothing here runs a kernel."""
+graph, where torch is importable). One test runs a kernel: the --heavy-groups runner, in the
+simulator."""
 
 import importlib.util
 import os
@@ -51,6 +52,31 @@ def test_each_pass_refuses_the_flags_of_the_others(bench, capsys):
     assert "(it goes with --pass forward, backward, forward+backward or varlen)" in refused(
         bench, capsys, "--pass", "decode", "--causal", "yes")
     assert arguments(bench, "--pass", "varlen", "--causal", "yes").causal == "yes"
+
+
+def test_heavy_groups_goes_with_the_forward(bench, capsys):
+    assert arguments(bench, "--heavy-groups", "4", "8").heavy_groups == [4, 8]
+    assert arguments(bench).heavy_groups == []
+    assert "--heavy-groups goes with --pass forward" in refused(bench, capsys, "--pass", "backward", "--heavy-groups",
+                                                                "8")
+    assert "positive group sizes" in refused(bench, capsys, "--heavy-groups", "0")
+    assert "--heavy-groups does not apply to --pass decode" in refused(bench, capsys, "--pass", "decode",
+                                                                       "--heavy-groups", "8")
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1", reason="the simulator's arrays")
+def test_heavy_groups_runner_matches_the_planned_kernel(bench):
+    """The --heavy-groups column's call: the planned kernel in the grouped order gives the planned
+    kernel's bits (each block's work is the same; only the order differs)."""
+    import numpy as np
+
+    import nbflash
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 20, 3, 16)).astype(np.float16) for _ in range(3))
+    out, lse = bench.nbflash_grouped_runner("mma", 4)(q, k, v, True)()
+    want, want_lse = nbflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert np.array_equal(out, want) and np.array_equal(lse, want_lse)
 
 
 def test_varlen_defaults_and_parsed_values(bench):

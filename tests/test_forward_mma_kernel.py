@@ -112,6 +112,14 @@ def test_headdim_40_gqa_batch():
     check(MmaForwardConfig("bfloat16", 40, PLAIN, **SMALL), batch=2, seqlen_q=17, seqlen_k=9, nheads=4, nheads_k=2)
 
 
+def test_heavy_groups():
+    # Longest-first within groups of 4 (batch, head) pairs, causal: 2 x 3 pairs, so the second
+    # group's last two blocks of each query block exit; two query blocks, rows without keys.
+    config = MmaForwardConfig("float16", 16, WINDOW, heavy_groups=4, **SMALL)
+    assert config.grid(2, 3, 40) == (4 * 2, 2, 1)
+    check(config, batch=2, seqlen_q=40, seqlen_k=30, nheads=3, nheads_k=1)
+
+
 @pytest.mark.parametrize("skip_rescale, q_in_registers", [(False, None), (True, True)])
 def test_two_slices_per_warp(skip_rescale, q_in_registers):
     # block_m = 64 with 2 warps: each warp owns two 16-row slices (m_tiles = 2); block_n = 32.

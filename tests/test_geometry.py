@@ -71,3 +71,18 @@ def test_tile_segments(seqlen_q, seqlen_k, window, block):
             else:
                 assert first == last
             assert list(range(first_full, end_full)) == full
+
+
+@pytest.mark.parametrize("tiles, pairs, groups", [(1, 1, 1), (5, 6, 4), (3, 8, 8), (7, 3, 16), (4, 12, 3)])
+def test_grouped_order_visits_each_tile_once(tiles, pairs, groups):
+    """The heavy_groups order: every (tile, pair) exactly once, the blocks past the last pair
+    idle, and inside each group tile 0 of every pair before any pair's tile 1."""
+    x_blocks, y_blocks, z_blocks = geometry.grouped_grid(tiles, pairs, groups)
+    assert z_blocks == 1 and y_blocks * groups >= pairs > (y_blocks - 1) * groups
+    seen = [geometry.grouped_block(x, y, groups) for y in range(y_blocks) for x in range(x_blocks)]
+    real = [(tile, pair) for tile, pair in seen if pair < pairs]
+    assert sorted(real) == [(t, p) for t in range(tiles) for p in range(pairs)]
+    assert len(seen) - len(real) == y_blocks * groups * tiles - pairs * tiles
+    for y in range(y_blocks):
+        row = [geometry.grouped_block(x, y, groups)[0] for x in range(x_blocks)]
+        assert row == sorted(row)  # tile by tile within the group

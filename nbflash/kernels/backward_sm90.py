@@ -129,6 +129,7 @@ from nbflash.primitives_sm90 import (
 from nbflash.problem import Variant
 
 from . import variants
+from .geometry import grouped_block, grouped_grid
 from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
 from .tiles import output_store
 
@@ -297,7 +298,7 @@ class Sm90BackwardConfig:
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
         tiles = -(-seqlen_k // self.block_n)
         if self.heavy_groups:
-            return (self.heavy_groups * tiles, -(-(batch * nheads_k) // self.heavy_groups), 1)
+            return grouped_grid(tiles, batch * nheads_k, self.heavy_groups)
         return (nheads_k, batch, tiles) if self.heavy_first else (tiles, nheads_k, batch)
 
 
@@ -577,11 +578,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     @launch_bounded(THREADS, 1)
     @unroll
     def backward_dkdv_sm90(q, k, v, dout, lse, delta, dk, dv, dq_accum, maps, scale_log2, scale, params):
-        if HEAVY_GROUPS:  # key tile blockIdx.x // G of the group's pair blockIdx.x % G
-            pair = cuda.blockIdx.y * HEAVY_GROUPS + cuda.blockIdx.x % HEAVY_GROUPS
+        if HEAVY_GROUPS:  # (batch, KV head) pairs in groups, key tile by key tile (geometry.py)
+            n_block, pair = grouped_block(cuda.blockIdx.x, cuda.blockIdx.y, HEAVY_GROUPS)
             if pair >= q.shape[0] * k.shape[2]:
                 return  # the last group's missing pairs: the whole block, before any barrier
-            n_block, b, hk = cuda.blockIdx.x // HEAVY_GROUPS, pair // k.shape[2], pair % k.shape[2]
+            b, hk = pair // k.shape[2], pair % k.shape[2]
         elif HEAVY_FIRST:
             hk, b, n_block = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         else:

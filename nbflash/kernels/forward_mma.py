@@ -21,7 +21,8 @@ diagonal, sequence tail) run the masked copy, where each warp also skips the key
 see. A block mask's empty tile pairs are never fetched nor computed (the prefetch skips to the next
 tile it does not call empty), its partial ones run the masked copy. With a window (causal is the
 window (-1, 0)), blockIdx.x is reversed so that the query blocks
-with the most keys start first.
+with the most keys start first; with ``heavy_groups`` G the grid walks groups of G (batch, head)
+pairs, query block by query block (nbflash/kernels/geometry.py, ``grouped_block``).
 
 Variants (nbflash/kernels/variants.py): the window's sizes arrive in ``params`` and the visible key
 ranges and tile segments come from nbflash/kernels/geometry.py, as in every kernel. Without a score
@@ -93,6 +94,7 @@ from nbflash.primitives import (
 )
 
 from . import variants
+from .geometry import grouped_block, grouped_grid
 from .tiles import output_store
 
 LN2 = math.log(2.0)
@@ -116,6 +118,10 @@ class MmaForwardConfig:
     sub_n: int = 0  # keys per S register tile (a divisor of block_n, multiple of 16); 0: block_n
     skip_rescale: bool = False  # branch around acc *= alpha when a row's max did not change
     fold_scale: bool = True  # the scale is positive: fold it into exp2 (a score feature folds its units)
+    # Longest-first within groups of this many (batch, head) pairs (0: off; geometry.grouped_block):
+    # the grid's last wave holds short blocks (with a window) while the blocks running together
+    # read a few heads' K and V
+    heavy_groups: int = 0
 
     def __post_init__(self):
         if self.dtype not in ("float16", "bfloat16"):
@@ -130,6 +136,8 @@ class MmaForwardConfig:
             raise ValueError(f"{self.sub_n=} must be a multiple of 16 dividing {self.block_n=}")
         if self.aligned and self.headdim % 8:
             raise ValueError(f"aligned=True needs headdim % 8 == 0, got {self.headdim=}")
+        if self.heavy_groups < 0:
+            raise ValueError(f"heavy_groups={self.heavy_groups} must be 0 (off) or a group size")
 
     @property
     def headdim_padded(self):
@@ -167,7 +175,10 @@ class MmaForwardConfig:
         return self.shared_bytes
 
     def grid(self, batch, nheads, seqlen_q):
-        return (-(-seqlen_q // self.block_m), nheads, batch)
+        tiles = -(-seqlen_q // self.block_m)
+        if self.heavy_groups:
+            return grouped_grid(tiles, batch * nheads, self.heavy_groups)
+        return (tiles, nheads, batch)
 
 
 @lru_cache(maxsize=None)
@@ -186,6 +197,7 @@ def build_forward_mma(config: MmaForwardConfig):
     ALIGNED, Q_IN_REGISTERS = config.aligned, config.use_q_registers
     hooks = variants.hooks(config.variant)
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
+    HEAVY_GROUPS = config.heavy_groups
     ELEMENT_MASK = hooks.ELEMENT_MASK
     SCORE, head_context = hooks.SCORE, hooks.head_context
     score_units, score_row, score_at, _ = hooks.tensor_core_score(config.fold_scale)
@@ -485,8 +497,15 @@ def build_forward_mma(config: MmaForwardConfig):
     @unroll
     def forward_mma(q, k, v, out, lse, scale_log2, params):
         m_block, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        m_blocks = cuda.gridDim.x
+        if HEAVY_GROUPS:  # (batch, head) pairs in groups, query block by query block (geometry.py)
+            m_block, pair = grouped_block(cuda.blockIdx.x, cuda.blockIdx.y, HEAVY_GROUPS)
+            if pair >= q.shape[0] * q.shape[2]:
+                return  # the last group's missing pairs: the whole block, before any barrier
+            b, h = pair // q.shape[2], pair % q.shape[2]
+            m_blocks = cuda.gridDim.x // HEAVY_GROUPS
         if WINDOW:  # the last query blocks see the most keys (causal): start them first
-            m_block = cuda.gridDim.x - 1 - m_block
+            m_block = m_blocks - 1 - m_block
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3

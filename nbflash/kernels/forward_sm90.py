@@ -143,6 +143,7 @@ from nbflash.primitives_sm90 import (
 from nbflash.problem import Variant
 
 from . import variants
+from .geometry import grouped_block, grouped_grid
 from .tiles import output_store
 
 LN2 = math.log(2.0)
@@ -262,7 +263,7 @@ class Sm90ForwardConfig:
     def grid(self, batch, nheads, seqlen_q):
         tiles = -(-seqlen_q // self.block_m)
         if self.heavy_groups:
-            return (self.heavy_groups * tiles, -(-(batch * nheads) // self.heavy_groups), 1)
+            return grouped_grid(tiles, batch * nheads, self.heavy_groups)
         return (tiles, nheads, batch)
 
 
@@ -544,11 +545,11 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     def forward_sm90(q, k, v, out, lse, maps, scale_log2, params):
         m_block, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         m_blocks = cuda.gridDim.x
-        if HEAVY_GROUPS:  # query block blockIdx.x // G of the group's pair blockIdx.x % G
-            pair = cuda.blockIdx.y * HEAVY_GROUPS + cuda.blockIdx.x % HEAVY_GROUPS
+        if HEAVY_GROUPS:  # (batch, head) pairs in groups, query block by query block (geometry.py)
+            m_block, pair = grouped_block(cuda.blockIdx.x, cuda.blockIdx.y, HEAVY_GROUPS)
             if pair >= q.shape[0] * q.shape[2]:
                 return  # the last group's missing pairs: the whole block, before any barrier
-            m_block, b, h = cuda.blockIdx.x // HEAVY_GROUPS, pair // q.shape[2], pair % q.shape[2]
+            b, h = pair // q.shape[2], pair % q.shape[2]
             m_blocks = cuda.gridDim.x // HEAVY_GROUPS
         if WINDOW:  # the last query blocks see the most keys (causal): start them first
             m_block = m_blocks - 1 - m_block

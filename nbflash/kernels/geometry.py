@@ -49,6 +49,23 @@ def packed_sequence(cu_seqlens_q, cu_seqlens_k, b, total_q, total_k):
     return q_start, q_end - q_start, k_start, k_end - k_start
 
 
+def grouped_grid(tiles, pairs, groups):
+    """The grid of the ``heavy_groups`` launch order: (groups * tiles, ceil(pairs / groups), 1),
+    for ``tiles`` tiles (blocks) in each of ``pairs`` (batch, head) pairs; see ``grouped_block``."""
+    return (groups * tiles, -(-pairs // groups), 1)
+
+
+@register_jitable
+def grouped_block(x, y, groups):
+    """(tile, pair) of block (x, y) of ``grouped_grid``: tile x // groups of pair
+    y * groups + x % groups, so each row of blocks walks a group of ``groups`` pairs tile by tile
+    (the heaviest tile first: the kernel numbers its tiles so). A pair at or past the last
+    (batch * heads) is a block of a partial last group, with nothing to do. The GPU starts blocks
+    in this order, so the last wave is every group's lightest tiles, while the blocks running
+    together read a few heads' tensors (scripts/dispatch_model.py)."""
+    return x // groups, y * groups + x % groups
+
+
 @register_jitable
 def visible_keys(row, seqlen_q, seqlen_k, left, right):
     """Query ``row`` sees the keys ``lo <= j < hi``: returns (lo, hi); empty when hi <= lo."""
