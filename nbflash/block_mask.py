@@ -117,7 +117,7 @@ def kernel_params(problem, config):
     if not problem.variant.block_mask:
         return params
     table = problem.block_mask.classes(config.block_m, config.block_n)
-    xp = np if runtime.SIMULATOR else runtime.cupy()
+    xp = runtime.xp()
     view = xp.broadcast_to(table, (problem.batch, problem.nheads, *table.shape[2:]))
     index = problem.variant.param_names().index("block_mask")
     return params[:index] + (view,) + params[index + 1:]

@@ -24,7 +24,7 @@ from .reference import attention_reference
 
 def naive_attention(q, k, v, causal=False):
     """softmax(q k^T / sqrt(d)) v with the N x N matrices materialized (float32 softmax)."""
-    xp = np if runtime.SIMULATOR else runtime.cupy()
+    xp = runtime.xp()
     scale = 1.0 / math.sqrt(q.shape[-1])
     qh, kh, vh = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # (batch, heads, seqlen, headdim)
     s = (qh @ kh.transpose(0, 1, 3, 2)).astype(xp.float32) * scale

@@ -214,7 +214,7 @@ def fp8_transposed_v(v):
     zeros past seqlen_k, the keys of each 16 in FP8_KEY_ORDER (nbflash/kernels/forward_sm90.py), as
     uint16 byte pairs. A gather of V's bytes into a new array: its cost is one read and one write of
     V per call (FlashAttention-3 can instead transpose V tile by tile in shared memory)."""
-    xp = np if runtime.SIMULATOR else runtime.cupy()
+    xp = runtime.xp()
     batch, seqlen_k, nheads_k, headdim = v.shape
     padded = -(-seqlen_k // 16) * 16
     position = np.arange(padded)
@@ -248,7 +248,7 @@ def _flash_attn_fp8(q, k, v, softmax_scale, causal, window_size, q_descale, k_de
     left, right = validation.check_window_size(window_size)
     left, right, window = window_bounds(seqlen_q, seqlen_k, causal, (left, right))
     config = configs.sm90_fp8_forward_config(headdim, Variant(window=True) if window else Variant())
-    xp = np if runtime.SIMULATOR else runtime.cupy()
+    xp = runtime.xp()
     params = (np.int32(left), np.int32(right)) if window else ()
     params = (*params, _fp8_descales((q_descale, k_descale, v_descale), batch, nheads_k, xp))
     out, lse = launch.empty_pair(q.shape, BFLOAT16, (batch, nheads, seqlen_q), FLOAT32)

@@ -243,14 +243,10 @@ def _params(c):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _xp():
-    return np if runtime.SIMULATOR else runtime.cupy()
-
-
 @lru_cache(maxsize=None)
 def _stand_ins(device, dtype):
     """Tiny arrays passed where an optional argument is absent (the kernels never read them)."""
-    xp = _xp()
+    xp = runtime.xp()
     element = KERNEL_DTYPE[dtype]  # bfloat16 as its uint16 bits, as the kernels see it
     return {
         "int32": xp.zeros(1, np.int32),
@@ -475,7 +471,7 @@ class _Plan:
         (c.q, c.k_cache, c.v_cache, c.k, c.v, c.rotary_cos, c.rotary_sin, c.cache_batch_idx, c.cache_leftpad,
          c.block_table, slopes, c.out) = arrays
         if slopes is not None:
-            c.alibi_slopes = _xp().broadcast_to(slopes, (c.batch, c.nheads)) if slopes.ndim == 1 else slopes
+            c.alibi_slopes = runtime.xp().broadcast_to(slopes, (c.batch, c.nheads)) if slopes.ndim == 1 else slopes
         c.fixed_len, c.cache_seqlens = fixed_len, cache_seqlens
         return c
 
@@ -507,7 +503,7 @@ class _Plan:
         params = self.params
         if self.slopes_at is not None:
             if slopes.ndim == 1:
-                slopes = _xp().broadcast_to(slopes, (c.batch, c.nheads))
+                slopes = runtime.xp().broadcast_to(slopes, (c.batch, c.nheads))
             params = (*params[:self.slopes_at], slopes, *params[self.slopes_at + 1:])
         self.decode_kernel.launch(self.decode_grid, (q, k_cache, v_cache, out, lse, o_part, lse_part, counters,
                                                      lengths, batch_idx, stand["int32"] if leftpad is None else leftpad,
@@ -590,7 +586,7 @@ def _gathered(c):
     lengths, window and ALiBi as a float bias, then flash_attn_func."""
     from .interface import flash_attn_func
 
-    xp = _xp()
+    xp = runtime.xp()
     start, seqlen_k, cache_len = _sequence_lengths(c, xp)
     j = xp.arange(c.capacity)[None, :]
     position = xp.minimum(start[:, None] + j, c.capacity - 1)

@@ -15,8 +15,6 @@ autograd): the gradients of the packed forward, packed the same way (dqkv, or dq
 ``flash_attn_backward``'s or ``flash_attn_varlen_backward``'s arguments after the arrays.
 """
 
-import numpy as np
-
 from . import runtime
 from .backward import flash_attn_backward
 from .interface import flash_attn_func
@@ -43,7 +41,7 @@ def unpack(x, name, packing):
 
 def pack(arrays, packing):
     """The gradients stacked along the packed axis (a copy into one array)."""
-    xp = np if runtime.SIMULATOR else runtime.cupy()
+    xp = runtime.xp()
     return xp.stack(arrays, axis=packing[1])
 
 

@@ -69,6 +69,15 @@ def gpu_present():
 _cupy = None
 
 
+def xp():
+    """The array module the library's arrays live in: NumPy in the simulator, CuPy on a GPU."""
+    if SIMULATOR:
+        import numpy
+
+        return numpy
+    return cupy()
+
+
 def cupy():
     """The CuPy module (imported on first use), or a clear error when it cannot be used."""
     global _cupy

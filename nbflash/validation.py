@@ -209,7 +209,7 @@ def check_alibi_slopes(alibi_slopes, batch, nheads, device):
         )
     if not runtime.SIMULATOR and slopes.data.device_id != device:
         raise ValueError(f"alibi_slopes is on GPU {slopes.data.device_id} but q is on GPU {device}")
-    xp = np if runtime.SIMULATOR else runtime.cupy()
+    xp = runtime.xp()
     return xp.broadcast_to(slopes, (batch, nheads)) if slopes.ndim == 1 else slopes
 
 
@@ -233,7 +233,7 @@ def check_bias(bias, batch, nheads, seqlen_q, seqlen_k, dtype, device):
                          f"seqlen_k) = {target}; size-1 dims broadcast")
     if not runtime.SIMULATOR and x.data.device_id != device:
         raise ValueError(f"bias is on GPU {x.data.device_id} but q is on GPU {device}")
-    xp = np if runtime.SIMULATOR else runtime.cupy()
+    xp = runtime.xp()
     return xp.broadcast_to(x.reshape(shape), target), kind
 
 

@@ -32,7 +32,7 @@ LOG2_E = math.log2(math.e)
 def _batch_view(x, batch):
     """``x`` as (batch, *x.shape) with stride 0 over batch: every sequence's blocks index the one
     packed array (and narrow it to their rows). Writable: outputs are written through it."""
-    xp = np if runtime.SIMULATOR else runtime.cupy()
+    xp = runtime.xp()
     return xp.lib.stride_tricks.as_strided(x, (batch, *x.shape), (0, *x.strides))
 
 
@@ -104,7 +104,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def _varlen_probabilities(problem, q, k, v):
     """S_dmask of packed sequences (flash_attn_varlen_func's return_attn_probs), sequence by sequence."""
-    xp = np if runtime.SIMULATOR else runtime.cupy()
+    xp = runtime.xp()
     probs = xp.zeros((problem.batch, problem.nheads, problem.seqlen_q, problem.seqlen_k), xp.float32)
     cu_q, cu_k = (np.asarray(c.get() if hasattr(c, "get") else c) for c in (problem.cu_seqlens_q, problem.cu_seqlens_k))
     for b in range(problem.batch):
