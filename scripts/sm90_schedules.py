@@ -2,7 +2,7 @@
 --backward, those of the Hopper backward (nbflash/kernels/backward_sm90.py).
 
     python scripts/sm90_schedules.py
-    python scripts/sm90_schedules.py --backward [--headdims D ...] [--only NAME ...] [--anchors]
+    python scripts/sm90_schedules.py --backward [--headdims D ...] [--only NAME ...] [--anchors] [--isolate S]
     python scripts/sm90_schedules.py --parts [--headdims D ...]
 
 Backward, each column a schedule:
@@ -25,7 +25,10 @@ Backward, each column a schedule:
 - "planned": the planner's choice (configs.SM90_BACKWARD).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
-schedule's ratio to SDPA flash after the table.
+schedule's ratio to SDPA flash after the table. With --isolate S, each (shape, schedule) runs in a
+child process with S seconds (the kernels compiled first into the on-disk cache, as always): a
+schedule that hangs the GPU costs its own cells ("hang") instead of the run, as one whose setmaxnreg
+caps asked for more registers than the block held once did (now refused by the configs).
 With --parts, the planned backward's three launches (preprocess: D and dq_accum's zeros; the dK/dV
 kernel; the dq conversion) timed one at a time on each shape, and the bytes the two row-wise
 kernels move over their time (GB/s), next to a device-to-device copy's.
@@ -54,6 +57,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 ONLY = None  # --only: the backward schedules to time (None: all)
 ANCHORS = False  # --anchors: SDPA's backward next to the schedules
+ISOLATE = None  # --isolate: seconds for each (shape, schedule) in a child process (None: one process)
 SHAPES = [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True), (64, 4096, False),
           (64, 16384, False), (64, 4096, True), (64, 16384, True)]  # (headdim, seqlen, causal)
 
@@ -173,13 +177,6 @@ def backward_schedules(headdim, causal):
 
 
 def main_backward():
-    import cupy
-
-    import nbflash
-    from nbflash import backward, configs
-    from nbflash.kernels.geometry import visible_count
-    from nbflash.problem import window_bounds
-
     # Every shape's schedules from the planner, before the loop below stands in for it.
     table = {(headdim, causal): backward_schedules(headdim, causal) for headdim, _, causal in SHAPES}
     jobs = {}
@@ -189,38 +186,17 @@ def main_backward():
     with ProcessPoolExecutor(min(12, os.cpu_count())) as pool:
         for name, seconds, registers, local in pool.map(build, [(n, c) for c, n in jobs.items()]):
             print(f"built {name}: {seconds:.1f} s, {registers} registers, {local} local bytes", flush=True)
-    planned = configs.sm90_backward_config
     rows, began = [], time.time()
-    try:
-        for headdim, seqlen, causal in SHAPES:
-            nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
-            rng = np.random.default_rng(seqlen + headdim)
-            q, k, v, dout = (cupy.asarray(rng.standard_normal((batch, seqlen, nheads, headdim), np.float32))
-                             .astype(np.float16) for _ in range(4))
-            out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-            left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
-            flops = 2.5 * 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
-            row, base = {"shape": (headdim, seqlen, causal)}, None
-            for name, config in table[headdim, causal].items():
-                configs.sm90_backward_config = lambda *args, config=config: config
-                backward._kernels.cache_clear()
-
-                def call():
-                    with nbflash.kernel_family("sm90"):
-                        return nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
-
-                got = [g.astype(np.float32) for g in call()]
-                base = got if base is None else base
-                difference = max(float(cupy.abs(a - b).max()) for a, b in zip(got, base))
-                row[name] = (round(flops / median_ms(call, 10) / 1e9, 1), difference)
-            if ANCHORS:
-                for name, ms in sdpa_backward_ms(q, k, v, causal).items():
-                    row[name] = (round(flops / ms / 1e9, 1), 0.0)
-            rows.append(row)
-            print(f"{time.time() - began:.0f} s", row, flush=True)
-    finally:
-        configs.sm90_backward_config = planned
-        backward._kernels.cache_clear()
+    for headdim, seqlen, causal in SHAPES:
+        names = list(table[headdim, causal]) + (["SDPA"] if ANCHORS else [])
+        if ISOLATE:
+            row = {"shape": (headdim, seqlen, causal)}
+            for name in names:
+                row.update(isolated_entry(name, headdim, seqlen, causal))
+        else:
+            row = backward_row(table, headdim, seqlen, causal, names)
+        rows.append(row)
+        print(f"{time.time() - began:.0f} s", row, flush=True)
     names = list(dict.fromkeys(name for found in table.values() for name in found))
     names += ["SDPA flash", "SDPA cuDNN"] if ANCHORS else []
     print("| hd | seqlen | causal | " + " | ".join(names) + " | max difference from base |")
@@ -231,15 +207,92 @@ def main_backward():
         difference = max(row[n][1] for n in names if n in row)
         print(f"| {headdim} | {seqlen} | {causal} | " + " | ".join(cells) + f" | {difference:.2g} |")
     if ANCHORS:
+
+        def ratio(row, name):
+            value, anchor = row.get(name, ("-",))[0], row["SDPA flash"][0]
+            numbers = isinstance(value, float) and isinstance(anchor, float)
+            return f"{value / anchor:.2f}" if numbers else "-"
+
         ours = [n for n in names if not n.startswith("SDPA")]
         print("\nRatio to SDPA flash's backward:")
         print("| hd | seqlen | causal | " + " | ".join(ours) + " |")
         print("|---|---|---|" + "---|" * len(ours))
         for row in rows:
             headdim, seqlen, causal = row["shape"]
-            anchor = row["SDPA flash"][0]
-            cells = [f"{row[n][0] / anchor:.2f}" if n in row else "-" for n in ours]
+            cells = [ratio(row, n) for n in ours]
             print(f"| {headdim} | {seqlen} | {causal} | " + " | ".join(cells) + " |")
+
+
+def backward_row(table, headdim, seqlen, causal, names):
+    """One shape's entries: each schedule of ``names`` (and "SDPA": both anchors) as (TFLOP/s, its
+    largest difference from "base", which is timed first whether named or not)."""
+    import cupy
+
+    import nbflash
+    from nbflash import backward, configs
+    from nbflash.kernels.geometry import visible_count
+    from nbflash.problem import window_bounds
+
+    nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
+    rng = np.random.default_rng(seqlen + headdim)
+    q, k, v, dout = (cupy.asarray(rng.standard_normal((batch, seqlen, nheads, headdim), np.float32))
+                     .astype(np.float16) for _ in range(4))
+    out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
+    flops = 2.5 * 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
+    row, base = {"shape": (headdim, seqlen, causal)}, None
+    planned = configs.sm90_backward_config
+    try:
+        for name in ["base"] + [n for n in names if n not in ("base", "SDPA")]:
+            config = table[headdim, causal][name]
+            configs.sm90_backward_config = lambda *args, config=config: config
+            backward._kernels.cache_clear()
+
+            def call():
+                with nbflash.kernel_family("sm90"):
+                    return nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
+
+            got = [g.astype(np.float32) for g in call()]
+            base = got if base is None else base
+            difference = max(float(cupy.abs(a - b).max()) for a, b in zip(got, base))
+            row[name] = (round(flops / median_ms(call, 10) / 1e9, 1), difference)
+    finally:
+        configs.sm90_backward_config = planned
+        backward._kernels.cache_clear()
+    if "SDPA" in names:
+        for name, ms in sdpa_backward_ms(q, k, v, causal).items():
+            row[name] = (round(flops / ms / 1e9, 1), 0.0)
+    return row
+
+
+def isolated_entry(name, headdim, seqlen, causal):
+    """``backward_row`` of one schedule (or "SDPA") in a child process with ISOLATE seconds: a
+    schedule that hangs the GPU costs its own entries, shown as "hang"."""
+    import json
+    import subprocess
+
+    command = [sys.executable, os.path.abspath(__file__), "--backward", "--child", name, str(headdim), str(seqlen),
+               str(causal)]
+    labels = ["SDPA flash", "SDPA cuDNN"] if name == "SDPA" else [name]
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=ISOLATE)
+    except subprocess.TimeoutExpired:
+        return {label: ("hang", 0.0) for label in labels}
+    found = [line for line in run.stdout.splitlines() if line.startswith("ENTRY ")]
+    if not found:
+        print(f"{name} at {(headdim, seqlen, causal)} failed:", run.stderr[-2000:], flush=True)
+        return {label: ("fail", 0.0) for label in labels}
+    entries = json.loads(found[-1][len("ENTRY "):])
+    return {label: tuple(entries[label]) for label in labels}
+
+
+def child_entry(name, headdim, seqlen, causal):
+    import json
+
+    table = {(headdim, causal): backward_schedules(headdim, causal)}
+    row = backward_row(table, headdim, seqlen, causal, [name])
+    del row["shape"]
+    print("ENTRY " + json.dumps(row), flush=True)
 
 
 def sdpa_backward_ms(q, k, v, causal):
@@ -308,6 +361,10 @@ def parse_args():
                              "'planned' are always timed)")
     parser.add_argument("--anchors", action="store_true",
                         help="with --backward: time SDPA's flash and cuDNN backwards in the same loop")
+    parser.add_argument("--isolate", type=float, metavar="SECONDS",
+                        help="with --backward: time each (shape, schedule) in a child process with this time "
+                             "limit, so that a schedule that hangs the GPU costs only its own cells")
+    parser.add_argument("--child", nargs=4, metavar=("NAME", "HD", "SEQLEN", "CAUSAL"), help=argparse.SUPPRESS)
     parser.add_argument("--parts", action="store_true",
                         help="the planned backward's preprocess, dK/dV and dq conversion timed apart")
     return parser.parse_args()
@@ -320,4 +377,9 @@ if __name__ == "__main__":
     if args.only:
         ONLY = {"base", "planned", *args.only}
     ANCHORS = args.anchors
+    ISOLATE = args.isolate
+    if args.child:
+        name, headdim, seqlen, causal = args.child
+        child_entry(name, int(headdim), int(seqlen), causal == "True")
+        sys.exit(0)
     main_parts() if args.parts else main_backward() if args.backward else main()
