@@ -32,8 +32,9 @@ Two kernels, picked by ``MmaBackwardConfig.kernel``:
           tile's rows, or, where headdim does not split so, 16 rows for all columns; ldmatrix.trans
           turns the stored dS^T back into A fragments of dS).
 
-``dq``    grid (cdiv(seqlen_q, block_m), nheads, batch); block_m = 16 * num_warps: warp w owns query
-          rows [16 w, 16 w + 16) of Q_i. The deterministic dQ: the forward's loop order, over the key
+``dq``    grid (cdiv(seqlen_q, block_m), nheads, batch), blockIdx.x reversed with a window (the
+          query blocks with the most keys first, as in the forward); block_m = 16 * num_warps:
+          warp w owns query rows [16 w, 16 w + 16) of Q_i. The deterministic dQ: the forward's loop order, over the key
           tiles K_j, V_j that Q_i sees, with dQ_i in registers::
 
               S = Q_i K_j^T,  dP = dO_i V_j^T,  dS = P * (dP - D),  dQ_i += dS K_j
@@ -265,6 +266,7 @@ def build_backward_mma(config: MmaBackwardConfig):
     DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
     tile_class = hooks.tile_class  # the block mask's class of a tile pair (FULL without one)
     VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
+    WINDOW = hooks.WINDOW
     CHUNKS = HDP // 8  # 16-byte chunks of a padded tile row (the aligned path's cp.async copies)
     ROW_BYTES, DS_ROW_BYTES = ROW * 2, DS_ROW * 2
     KT = HDP // 16  # k-steps over headdim (S, dP)
@@ -706,6 +708,8 @@ def build_backward_mma(config: MmaBackwardConfig):
     @unroll
     def backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, scale, params):
         m_block, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        if WINDOW:  # the last query blocks see the most keys (causal): start them first
+            m_block = cuda.gridDim.x - 1 - m_block
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
