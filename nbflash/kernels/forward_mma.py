@@ -94,7 +94,7 @@ from nbflash.primitives import (
 )
 
 from . import variants
-from .geometry import grouped_block, grouped_grid
+from .geometry import grouped_grid, grouped_query_block
 from .tiles import output_store
 
 LN2 = math.log(2.0)
@@ -496,14 +496,12 @@ def build_forward_mma(config: MmaForwardConfig):
     @cuda.jit
     @unroll
     def forward_mma(q, k, v, out, lse, scale_log2, params):
-        m_block, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        m_blocks = cuda.gridDim.x
+        m_block, h, b, m_blocks = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, cuda.gridDim.x
         if HEAVY_GROUPS:  # (batch, head) pairs in groups, query block by query block (geometry.py)
-            m_block, pair = grouped_block(cuda.blockIdx.x, cuda.blockIdx.y, HEAVY_GROUPS)
-            if pair >= q.shape[0] * q.shape[2]:
-                return  # the last group's missing pairs: the whole block, before any barrier
-            b, h = pair // q.shape[2], pair % q.shape[2]
-            m_blocks = cuda.gridDim.x // HEAVY_GROUPS
+            m_block, h, b, m_blocks = grouped_query_block(cuda.blockIdx.x, cuda.blockIdx.y, cuda.gridDim.x,
+                                                          HEAVY_GROUPS, q.shape[2])
+            if b >= q.shape[0]:
+                return  # a partial last group's missing pairs: the whole block, before any barrier
         if WINDOW:  # the last query blocks see the most keys (causal): start them first
             m_block = m_blocks - 1 - m_block
         tid = cuda.threadIdx.x

@@ -67,6 +67,15 @@ def grouped_block(x, y, groups):
 
 
 @register_jitable
+def grouped_query_block(x, y, grid_x, groups, nheads):
+    """The forward's (query block, head, batch, query blocks per pair) of block (x, y) of
+    ``grouped_grid``, grid_x blocks wide: a batch index at or past the batch's end marks a block of
+    a partial last group, with nothing to do."""
+    m_block, pair = grouped_block(x, y, groups)
+    return m_block, pair % nheads, pair // nheads, grid_x // groups
+
+
+@register_jitable
 def visible_keys(row, seqlen_q, seqlen_k, left, right):
     """Query ``row`` sees the keys ``lo <= j < hi``: returns (lo, hi); empty when hi <= lo."""
     diagonal = row + seqlen_k - seqlen_q
