@@ -46,7 +46,11 @@ def _kernel_for(problem, family=None):
 
 def _flash_attn_forward(problem, q, k, v, family=None):
     """Run the forward pass on validated inputs; returns (out, lse) as backend arrays."""
-    kernel = _kernel_for(problem, family)
+    return _launch_forward(_kernel_for(problem, family), problem, q, k, v)
+
+
+def _launch_forward(kernel, problem, q, k, v):
+    """``kernel`` (a compiled forward) on validated inputs; returns (out, lse)."""
     config = kernel.config
     out, lse = launch.empty_pair(q.shape, q.dtype, (problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
     grid = config.grid(problem.batch, problem.nheads, problem.seqlen_q)

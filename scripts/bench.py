@@ -31,7 +31,6 @@ padded batch and on nested (jagged) tensors.
 import argparse
 import dataclasses
 import functools
-import math
 import importlib.util
 import multiprocessing
 import os
@@ -51,8 +50,7 @@ from nbflash import backward
 from nbflash.backward import _flash_attn_backward
 from nbflash.catalogue import VARIANTS, variant_arguments
 from nbflash import launch
-from nbflash.block_mask import kernel_params
-from nbflash.interface import _flash_attn_forward, _kernel_for
+from nbflash.interface import _flash_attn_forward, _kernel_for, _launch_forward
 from nbflash.kernels.geometry import visible_count
 from nbflash.problem import window_bounds
 from nbflash.measure import time_ms
@@ -74,18 +72,8 @@ def nbflash_grouped_runner(family, groups):
 
     def run(q, k, v, causal, **variant):
         problem, q_, k_, v_ = check_forward(q, k, v, None, causal, **variant)
-        config = dataclasses.replace(_kernel_for(problem, family).config, heavy_groups=groups)
-        kernel = launch.compiled(config)
-        grid = config.grid(problem.batch, problem.nheads, problem.seqlen_q)
-        scale_log2 = np.float32(problem.softmax_scale * math.log2(math.e))
-
-        def call():
-            out, lse = launch.empty_pair(q_.shape, q_.dtype, (problem.batch, problem.nheads, problem.seqlen_q),
-                                         np.float32)
-            kernel.launch(grid, (q_, k_, v_, out, lse), (scale_log2,), kernel_params(problem, config))
-            return out, lse
-
-        return call
+        kernel = launch.compiled(dataclasses.replace(_kernel_for(problem, family).config, heavy_groups=groups))
+        return lambda: _launch_forward(kernel, problem, q_, k_, v_)
 
     return run
 
