@@ -6,17 +6,18 @@
     python scripts/sm90_schedules.py --parts [--headdims D ...]
 
 Backward, each column a schedule:
-- "base": 2 stages, dQ split by keys (each consumer adds dS K_c for its own 64 keys);
+- "base": 2 stages, dQ split by keys (each consumer adds dS K_c for its own 64 keys), the grid's
+  plain order;
 - "serial": no overlap of P^T with dP^T; "3stages": a 3-stage Q/dO ring; "regs240": setmaxnreg
   24 / 240 instead of 40 / 232;
 - "columns" / "3st-columns": dQ split by columns between the consumers (half the atomics, a barrier
   across both per step; halves of 64 columns at headdim 128, of 32 at 64), 2 and 3 stages;
 - "steps" / "3st-steps": the consumers take turns by step for dQ (half the atomics, any headdim);
 - "columns-tma", "steps-tma": those splits with dQ added by TMA reduce-adds from shared memory;
-- "heavy-first": the planner's choice with the grid's key tiles slowest (with causal attention the
-  blocks that see the most query tiles start first);
+- "heavy-first": the planner's choice with the grid's key tiles slowest and no grouping (with causal
+  attention the blocks that see the most query tiles start first);
 - "heavy-groups4", "heavy-groups8": the planner's choice, longest-first within groups of 4 or 8
-  (batch, KV head) pairs (heavy_groups);
+  (batch, KV head) pairs (heavy_groups; the planner's is 4);
 - "defer-dq" / "3st-defer-dq" (headdim 64): "steps" with dQ_i's atomics deferred to the next step,
   under its S^T and dP^T products (defer_dq), 2 and 3 stages; "columns-defer-dq", "columns" with
   the deferred atomics; "m128-columns", "m128-steps" (headdim 64): 128 query rows per step, and
@@ -150,7 +151,7 @@ def backward_schedules(headdim, causal):
     from nbflash.problem import Variant
 
     planned = configs.sm90_backward_config("float16", headdim, Variant(window=causal))
-    base = planned.__class__(**{**planned.__dict__, "stages": 2, "dq_split": "keys"})
+    base = planned.__class__(**{**planned.__dict__, "stages": 2, "dq_split": "keys", "heavy_groups": 0})
     found = {"base": base, "serial": base.__class__(**{**base.__dict__, "overlap": False}),
              "3stages": base.__class__(**{**base.__dict__, "stages": 3}),
              "regs240": base.__class__(**{**base.__dict__, "producer_registers": 24, "consumer_registers": 240})}
@@ -161,7 +162,7 @@ def backward_schedules(headdim, causal):
     if base.headdim_padded == 128:
         found["columns-tma"] = base.__class__(**{**base.__dict__, "dq_split": "columns", "dq_reduce": "tma"})
     found["steps-tma"] = base.__class__(**{**base.__dict__, "dq_split": "steps", "dq_reduce": "tma"})
-    found["heavy-first"] = planned.__class__(**{**planned.__dict__, "heavy_first": True})
+    found["heavy-first"] = planned.__class__(**{**planned.__dict__, "heavy_first": True, "heavy_groups": 0})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
         found[f"heavy-groups{groups}"] = planned.__class__(**{**planned.__dict__, "heavy_groups": groups})
     if base.headdim_padded == 64:

@@ -52,7 +52,8 @@ def test_backward_sm90_planning():
     preprocess, dkdv, convert = configs.plan_backward(Static("float16", 128, False, 0, CAUSAL), False, "sm90", True)
     assert (preprocess.kernel, convert.kernel) == ("preprocess", "convert_dq")
     assert isinstance(dkdv, Sm90BackwardConfig) and dkdv.block_n == 128
-    assert dkdv.grid(2, 8, 2, 1000, 1000) == (8, 2, 2)
+    # 8 key tiles of 4 pairs in one group: the planner's launch order, longest-first within groups of 4
+    assert dkdv.heavy_groups == 4 and dkdv.grid(2, 8, 2, 1000, 1000) == (32, 1, 1)
     assert launch.describe(dkdv) == "Hopper backward dK/dV (float16, headdim 128, causal/window)"
     # deterministic: the mma dK/dV kernel without atomics, then the sm90 dQ kernel (a fixed order)
     _, dkdv, dq = configs.plan_backward(Static("float16", 128, False, 0, CAUSAL), True, "sm90", True)
@@ -159,7 +160,7 @@ def heavy_first(monkeypatch):
     """Plan the sm90 backward with the grid's key tiles slowest (heavy_first)."""
     planned = configs.sm90_backward_config
     monkeypatch.setattr(configs, "sm90_backward_config",
-                        lambda *args: dataclasses.replace(planned(*args), heavy_first=True))
+                        lambda *args: dataclasses.replace(planned(*args), heavy_first=True, heavy_groups=0))
     backward._kernels.cache_clear()
     yield
     backward._kernels.cache_clear()
