@@ -360,6 +360,11 @@ if SIMULATOR:
         """Sum of ``x`` over the 4 lanes of this lane's quad, in butterfly order."""
         return _warp_collective(lambda posted: _quad_combine(np.add, posted), np.float32(x))
 
+    def shuffle_xor_u32(x, lane_mask):
+        """The ``x`` of lane ``lane ^ lane_mask`` (shfl.sync.bfly.b32 over the whole warp)."""
+        mask = int(lane_mask)
+        return _warp_collective(lambda posted: [posted[lane ^ mask] for lane in range(len(posted))], np.uint32(x))
+
     def warp_sync():
         """Wait until every lane of the warp has arrived (bar.warp.sync): shared-memory writes and
         landed cp.async copies of each lane are then visible to the others."""
@@ -576,6 +581,18 @@ else:
 
     quad_max = intrinsic(_quad("max"))
     quad_sum = intrinsic(_quad("add"))
+
+    @intrinsic
+    def shuffle_xor_u32(typingctx, x, lane_mask):
+        """The ``x`` of lane ``lane ^ lane_mask`` (shfl.sync.bfly.b32 over the whole warp: every lane
+        calls it, in warp-uniform control flow)."""
+        sig = types.uint32(types.uint32, types.uint32)
+
+        def codegen(context, builder, signature, args):
+            return _asm(builder, _i32, args, "shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r",
+                        side_effect=True)
+
+        return sig, codegen
 
     @intrinsic
     def warp_sync(typingctx):

@@ -61,8 +61,11 @@ def test_dropout_portable(rng, xp):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-def test_dropout_mma(rng, xp):
-    run(rng, xp, "mma", "float16", backward=True, shape=(1, 9, 20, 1, 1, 16))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dropout_mma(rng, xp, deterministic):
+    # 40 query rows: both 16-row slices' row pairs (r, r + 8) of the forward's and the dQ kernel's
+    # Philox blocks, and both query halves of the dK/dV kernel's shared calls (dropout_factors_t)
+    run(rng, xp, "mma", "float16", backward=True, shape=(1, 40, 37, 1, 1, 16), deterministic=deterministic)
 
 
 @pytest.mark.gpu
@@ -104,11 +107,17 @@ def test_backward_needs_the_seed(rng, xp):
         nbflash.flash_attn_func(q, k, v, 0.1, seed=-1)
 
 
-def test_dropout_pair_is_two_words():
-    # The tensor-core kernels' pair of an even key and the next (one Philox call): dropout_word's
-    # words for both keys.
-    from nbflash.kernels.philox import dropout_pair, dropout_word
+def test_dropout_quad_is_four_words():
+    # One Philox call's words are those of rows r, r + 8 (r % 16 < 8) by keys k, k + 1 (k even): a
+    # tensor-core lane's four scores of an 8-key column block; the reference's words are the same.
+    from nbflash.kernels.philox import dropout_quad, dropout_word
 
-    for row, key, b, h in ((0, 0, 0, 0), (5, 2, 1, 3), (77, 130, 2, 15), (1023, 4094, 0, 7)):
-        assert dropout_pair(row, key, b, h, 12345, 678) == (dropout_word(row, key, b, h, 12345, 678),
-                                                             dropout_word(row, key + 1, b, h, 12345, 678))
+    for row, key, b, h in ((0, 0, 0, 0), (5, 2, 1, 3), (71, 130, 2, 15), (1015, 4094, 0, 7)):
+        words = tuple(int(w) for w in dropout_quad(row, key, b, h, 12345, 678))
+        assert words == tuple(int(dropout_word(r, k, b, h, 12345, 678))
+                              for r, k in ((row, key), (row, key + 1), (row + 8, key), (row + 8, key + 1)))
+        block = dropout_words_numpy(np.array([row, row + 8]), np.array([key, key + 1]), b, h, 12345, 678)
+        assert tuple(int(w) for w in block.ravel()) == words
+    # no two scores of a head share a word
+    every = dropout_words_numpy(np.arange(48), np.arange(40), 0, 0, 1, 2)
+    assert len(np.unique(every)) == every.size

@@ -263,7 +263,7 @@ def build_backward_mma(config: MmaBackwardConfig):
     SCORE, head_context = hooks.SCORE, hooks.head_context
     # No max here: any scale works, but ALiBi's slope per unit of a zero scale would not.
     score_units, score_row, _, score_at_grad = hooks.tensor_core_score(False)
-    DROPOUT, dropout_factor = hooks.DROPOUT, hooks.dropout_factor
+    DROPOUT, dropout_factors4, dropout_factors_t = hooks.DROPOUT, hooks.dropout_factors4, hooks.dropout_factors_t
     tile_class = hooks.tile_class  # the block mask's class of a tile pair (FULL without one)
     VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
     WINDOW = hooks.WINDOW
@@ -380,28 +380,34 @@ def build_backward_mma(config: MmaBackwardConfig):
         # The score features' (row, key) bases: queries q_start + 2t + column offset, keys g and g + 8
         ctx = (score_row(q_start + 2 * t, key0 + g, seqlen_q, seqlen_k, params, head_ctx, units),
                score_row(q_start + 2 * t, key0 + g + 8, seqlen_q, seqlen_k, params, head_ctx, units))
-        for nt in static_range(QNT):
-            for e in static_range(2):
-                c = nt * 8 + 2 * t + e  # the query column, within the tile
-                lse_c = lse_s[c]
-                d_c = d_s[c]
-                lo, hi = row_keys(q_start + c, seqlen_q, seqlen_k, params)  # used by the masked copy
-                for r in static_range(2):
-                    grad = float32(1)
-                    if SCORE:
-                        y, grad = score_at_grad(s[nt, 2 * r + e], ctx[r], nt * 8 + e, 0, seqlen_q, seqlen_k, params,
-                                                head_ctx, units)
-                        p = exp2_approx(y * units[variants.EXP] - lse_c)
-                    else:
-                        p = exp2_approx(s[nt, 2 * r + e] * scale_log2 - lse_c)
-                    if masked:
-                        if hidden(key0 + g + 8 * r, lo, hi, q_start + c, seqlen_q, params, head_ctx):
-                            p = float32(0)
-                    factor = float32(1)
-                    if DROPOUT:  # dV takes the dropped P; dP reaches P through the same factor
-                        factor = dropout_factor(q_start + c, key0 + g + 8 * r, params, head_ctx)
-                    s[nt, 2 * r + e] = p * factor
-                    dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] * factor - d_c) * grad
+        for pair in static_range(QNT // 2):
+            # Dropout's factors of queries 16 pair + 2t (+1, +8, +9), keys g and g + 8: one Philox
+            # call per four scores, shared with lane ^ 4 (Hooks.dropout_factors_t); constants without dropout
+            drop = (dropout_factors_t(q_start + 16 * pair + 2 * t, key0 + g, params, head_ctx),
+                    dropout_factors_t(q_start + 16 * pair + 2 * t, key0 + g + 8, params, head_ctx))
+            for half in static_range(2):
+                nt = 2 * pair + half
+                for e in static_range(2):
+                    c = nt * 8 + 2 * t + e  # the query column, within the tile
+                    lse_c = lse_s[c]
+                    d_c = d_s[c]
+                    lo, hi = row_keys(q_start + c, seqlen_q, seqlen_k, params)  # used by the masked copy
+                    for r in static_range(2):
+                        grad = float32(1)
+                        if SCORE:
+                            y, grad = score_at_grad(s[nt, 2 * r + e], ctx[r], nt * 8 + e, 0, seqlen_q, seqlen_k,
+                                                    params, head_ctx, units)
+                            p = exp2_approx(y * units[variants.EXP] - lse_c)
+                        else:
+                            p = exp2_approx(s[nt, 2 * r + e] * scale_log2 - lse_c)
+                        if masked:
+                            if hidden(key0 + g + 8 * r, lo, hi, q_start + c, seqlen_q, params, head_ctx):
+                                p = float32(0)
+                        factor = float32(1)
+                        if DROPOUT:  # dV takes the dropped P; dP reaches P through the same factor
+                            factor = drop[r][2 * half + e]
+                        s[nt, 2 * r + e] = p * factor
+                        dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] * factor - d_c) * grad
 
     @inline_device
     @unroll
@@ -684,14 +690,17 @@ def build_backward_mma(config: MmaBackwardConfig):
         """dP -> dS = P * (dP - D) in place (times the score features' derivative), P = exp2(S *
         scale_log2 - lse_log2) of the lane's rows g and g + 8 (which see the keys
         key_lo[r] <= key < key_hi[r]); 0 for the other keys."""
-        for r in static_range(2):
-            ctx = score_row(first_row + g + 8 * r, n_start + 2 * t, seqlen_q, seqlen_k, params, head_ctx, units)
-            for nt in static_range(KNT):
+        ctx = (score_row(first_row + g, n_start + 2 * t, seqlen_q, seqlen_k, params, head_ctx, units),
+               score_row(first_row + g + 8, n_start + 2 * t, seqlen_q, seqlen_k, params, head_ctx, units))
+        for nt in static_range(KNT):
+            # dropout's factors of rows g, g + 8 by keys 2t, 2t + 1: one Philox call (constants without dropout)
+            drop = dropout_factors4(first_row + g, n_start + nt * 8 + 2 * t, params, head_ctx)
+            for r in static_range(2):
                 for e in static_range(2):
                     key = n_start + nt * 8 + 2 * t + e
                     grad = float32(1)
                     if SCORE:
-                        y, grad = score_at_grad(s[nt, 2 * r + e], ctx, 0, nt * 8 + e, seqlen_q, seqlen_k, params,
+                        y, grad = score_at_grad(s[nt, 2 * r + e], ctx[r], 0, nt * 8 + e, seqlen_q, seqlen_k, params,
                                                 head_ctx, units)
                         p = exp2_approx(y * units[variants.EXP] - lse_row[r])
                     else:
@@ -701,7 +710,7 @@ def build_backward_mma(config: MmaBackwardConfig):
                             p = float32(0)
                     factor = float32(1)
                     if DROPOUT:
-                        factor = dropout_factor(first_row + g + 8 * r, key, params, head_ctx)
+                        factor = drop[2 * r + e]
                     dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] * factor - d_row[r]) * grad
 
     @cuda.jit

@@ -4,9 +4,22 @@ backward regenerates the forward's dropout mask from (seed, counter) instead of 
 
 ``philox(c0, c1, c2, c3, k0, k1)`` is plain integer code on uint32 values: the kernels compile it
 as a device function (``register_jitable``); ``philox_numpy`` is the same rounds on NumPy arrays for
-the reference. Counter of a score (``dropout_word``): (key // 4, query, head,
-0) with head = (batch << 16) | head; its word is key % 4. An element is kept iff that word >= the
-threshold round(p * 2^32); the key is the 64-bit seed.
+the reference. An element is kept iff its word >= the threshold round(p * 2^32); the key is the
+64-bit seed.
+
+Which word belongs to a score (row = query, key): one call's four words cover a 2 x 2 block of
+scores, the rows ``r`` and ``r + 8`` (``r % 16 < 8``) by the keys ``k`` and ``k + 1`` (``k``
+even), because that is what one thread of a tensor-core tile holds: the accumulator of an
+m16n8 mma.sync (and of a 64-row wgmma) gives each lane rows g and g + 8 of a 16-row slice and
+keys 2 t and 2 t + 1 of each 8-key column block. So the forwards make one call per four scores and
+use all of its words (``dropout_quad``). The counter of score (row, key) is
+
+    (key // 2, (row // 16) * 8 + row % 8, (batch << 16) | head, 0), its word 2 * (row // 8 % 2) + key % 2.
+
+The backwards' dK/dV tile holds the transposed block (keys g, g + 8 by queries 2 t, 2 t + 1):
+there two lanes (keys k and k + 1) each make one of two calls and trade half of the words with a
+shuffle (``Hooks.dropout_factors_t``); the portable kernels ask for one score at a time
+(``dropout_word``).
 """
 
 import numpy as np
@@ -37,10 +50,17 @@ def philox(c0, c1, c2, c3, k0, k1):
 
 
 @register_jitable
+def _row_group(row):
+    """The counter's row word: rows r and r + 8 of each 16-row slice share one."""
+    return uint32((row // 16) * 8 + row % 8)
+
+
+@register_jitable
 def dropout_word(row, key, b, h, seed_lo, seed_hi):
     """The 32-bit random word of score (row, key) of batch b, query head h (both < 2^16)."""
-    words = philox(uint32(key // 4), uint32(row), uint32((b << 16) | h), uint32(0), uint32(seed_lo), uint32(seed_hi))
-    lane = key % 4
+    words = philox(uint32(key // 2), _row_group(row), uint32((b << 16) | h), uint32(0), uint32(seed_lo),
+                   uint32(seed_hi))
+    lane = 2 * ((row // 8) % 2) + key % 2
     if lane == 0:
         return words[0]
     if lane == 1:
@@ -51,13 +71,11 @@ def dropout_word(row, key, b, h, seed_lo, seed_hi):
 
 
 @register_jitable
-def dropout_pair(row, key, b, h, seed_lo, seed_hi):
-    """``dropout_word`` of (row, key) and (row, key + 1) for an even key: words key % 4 and the next
-    of one call (both keys share the counter key // 4)."""
-    words = philox(uint32(key // 4), uint32(row), uint32((b << 16) | h), uint32(0), uint32(seed_lo), uint32(seed_hi))
-    if key % 4 == 0:
-        return words[0], words[1]
-    return words[2], words[3]
+def dropout_quad(row, key, b, h, seed_lo, seed_hi):
+    """One call's four words: those of (row, key), (row, key + 1), (row + 8, key), (row + 8, key + 1),
+    for ``row % 16 < 8`` and an even key (``dropout_word`` of each)."""
+    return philox(uint32(key // 2), _row_group(row), uint32((b << 16) | h), uint32(0), uint32(seed_lo),
+                  uint32(seed_hi))
 
 
 def philox_numpy(c0, c1, c2, c3, k0, k1):
@@ -75,6 +93,6 @@ def philox_numpy(c0, c1, c2, c3, k0, k1):
 def dropout_words_numpy(rows, keys, b, h, seed_lo, seed_hi):
     """``dropout_word`` for every (rows[:, None], keys[None, :]) pair: a uint32 array."""
     rows, keys = np.asarray(rows)[:, None], np.asarray(keys)[None, :]
-    words = philox_numpy(keys // 4, rows, (b << 16) | h, 0, seed_lo, seed_hi)
-    lane = np.broadcast_to(keys % 4, np.broadcast(rows, keys).shape)
+    words = philox_numpy(keys // 2, (rows // 16) * 8 + rows % 8, (b << 16) | h, 0, seed_lo, seed_hi)
+    lane = np.broadcast_to(2 * ((rows // 8) % 2) + keys % 2, np.broadcast(rows, keys).shape)
     return np.choose(lane, words)

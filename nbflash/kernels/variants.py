@@ -21,7 +21,8 @@ built here at fixed points of its tile step:
   through ``Hooks.tensor_core_score`` instead: on raw q.k, with the scale folded into them, ALiBi's
   distance a float per row and softcap's tanh from MUFU instructions;
 - the probability point (after exp, before P V): dropout's factor of each probability
-  (``dropout_factor``; ``dropout_factors`` for an even key and the next, from one Philox call);
+  (``dropout_factor``; ``dropout_factors4`` for a tensor-core lane's four scores of an 8-key
+  column block, ``dropout_factors_t`` for those of the transposed tile, one Philox call each);
 - the **layout**: with packed sequences (``VARLEN``), ``sequence(params, b, total_q, total_k)``
   gives sequence b's rows as (q_start, seqlen_q, k_start, seqlen_k) (geometry.packed_sequence);
   each kernel, under ``if VARLEN:``, narrows its arrays to those rows and exits the blocks that lie
@@ -41,13 +42,13 @@ import math
 from functools import lru_cache
 
 import numpy as np
-from numba import float32, int32
+from numba import float32, int32, uint32
 from numba.extending import register_jitable
 
 from ..dtypes import KERNEL_DTYPE
-from ..primitives import bf16_bits_to_f32, exp2_approx, rcp_approx, tanh_approx
+from ..primitives import bf16_bits_to_f32, exp2_approx, rcp_approx, shuffle_xor_u32, tanh_approx
 from . import geometry
-from .philox import dropout_pair, dropout_word
+from .philox import dropout_quad, dropout_word
 
 LOG2E = math.log2(math.e)
 
@@ -678,12 +679,35 @@ class Hooks:
                 return params[SCALE] if word >= params[THRESHOLD] else float32(0)
 
             @register_jitable
-            def dropout_factors(row, key, params, head_ctx):
-                """The factors of (row, key) and (row, key + 1) for an even key: both words of one
-                Philox call (dropout_word's counter is key // 4, its word key % 4)."""
-                w0, w1 = dropout_pair(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
-                threshold, scale = params[THRESHOLD], params[SCALE]
-                return (scale if w0 >= threshold else float32(0)), (scale if w1 >= threshold else float32(0))
+            def factor_of(word, params):
+                return params[SCALE] if word >= params[THRESHOLD] else float32(0)
+
+            @register_jitable
+            def dropout_factors4(row, key, params, head_ctx):
+                """The factors of (row, key), (row, key + 1), (row + 8, key), (row + 8, key + 1), for
+                ``row % 16 < 8`` and an even key: a tensor-core lane's four scores of an 8-key column
+                block, all four words of one Philox call (philox.dropout_quad)."""
+                w = dropout_quad(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
+                return factor_of(w[0], params), factor_of(w[1], params), factor_of(w[2], params), factor_of(w[3], params)
+
+            @register_jitable
+            def dropout_factors_t(query, key, params, head_ctx):
+                """The factors of (query, key), (query + 1, key), (query + 8, key), (query + 9, key), for
+                ``query % 16 < 8`` and even: a lane's scores of the transposed tile (keys as rows),
+                where lane ^ 4 holds the same queries for key ^ 1. Called by every lane of the warp.
+                The two lanes make one Philox call each, the even key's lane the block of rows query,
+                query + 8, the odd one's of rows query + 1, query + 9, and trade the words the other
+                needs (two shuffles): one call per four scores, as in the forwards."""
+                odd = key % 2
+                w = dropout_quad(query + odd, key - odd, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
+                keep_lo, keep_hi = (w[1], w[3]) if odd else (w[0], w[2])  # this lane's key, rows +0 and +8
+                send_lo, send_hi = (w[0], w[2]) if odd else (w[1], w[3])  # the partner's key
+                got_lo, got_hi = shuffle_xor_u32(send_lo, uint32(4)), shuffle_xor_u32(send_hi, uint32(4))
+                if odd:  # this lane's words are those of rows query + 1 and query + 9
+                    return (factor_of(got_lo, params), factor_of(keep_lo, params), factor_of(got_hi, params),
+                            factor_of(keep_hi, params))
+                return (factor_of(keep_lo, params), factor_of(got_lo, params), factor_of(keep_hi, params),
+                        factor_of(got_hi, params))
 
         else:
 
@@ -692,10 +716,13 @@ class Hooks:
                 return float32(1)
 
             @register_jitable
-            def dropout_factors(row, key, params, head_ctx):
-                return float32(1), float32(1)
+            def dropout_factors4(row, key, params, head_ctx):
+                return float32(1), float32(1), float32(1), float32(1)
 
-        self.dropout_factor, self.dropout_factors = dropout_factor, dropout_factors
+            dropout_factors_t = dropout_factors4
+
+        self.dropout_factor, self.dropout_factors4, self.dropout_factors_t = (dropout_factor, dropout_factors4,
+                                                                               dropout_factors_t)
 
     def tensor_core_score(self, positive_scale):
         """The tensor-core kernels' score point, on raw q.k (no scale applied):
