@@ -8,7 +8,24 @@ seqlen_k, bias and mask tensors have the problem's lengths).
 
 import numpy as np
 
-# name -> keyword arguments; a callable value is given (batch, nheads, seqlen_q, seqlen_k, xp).
+
+def noop_score(score, b, h, q_idx, kv_idx):
+    """The identity: a user score_mod that changes nothing (FlexAttention's benchmarks call it
+    "noop"), so that timing it measures what the score_mod hook itself costs."""
+    return score
+
+
+def noop_score_grad(score, b, h, q_idx, kv_idx):
+    """noop_score's derivative with respect to the score."""
+    return 1.0
+
+
+DROPOUT_P = 0.2  # the dropout variants' probability, with a fixed seed (the same mask each call)
+
+# name -> keyword arguments; a callable value is given (batch, nheads, seqlen_q, seqlen_k, xp) and
+# returns the argument (so the user functions are wrapped in one).
+# ``score_mod_grad`` is flash_attn_backward's (and the reference's) argument, not flash_attn_func's:
+# ``forward_arguments`` leaves it out.
 VARIANTS = {
     "plain": {},
     "causal": {"causal": True},
@@ -28,6 +45,12 @@ VARIANTS = {
         "alibi_slopes": lambda b, h, m, n, xp: xp.asarray(
             (np.tile(alibi_slopes(h, np), (b, 1)) * (1 + np.arange(b))[:, None]).astype(np.float32)),
     },
+    "dropout": {"dropout_p": DROPOUT_P, "seed": 2024},
+    "causal-dropout": {"causal": True, "dropout_p": DROPOUT_P, "seed": 2024},
+    "score-mod": {"score_mod": lambda b, h, m, n, xp: noop_score,
+                  "score_mod_grad": lambda b, h, m, n, xp: noop_score_grad},
+    "causal-score-mod": {"causal": True, "score_mod": lambda b, h, m, n, xp: noop_score,
+                         "score_mod_grad": lambda b, h, m, n, xp: noop_score_grad},
 }
 
 
@@ -58,3 +81,8 @@ def variant_arguments(name, batch, nheads, seqlen_k, xp=np, seqlen_q=None):
     seqlen_q = seqlen_k if seqlen_q is None else seqlen_q
     return {key: value(batch, nheads, seqlen_q, seqlen_k, xp) if callable(value) else value
             for key, value in VARIANTS[name].items()}
+
+
+def forward_arguments(arguments):
+    """``variant_arguments``' result without what only the backward takes (``score_mod_grad``)."""
+    return {key: value for key, value in arguments.items() if key != "score_mod_grad"}

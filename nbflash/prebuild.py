@@ -119,7 +119,9 @@ def configurations(dtypes, headdims, families, cc, unaligned=False, variants=Non
 
 
 def catalogue_variants(names):
-    """The static variants (nbflash.problem.Variant) the named catalogue entries compile."""
+    """The static variants (nbflash.problem.Variant) the named catalogue entries compile. Entries
+    with a user function (score-mod) are left out: the worker processes cannot compile the caller's
+    function, whose kernels are built at their first call instead."""
     import numpy as np
 
     from .catalogue import variant_arguments
@@ -128,12 +130,15 @@ def catalogue_variants(names):
     found = []
     for name in names:
         arguments = variant_arguments(name, 2, 4, 1024, np)
+        if "score_mod" in arguments:
+            continue
         window = window_bounds(1024, 1024, arguments.get("causal", False), arguments.get("window_size", (-1, -1)))[2]
         bias = arguments.get("bias")
         variant = Variant(window=window, softcap=arguments.get("softcap", 0) > 0,
                           alibi=arguments.get("alibi_slopes") is not None,
                           bias="float32" if bias is not None and bias.dtype != np.bool_ else "",
-                          mask=bias is not None and bias.dtype == np.bool_)
+                          mask=bias is not None and bias.dtype == np.bool_,
+                          dropout=arguments.get("dropout_p", 0) > 0)
         if variant not in found:
             found.append(variant)
     return found

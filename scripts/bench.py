@@ -131,12 +131,13 @@ def sdpa_runner(backend_name):
     backend = getattr(SDPBackend, backend_name)
 
     def run(q, k, v, causal, **variant):
-        no_variant(variant)
+        dropout_p = no_variant(variant)
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
 
         def call():
             with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, dropout_p=dropout_p,
+                                                                        is_causal=causal)
 
         return call
 
@@ -202,12 +203,13 @@ def sdpa_backward_runner(backend_name):
     backend = getattr(SDPBackend, backend_name)
 
     def run(q, k, v, causal, **variant):
-        no_variant(variant)
+        dropout_p = no_variant(variant)
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
 
         def forward():
             with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, dropout_p=dropout_p,
+                                                                        is_causal=causal)
 
         return BackwardOnly(forward, torch.randn_like(forward()), (tq, tk, tv))  # dout laid out as out
 
@@ -222,14 +224,15 @@ def sdpa_step_runner(backend_name):
     backend = getattr(SDPBackend, backend_name)
 
     def run(q, k, v, causal, **variant):
-        no_variant(variant)
+        dropout_p = no_variant(variant)
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
         dout = torch.randn_like(tq)
 
         def call():
             tq.grad = tk.grad = tv.grad = None  # as nbflash, fresh gradients every step
             with sdpa_kernel(backend):
-                out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+                out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, dropout_p=dropout_p,
+                                                                        is_causal=causal)
             out.backward(dout)
 
         return call
@@ -238,8 +241,12 @@ def sdpa_step_runner(backend_name):
 
 
 def no_variant(variant):
-    if variant:
-        raise NotImplementedError(f"SDPA has no {sorted(variant)}")
+    """SDPA's dropout probability for the catalogue's variant ``variant`` (SDPA draws its own mask:
+    the seed is nbflash's only); NotImplementedError for anything else SDPA cannot express."""
+    rest = {key: value for key, value in variant.items() if key not in ("dropout_p", "seed")}
+    if rest:
+        raise NotImplementedError(f"SDPA has no {sorted(rest)}")
+    return variant.get("dropout_p", 0.0)
 
 
 def flex_runner(which):
@@ -250,7 +257,11 @@ def flex_runner(which):
 
     compiled = torch.compile(flex_attention)
 
-    def run(q, k, v, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, bias=None):
+    def run(q, k, v, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None,
+            score_mod_grad=None, dropout_p=0.0, seed=None):
+        if dropout_p:
+            raise NotImplementedError("FlexAttention has no dropout")
+        user_score = score_mod  # the catalogue's score_mod is plain Python: it runs on torch tensors too
         # Every case compiles as in a fresh process. Otherwise each new score_mod / mask_mod is one
         # more recompile of flex_attention: past Dynamo's recompile limit (8) it falls back to a
         # path on which the ALiBi score_mod failed to trace, and values that changed between the
@@ -283,6 +294,8 @@ def flex_runner(which):
                 score = score - slope * (q_idx + offset - kv_idx).abs()
             if extra is not None:
                 score = score + extra[b, h, q_idx, kv_idx]
+            if user_score is not None:
+                score = user_score(score, b, h, q_idx, kv_idx)
             return score
 
         def mask_mod(b, h, q_idx, kv_idx):
@@ -294,7 +307,7 @@ def flex_runner(which):
         block_mask = create_block_mask(mask_mod, batch if keep is not None else None,
                                        nheads if keep is not None else None, seqlen_q, seqlen_k,
                                        device=tq.device) if masked else None
-        modded = softcap > 0 or slopes is not None or extra is not None
+        modded = softcap > 0 or slopes is not None or extra is not None or user_score is not None
 
         def forward():
             return compiled(tq, tk, tv, score_mod=score_mod if modded else None, block_mask=block_mask)
@@ -323,7 +336,8 @@ PASSES = {
 
 
 def naive_runner(q, k, v, causal, **variant):
-    no_variant(variant)
+    if variant:
+        raise NotImplementedError(f"the naive attention has no {sorted(variant)}")
     return lambda: naive_attention(q, k, v, causal)
 
 

@@ -146,3 +146,26 @@ def test_backward_only_gives_each_backward_a_fresh_forward(bench):
     assert call.time_ms(warmup=2, repeats=3, budget_s=0.0) >= 0.0
     assert len(forwards) == 2 + 3
     assert torch.equal(x.grad, 2 * x.detach() * dout)
+
+
+def test_runners_take_the_catalogues_dropout_and_user_function(bench):
+    """SDPA's runners take the dropout variants' probability (SDPA draws its own mask) and refuse
+    what SDPA cannot express; the naive attention refuses every variant rather than time another."""
+    import numpy as np
+
+    from nbflash.catalogue import forward_arguments, variant_arguments
+    from nbflash.prebuild import catalogue_variants
+    from nbflash.problem import Variant
+
+    dropout = variant_arguments("causal-dropout", 1, 2, 64, np)
+    assert dropout.pop("causal") is True and bench.no_variant(dropout) == 0.2
+    assert bench.no_variant({}) == 0.0
+    score = variant_arguments("score-mod", 1, 2, 64, np)
+    assert callable(score["score_mod"]) and score["score_mod"](3.5, 0, 1, 2, 3) == 3.5
+    assert "score_mod_grad" not in forward_arguments(score)
+    with pytest.raises(NotImplementedError, match="score_mod"):
+        bench.no_variant(score)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        bench.naive_runner(None, None, None, False, **dropout)
+    # prebuild compiles the dropout variants; a user function's kernels are built at its first call
+    assert catalogue_variants(["causal-dropout", "score-mod"]) == [Variant(window=True, dropout=True)]

@@ -12,7 +12,7 @@ import pytest
 
 import nbflash
 from nbflash.backward import flash_attn_backward
-from nbflash.catalogue import VARIANTS, variant_arguments
+from nbflash.catalogue import VARIANTS, forward_arguments, variant_arguments
 
 from .conftest import SIMULATOR
 from .helpers import assert_attention_close, poison_allocations, random_qkv, to_numpy
@@ -36,7 +36,7 @@ def run_forward(rng, xp, name, family, dtype, batch, seqlen_q, seqlen_k, nheads,
     q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
     causal, variant = split(variant_arguments(name, batch, nheads, seqlen_k, xp, seqlen_q))
     with nbflash.kernel_family(family):
-        out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **variant)
+        out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **forward_arguments(variant))
     assert_attention_close(out, lse, q, k, v, causal, **variant)
     return q, k, v, out, lse, causal, variant
 

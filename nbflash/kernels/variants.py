@@ -688,7 +688,8 @@ class Hooks:
                 ``row % 16 < 8`` and an even key: a tensor-core lane's four scores of an 8-key column
                 block, all four words of one Philox call (philox.dropout_quad)."""
                 w = dropout_quad(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
-                return factor_of(w[0], params), factor_of(w[1], params), factor_of(w[2], params), factor_of(w[3], params)
+                return (factor_of(w[0], params), factor_of(w[1], params), factor_of(w[2], params),
+                        factor_of(w[3], params))
 
             @register_jitable
             def dropout_factors_t(query, key, params, head_ctx):
