@@ -12,8 +12,8 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
   (``sm90_unsupported_reason``); chosen by default at the headdims where it was measured faster
   (``SM90_DEFAULT_HEADDIMS``; with softcap and ALiBi measured at headdim 128), for the variants
   measured (``SM90_DEFAULT_VARIANTS``: the others run on it only when "sm90" is forced). Its backward
-  (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; the same variants, headdim up
-  to 128, ``sm90_backward_unsupported_reason``) is the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``
+  (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; plain and windowed attention
+  with softcap, ALiBi and dropout, headdim up to 128, ``sm90_backward_unsupported_reason``) is the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``
   for plain and causal attention; the sm80 family's backward elsewhere. Its fp8 (e4m3) forward is
   reached only through flash_attn_func's fp8 inputs (``SM90_FP8_FORWARD``).
 - ``"sm80"`` (alias ``"mma"``): tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py);
@@ -101,7 +101,7 @@ def kernel_family(family):
     A name that is not a family raises ValueError here, at the call (not only on entering the
     block). A call the forced family cannot serve (float32 on ``"sm80"``, say) raises ValueError.
     A backward under ``"sm90"`` runs the Hopper dK/dV kernel where it serves the call (atomic dq,
-    plain or windowed attention with or without softcap and ALiBi, headdim up to 128:
+    plain or windowed attention with or without softcap, ALiBi and dropout, headdim up to 128:
     ``sm90_backward_unsupported_reason``) and the sm80 family's kernels otherwise.
     """
     _check_family(family)
@@ -375,7 +375,8 @@ SM90_BACKWARD = [
 # 0.98-1.20x SDPA flash).
 # Headdims 72-120 it serves are not measured yet: mma by default.
 SM90_BACKWARD_DEFAULT_HEADDIMS = (64, 128)
-# ... for these variants (measured); softcap and ALiBi run on it when "sm90" is forced (not yet run on a GPU)
+# ... for these variants (measured); softcap, ALiBi and dropout run on it when "sm90" is forced (dropout
+# not yet run on a GPU)
 SM90_BACKWARD_DEFAULT_VARIANTS = (Variant(), Variant(window=True))
 
 
@@ -390,8 +391,8 @@ def sm90_backward_unsupported_reason(static, deterministic, aligned):
     if deterministic:
         return "the sm90 backward adds dq with atomics; deterministic=True runs the sm80 family's fixed order"
     if static.variant._replace(score_mod_grad="") not in SM90_BACKWARD_VARIANTS:
-        return ("the sm90 backward serves plain and windowed (causal) attention, with softcap and ALiBi, "
-                "without other features")
+        return ("the sm90 backward serves plain and windowed (causal) attention, with softcap, ALiBi and "
+                "dropout, without other features")
     if static.headdim % 8 or static.headdim > SM90_BACKWARD_MAX_HEADDIM:
         return (f"the sm90 backward takes headdim a multiple of 8 up to {SM90_BACKWARD_MAX_HEADDIM}, "
                 f"not {static.headdim}")

@@ -85,7 +85,8 @@ def fp8_forward_kernels():
 def backward_kernels():
     """(name, Python function, signature, compile options) of the sm90 dK/dV kernel's planned
     configs (fp16, plain), and at headdim 64 of the defer_dq schedule, the 32-column "columns"
-    split (without and with defer_dq) and 128 query rows per step ("columns" and "steps")."""
+    split (without and with defer_dq), 128 query rows per step ("columns" and "steps") and causal
+    dropout at each planned headdim."""
     import dataclasses
 
     from nbflash import configs
@@ -104,6 +105,10 @@ def backward_kernels():
         found.append((f"backward_sm90_m128_{split}_hd64", dataclasses.replace(hd64, block_m=128, dq_split=split)))
     found.append(("backward_sm90_m128_columns_r240_hd64", dataclasses.replace(
         hd64, block_m=128, dq_split="columns", producer_registers=24, consumer_registers=240)))
+    # causal dropout (served when "sm90" is forced): P^T from the landed dP^T, shuffled Philox words
+    for headdim, *_ in configs.SM90_BACKWARD:
+        found.append((f"backward_sm90_causal_dropout_hd{headdim}",
+                      configs.sm90_backward_config("float16", headdim, Variant(window=True, dropout=True))))
     return [(name, registry.build(config).py_func, registry.signature(config), {"launch_bounds": config.launch_bounds})
             for name, config in found]
 

@@ -64,7 +64,8 @@ def test_backward_sm90_planning():
         (Static("bfloat16", 256, False, 0), False, True),  # dK, dV of 64 keys need too many registers
         (Static("float16", 60, False, 0), False, True),  # not a multiple of 8 (TMA's 16-byte rows)
         (Static("float16", 64, False, 0), False, False),  # rows off 16 bytes
-        (Static("float16", 64, False, 0, Variant(dropout=True)), False, True),
+        (Static("float16", 64, False, 0, Variant(mask=True)), False, True),
+        (Static("float16", 64, False, 0, Variant(dropout=True)), True, True),  # deterministic: the mma order
     ]:
         plan = configs.plan_backward(static, deterministic, "sm90", aligned)
         assert not any(isinstance(c, Sm90BackwardConfig) for c in plan)
@@ -404,7 +405,8 @@ def test_backward_sm90_score_features_small(rng, xp):
 def run_sm90_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim):
     causal, arguments = split(variant_arguments(name, batch, nheads, seqlen_k, xp, seqlen_q))
     window = "window_size" in arguments or causal
-    variant = Variant(window=window, softcap=arguments.get("softcap", 0) > 0, alibi="alibi_slopes" in arguments)
+    variant = Variant(window=window, softcap=arguments.get("softcap", 0) > 0, alibi="alibi_slopes" in arguments,
+                      dropout=arguments.get("dropout_p", 0) > 0)
     static = Static(dtype, headdim, True, 0, variant)
     assert isinstance(configs.plan_backward(static, False, "sm90")[1], Sm90BackwardConfig)
     q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
@@ -415,7 +417,16 @@ def run_sm90_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen_k, nheads, nh
     assert_gradients_close(grads, dout, q, k, v, causal, **arguments)
 
 
-SCORE_VARIANTS = ["softcap", "causal-softcap", "alibi", "causal-alibi", "combined", "window"]
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the variants' grid below")
+def test_backward_sm90_dropout_small(rng, xp):
+    """Causal dropout: P^T times the factors of the forward's Philox stream (lane pairs sharing
+    their calls, Hooks.dropout_bits_t), dS^T made from the landed dP^T with them; 40 query
+    rows, so both 16-row halves of a call's block are used."""
+    run_sm90_variant(rng, xp, "causal-dropout", "float16", 1, 40, 60, 2, 1, 64)
+
+
+SCORE_VARIANTS = ["softcap", "causal-softcap", "alibi", "causal-alibi", "combined", "window", "dropout",
+                  "causal-dropout"]
 
 
 @pytest.mark.gpu

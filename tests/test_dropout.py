@@ -64,7 +64,7 @@ def test_dropout_portable(rng, xp):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_dropout_mma(rng, xp, deterministic):
     # 40 query rows: both 16-row slices' row pairs (r, r + 8) of the forward's and the dQ kernel's
-    # Philox blocks, and both query halves of the dK/dV kernel's shared calls (dropout_factors_t)
+    # Philox blocks, and both query halves of the dK/dV kernel's shared calls (dropout_bits_t)
     run(rng, xp, "mma", "float16", backward=True, shape=(1, 40, 37, 1, 1, 16), deterministic=deterministic)
 
 

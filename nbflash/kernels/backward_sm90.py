@@ -66,7 +66,9 @@ their P is exactly 0; keys past seqlen_k are masked, and their dK, dV rows are n
 
 Variants: the plain kernel and the window (causal included), each with or without softcap and ALiBi,
 whose scores come from the tensor-core score point of the raw S^T (``Hooks.tensor_core_score``, as
-in the mma backward) and whose derivative multiplies dS^T. Everything else (masks, dropout, block
+in the mma backward) and whose derivative multiplies dS^T, and with or without dropout, whose
+factors (the forward's Philox stream, ``Hooks.dropout_bits_t``) multiply the P^T that dV takes and
+dP^T; with either, dS^T is made with P^T once dP^T has landed. Everything else (masks, block
 masks, packed sequences), headdims above 128 (dK and dV of
 64 keys at headdim 256 would need all of a consumer's registers) and the deterministic mode (a
 fixed order instead of atomics) stay with the mma family (nbflash/kernels/backward_mma.py).
@@ -139,9 +141,10 @@ MAX_SHARED_BYTES = 232448  # dynamic shared memory a block may have on compute c
 DQ_BOX_COLS = 32  # float32 columns of a dQ box for the TMA reduce-add: 128-byte rows
 MAX_HEADDIM = 128
 # The plain kernel and the window (causal), each with or without softcap and ALiBi (the tensor-core
-# score point, as in the mma backward).
-SERVED_VARIANTS = tuple(Variant(window=window, softcap=softcap, alibi=alibi)
-                        for window in (False, True) for softcap in (False, True) for alibi in (False, True))
+# score point, as in the mma backward) and dropout.
+SERVED_VARIANTS = tuple(Variant(window=window, softcap=softcap, alibi=alibi, dropout=dropout)
+                        for window in (False, True) for softcap in (False, True) for alibi in (False, True)
+                        for dropout in (False, True))
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,7 @@ class Sm90BackwardConfig:
         if self.headdim % 8 or not 8 <= self.headdim <= MAX_HEADDIM:
             raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..{MAX_HEADDIM}")
         if self.variant not in SERVED_VARIANTS:
-            raise ValueError(f"{self.variant=}: the sm90 backward serves the plain kernel and the window only")
+            raise ValueError(f"{self.variant=}: the sm90 backward serves the plain kernel and the window, with softcap, ALiBi and dropout only")
         if self.consumers not in (1, 2):
             raise ValueError(f"{self.consumers=} must be 1 or 2")
         if self.stages < 2:
@@ -371,10 +374,13 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     hooks = variants.hooks(config.variant)
     query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
     SCORE = hooks.SCORE  # softcap, ALiBi: P from the raw S^T through the score point, dS carries its derivative
+    # dropout: dV takes the dropped P^T, dS^T the factor too
+    DROPOUT, dropout_bits_t, dropout_bit = hooks.DROPOUT, hooks.dropout_bits_t, hooks.dropout_bit
+    FUSED = SCORE or DROPOUT  # dS^T made with P^T, from the landed dP^T (its factors used as they are made)
     # No max here: any scale works, but ALiBi's slope per unit of a zero scale would not.
     score_units, score_row, _, score_at_grad = hooks.tensor_core_score(False)
     # commit groups left in flight while P^T is computed (with a score feature dS^T is made with P^T)
-    PENDING = 1 if config.overlap and not hooks.SCORE else 0
+    PENDING = 1 if config.overlap and not FUSED else 0
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
     IS_F16 = config.dtype == "float16"
     AB = "f16" if IS_F16 else "bf16"
@@ -456,26 +462,36 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         # The score features' (row, key) bases: queries q_start + 2 q4 + column offset, the two key rows
         ctx = (score_row(q_start + 2 * q4, key_row0, seqlen_q, seqlen_k, params, head_ctx, units),
                score_row(q_start + 2 * q4, key_row0 + 8, seqlen_q, seqlen_k, params, head_ctx, units))
-        for c in static_range(NT):
-            for e in static_range(2):
-                col = 8 * c + 2 * q4 + e
-                lse_c = u32_as_f32(smem[stats + col])
-                d_c = u32_as_f32(smem[stats + BM + col])  # used with a score feature
-                lo, hi = row_keys(q_start + col, seqlen_q, seqlen_k, params)  # used by the masked copy
-                for rh in static_range(2):
-                    r = 4 * c + 2 * rh + e
-                    dy = float32(1)
-                    if SCORE:
-                        y, dy = score_at_grad(s[r], ctx[rh], 8 * c + e, 0, seqlen_q, seqlen_k, params, head_ctx, units)
-                        p = exp2_approx(y * units[variants.EXP] - lse_c)
-                    else:
-                        p = exp2_approx(s[r] * scale_log2 - lse_c)
-                    if masked:
-                        if hidden(key_row0 + 8 * rh, lo, hi, q_start + col, seqlen_q, params, head_ctx):
-                            p = float32(0)
-                    s[r] = p
-                    if SCORE:
-                        dp[r] = p * (dp[r] - d_c) * dy
+        for pair in static_range(NT // 2):
+            # Dropout's factors of queries 16 pair + 2 q4 (+1, +8, +9), the two key rows: one Philox call
+            # per four scores, shared with lane ^ 4 (Hooks.dropout_bits_t); constants without dropout
+            drop = (dropout_bits_t(q_start + 16 * pair + 2 * q4, key_row0, params, head_ctx),
+                    dropout_bits_t(q_start + 16 * pair + 2 * q4, key_row0 + 8, params, head_ctx))
+            for half in static_range(2):
+                c = 2 * pair + half
+                for e in static_range(2):
+                    col = 8 * c + 2 * q4 + e
+                    lse_c = u32_as_f32(smem[stats + col])
+                    d_c = u32_as_f32(smem[stats + BM + col])  # used with a score feature or dropout
+                    lo, hi = row_keys(q_start + col, seqlen_q, seqlen_k, params)  # used by the masked copy
+                    for rh in static_range(2):
+                        r = 4 * c + 2 * rh + e
+                        dy = float32(1)
+                        if SCORE:
+                            y, dy = score_at_grad(s[r], ctx[rh], 8 * c + e, 0, seqlen_q, seqlen_k, params, head_ctx,
+                                                  units)
+                            p = exp2_approx(y * units[variants.EXP] - lse_c)
+                        else:
+                            p = exp2_approx(s[r] * scale_log2 - lse_c)
+                        if masked:
+                            if hidden(key_row0 + 8 * rh, lo, hi, q_start + col, seqlen_q, params, head_ctx):
+                                p = float32(0)
+                        factor = float32(1)
+                        if DROPOUT:  # dV takes the dropped P; dP reaches P through the same factor
+                            factor = dropout_bit(drop[rh], 2 * half + e, params)
+                        s[r] = p * factor
+                        if FUSED:
+                            dp[r] = p * (dp[r] * factor - d_c) * dy
 
     @inline_device
     @unroll
@@ -748,7 +764,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                                    warp, g, seqlen_q, q4)
                 wgmma_wait(PENDING)  # S^T has landed (with overlap, dP^T may still run)
                 registers_to(s, fence_operands(acc_s))
-                if SCORE:  # dP^T too: its derivative is used as it is made
+                if FUSED:  # dP^T too: its derivative (and dropout's factors) used as it is made
                     registers_to(dp, fence_operands(acc_dp))
 
                 # P^T, the mask only on tiles crossing the window's edges or a tail; then dS^T
@@ -759,7 +775,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 else:
                     probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
                                     scale_log2, units, q4, False)
-                if not SCORE:
+                if not FUSED:
                     wgmma_wait(0)  # dP^T has landed
                     registers_to(dp, fence_operands(acc_dp))
                     score_gradients_t(s, dp, smem, stats, q4)

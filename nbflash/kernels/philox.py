@@ -17,9 +17,9 @@ use all of its words (``dropout_quad``). The counter of score (row, key) is
     (key // 2, (row // 16) * 8 + row % 8, (batch << 16) | head, 0), its word 2 * (row // 8 % 2) + key % 2.
 
 The backwards' dK/dV tile holds the transposed block (keys g, g + 8 by queries 2 t, 2 t + 1):
-there two lanes (keys k and k + 1) each make one of two calls and trade half of the words with a
-shuffle (``Hooks.dropout_factors_t``); the portable kernels ask for one score at a time
-(``dropout_word``).
+there two lanes (keys k and k + 1) each make one of two calls and trade the keep bits of the
+words the other needs with a shuffle (``Hooks.dropout_bits_t``); the portable kernels ask for one
+score at a time (``dropout_word``).
 """
 
 import numpy as np

@@ -22,7 +22,8 @@ built here at fixed points of its tile step:
   distance a float per row and softcap's tanh from MUFU instructions;
 - the probability point (after exp, before P V): dropout's factor of each probability
   (``dropout_factor``; ``dropout_factors4`` for a tensor-core lane's four scores of an 8-key
-  column block, ``dropout_factors_t`` for those of the transposed tile, one Philox call each);
+  column block, ``dropout_bits_t`` / ``dropout_bit`` for those of the transposed tile, one Philox
+  call each);
 - the **layout**: with packed sequences (``VARLEN``), ``sequence(params, b, total_q, total_k)``
   gives sequence b's rows as (q_start, seqlen_q, k_start, seqlen_k) (geometry.packed_sequence);
   each kernel, under ``if VARLEN:``, narrows its arrays to those rows and exits the blocks that lie
@@ -692,23 +693,29 @@ class Hooks:
                         factor_of(w[3], params))
 
             @register_jitable
-            def dropout_factors_t(query, key, params, head_ctx):
-                """The factors of (query, key), (query + 1, key), (query + 8, key), (query + 9, key), for
-                ``query % 16 < 8`` and even: a lane's scores of the transposed tile (keys as rows),
-                where lane ^ 4 holds the same queries for key ^ 1. Called by every lane of the warp.
-                The two lanes make one Philox call each, the even key's lane the block of rows query,
-                query + 8, the odd one's of rows query + 1, query + 9, and trade the words the other
-                needs (two shuffles): one call per four scores, as in the forwards."""
+            def dropout_bits_t(query, key, params, head_ctx):
+                """Which of (query, key), (query + 1, key), (query + 8, key), (query + 9, key) are
+                kept, as bits 0-3 (``dropout_bit``), for ``query % 16 < 8`` and even: a lane's scores
+                of the transposed tile (keys as rows), where lane ^ 4 holds the same queries for key
+                ^ 1. Called by every lane of the warp. The two lanes make one Philox call each, the
+                even key's lane the block of rows query, query + 8, the odd one's of rows query + 1,
+                query + 9, and trade the two bits the other needs (one shuffle): one call per four
+                scores, as in the forwards, and one register per four factors."""
                 odd = key % 2
                 w = dropout_quad(query + odd, key - odd, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
-                keep_lo, keep_hi = (w[1], w[3]) if odd else (w[0], w[2])  # this lane's key, rows +0 and +8
-                send_lo, send_hi = (w[0], w[2]) if odd else (w[1], w[3])  # the partner's key
-                got_lo, got_hi = shuffle_xor_u32(send_lo, uint32(4)), shuffle_xor_u32(send_hi, uint32(4))
-                if odd:  # this lane's words are those of rows query + 1 and query + 9
-                    return (factor_of(got_lo, params), factor_of(keep_lo, params), factor_of(got_hi, params),
-                            factor_of(keep_hi, params))
-                return (factor_of(keep_lo, params), factor_of(got_lo, params), factor_of(keep_hi, params),
-                        factor_of(got_hi, params))
+                threshold = params[THRESHOLD]
+                even_key = uint32(1 if w[0] >= threshold else 0) | uint32(2 if w[2] >= threshold else 0)
+                odd_key = uint32(1 if w[1] >= threshold else 0) | uint32(2 if w[3] >= threshold else 0)
+                mine, theirs = (odd_key, even_key) if odd else (even_key, odd_key)  # bit 0: row +0, bit 1: +8
+                got = shuffle_xor_u32(theirs, uint32(4))
+                lo, hi = (got, mine) if odd else (mine, got)  # rows query (+8) and query + 1 (+9)
+                return (lo & uint32(1)) | ((hi & uint32(1)) << uint32(1)) | ((lo & uint32(2)) << uint32(1)) | (
+                    (hi & uint32(2)) << uint32(2))
+
+            @register_jitable
+            def dropout_bit(bits, i, params):
+                """The factor of bit ``i`` of ``dropout_bits_t``: 1 / (1 - p) kept, 0 dropped."""
+                return params[SCALE] if (bits >> uint32(i)) & uint32(1) else float32(0)
 
         else:
 
@@ -720,10 +727,16 @@ class Hooks:
             def dropout_factors4(row, key, params, head_ctx):
                 return float32(1), float32(1), float32(1), float32(1)
 
-            dropout_factors_t = dropout_factors4
+            @register_jitable
+            def dropout_bits_t(query, key, params, head_ctx):
+                return uint32(15)
 
-        self.dropout_factor, self.dropout_factors4, self.dropout_factors_t = (dropout_factor, dropout_factors4,
-                                                                               dropout_factors_t)
+            @register_jitable
+            def dropout_bit(bits, i, params):
+                return float32(1)
+
+        self.dropout_factor, self.dropout_factors4 = dropout_factor, dropout_factors4
+        self.dropout_bits_t, self.dropout_bit = dropout_bits_t, dropout_bit
 
     def tensor_core_score(self, positive_scale):
         """The tensor-core kernels' score point, on raw q.k (no scale applied):
