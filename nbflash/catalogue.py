@@ -20,6 +20,10 @@ def noop_score_grad(score, b, h, q_idx, kv_idx):
     return 1.0
 
 
+# The score-mod variants' arguments: the identity and its derivative
+NOOP_SCORE = {"score_mod": lambda b, h, m, n, xp: noop_score,
+              "score_mod_grad": lambda b, h, m, n, xp: noop_score_grad}
+
 DROPOUT_P = 0.2  # the dropout variants' probability, with a fixed seed (the same mask each call)
 
 # name -> keyword arguments; a callable value is given (batch, nheads, seqlen_q, seqlen_k, xp) and
@@ -47,10 +51,8 @@ VARIANTS = {
     },
     "dropout": {"dropout_p": DROPOUT_P, "seed": 2024},
     "causal-dropout": {"causal": True, "dropout_p": DROPOUT_P, "seed": 2024},
-    "score-mod": {"score_mod": lambda b, h, m, n, xp: noop_score,
-                  "score_mod_grad": lambda b, h, m, n, xp: noop_score_grad},
-    "causal-score-mod": {"causal": True, "score_mod": lambda b, h, m, n, xp: noop_score,
-                         "score_mod_grad": lambda b, h, m, n, xp: noop_score_grad},
+    "score-mod": NOOP_SCORE,
+    "causal-score-mod": {"causal": True, **NOOP_SCORE},
 }
 
 

@@ -13,9 +13,10 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
   (``SM90_DEFAULT_HEADDIMS``; with softcap and ALiBi measured at headdim 128), for the variants
   measured (``SM90_DEFAULT_VARIANTS``: the others run on it only when "sm90" is forced). Its backward
   (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; plain and windowed attention
-  with softcap, ALiBi and dropout, headdim up to 128, ``sm90_backward_unsupported_reason``) is the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``
-  for plain and causal attention; the sm80 family's backward elsewhere. Its fp8 (e4m3) forward is
-  reached only through flash_attn_func's fp8 inputs (``SM90_FP8_FORWARD``).
+  with softcap, ALiBi and dropout, headdim up to 128, ``sm90_backward_unsupported_reason``) is the
+  default at ``SM90_BACKWARD_DEFAULT_HEADDIMS`` for plain and causal attention; the sm80 family's
+  backward elsewhere. Its fp8 (e4m3) forward is reached only through flash_attn_func's fp8 inputs
+  (``SM90_FP8_FORWARD``).
 - ``"sm80"`` (alias ``"mma"``): tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py);
   float16 and bfloat16 on GPUs of compute capability 8.0 and newer (Ampere, Ada, and Hopper where
   sm90 does not serve a call). Chosen wherever it applies and sm90 is not.
@@ -404,7 +405,7 @@ def sm90_backward_unsupported_reason(static, deterministic, aligned):
 # The sm90 backward's launch order: longest-first within groups of 4 (batch, KV head) pairs
 # (``heavy_groups``). Measured on the H200 against the order before (scripts/sm90_schedules.py
 # --backward --anchors, docs/perf-notes.md step 13): fp16, hd 64 and 128, 4k and 16k, causal and not,
-# +1.7% to +7.7% at every shape but hd 128 16k non-causal (-1.4%, within noise); groups of 8 were no
+# +1.9% to +7.2% at every shape but hd 128 16k non-causal (-1.4%, within noise); groups of 8 were no
 # better.
 SM90_BACKWARD_HEAVY_GROUPS = 4
 

@@ -261,7 +261,9 @@ def flex_runner(which):
             score_mod_grad=None, dropout_p=0.0, seed=None):
         if dropout_p:
             raise NotImplementedError("FlexAttention has no dropout")
-        user_score = score_mod  # the catalogue's score_mod is plain Python: it runs on torch tensors too
+        # The catalogue's score_mod is plain Python: it runs on torch tensors too (Flex differentiates it
+        # itself, so score_mod_grad is not needed here).
+        user_score = score_mod
         # Every case compiles as in a fresh process. Otherwise each new score_mod / mask_mod is one
         # more recompile of flex_attention: past Dynamo's recompile limit (8) it falls back to a
         # path on which the ALiBi score_mod failed to trace, and values that changed between the

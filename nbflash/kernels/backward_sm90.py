@@ -205,7 +205,8 @@ class Sm90BackwardConfig:
         if self.headdim % 8 or not 8 <= self.headdim <= MAX_HEADDIM:
             raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..{MAX_HEADDIM}")
         if self.variant not in SERVED_VARIANTS:
-            raise ValueError(f"{self.variant=}: the sm90 backward serves the plain kernel and the window, with softcap, ALiBi and dropout only")
+            raise ValueError(f"{self.variant=}: the sm90 backward serves the plain kernel and the window, with "
+                             "softcap, ALiBi and dropout only")
         if self.consumers not in (1, 2):
             raise ValueError(f"{self.consumers=} must be 1 or 2")
         if self.stages < 2:

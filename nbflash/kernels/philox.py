@@ -56,10 +56,17 @@ def _row_group(row):
 
 
 @register_jitable
+def dropout_quad(row, key, b, h, seed_lo, seed_hi):
+    """The four words of the 2 x 2 block that holds score (row, key): those of rows r, r + 8 (r % 16
+    < 8) by keys k, k + 1 (k even), in the order (r, k), (r, k + 1), (r + 8, k), (r + 8, k + 1)."""
+    return philox(uint32(key // 2), _row_group(row), uint32((b << 16) | h), uint32(0), uint32(seed_lo),
+                  uint32(seed_hi))
+
+
+@register_jitable
 def dropout_word(row, key, b, h, seed_lo, seed_hi):
     """The 32-bit random word of score (row, key) of batch b, query head h (both < 2^16)."""
-    words = philox(uint32(key // 2), _row_group(row), uint32((b << 16) | h), uint32(0), uint32(seed_lo),
-                   uint32(seed_hi))
+    words = dropout_quad(row, key, b, h, seed_lo, seed_hi)
     lane = 2 * ((row // 8) % 2) + key % 2
     if lane == 0:
         return words[0]
@@ -68,14 +75,6 @@ def dropout_word(row, key, b, h, seed_lo, seed_hi):
     if lane == 2:
         return words[2]
     return words[3]
-
-
-@register_jitable
-def dropout_quad(row, key, b, h, seed_lo, seed_hi):
-    """One call's four words: those of (row, key), (row, key + 1), (row + 8, key), (row + 8, key + 1),
-    for ``row % 16 < 8`` and an even key (``dropout_word`` of each)."""
-    return philox(uint32(key // 2), _row_group(row), uint32((b << 16) | h), uint32(0), uint32(seed_lo),
-                  uint32(seed_hi))
 
 
 def philox_numpy(c0, c1, c2, c3, k0, k1):

@@ -675,13 +675,13 @@ class Hooks:
             SEED_LO, SEED_HI = names.index("seed_lo"), names.index("seed_hi")
 
             @register_jitable
-            def dropout_factor(row, key, params, head_ctx):
-                word = dropout_word(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
+            def factor_of(word, params):
                 return params[SCALE] if word >= params[THRESHOLD] else float32(0)
 
             @register_jitable
-            def factor_of(word, params):
-                return params[SCALE] if word >= params[THRESHOLD] else float32(0)
+            def dropout_factor(row, key, params, head_ctx):
+                return factor_of(dropout_word(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI]),
+                                 params)
 
             @register_jitable
             def dropout_factors4(row, key, params, head_ctx):
