@@ -14,6 +14,8 @@ it), never as a copy of a kernel. Causal attention is not a feature of its own: 
 
 from typing import NamedTuple
 
+from .kernels.philox import keep_scale, keep_threshold
+
 # flash-attn's spelling of an unbounded side of the window.
 UNBOUNDED = -1
 
@@ -119,13 +121,15 @@ class Problem(NamedTuple):
 
     @property
     def dropout_threshold(self):
-        """A score is kept iff its random 32-bit word is at least this: P(kept) = 1 - dropout_p."""
-        return min(round(self.dropout_p * 2.0**32), 2**32 - 1)
+        """A score is kept iff its random 16-bit number is at least this (philox.keep_threshold):
+        dropout_p is rounded to a multiple of 2^-16."""
+        return keep_threshold(self.dropout_p)
 
     @property
     def dropout_scale(self):
-        """Kept probabilities are scaled by 1 / (1 - dropout_p)."""
-        return 1.0 / (1.0 - self.dropout_p)
+        """Kept probabilities are scaled by this: the exact inverse of the kept fraction
+        (philox.keep_scale), 1 / (1 - dropout_p) to within 2^-16 relative."""
+        return keep_scale(self.dropout_p)
 
     @property
     def seed_lo(self):

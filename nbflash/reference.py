@@ -15,7 +15,7 @@ import numpy as np
 
 from .dtypes import as_numpy_dtype
 from .kernels.geometry import visible_keys
-from .kernels.philox import dropout_words_numpy
+from .kernels.philox import dropout_bits_numpy, keep_scale, keep_threshold
 from .problem import UNBOUNDED, window_bounds
 
 QUERY_BLOCK = 1024
@@ -124,14 +124,14 @@ class _Scores:
 
 
     def dropout_factor(self, b, h, rows):
-        """Dropout's factor of each probability of ``rows`` (1 / (1 - p) kept, 0 dropped), from the
-        kernels' Philox stream; None without dropout."""
+        """Dropout's factor of each probability of ``rows`` (keep_scale(p) kept, 0 dropped), from
+        the kernels' Philox stream; None without dropout."""
         if not self.dropout_p:
             return None
-        threshold = min(round(self.dropout_p * 2.0**32), 2**32 - 1)
-        words = dropout_words_numpy(_host(rows), np.arange(self.seqlen_k), b + self.batch_offset, h, self.seed & 0xFFFFFFFF,
-                                    (self.seed >> 32) & 0xFFFFFFFF)
-        return self.xp.asarray(np.where(words >= threshold, 1.0 / (1.0 - self.dropout_p), 0.0))
+        numbers = dropout_bits_numpy(_host(rows), np.arange(self.seqlen_k), b + self.batch_offset, h,
+                                     self.seed & 0xFFFFFFFF, (self.seed >> 32) & 0xFFFFFFFF)
+        kept = numbers >= keep_threshold(self.dropout_p)
+        return self.xp.asarray(np.where(kept, keep_scale(self.dropout_p), 0.0))
 
 
 def _host(x):

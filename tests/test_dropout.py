@@ -6,7 +6,8 @@ import pytest
 
 import nbflash
 from nbflash.backward import flash_attn_backward
-from nbflash.kernels.philox import dropout_words_numpy, philox, philox_numpy
+from nbflash.kernels.philox import (KEEP_RANGE, dropout_bits_numpy, keep_scale, keep_threshold, philox,
+                                    philox_numpy)
 
 from .conftest import SIMULATOR
 from .helpers import assert_attention_close, poison_allocations, random_qkv, to_numpy
@@ -31,14 +32,14 @@ def test_dropout_mask_statistics():
     """The kept fraction is 1 - p, with no structure along rows, keys or heads (chi-square-free
     checks: the fraction per row and per key column stays within 5 standard deviations)."""
     p, rows, keys = 0.3, 256, 256
-    threshold = round(p * 2.0**32)
-    kept = dropout_words_numpy(np.arange(rows), np.arange(keys), 1, 3, 12345, 678) >= threshold
+    threshold = keep_threshold(p)
+    kept = dropout_bits_numpy(np.arange(rows), np.arange(keys), 1, 3, 12345, 678) >= threshold
     sigma = np.sqrt(p * (1 - p) / kept.size)
     assert abs(kept.mean() - (1 - p)) < 5 * sigma
     for axis in (0, 1):
         spread = np.sqrt(p * (1 - p) / kept.shape[axis])
         assert np.abs(kept.mean(axis=axis) - (1 - p)).max() < 5.5 * spread
-    other_head = dropout_words_numpy(np.arange(rows), np.arange(keys), 1, 4, 12345, 678) >= threshold
+    other_head = dropout_bits_numpy(np.arange(rows), np.arange(keys), 1, 4, 12345, 678) >= threshold
     assert 0.4 < (kept == other_head).mean() < 0.65  # independent heads agree ~ p^2 + (1 - p)^2 = 0.58
 
 
@@ -93,7 +94,7 @@ def test_attn_probs_mark_dropped_entries_negative(rng, xp):
         out, _, probs = nbflash.flash_attn_func(q, k, v, 0.4, return_attn_probs=True, seed=3)
     probs = to_numpy(probs)
     assert (probs < 0).any() and np.allclose(np.abs(probs).sum(-1), 1, atol=1e-5)
-    expected = np.einsum("bhij,bjhd->bihd", np.maximum(probs, 0) / 0.6, to_numpy(v).astype(np.float32))
+    expected = np.einsum("bhij,bjhd->bihd", np.maximum(probs, 0) * keep_scale(0.4), to_numpy(v).astype(np.float32))
     assert np.abs(to_numpy(out) - expected).max() < 1e-4
 
 
@@ -107,17 +108,34 @@ def test_backward_needs_the_seed(rng, xp):
         nbflash.flash_attn_func(q, k, v, 0.1, seed=-1)
 
 
-def test_dropout_quad_is_four_words():
-    # One Philox call's words are those of rows r, r + 8 (r % 16 < 8) by keys k, k + 1 (k even): a
-    # tensor-core lane's four scores of an 8-key column block; the reference's words are the same.
-    from nbflash.kernels.philox import dropout_quad, dropout_word
+def test_one_philox_call_decides_eight_scores():
+    # One call's four words hold rows r, r + 8 (r % 16 < 8) by keys k, k + 1, k + 8, k + 9 (k % 16 <
+    # 8, even), word 2 i + j rows + 8 i by keys + 8 j, the even key in the low half: a tensor-core
+    # lane's scores of two 8-key column blocks. The one-score path and the reference agree.
+    from nbflash.kernels.philox import dropout_bits16, dropout_block
 
-    for row, key, b, h in ((0, 0, 0, 0), (5, 2, 1, 3), (71, 130, 2, 15), (1015, 4094, 0, 7)):
-        words = tuple(int(w) for w in dropout_quad(row, key, b, h, 12345, 678))
-        assert words == tuple(int(dropout_word(r, k, b, h, 12345, 678))
-                              for r, k in ((row, key), (row, key + 1), (row + 8, key), (row + 8, key + 1)))
-        block = dropout_words_numpy(np.array([row, row + 8]), np.array([key, key + 1]), b, h, 12345, 678)
-        assert tuple(int(w) for w in block.ravel()) == words
-    # no two scores of a head share a word
-    every = dropout_words_numpy(np.arange(48), np.arange(40), 0, 0, 1, 2)
-    assert len(np.unique(every)) == every.size
+    for row, key, b, h in ((0, 0, 0, 0), (5, 2, 1, 3), (71, 134, 2, 15), (1015, 4086, 0, 7)):
+        words = [int(w) for w in dropout_block(row, key, b, h, 12345, 678)]
+        halves = {(row + 8 * i, key + 8 * j + e): (words[2 * i + j] >> (16 * e)) & 0xFFFF
+                  for i in range(2) for j in range(2) for e in range(2)}
+        for (r, k), number in halves.items():
+            assert int(dropout_bits16(r, k, b, h, 12345, 678)) == number
+            # every score of the block names the same call
+            assert [int(w) for w in dropout_block(r, k, b, h, 12345, 678)] == words
+        rows, keys = np.array([row, row + 8]), np.array([key, key + 1, key + 8, key + 9])
+        block = dropout_bits_numpy(rows, keys, b, h, 12345, 678)
+        assert all(int(block[a, c]) == halves[(rows[a], keys[c])] for a in range(2) for c in range(4))
+    # distinct blocks of a head take distinct counters: their words (2 x 32 bits per score pair) differ
+    every = dropout_bits_numpy(np.arange(48), np.arange(64), 0, 0, 1, 2).astype(np.uint64)
+    pairs = every[:, 0::2] | (every[:, 1::2] << np.uint64(16))  # the 32-bit word of keys 2 m, 2 m + 1
+    assert len(np.unique(pairs)) == pairs.size
+    assert every.max() < KEEP_RANGE
+
+
+def test_keep_threshold_and_scale():
+    # p rounds to a multiple of 2^-16; the scale is the exact inverse of the kept fraction
+    for p in (0.0, 0.1, 0.25, 0.5, 0.9, 0.99999):
+        threshold = keep_threshold(p)
+        assert abs(threshold / KEEP_RANGE - p) <= 2.0**-17 and threshold < KEEP_RANGE
+        assert keep_scale(p) * (KEEP_RANGE - threshold) == KEEP_RANGE
+        assert abs(keep_scale(p) * (1 - p) - 1) < 2.0**-16 / (1 - p)

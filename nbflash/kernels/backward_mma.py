@@ -263,7 +263,7 @@ def build_backward_mma(config: MmaBackwardConfig):
     SCORE, head_context = hooks.SCORE, hooks.head_context
     # No max here: any scale works, but ALiBi's slope per unit of a zero scale would not.
     score_units, score_row, _, score_at_grad = hooks.tensor_core_score(False)
-    DROPOUT, dropout_factors4 = hooks.DROPOUT, hooks.dropout_factors4
+    DROPOUT, dropout_factors8 = hooks.DROPOUT, hooks.dropout_factors8
     dropout_bits_t, dropout_bit = hooks.dropout_bits_t, hooks.dropout_bit
     tile_class = hooks.tile_class  # the block mask's class of a tile pair (FULL without one)
     VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
@@ -383,9 +383,8 @@ def build_backward_mma(config: MmaBackwardConfig):
                score_row(q_start + 2 * t, key0 + g + 8, seqlen_q, seqlen_k, params, head_ctx, units))
         for pair in static_range(QNT // 2):
             # Dropout's factors of queries 16 pair + 2t (+1, +8, +9), keys g and g + 8: one Philox
-            # call per four scores, shared with lane ^ 4 (Hooks.dropout_bits_t); constants without dropout
-            drop = (dropout_bits_t(q_start + 16 * pair + 2 * t, key0 + g, params, head_ctx),
-                    dropout_bits_t(q_start + 16 * pair + 2 * t, key0 + g + 8, params, head_ctx))
+            # call per eight scores, shared with lane ^ 4 (Hooks.dropout_bits_t); a constant without dropout
+            drop = dropout_bits_t(q_start + 16 * pair + 2 * t, key0 + g, params, head_ctx)
             for half in static_range(2):
                 nt = 2 * pair + half
                 for e in static_range(2):
@@ -406,7 +405,7 @@ def build_backward_mma(config: MmaBackwardConfig):
                                 p = float32(0)
                         factor = float32(1)
                         if DROPOUT:  # dV takes the dropped P; dP reaches P through the same factor
-                            factor = dropout_bit(drop[r], 2 * half + e, params)
+                            factor = dropout_bit(drop, 4 * r + 2 * half + e, params)
                         s[nt, 2 * r + e] = p * factor
                         dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] * factor - d_c) * grad
 
@@ -694,8 +693,9 @@ def build_backward_mma(config: MmaBackwardConfig):
         ctx = (score_row(first_row + g, n_start + 2 * t, seqlen_q, seqlen_k, params, head_ctx, units),
                score_row(first_row + g + 8, n_start + 2 * t, seqlen_q, seqlen_k, params, head_ctx, units))
         for nt in static_range(KNT):
-            # dropout's factors of rows g, g + 8 by keys 2t, 2t + 1: one Philox call (constants without dropout)
-            drop = dropout_factors4(first_row + g, n_start + nt * 8 + 2 * t, params, head_ctx)
+            if nt % 2 == 0:  # dropout's factors of rows g, g + 8 by keys 2t, 2t + 1 of this tile and the
+                # next: one Philox call (constants without dropout)
+                drop = dropout_factors8(first_row + g, n_start + nt * 8 + 2 * t, params, head_ctx)
             for r in static_range(2):
                 for e in static_range(2):
                     key = n_start + nt * 8 + 2 * t + e
@@ -711,7 +711,7 @@ def build_backward_mma(config: MmaBackwardConfig):
                             p = float32(0)
                     factor = float32(1)
                     if DROPOUT:
-                        factor = drop[2 * r + e]
+                        factor = drop[4 * (nt % 2) + 2 * r + e]
                     dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] * factor - d_row[r]) * grad
 
     @cuda.jit

@@ -465,9 +465,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                score_row(q_start + 2 * q4, key_row0 + 8, seqlen_q, seqlen_k, params, head_ctx, units))
         for pair in static_range(NT // 2):
             # Dropout's factors of queries 16 pair + 2 q4 (+1, +8, +9), the two key rows: one Philox call
-            # per four scores, shared with lane ^ 4 (Hooks.dropout_bits_t); constants without dropout
-            drop = (dropout_bits_t(q_start + 16 * pair + 2 * q4, key_row0, params, head_ctx),
-                    dropout_bits_t(q_start + 16 * pair + 2 * q4, key_row0 + 8, params, head_ctx))
+            # per eight scores, shared with lane ^ 4 (Hooks.dropout_bits_t); a constant without dropout
+            drop = dropout_bits_t(q_start + 16 * pair + 2 * q4, key_row0, params, head_ctx)
             for half in static_range(2):
                 c = 2 * pair + half
                 for e in static_range(2):
@@ -489,7 +488,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                                 p = float32(0)
                         factor = float32(1)
                         if DROPOUT:  # dV takes the dropped P; dP reaches P through the same factor
-                            factor = dropout_bit(drop[rh], 2 * half + e, params)
+                            factor = dropout_bit(drop, 4 * rh + 2 * half + e, params)
                         s[r] = p * factor
                         if FUSED:
                             dp[r] = p * (dp[r] * factor - d_c) * dy

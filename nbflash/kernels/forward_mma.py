@@ -201,7 +201,7 @@ def build_forward_mma(config: MmaForwardConfig):
     ELEMENT_MASK = hooks.ELEMENT_MASK
     SCORE, head_context = hooks.SCORE, hooks.head_context
     score_units, score_row, score_at, _ = hooks.tensor_core_score(config.fold_scale)
-    DROPOUT, dropout_factors4 = hooks.DROPOUT, hooks.dropout_factors4
+    DROPOUT, dropout_factors8 = hooks.DROPOUT, hooks.dropout_factors8
     BLOCK_MASK, tile_class, next_key_tile = hooks.BLOCK_MASK, hooks.tile_class, hooks.next_key_tile
     VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
     SKIP_RESCALE, FOLD_SCALE = config.skip_rescale, config.fold_scale and not SCORE
@@ -397,11 +397,11 @@ def build_forward_mma(config: MmaForwardConfig):
         for pt in static_range(PT):
             p_frag = cuda.local.array(P_FRAG, uint32)
             if DROPOUT:
-                for mt in static_range(MT):
-                    for nt in static_range(2 * pt, 2 * pt + 2):  # rows g, g + 8 by keys 2 t, 2 t + 1: one call
-                        f = dropout_factors4(first_row + mt * 16 + g, n_start + nt * 8 + 2 * t, params, head_ctx)
+                for mt in static_range(MT):  # rows g, g + 8 by keys 2 t, 2 t + 1 of both tiles: one call
+                    f = dropout_factors8(first_row + mt * 16 + g, n_start + pt * 16 + 2 * t, params, head_ctx)
+                    for j in static_range(2):
                         for i in static_range(4):
-                            s[mt, nt, i] *= f[i]
+                            s[mt, 2 * pt + j, i] *= f[4 * j + i]
             for mt in static_range(MT):
                 p_frag[mt, 0] = pack(s[mt, 2 * pt, 0], s[mt, 2 * pt, 1])
                 p_frag[mt, 1] = pack(s[mt, 2 * pt, 2], s[mt, 2 * pt, 3])

@@ -314,7 +314,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     # units whose positive factor to base 2 replaces the scale in exp2 (the scale is positive here:
     # configs.py).
     SCORE = hooks.SCORE
-    DROPOUT, dropout_factors4 = hooks.DROPOUT, hooks.dropout_factors4
+    DROPOUT, dropout_factors8 = hooks.DROPOUT, hooks.dropout_factors8
     score_units, score_row, score_at, _ = hooks.tensor_core_score(True)
     NEG_INF = float32(-math.inf)
     IS_F16 = config.dtype == "float16"  # else bfloat16 out (and in, except fp8's e4m3)
@@ -431,10 +431,10 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     def drop_p(s, row0, n_start, params, head_ctx, q4):
         """The probability point: P *= its dropout factor (1 / (1 - p) or 0), element by element, after
         online_softmax has summed the undropped P into l_i and before pack_p (each P's last use)."""
-        for c in static_range(NT):  # rows row0, row0 + 8 by keys 8 c + 2 q4 and the next: one Philox call
-            f = dropout_factors4(row0, n_start + 8 * c + 2 * q4, params, head_ctx)
-            for i in static_range(4):
-                s[4 * c + i] *= f[i]
+        for c2 in static_range(NT // 2):  # rows row0, row0 + 8 by keys 2 q4, 2 q4 + 1 of two 8-key groups: one call
+            f = dropout_factors8(row0, n_start + 16 * c2 + 2 * q4, params, head_ctx)
+            for i in static_range(8):
+                s[8 * c2 + i] *= f[i]
 
     @inline_device
     @unroll

@@ -21,8 +21,8 @@ built here at fixed points of its tile step:
   through ``Hooks.tensor_core_score`` instead: on raw q.k, with the scale folded into them, ALiBi's
   distance a float per row and softcap's tanh from MUFU instructions;
 - the probability point (after exp, before P V): dropout's factor of each probability
-  (``dropout_factor``; ``dropout_factors4`` for a tensor-core lane's four scores of an 8-key
-  column block, ``dropout_bits_t`` / ``dropout_bit`` for those of the transposed tile, one Philox
+  (``dropout_factor``; ``dropout_factors8`` for a tensor-core lane's eight scores of two 8-key
+  column blocks, ``dropout_bits_t`` / ``dropout_bit`` for those of the transposed tile, one Philox
   call each);
 - the **layout**: with packed sequences (``VARLEN``), ``sequence(params, b, total_q, total_k)``
   gives sequence b's rows as (q_start, seqlen_q, k_start, seqlen_k) (geometry.packed_sequence);
@@ -49,7 +49,7 @@ from numba.extending import register_jitable
 from ..dtypes import KERNEL_DTYPE
 from ..primitives import bf16_bits_to_f32, exp2_approx, rcp_approx, shuffle_xor_u32, tanh_approx
 from . import geometry
-from .philox import dropout_quad, dropout_word
+from .philox import dropout_bits16, dropout_block, half_of
 
 LOG2E = math.log2(math.e)
 
@@ -675,46 +675,64 @@ class Hooks:
             SEED_LO, SEED_HI = names.index("seed_lo"), names.index("seed_hi")
 
             @register_jitable
-            def factor_of(word, params):
-                return params[SCALE] if word >= params[THRESHOLD] else float32(0)
+            def factor_of(number, params):
+                return params[SCALE] if number >= params[THRESHOLD] else float32(0)
 
             @register_jitable
             def dropout_factor(row, key, params, head_ctx):
-                return factor_of(dropout_word(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI]),
+                return factor_of(dropout_bits16(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI]),
                                  params)
 
             @register_jitable
-            def dropout_factors4(row, key, params, head_ctx):
-                """The factors of (row, key), (row, key + 1), (row + 8, key), (row + 8, key + 1), for
-                ``row % 16 < 8`` and an even key: a tensor-core lane's four scores of an 8-key column
-                block, all four words of one Philox call (philox.dropout_quad)."""
-                w = dropout_quad(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
-                return (factor_of(w[0], params), factor_of(w[1], params), factor_of(w[2], params),
-                        factor_of(w[3], params))
+            def dropout_factors8(row, key, params, head_ctx):
+                """The factors of rows row + 8 i by keys key + 8 j + e, at index 4 j + 2 i + e, for
+                ``row % 16 < 8`` and ``key % 16 < 8`` even: a tensor-core lane's scores of two
+                8-key column blocks, one Philox call (philox.dropout_block)."""
+                w = dropout_block(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
+                return (factor_of(half_of(w[0], 0), params), factor_of(half_of(w[0], 1), params),
+                        factor_of(half_of(w[2], 0), params), factor_of(half_of(w[2], 1), params),
+                        factor_of(half_of(w[1], 0), params), factor_of(half_of(w[1], 1), params),
+                        factor_of(half_of(w[3], 0), params), factor_of(half_of(w[3], 1), params))
+
+            @register_jitable
+            def kept(number, threshold):
+                return uint32(1) if number >= threshold else uint32(0)
+
+            @register_jitable
+            def keep_bits(w, odd, threshold):
+                """Bit 2 j + i: whether rows + 8 i by key + 8 j of ``odd``'s parity are kept, of one
+                call's words ``w`` (word 2 i + j)."""
+                return (kept(half_of(w[0], odd), threshold) | (kept(half_of(w[2], odd), threshold) << uint32(1))
+                        | (kept(half_of(w[1], odd), threshold) << uint32(2))
+                        | (kept(half_of(w[3], odd), threshold) << uint32(3)))
 
             @register_jitable
             def dropout_bits_t(query, key, params, head_ctx):
-                """Which of (query, key), (query + 1, key), (query + 8, key), (query + 9, key) are
-                kept, as bits 0-3 (``dropout_bit``), for ``query % 16 < 8`` and even: a lane's scores
-                of the transposed tile (keys as rows), where lane ^ 4 holds the same queries for key
-                ^ 1. Called by every lane of the warp. The two lanes make one Philox call each, the
-                even key's lane the block of rows query, query + 8, the odd one's of rows query + 1,
-                query + 9, and trade the two bits the other needs (one shuffle): one call per four
-                scores, as in the forwards, and one register per four factors."""
+                """Which of the scores (query + 8 i + e, key + 8 j) are kept, as bit 4 j + 2 i + e
+                (``dropout_bit``), for ``query % 16 < 8`` even and ``key % 16 < 8``: a lane's eight
+                scores of the transposed tile (keys as rows), where lane ^ 4 holds the same queries
+                for keys of the other parity. Called by every lane of the warp. The two lanes make
+                one Philox call each, the even key's lane for queries query, query + 8, the odd
+                one's for query + 1, query + 9, and trade the four bits the other needs (one
+                shuffle): one call per eight scores, as in the forwards, and one register for the
+                eight factors."""
                 odd = key % 2
-                w = dropout_quad(query + odd, key - odd, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
+                w = dropout_block(query + odd, key - odd, head_ctx[0], head_ctx[1], params[SEED_LO],
+                                  params[SEED_HI])
                 threshold = params[THRESHOLD]
-                even_key = uint32(1 if w[0] >= threshold else 0) | uint32(2 if w[2] >= threshold else 0)
-                odd_key = uint32(1 if w[1] >= threshold else 0) | uint32(2 if w[3] >= threshold else 0)
-                mine, theirs = (odd_key, even_key) if odd else (even_key, odd_key)  # bit 0: row +0, bit 1: +8
-                got = shuffle_xor_u32(theirs, uint32(4))
-                lo, hi = (got, mine) if odd else (mine, got)  # rows query (+8) and query + 1 (+9)
-                return (lo & uint32(1)) | ((hi & uint32(1)) << uint32(1)) | ((lo & uint32(2)) << uint32(1)) | (
-                    (hi & uint32(2)) << uint32(2))
+                mine = keep_bits(w, odd, threshold)  # queries query + odd (+8)
+                got = shuffle_xor_u32(keep_bits(w, 1 - odd, threshold), uint32(4))  # query + 1 - odd (+8)
+                even_q, odd_q = (got, mine) if odd else (mine, got)
+                bits = uint32(0)
+                for n in range(4):  # n = 2 j + i -> bit 4 j + 2 i (+1 for the odd query)
+                    at = uint32(4 * (n // 2) + 2 * (n % 2))
+                    bits |= (((even_q >> uint32(n)) & uint32(1)) << at) | (((odd_q >> uint32(n)) & uint32(1))
+                                                                         << (at + uint32(1)))
+                return bits
 
             @register_jitable
             def dropout_bit(bits, i, params):
-                """The factor of bit ``i`` of ``dropout_bits_t``: 1 / (1 - p) kept, 0 dropped."""
+                """The factor of bit ``i`` of ``dropout_bits_t``: the kept scale or 0 dropped."""
                 return params[SCALE] if (bits >> uint32(i)) & uint32(1) else float32(0)
 
         else:
@@ -724,18 +742,19 @@ class Hooks:
                 return float32(1)
 
             @register_jitable
-            def dropout_factors4(row, key, params, head_ctx):
-                return float32(1), float32(1), float32(1), float32(1)
+            def dropout_factors8(row, key, params, head_ctx):
+                one = float32(1)
+                return one, one, one, one, one, one, one, one
 
             @register_jitable
             def dropout_bits_t(query, key, params, head_ctx):
-                return uint32(15)
+                return uint32(255)
 
             @register_jitable
             def dropout_bit(bits, i, params):
                 return float32(1)
 
-        self.dropout_factor, self.dropout_factors4 = dropout_factor, dropout_factors4
+        self.dropout_factor, self.dropout_factors8 = dropout_factor, dropout_factors8
         self.dropout_bits_t, self.dropout_bit = dropout_bits_t, dropout_bit
 
     def tensor_core_score(self, positive_scale):
