@@ -219,6 +219,8 @@ def sm90_fp8_forward_config(headdim, variant):
 @lru_cache(maxsize=None)
 def sm90_forward_config(dtype, headdim, variant):
     _, block_n, stages = _row(SM90_FORWARD, headdim)
+    if variant.dropout:  # one Philox call covers 32 keys: headdim 256's 80-key tiles become 64
+        block_n -= block_n % 32
     return Sm90ForwardConfig(dtype=dtype, headdim=headdim, variant=variant, block_n=block_n, stages=stages)
 
 

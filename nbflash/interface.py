@@ -81,8 +81,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         dropout_p: float in [0, 1). Attention dropout: each probability is dropped with chance
             dropout_p (kept ones scaled by 1 / (1 - dropout_p)), by a Philox counter-based
             generator keyed by ``seed``, so the backward regenerates the same mask. Each score
-            draws a 16-bit number, so dropout_p is rounded to a multiple of 2^-16 and the kept
-            scale is the exact inverse of the kept fraction (the expectation is unchanged).
+            draws a random byte (as flash-attn 2's kernels do), so dropout_p is rounded to a
+            multiple of 1/256 (0.1 drops 26/256 = 0.1016 of the scores) and the kept scale is the
+            exact inverse of the kept fraction, so the expectation is unchanged.
         softmax_scale: float. Default 1 / sqrt(headdim). Any finite value, 0 and negative included.
         causal: bool. Causal mask aligned to the bottom-right corner of the score matrix, as in
             flash-attn >= 2.1: the window (-1, 0). For seqlen_q = 2, seqlen_k = 5 (1 = kept,

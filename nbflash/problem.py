@@ -121,14 +121,14 @@ class Problem(NamedTuple):
 
     @property
     def dropout_threshold(self):
-        """A score is kept iff its random 16-bit number is at least this (philox.keep_threshold):
-        dropout_p is rounded to a multiple of 2^-16."""
+        """A score is kept iff its random byte is at least this (philox.keep_threshold): dropout_p
+        is rounded to a multiple of 1/256."""
         return keep_threshold(self.dropout_p)
 
     @property
     def dropout_scale(self):
         """Kept probabilities are scaled by this: the exact inverse of the kept fraction
-        (philox.keep_scale), 1 / (1 - dropout_p) to within 2^-16 relative."""
+        (philox.keep_scale), 1 / (1 - dropout_p) for dropout_p a multiple of 1/256."""
         return keep_scale(self.dropout_p)
 
     @property

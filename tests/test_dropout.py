@@ -31,8 +31,9 @@ def test_philox_known_answers():
 def test_dropout_mask_statistics():
     """The kept fraction is 1 - p, with no structure along rows, keys or heads (chi-square-free
     checks: the fraction per row and per key column stays within 5 standard deviations)."""
-    p, rows, keys = 0.3, 256, 256
-    threshold = keep_threshold(p)
+    rows, keys = 256, 256
+    threshold = keep_threshold(0.3)
+    p = threshold / KEEP_RANGE  # the dropped fraction asked for: 0.3 rounded to 1/256
     kept = dropout_bits_numpy(np.arange(rows), np.arange(keys), 1, 3, 12345, 678) >= threshold
     sigma = np.sqrt(p * (1 - p) / kept.size)
     assert abs(kept.mean() - (1 - p)) < 5 * sigma
@@ -108,34 +109,37 @@ def test_backward_needs_the_seed(rng, xp):
         nbflash.flash_attn_func(q, k, v, 0.1, seed=-1)
 
 
-def test_one_philox_call_decides_eight_scores():
-    # One call's four words hold rows r, r + 8 (r % 16 < 8) by keys k, k + 1, k + 8, k + 9 (k % 16 <
-    # 8, even), word 2 i + j rows + 8 i by keys + 8 j, the even key in the low half: a tensor-core
-    # lane's scores of two 8-key column blocks. The one-score path and the reference agree.
-    from nbflash.kernels.philox import dropout_bits16, dropout_block
+def test_one_philox_call_decides_sixteen_scores():
+    # One call's four words hold rows r, r + 8 (r % 16 < 8) by keys k + 8 j + e (k % 32 < 8 even),
+    # word j, byte 2 i + e for row r + 8 i: a tensor-core lane's scores of four 8-key column blocks,
+    # each word in the accumulator's order. The one-score path and the reference agree.
+    from nbflash.kernels.philox import dropout_block, dropout_byte
 
-    for row, key, b, h in ((0, 0, 0, 0), (5, 2, 1, 3), (71, 134, 2, 15), (1015, 4086, 0, 7)):
+    for row, key, b, h in ((0, 0, 0, 0), (5, 2, 1, 3), (71, 134, 2, 15), (1015, 4070, 0, 7)):
         words = [int(w) for w in dropout_block(row, key, b, h, 12345, 678)]
-        halves = {(row + 8 * i, key + 8 * j + e): (words[2 * i + j] >> (16 * e)) & 0xFFFF
-                  for i in range(2) for j in range(2) for e in range(2)}
-        for (r, k), number in halves.items():
-            assert int(dropout_bits16(r, k, b, h, 12345, 678)) == number
+        numbers = {(row + 8 * i, key + 8 * j + e): (words[j] >> (8 * (2 * i + e))) & 0xFF
+                   for i in range(2) for j in range(4) for e in range(2)}
+        for (r, k), number in numbers.items():
+            assert int(dropout_byte(r, k, b, h, 12345, 678)) == number
             # every score of the block names the same call
             assert [int(w) for w in dropout_block(r, k, b, h, 12345, 678)] == words
-        rows, keys = np.array([row, row + 8]), np.array([key, key + 1, key + 8, key + 9])
+        rows, keys = np.array([row, row + 8]), key + np.array([0, 1, 8, 9, 16, 17, 24, 25])
         block = dropout_bits_numpy(rows, keys, b, h, 12345, 678)
-        assert all(int(block[a, c]) == halves[(rows[a], keys[c])] for a in range(2) for c in range(4))
-    # distinct blocks of a head take distinct counters: their words (2 x 32 bits per score pair) differ
+        assert all(int(block[a, c]) == numbers[(rows[a], keys[c])] for a in range(2) for c in range(8))
+    # distinct blocks of a head take distinct counters: their words (4 bytes of one 8-key column
+    # block's rows r, r + 8 by keys k, k + 1) differ
     every = dropout_bits_numpy(np.arange(48), np.arange(64), 0, 0, 1, 2).astype(np.uint64)
-    pairs = every[:, 0::2] | (every[:, 1::2] << np.uint64(16))  # the 32-bit word of keys 2 m, 2 m + 1
-    assert len(np.unique(pairs)) == pairs.size
+    r, k = np.array([i for i in range(48) if i % 16 < 8]), np.arange(0, 64, 2)
+    words = (every[r][:, k] | (every[r][:, k + 1] << np.uint64(8)) | (every[r + 8][:, k] << np.uint64(16))
+             | (every[r + 8][:, k + 1] << np.uint64(24)))
+    assert len(np.unique(words)) == words.size
     assert every.max() < KEEP_RANGE
 
 
 def test_keep_threshold_and_scale():
-    # p rounds to a multiple of 2^-16; the scale is the exact inverse of the kept fraction
-    for p in (0.0, 0.1, 0.25, 0.5, 0.9, 0.99999):
+    # p rounds to a multiple of 1/256; the scale is the exact inverse of the kept fraction
+    for p in (0.0, 0.1, 0.25, 0.5, 0.9, 0.99):
         threshold = keep_threshold(p)
-        assert abs(threshold / KEEP_RANGE - p) <= 2.0**-17 and threshold < KEEP_RANGE
+        assert abs(threshold / KEEP_RANGE - p) <= 1 / 512 and threshold < KEEP_RANGE
         assert keep_scale(p) * (KEEP_RANGE - threshold) == KEEP_RANGE
-        assert abs(keep_scale(p) * (1 - p) - 1) < 2.0**-16 / (1 - p)
+    assert keep_threshold(0.1) == 26 and keep_scale(0.5) == 2.0 and keep_threshold(0.999) == 255  # at most 255/256

@@ -138,6 +138,9 @@ class MmaBackwardConfig:
             raise ValueError(f"{self.block_m=} and {self.block_n=} must be positive multiples of 16")
         if self.aligned and self.headdim % 8:
             raise ValueError(f"aligned=True needs headdim % 8 == 0, got {self.headdim=}")
+        if self.kernel == "dq" and self.variant.dropout and self.block_n % 32:
+            raise ValueError(f"the dq kernel's dropout needs {self.block_n=} a multiple of 32 (one Philox call per "
+                             "32 keys)")
         if self.vector_dq and (self.kernel != "dkdv" or not self.atomic_dq or self.headdim % 8):
             raise ValueError("vector_dq=True needs the dkdv kernel with atomic_dq and headdim % 8 == 0")
         if self.kernel == "dkdv" and self.block_m > self.threads:
@@ -263,7 +266,7 @@ def build_backward_mma(config: MmaBackwardConfig):
     SCORE, head_context = hooks.SCORE, hooks.head_context
     # No max here: any scale works, but ALiBi's slope per unit of a zero scale would not.
     score_units, score_row, _, score_at_grad = hooks.tensor_core_score(False)
-    DROPOUT, dropout_factors8 = hooks.DROPOUT, hooks.dropout_factors8
+    DROPOUT, dropout_words, byte_factor = hooks.DROPOUT, hooks.dropout_words, hooks.byte_factor
     dropout_bits_t, dropout_bit = hooks.dropout_bits_t, hooks.dropout_bit
     tile_class = hooks.tile_class  # the block mask's class of a tile pair (FULL without one)
     VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
@@ -693,9 +696,9 @@ def build_backward_mma(config: MmaBackwardConfig):
         ctx = (score_row(first_row + g, n_start + 2 * t, seqlen_q, seqlen_k, params, head_ctx, units),
                score_row(first_row + g + 8, n_start + 2 * t, seqlen_q, seqlen_k, params, head_ctx, units))
         for nt in static_range(KNT):
-            if nt % 2 == 0:  # dropout's factors of rows g, g + 8 by keys 2t, 2t + 1 of this tile and the
-                # next: one Philox call (constants without dropout)
-                drop = dropout_factors8(first_row + g, n_start + nt * 8 + 2 * t, params, head_ctx)
+            if nt % 4 == 0:  # dropout's words of rows g, g + 8 by keys 2t, 2t + 1 of this tile and the
+                # next three: one Philox call (constants without dropout)
+                drop = dropout_words(first_row + g, n_start + nt * 8 + 2 * t, params, head_ctx)
             for r in static_range(2):
                 for e in static_range(2):
                     key = n_start + nt * 8 + 2 * t + e
@@ -711,7 +714,7 @@ def build_backward_mma(config: MmaBackwardConfig):
                             p = float32(0)
                     factor = float32(1)
                     if DROPOUT:
-                        factor = drop[4 * (nt % 2) + 2 * r + e]
+                        factor = byte_factor(drop[nt % 4], 2 * r + e, params)
                     dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] * factor - d_row[r]) * grad
 
     @cuda.jit

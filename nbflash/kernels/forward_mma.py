@@ -136,6 +136,9 @@ class MmaForwardConfig:
             raise ValueError(f"{self.sub_n=} must be a multiple of 16 dividing {self.block_n=}")
         if self.aligned and self.headdim % 8:
             raise ValueError(f"aligned=True needs headdim % 8 == 0, got {self.headdim=}")
+        if self.variant.dropout and (self.sub_n or self.block_n) % 32:
+            raise ValueError(f"dropout needs key sub-tiles of a multiple of 32 (one Philox call per 32 keys), got "
+                             f"{self.block_n=}, {self.sub_n=}")
         if self.heavy_groups < 0:
             raise ValueError(f"heavy_groups={self.heavy_groups} must be 0 (off) or a group size")
 
@@ -201,7 +204,8 @@ def build_forward_mma(config: MmaForwardConfig):
     ELEMENT_MASK = hooks.ELEMENT_MASK
     SCORE, head_context = hooks.SCORE, hooks.head_context
     score_units, score_row, score_at, _ = hooks.tensor_core_score(config.fold_scale)
-    DROPOUT, dropout_factors8 = hooks.DROPOUT, hooks.dropout_factors8
+    DROPOUT, dropout_words = hooks.DROPOUT, hooks.dropout_words
+    keep_or_zero, dropout_scale = hooks.keep_or_zero, hooks.dropout_scale
     BLOCK_MASK, tile_class, next_key_tile = hooks.BLOCK_MASK, hooks.tile_class, hooks.next_key_tile
     VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
     SKIP_RESCALE, FOLD_SCALE = config.skip_rescale, config.fold_scale and not SCORE
@@ -392,16 +396,24 @@ def build_forward_mma(config: MmaForwardConfig):
         """acc += P V_j. P's A fragments are S's C fragments packed to 16 bit, two 8-key tiles per
         k-step; V's B fragments come from ldmatrix.trans: matrices 0-3 are keys 0-7 / 8-15 by headdim
         columns 0-7 / 8-15 (of a 16-column pair of tiles). The probability point: with dropout, each
-        P is multiplied by its dropout factor as it is packed (each S value's last use, which keeps
-        the generator's registers from adding to the whole tile's)."""
+        P is kept or zeroed by its dropout bit as it is packed (each S value's last use, which keeps
+        the generator's registers from adding to the whole tile's); the kept scale waits for
+        write_output."""
+        later = cuda.local.array((MT, 2), uint32)  # the next k-step's dropout words
         for pt in static_range(PT):
             p_frag = cuda.local.array(P_FRAG, uint32)
             if DROPOUT:
-                for mt in static_range(MT):  # rows g, g + 8 by keys 2 t, 2 t + 1 of both tiles: one call
-                    f = dropout_factors8(first_row + mt * 16 + g, n_start + pt * 16 + 2 * t, params, head_ctx)
+                for mt in static_range(MT):
+                    if pt % 2 == 0:  # rows g, g + 8 by keys 2 t, 2 t + 1 of this k-step's two 8-key tiles
+                        # and the next one's: one call (the kept scale is applied in write_output)
+                        w = dropout_words(first_row + mt * 16 + g, n_start + pt * 16 + 2 * t, params, head_ctx)
+                        now = (w[0], w[1])
+                        later[mt, 0], later[mt, 1] = w[2], w[3]
+                    else:
+                        now = (later[mt, 0], later[mt, 1])
                     for j in static_range(2):
                         for i in static_range(4):
-                            s[mt, 2 * pt + j, i] *= f[4 * j + i]
+                            s[mt, 2 * pt + j, i] = keep_or_zero(s[mt, 2 * pt + j, i], now[j], i, params)
             for mt in static_range(MT):
                 p_frag[mt, 0] = pack(s[mt, 2 * pt, 0], s[mt, 2 * pt, 1])
                 p_frag[mt, 1] = pack(s[mt, 2 * pt, 2], s[mt, 2 * pt, 3])
@@ -422,7 +434,7 @@ def build_forward_mma(config: MmaForwardConfig):
 
     @inline_device
     @unroll
-    def write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, scale_log2, lse_offset, g, t):
+    def write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, scale_log2, lse_offset, params, g, t):
         """O_i = acc / l_i and lse_i, for rows inside the sequence; 0 and -inf for rows with no key.
         ``lse_offset``: what a score feature's units leave out of the base-2 scores."""
         for mt in static_range(MT):
@@ -431,6 +443,8 @@ def build_forward_mma(config: MmaForwardConfig):
                 row = first_row + mt * 16 + g + 8 * r
                 # l = 0: a row without keys (out 0, lse -inf); a NaN l (a NaN in q) stays NaN in both
                 inv_l = float32(1) / l_row if l_row != float32(0) else float32(0)
+                if DROPOUT:  # the kept probabilities' scale, left out of P V (mma_p_v)
+                    inv_l *= dropout_scale(params)
                 if row < seqlen_q:
                     for dt in static_range(DT):
                         for e in static_range(2):
@@ -600,6 +614,7 @@ def build_forward_mma(config: MmaForwardConfig):
                             units, g, t, True)
 
         # ---- Epilogue: normalise and write O_i and lse_i ----
-        write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, softmax_log2, units[variants.OFFSET], g, t)
+        write_output(out, lse, acc, m_i, l_i, b, h, first_row, seqlen_q, softmax_log2, units[variants.OFFSET], params,
+                     g, t)
 
     return forward_mma

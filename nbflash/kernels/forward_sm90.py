@@ -84,11 +84,11 @@ softcap's cap, the scale for ALiBi alone, log2(e) in the natural units of a bias
 takes the scale's place in exp2, plus an offset in base 2 (units[OFFSET], softcap's -1 of its exp2
 tanh) that only the lse sees. The mask point is ``hidden`` on the same elements; with an element
 mask (the mask tensor, mask_mod) no tile is known to be whole (``key_tiles`` says so), so every
-visited tile takes it. Dropout is the probability point: each P times its factor as it is packed
-for P V (``drop_p``), after l_i has summed the undropped P, as forward_mma.py's mma_p_v does. A
-feature that is absent compiles to nothing. Block masks and packed sequences stay with the sm80
-family (nbflash/kernels/forward_mma.py), as do headdims that are not multiples of 8 and rows off 16
-bytes; the fp8 path serves the plain kernel and the window only (``FP8_VARIANTS``).
+visited tile takes it. Dropout is the probability point: each P kept or zeroed as it is packed
+for P V (``drop_p``), after l_i has summed the undropped P, the kept scale applied with 1 / l, as
+forward_mma.py's mma_p_v does. A feature that is absent compiles to nothing. Block masks and
+packed sequences stay with the sm80 family (nbflash/kernels/forward_mma.py), as do headdims that are
+not multiples of 8 and rows off 16 bytes; the fp8 path serves the plain kernel and the window only (``FP8_VARIANTS``).
 """
 
 import math
@@ -205,6 +205,8 @@ class Sm90ForwardConfig:
             raise ValueError(f"{self.variant=}: the fp8 forward serves the plain kernel and the window only")
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise ValueError(f"{self.block_n=} must be a multiple of 16 in 16..256 (a TMA box and a wgmma n)")
+        if self.variant.dropout and self.block_n % 32:
+            raise ValueError(f"dropout needs {self.block_n=} a multiple of 32 (one Philox call per 32 keys)")
         if self.consumers not in (1, 2):
             raise ValueError(f"{self.consumers=} must be 1 or 2")
         if self.pingpong and not (self.overlap and self.consumers == 2):
@@ -314,7 +316,8 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     # units whose positive factor to base 2 replaces the scale in exp2 (the scale is positive here:
     # configs.py).
     SCORE = hooks.SCORE
-    DROPOUT, dropout_factors8 = hooks.DROPOUT, hooks.dropout_factors8
+    DROPOUT, dropout_words = hooks.DROPOUT, hooks.dropout_words
+    keep_or_zero, dropout_scale = hooks.keep_or_zero, hooks.dropout_scale
     score_units, score_row, score_at, _ = hooks.tensor_core_score(True)
     NEG_INF = float32(-math.inf)
     IS_F16 = config.dtype == "float16"  # else bfloat16 out (and in, except fp8's e4m3)
@@ -429,12 +432,14 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     @inline_device
     @unroll
     def drop_p(s, row0, n_start, params, head_ctx, q4):
-        """The probability point: P *= its dropout factor (1 / (1 - p) or 0), element by element, after
-        online_softmax has summed the undropped P into l_i and before pack_p (each P's last use)."""
-        for c2 in static_range(NT // 2):  # rows row0, row0 + 8 by keys 2 q4, 2 q4 + 1 of two 8-key groups: one call
-            f = dropout_factors8(row0, n_start + 16 * c2 + 2 * q4, params, head_ctx)
-            for i in static_range(8):
-                s[8 * c2 + i] *= f[i]
+        """The probability point: P or 0 by its dropout bit, element by element, after online_softmax
+        has summed the undropped P into l_i and before pack_p (each P's last use); the kept scale
+        waits for write_output."""
+        for c4 in static_range(NT // 4):  # rows row0, row0 + 8 by keys 2 q4, 2 q4 + 1 of four 8-key groups
+            w = dropout_words(row0, n_start + 32 * c4 + 2 * q4, params, head_ctx)  # one call
+            for j in static_range(4):
+                for i in static_range(4):
+                    s[16 * c4 + 4 * j + i] = keep_or_zero(s[16 * c4 + 4 * j + i], w[j], i, params)
 
     @inline_device
     @unroll
@@ -511,7 +516,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
 
     @inline_device
     @unroll
-    def write_output(out, lse, o, m_i, l_i, b, h, row0, seqlen_q, scale_log2, lse_offset, q4):
+    def write_output(out, lse, o, m_i, l_i, b, h, row0, seqlen_q, scale_log2, lse_offset, params, q4):
         """O_i = acc / l_i and lse_i, for rows inside the sequence; 0 and -inf for rows with no key.
         ``lse_offset``: what a score feature's units leave out of the base-2 scores."""
         for rh in static_range(2):
@@ -519,6 +524,8 @@ def build_forward_sm90(config: Sm90ForwardConfig):
             row = row0 + 8 * rh
             # l = 0: a row without keys (out 0, lse -inf); a NaN l (a NaN in q) stays NaN in both
             inv_l = float32(1) / l_row if l_row != float32(0) else float32(0)
+            if DROPOUT:  # the kept probabilities' scale, left out of P V (drop_p)
+                inv_l *= dropout_scale(params)
             if row < seqlen_q:
                 for c in static_range(DT):
                     for e in static_range(2):
@@ -752,6 +759,6 @@ def build_forward_sm90(config: Sm90ForwardConfig):
             # ---- Epilogue: normalise and write O_i and lse_i ----
             if IS_FP8:
                 scale_o(o, v_scale)
-            write_output(out, lse, o, m_i, l_i, b, h, row0, seqlen_q, scale_log2, lse_offset, q4)
+            write_output(out, lse, o, m_i, l_i, b, h, row0, seqlen_q, scale_log2, lse_offset, params, q4)
 
     return forward_sm90

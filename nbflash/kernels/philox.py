@@ -4,26 +4,26 @@ backward regenerates the forward's dropout mask from (seed, counter) instead of 
 
 ``philox(c0, c1, c2, c3, k0, k1)`` is plain integer code on uint32 values: the kernels compile it
 as a device function (``register_jitable``); ``philox_numpy`` is the same rounds on NumPy arrays for
-the reference. The key is the 64-bit seed. Each score takes a 16-bit half of a word, so one call
-decides eight scores; a score is kept iff its number is at least ``keep_threshold(p)`` = round(p *
-2^16), and a kept probability is scaled by ``keep_scale(p)``, the exact inverse of the kept fraction.
+the reference. The key is the 64-bit seed. Each score takes one byte of a word, so one call decides
+sixteen scores (flash-attn 2 also compares bytes); a score is kept iff its byte is at least
+``keep_threshold(p)`` = round(p * 256), and a kept probability is scaled by ``keep_scale(p)``, the
+exact inverse of the kept fraction, so dropout leaves every expectation unchanged.
 
-Which half-word belongs to a score (row = query, key): one call covers the 16 x 16 block's rows
-``r``, ``r + 8`` (``r % 16 < 8``) by keys ``k``, ``k + 1``, ``k + 8``, ``k + 9`` (``k % 16 < 8``,
-even), because that is what one thread of a tensor-core tile holds of it: the accumulator of an
-m16n8 mma.sync (and of a 64-row wgmma) gives each lane rows g and g + 8 of a 16-row slice and keys
-2 t and 2 t + 1 of each 8-key column block, so two column blocks give the eight. The forwards and
-the dQ kernel make one call per eight scores and use all of it (``Hooks.dropout_factors8``). The
-counter of score (row, key) is
+Which byte belongs to a score (row = query, key): one call covers rows ``r``, ``r + 8`` (``r % 16 <
+8``) by keys ``k + 8 j + e`` (``k % 32 < 8`` even, j < 4, e < 2), because that is what one thread of
+a tensor-core tile holds of a 16 x 32 block: the accumulator of an m16n8 mma.sync (and of a 64-row
+wgmma) gives each lane rows g and g + 8 of a 16-row slice and keys 2 t and 2 t + 1 of each 8-key
+column block, so four column blocks give the sixteen. The forwards and the dQ kernel make one call
+per sixteen scores and use all of it (``Hooks.dropout_words``). The counter of score (row, key) is
 
-    ((key // 16) * 4 + key % 8 // 2, (row // 16) * 8 + row % 8, (batch << 16) | head, 0),
+    ((key // 32) * 4 + key % 8 // 2, (row // 16) * 8 + row % 8, (batch << 16) | head, 0),
 
-its word 2 * (row // 8 % 2) + key // 8 % 2, and in it the low half for an even key, the high half
-for an odd one. The backwards' dK/dV tile holds the transposed block (keys g, g + 8 by queries
-2 t, 2 t + 1, 2 t + 8, 2 t + 9): there lanes ``L`` and ``L ^ 4`` (keys of both parities) make one
-call each, for the queries 2 t, 2 t + 8 and 2 t + 1, 2 t + 9, and trade the four keep bits the
-other needs with a shuffle (``Hooks.dropout_bits_t``); the portable kernels ask for one score at a
-time (``dropout_bits16``).
+its word (key // 8) % 4 and in it byte 2 * (row // 8 % 2) + key % 2: a word holds one 8-key column
+block's four scores in the accumulator's order. The backwards' dK/dV tile holds the transposed
+block (keys g, g + 8 by queries 2 t, 2 t + 1, 2 t + 8, 2 t + 9): there lanes ``L`` and ``L ^ 4``
+(keys of both parities) make one call each, for the queries 2 t, 2 t + 8 and 2 t + 1, 2 t + 9, and
+trade the four keep bits the other needs with a shuffle (``Hooks.dropout_bits_t``); the portable
+kernels ask for one score at a time (``dropout_byte``).
 """
 
 import numpy as np
@@ -47,55 +47,56 @@ def philox(c0, c1, c2, c3, k0, k1):
     for _ in range(ROUNDS):
         hi0, lo0 = _mulhilo(uint32(M0), c0)
         hi1, lo1 = _mulhilo(uint32(M1), c2)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        c0, c1, c2, c3 = uint32(hi1 ^ c1 ^ k0), lo1, uint32(hi0 ^ c3 ^ k1), lo0
         k0 = uint32((uint64(k0) + uint64(W0)) & uint64(0xFFFFFFFF))
         k1 = uint32((uint64(k1) + uint64(W1)) & uint64(0xFFFFFFFF))
     return c0, c1, c2, c3
 
 
-KEEP_BITS = 16  # each score's random number: one 16-bit half of a Philox word
+KEEP_BITS = 8  # each score's random number: one byte of a Philox word
 KEEP_RANGE = 1 << KEEP_BITS
 
 
 def keep_threshold(dropout_p):
-    """A score is kept iff its 16-bit random number is at least this (dropout_p in [0, 1)): the
-    kept fraction is (2^16 - threshold) / 2^16, within 2^-17 of 1 - dropout_p."""
+    """A score is kept iff its random byte is at least this (dropout_p in [0, 1)): the dropped
+    fraction is threshold / 256, dropout_p rounded to a multiple of 1/256."""
     return min(round(dropout_p * KEEP_RANGE), KEEP_RANGE - 1)
 
 
 def keep_scale(dropout_p):
     """The factor of a kept probability: the exact inverse of the kept fraction (so dropout leaves
-    every expectation unchanged), 1 / (1 - dropout_p) to within 2^-16 relative."""
+    every expectation unchanged)."""
     return KEEP_RANGE / (KEEP_RANGE - keep_threshold(dropout_p))
 
 
 @register_jitable
 def dropout_block(row, key, b, h, seed_lo, seed_hi):
     """The four words of the block that holds score (row, key) of batch b, query head h (both <
-    2^16): rows r, r + 8 (r % 16 < 8) by keys k, k + 1, k + 8, k + 9 (k % 16 < 8, k even). Word 2 i
-    + j holds rows r + 8 i by keys k + 8 j, k + 1 + 8 j, in its low and high 16 bits."""
-    return philox(uint32((key // 16) * 4 + (key % 8) // 2), uint32((row // 16) * 8 + row % 8),
+    2^16): rows r, r + 8 (r % 16 < 8) by keys k + 8 j + e (k % 32 < 8 even, j < 4, e < 2). Word j
+    holds keys k + 8 j, k + 8 j + 1 of rows r, r + 8, in bytes 2 i + e (row r + 8 i)."""
+    return philox(uint32((key // 32) * 4 + (key % 8) // 2), uint32((row // 16) * 8 + row % 8),
                   uint32((b << 16) | h), uint32(0), uint32(seed_lo), uint32(seed_hi))
 
 
 @register_jitable
-def half_of(word, odd):
-    """The 16-bit random number in ``word``'s low (odd = 0) or high (odd = 1) half."""
-    return (word >> uint32(16)) if odd else (word & uint32(0xFFFF))
+def byte_of(word, n):
+    """Byte ``n`` (0 the lowest) of ``word``: one score's random number."""
+    return (word >> uint32(8 * n)) & uint32(0xFF)
 
 
 @register_jitable
-def dropout_bits16(row, key, b, h, seed_lo, seed_hi):
-    """The 16-bit random number of score (row, key): one score at a time (the portable kernels)."""
+def dropout_byte(row, key, b, h, seed_lo, seed_hi):
+    """The random byte of score (row, key): one score at a time (the portable kernels)."""
     words = dropout_block(row, key, b, h, seed_lo, seed_hi)
-    word = 2 * ((row // 8) % 2) + (key // 8) % 2
-    if word == 0:
-        return half_of(words[0], key % 2)
-    if word == 1:
-        return half_of(words[1], key % 2)
-    if word == 2:
-        return half_of(words[2], key % 2)
-    return half_of(words[3], key % 2)
+    n = 2 * ((row // 8) % 2) + key % 2
+    j = (key // 8) % 4
+    if j == 0:
+        return byte_of(words[0], n)
+    if j == 1:
+        return byte_of(words[1], n)
+    if j == 2:
+        return byte_of(words[2], n)
+    return byte_of(words[3], n)
 
 
 def philox_numpy(c0, c1, c2, c3, k0, k1):
@@ -111,10 +112,10 @@ def philox_numpy(c0, c1, c2, c3, k0, k1):
 
 
 def dropout_bits_numpy(rows, keys, b, h, seed_lo, seed_hi):
-    """``dropout_bits16`` for every (rows[:, None], keys[None, :]) pair: a uint32 array of 16-bit
-    numbers."""
+    """``dropout_byte`` for every (rows[:, None], keys[None, :]) pair: a uint32 array of bytes."""
     rows, keys = np.asarray(rows)[:, None], np.asarray(keys)[None, :]
-    words = philox_numpy((keys // 16) * 4 + (keys % 8) // 2, (rows // 16) * 8 + rows % 8, (b << 16) | h, 0,
+    words = philox_numpy((keys // 32) * 4 + (keys % 8) // 2, (rows // 16) * 8 + rows % 8, (b << 16) | h, 0,
                          seed_lo, seed_hi)
-    word = np.broadcast_to(2 * ((rows // 8) % 2) + (keys // 8) % 2, np.broadcast(rows, keys).shape)
-    return (np.choose(word, words) >> np.uint32(16) * (keys % 2).astype(np.uint32)) & np.uint32(0xFFFF)
+    word = np.broadcast_to((keys // 8) % 4, np.broadcast(rows, keys).shape)
+    shift = (8 * (2 * ((rows // 8) % 2) + keys % 2)).astype(np.uint32)
+    return (np.choose(word, words) >> shift) & np.uint32(0xFF)

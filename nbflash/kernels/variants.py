@@ -21,9 +21,9 @@ built here at fixed points of its tile step:
   through ``Hooks.tensor_core_score`` instead: on raw q.k, with the scale folded into them, ALiBi's
   distance a float per row and softcap's tanh from MUFU instructions;
 - the probability point (after exp, before P V): dropout's factor of each probability
-  (``dropout_factor``; ``dropout_factors8`` for a tensor-core lane's eight scores of two 8-key
-  column blocks, ``dropout_bits_t`` / ``dropout_bit`` for those of the transposed tile, one Philox
-  call each);
+  (``dropout_factor``; ``dropout_words`` / ``keep_or_zero`` / ``byte_factor`` for a tensor-core
+  lane's sixteen scores of four 8-key column blocks, ``dropout_bits_t`` / ``dropout_bit`` for the
+  eight of the transposed tile, one Philox call each);
 - the **layout**: with packed sequences (``VARLEN``), ``sequence(params, b, total_q, total_k)``
   gives sequence b's rows as (q_start, seqlen_q, k_start, seqlen_k) (geometry.packed_sequence);
   each kernel, under ``if VARLEN:``, narrows its arrays to those rows and exits the blocks that lie
@@ -49,7 +49,7 @@ from numba.extending import register_jitable
 from ..dtypes import KERNEL_DTYPE
 from ..primitives import bf16_bits_to_f32, exp2_approx, rcp_approx, shuffle_xor_u32, tanh_approx
 from . import geometry
-from .philox import dropout_bits16, dropout_block, half_of
+from .philox import byte_of, dropout_block, dropout_byte
 
 LOG2E = math.log2(math.e)
 
@@ -667,44 +667,49 @@ class Hooks:
 
         self.head_context = head_context
 
-        # The probability point: dropout's factor of each probability, 1 / (1 - p) or 0; the
-        # forward feeds P * factor to P V, the backward uses it for dV and dP.
+        # The probability point: dropout's factor of each probability, keep_scale(p) or 0; the
+        # portable forward feeds P * factor to P V, the tensor-core forwards P or 0 (keep_or_zero)
+        # and the scale once at the end (dropout_scale), the backward uses the factor for dV and dP.
         self.DROPOUT = variant.dropout
         if variant.dropout:
             THRESHOLD, SCALE = names.index("dropout_threshold"), names.index("dropout_scale")
             SEED_LO, SEED_HI = names.index("seed_lo"), names.index("seed_hi")
 
             @register_jitable
-            def factor_of(number, params):
-                return params[SCALE] if number >= params[THRESHOLD] else float32(0)
-
-            @register_jitable
             def dropout_factor(row, key, params, head_ctx):
-                return factor_of(dropout_bits16(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI]),
-                                 params)
-
-            @register_jitable
-            def dropout_factors8(row, key, params, head_ctx):
-                """The factors of rows row + 8 i by keys key + 8 j + e, at index 4 j + 2 i + e, for
-                ``row % 16 < 8`` and ``key % 16 < 8`` even: a tensor-core lane's scores of two
-                8-key column blocks, one Philox call (philox.dropout_block)."""
-                w = dropout_block(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
-                return (factor_of(half_of(w[0], 0), params), factor_of(half_of(w[0], 1), params),
-                        factor_of(half_of(w[2], 0), params), factor_of(half_of(w[2], 1), params),
-                        factor_of(half_of(w[1], 0), params), factor_of(half_of(w[1], 1), params),
-                        factor_of(half_of(w[3], 0), params), factor_of(half_of(w[3], 1), params))
+                number = dropout_byte(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
+                return params[SCALE] if number >= params[THRESHOLD] else float32(0)
 
             @register_jitable
             def kept(number, threshold):
                 return uint32(1) if number >= threshold else uint32(0)
 
             @register_jitable
-            def keep_bits(w, odd, threshold):
-                """Bit 2 j + i: whether rows + 8 i by key + 8 j of ``odd``'s parity are kept, of one
-                call's words ``w`` (word 2 i + j)."""
-                return (kept(half_of(w[0], odd), threshold) | (kept(half_of(w[2], odd), threshold) << uint32(1))
-                        | (kept(half_of(w[1], odd), threshold) << uint32(2))
-                        | (kept(half_of(w[3], odd), threshold) << uint32(3)))
+            def dropout_words(row, key, params, head_ctx):
+                """The four words of rows row, row + 8 by keys key + 8 j + e, word j byte 2 i + e for
+                row + 8 i (``row % 16 < 8``, ``key % 32 < 8`` even): a tensor-core lane's sixteen
+                scores of four 8-key column blocks, each word one block's four in its accumulator's
+                order; one Philox call (philox.dropout_block)."""
+                return dropout_block(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
+
+            @register_jitable
+            def keep_or_zero(x, word, n, params):
+                """``x`` if byte ``n`` of ``word`` (of ``dropout_words``) keeps its score, else 0."""
+                return x if byte_of(word, n) >= params[THRESHOLD] else float32(0)
+
+            @register_jitable
+            def byte_factor(word, n, params):
+                """The dropout factor of byte ``n`` of ``word``: the kept scale or 0."""
+                return params[SCALE] if byte_of(word, n) >= params[THRESHOLD] else float32(0)
+
+            @register_jitable
+            def dropout_scale(params):
+                return params[SCALE]
+
+            @register_jitable
+            def column_bits(word, odd, threshold):
+                """Bit i: whether byte 2 i + odd of ``word`` (row + 8 i, key parity ``odd``) is kept."""
+                return kept(byte_of(word, odd), threshold) | (kept(byte_of(word, 2 + odd), threshold) << uint32(1))
 
             @register_jitable
             def dropout_bits_t(query, key, params, head_ctx):
@@ -713,15 +718,20 @@ class Hooks:
                 scores of the transposed tile (keys as rows), where lane ^ 4 holds the same queries
                 for keys of the other parity. Called by every lane of the warp. The two lanes make
                 one Philox call each, the even key's lane for queries query, query + 8, the odd
-                one's for query + 1, query + 9, and trade the four bits the other needs (one
-                shuffle): one call per eight scores, as in the forwards, and one register for the
-                eight factors."""
+                one's for query + 1, query + 9; of its sixteen bytes they need the eight of keys
+                key, key + 8 (words key // 8 % 4 and the next), and each trades the four bits the
+                other needs (one shuffle): one call per eight scores and one register for the eight
+                factors."""
                 odd = key % 2
                 w = dropout_block(query + odd, key - odd, head_ctx[0], head_ctx[1], params[SEED_LO],
                                   params[SEED_HI])
                 threshold = params[THRESHOLD]
-                mine = keep_bits(w, odd, threshold)  # queries query + odd (+8)
-                got = shuffle_xor_u32(keep_bits(w, 1 - odd, threshold), uint32(4))  # query + 1 - odd (+8)
+                # keys key, key + 8 are words 0, 1 or 2, 3 of the call (key % 32 < 16 or not)
+                lo, hi = (w[0], w[1]) if (key // 16) % 2 == 0 else (w[2], w[3])
+                # bit 2 j + i: query + odd' + 8 i by key + 8 j, for key parity odd' = odd (mine) and 1 - odd
+                mine = column_bits(lo, odd, threshold) | (column_bits(hi, odd, threshold) << uint32(2))
+                theirs = column_bits(lo, 1 - odd, threshold) | (column_bits(hi, 1 - odd, threshold) << uint32(2))
+                got = shuffle_xor_u32(theirs, uint32(4))  # query + 1 - odd (+8) for my keys
                 even_q, odd_q = (got, mine) if odd else (mine, got)
                 bits = uint32(0)
                 for n in range(4):  # n = 2 j + i -> bit 4 j + 2 i (+1 for the odd query)
@@ -742,9 +752,20 @@ class Hooks:
                 return float32(1)
 
             @register_jitable
-            def dropout_factors8(row, key, params, head_ctx):
-                one = float32(1)
-                return one, one, one, one, one, one, one, one
+            def dropout_words(row, key, params, head_ctx):
+                return uint32(0), uint32(0), uint32(0), uint32(0)
+
+            @register_jitable
+            def keep_or_zero(x, word, n, params):
+                return x
+
+            @register_jitable
+            def byte_factor(word, n, params):
+                return float32(1)
+
+            @register_jitable
+            def dropout_scale(params):
+                return float32(1)
 
             @register_jitable
             def dropout_bits_t(query, key, params, head_ctx):
@@ -754,7 +775,8 @@ class Hooks:
             def dropout_bit(bits, i, params):
                 return float32(1)
 
-        self.dropout_factor, self.dropout_factors8 = dropout_factor, dropout_factors8
+        self.dropout_factor, self.dropout_words, self.byte_factor = dropout_factor, dropout_words, byte_factor
+        self.keep_or_zero, self.dropout_scale = keep_or_zero, dropout_scale
         self.dropout_bits_t, self.dropout_bit = dropout_bits_t, dropout_bit
 
     def tensor_core_score(self, positive_scale):
