@@ -12,8 +12,8 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
   (``sm90_unsupported_reason``); chosen by default at the headdims where it was measured faster
   (``SM90_DEFAULT_HEADDIMS``; with softcap and ALiBi measured at headdim 128), for the variants
   measured (``SM90_DEFAULT_VARIANTS``: the others run on it only when "sm90" is forced). Its backward
-  (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; plain and windowed attention
-  with softcap, ALiBi and dropout, headdim up to 128, ``sm90_backward_unsupported_reason``) is the
+  (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; every variant but block masks
+  and packed sequences, headdim up to 128, ``sm90_backward_unsupported_reason``) is the
   default at ``SM90_BACKWARD_DEFAULT_HEADDIMS`` for plain and causal attention; the sm80 family's
   backward elsewhere. Its fp8 (e4m3) forward is reached only through flash_attn_func's fp8 inputs
   (``SM90_FP8_FORWARD``).
@@ -34,7 +34,8 @@ from . import runtime
 from .problem import Variant
 from .kernels.backward_mma import MmaBackwardConfig
 from .kernels.backward_sm90 import MAX_HEADDIM as SM90_BACKWARD_MAX_HEADDIM
-from .kernels.backward_sm90 import SERVED_VARIANTS as SM90_BACKWARD_VARIANTS
+from .kernels.backward_sm90 import UNSERVED_FEATURES as SM90_BACKWARD_UNSERVED
+from .kernels.backward_sm90 import served as sm90_backward_serves
 from .kernels.backward_sm90 import Sm90BackwardConfig
 from .kernels.backward_dq_sm90 import SERVED_VARIANTS as SM90_DQ_VARIANTS
 from .kernels.backward_dq_sm90 import Sm90DqConfig
@@ -102,7 +103,7 @@ def kernel_family(family):
     A name that is not a family raises ValueError here, at the call (not only on entering the
     block). A call the forced family cannot serve (float32 on ``"sm80"``, say) raises ValueError.
     A backward under ``"sm90"`` runs the Hopper dK/dV kernel where it serves the call (atomic dq,
-    plain or windowed attention with or without softcap, ALiBi and dropout, headdim up to 128:
+    every variant but block masks and packed sequences, headdim up to 128:
     ``sm90_backward_unsupported_reason``) and the sm80 family's kernels otherwise.
     """
     _check_family(family)
@@ -378,8 +379,7 @@ SM90_BACKWARD = [
 # 0.98-1.20x SDPA flash).
 # Headdims 72-120 it serves are not measured yet: mma by default.
 SM90_BACKWARD_DEFAULT_HEADDIMS = (64, 128)
-# ... for these variants (measured); softcap, ALiBi and dropout run on it when "sm90" is forced (dropout
-# not yet run on a GPU)
+# ... for these variants (measured); the others it serves run on it when "sm90" is forced
 SM90_BACKWARD_DEFAULT_VARIANTS = (Variant(), Variant(window=True))
 
 
@@ -393,9 +393,8 @@ def sm90_backward_unsupported_reason(static, deterministic, aligned):
         return f"the sm90 backward runs on compute capability 9.0 only, this GPU has {cc[0]}.{cc[1]}"
     if deterministic:
         return "the sm90 backward adds dq with atomics; deterministic=True runs the sm80 family's fixed order"
-    if static.variant._replace(score_mod_grad="") not in SM90_BACKWARD_VARIANTS:
-        return ("the sm90 backward serves plain and windowed (causal) attention, with softcap, ALiBi and "
-                "dropout, without other features")
+    if not sm90_backward_serves(static.variant):
+        return f"the sm90 backward serves every variant but {' and '.join(SM90_BACKWARD_UNSERVED)}"
     if static.headdim % 8 or static.headdim > SM90_BACKWARD_MAX_HEADDIM:
         return (f"the sm90 backward takes headdim a multiple of 8 up to {SM90_BACKWARD_MAX_HEADDIM}, "
                 f"not {static.headdim}")
@@ -453,7 +452,7 @@ def plan_backward(static, deterministic, family=None, aligned=None):
                                      threads_per_row=rows_threads, **rowwise)
 
     if sm90:
-        return preprocess, sm90_backward_config(dtype, headdim, static.variant._replace(score_mod_grad="")), convert
+        return preprocess, sm90_backward_config(dtype, headdim, static.variant), convert  # score_mod_grad too
     if family == "sm80":
         _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DKDV, headdim)
         vector = dict(common, aligned=aligned and headdim % 8 == 0)

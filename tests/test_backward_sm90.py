@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import nbflash
-from nbflash import backward, configs, launch
+from nbflash import backward, configs, launch, validation
 from nbflash.backward import flash_attn_backward
 from nbflash.catalogue import variant_arguments
 from nbflash.kernels.backward_mma import MmaBackwardConfig
@@ -64,7 +64,8 @@ def test_backward_sm90_planning():
         (Static("bfloat16", 256, False, 0), False, True),  # dK, dV of 64 keys need too many registers
         (Static("float16", 60, False, 0), False, True),  # not a multiple of 8 (TMA's 16-byte rows)
         (Static("float16", 64, False, 0), False, False),  # rows off 16 bytes
-        (Static("float16", 64, False, 0, Variant(mask=True)), False, True),
+        (Static("float16", 64, False, 0, Variant(block_mask=True)), False, True),
+        (Static("float16", 64, False, 0, Variant(varlen=True)), False, True),
         (Static("float16", 64, False, 0, Variant(dropout=True)), True, True),  # deterministic: the mma order
     ]:
         plan = configs.plan_backward(static, deterministic, "sm90", aligned)
@@ -402,14 +403,12 @@ def test_backward_sm90_score_features_small(rng, xp):
     run_sm90_variant(rng, xp, "combined", "float16", 2, 40, 60, 2, 1, 64)
 
 
+
 def run_sm90_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim):
     causal, arguments = split(variant_arguments(name, batch, nheads, seqlen_k, xp, seqlen_q))
-    window = "window_size" in arguments or causal
-    variant = Variant(window=window, softcap=arguments.get("softcap", 0) > 0, alibi="alibi_slopes" in arguments,
-                      dropout=arguments.get("dropout_p", 0) > 0)
-    static = Static(dtype, headdim, True, 0, variant)
-    assert isinstance(configs.plan_backward(static, False, "sm90")[1], Sm90BackwardConfig)
     q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
+    problem = validation.check_forward(q, k, v, None, causal, **arguments)[0]
+    assert isinstance(configs.plan_backward(problem.static, False, "sm90")[1], Sm90BackwardConfig)
     out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **arguments)
     dout = random_like(rng, xp, q)
     with nbflash.kernel_family("sm90"):
@@ -426,7 +425,7 @@ def test_backward_sm90_dropout_small(rng, xp):
 
 
 SCORE_VARIANTS = ["softcap", "causal-softcap", "alibi", "causal-alibi", "combined", "window", "dropout",
-                  "causal-dropout"]
+                  "causal-dropout", "bias", "causal-bias", "document-mask", "score-mod", "causal-score-mod"]
 
 
 @pytest.mark.gpu

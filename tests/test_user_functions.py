@@ -5,11 +5,13 @@ import numpy as np
 import pytest
 
 import nbflash
+from nbflash import configs, validation
 from nbflash.backward import flash_attn_backward
+from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
 from nbflash.kernels.variants import user_function
 
 from .conftest import SIMULATOR
-from .helpers import assert_attention_close, poison_allocations, random_qkv
+from .helpers import assert_attention_close, is_sm90, poison_allocations, random_qkv
 from .test_backward import assert_gradients_close, random_like
 
 TABLE = np.linspace(-1.0, 1.0, 32).astype(np.float32)  # captured: a kernel constant
@@ -56,6 +58,17 @@ def test_user_functions_mma_forward(rng, xp):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_user_functions_sm90_backward(rng, xp):
+    """The sm90 backward: score_mod and its derivative at the score point of S^T, mask_mod at the
+    mask point of every visited tile (none is whole with an element mask)."""
+    q, k, v = random_qkv(rng, xp, 1, 40, 60, 2, 1, 64, "float16")
+    problem = validation.check_forward(q, k, v, None, True, score_mod=relative_bias, mask_mod=striped,
+                                       score_mod_grad=relative_bias_grad)[0]
+    assert isinstance(configs.plan_backward(problem.static, False, "sm90")[1], Sm90BackwardConfig)
+    check(rng, xp, "sm90", "float16", backward=True, shape=(1, 40, 60, 2, 1, 64))
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 def test_mask_mod_without_window_mma(rng, xp):
     """Without a window, every row sees a whole 64-key tile by the band alone: the tensor-core
     forward must still test the mask there (it once skipped it, trusting the band)."""
@@ -66,9 +79,12 @@ def test_mask_mod_without_window_mma(rng, xp):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family, dtype", [("mma", "float16"), ("mma", "bfloat16"), ("portable", "float32")])
+@pytest.mark.parametrize("family, dtype", [("mma", "float16"), ("mma", "bfloat16"), ("portable", "float32"),
+                                           ("sm90", "float16"), ("sm90", "bfloat16")])
 @pytest.mark.parametrize("shape", [(2, 113, 203, 4, 2, 64), (1, 300, 300, 2, 1, 128)], ids=lambda s: "x".join(map(str, s)))
 def test_user_functions_gpu(rng, xp, family, dtype, shape):
+    if family == "sm90" and not is_sm90():
+        pytest.skip("the sm90 family needs compute capability 9.0")
     check(rng, xp, family, dtype, backward=True, shape=shape)
 
 

@@ -64,14 +64,15 @@ preprocess. ``maps`` holds the four 4-D tensor maps of q, k, v and dout (``tenso
 the launcher. A row with lse = -inf (it sees no key) and rows past seqlen_q get lse_log2 = +inf, so
 their P is exactly 0; keys past seqlen_k are masked, and their dK, dV rows are not written.
 
-Variants: the plain kernel and the window (causal included), each with or without softcap and ALiBi,
-whose scores come from the tensor-core score point of the raw S^T (``Hooks.tensor_core_score``, as
-in the mma backward) and whose derivative multiplies dS^T, and with or without dropout, whose
-factors (the forward's Philox stream, ``Hooks.dropout_bits_t``) multiply the P^T that dV takes and
-dP^T; with either, dS^T is made with P^T once dP^T has landed. Everything else (masks, block
-masks, packed sequences), headdims above 128 (dK and dV of
-64 keys at headdim 256 would need all of a consumer's registers) and the deterministic mode (a
-fixed order instead of atomics) stay with the mma family (nbflash/kernels/backward_mma.py).
+Variants: the window (causal included); the element masks (the mask tensor, mask_mod), tested at
+the mask point of every visited tile (none is known to be whole with them); the score features
+(softcap, ALiBi, the bias tensor, score_mod), whose scores come from the tensor-core score point of
+the raw S^T (``Hooks.tensor_core_score``, as in the mma backward) and whose derivative multiplies
+dS^T; and dropout, whose factors (the forward's Philox stream, ``Hooks.dropout_bits_t``) multiply
+the P^T that dV takes and dP^T. With a score feature or dropout, dS^T is made with P^T once dP^T
+has landed. Block masks, packed sequences, headdims above 128 (dK and dV of 64 keys at headdim 256
+would need all of a consumer's registers) and the deterministic mode (a fixed order instead of
+atomics) stay with the mma family (nbflash/kernels/backward_mma.py).
 """
 
 import math
@@ -140,11 +141,16 @@ KEYS = 64  # keys per consumer warpgroup: the M of its wgmmas
 MAX_SHARED_BYTES = 232448  # dynamic shared memory a block may have on compute capability 9.0
 DQ_BOX_COLS = 32  # float32 columns of a dQ box for the TMA reduce-add: 128-byte rows
 MAX_HEADDIM = 128
-# The plain kernel and the window (causal), each with or without softcap and ALiBi (the tensor-core
-# score point, as in the mma backward) and dropout.
-SERVED_VARIANTS = tuple(Variant(window=window, softcap=softcap, alibi=alibi, dropout=dropout)
-                        for window in (False, True) for softcap in (False, True) for alibi in (False, True)
-                        for dropout in (False, True))
+# What the sm90 backward does not serve (the mma family's backward does): block masks and packed
+# sequences. Every other feature enters through the hooks: the window, the element masks (mask
+# tensor, mask_mod: then no tile is whole, Hooks.query_tiles), the score features (softcap, ALiBi,
+# bias, score_mod: the tensor-core score point, as in the mma backward) and dropout.
+UNSERVED_FEATURES = ("block_mask", "varlen")
+
+
+def served(variant):
+    """The sm90 backward serves ``variant``: none of ``UNSERVED_FEATURES``."""
+    return not any(getattr(variant, feature) for feature in UNSERVED_FEATURES)
 
 
 @dataclass(frozen=True)
@@ -204,9 +210,8 @@ class Sm90BackwardConfig:
             raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
         if self.headdim % 8 or not 8 <= self.headdim <= MAX_HEADDIM:
             raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..{MAX_HEADDIM}")
-        if self.variant not in SERVED_VARIANTS:
-            raise ValueError(f"{self.variant=}: the sm90 backward serves the plain kernel and the window, with "
-                             "softcap, ALiBi and dropout only")
+        if not served(self.variant):
+            raise ValueError(f"{self.variant=}: the sm90 backward serves no {' and no '.join(UNSERVED_FEATURES)}")
         if self.consumers not in (1, 2):
             raise ValueError(f"{self.consumers=} must be 1 or 2")
         if self.stages < 2:
