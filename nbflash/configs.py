@@ -164,11 +164,28 @@ SM90_FORWARD = [
 # (causal); headdims 64 and 256 with them are not measured.
 SM90_DEFAULT_HEADDIMS = (64, 128, 256)
 # ... for the variants measured there: plain and windowed (causal) attention, each with or without
-# softcap and ALiBi. The bias and mask tensors, score_mod, mask_mod and dropout run on the sm90
-# forward only when "sm90" is forced (not yet run on a GPU; docs/perf-notes.md, "Hopper forward",
-# has the prediction); mma by default.
+# softcap and ALiBi. The bias and mask tensors and mask_mod run on the sm90 forward only when "sm90"
+# is forced (not measured); mma by default.
 SM90_DEFAULT_VARIANTS = tuple(Variant(window=window, softcap=softcap, alibi=alibi)
                               for softcap in (False, True) for alibi in (False, True) for window in (False, True))
+# Dropout and score_mod, each alone or with the window, were measured at headdims 64 and 128 (fp16,
+# seqlen 8k, causal; docs/benchmarks.md, 2026-12-03): the sm90 forward 1.08x / 1.45x the mma
+# forward with dropout (hd 64 / 128), 1.22x / 1.53x with a score_mod; the sm90 backward 1.48x /
+# 1.54x and 1.77x / 1.96x the mma backward. There they take the sm90 family by default.
+SM90_MEASURED_EXTRAS = ("dropout", "score_mod")
+SM90_EXTRAS_HEADDIMS = (64, 128)
+
+
+def _measured_on_sm90(variant, headdim, measured):
+    """``variant`` at ``headdim`` was measured faster on the sm90 family: it is one of ``measured``,
+    or the plain kernel or the window with one of ``SM90_MEASURED_EXTRAS`` at
+    ``SM90_EXTRAS_HEADDIMS``."""
+    variant = variant._replace(score_mod_grad="")
+    if variant in measured:
+        return True
+    extras = [feature for feature in SM90_MEASURED_EXTRAS if getattr(variant, feature)]
+    return (headdim in SM90_EXTRAS_HEADDIMS and len(extras) == 1
+            and variant._replace(dropout=False, score_mod="") in (Variant(), Variant(window=True)))
 
 
 def sm90_unsupported_reason(static):
@@ -229,7 +246,7 @@ def _sm90_default(static):
     """The sm90 family is the default for this call: it serves it and was measured faster there."""
     if runtime.SIMULATOR or static.headdim not in SM90_DEFAULT_HEADDIMS:
         return False  # the simulator keeps the default of the suite's cases: mma
-    if static.variant._replace(score_mod_grad="") not in SM90_DEFAULT_VARIANTS:
+    if not _measured_on_sm90(static.variant, static.headdim, SM90_DEFAULT_VARIANTS):
         return False  # served, not yet measured: mma
     return sm90_unsupported_reason(static) is None
 
@@ -379,7 +396,8 @@ SM90_BACKWARD = [
 # 0.98-1.20x SDPA flash).
 # Headdims 72-120 it serves are not measured yet: mma by default.
 SM90_BACKWARD_DEFAULT_HEADDIMS = (64, 128)
-# ... for these variants (measured); the others it serves run on it when "sm90" is forced
+# ... for these variants, and with dropout or a score_mod (``_measured_on_sm90``); the others it
+# serves run on it when "sm90" is forced
 SM90_BACKWARD_DEFAULT_VARIANTS = (Variant(), Variant(window=True))
 
 
@@ -435,7 +453,7 @@ def plan_backward(static, deterministic, family=None, aligned=None):
     dtype, headdim, device = static.dtype, static.headdim, static.device
     aligned = static.aligned if aligned is None else aligned
     sm90 = family == "sm90" or (family is None and not runtime.SIMULATOR and headdim in SM90_BACKWARD_DEFAULT_HEADDIMS
-                                and static.variant._replace(score_mod_grad="") in SM90_BACKWARD_DEFAULT_VARIANTS)
+                                and _measured_on_sm90(static.variant, headdim, SM90_BACKWARD_DEFAULT_VARIANTS))
     # deterministic=True under "sm90": the sm80 dK/dV kernel without atomics and the sm90 dQ kernel
     sm90_dq = (family == "sm90" and deterministic and sm90_backward_unsupported_reason(static, False, aligned) is None
                and static.variant._replace(score_mod_grad="") in SM90_DQ_VARIANTS)

@@ -18,7 +18,7 @@ import pytest
 import nbflash
 from nbflash import backward, configs, launch, validation
 from nbflash.backward import flash_attn_backward
-from nbflash.catalogue import variant_arguments
+from nbflash.catalogue import forward_arguments, variant_arguments
 from nbflash.kernels.backward_mma import MmaBackwardConfig
 from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
 from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
@@ -409,7 +409,7 @@ def run_sm90_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen_k, nheads, nh
     q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
     problem = validation.check_forward(q, k, v, None, causal, **arguments)[0]
     assert isinstance(configs.plan_backward(problem.static, False, "sm90")[1], Sm90BackwardConfig)
-    out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **arguments)
+    out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **forward_arguments(arguments))
     dout = random_like(rng, xp, q)
     with nbflash.kernel_family("sm90"):
         grads = flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **arguments)

@@ -334,23 +334,33 @@ def test_public_api_sm90_bias(monkeypatch, xp):
 
 
 def test_new_variants_not_the_default_on_sm90(monkeypatch):
-    # On compute capability 9.0 (outside the simulator, which keeps mma), the bias and mask tensors,
-    # score_mod, mask_mod and dropout are served by the sm90 forward but not yet its default (not
-    # measured): mma unless kernel_family("sm90"); the measured variants keep sm90 as the default.
+    # On compute capability 9.0 (outside the simulator, which keeps mma), the bias and mask tensors
+    # and mask_mod are served by the sm90 forward but not yet its default (not measured): mma unless
+    # kernel_family("sm90"); the measured variants (dropout and score_mod at headdims 64 and 128
+    # among them) keep sm90 as the default, forward and backward.
     from nbflash import configs
+    from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
     from nbflash.kernels.forward_mma import MmaForwardConfig
     from nbflash.problem import Static
 
     monkeypatch.setattr(configs.runtime, "SIMULATOR", False)
     monkeypatch.setattr(configs, "_compute_capability", lambda device=0: (9, 0))
     served = [Variant(bias="float16"), Variant(window=True, bias="float32"), Variant(mask=True),
-              Variant(window=True, softcap=True, alibi=True, bias="bfloat16"), Variant(score_mod="f:0"),
-              Variant(window=True, mask_mod="g:0"), Variant(dropout=True), Variant(window=True, dropout=True),
-              Variant(window=True, score_mod="f:0", score_mod_grad="h:0")]
+              Variant(window=True, softcap=True, alibi=True, bias="bfloat16"), Variant(window=True, mask_mod="g:0"),
+              Variant(softcap=True, dropout=True), Variant(window=True, dropout=True, score_mod="f:0")]
     for variant in served:
         static = Static("bfloat16", 128, True, 0, variant)
         assert isinstance(configs.plan_forward(static), MmaForwardConfig), variant
         assert isinstance(configs.plan_forward(static, "sm90"), Sm90ForwardConfig), variant
+    measured = [Variant(dropout=True), Variant(window=True, dropout=True), Variant(score_mod="f:0"),
+                Variant(window=True, score_mod="f:0", score_mod_grad="h:0")]
+    for variant in measured:
+        for headdim in (64, 128):
+            static = Static("float16", headdim, True, 0, variant)
+            assert isinstance(configs.plan_forward(static), Sm90ForwardConfig), variant
+            assert isinstance(configs.plan_backward(static, False)[1], Sm90BackwardConfig), variant
+        static = Static("float16", 256, True, 0, variant)  # not measured at headdim 256
+        assert isinstance(configs.plan_forward(static), MmaForwardConfig), variant
     for variant in configs.SM90_DEFAULT_VARIANTS:
         assert isinstance(configs.plan_forward(Static("float16", 128, True, 0, variant)), Sm90ForwardConfig), variant
     for variant in (Variant(mask_mod="g:0", block_mask=True), Variant(varlen=True)):
@@ -405,9 +415,10 @@ def test_forward_sm90_variants_gpu(case, schedule, monkeypatch, xp):
 @pytest.mark.gpu
 @pytest.mark.skipif(P.SIMULATOR, reason="the simulator keeps the mma family as the default")
 def test_new_variants_default_mma_forced_sm90_gpu(monkeypatch, xp):
-    # On compute capability 9.0 the library's own choice for a bias, a mask, user functions and
-    # dropout is still the mma forward (sm90 not yet measured with them); under kernel_family("sm90")
-    # explain and the call take the sm90 forward, within the budget.
+    # On compute capability 9.0 the library's own choice for a bias, a mask and a score_mod with a
+    # mask_mod is still the mma forward (sm90 not yet measured with them; dropout, checked by the call
+    # alone, is sm90's by default since it was measured); under kernel_family("sm90") explain and the
+    # call take the sm90 forward, within the budget.
     import nbflash
     from tests.helpers import assert_attention_close, poison_allocations, random_qkv
 
