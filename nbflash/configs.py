@@ -273,12 +273,18 @@ def mma_forward_config(dtype, headdim, variant, aligned, positive_scale=True):
         headdim=headdim,
         variant=variant,
         block_m=block_m,
-        block_n=block_n,
+        block_n=dropout_keys(block_n, variant),
         num_warps=num_warps,
         aligned=aligned and headdim % 8 == 0,
         fold_scale=positive_scale,
         heavy_groups=MMA_FORWARD_HEAVY_GROUPS if variant.window else 0,
     )
+
+
+def dropout_keys(block_n, variant):
+    """A key tile of ``block_n`` keys, widened with dropout to whole 32-key blocks: the tensor-core
+    kernels make one Philox call per 32 keys of a lane's rows (nbflash/kernels/philox.py)."""
+    return -(-block_n // 32) * 32 if variant.dropout else block_n
 
 
 def forced_family():
@@ -483,7 +489,8 @@ def plan_backward(static, deterministic, family=None, aligned=None):
         if sm90_dq:
             return preprocess, dkdv, Sm90DqConfig(dtype, headdim, static.variant._replace(score_mod_grad=""))
         _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DQ, headdim)
-        dq = MmaBackwardConfig("dq", block_m=block_m, block_n=block_n, num_warps=num_warps, **vector)
+        dq = MmaBackwardConfig("dq", block_m=block_m, block_n=dropout_keys(block_n, static.variant),
+                               num_warps=num_warps, **vector)
         return preprocess, dkdv, dq
 
     _, threads, block_n = _row(PORTABLE_BACKWARD_DKDV, headdim)
