@@ -171,10 +171,10 @@ def heavy_first(monkeypatch):
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the case below at size")
 def test_backward_sm90_heavy_first_small(rng, xp, heavy_first):
     """Key tiles as the grid's slowest index (blockIdx.z): causal over two key tiles and a tail,
-    GQA (the heads in blockIdx.x)."""
+    GQA (the heads in blockIdx.x); one query tile."""
     dkdv = configs.plan_backward(Static("float16", 64, True, 0, CAUSAL), False, "sm90")[1]
     assert dkdv.heavy_first and dkdv.grid(2, 4, 2, 70, 200) == (2, 2, 2)
-    run_sm90(rng, xp, 1, 70, 200, 2, 1, 64, "float16", True)
+    run_sm90(rng, xp, 1, 24, 200, 2, 1, 64, "float16", True)
 
 
 @pytest.mark.gpu
@@ -199,10 +199,11 @@ def heavy_groups(request, monkeypatch):
 @pytest.mark.parametrize("heavy_groups", [2], indirect=True)
 def test_backward_sm90_heavy_groups_small(rng, xp, heavy_groups):
     """Groups of 2 (batch, KV head) pairs, key tile by key tile: three pairs, so the second group's
-    second block of each tile has no pair and exits; causal over two key tiles and a tail."""
+    second block of each tile has no pair and exits; causal over two key tiles and a tail (one
+    query tile: the order is the key tiles')."""
     dkdv = configs.plan_backward(Static("float16", 64, True, 0, CAUSAL), False, "sm90")[1]
-    assert dkdv.heavy_groups == 2 and dkdv.grid(1, 3, 3, 70, 150) == (4, 2, 1)
-    run_sm90(rng, xp, 1, 70, 150, 3, 3, 64, "float16", True)
+    assert dkdv.heavy_groups == 2 and dkdv.grid(1, 3, 3, 24, 150) == (4, 2, 1)
+    run_sm90(rng, xp, 1, 24, 150, 3, 3, 64, "float16", True)
 
 
 @pytest.mark.gpu
