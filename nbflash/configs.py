@@ -14,7 +14,8 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
   measured (``SM90_DEFAULT_VARIANTS``: the others run on it only when "sm90" is forced). Its backward
   (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; every variant but block masks
   and packed sequences, headdim up to 128, ``sm90_backward_unsupported_reason``) is the
-  default at ``SM90_BACKWARD_DEFAULT_HEADDIMS`` for plain and causal attention; the sm80 family's
+  default at ``SM90_BACKWARD_DEFAULT_HEADDIMS`` for plain and causal attention, with dropout or a
+  score_mod (``_measured_on_sm90``); the sm80 family's
   backward elsewhere. Its fp8 (e4m3) forward is reached only through flash_attn_func's fp8 inputs
   (``SM90_FP8_FORWARD``).
 - ``"sm80"`` (alias ``"mma"``): tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py);

@@ -676,9 +676,14 @@ class Hooks:
             SEED_LO, SEED_HI = names.index("seed_lo"), names.index("seed_hi")
 
             @register_jitable
-            def dropout_factor(row, key, params, head_ctx):
-                number = dropout_byte(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
+            def factor_of(number, params):
+                """The dropout factor of a score whose random byte is ``number``: the kept scale or 0."""
                 return params[SCALE] if number >= params[THRESHOLD] else float32(0)
+
+            @register_jitable
+            def dropout_factor(row, key, params, head_ctx):
+                return factor_of(dropout_byte(row, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI]),
+                                 params)
 
             @register_jitable
             def kept(number, threshold):
@@ -699,8 +704,8 @@ class Hooks:
 
             @register_jitable
             def byte_factor(word, n, params):
-                """The dropout factor of byte ``n`` of ``word``: the kept scale or 0."""
-                return params[SCALE] if byte_of(word, n) >= params[THRESHOLD] else float32(0)
+                """The dropout factor of byte ``n`` of ``word``."""
+                return factor_of(byte_of(word, n), params)
 
             @register_jitable
             def dropout_scale(params):
