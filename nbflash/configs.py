@@ -510,24 +510,45 @@ def plan_backward(static, deterministic, family=None, aligned=None):
 # Decode (nbflash/kernels/decode_mma.py, through nbflash.flash_attn_with_kvcache)
 # ---------------------------------------------------------------------------------------------------
 
-# (largest headdim, block_n, num_warps, stages): keys per pipeline stage (each of the 4 warps takes a
-# quarter), and how many stages are in flight. Sized so that two blocks fit an SM's shared memory
-# up to headdim 128 (a stage of 64 keys at headdim 128 is 34 KB of K and V). Not tuned yet.
+# (largest headdim, block_n, num_warps, stages): keys per pipeline stage (each warp takes an equal
+# share of 16 keys or more), and how many stages are in flight. MMA_DECODE sizes the blocks so that
+# two fit an SM's shared memory up to headdim 128 (a stage of 64 keys at headdim 128 is 34 KB of K
+# and V): 8 warps an SM where a call has units of work (sequence, KV head, block of rows) for two
+# blocks on every SM. A call with fewer units than SMs gets one block an SM from the split count
+# (kvcache.choose_splits); there MMA_DECODE_WIDE gives that one block 8 warps. Measured on the H200
+# (2026-12-03, scripts/decode_tune.py, calls back to back, GQA 32/8, hd 128, fp16; docs/perf-notes.md):
+# 128x8x2 against 64x4x3, as fractions of the copy bandwidth: batch 1 / 128k 0.878 vs 0.862, paged
+# (pages of 16) 0.714 vs 0.421; batch 16 / 16k 0.971 vs 0.955, paged 0.786 vs 0.44; but batch 64 /
+# 4k (512 units) 0.895 vs 0.939, paged 0.726 vs 0.756, hence the narrow blocks there. Headdim 256
+# has no wide row: two stages of 8 warps x 16 keys would take 270 KB.
 MMA_DECODE = [
     (64, 64, 4, 4),
     (128, 64, 4, 3),
     (256, 64, 4, 2),
 ]
+MMA_DECODE_WIDE = [
+    (64, 128, 8, 3),
+    (128, 128, 8, 2),
+]
+
 
 @lru_cache(maxsize=None)
 def decode_config(dtype, headdim, variant, paged, rotary, rotary_interleaved, rows, positive_scale=True,
-                  append=False):
+                  append=False, wide=False):
     """The decode kernel's configuration: ``rows`` = packed (query token, query head) rows per
     key/value head (seqlen_q * nheads / nheads_k); two 16-row tiles per block when they are more
-    than 16 and the accumulators fit (headdim <= 64); ``append``: the new tokens appended inside it."""
-    _, block_n, num_warps, stages = _row(MMA_DECODE, headdim)
+    than 16 and the accumulators fit (headdim <= 64); ``append``: the new tokens appended inside it;
+    ``wide``: 8-warp blocks (MMA_DECODE_WIDE) where the headdim has a row there, for calls whose
+    blocks come one per SM (``has_wide_decode``)."""
+    table = MMA_DECODE_WIDE if wide and has_wide_decode(headdim) else MMA_DECODE
+    _, block_n, num_warps, stages = _row(table, headdim)
     m_tiles = 2 if rows > 16 and headdim <= 64 else 1
     return MmaDecodeConfig(dtype=dtype, headdim=headdim, variant=variant, paged=paged, rotary=rotary,
                            rotary_interleaved=rotary_interleaved if rotary else True, m_tiles=m_tiles,
                            block_n=block_n, num_warps=num_warps, stages=stages, fold_scale=positive_scale,
                            append=append)
+
+
+def has_wide_decode(headdim):
+    """Whether MMA_DECODE_WIDE has a row for ``headdim``."""
+    return any(headdim <= row[0] for row in MMA_DECODE_WIDE)

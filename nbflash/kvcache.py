@@ -411,19 +411,29 @@ class _Plan:
             self._plan_decode(c)
 
     def _plan_decode(self, c):
-        config = configs.decode_config(c.dtype, c.headdim, c.variant, c.paged, c.rotary_cos is not None,
-                                       c.interleaved, c.nheads // c.nheads_k * c.seqlen_q, c.softmax_scale > 0,
-                                       append=self.fused_append)
         rows_total = c.nheads // c.nheads_k * c.seqlen_q
+
+        def config_of(wide):
+            return configs.decode_config(c.dtype, c.headdim, c.variant, c.paged, c.rotary_cos is not None,
+                                         c.interleaved, rows_total, c.softmax_scale > 0, append=self.fused_append,
+                                         wide=wide)
+
+        config = config_of(False)
         row_blocks = -(-rows_total // config.q_rows)
+        multiprocessors = _multiprocessors(c.device)
+        if c.batch * c.nheads_k * row_blocks < multiprocessors:
+            # Fewer units of work than SMs: the splits make one block an SM (choose_splits), and
+            # that block takes 8 warps where the headdim has such a row (configs.MMA_DECODE_WIDE).
+            config = config_of(True)
         if c.batch * c.nheads_k > MAX_GRID_X or row_blocks > validation.MAX_GRID_YZ:
             raise ValueError(f"batch * nheads_k = {c.batch * c.nheads_k} or seqlen_q * (nheads / nheads_k) = "
                              f"{rows_total} is too large for one launch; split the call")
         splits = c.num_splits
         tiles = -(-(c.capacity + 1) // config.block_n)
         if splits == 0:
-            splits = choose_splits(c.batch * c.nheads_k * row_blocks, tiles, _multiprocessors(c.device))
+            splits = choose_splits(c.batch * c.nheads_k * row_blocks, tiles, multiprocessors)
         self.splits = max(1, min(splits, tiles, MAX_SPLITS))
+        self.config = config
         self.decode_kernel = launch.compiled(config, c.device)
         self.decode_grid = config.grid(c.batch, c.nheads_k, row_blocks, self.splits)
         # The decode launch's arguments that are each call's: q, the caches, out, lse (fresh when
@@ -524,6 +534,15 @@ _last_plan = None  # the plan of the last remembered call (a serving loop's ever
 # 16 bytes at a time when all three are aligned (_uses_decode_kernel); every other array it reads
 # or writes element by element.
 _ALIGNED_ARRAYS = 3
+
+
+def forget_plans():
+    """Drop the remembered calls' plans, so the next call is checked and planned afresh: for the
+    tuning scripts, which change the configuration table (configs.MMA_DECODE) between calls that
+    would otherwise reuse the plan, and kernel, made under the old one."""
+    global _last_plan
+    _REMEMBERED.clear()
+    _last_plan = None
 
 
 def _remember_key(arrays, cache_seqlens, scalars):

@@ -107,3 +107,17 @@ def time_ms(fn, warmup=1, repeats=5, budget_s=1.0):
         stop.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, stop))
     return float(np.median(times))
+
+
+def back_to_back_ms(fn, calls, warmup=3, repeats=50, budget_s=1.0):
+    """Milliseconds per call of ``fn`` run ``calls`` times back to back between two CUDA events
+    (``time_ms``'s median over repeats, divided by ``calls``). The GPU works through the queued
+    calls while the host prepares the next, so a call's host time and launch latency stay out of
+    its figure unless they exceed its GPU time: a model's decode step launching layer after layer,
+    or a replayed CUDA graph. ``time_ms`` (each call alone between its events) counts them."""
+    def in_a_row():
+        for _ in range(calls):
+            fn()
+
+    return time_ms(in_a_row, warmup=max(1, -(-warmup // calls)), repeats=repeats, budget_s=budget_s) / calls
+

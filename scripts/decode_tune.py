@@ -7,7 +7,10 @@ prints microseconds and KV bytes / time as a fraction of the copy bandwidth meas
     python scripts/decode_tune.py --candidates 64x4x3 64x4x4 128x4x2 --shapes 1x131072 64x4096 \
         --heads 32x8 --headdim 128 --page-sizes none 16 --jobs 16
 
-A candidate is BLOCKNxWARPSxSTAGES: keys per pipeline stage, warps, stages in flight.
+A candidate is BLOCKNxWARPSxSTAGES: keys per pipeline stage, warps, stages in flight. With
+``--num-splits`` each candidate runs with each split count (0: the library's heuristic), a column
+group each. "us" is a call's time with 20 calls back to back between two CUDA events (its host time
+hidden, as in a decode loop); "host us" and "gpu us" are cupyx's benchmark of one call at a time.
 """
 
 import argparse
@@ -26,7 +29,7 @@ from tabulate import tabulate  # noqa: E402
 import nbflash  # noqa: E402
 from nbflash import configs, kvcache  # noqa: E402
 from nbflash.dtypes import SUPPORTED  # noqa: E402
-from nbflash.measure import time_ms  # noqa: E402
+from nbflash.measure import back_to_back_ms  # noqa: E402
 from nbflash.problem import Variant  # noqa: E402
 
 
@@ -39,6 +42,7 @@ def candidate_config(candidate, dtype, headdim, paged, rows):
     block_n, warps, stages = candidate
     configs.MMA_DECODE[:] = [(256, block_n, warps, stages)]
     configs.decode_config.cache_clear()
+    kvcache.forget_plans()  # a remembered call would keep the previous candidate's plan and kernel
     return configs.decode_config(dtype, headdim, Variant(), paged, False, True, rows)
 
 
@@ -58,7 +62,7 @@ def caches(batch, context, nheads_k, headdim, dtype, page, rng):
 def copy_bandwidth():
     a = cupy.empty(1 << 30, np.uint8)
     b = cupy.empty_like(a)
-    ms = time_ms(lambda: cupy.copyto(b, a), warmup=3, repeats=20, budget_s=1.0)
+    ms = back_to_back_ms(lambda: cupy.copyto(b, a), 20, repeats=20, budget_s=1.0)
     return 2 * a.nbytes / (ms * 1e-3)
 
 
@@ -70,6 +74,8 @@ def main():
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--page-sizes", nargs="+", default=["none"])
+    parser.add_argument("--num-splits", type=int, nargs="+", default=[0],
+                        help="split counts to time each candidate with (0: the library's heuristic)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     args = parser.parse_args()
     candidates = [tuple(int(x) for x in c.split("x")) for c in args.candidates]
@@ -112,26 +118,28 @@ def main():
                 reference = None
                 for c in candidates:
                     candidate_config(c, args.dtype, args.headdim, page is not None, nheads // nheads_k)
+                    for num_splits in args.num_splits:
 
-                    def call():
-                        return nbflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table)
+                        def call():
+                            return nbflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
+                                                                   num_splits=num_splits)
 
-                    out = call()
-                    reference = out if reference is None else reference
-                    agree = float(cupy.abs(out.astype(np.float32) - reference.astype(np.float32)).max())
-                    us = 1e3 * time_ms(call, warmup=3, repeats=50, budget_s=1.0)
-                    # Host and device time of one call apart (cupyx's benchmark: CPU time of the call,
-                    # GPU time between events around it).
-                    timing = benchmark(call, n_repeat=30, n_warmup=3)
-                    row[f"{'x'.join(map(str, c))} host us"] = round(1e6 * float(np.median(timing.cpu_times)), 1)
-                    row[f"{'x'.join(map(str, c))} gpu us"] = round(1e6 * float(np.median(timing.gpu_times[0])), 1)
-                    splits = kvcache.choose_splits(batch * nheads_k, -(-(context + 1) // c[0]),
-                                                   kvcache._multiprocessors(0))
-                    name = "x".join(map(str, c))
-                    row[f"{name} us"] = round(us, 1)
-                    row[f"{name} BW"] = round(kv_bytes / (us * 1e-6) / bandwidth, 3)
-                    row[f"{name} splits"] = splits
-                    assert agree < 2e-2, f"candidate {name} disagrees with the first by {agree}"
+                        out = call()
+                        reference = out if reference is None else reference
+                        agree = float(cupy.abs(out.astype(np.float32) - reference.astype(np.float32)).max())
+                        us = 1e3 * back_to_back_ms(call, 20, repeats=30, budget_s=1.0)
+                        # Host and device time of one call apart (cupyx's benchmark: CPU time of the call,
+                        # GPU time between events around it).
+                        timing = benchmark(call, n_repeat=30, n_warmup=3)
+                        name = "x".join(map(str, c)) + (f"/{num_splits}" if num_splits else "")
+                        row[f"{name} host us"] = round(1e6 * float(np.median(timing.cpu_times)), 1)
+                        row[f"{name} gpu us"] = round(1e6 * float(np.median(timing.gpu_times[0])), 1)
+                        splits = num_splits or kvcache.choose_splits(batch * nheads_k, -(-(context + 1) // c[0]),
+                                                                     kvcache._multiprocessors(0))
+                        row[f"{name} us"] = round(us, 1)
+                        row[f"{name} BW"] = round(kv_bytes / (us * 1e-6) / bandwidth, 3)
+                        row[f"{name} splits"] = splits
+                        assert agree < 2e-2, f"candidate {name} disagrees with the first by {agree}"
                 rows.append(row)
                 print(row, file=sys.stderr, flush=True)
                 k = v = table = None

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import nbflash
-from nbflash import kvcache
+from nbflash import configs, kvcache
 from nbflash.dtypes import SUPPORTED
 from nbflash.reference import apply_rotary_reference, attention_kvcache_reference
 
@@ -166,10 +166,35 @@ def test_decode_contiguous_splits(rng, xp, num_splits):
     check_call(rng, xp, "float16", 3, 1, 4, 2, 16, [130, 37, 0], 150, causal=True, num_splits=num_splits)
 
 
+@pytest.fixture
+def narrow_decode(monkeypatch):
+    """Only the 4-warp decode blocks (configs.MMA_DECODE): the 8-warp ones of a call with fewer
+    units of work than SMs (MMA_DECODE_WIDE) would change a test's tiles; no plan kept from before."""
+    monkeypatch.setattr(configs, "MMA_DECODE_WIDE", [])
+    configs.decode_config.cache_clear()
+    kvcache.forget_plans()
+    yield
+    configs.decode_config.cache_clear()
+    kvcache.forget_plans()
+
+
 @SIM
-def test_decode_ring_refills(rng, xp):
+def test_decode_ring_refills(rng, xp, narrow_decode):
     # One split over 6 key tiles: every warp refills its share of the ring's 4 slots.
     check_call(rng, xp, "float16", 1, 1, 2, 1, 16, [330], 340, causal=True, num_splits=1)
+    assert kvcache._last_plan.config.num_warps == 4
+
+
+@SIM
+def test_decode_wide_blocks(rng, xp):
+    # One sequence and one KV head, fewer units than the simulator's 4 SMs: 8-warp blocks of 128
+    # keys (configs.MMA_DECODE_WIDE). Pages of 5 (a warp's 16 keys span four pages), two splits of
+    # five key tiles each against a 3-slot ring (every warp refills), an append with rotary.
+    kvcache.forget_plans()
+    check_call(rng, xp, "float16", 1, 1, 4, 1, 16, [1180], 1290, causal=True, num_splits=2, seqlen_new=3,
+               page_size=5, rotary_dim=8)
+    config = kvcache._last_plan.config
+    assert (config.num_warps, config.block_n, config.paged) == (8, 128, True)
 
 
 @SIM
