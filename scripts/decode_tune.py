@@ -40,7 +40,10 @@ def pair(text):
 
 def candidate_config(candidate, dtype, headdim, paged, rows):
     block_n, warps, stages = candidate
+    # The candidate for every call, whatever its count of units (the plan takes MMA_DECODE_WIDE's
+    # row when they are fewer than the SMs).
     configs.MMA_DECODE[:] = [(256, block_n, warps, stages)]
+    configs.MMA_DECODE_WIDE[:] = [(256, block_n, warps, stages)]
     configs.decode_config.cache_clear()
     kvcache.forget_plans()  # a remembered call would keep the previous candidate's plan and kernel
     return configs.decode_config(dtype, headdim, Variant(), paged, False, True, rows)
