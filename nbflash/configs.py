@@ -519,8 +519,11 @@ def plan_backward(static, deterministic, family=None, aligned=None):
 # (2026-12-03, scripts/decode_tune.py, calls back to back, GQA 32/8, hd 128, fp16; docs/perf-notes.md):
 # 128x8x2 against 64x4x3, as fractions of the copy bandwidth: batch 1 / 128k 0.878 vs 0.862, paged
 # (pages of 16) 0.714 vs 0.421; batch 16 / 16k 0.971 vs 0.955, paged 0.786 vs 0.44; but batch 64 /
-# 4k (512 units) 0.895 vs 0.939, paged 0.726 vs 0.756, hence the narrow blocks there. Headdim 256
-# has no wide row: two stages of 8 warps x 16 keys would take 270 KB.
+# 4k (512 units) 0.895 vs 0.939, paged 0.726 vs 0.756, hence the narrow blocks there. Headdim 64,
+# 128x8x3 against 64x4x4: 0.782 vs 0.733 (paged 0.583 vs 0.333) at batch 1 / 128k, 0.890 vs 0.845
+# (0.652 vs 0.356) at 16 / 16k. Headdim 256 has room for 6 warps (two stages of 8 warps x 16 keys
+# would take 270 KB; 96 keys take 211 KB): 96x6x2 against 64x4x2, paged 0.586 vs 0.454 at batch 1 /
+# 128k, 0.649 vs 0.495 at 16 / 16k, contiguous 0.837 vs 0.832 and 0.916 vs 0.940 (the one loss).
 MMA_DECODE = [
     (64, 64, 4, 4),
     (128, 64, 4, 3),
@@ -529,6 +532,7 @@ MMA_DECODE = [
 MMA_DECODE_WIDE = [
     (64, 128, 8, 3),
     (128, 128, 8, 2),
+    (256, 96, 6, 2),
 ]
 
 
@@ -538,8 +542,8 @@ def decode_config(dtype, headdim, variant, paged, rotary, rotary_interleaved, ro
     """The decode kernel's configuration: ``rows`` = packed (query token, query head) rows per
     key/value head (seqlen_q * nheads / nheads_k); two 16-row tiles per block when they are more
     than 16 and the accumulators fit (headdim <= 64); ``append``: the new tokens appended inside it;
-    ``wide``: 8-warp blocks (MMA_DECODE_WIDE) where the headdim has a row there, for calls whose
-    blocks come one per SM (``has_wide_decode``)."""
+    ``wide``: 8-warp blocks (6 at headdim 256; MMA_DECODE_WIDE), for calls whose blocks come one
+    per SM."""
     table = MMA_DECODE_WIDE if wide and has_wide_decode(headdim) else MMA_DECODE
     _, block_n, num_warps, stages = _row(table, headdim)
     m_tiles = 2 if rows > 16 and headdim <= 64 else 1

@@ -423,7 +423,7 @@ class _Plan:
         multiprocessors = _multiprocessors(c.device)
         if c.batch * c.nheads_k * row_blocks < multiprocessors:
             # Fewer units of work than SMs: the splits make one block an SM (choose_splits), and
-            # that block takes 8 warps where the headdim has such a row (configs.MMA_DECODE_WIDE).
+            # that block takes 8 warps (6 at headdim 256; configs.MMA_DECODE_WIDE).
             config = config_of(True)
         if c.batch * c.nheads_k > MAX_GRID_X or row_blocks > validation.MAX_GRID_YZ:
             raise ValueError(f"batch * nheads_k = {c.batch * c.nheads_k} or seqlen_q * (nheads / nheads_k) = "

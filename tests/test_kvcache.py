@@ -198,6 +198,22 @@ def test_decode_wide_blocks(rng, xp):
 
 
 @SIM
+def test_decode_six_warps(rng, xp, monkeypatch):
+    # Headdim 256's wide row has 6 warps (96 keys a stage): a warp count that is not a power of
+    # two, here at headdim 16 (the row stands in for every headdim), two splits of 3 key tiles.
+    monkeypatch.setattr(configs, "MMA_DECODE_WIDE", [(256, 96, 6, 2)])
+    configs.decode_config.cache_clear()
+    kvcache.forget_plans()
+    try:
+        check_call(rng, xp, "bfloat16", 1, 1, 4, 1, 16, [500], 520, causal=True, num_splits=2)
+        config = kvcache._last_plan.config
+        assert (config.num_warps, config.block_n) == (6, 96)
+    finally:
+        configs.decode_config.cache_clear()
+        kvcache.forget_plans()
+
+
+@SIM
 def test_decode_paged_append_rotary(rng, xp):
     # Pages of 3, two new tokens appended with NeoX rotary, leftpad, two query tokens, causal;
     # headdim 32: a lane copies rows 8 apart, so its next row carries over two pages at a time.
