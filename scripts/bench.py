@@ -544,8 +544,7 @@ def main(argv=None):
         nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
         variant = variant_arguments(name, batch, nheads, seqlen, cupy)
         causal = variant.pop("causal", False)
-        left, right, _ = window_bounds(seqlen, seqlen, causal, variant.get("window_size", (-1, -1)))
-        flops = 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim * flop_factor
+        flops = 4 * visible_pairs(batch, nheads, seqlen, causal, variant) * headdim * flop_factor
         rng = np.random.default_rng(index)
         q, k, v = (
             cupy.asarray(rng.standard_normal((batch, seqlen, nheads, headdim), np.float32)).astype(
@@ -793,6 +792,25 @@ def uniform_lengths(total, longest, seed=0):
         drawn = int(rng.integers(max(1, longest // 4), longest, endpoint=True))
         lengths.append(min(drawn, total - sum(lengths)))
     return lengths
+
+
+def visible_pairs(batch, nheads, seqlen, causal, variant):
+    """The (query, key) pairs a variant's forward computes over the whole batch: the window's (causal
+    included), and where the variant has a boolean mask tensor, only the pairs it keeps inside the
+    window (a document mask of three equal runs keeps a third)."""
+    window_size = variant.get("window_size", (-1, -1))
+    left, right, window = window_bounds(seqlen, seqlen, causal, window_size)
+    mask = variant.get("bias")
+    if mask is None or mask.dtype != np.bool_:
+        return batch * nheads * visible_count(seqlen, seqlen, left, right)
+    if window:
+        from nbflash.reference import visible
+
+        mask = mask & visible(seqlen, seqlen, causal, window_size, xp=np if isinstance(mask, np.ndarray) else cupy)
+    # A mask broadcast over batch or heads (size-1 or missing leading dimensions) counts once per
+    # (batch, head) it stands for.
+    leading = int(np.prod(mask.shape[:-2], dtype=np.int64)) if mask.ndim > 2 else 1
+    return int(mask.sum()) * batch * nheads // leading
 
 
 @functools.lru_cache(maxsize=None)

@@ -169,3 +169,23 @@ def test_runners_take_the_catalogues_dropout_and_user_function(bench):
         bench.naive_runner(None, None, None, False, **dropout)
     # prebuild compiles the dropout variants; a user function's kernels are built at its first call
     assert catalogue_variants(["causal-dropout", "score-mod"]) == [Variant(window=True, dropout=True)]
+
+
+def test_visible_pairs_count_what_a_mask_keeps(bench):
+    """TFLOP/s over the visible scores: a boolean mask tensor counts the pairs it keeps (a document
+    mask of three runs a third of them), inside the window when there is one, once per (batch,
+    head) it is broadcast over; a float bias changes nothing."""
+    import numpy as np
+
+    from nbflash.catalogue import document_mask
+
+    n, batch, nheads = 96, 2, 3
+    mask = document_mask(n, n)
+    assert bench.visible_pairs(batch, nheads, n, False, {}) == batch * nheads * n * n
+    assert bench.visible_pairs(batch, nheads, n, False, {"bias": mask}) == batch * nheads * 3 * 32 * 32
+    assert bench.visible_pairs(batch, nheads, n, True, {"bias": mask}) == batch * nheads * 3 * (32 * 33 // 2)
+    per_head = np.stack([mask, mask & np.tri(n, dtype=bool), mask])[None]  # (1, nheads, n, n)
+    assert bench.visible_pairs(batch, nheads, n, False, {"bias": per_head}) == batch * int(per_head.sum())
+    bias = np.zeros((n, n), np.float32)
+    assert bench.visible_pairs(batch, nheads, n, True, {"bias": bias}) == batch * nheads * n * (n + 1) // 2
+
