@@ -15,7 +15,8 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
   (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; every variant but block masks
   and packed sequences, headdim up to 128, ``sm90_backward_unsupported_reason``) is the
   default at ``SM90_BACKWARD_DEFAULT_HEADDIMS`` for plain and causal attention, with dropout or a
-  score_mod (``_measured_on_sm90``); the sm80 family's
+  score_mod (``_measured_on_sm90``), and at headdim 128 for causal attention with softcap or ALiBi
+  (``SM90_BACKWARD_HD128_VARIANTS``); the sm80 family's
   backward elsewhere. Its fp8 (e4m3) forward is reached only through flash_attn_func's fp8 inputs
   (``SM90_FP8_FORWARD``).
 - ``"sm80"`` (alias ``"mma"``): tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py);
@@ -406,6 +407,11 @@ SM90_BACKWARD_DEFAULT_HEADDIMS = (64, 128)
 # ... for these variants, and with dropout or a score_mod (``_measured_on_sm90``); the others it
 # serves run on it when "sm90" is forced
 SM90_BACKWARD_DEFAULT_VARIANTS = (Variant(), Variant(window=True))
+# ... and at headdim 128, causal attention with softcap or with ALiBi: measured at seqlen 8k, fp16
+# (docs/benchmarks.md, "GPU runs of 2026-12-03, second session"), the sm90 backward 306 / 311 TFLOP/s
+# against the mma backward's 167 / 170 (the same shape in commit 50e4cd7's run). Not measured: these
+# without the window, together, or at other headdims.
+SM90_BACKWARD_HD128_VARIANTS = (Variant(window=True, softcap=True), Variant(window=True, alibi=True))
 
 
 def sm90_backward_unsupported_reason(static, deterministic, aligned):
@@ -460,7 +466,9 @@ def plan_backward(static, deterministic, family=None, aligned=None):
     dtype, headdim, device = static.dtype, static.headdim, static.device
     aligned = static.aligned if aligned is None else aligned
     sm90 = family == "sm90" or (family is None and not runtime.SIMULATOR and headdim in SM90_BACKWARD_DEFAULT_HEADDIMS
-                                and _measured_on_sm90(static.variant, headdim, SM90_BACKWARD_DEFAULT_VARIANTS))
+                                and (_measured_on_sm90(static.variant, headdim, SM90_BACKWARD_DEFAULT_VARIANTS)
+                                     or (headdim == 128 and static.variant._replace(score_mod_grad="")
+                                         in SM90_BACKWARD_HD128_VARIANTS)))
     # deterministic=True under "sm90": the sm80 dK/dV kernel without atomics and the sm90 dQ kernel
     sm90_dq = (family == "sm90" and deterministic and sm90_backward_unsupported_reason(static, False, aligned) is None
                and static.variant._replace(score_mod_grad="") in SM90_DQ_VARIANTS)

@@ -370,6 +370,27 @@ def test_new_variants_not_the_default_on_sm90(monkeypatch):
             configs.plan_forward(static, "sm90")
 
 
+def test_sm90_backward_default_for_causal_softcap_alibi_at_128(monkeypatch):
+    # On compute capability 9.0 the sm90 backward is the default for causal attention with softcap
+    # or with ALiBi at headdim 128, where it was measured (~1.8x the mma backward); not at headdim 64,
+    # not without the window, not with both (configs.SM90_BACKWARD_HD128_VARIANTS).
+    from nbflash import configs
+    from nbflash.kernels.backward_mma import MmaBackwardConfig
+    from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
+    from nbflash.problem import Static
+
+    monkeypatch.setattr(configs.runtime, "SIMULATOR", False)
+    monkeypatch.setattr(configs, "_compute_capability", lambda device=0: (9, 0))
+    for variant in (Variant(window=True, softcap=True), Variant(window=True, alibi=True)):
+        assert isinstance(configs.plan_backward(Static("float16", 128, True, 0, variant), False)[1],
+                          Sm90BackwardConfig), variant
+        assert isinstance(configs.plan_backward(Static("float16", 64, True, 0, variant), False)[1],
+                          MmaBackwardConfig), variant
+    for variant in (Variant(softcap=True), Variant(alibi=True), Variant(window=True, softcap=True, alibi=True)):
+        assert isinstance(configs.plan_backward(Static("float16", 128, True, 0, variant), False)[1],
+                          MmaBackwardConfig), variant
+
+
 VARIANT_GPU_CASES = [
     # (name or features, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim)
     ("bias", "float16", 2, 113, 203, 4, 2, 64),
