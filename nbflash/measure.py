@@ -120,4 +120,3 @@ def back_to_back_ms(fn, calls, warmup=3, repeats=50, budget_s=1.0):
             fn()
 
     return time_ms(in_a_row, warmup=max(1, -(-warmup // calls)), repeats=repeats, budget_s=budget_s) / calls
-

@@ -137,8 +137,7 @@ def main():
                         name = "x".join(map(str, c)) + (f"/{num_splits}" if num_splits else "")
                         row[f"{name} host us"] = round(1e6 * float(np.median(timing.cpu_times)), 1)
                         row[f"{name} gpu us"] = round(1e6 * float(np.median(timing.gpu_times[0])), 1)
-                        splits = num_splits or kvcache.choose_splits(batch * nheads_k, -(-(context + 1) // c[0]),
-                                                                     kvcache._multiprocessors(0))
+                        splits = kvcache._last_plan.splits  # the plan's count (its heuristic's, or num_splits)
                         row[f"{name} us"] = round(us, 1)
                         row[f"{name} BW"] = round(kv_bytes / (us * 1e-6) / bandwidth, 3)
                         row[f"{name} splits"] = splits
