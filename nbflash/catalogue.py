@@ -42,6 +42,8 @@ VARIANTS = {
     "bias": {"bias": lambda b, h, m, n, xp: position_bias(h, m, n, xp)},
     "causal-bias": {"causal": True, "bias": lambda b, h, m, n, xp: position_bias(h, m, n, xp)},
     "document-mask": {"bias": lambda b, h, m, n, xp: document_mask(m, n, xp)},
+    # The same documents as a mask_mod (the benchmarks add its block mask, as FlexAttention's)
+    "document-mask-mod": {"mask_mod": lambda b, h, m, n, xp: document_mask_mod(m, n)},
     "combined": {  # window + softcap + per-batch ALiBi
         "causal": True,
         "window_size": lambda b, h, m, n, xp: (max(1, n // 3), 0),
@@ -74,6 +76,18 @@ def document_mask(seqlen_q, seqlen_k, xp=np, documents=3):
     doc_q = (np.arange(seqlen_q) + seqlen_k - seqlen_q) * documents // seqlen_k
     doc_k = np.arange(seqlen_k) * documents // seqlen_k
     return xp.asarray(doc_q[:, None] == doc_k[None, :])
+
+
+def document_mask_mod(seqlen_q, seqlen_k, documents=3):
+    """``document_mask`` as a mask_mod: query and key in the same of ``documents`` equal runs. Plain
+    integer arithmetic, so the one function compiles into nbflash's kernels and runs on
+    FlexAttention's index tensors."""
+    offset = seqlen_k - seqlen_q
+
+    def same_document(b, h, q_idx, kv_idx):
+        return (q_idx + offset) * documents // seqlen_k == kv_idx * documents // seqlen_k
+
+    return same_document
 
 
 def variant_arguments(name, batch, nheads, seqlen_k, xp=np, seqlen_q=None):

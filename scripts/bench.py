@@ -62,9 +62,19 @@ from nbflash.validation import check_forward, check_varlen
 from nbflash.varlen import _varlen_forward
 
 
+def checked(q, k, v, causal, variant):
+    """check_forward's (problem, q, k, v) for a catalogue variant; a mask_mod comes with its block
+    mask (nbflash.create_block_mask), so that empty tiles are skipped, as FlexAttention's block mask
+    skips them."""
+    if variant.get("mask_mod") is not None and variant.get("block_mask") is None:
+        variant = dict(variant, block_mask=nbflash.create_block_mask(variant["mask_mod"], q.shape[0], q.shape[2],
+                                                                     q.shape[1], k.shape[1]))
+    return check_forward(q, k, v, None, causal, **variant)
+
+
 def nbflash_runner(family):
     def run(q, k, v, causal, **variant):
-        problem, q_, k_, v_ = check_forward(q, k, v, None, causal, **variant)
+        problem, q_, k_, v_ = checked(q, k, v, causal, variant)
         return lambda: _flash_attn_forward(problem, q_, k_, v_, family=family)
 
     return run
@@ -75,7 +85,7 @@ def nbflash_grouped_runner(family, groups):
     within groups of (batch, head) pairs (nbflash/kernels/geometry.py, ``grouped_block``)."""
 
     def run(q, k, v, causal, **variant):
-        problem, q_, k_, v_ = check_forward(q, k, v, None, causal, **variant)
+        problem, q_, k_, v_ = checked(q, k, v, causal, variant)
         kernel = launch.compiled(dataclasses.replace(_kernel_for(problem, family).config, heavy_groups=groups))
         return lambda: _launch_forward(kernel, problem, q_, k_, v_)
 
@@ -86,7 +96,7 @@ def nbflash_step_runner(family):
     """Times one training step's attention: the forward, then the backward from its out and lse."""
 
     def run(q, k, v, causal, **variant):
-        problem, q_, k_, v_ = check_forward(q, k, v, None, causal, **variant)
+        problem, q_, k_, v_ = checked(q, k, v, causal, variant)
         dout = cupy.random.standard_normal(q.shape, dtype=np.float32).astype(q.dtype)
 
         def call():
@@ -115,7 +125,7 @@ def nbflash_backward_runner(family, dkdv_blocks=None):
 
     def run(q, k, v, causal, **variant):
         use_dkdv_blocks(dkdv_blocks)
-        problem, q_, k_, v_ = check_forward(q, k, v, None, causal, **variant)
+        problem, q_, k_, v_ = checked(q, k, v, causal, variant)
         out, lse = _flash_attn_forward(problem, q_, k_, v_)
         dout = cupy.random.standard_normal(q.shape, dtype=np.float32).astype(q.dtype)
 
@@ -262,7 +272,7 @@ def flex_runner(which):
     compiled = torch.compile(flex_attention)
 
     def run(q, k, v, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None,
-            score_mod_grad=None, dropout_p=0.0, seed=None):
+            score_mod_grad=None, dropout_p=0.0, seed=None, mask_mod=None):
         if dropout_p:
             raise NotImplementedError("FlexAttention has no dropout")
         # The catalogue's score_mod is plain Python: it runs on torch tensors too (Flex differentiates it
@@ -304,13 +314,17 @@ def flex_runner(which):
                 score = user_score(score, b, h, q_idx, kv_idx)
             return score
 
-        def mask_mod(b, h, q_idx, kv_idx):
+        user_mask = mask_mod  # the catalogue's mask_mod: integer arithmetic, runs on torch's index tensors
+
+        def flex_mask(b, h, q_idx, kv_idx):
             diagonal = q_idx + offset
             inside = (kv_idx >= diagonal - left) & (kv_idx <= diagonal + right)
+            if user_mask is not None:
+                inside = inside & user_mask(b, h, q_idx, kv_idx)
             return inside & keep[b, h, q_idx, kv_idx] if keep is not None else inside
 
-        masked = window or keep is not None
-        block_mask = create_block_mask(mask_mod, batch if keep is not None else None,
+        masked = window or keep is not None or user_mask is not None
+        block_mask = create_block_mask(flex_mask, batch if keep is not None else None,
                                        nheads if keep is not None else None, seqlen_q, seqlen_k,
                                        device=tq.device) if masked else None
         modded = softcap > 0 or slopes is not None or extra is not None or user_score is not None
@@ -796,11 +810,14 @@ def uniform_lengths(total, longest, seed=0):
 
 def visible_pairs(batch, nheads, seqlen, causal, variant):
     """The (query, key) pairs a variant's forward computes over the whole batch: the window's (causal
-    included), and where the variant has a boolean mask tensor, only the pairs it keeps inside the
-    window (a document mask of three equal runs keeps a third)."""
+    included), and where the variant has a boolean mask tensor or a mask_mod, only the pairs it keeps
+    inside the window (a document mask of three equal runs keeps a third)."""
     window_size = variant.get("window_size", (-1, -1))
     left, right, window = window_bounds(seqlen, seqlen, causal, window_size)
     mask = variant.get("bias")
+    if variant.get("mask_mod") is not None:  # asked at b = h = 0 (the catalogue's ignore b and h)
+        rows, keys = np.arange(seqlen)[:, None], np.arange(seqlen)[None, :]
+        mask = np.broadcast_to(variant["mask_mod"](0, 0, rows, keys), (seqlen, seqlen))
     if mask is None or mask.dtype != np.bool_:
         return batch * nheads * visible_count(seqlen, seqlen, left, right)
     if window:

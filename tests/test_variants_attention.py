@@ -60,7 +60,7 @@ def test_variant_portable_small(rng, xp, name):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
-@pytest.mark.parametrize("name", ["causal-bias", "document-mask"])
+@pytest.mark.parametrize("name", ["causal-bias", "document-mask", "document-mask-mod"])
 def test_variant_mma_forward_small(rng, xp, name):
     run_forward(rng, xp, name, "mma", "float16", *SMALL)
 
