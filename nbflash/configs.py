@@ -546,19 +546,21 @@ MMA_DECODE_WIDE = [
 
 @lru_cache(maxsize=None)
 def decode_config(dtype, headdim, variant, paged, rotary, rotary_interleaved, rows, positive_scale=True,
-                  append=False, wide=False):
+                  append=False, wide=False, aligned_pages=None):
     """The decode kernel's configuration: ``rows`` = packed (query token, query head) rows per
     key/value head (seqlen_q * nheads / nheads_k); two 16-row tiles per block when they are more
     than 16 and the accumulators fit (headdim <= 64); ``append``: the new tokens appended inside it;
     ``wide``: 8-warp blocks (6 at headdim 256; MMA_DECODE_WIDE), for calls whose blocks come one
-    per SM."""
+    per SM; ``aligned_pages``: the page size of a paged call without leftpad whose copies may take
+    a warp's share of a tile from one page (``page_aligned``, when the size is a multiple of it)."""
     table = MMA_DECODE_WIDE if wide and has_wide_decode(headdim) else MMA_DECODE
     _, block_n, num_warps, stages = _row(table, headdim)
     m_tiles = 2 if rows > 16 and headdim <= 64 else 1
+    page_aligned = bool(paged and aligned_pages and aligned_pages % (block_n // num_warps) == 0)
     return MmaDecodeConfig(dtype=dtype, headdim=headdim, variant=variant, paged=paged, rotary=rotary,
                            rotary_interleaved=rotary_interleaved if rotary else True, m_tiles=m_tiles,
                            block_n=block_n, num_warps=num_warps, stages=stages, fold_scale=positive_scale,
-                           append=append)
+                           append=append, page_aligned=page_aligned)
 
 
 def has_wide_decode(headdim):

@@ -36,6 +36,10 @@ MAX_SPLITS = decode_mma.MAX_SPLITS  # the decode kernel's merge holds a weight p
 # tests/test_kvcache.py pass with it, and a decode call with an append took the host time of one
 # without, 1.48x a trivial kernel's instead of 2.69x; docs/benchmarks.md).
 FUSED_APPEND = True
+# Paged caches whose pages hold whole warp shares of a tile (MmaDecodeConfig.page_aligned: page
+# size a multiple of 16 keys, no cache_leftpad): one block-table lookup a lane and tile, not one a
+# row it copies. Off until it has run on a GPU (docs/perf-notes.md, decode round 5).
+PAGE_ALIGNED_COPIES = False
 MIN_TILES_PER_SPLIT = 2  # a split smaller than this spends more on its prologue than on keys
 MAX_GRID_X = 2**31 - 1
 
@@ -413,10 +417,14 @@ class _Plan:
     def _plan_decode(self, c):
         rows_total = c.nheads // c.nheads_k * c.seqlen_q
 
+        # The page size where the copies may take a warp's share from one page (else None)
+        aligned_pages = (c.k_cache.shape[1] if PAGE_ALIGNED_COPIES and c.paged and c.cache_leftpad is None
+                         else None)
+
         def config_of(wide):
             return configs.decode_config(c.dtype, c.headdim, c.variant, c.paged, c.rotary_cos is not None,
                                          c.interleaved, rows_total, c.softmax_scale > 0, append=self.fused_append,
-                                         wide=wide)
+                                         wide=wide, aligned_pages=aligned_pages)
 
         config = config_of(False)
         row_blocks = -(-rows_total // config.q_rows)

@@ -198,6 +198,26 @@ def test_decode_wide_blocks(rng, xp):
 
 
 @SIM
+@pytest.mark.parametrize("page_size, nheads_k, leftpad", [(16, 1, None), (32, 4, None), (16, 1, [3])])
+def test_decode_page_aligned_copies(rng, xp, monkeypatch, page_size, nheads_k, leftpad):
+    # Pages holding whole warp shares (16 keys): one lookup a lane and tile (kvcache.PAGE_ALIGNED_COPIES,
+    # MmaDecodeConfig.page_aligned); with one KV head the 8-warp blocks, with four the 4-warp ones
+    # (4 units, the simulator's 4 SMs); lengths ending inside a share, a new token appended with
+    # rotary, two splits. With a leftpad a share may straddle pages: the copies look up every row.
+    monkeypatch.setattr(kvcache, "PAGE_ALIGNED_COPIES", True)
+    kvcache.forget_plans()
+    try:
+        check_call(rng, xp, "float16", 1, 1, 4 * nheads_k, nheads_k, 16, [277], 320, causal=True, num_splits=2,
+                   seqlen_new=1, page_size=page_size, rotary_dim=8,
+                   **({"leftpad": leftpad} if leftpad else {}))
+        config = kvcache._last_plan.config
+        assert config.paged and config.page_aligned == (leftpad is None)
+        assert config.num_warps == (8 if nheads_k == 1 else 4)
+    finally:
+        kvcache.forget_plans()
+
+
+@SIM
 def test_decode_six_warps(rng, xp, monkeypatch):
     # Headdim 256's wide row has 6 warps (96 keys a stage): a warp count that is not a power of
     # two, here at headdim 16 (the row stands in for every headdim), two splits of 3 key tiles.

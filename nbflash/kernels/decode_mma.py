@@ -101,6 +101,10 @@ class MmaDecodeConfig:
     headdim: int  # a multiple of 8, up to 256 (rows are copied 16 bytes at a time)
     variant: Variant = Variant()  # window, softcap, ALiBi
     paged: bool = False  # k_cache/v_cache are pages addressed through block_table
+    # Paged, with pages a multiple of a warp's share of keys and no leftpad: a warp's share of a
+    # tile lies in one page, so a lane looks its page up once per tile and steps its rows by the
+    # row stride (as contiguous caches), instead of once per row it copies.
+    page_aligned: bool = False
     rotary: bool = False  # rotate the query tile (rotary_cos / rotary_sin)
     rotary_interleaved: bool = True  # pairs (2d, 2d + 1) (GPT-J) or (d, d + rotary_dim / 2) (NeoX)
     m_tiles: int = 1  # 16-row tiles of packed (token, head) rows per block
@@ -123,6 +127,8 @@ class MmaDecodeConfig:
             raise ValueError(f"{self.block_n=} must be a multiple of 16 * {self.num_warps=}")
         if self.stages < 2:
             raise ValueError(f"{self.stages=} must be at least 2")
+        if self.page_aligned and not self.paged:
+            raise ValueError("page_aligned needs paged=True")
 
     @property
     def headdim_padded(self):
@@ -179,7 +185,7 @@ def build_decode_mma(config: MmaDecodeConfig):
     NT = KW // 8  # 8-key column tiles of S
     PT = KW // 16  # k-steps of O += P V
     DT = HDP // 8  # 8-column tiles of O
-    Q_IN_REGISTERS, PAGED = config.q_in_registers, config.paged
+    Q_IN_REGISTERS, PAGED, PAGE_ALIGNED = config.q_in_registers, config.paged, config.page_aligned
     ROTARY, INTERLEAVED = config.rotary, config.rotary_interleaved
     hooks = variants.hooks(config.variant)
     key_tiles, row_keys, hidden = hooks.key_tiles, hooks.row_keys, hooks.hidden
@@ -255,6 +261,13 @@ def build_decode_mma(config: MmaDecodeConfig):
         position = uint32(start + n_start + r0)
         index = position // page_size  # the sequence's page holding the lane's first key ...
         row = position - index * page_size  # ... and the key's row in it
+        if PAGE_ALIGNED:  # the warp's whole share is in this page (config.page_aligned): one lookup
+            page = int32(-1)
+            if n_start < seqlen_k:
+                page = block_table[b, index]
+            pages[0] = page
+            offsets[0] = int32(row)
+            return
         for i in static_range(KV_COPIES):
             r = r0 + i * ROWS_PER_ROUND
             page = int32(-1)
@@ -293,6 +306,25 @@ def build_decode_mma(config: MmaDecodeConfig):
                     if inside:
                         k_from = k_thread + j * k_cache.strides[1]
                         v_from = v_thread + j * v_cache.strides[1]
+                    size = uint32(16 if inside else 0)
+                    cp_async_16_from(k_dst + uint32(i * ROWS_PER_ROUND * ROW_BYTES), k_from, size)
+                    cp_async_16_from(v_dst + uint32(i * ROWS_PER_ROUND * ROW_BYTES), v_from, size)
+        elif PAGE_ALIGNED:  # one page for the warp's share: its address once, then a row stride a copy
+            page = pages[0]
+            page_inside = page >= 0 and page < k_cache.shape[0]
+            k_page, v_page = k_fallback, v_fallback
+            if page_inside:  # (page and row are >= 0 here: as unsigned, widening them costs nothing)
+                page64, row64 = int64(uint32(page)), int64(uint32(offsets[0]))
+                k_page = k_thread + page64 * k_cache.strides[0] + row64 * k_cache.strides[1]
+                v_page = v_thread + page64 * v_cache.strides[0] + row64 * v_cache.strides[1]
+            for i in range(KV_COPIES):
+                r = r0 + i * ROWS_PER_ROUND
+                if r < KW and col < HDP:
+                    inside = page_inside and n_start + r < seqlen_k and col < HD
+                    k_from, v_from = k_fallback, v_fallback
+                    if inside:
+                        k_from = k_page + i * ROWS_PER_ROUND * k_cache.strides[1]
+                        v_from = v_page + i * ROWS_PER_ROUND * v_cache.strides[1]
                     size = uint32(16 if inside else 0)
                     cp_async_16_from(k_dst + uint32(i * ROWS_PER_ROUND * ROW_BYTES), k_from, size)
                     cp_async_16_from(v_dst + uint32(i * ROWS_PER_ROUND * ROW_BYTES), v_from, size)
