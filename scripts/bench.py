@@ -47,7 +47,7 @@ import numpy as np
 from tabulate import tabulate
 
 import nbflash
-from nbflash import configs
+from nbflash import configs, kvcache
 from nbflash.demo import naive_attention
 from nbflash.dtypes import SUPPORTED
 from nbflash import backward
@@ -367,7 +367,8 @@ DEFAULTS = {
                      seqlens=[512, 1024, 2048, 4096, 8192, 16384], causal="both", families=list(configs.FAMILIES)),
     "decode": dict(headdims=[128], dtypes=["float16"],
                    decode_shapes=["1x131072", "16x16384", "64x4096", "8x8192", "256x1024"],
-                   decode_heads=["32x8", "32x32"], page_sizes=["none", "16", "256"], seqlen_q=[1], num_splits=0),
+                   decode_heads=["32x8", "32x32"], page_sizes=["none", "16", "256"], seqlen_q=[1], num_splits=0,
+                   page_aligned=False),
     "varlen": dict(headdims=[128], dtypes=["float16"], causal="both",
                    varlen_lengths=["uniform:16384:2048", "uniform:32768:8192", "128,512,1024,2048,4096,8192"],
                    varlen_heads=["16x16"], jobs=0),
@@ -377,7 +378,8 @@ TRAINING = ("forward", "backward", "forward+backward")
 FLAG_PASSES = {
     **dict.fromkeys(("seqlens", "variants", "families", "dkdv_blocks", "heavy_groups", "no_naive"), TRAINING),
     "causal": (*TRAINING, "varlen"),
-    **dict.fromkeys(("decode_shapes", "decode_heads", "page_sizes", "seqlen_q", "num_splits"), ("decode",)),
+    **dict.fromkeys(("decode_shapes", "decode_heads", "page_sizes", "seqlen_q", "num_splits", "page_aligned"),
+                    ("decode",)),
     **dict.fromkeys(("varlen_lengths", "varlen_heads", "jobs"), ("varlen",)),
 }
 
@@ -432,6 +434,9 @@ def build_parser():
                         help="new queries per sequence (causal, bottom-right aligned); default 1")
     decode.add_argument("--num-splits", type=int, default=None,
                         help="num_splits for flash_attn_with_kvcache (0, the default: its heuristic)")
+    decode.add_argument("--page-aligned", action="store_true", default=None,
+                        help="paged rows also time the page-aligned copies (kvcache.PAGE_ALIGNED_COPIES on: one "
+                        "block-table lookup a warp share), a column 'aligned us' / 'aligned BW'")
     varlen = parser.add_argument_group("--pass varlen")
     varlen.add_argument(
         "--varlen-lengths", nargs="+", default=None, metavar="SET",
@@ -772,6 +777,17 @@ def decode_main(args, argv):
                    "shape": f"{batch}x{context}", "layout": "contiguous" if page is None else f"paged {page}",
                    "nbflash us": ours, "nbflash BW": fraction(ours),
                    "nbflash us 1 call": timed_us("nbflash", ours_runner, one_call=True)}
+            if args.page_aligned:
+                aligned = "-"
+                if page is not None:
+                    kvcache.PAGE_ALIGNED_COPIES = True
+                    kvcache.forget_plans()  # a remembered call would keep its plan (and kernel)
+                    try:
+                        aligned = timed_us("nbflash aligned", ours_runner)
+                    finally:
+                        kvcache.PAGE_ALIGNED_COPIES = False
+                        kvcache.forget_plans()
+                row["aligned us"], row["aligned BW"] = aligned, fraction(aligned)
             for name, us in sdpa_us.items():
                 row[f"{name} us"], row[f"{name} BW"] = us, fraction(us)
             for name in ("SDPA flash", "SDPA cuDNN"):

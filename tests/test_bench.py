@@ -52,6 +52,9 @@ def test_each_pass_refuses_the_flags_of_the_others(bench, capsys):
     assert "(it goes with --pass forward, backward, forward+backward or varlen)" in refused(
         bench, capsys, "--pass", "decode", "--causal", "yes")
     assert arguments(bench, "--pass", "varlen", "--causal", "yes").causal == "yes"
+    assert arguments(bench, "--pass", "decode", "--page-aligned").page_aligned is True
+    assert arguments(bench, "--pass", "decode").page_aligned is False
+    assert "--page-aligned does not apply to --pass forward" in refused(bench, capsys, "--page-aligned")
 
 
 def test_heavy_groups_goes_with_the_forward(bench, capsys):
