@@ -656,8 +656,11 @@ import textwrap  # noqa: E402
 
 
 def static_range(*args):
-    """``range`` whose loop `@unroll` expands at compile time."""
-    return range(*args)
+    """``range`` whose loop `@unroll` expands at compile time. Never called in a function `@unroll`
+    expanded, so a call means the decorator is missing: Numba would refuse the kernel ("Untyped
+    global name 'static_range'"), and the simulator says so too instead of running the loop."""
+    raise TypeError(f"static_range{args} outside an @unroll function: decorate the function that holds the "
+                    "loop with @unroll (under @cuda.jit or @inline_device)")
 
 
 class _SubstituteName(ast.NodeTransformer):

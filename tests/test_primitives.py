@@ -247,6 +247,21 @@ def test_pointwise():
     check_pointwise(np.random.default_rng(3))
 
 
+def test_static_range_needs_unroll():
+    """static_range loops are expanded by @unroll; one left in an undecorated function (which Numba
+    would refuse) raises in the simulator as well, naming the fix."""
+    from nbflash.primitives import static_range
+
+    def forgot(x):
+        for i in static_range(3):
+            x += i
+        return x
+
+    with pytest.raises(TypeError, match="@unroll"):
+        forgot(0)
+    assert P.unroll(forgot)(1) == 4
+
+
 # --- On the GPU: every check, many draws ---------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -91,6 +91,7 @@ HAS_LEFTPAD = 2  # cache_leftpad gives each sequence's first cached position
 ROTARY_PER_TOKEN = 4  # query token i sits at position cache_len + i (causal or local attention)
 
 MAX_SPLITS = 128  # the most splits of the keys: the merge holds a weight per (row, split) in shared memory
+MERGE_LOADS = 16  # the split merge's loads in flight per thread (the splits of batch 1 / 128k, hd 128)
 
 
 @dataclass(frozen=True)
@@ -561,6 +562,7 @@ def build_decode_mma(config: MmaDecodeConfig):
                         lse_part[split, b, h, token] = lse_value
 
     @inline_device
+    @unroll
     def merge_splits(words, out, lse, o_part, lse_part, counters, b, hk, group, row0, rows_total, splits):
         """Flash-decoding's combine, in the block that finishes last: each block of a (sequence,
         head, row block) has written its split's partial rows; it makes them visible device-wide
@@ -602,14 +604,23 @@ def build_decode_mma(config: MmaDecodeConfig):
             weight = math.exp(words[SPLIT_WEIGHT + e] - words[SPLIT_MAX + r])
             words[SPLIT_WEIGHT + e] = weight / total if total != float32(0) else float32(0)
         cuda.syncthreads()  # the weights
+        # The splits' partial values of an output element, MERGE_LOADS at a time: all of a batch's
+        # loads are in flight before the first is used (one at a time, the merge, which one block
+        # does after the others are done, waited an L2 latency per split), and the sum still runs
+        # in split order.
+        part = cuda.local.array(MERGE_LOADS, float32)
         for e in range(tid, rows * HD, THREADS):
             r, col = e // HD, e % HD
             packed = row0 + r
             token, h = packed // group, hk * group + packed % group
             o = float32(0)
-            for sp in range(splits):
-                address = global_address(o_part[sp], b, h, token, col)
-                o += words[SPLIT_WEIGHT + r * splits + sp] * load_f32_cg(address)
+            for sp0 in range(0, splits, MERGE_LOADS):
+                for i in static_range(MERGE_LOADS):
+                    if sp0 + i < splits:
+                        part[i] = load_f32_cg(global_address(o_part[sp0 + i], b, h, token, col))
+                for i in static_range(MERGE_LOADS):
+                    if sp0 + i < splits:
+                        o += words[SPLIT_WEIGHT + r * splits + sp0 + i] * part[i]
             out[b, token, h, col] = store_elem(o)
             if col == 0:
                 total = words[SPLIT_SUM + r]
