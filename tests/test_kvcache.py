@@ -167,15 +167,21 @@ def test_decode_contiguous_splits(rng, xp, num_splits):
 
 
 @pytest.fixture
-def narrow_decode(monkeypatch):
-    """Only the 4-warp decode blocks (configs.MMA_DECODE): the 8-warp ones of a call with fewer
-    units of work than SMs (MMA_DECODE_WIDE) would change a test's tiles; no plan kept from before."""
-    monkeypatch.setattr(configs, "MMA_DECODE_WIDE", [])
+def fresh_plans():
+    """No decode configuration or plan kept from before the test, nor after it: a test may change
+    the decode tables or kvcache's flags (with monkeypatch) and see its calls planned under them."""
     configs.decode_config.cache_clear()
     kvcache.forget_plans()
     yield
     configs.decode_config.cache_clear()
     kvcache.forget_plans()
+
+
+@pytest.fixture
+def narrow_decode(monkeypatch, fresh_plans):
+    """Only the 4-warp decode blocks (configs.MMA_DECODE): the 8-warp ones of a call with fewer
+    units of work than SMs (MMA_DECODE_WIDE) would change a test's tiles."""
+    monkeypatch.setattr(configs, "MMA_DECODE_WIDE", [])
 
 
 @SIM
@@ -186,11 +192,10 @@ def test_decode_ring_refills(rng, xp, narrow_decode):
 
 
 @SIM
-def test_decode_wide_blocks(rng, xp):
+def test_decode_wide_blocks(rng, xp, fresh_plans):
     # One sequence and one KV head, fewer units than the simulator's 4 SMs: 8-warp blocks of 128
     # keys (configs.MMA_DECODE_WIDE). Pages of 5 (a warp's 16 keys span four pages), two splits of
     # five key tiles each against a 3-slot ring (every warp refills), an append with rotary.
-    kvcache.forget_plans()
     check_call(rng, xp, "float16", 1, 1, 4, 1, 16, [1180], 1290, causal=True, num_splits=2, seqlen_new=3,
                page_size=5, rotary_dim=8)
     config = kvcache._last_plan.config
@@ -199,38 +204,27 @@ def test_decode_wide_blocks(rng, xp):
 
 @SIM
 @pytest.mark.parametrize("page_size, nheads_k, leftpad", [(16, 1, None), (32, 4, None), (16, 1, [3])])
-def test_decode_page_aligned_copies(rng, xp, monkeypatch, page_size, nheads_k, leftpad):
+def test_decode_page_aligned_copies(rng, xp, monkeypatch, fresh_plans, page_size, nheads_k, leftpad):
     # Pages holding whole warp shares (16 keys): one lookup a lane and tile (kvcache.PAGE_ALIGNED_COPIES,
     # MmaDecodeConfig.page_aligned); with one KV head the 8-warp blocks, with four the 4-warp ones
     # (4 units, the simulator's 4 SMs); lengths ending inside a share, a new token appended with
     # rotary, two splits. With a leftpad a share may straddle pages: the copies look up every row.
     monkeypatch.setattr(kvcache, "PAGE_ALIGNED_COPIES", True)
-    kvcache.forget_plans()
-    try:
-        check_call(rng, xp, "float16", 1, 1, 4 * nheads_k, nheads_k, 16, [277], 320, causal=True, num_splits=2,
-                   seqlen_new=1, page_size=page_size, rotary_dim=8,
-                   **({"leftpad": leftpad} if leftpad else {}))
-        config = kvcache._last_plan.config
-        assert config.paged and config.page_aligned == (leftpad is None)
-        assert config.num_warps == (8 if nheads_k == 1 else 4)
-    finally:
-        kvcache.forget_plans()
+    check_call(rng, xp, "float16", 1, 1, 4 * nheads_k, nheads_k, 16, [277], 320, causal=True, num_splits=2,
+               seqlen_new=1, page_size=page_size, rotary_dim=8, **({"leftpad": leftpad} if leftpad else {}))
+    config = kvcache._last_plan.config
+    assert config.paged and config.page_aligned == (leftpad is None)
+    assert config.num_warps == (8 if nheads_k == 1 else 4)
 
 
 @SIM
-def test_decode_six_warps(rng, xp, monkeypatch):
+def test_decode_six_warps(rng, xp, monkeypatch, fresh_plans):
     # Headdim 256's wide row has 6 warps (96 keys a stage): a warp count that is not a power of
     # two, here at headdim 16 (the row stands in for every headdim), two splits of 3 key tiles.
     monkeypatch.setattr(configs, "MMA_DECODE_WIDE", [(256, 96, 6, 2)])
-    configs.decode_config.cache_clear()
-    kvcache.forget_plans()
-    try:
-        check_call(rng, xp, "bfloat16", 1, 1, 4, 1, 16, [500], 520, causal=True, num_splits=2)
-        config = kvcache._last_plan.config
-        assert (config.num_warps, config.block_n) == (6, 96)
-    finally:
-        configs.decode_config.cache_clear()
-        kvcache.forget_plans()
+    check_call(rng, xp, "bfloat16", 1, 1, 4, 1, 16, [500], 520, causal=True, num_splits=2)
+    config = kvcache._last_plan.config
+    assert (config.num_warps, config.block_n) == (6, 96)
 
 
 @SIM
