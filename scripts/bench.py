@@ -92,6 +92,21 @@ def nbflash_grouped_runner(family, groups):
     return run
 
 
+def nbflash_blocks_runner(blocks):
+    """Times the forward of the tensor-core family's planned kernel with (block_m, block_n,
+    num_warps) = ``blocks`` in place of the table's (nbflash/configs.py MMA_FORWARD): a search column."""
+    block_m, block_n, num_warps = blocks
+
+    def run(q, k, v, causal, **variant):
+        problem, q_, k_, v_ = checked(q, k, v, causal, variant)
+        config = dataclasses.replace(_kernel_for(problem, "mma").config, block_m=block_m, block_n=block_n,
+                                     num_warps=num_warps)
+        kernel = launch.compiled(config)
+        return lambda: _launch_forward(kernel, problem, q_, k_, v_)
+
+    return run
+
+
 def nbflash_step_runner(family):
     """Times one training step's attention: the forward, then the backward from its out and lse."""
 
@@ -376,7 +391,8 @@ DEFAULTS = {
 TRAINING = ("forward", "backward", "forward+backward")
 # The passes each pass-specific flag goes with; the other passes refuse it.
 FLAG_PASSES = {
-    **dict.fromkeys(("seqlens", "variants", "families", "dkdv_blocks", "heavy_groups", "no_naive"), TRAINING),
+    **dict.fromkeys(("seqlens", "variants", "families", "dkdv_blocks", "heavy_groups", "forward_blocks", "no_naive"),
+                     TRAINING),
     "causal": (*TRAINING, "varlen"),
     **dict.fromkeys(("decode_shapes", "decode_heads", "page_sizes", "seqlen_q", "num_splits", "page_aligned"),
                     ("decode",)),
@@ -418,6 +434,11 @@ def build_parser():
         "within groups of G (batch, head) pairs), one column each",
     )
     parser.add_argument(
+        "--forward-blocks", nargs="+", default=None, metavar="MxNxW",
+        help="--pass forward: also time the tensor-core forward with these (block_m, block_n, num_warps) in "
+        "place of the table's, one column each, e.g. 64x32x2",
+    )
+    parser.add_argument(
         "--dkdv-blocks", nargs="+", default=None, metavar="MxNxW",
         help="--pass backward: also time the tensor-core dK/dV kernel with these (block_m, block_n, "
         "num_warps), one column each, e.g. 64x128x8",
@@ -435,8 +456,9 @@ def build_parser():
     decode.add_argument("--num-splits", type=int, default=None,
                         help="num_splits for flash_attn_with_kvcache (0, the default: its heuristic)")
     decode.add_argument("--page-aligned", action="store_true", default=None,
-                        help="paged rows also time the page-aligned copies (kvcache.PAGE_ALIGNED_COPIES on: one "
-                        "block-table lookup a warp share), a column 'aligned us' / 'aligned BW'")
+                        help="paged rows also time the other paged copy than the default's (kvcache.PAGE_ALIGNED_COPIES: "
+                        "one block-table lookup a warp share where pages allow, or one a row), columns 'per-row us' / "
+                        "'per-row BW' (or 'aligned ...' when the default is per row)")
     varlen = parser.add_argument_group("--pass varlen")
     varlen.add_argument(
         "--varlen-lengths", nargs="+", default=None, metavar="SET",
@@ -493,6 +515,13 @@ def resolve_arguments(parser, args):
     else:
         args.dkdv_blocks = args.dkdv_blocks or []
         args.heavy_groups = args.heavy_groups or []
+        args.forward_blocks = args.forward_blocks or []
+        if args.forward_blocks and args.which != "forward":
+            parser.error("--forward-blocks goes with --pass forward")
+        for blocks in args.forward_blocks:
+            parts = blocks.lower().split("x")
+            if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
+                parser.error(f"--forward-blocks {blocks!r}: expected three positive integers as MxNxW, e.g. 64x32x2")
         if args.heavy_groups and args.which != "forward":
             parser.error("--heavy-groups goes with --pass forward")
         if any(g <= 0 for g in args.heavy_groups):
@@ -538,6 +567,8 @@ def main(argv=None):
     for groups in args.heavy_groups:
         for family in args.families:
             runners[f"nbflash {family} g{groups}"] = nbflash_grouped_runner(family, groups)
+    for blocks in args.forward_blocks:
+        runners[f"nbflash mma {blocks}"] = nbflash_blocks_runner(tuple(map(int, blocks.split("x"))))
     for blocks in args.dkdv_blocks:
         if args.which != "backward":
             parser.error("--dkdv-blocks goes with --pass backward")
@@ -726,6 +757,9 @@ def decode_main(args, argv):
              for heads in args.decode_heads for seqlen_q in args.seqlen_q for shape in args.decode_shapes]
     total = len(cases) * len(args.page_sizes)
     rows = []
+    # --page-aligned: paged rows also run the other kind of paged copy than the default's
+    default_aligned = kvcache.PAGE_ALIGNED_COPIES
+    other_copies = "per-row" if default_aligned else "aligned"
 
     def timed_us(name, make, one_call=False):
         """Median microseconds per call of the call ``make()`` builds, calls back to back (with
@@ -780,14 +814,14 @@ def decode_main(args, argv):
             if args.page_aligned:
                 aligned = "-"
                 if page is not None:
-                    kvcache.PAGE_ALIGNED_COPIES = True
+                    kvcache.PAGE_ALIGNED_COPIES = not default_aligned
                     kvcache.forget_plans()  # a remembered call would keep its plan (and kernel)
                     try:
-                        aligned = timed_us("nbflash aligned", ours_runner)
+                        aligned = timed_us(f"nbflash {other_copies}", ours_runner)
                     finally:
-                        kvcache.PAGE_ALIGNED_COPIES = False
+                        kvcache.PAGE_ALIGNED_COPIES = default_aligned
                         kvcache.forget_plans()
-                row["aligned us"], row["aligned BW"] = aligned, fraction(aligned)
+                row[f"{other_copies} us"], row[f"{other_copies} BW"] = aligned, fraction(aligned)
             for name, us in sdpa_us.items():
                 row[f"{name} us"], row[f"{name} BW"] = us, fraction(us)
             for name in ("SDPA flash", "SDPA cuDNN"):

@@ -57,6 +57,15 @@ def test_each_pass_refuses_the_flags_of_the_others(bench, capsys):
     assert "--page-aligned does not apply to --pass forward" in refused(bench, capsys, "--page-aligned")
 
 
+def test_forward_blocks_go_with_the_forward(bench, capsys):
+    assert arguments(bench, "--forward-blocks", "64x32x2", "128x32x4").forward_blocks == ["64x32x2", "128x32x4"]
+    assert arguments(bench).forward_blocks == []
+    assert "--forward-blocks goes with --pass forward" in refused(bench, capsys, "--pass", "backward",
+                                                                  "--forward-blocks", "64x32x2")
+    assert "expected three positive integers as MxNxW" in refused(bench, capsys, "--forward-blocks", "64x32")
+    assert "expected three positive integers as MxNxW" in refused(bench, capsys, "--forward-blocks", "64x0x2")
+
+
 def test_heavy_groups_goes_with_the_forward(bench, capsys):
     assert arguments(bench, "--heavy-groups", "4", "8").heavy_groups == [4, 8]
     assert arguments(bench).heavy_groups == []
