@@ -6,8 +6,8 @@ launches; ``plan_backward`` does the same for the backward's kernels. Three kern
 architecture they need (``"mma"``, the sm80 family's first name, stays an alias of ``"sm80"``):
 
 - ``"sm90"``: Hopper's wgmma, TMA and warp specialization (nbflash/kernels/forward_sm90.py): the
-  float16 / bfloat16 forward on compute capability 9.0, every variant but block masks and packed
-  sequences (the window, softcap, ALiBi, bias and mask tensors, score_mod, mask_mod, dropout), a
+  float16 / bfloat16 forward on compute capability 9.0, every variant but packed sequences (the
+  window, softcap, ALiBi, bias and mask tensors, score_mod, mask_mod and its block mask, dropout), a
   positive scale, headdim a multiple of 8 up to 256, rows on 16-byte boundaries
   (``sm90_unsupported_reason``); chosen by default at the headdims where it was measured faster
   (``SM90_DEFAULT_HEADDIMS``; with softcap and ALiBi measured at headdim 128), for the variants

@@ -308,6 +308,44 @@ def test_score_mod_mask_mod_causal(monkeypatch, xp):
                   mask_mod=striped, **SMALL)
 
 
+def tiles_0_and_2_of_4(b, h, q_idx, kv_idx):
+    """Keys of 64-key tile 0 all kept, tile 1 none, tiles 2 and 3 all but every third."""
+    return kv_idx < 64 or (kv_idx >= 128 and kv_idx % 3 != 0)
+
+
+@pytest.mark.skipif(not P.SIMULATOR, reason="writes the class table in place (NumPy under the simulator)")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_block_mask_table_is_obeyed(monkeypatch, xp, overlap):
+    # A block mask's table (64 x 64 tiles) says FULL, EMPTY, PARTIAL, PARTIAL for the four key tiles;
+    # rewritten to say EMPTY for tile 0 and FULL for tile 2, the kernel must drop tile 0 (which
+    # mask_mod keeps) and keep all of tile 2 (which mask_mod thins): it skips what the table calls
+    # empty, in the producer's loads and the consumers' walk alike (two tiles visited, keys 128..255,
+    # through the 2-stage ring), and asks mask_mod where the table says partial (tile 3, which the
+    # band alone would call whole).
+    import nbflash
+    from nbflash import validation
+    from nbflash.block_mask import EMPTY, FULL, PARTIAL, kernel_params
+    from tests.helpers import assert_attention_close, poison_allocations, random_qkv
+
+    poison_allocations(monkeypatch)
+    q, k, v = random_qkv(np.random.default_rng(11), xp, 1, 9, 256, 2, 1, 64, "float16")
+    block_mask = nbflash.create_block_mask(tiles_0_and_2_of_4, None, None, 9, 256)
+    problem, qb, kb, vb = validation.check_forward(q, k, v, None, False, block_mask=block_mask)
+    config = Sm90ForwardConfig("float16", 64, problem.static.variant, overlap=overlap, **SMALL)
+    table = block_mask.classes(config.block_m, config.block_n)
+    assert table[0, 0, 0].tolist() == [FULL, EMPTY, PARTIAL, PARTIAL]
+    table[0, 0, 0, :3] = [EMPTY, EMPTY, FULL]
+    out, lse = launch.empty_pair(q.shape, qb.dtype, (1, 2, 9), np.dtype(np.float32))
+    launch.compiled(config).launch(config.grid(1, 2, 9), (qb, kb, vb, out, lse),
+                                   (np.float32(problem.softmax_scale * math.log2(math.e)),),
+                                   kernel_params(problem, config))
+
+    def as_the_table_says(b, h, q_idx, kv_idx):
+        return 128 <= kv_idx < 192 or (kv_idx >= 192 and kv_idx % 3 != 0)
+
+    assert_attention_close(out, lse, q, k, v, False, mask_mod=as_the_table_says)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_dropout_causal(monkeypatch, overlap, xp):
     # Dropout at the probability point (P times its factor as it is packed for P V), causal, 2 key
@@ -363,11 +401,14 @@ def test_new_variants_not_the_default_on_sm90(monkeypatch):
         assert isinstance(configs.plan_forward(static), MmaForwardConfig), variant
     for variant in configs.SM90_DEFAULT_VARIANTS:
         assert isinstance(configs.plan_forward(Static("float16", 128, True, 0, variant)), Sm90ForwardConfig), variant
-    for variant in (Variant(mask_mod="g:0", block_mask=True), Variant(varlen=True)):
-        static = Static("float16", 128, True, 0, variant)
-        assert isinstance(configs.plan_forward(static), MmaForwardConfig), variant
-        with pytest.raises(ValueError, match="serves every variant but block_mask and varlen"):
-            configs.plan_forward(static, "sm90")
+    # A block mask: served when forced, mma by default (not measured); packed sequences: never.
+    static = Static("float16", 128, True, 0, Variant(mask_mod="g:0", block_mask=True))
+    assert isinstance(configs.plan_forward(static), MmaForwardConfig)
+    assert isinstance(configs.plan_forward(static, "sm90"), Sm90ForwardConfig)
+    static = Static("float16", 128, True, 0, Variant(varlen=True))
+    assert isinstance(configs.plan_forward(static), MmaForwardConfig)
+    with pytest.raises(ValueError, match="serves every variant but varlen"):
+        configs.plan_forward(static, "sm90")
 
 
 def test_sm90_backward_default_for_causal_softcap_alibi_at_128(monkeypatch):
@@ -832,10 +873,10 @@ def test_sm90_refuses_what_it_does_not_serve(xp):
     import nbflash
 
     rng = np.random.default_rng(8)
-    q, k, v = random_qkv_small(rng, xp)
-    block_mask = nbflash.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 8, 8)
+    q, k, v = (x[0] for x in random_qkv_small(rng, xp))  # one packed sequence of 8: (total, heads, headdim)
+    cu_seqlens = xp.asarray(np.array([0, 8], np.int32))
     with nbflash.kernel_family("sm90"), pytest.raises(ValueError, match="kernel family 'sm90' cannot run"):
-        nbflash.flash_attn_func(q, k, v, block_mask=block_mask)
+        nbflash.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, 8, 8)
 
 
 def random_qkv_small(rng, xp):

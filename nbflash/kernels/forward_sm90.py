@@ -7,7 +7,8 @@ changes is who moves the data and how the products are issued:
         producer warpgroup (one elected thread):
             Q_i -> shared memory (TMA), once, completing on q_full
             for the i-th key tile j the rows see (i = 0, 1, ...: causal and windows skip tiles,
-            so j = first_tile + i): wait until ring slot i % stages is empty, then
+            so j = first_tile + i; a block mask skips its empty tiles too): wait until ring slot
+            i % stages is empty, then
                 K_j, V_j -> slot (TMA), completing on k_full / v_full of the slot
         each consumer warpgroup (64 query rows of the block):
             m_i = -inf, l_i = 0, acc = 0                                (registers)
@@ -72,9 +73,9 @@ it is written. The row sums l_i add P before its rounding to e4m3. block_n is a 
 (V^T's 128-byte swizzled rows are 128 keys); headdim a multiple of 16, padded to 128-column
 chunks (headdim 64 then does twice the tensor-core work it needs); the plain consumer loop only.
 
-Variants (nbflash/kernels/variants.py): every feature but the block mask and packed sequences
-(``served``), with a positive scale: the window (causal included), softcap, ALiBi, the additive
-bias tensor, the boolean mask tensor, score_mod, mask_mod and dropout, in any combination. Without a
+Variants (nbflash/kernels/variants.py): every feature but packed sequences (``served``), with a
+positive scale: the window (causal included), softcap, ALiBi, the additive bias tensor, the boolean
+mask tensor, score_mod, mask_mod with or without its block mask, and dropout, in any combination. Without a
 score feature the scale is folded into exp2. With one, the raw S goes through the variant's
 tensor-core score point (``Hooks.tensor_core_score``, as in forward_mma.py) right after it lands,
 before the mask: ``score_row`` once per row of the thread (row0 and row0 + 8; ALiBi's distance as a
@@ -84,10 +85,12 @@ softcap's cap, the scale for ALiBi alone, log2(e) in the natural units of a bias
 takes the scale's place in exp2, plus an offset in base 2 (units[OFFSET], softcap's -1 of its exp2
 tanh) that only the lse sees. The mask point is ``hidden`` on the same elements; with an element
 mask (the mask tensor, mask_mod) no tile is known to be whole (``key_tiles`` says so), so every
-visited tile takes it. Dropout is the probability point: each P kept or zeroed as it is packed
+visited tile takes it, except where a block mask's table calls a tile FULL (mask_mod keeps it
+whole); the tiles the table calls EMPTY are never loaded nor computed: the producer and the
+consumers walk the same visited tiles (``visit_key_tile``), counted by ``visited_key_tiles``. Dropout is the probability point: each P kept or zeroed as it is packed
 for P V (``drop_p``), after l_i has summed the undropped P, the kept scale applied with 1 / l, as
-forward_mma.py's mma_p_v does. A feature that is absent compiles to nothing. Block masks and
-packed sequences stay with the sm80 family (nbflash/kernels/forward_mma.py), as do headdims that are
+forward_mma.py's mma_p_v does. A feature that is absent compiles to nothing. Packed sequences
+stay with the sm80 family (nbflash/kernels/forward_mma.py), as do headdims that are
 not multiples of 8 and rows off 16 bytes; the fp8 path serves the plain kernel and the window only (``FP8_VARIANTS``).
 """
 
@@ -152,14 +155,14 @@ ROW_BYTES = 128  # bytes of a chunk row
 GROUP = 128  # threads of a warpgroup
 # The plain kernel and the window (causal included): what the fp8 path serves.
 FP8_VARIANTS = (Variant(), Variant(window=True))
-# What the 16-bit forward does not serve (nbflash/kernels/forward_mma.py does): tile classes that
-# skip tiles, and packed sequences.
-UNSERVED_FEATURES = ("block_mask", "varlen")
+# What the 16-bit forward does not serve (nbflash/kernels/forward_mma.py does): packed sequences.
+UNSERVED_FEATURES = ("varlen",)
 
 
 def served(variant):
     """The 16-bit forward serves ``variant``: any combination of the window, softcap, ALiBi, the bias
-    and mask tensors, score_mod, mask_mod and dropout (none of ``UNSERVED_FEATURES``)."""
+    and mask tensors, score_mod, mask_mod (with or without a block mask) and dropout (none of
+    ``UNSERVED_FEATURES``)."""
     return not any(getattr(variant, feature) for feature in UNSERVED_FEATURES)
 
 
@@ -310,6 +313,9 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     TURN_THREADS = 2 * GROUP  # a turn barrier: the waiting consumer and the one handing over
     hooks = variants.hooks(config.variant)
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
+    # A block mask's classes: EMPTY tiles are never loaded nor computed, FULL ones skip the mask test
+    # (FULL everywhere without one, and then the walk below is j = first_tile + i)
+    tile_class, visit_key_tile, visited_key_tiles = hooks.tile_class, hooks.visit_key_tile, hooks.visited_key_tiles
     HEAVY_GROUPS = config.heavy_groups
     head_context = hooks.head_context
     # A score feature (softcap, ALiBi, bias, score_mod): raw S through the tensor-core score point, into
@@ -580,7 +586,9 @@ def build_forward_sm90(config: Sm90ForwardConfig):
         # which [first_full, end_full) every row sees whole and the others are masked ----
         first_tile, first_full, end_full, end_tile = key_tiles(
             m_start, min(m_start + BM, seqlen_q), seqlen_q, seqlen_k, params, BN)
-        n_tiles = end_tile - first_tile
+        # ... of which a block mask's EMPTY ones are passed over: the i-th tile visited is j, which
+        # the producer and the consumers walk alike (visit_key_tile)
+        n_tiles = visited_key_tiles(params, b, h, m_block, first_tile, end_tile)
 
         if tid == 0:
             mbarrier_init(q_full, 1)
@@ -606,11 +614,13 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                     for chunk in static_range(CHUNKS):
                         tma_load_4d(q_tile + uint32(chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK, h, m_start, b,
                                     q_full)
+                    j = first_tile - 1
                     for i in range(n_tiles):
+                        j = visit_key_tile(params, b, h, m_block, first_tile, i, j, end_tile)
                         slot, use = i % STAGES, i // STAGES
                         if use > 0:  # the consumers have released the slot's previous tile
                             mbarrier_wait(kv_empty + uint32(8 * slot), (use - 1) & 1)
-                        n_start = (first_tile + i) * BN
+                        n_start = j * BN
                         k_tile = k_ring + uint32(slot * KV_BYTES)
                         v_tile = v_ring + uint32(slot * KV_BYTES)
                         mbarrier_arrive_expect_tx(k_full + uint32(8 * slot), KV_BYTES)
@@ -658,9 +668,10 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                 l_i[rh] = float32(0)
 
             mbarrier_wait(q_full, 0)
+            j = first_tile - 1  # the key tile visited before the first
             if not OVERLAP:
                 for i in range(n_tiles):
-                    j = first_tile + i
+                    j = visit_key_tile(params, b, h, m_block, first_tile, i, j, end_tile)
                     slot, use = i % STAGES, i // STAGES
 
                     # S = Q_i K_j^T
@@ -674,7 +685,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                         score_scores(s, row0, j * BN, seqlen_q, seqlen_k, params, head_ctx, units, q4)
 
                     # Mask the tiles that some row of the block does not see whole
-                    if j < first_full or j >= end_full:
+                    if j < first_full or j >= end_full or tile_class(params, b, h, m_block, j) != variants.FULL:
                         mask_scores(s, row0, j * BN, seqlen_q, seqlen_k, params, head_ctx, q4)
 
                     # m_i, l_i, O rescaled; S becomes P, packed to 16 bits
@@ -699,6 +710,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                 # Overlapped (FlashAttention-3's intra-warpgroup pipelining): S_j = Q K_j^T is issued
                 # together with O += P_{j-1} V_{j-1}; the softmax of S_j runs while the P V product is
                 # still in flight, and O is rescaled by alpha_j once it has landed.
+                j = visit_key_tile(params, b, h, m_block, first_tile, 0, j, end_tile)
                 acc_s = fence_operands(registers_from(s, S_REGS))
                 mbarrier_wait(k_full, 0)
                 wgmma_fence()  # the accumulator's registers are ordered before wgmma uses them
@@ -706,15 +718,15 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                 wgmma_wait(0)
                 registers_to(s, fence_operands(acc_s))
                 if SCORE:
-                    score_scores(s, row0, first_tile * BN, seqlen_q, seqlen_k, params, head_ctx, units, q4)
-                if first_tile < first_full or first_tile >= end_full:
-                    mask_scores(s, row0, first_tile * BN, seqlen_q, seqlen_k, params, head_ctx, q4)
+                    score_scores(s, row0, j * BN, seqlen_q, seqlen_k, params, head_ctx, units, q4)
+                if j < first_full or j >= end_full or tile_class(params, b, h, m_block, j) != variants.FULL:
+                    mask_scores(s, row0, j * BN, seqlen_q, seqlen_k, params, head_ctx, q4)
                 online_softmax(s, m_i, l_i, alpha, scale_log2)  # O is still 0: nothing to rescale
                 if DROPOUT:
-                    drop_p(s, row0, first_tile * BN, params, head_ctx, q4)
+                    drop_p(s, row0, j * BN, params, head_ctx, q4)
                 pack_p(s, p)
                 for i in range(1, n_tiles):
-                    j = first_tile + i
+                    j = visit_key_tile(params, b, h, m_block, first_tile, i, j, end_tile)
                     slot, use = i % STAGES, i // STAGES
                     prev_slot, prev_use = (i - 1) % STAGES, (i - 1) // STAGES
                     acc_s = fence_operands(registers_from(s, S_REGS))
@@ -733,7 +745,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                     registers_to(s, fence_operands(acc_s))
                     if SCORE:
                         score_scores(s, row0, j * BN, seqlen_q, seqlen_k, params, head_ctx, units, q4)
-                    if j < first_full or j >= end_full:
+                    if j < first_full or j >= end_full or tile_class(params, b, h, m_block, j) != variants.FULL:
                         mask_scores(s, row0, j * BN, seqlen_q, seqlen_k, params, head_ctx, q4)
                     online_softmax(s, m_i, l_i, alpha, scale_log2)
                     registers_to(s, fence_operands(registers_from(s, S_REGS)))  # P done before the wait

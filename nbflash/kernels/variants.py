@@ -628,7 +628,30 @@ class Hooks:
                 n_tile += 1
             return n_tile
 
+        @register_jitable
+        def visit_key_tile(params, b, h, m_tile, first, i, previous, end):
+            """The i-th key tile (from 0) that query tile ``m_tile`` visits from ``first`` on, given
+            the one before it, ``previous`` (first - 1 for i = 0): first + i without a block mask
+            (a kernel's loop then compiles as it did before block masks), else the next tile after
+            ``previous`` not EMPTY."""
+            if not variant.block_mask:
+                return first + i
+            return next_key_tile(params, b, h, m_tile, previous + 1, end)
+
+        @register_jitable
+        def visited_key_tiles(params, b, h, m_tile, first, end):
+            """How many key tiles of [first, end) query tile ``m_tile`` visits (not EMPTY): end -
+            first without a block mask."""
+            if not variant.block_mask:
+                return end - first
+            count = 0
+            for n_tile in range(first, end):
+                if tile_class(params, b, h, m_tile, n_tile) != EMPTY:
+                    count += 1
+            return count
+
         self.tile_class, self.next_key_tile = tile_class, next_key_tile
+        self.visit_key_tile, self.visited_key_tiles = visit_key_tile, visited_key_tiles
 
         # The layout: where sequence b's rows are. The kernels call this only under `if VARLEN:`
         # (the dense layout compiles nothing of it).
