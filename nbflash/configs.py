@@ -12,8 +12,8 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
   (``sm90_unsupported_reason``); chosen by default at the headdims where it was measured faster
   (``SM90_DEFAULT_HEADDIMS``; with softcap and ALiBi measured at headdim 128), for the variants
   measured (``SM90_DEFAULT_VARIANTS``: the others run on it only when "sm90" is forced). Its backward
-  (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; every variant but block masks
-  and packed sequences, headdim up to 128, ``sm90_backward_unsupported_reason``) is the
+  (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; every variant but packed
+  sequences, headdim up to 128, ``sm90_backward_unsupported_reason``) is the
   default at ``SM90_BACKWARD_DEFAULT_HEADDIMS`` for plain and causal attention, with dropout or a
   score_mod (``_measured_on_sm90``), and at headdim 128 for causal attention with softcap or ALiBi
   (``SM90_BACKWARD_HD128_VARIANTS``); the sm80 family's
@@ -105,7 +105,7 @@ def kernel_family(family):
     A name that is not a family raises ValueError here, at the call (not only on entering the
     block). A call the forced family cannot serve (float32 on ``"sm80"``, say) raises ValueError.
     A backward under ``"sm90"`` runs the Hopper dK/dV kernel where it serves the call (atomic dq,
-    every variant but block masks and packed sequences, headdim up to 128:
+    every variant but packed sequences, headdim up to 128:
     ``sm90_backward_unsupported_reason``) and the sm80 family's kernels otherwise.
     """
     _check_family(family)

@@ -169,8 +169,51 @@ def test_full_tiles_are_not_tested(rng, xp):
     assert_gradients_close(grads, dout, q, k, v, False, mask_mod=tile_0_whole)
 
 
+def head_striped(b, h, q_idx, kv_idx):
+    return (kv_idx + h) % 5 != 0
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="writes the tables in place (NumPy under the simulator)")
+def test_sm90_backward_obeys_the_table(rng, xp):
+    """The Hopper dK/dV kernel's steps walk (query head, query tile) pairs: a mask_mod that thins
+    every tile, with tables rewritten to call keys 0..127 empty for the first 64 queries and full
+    for the next 64. The kernel must leave the empty pairs out and keep the full ones whole (neither
+    follows from asking mask_mod), over GQA 2:1, so that the walk of key tile 0 skips a pair within
+    each head and moves across heads. Keys 128..255 stay partial where the band alone would call
+    them whole, so mask_mod must be asked there. The forward runs on the portable kernels (faster to
+    emulate), from the same rewritten table for its tile sizes (both 64 queries a tile). Tiles are
+    rewritten full only where no sequence tail crosses them (a tail's masked step may still ask
+    mask_mod)."""
+    q, k, v = random_qkv(rng, xp, 1, 128, 256, 2, 1, 32, "float16")
+    block_mask = nbflash.create_block_mask(head_striped, None, 2, 128, 256)
+    problem = nbflash.validation.check_forward(q, k, v, None, False, block_mask=block_mask)[0]
+    with nbflash.kernel_family("portable"):
+        config = nbflash.explain(q, k, v, block_mask=block_mask)["config"]
+    tiles = [(config["block_m"], config["block_n"])]
+    _, dkdv, _ = nbflash.configs.plan_backward(problem.static, False, "sm90")
+    assert type(dkdv).__name__ == "Sm90BackwardConfig"
+    tiles.append((dkdv.block_m, dkdv.block_n))
+    for block_m, block_n in tiles:
+        assert block_m == 64 and 128 % block_n == 0
+        table = block_mask.classes(block_m, block_n)
+        table[:, :, 0, :128 // block_n] = EMPTY
+        table[:, :, 1, :128 // block_n] = FULL
+    with nbflash.kernel_family("portable"):
+        out, lse = nbflash.flash_attn_func(q, k, v, return_lse=True, block_mask=block_mask)
+    dout = random_like(rng, xp, q)
+    with nbflash.kernel_family("sm90"):
+        grads = flash_attn_backward(dout, q, k, v, out, lse, block_mask=block_mask)
+
+    def as_the_tables_say(b, h, q_idx, kv_idx):
+        return (kv_idx < 128 and q_idx >= 64) or (kv_idx >= 128 and head_striped(b, h, q_idx, kv_idx))
+
+    assert_attention_close(out, lse, q, k, v, False, mask_mod=as_the_tables_say)
+    assert_gradients_close(grads, dout, q, k, v, False, mask_mod=as_the_tables_say)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("family, dtype", [("mma", "float16"), ("mma", "bfloat16"), ("portable", "float32")])
+@pytest.mark.parametrize("family, dtype", [("mma", "float16"), ("mma", "bfloat16"), ("portable", "float32"),
+                                           ("sm90", "float16"), ("sm90", "bfloat16")])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_block_mask_gpu(rng, xp, family, dtype, deterministic):
     doc = np.repeat(np.arange(8), 50).astype(np.int32)

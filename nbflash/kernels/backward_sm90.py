@@ -65,12 +65,15 @@ the launcher. A row with lse = -inf (it sees no key) and rows past seqlen_q get 
 their P is exactly 0; keys past seqlen_k are masked, and their dK, dV rows are not written.
 
 Variants: the window (causal included); the element masks (the mask tensor, mask_mod), tested at
-the mask point of every visited tile (none is known to be whole with them); the score features
+the mask point of every visited tile (none is known to be whole with them, except the pairs a
+block mask's table calls FULL; the pairs it calls EMPTY are never visited: the producer's two warps
+and the consumers walk the same visited (query head, query tile) pairs, ``visit_query_step``,
+counted by ``visited_query_steps``); the score features
 (softcap, ALiBi, the bias tensor, score_mod), whose scores come from the tensor-core score point of
 the raw S^T (``Hooks.tensor_core_score``, as in the mma backward) and whose derivative multiplies
 dS^T; and dropout, whose factors (the forward's Philox stream, ``Hooks.dropout_bits_t``) multiply
 the P^T that dV takes and dP^T. With a score feature or dropout, dS^T is made with P^T once dP^T
-has landed. Block masks, packed sequences, headdims above 128 (dK and dV of 64 keys at headdim 256
+has landed. Packed sequences, headdims above 128 (dK and dV of 64 keys at headdim 256
 would need all of a consumer's registers) and the deterministic mode (a fixed order instead of
 atomics) stay with the mma family (nbflash/kernels/backward_mma.py).
 """
@@ -141,11 +144,12 @@ KEYS = 64  # keys per consumer warpgroup: the M of its wgmmas
 MAX_SHARED_BYTES = 232448  # dynamic shared memory a block may have on compute capability 9.0
 DQ_BOX_COLS = 32  # float32 columns of a dQ box for the TMA reduce-add: 128-byte rows
 MAX_HEADDIM = 128
-# What the sm90 backward does not serve (the mma family's backward does): block masks and packed
-# sequences. Every other feature enters through the hooks: the window, the element masks (mask
-# tensor, mask_mod: then no tile is whole, Hooks.query_tiles), the score features (softcap, ALiBi,
-# bias, score_mod: the tensor-core score point, as in the mma backward) and dropout.
-UNSERVED_FEATURES = ("block_mask", "varlen")
+# What the sm90 backward does not serve (the mma family's backward does): packed sequences. Every
+# other feature enters through the hooks: the window, the element masks (mask tensor, mask_mod: then
+# no tile is whole, Hooks.query_tiles, except the pairs a block mask calls FULL), a block mask's
+# EMPTY pairs skipped (the steps walk the pairs visited), the score features (softcap, ALiBi, bias,
+# score_mod: the tensor-core score point, as in the mma backward) and dropout.
+UNSERVED_FEATURES = ("varlen",)
 
 
 def served(variant):
@@ -379,6 +383,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
     hooks = variants.hooks(config.variant)
     query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
+    # A block mask's classes: EMPTY (query tile, key tile) pairs are never loaded nor computed, FULL
+    # ones skip the mask test; the steps walk the pairs visited (the i-th step is pair i without one)
+    tile_class, visit_query_step, visited_query_steps = (hooks.tile_class, hooks.visit_query_step,
+                                                         hooks.visited_query_steps)
     SCORE = hooks.SCORE  # softcap, ALiBi: P from the raw S^T through the score point, dS carries its derivative
     # dropout: dV takes the dropped P^T, dS^T the factor too
     DROPOUT, dropout_bits_t, dropout_bit = hooks.DROPOUT, hooks.dropout_bits_t, hooks.dropout_bit
@@ -549,11 +557,12 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             add_dq(dq_accum, acc_hi, b, row0 + 64, h, col0, seqlen_q, q4)
 
     @inline_device
-    def add_dq_of_step(dq_accum, acc, b, hk, group, first_tile, tiles_per_head, i, consumer, warp, g, seqlen_q, q4):
-        """defer_dq: step i's dQ_i chunk (held in ``acc``) into dq_accum, if it was this consumer's
-        to add (every step with "columns", its turns with "steps")."""
-        h = hk * group + i // tiles_per_head
-        row0 = (first_tile + i % tiles_per_head) * BM + 16 * warp + g
+    def add_dq_of_step(dq_accum, acc, b, hk, group, first_tile, tiles_per_head, i, position, consumer, warp, g,
+                       seqlen_q, q4):
+        """defer_dq: step i's dQ_i chunk (held in ``acc``; the step's pair at ``position``) into
+        dq_accum, if it was this consumer's to add (every step with "columns", its turns with "steps")."""
+        h = hk * group + position // tiles_per_head
+        row0 = (first_tile + position % tiles_per_head) * BM + 16 * warp + g
         if DQ_BY_COLUMNS:  # the chunk a constant in each copy (a run-time one spilled 208 bytes)
             if consumer == 0:
                 add_dq(dq_accum, acc, b, row0, h, 0, seqlen_q, q4)
@@ -639,7 +648,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             n_start, min(n_start + BN, seqlen_k), seqlen_q, seqlen_k, params, BM)
         tail = n_start + BN > seqlen_k
         tiles_per_head = end_tile - first_tile
-        steps = group * tiles_per_head
+        steps = visited_query_steps(params, b, hk, group, n_block, first_tile, tiles_per_head)
 
         if tid == 0:
             mbarrier_init(kv_full, 1)
@@ -670,12 +679,15 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                                     kv_full)
                         tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk, n_start, b,
                                     kv_full)
+                    position = -1
                     for i in range(steps):
+                        position = visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i,
+                                                    position)
                         slot, use = i % STAGES, i // STAGES
                         if use > 0:  # the consumers have released the slot's previous tiles
                             mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
-                        h = hk * group + i // tiles_per_head
-                        q_start = (first_tile + i % tiles_per_head) * BM
+                        h = hk * group + position // tiles_per_head
+                        q_start = (first_tile + position % tiles_per_head) * BM
                         full = qd_full + uint32(8 * slot)
                         q_slot = q_ring + uint32(slot * Q_BYTES)
                         do_slot = do_ring + uint32(slot * Q_BYTES)
@@ -686,12 +698,14 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                             tma_load_4d(do_slot + uint32(chunk * Q_CHUNK_BYTES), do_map, chunk * CHUNK, h, q_start,
                                         b, full)
             elif warp == 1:
+                position = -1
                 for i in range(steps):
+                    position = visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position)
                     slot, use = i % STAGES, i // STAGES
                     if use > 0:
                         mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
-                    h = hk * group + i // tiles_per_head
-                    q_start = (first_tile + i % tiles_per_head) * BM
+                    h = hk * group + position // tiles_per_head
+                    q_start = (first_tile + position % tiles_per_head) * BM
                     stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
                     # the score features' offset (variants.OFFSET) out of lse, as out of their scores
                     offset = float32(0)
@@ -752,12 +766,15 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 
             if steps > 0:
                 mbarrier_wait(kv_full, 0)
+            position = -1  # the step's (query head, query tile) pair, in order
             for i in range(steps):
+                previous = position
+                position = visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position)
                 slot, use = i % STAGES, i // STAGES
-                h = hk * group + i // tiles_per_head
+                h = hk * group + position // tiles_per_head
                 head_ctx = head_context(params, b, h)  # (b, h, ALiBi slope): what the variant reads per head
                 units = score_units(params, scale, head_ctx)  # the score features' constants for this head
-                tile = first_tile + i % tiles_per_head
+                tile = first_tile + position % tiles_per_head
                 q_start = tile * BM
                 q_slot = q_ring + uint32(slot * Q_BYTES)
                 do_slot = do_ring + uint32(slot * Q_BYTES)
@@ -765,8 +782,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 # S^T = K_c Q_i^T and dP^T = V_c dO_i^T, two commit groups
                 acc_s, acc_dp = issue_scores(s, dp, zeros, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use)
                 if DEFER_DQ and i > 0:  # the last step's dQ (its turn's) added while they run
-                    add_dq_of_step(dq_accum, dq_keep, b, hk, group, first_tile, tiles_per_head, i - 1, consumer,
-                                   warp, g, seqlen_q, q4)
+                    add_dq_of_step(dq_accum, dq_keep, b, hk, group, first_tile, tiles_per_head, i - 1, previous,
+                                   consumer, warp, g, seqlen_q, q4)
                 wgmma_wait(PENDING)  # S^T has landed (with overlap, dP^T may still run)
                 registers_to(s, fence_operands(acc_s))
                 if FUSED:  # dP^T too: its derivative (and dropout's factors) used as it is made
@@ -774,7 +791,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 
                 # P^T, the mask only on tiles crossing the window's edges or a tail; then dS^T
                 stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
-                if tail or tile < first_full or tile >= end_full:
+                if (tail or tile < first_full or tile >= end_full
+                        or tile_class(params, b, h, tile, n_block) != variants.FULL):
                     probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
                                     scale_log2, units, q4, True)
                 else:
@@ -874,8 +892,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                         tma_store_commit()
 
             if DEFER_DQ and steps > 0:
-                add_dq_of_step(dq_accum, dq_keep, b, hk, group, first_tile, tiles_per_head, steps - 1, consumer, warp,
-                               g, seqlen_q, q4)
+                add_dq_of_step(dq_accum, dq_keep, b, hk, group, first_tile, tiles_per_head, steps - 1, position,
+                               consumer, warp, g, seqlen_q, q4)
             if DQ_TMA and tid % GROUP == 0:
                 tma_store_wait(0)  # the staging tiles are read before the block's shared memory goes
             # ---- Write dK = dS^T Q * scale and dV (keys no query sees get 0) ----

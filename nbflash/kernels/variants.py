@@ -650,7 +650,36 @@ class Hooks:
                     count += 1
             return count
 
+        @register_jitable
+        def visit_query_step(params, b, hk, group, n_tile, first, per_head, i, previous):
+            """The i-th step (from 0) of a dK/dV block over key tile ``n_tile``, as its position
+            among the (query head of KV head hk's group, query tile) pairs in order, g * per_head +
+            tile - first, given the step before it at ``previous`` (-1 for i = 0): i without a block
+            mask (the loop then compiles as before), else the next pair after ``previous`` that is
+            not EMPTY."""
+            if not variant.block_mask:
+                return i
+            position = previous + 1
+            while position < group * per_head and tile_class(
+                    params, b, hk * group + position // per_head, first + position % per_head, n_tile) == EMPTY:
+                position += 1
+            return position
+
+        @register_jitable
+        def visited_query_steps(params, b, hk, group, n_tile, first, per_head):
+            """How many of the group * per_head (query head, query tile) pairs over key tile
+            ``n_tile`` a dK/dV block visits (not EMPTY)."""
+            if not variant.block_mask:
+                return group * per_head
+            count = 0
+            for position in range(group * per_head):
+                if tile_class(params, b, hk * group + position // per_head, first + position % per_head,
+                              n_tile) != EMPTY:
+                    count += 1
+            return count
+
         self.tile_class, self.next_key_tile = tile_class, next_key_tile
+        self.visit_query_step, self.visited_query_steps = visit_query_step, visited_query_steps
         self.visit_key_tile, self.visited_key_tiles = visit_key_tile, visited_key_tiles
 
         # The layout: where sequence b's rows are. The kernels call this only under `if VARLEN:`
