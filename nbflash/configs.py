@@ -176,15 +176,22 @@ SM90_DEFAULT_VARIANTS = tuple(Variant(window=window, softcap=softcap, alibi=alib
 # 1.54x and 1.77x / 1.96x the mma backward. There they take the sm90 family by default.
 SM90_MEASURED_EXTRAS = ("dropout", "score_mod")
 SM90_EXTRAS_HEADDIMS = (64, 128)
+# mask_mod with its block mask (and no other feature) was measured at headdim 128 (fp16, seqlen 8k,
+# three documents; docs/benchmarks.md, "GPU runs of 2026-12-03, third session"): the sm90 forward
+# 263.8 TFLOP/s against the mma forward's 156.9, the sm90 backward 182.0 against 125.7. There it
+# takes the sm90 family by default, forward and backward.
+SM90_BLOCK_MASK_HEADDIMS = (128,)
 
 
 def _measured_on_sm90(variant, headdim, measured):
     """``variant`` at ``headdim`` was measured faster on the sm90 family: it is one of ``measured``,
     or the plain kernel or the window with one of ``SM90_MEASURED_EXTRAS`` at
-    ``SM90_EXTRAS_HEADDIMS``."""
+    ``SM90_EXTRAS_HEADDIMS``, or mask_mod with its block mask at ``SM90_BLOCK_MASK_HEADDIMS``."""
     variant = variant._replace(score_mod_grad="")
     if variant in measured:
         return True
+    if variant.block_mask and variant._replace(mask_mod="", block_mask=False) == Variant():
+        return headdim in SM90_BLOCK_MASK_HEADDIMS
     extras = [feature for feature in SM90_MEASURED_EXTRAS if getattr(variant, feature)]
     return (headdim in SM90_EXTRAS_HEADDIMS and len(extras) == 1
             and variant._replace(dropout=False, score_mod="") in (Variant(), Variant(window=True)))

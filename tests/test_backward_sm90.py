@@ -64,13 +64,16 @@ def test_backward_sm90_planning():
         (Static("bfloat16", 256, False, 0), False, True),  # dK, dV of 64 keys need too many registers
         (Static("float16", 60, False, 0), False, True),  # not a multiple of 8 (TMA's 16-byte rows)
         (Static("float16", 64, False, 0), False, False),  # rows off 16 bytes
-        (Static("float16", 64, False, 0, Variant(block_mask=True)), False, True),
         (Static("float16", 64, False, 0, Variant(varlen=True)), False, True),
         (Static("float16", 64, False, 0, Variant(dropout=True)), True, True),  # deterministic: the mma order
     ]:
         plan = configs.plan_backward(static, deterministic, "sm90", aligned)
         assert not any(isinstance(c, Sm90BackwardConfig) for c in plan)
         assert isinstance(plan[1], MmaBackwardConfig)
+    # a block mask (with its mask_mod): the Hopper dK/dV kernel walks the pairs it visits
+    plan = configs.plan_backward(Static("float16", 64, False, 0, Variant(mask_mod="g:0", block_mask=True)), False,
+                                 "sm90", True)
+    assert isinstance(plan[1], Sm90BackwardConfig)
     if SIMULATOR:  # the simulator keeps the mma family as the default
         assert isinstance(configs.plan_backward(Static("float16", 128, False, 0), False)[1], MmaBackwardConfig)
 

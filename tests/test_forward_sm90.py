@@ -373,10 +373,11 @@ def test_public_api_sm90_bias(monkeypatch, xp):
 
 def test_new_variants_not_the_default_on_sm90(monkeypatch):
     # On compute capability 9.0 (outside the simulator, which keeps mma), the bias and mask tensors
-    # and mask_mod are served by the sm90 forward but not yet its default (not measured): mma unless
-    # kernel_family("sm90"); the measured variants (dropout and score_mod at headdims 64 and 128
-    # among them) keep sm90 as the default, forward and backward.
+    # and mask_mod (without a block mask) are served by the sm90 forward but not yet its default (not
+    # measured): mma unless kernel_family("sm90"); the measured variants (dropout and score_mod at
+    # headdims 64 and 128 among them) keep sm90 as the default, forward and backward.
     from nbflash import configs
+    from nbflash.kernels.backward_mma import MmaBackwardConfig
     from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
     from nbflash.kernels.forward_mma import MmaForwardConfig
     from nbflash.problem import Static
@@ -401,10 +402,17 @@ def test_new_variants_not_the_default_on_sm90(monkeypatch):
         assert isinstance(configs.plan_forward(static), MmaForwardConfig), variant
     for variant in configs.SM90_DEFAULT_VARIANTS:
         assert isinstance(configs.plan_forward(Static("float16", 128, True, 0, variant)), Sm90ForwardConfig), variant
-    # A block mask: served when forced, mma by default (not measured); packed sequences: never.
-    static = Static("float16", 128, True, 0, Variant(mask_mod="g:0", block_mask=True))
-    assert isinstance(configs.plan_forward(static), MmaForwardConfig)
-    assert isinstance(configs.plan_forward(static, "sm90"), Sm90ForwardConfig)
+    # mask_mod with a block mask: the default where measured (headdim 128, forward and backward),
+    # served when forced elsewhere (mma by default); with another feature not measured: mma.
+    block_mask = Variant(mask_mod="g:0", block_mask=True)
+    static = Static("float16", 128, True, 0, block_mask)
+    assert isinstance(configs.plan_forward(static), Sm90ForwardConfig)
+    assert isinstance(configs.plan_backward(static, False)[1], Sm90BackwardConfig)
+    for static in (Static("float16", 64, True, 0, block_mask),
+                   Static("float16", 128, True, 0, block_mask._replace(window=True))):
+        assert isinstance(configs.plan_forward(static), MmaForwardConfig)
+        assert isinstance(configs.plan_backward(static, False)[1], MmaBackwardConfig)
+        assert isinstance(configs.plan_forward(static, "sm90"), Sm90ForwardConfig)
     static = Static("float16", 128, True, 0, Variant(varlen=True))
     assert isinstance(configs.plan_forward(static), MmaForwardConfig)
     with pytest.raises(ValueError, match="serves every variant but varlen"):
