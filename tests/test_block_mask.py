@@ -169,6 +169,46 @@ def test_full_tiles_are_not_tested(rng, xp):
     assert_gradients_close(grads, dout, q, k, v, False, mask_mod=tile_0_whole)
 
 
+def test_walks_over_the_table():
+    """The kernels' walks over a block mask's table (nbflash.kernels.variants.Hooks), which read
+    CLASSES_IN_FLIGHT classes at a time, against a list comprehension: random tables with runs of
+    empty tiles longer than a batch of reads, bands [first, end) ending inside one; the dK/dV walk
+    over (query head, query tile) pairs of a KV head's group, across heads."""
+    from nbflash.kernels import variants
+    from nbflash.problem import Variant
+
+    hooks = variants.hooks(Variant(block_mask=True))
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        m_tiles, n_tiles = int(rng.integers(1, 4)), int(rng.integers(1, 40))
+        table = np.where(rng.random((1, 4, m_tiles, n_tiles)) < 0.25, FULL, EMPTY).astype(np.int8)
+        table[0, 0, 0, :] = EMPTY  # a row with nothing to visit
+        params = (table,)
+        for h in range(4):
+            for m in range(m_tiles):
+                first, end = sorted(int(x) for x in rng.integers(0, n_tiles + 1, 2))
+                expected = [j for j in range(first, end) if table[0, h, m, j] != EMPTY]
+                assert hooks.visited_key_tiles(params, 0, h, m, first, end) == len(expected)
+                walk, j = [], first - 1
+                for i in range(len(expected)):
+                    j = hooks.visit_key_tile(params, 0, h, m, first, i, j, end)
+                    walk.append(j)
+                assert walk == expected
+                assert hooks.next_key_tile(params, 0, h, m, walk[-1] + 1 if walk else first, end) == end
+        for group, hk in ((1, 3), (2, 1), (4, 0)):  # query heads hk * group ... of the group
+            for n in range(n_tiles):
+                first, end = sorted(int(x) for x in rng.integers(0, m_tiles + 1, 2))
+                per_head = end - first
+                pairs = [g * per_head + t - first for g in range(group) for t in range(first, end)
+                         if table[0, hk * group + g, t, n] != EMPTY]
+                assert hooks.visited_query_steps(params, 0, hk, group, n, first, per_head) == len(pairs)
+                walk, position = [], -1
+                for i in range(len(pairs)):
+                    position = hooks.visit_query_step(params, 0, hk, group, n, first, per_head, i, position)
+                    walk.append(position)
+                assert walk == pairs
+
+
 def head_striped(b, h, q_idx, kv_idx):
     return (kv_idx + h) % 5 != 0
 

@@ -76,6 +76,8 @@ PARAM_TYPES = {
 
 # A tile pair's class in a block mask's table: no element kept, some kept, all kept.
 EMPTY, PARTIAL, FULL = 0, 1, 2
+# Block-mask classes read at once by the kernels' walks over the tiles they visit (Hooks.next_key_tile)
+CLASSES_IN_FLIGHT = 8
 
 
 def param_types(variant):
@@ -619,14 +621,27 @@ class Hooks:
             def tile_class(params, b, h, m_tile, n_tile):
                 return int32(FULL)
 
+        # The walks and counts below read CLASSES_IN_FLIGHT classes at a time, at indices that do
+        # not depend on what was read (clamped to the last tile, so every read is in bounds): the
+        # loads are issued together, where one class per trip would wait a memory latency each
+        # (a document mask's block passes over tens of empty tiles).
+
         @register_jitable
         def next_key_tile(params, b, h, m_tile, n_tile, end):
             """The first key tile from ``n_tile`` on that query tile ``m_tile`` visits (not EMPTY),
             or ``end``: a pipelined kernel prefetches that one (``n_tile`` itself without a block
             mask)."""
-            while n_tile < end and tile_class(params, b, h, m_tile, n_tile) == EMPTY:
-                n_tile += 1
-            return n_tile
+            if not variant.block_mask:
+                return n_tile
+            while n_tile < end:
+                found = end
+                for k in range(CLASSES_IN_FLIGHT - 1, -1, -1):  # the lowest tile found wins
+                    if tile_class(params, b, h, m_tile, min(n_tile + k, end - 1)) != EMPTY and n_tile + k < end:
+                        found = n_tile + k
+                if found < end:
+                    return found
+                n_tile += CLASSES_IN_FLIGHT
+            return end
 
         @register_jitable
         def visit_key_tile(params, b, h, m_tile, first, i, previous, end):
@@ -645,10 +660,18 @@ class Hooks:
             if not variant.block_mask:
                 return end - first
             count = 0
-            for n_tile in range(first, end):
-                if tile_class(params, b, h, m_tile, n_tile) != EMPTY:
-                    count += 1
+            for n_tile in range(first, end, CLASSES_IN_FLIGHT):
+                for k in range(CLASSES_IN_FLIGHT):
+                    if tile_class(params, b, h, m_tile, min(n_tile + k, end - 1)) != EMPTY and n_tile + k < end:
+                        count += 1
             return count
+
+        @register_jitable
+        def pair_class(params, b, hk, group, n_tile, first, per_head, position, total):
+            """The class of the (query head, query tile) pair at ``position`` (clamped to the last
+            of ``total``) over key tile ``n_tile``."""
+            position = min(position, total - 1)
+            return tile_class(params, b, hk * group + position // per_head, first + position % per_head, n_tile)
 
         @register_jitable
         def visit_query_step(params, b, hk, group, n_tile, first, per_head, i, previous):
@@ -659,11 +682,18 @@ class Hooks:
             not EMPTY."""
             if not variant.block_mask:
                 return i
+            total = group * per_head
             position = previous + 1
-            while position < group * per_head and tile_class(
-                    params, b, hk * group + position // per_head, first + position % per_head, n_tile) == EMPTY:
-                position += 1
-            return position
+            while position < total:
+                found = total
+                for k in range(CLASSES_IN_FLIGHT - 1, -1, -1):  # the lowest position found wins
+                    if (pair_class(params, b, hk, group, n_tile, first, per_head, position + k, total) != EMPTY
+                            and position + k < total):
+                        found = position + k
+                if found < total:
+                    return found
+                position += CLASSES_IN_FLIGHT
+            return total
 
         @register_jitable
         def visited_query_steps(params, b, hk, group, n_tile, first, per_head):
@@ -671,11 +701,13 @@ class Hooks:
             ``n_tile`` a dK/dV block visits (not EMPTY)."""
             if not variant.block_mask:
                 return group * per_head
+            total = group * per_head
             count = 0
-            for position in range(group * per_head):
-                if tile_class(params, b, hk * group + position // per_head, first + position % per_head,
-                              n_tile) != EMPTY:
-                    count += 1
+            for position in range(0, total, CLASSES_IN_FLIGHT):
+                for k in range(CLASSES_IN_FLIGHT):
+                    if (pair_class(params, b, hk, group, n_tile, first, per_head, position + k, total) != EMPTY
+                            and position + k < total):
+                        count += 1
             return count
 
         self.tile_class, self.next_key_tile = tile_class, next_key_tile
