@@ -75,8 +75,8 @@ chunks (headdim 64 then does twice the tensor-core work it needs); the plain con
 
 Variants (nbflash/kernels/variants.py): every feature but packed sequences (``served``), with a
 positive scale: the window (causal included), softcap, ALiBi, the additive bias tensor, the boolean
-mask tensor, score_mod, mask_mod with or without its block mask, and dropout, in any combination. Without a
-score feature the scale is folded into exp2. With one, the raw S goes through the variant's
+mask tensor, score_mod, mask_mod with or without its block mask, and dropout, in any combination.
+Without a score feature the scale is folded into exp2. With one, the raw S goes through the variant's
 tensor-core score point (``Hooks.tensor_core_score``, as in forward_mma.py) right after it lands,
 before the mask: ``score_row`` once per row of the thread (row0 and row0 + 8; ALiBi's distance as a
 float), then ``score_at`` per column 8 c + 2 q4 + e (the bias tensor and score_mod read that
@@ -87,11 +87,12 @@ tanh) that only the lse sees. The mask point is ``hidden`` on the same elements;
 mask (the mask tensor, mask_mod) no tile is known to be whole (``key_tiles`` says so), so every
 visited tile takes it, except where a block mask's table calls a tile FULL (mask_mod keeps it
 whole); the tiles the table calls EMPTY are never loaded nor computed: the producer and the
-consumers walk the same visited tiles (``visit_key_tile``), counted by ``visited_key_tiles``. Dropout is the probability point: each P kept or zeroed as it is packed
-for P V (``drop_p``), after l_i has summed the undropped P, the kept scale applied with 1 / l, as
-forward_mma.py's mma_p_v does. A feature that is absent compiles to nothing. Packed sequences
-stay with the sm80 family (nbflash/kernels/forward_mma.py), as do headdims that are
-not multiples of 8 and rows off 16 bytes; the fp8 path serves the plain kernel and the window only (``FP8_VARIANTS``).
+consumers walk the same visited tiles (``visit_key_tile``), counted by ``visited_key_tiles``.
+Dropout is the probability point: each P kept or zeroed as it is packed for P V (``drop_p``), after
+l_i has summed the undropped P, the kept scale applied with 1 / l, as forward_mma.py's mma_p_v
+does. A feature that is absent compiles to nothing. Packed sequences stay with the sm80 family
+(nbflash/kernels/forward_mma.py), as do headdims that are not multiples of 8 and rows off 16 bytes;
+the fp8 path serves the plain kernel and the window only (``FP8_VARIANTS``).
 """
 
 import math
