@@ -80,6 +80,39 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 CLASSES_IN_FLIGHT = 8
 
 
+def _class_scans(class_at):
+    """(next_visited, visited_count) over positions whose block-mask class ``class_at(params,
+    where, position)`` is not EMPTY: next_visited(params, where, position, end) is the first such
+    position in [position, end) (end if none), visited_count(params, where, start, end) how many
+    there are in [start, end). Both read CLASSES_IN_FLIGHT classes at a time, at positions that do not
+    depend on what was read (clamped to end - 1, so every read is in bounds): the loads are issued
+    together, where one class a trip would wait a memory latency each (a document mask's block
+    passes over tens of empty tiles)."""
+
+    @register_jitable
+    def next_visited(params, where, position, end):
+        while position < end:
+            found = end
+            for k in range(CLASSES_IN_FLIGHT - 1, -1, -1):  # the lowest position found wins
+                if class_at(params, where, min(position + k, end - 1)) != EMPTY and position + k < end:
+                    found = position + k
+            if found < end:
+                return found
+            position += CLASSES_IN_FLIGHT
+        return end
+
+    @register_jitable
+    def visited_count(params, where, start, end):
+        count = 0
+        for position in range(start, end, CLASSES_IN_FLIGHT):
+            for k in range(CLASSES_IN_FLIGHT):
+                if class_at(params, where, min(position + k, end - 1)) != EMPTY and position + k < end:
+                    count += 1
+        return count
+
+    return next_visited, visited_count
+
+
 def param_types(variant):
     """The signature types of ``params`` for ``variant``, in order (the bias tensor's element type
     is the variant's; bfloat16 arrives as its uint16 bits)."""
@@ -621,10 +654,22 @@ class Hooks:
             def tile_class(params, b, h, m_tile, n_tile):
                 return int32(FULL)
 
-        # The walks and counts below read CLASSES_IN_FLIGHT classes at a time, at indices that do
-        # not depend on what was read (clamped to the last tile, so every read is in bounds): the
-        # loads are issued together, where one class per trip would wait a memory latency each
-        # (a document mask's block passes over tens of empty tiles).
+        # The walks over the tiles a block visits: key tiles of a query tile (the forwards), and
+        # (query head, query tile) pairs over a key tile (the sm90 dK/dV kernel), both scans of
+        # positions by _class_scans.
+
+        @register_jitable
+        def key_tile_class(params, where, n_tile):
+            b, h, m_tile = where
+            return tile_class(params, b, h, m_tile, n_tile)
+
+        @register_jitable
+        def pair_class(params, where, position):
+            b, hk, group, n_tile, first, per_head = where
+            return tile_class(params, b, hk * group + position // per_head, first + position % per_head, n_tile)
+
+        next_key, key_count = _class_scans(key_tile_class)
+        next_pair, pair_count = _class_scans(pair_class)
 
         @register_jitable
         def next_key_tile(params, b, h, m_tile, n_tile, end):
@@ -633,15 +678,7 @@ class Hooks:
             mask)."""
             if not variant.block_mask:
                 return n_tile
-            while n_tile < end:
-                found = end
-                for k in range(CLASSES_IN_FLIGHT - 1, -1, -1):  # the lowest tile found wins
-                    if tile_class(params, b, h, m_tile, min(n_tile + k, end - 1)) != EMPTY and n_tile + k < end:
-                        found = n_tile + k
-                if found < end:
-                    return found
-                n_tile += CLASSES_IN_FLIGHT
-            return end
+            return next_key(params, (b, h, m_tile), n_tile, end)
 
         @register_jitable
         def visit_key_tile(params, b, h, m_tile, first, i, previous, end):
@@ -651,7 +688,7 @@ class Hooks:
             ``previous`` not EMPTY."""
             if not variant.block_mask:
                 return first + i
-            return next_key_tile(params, b, h, m_tile, previous + 1, end)
+            return next_key(params, (b, h, m_tile), previous + 1, end)
 
         @register_jitable
         def visited_key_tiles(params, b, h, m_tile, first, end):
@@ -659,19 +696,7 @@ class Hooks:
             first without a block mask."""
             if not variant.block_mask:
                 return end - first
-            count = 0
-            for n_tile in range(first, end, CLASSES_IN_FLIGHT):
-                for k in range(CLASSES_IN_FLIGHT):
-                    if tile_class(params, b, h, m_tile, min(n_tile + k, end - 1)) != EMPTY and n_tile + k < end:
-                        count += 1
-            return count
-
-        @register_jitable
-        def pair_class(params, b, hk, group, n_tile, first, per_head, position, total):
-            """The class of the (query head, query tile) pair at ``position`` (clamped to the last
-            of ``total``) over key tile ``n_tile``."""
-            position = min(position, total - 1)
-            return tile_class(params, b, hk * group + position // per_head, first + position % per_head, n_tile)
+            return key_count(params, (b, h, m_tile), first, end)
 
         @register_jitable
         def visit_query_step(params, b, hk, group, n_tile, first, per_head, i, previous):
@@ -682,18 +707,7 @@ class Hooks:
             not EMPTY."""
             if not variant.block_mask:
                 return i
-            total = group * per_head
-            position = previous + 1
-            while position < total:
-                found = total
-                for k in range(CLASSES_IN_FLIGHT - 1, -1, -1):  # the lowest position found wins
-                    if (pair_class(params, b, hk, group, n_tile, first, per_head, position + k, total) != EMPTY
-                            and position + k < total):
-                        found = position + k
-                if found < total:
-                    return found
-                position += CLASSES_IN_FLIGHT
-            return total
+            return next_pair(params, (b, hk, group, n_tile, first, per_head), previous + 1, group * per_head)
 
         @register_jitable
         def visited_query_steps(params, b, hk, group, n_tile, first, per_head):
@@ -701,14 +715,7 @@ class Hooks:
             ``n_tile`` a dK/dV block visits (not EMPTY)."""
             if not variant.block_mask:
                 return group * per_head
-            total = group * per_head
-            count = 0
-            for position in range(0, total, CLASSES_IN_FLIGHT):
-                for k in range(CLASSES_IN_FLIGHT):
-                    if (pair_class(params, b, hk, group, n_tile, first, per_head, position + k, total) != EMPTY
-                            and position + k < total):
-                        count += 1
-            return count
+            return pair_count(params, (b, hk, group, n_tile, first, per_head), 0, group * per_head)
 
         self.tile_class, self.next_key_tile = tile_class, next_key_tile
         self.visit_query_step, self.visited_query_steps = visit_query_step, visited_query_steps
