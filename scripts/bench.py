@@ -80,28 +80,15 @@ def nbflash_runner(family):
     return run
 
 
-def nbflash_grouped_runner(family, groups):
-    """Times the forward of ``family``'s planned kernel with ``heavy_groups=groups``: longest-first
-    within groups of (batch, head) pairs (nbflash/kernels/geometry.py, ``grouped_block``)."""
+def nbflash_replaced_runner(family, **fields):
+    """Times the forward of ``family``'s planned kernel with ``fields`` of its config replaced: a
+    search column (--heavy-groups G: heavy_groups=G, longest-first within groups of (batch, head)
+    pairs, nbflash/kernels/geometry.py ``grouped_block``; --forward-blocks: the tensor-core
+    forward's block_m, block_n and num_warps in place of nbflash/configs.py MMA_FORWARD's)."""
 
     def run(q, k, v, causal, **variant):
         problem, q_, k_, v_ = checked(q, k, v, causal, variant)
-        kernel = launch.compiled(dataclasses.replace(_kernel_for(problem, family).config, heavy_groups=groups))
-        return lambda: _launch_forward(kernel, problem, q_, k_, v_)
-
-    return run
-
-
-def nbflash_blocks_runner(blocks):
-    """Times the forward of the tensor-core family's planned kernel with (block_m, block_n,
-    num_warps) = ``blocks`` in place of the table's (nbflash/configs.py MMA_FORWARD): a search column."""
-    block_m, block_n, num_warps = blocks
-
-    def run(q, k, v, causal, **variant):
-        problem, q_, k_, v_ = checked(q, k, v, causal, variant)
-        config = dataclasses.replace(_kernel_for(problem, "mma").config, block_m=block_m, block_n=block_n,
-                                     num_warps=num_warps)
-        kernel = launch.compiled(config)
+        kernel = launch.compiled(dataclasses.replace(_kernel_for(problem, family).config, **fields))
         return lambda: _launch_forward(kernel, problem, q_, k_, v_)
 
     return run
@@ -566,9 +553,11 @@ def main(argv=None):
     runners = {f"nbflash {f}": nbflash_pass(f) for f in args.families}
     for groups in args.heavy_groups:
         for family in args.families:
-            runners[f"nbflash {family} g{groups}"] = nbflash_grouped_runner(family, groups)
+            runners[f"nbflash {family} g{groups}"] = nbflash_replaced_runner(family, heavy_groups=groups)
     for blocks in args.forward_blocks:
-        runners[f"nbflash mma {blocks}"] = nbflash_blocks_runner(tuple(map(int, blocks.split("x"))))
+        block_m, block_n, num_warps = map(int, blocks.split("x"))
+        runners[f"nbflash mma {blocks}"] = nbflash_replaced_runner("mma", block_m=block_m, block_n=block_n,
+                                                                   num_warps=num_warps)
     for blocks in args.dkdv_blocks:
         if args.which != "backward":
             parser.error("--dkdv-blocks goes with --pass backward")

@@ -86,7 +86,7 @@ def test_heavy_groups_runner_matches_the_planned_kernel(bench):
 
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 20, 3, 16)).astype(np.float16) for _ in range(3))
-    out, lse = bench.nbflash_grouped_runner("mma", 4)(q, k, v, True)()
+    out, lse = bench.nbflash_replaced_runner("mma", heavy_groups=4)(q, k, v, True)()
     want, want_lse = nbflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
     assert np.array_equal(out, want) and np.array_equal(lse, want_lse)
 
