@@ -170,10 +170,10 @@ def test_full_tiles_are_not_tested(rng, xp):
 
 
 def test_walks_over_the_table():
-    """The kernels' walks over a block mask's table (nbflash.kernels.variants.Hooks), which read
-    CLASSES_IN_FLIGHT classes at a time, against a list comprehension: random tables with runs of
-    empty tiles longer than a batch of reads, bands [first, end) ending inside one; the dK/dV walk
-    over (query head, query tile) pairs of a KV head's group, across heads."""
+    """The kernels' walks over a block mask's table (nbflash.kernels.variants.Hooks) against a list
+    comprehension: random tables with long runs of empty tiles, bands [first, end) ending inside
+    one, rows with nothing to visit; the dK/dV walk over (query head, query tile) pairs of a KV
+    head's group, across heads."""
     from nbflash.kernels import variants
     from nbflash.problem import Variant
 

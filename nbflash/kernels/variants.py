@@ -76,38 +76,28 @@ PARAM_TYPES = {
 
 # A tile pair's class in a block mask's table: no element kept, some kept, all kept.
 EMPTY, PARTIAL, FULL = 0, 1, 2
-# Block-mask classes read at once by the kernels' walks over the tiles they visit (Hooks.next_key_tile)
-CLASSES_IN_FLIGHT = 8
 
 
 def _class_scans(class_at):
     """(next_visited, visited_count) over positions whose block-mask class ``class_at(params,
     where, position)`` is not EMPTY: next_visited(params, where, position, end) is the first such
     position in [position, end) (end if none), visited_count(params, where, start, end) how many
-    there are in [start, end). Both read CLASSES_IN_FLIGHT classes at a time, at positions that do not
-    depend on what was read (clamped to end - 1, so every read is in bounds): the loads are issued
-    together, where one class a trip would wait a memory latency each (a document mask's block
-    passes over tens of empty tiles)."""
+    there are in [start, end). One class a trip: reading eight at once (independent loads) measured
+    slower on the H200, 10-20% for a document mask (docs/perf-notes.md, "Block masks on the Hopper
+    family")."""
 
     @register_jitable
     def next_visited(params, where, position, end):
-        while position < end:
-            found = end
-            for k in range(CLASSES_IN_FLIGHT - 1, -1, -1):  # the lowest position found wins
-                if class_at(params, where, min(position + k, end - 1)) != EMPTY and position + k < end:
-                    found = position + k
-            if found < end:
-                return found
-            position += CLASSES_IN_FLIGHT
-        return end
+        while position < end and class_at(params, where, position) == EMPTY:
+            position += 1
+        return position
 
     @register_jitable
     def visited_count(params, where, start, end):
         count = 0
-        for position in range(start, end, CLASSES_IN_FLIGHT):
-            for k in range(CLASSES_IN_FLIGHT):
-                if class_at(params, where, min(position + k, end - 1)) != EMPTY and position + k < end:
-                    count += 1
+        for position in range(start, end):
+            if class_at(params, where, position) != EMPTY:
+                count += 1
         return count
 
     return next_visited, visited_count
