@@ -378,8 +378,8 @@ DEFAULTS = {
 TRAINING = ("forward", "backward", "forward+backward")
 # The passes each pass-specific flag goes with; the other passes refuse it.
 FLAG_PASSES = {
-    **dict.fromkeys(("seqlens", "variants", "families", "dkdv_blocks", "heavy_groups", "forward_blocks", "no_naive"),
-                     TRAINING),
+    **dict.fromkeys(("seqlens", "variants", "families", "dkdv_blocks", "heavy_groups", "forward_blocks", "no_naive",
+                     "rounds"), TRAINING),
     "causal": (*TRAINING, "varlen"),
     **dict.fromkeys(("decode_shapes", "decode_heads", "page_sizes", "seqlen_q", "num_splits", "page_aligned"),
                     ("decode",)),
@@ -424,6 +424,11 @@ def build_parser():
         "--forward-blocks", nargs="+", default=None, metavar="MxNxW",
         help="--pass forward: also time the tensor-core forward with these (block_m, block_n, num_warps) in "
         "place of the table's, one column each, e.g. 64x32x2",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=None, metavar="R",
+        help="time every column R times, taking turns (each column once a round, after all are built), and "
+        "report each column's median round; the spread (lowest, highest) goes to stderr. Default 1",
     )
     parser.add_argument(
         "--dkdv-blocks", nargs="+", default=None, metavar="MxNxW",
@@ -514,6 +519,9 @@ def resolve_arguments(parser, args):
         if any(g <= 0 for g in args.heavy_groups):
             parser.error("--heavy-groups takes positive group sizes")
         args.no_naive = bool(args.no_naive)
+        args.rounds = 1 if args.rounds is None else args.rounds
+        if args.rounds < 1:
+            parser.error("--rounds must be >= 1")
     return args
 
 
@@ -594,19 +602,35 @@ def main(argv=None):
         row = {"dtype": dtype, "hdim": headdim, "seqlen": seqlen, "causal": causal}
         if args.variants:
             row = {"dtype": dtype, "hdim": headdim, "seqlen": seqlen, "variant": name}
+        timers = {}
         for name, make in runners.items():
             if name.startswith("SDPA") and dtype == "float32":
                 row[name] = "-"
                 continue
             try:
                 call = make(q, k, v, causal, **variant)
-                timer = call.time_ms if isinstance(call, BackwardOnly) else functools.partial(time_ms, call)
-                ms = timer(warmup=2, repeats=10, budget_s=args.budget)
-                row[name] = round(flops / ms / 1e9, 1)
-            except Exception as error:  # out of memory, unsupported by a backend, ...
-                row[name] = "oom" if "memory" in str(error).lower() else "n/a"
-                print(f"  {name}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
-            cupy.get_default_memory_pool().free_all_blocks()
+                timers[name] = call.time_ms if isinstance(call, BackwardOnly) else functools.partial(time_ms, call)
+            except Exception as error:  # unsupported by a backend, ...
+                row[name] = failure(name, error)
+        rates = {name: [] for name in timers}
+        for _ in range(args.rounds):  # the columns take turns, so that a drift of the clocks hits each alike
+            for name, timer in timers.items():
+                if name in row:  # failed in an earlier round
+                    continue
+                try:
+                    rates[name].append(flops / timer(warmup=2, repeats=10, budget_s=args.budget) / 1e9)
+                except Exception as error:  # out of memory, ...
+                    row[name] = failure(name, error)
+                cupy.get_default_memory_pool().free_all_blocks()
+        for name, measured in rates.items():
+            if name not in row:
+                row[name] = round(float(np.median(measured)), 1)
+                if args.rounds > 1:
+                    print(f"  {name}: {len(measured)} rounds, {min(measured):.1f} .. {max(measured):.1f}",
+                          file=sys.stderr)
+        # The columns in the runners' order, whichever round filled them.
+        row = {**{key: value for key, value in row.items() if key not in runners},
+               **{name: row[name] for name in runners if name in row}}
         ours = [row[n] for n in runners if n.startswith("nbflash") and isinstance(row[n], float)]
         for anchor in ("SDPA flash", "naive CuPy", "Flex"):
             if ours and isinstance(row.get(anchor), float):
@@ -1043,8 +1067,7 @@ def varlen_main(args, argv):
                 ms = time_ms(calls, warmup=2, repeats=10, budget_s=args.budget) / BACK_TO_BACK
                 return round(flops / ms / 1e9, 1)
             except Exception as error:  # out of memory, a backend refusing the shape, ...
-                print(f"  {name}: {type(error).__name__}: {str(error)[:160]}", file=sys.stderr)
-                return "oom" if "memory" in str(error).lower() else "n/a"
+                return failure(name, error)
 
         row = {"dtype": dtype, "hdim": headdim, "heads": f"{nheads}/{nheads_k}", "causal": causal, "lengths": label,
                "seqs": count, "tokens": total, "max": longest, "pad %": round(100 * (1 - total / (count * longest)), 1)}
@@ -1088,6 +1111,12 @@ def varlen_main(args, argv):
     print(f"GPU: {gpu_name()}, nbflash {nbflash.__version__}")
     print(heading)
     print(tabulate(rows, headers="keys"))
+
+
+def failure(name, error):
+    """A column's entry for a runner that raised: 'oom' or 'n/a', the error on stderr."""
+    print(f"  {name}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+    return "oom" if "memory" in str(error).lower() else "n/a"
 
 
 def release_memory():

@@ -66,6 +66,13 @@ def test_forward_blocks_go_with_the_forward(bench, capsys):
     assert "expected three positive integers as MxNxW" in refused(bench, capsys, "--forward-blocks", "64x0x2")
 
 
+def test_rounds_go_with_the_training_passes(bench, capsys):
+    assert arguments(bench).rounds == 1
+    assert arguments(bench, "--pass", "backward", "--rounds", "5").rounds == 5
+    assert "--rounds must be >= 1" in refused(bench, capsys, "--rounds", "0")
+    assert "--rounds does not apply to --pass decode" in refused(bench, capsys, "--pass", "decode", "--rounds", "3")
+
+
 def test_heavy_groups_goes_with_the_forward(bench, capsys):
     assert arguments(bench, "--heavy-groups", "4", "8").heavy_groups == [4, 8]
     assert arguments(bench).heavy_groups == []
