@@ -83,7 +83,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from nbflash.primitives import (
     SIMULATOR,
@@ -293,8 +293,9 @@ class Sm90BackwardConfig:
 
     @property
     def stats_bytes(self):
-        """Bytes of one slot's lse_log2 and D."""
-        return 2 * self.block_m * 4
+        """Bytes of one slot's lse_log2 and D; with a block mask, then four words of the step the
+        stats warp walked to: its pair, query head, query tile and whether it is masked."""
+        return 2 * self.block_m * 4 + (16 if self.variant.block_mask else 0)
 
     @property
     def dynamic_shared_bytes(self):
@@ -387,6 +388,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     # ones skip the mask test; the steps walk the pairs visited (the i-th step is pair i without one)
     tile_class, visit_query_step, visited_query_steps = (hooks.tile_class, hooks.visit_query_step,
                                                          hooks.visited_query_steps)
+    # With one, the stats warp hands each step to the consumers with its slot (at word STEP_WORD of
+    # the slot's stats: pair, query head, query tile, masked): a walk of their own kept the table and
+    # the band's 64-bit bounds live across their loop, where they spilled (ptxas: 124 bytes, 12 now;
+    # ncu: 6.6x the causal kernel's local loads; the document mask's backward ran 11% slower)
+    BLOCK_MASK, STEP_WORD = hooks.BLOCK_MASK, 2 * BM
     SCORE = hooks.SCORE  # softcap, ALiBi: P from the raw S^T through the score point, dS carries its derivative
     # dropout: dV takes the dropped P^T, dS^T the factor too
     DROPOUT, dropout_bits_t, dropout_bit = hooks.DROPOUT, hooks.dropout_bits_t, hooks.dropout_bit
@@ -405,6 +411,26 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     K_MAJOR = (16, 1024)  # descriptor strides (bytes): 8-row groups 1024 apart, LBO unused
     STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
     store_element = output_store(config.dtype)
+
+    if BLOCK_MASK:
+
+        @inline_device
+        def consumer_step(smem, qd_full, stats_word0, params, b, hk, group, n_block, first_tile, tiles_per_head, i,
+                          position):
+            """Step i's (pair, query head, query tile, masked) as the stats warp left them with the
+            slot (waiting for it: the stats warp arrives after its stores)."""
+            step = stats_word0 + uint32((i % STAGES) * (STATS_BYTES // 4)) + uint32(STEP_WORD)
+            mbarrier_wait(qd_full + uint32(8 * (i % STAGES)), (i // STAGES) & 1)
+            return int32(smem[step]), int32(smem[step + 1]), int32(smem[step + 2]), smem[step + 3] != uint32(0)
+
+    else:
+
+        @inline_device
+        def consumer_step(smem, qd_full, stats_word0, params, b, hk, group, n_block, first_tile, tiles_per_head, i,
+                          position):
+            """Step i's (pair, query head, query tile, -): pair i."""
+            position = visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position)
+            return position, hk * group + position // tiles_per_head, first_tile + position % tiles_per_head, False
 
     @inline_device
     def k_step(chunk_bytes, kk):
@@ -721,6 +747,14 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                             d = delta[b, h, row]
                         smem[stats + 32 * r + lane] = f32_as_u32(lse_log2)
                         smem[stats + BM + 32 * r + lane] = f32_as_u32(d)
+                    if BLOCK_MASK and lane == 0:  # the step for the consumers: pair, head, tile, masked
+                        tile = first_tile + position % tiles_per_head
+                        smem[stats + STEP_WORD] = uint32(position)
+                        smem[stats + STEP_WORD + 1] = uint32(h)
+                        smem[stats + STEP_WORD + 2] = uint32(tile)
+                        smem[stats + STEP_WORD + 3] = uint32(
+                            tail or tile < first_full or tile >= end_full
+                            or tile_class(params, b, h, tile, n_block) != variants.FULL)
                     mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
         else:
             # ---- Consumers: 64 keys each ----
@@ -769,12 +803,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             position = -1  # the step's (query head, query tile) pair, in order
             for i in range(steps):
                 previous = position
-                position = visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position)
+                position, h, tile, step_masked = consumer_step(smem, qd_full, stats_word0, params, b, hk, group,
+                                                               n_block, first_tile, tiles_per_head, i, position)
                 slot, use = i % STAGES, i // STAGES
-                h = hk * group + position // tiles_per_head
                 head_ctx = head_context(params, b, h)  # (b, h, ALiBi slope): what the variant reads per head
                 units = score_units(params, scale, head_ctx)  # the score features' constants for this head
-                tile = first_tile + position % tiles_per_head
                 q_start = tile * BM
                 q_slot = q_ring + uint32(slot * Q_BYTES)
                 do_slot = do_ring + uint32(slot * Q_BYTES)
@@ -789,10 +822,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 if FUSED:  # dP^T too: its derivative (and dropout's factors) used as it is made
                     registers_to(dp, fence_operands(acc_dp))
 
-                # P^T, the mask only on tiles crossing the window's edges or a tail; then dS^T
+                # P^T, the mask only on tiles crossing the window's edges or a tail (with a block mask,
+                # the stats warp's word says it: those or not FULL); then dS^T
                 stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
-                if (tail or tile < first_full or tile >= end_full
-                        or tile_class(params, b, h, tile, n_block) != variants.FULL):
+                if step_masked if BLOCK_MASK else tail or tile < first_full or tile >= end_full:
                     probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
                                     scale_log2, units, q4, True)
                 else:
