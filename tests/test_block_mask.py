@@ -4,6 +4,7 @@ are skipped and full ones not tested, and the errors."""
 
 import numpy as np
 import pytest
+from numba import cuda
 
 import nbflash
 from nbflash.backward import flash_attn_backward
@@ -207,6 +208,50 @@ def test_walks_over_the_table():
                     position = hooks.visit_query_step(params, 0, hk, group, n, first, per_head, i, position)
                     walk.append(position)
                 assert walk == pairs
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="a one-warp kernel on NumPy tables (the GPU runs the kernels' own grid)")
+def test_warp_walks_over_the_table():
+    """The dK/dV walk and count done by a whole warp (Hooks.warp_visit_query_step and
+    warp_visited_query_steps: 32 classes a read, lanes agreeing by shuffles), run by a 32-thread
+    kernel, against a list comprehension: runs of empty pairs longer than 32 (several rounds of
+    reads), bands ending inside a round, a head's tiles all empty, nothing visited at all."""
+    from nbflash.kernels import variants
+    from nbflash.problem import Variant
+
+    hooks = variants.hooks(Variant(block_mask=True))
+    count_pairs, visit = hooks.warp_visited_query_steps, hooks.warp_visit_query_step
+
+    @cuda.jit
+    def walk(table, hk, group, n, first, per_head, out):
+        lane = cuda.threadIdx.x
+        params = (table,)
+        steps = count_pairs(params, 0, hk, group, n, first, per_head, lane)
+        if lane == 0:
+            out[0] = steps
+        position = -1
+        for i in range(steps):
+            position = visit(params, 0, hk, group, n, first, per_head, i, position, lane)
+            if lane == 0:
+                out[1 + i] = position
+
+    rng = np.random.default_rng(5)
+    for trial, group in enumerate((1, 2, 4, 1)):
+        m_tiles = int(rng.integers(36, 50))
+        table = np.where(rng.random((1, 8, m_tiles, 2)) < 0.1, FULL, EMPTY).astype(np.int8)
+        if trial == 3:
+            table[:] = EMPTY  # nothing to visit
+        table[0, :, : m_tiles - 2, 1] = EMPTY  # a run of empty pairs longer than a round of reads
+        hk = int(rng.integers(0, 8 // group))
+        for n in range(2):
+            first, end = int(rng.integers(0, 5)), int(rng.integers(m_tiles - 5, m_tiles + 1))
+            per_head = end - first
+            pairs = [g * per_head + t - first for g in range(group) for t in range(first, end)
+                     if table[0, hk * group + g, t, n] != EMPTY]
+            out = np.full(1 + group * per_head, -7, np.int64)
+            walk[1, 32](table, hk, group, n, first, per_head, out)
+            assert out[0] == len(pairs)
+            assert list(out[1:1 + len(pairs)]) == pairs
 
 
 def head_striped(b, h, q_idx, kv_idx):

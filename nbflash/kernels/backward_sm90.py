@@ -67,8 +67,9 @@ their P is exactly 0; keys past seqlen_k are masked, and their dK, dV rows are n
 Variants: the window (causal included); the element masks (the mask tensor, mask_mod), tested at
 the mask point of every visited tile (none is known to be whole with them, except the pairs a
 block mask's table calls FULL; the pairs it calls EMPTY are never visited: the producer's two warps
-and the consumers walk the same visited (query head, query tile) pairs, ``visit_query_step``,
-counted by ``visited_query_steps``); the score features
+walk the visited (query head, query tile) pairs, 32 classes a read, ``warp_visit_query_step``,
+every warp counts them the same way, ``warp_visited_query_steps``, and the stats warp hands each
+step to the consumers with its slot); the score features
 (softcap, ALiBi, the bias tensor, score_mod), whose scores come from the tensor-core score point of
 the raw S^T (``Hooks.tensor_core_score``, as in the mma backward) and whose derivative multiplies
 dS^T; and dropout, whose factors (the forward's Philox stream, ``Hooks.dropout_bits_t``) multiply
@@ -386,8 +387,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
     # A block mask's classes: EMPTY (query tile, key tile) pairs are never loaded nor computed, FULL
     # ones skip the mask test; the steps walk the pairs visited (the i-th step is pair i without one)
-    tile_class, visit_query_step, visited_query_steps = (hooks.tile_class, hooks.visit_query_step,
-                                                         hooks.visited_query_steps)
+    tile_class, visit_query_step = hooks.tile_class, hooks.visit_query_step
+    # ... walked and counted by whole warps where every lane is there (the producer's and the
+    # prologue's): 32 classes a read
+    warp_visit_query_step, warp_visited_query_steps = hooks.warp_visit_query_step, hooks.warp_visited_query_steps
     # With one, the stats warp hands each step to the consumers with its slot (at word STEP_WORD of
     # the slot's stats: pair, query head, query tile, masked): a walk of their own kept the table and
     # the band's 64-bit bounds live across their loop, where they spilled (ptxas: 124 bytes, 12 now;
@@ -674,7 +677,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             n_start, min(n_start + BN, seqlen_k), seqlen_q, seqlen_k, params, BM)
         tail = n_start + BN > seqlen_k
         tiles_per_head = end_tile - first_tile
-        steps = visited_query_steps(params, b, hk, group, n_block, first_tile, tiles_per_head)
+        steps = warp_visited_query_steps(params, b, hk, group, n_block, first_tile, tiles_per_head, tid % 32)
 
         if tid == 0:
             mbarrier_init(kv_full, 1)
@@ -691,42 +694,49 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             warp = tid // 32
             lane = tid % 32
             if warp == 0 and steps > 0:
-                if elect_sync() == uint32(1):
+                # One elected lane issues the copies; with a block mask the whole warp walks the
+                # pairs with it (32 classes a read: a later document's key tile passes tens of
+                # empty pairs), else the elected lane alone (step i is pair i)
+                leader = elect_sync() == uint32(1)
+                if leader or BLOCK_MASK:
                     maps_address = array_address(maps)
                     q_map, k_map, v_map, do_map = (maps_address, maps_address + 128, maps_address + 256,
                                                    maps_address + 384)
-                    fence_proxy_tensormap_acquire(q_map)  # the maps were copied from the host
-                    fence_proxy_tensormap_acquire(k_map)
-                    fence_proxy_tensormap_acquire(v_map)
-                    fence_proxy_tensormap_acquire(do_map)
-                    mbarrier_arrive_expect_tx(kv_full, 2 * KV_BYTES)
-                    for chunk in static_range(CHUNKS):
-                        tma_load_4d(k_tile + uint32(chunk * KV_CHUNK_BYTES), k_map, chunk * CHUNK, hk, n_start, b,
-                                    kv_full)
-                        tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk, n_start, b,
-                                    kv_full)
+                    if leader:
+                        fence_proxy_tensormap_acquire(q_map)  # the maps were copied from the host
+                        fence_proxy_tensormap_acquire(k_map)
+                        fence_proxy_tensormap_acquire(v_map)
+                        fence_proxy_tensormap_acquire(do_map)
+                        mbarrier_arrive_expect_tx(kv_full, 2 * KV_BYTES)
+                        for chunk in static_range(CHUNKS):
+                            tma_load_4d(k_tile + uint32(chunk * KV_CHUNK_BYTES), k_map, chunk * CHUNK, hk, n_start, b,
+                                        kv_full)
+                            tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk, n_start, b,
+                                        kv_full)
                     position = -1
                     for i in range(steps):
-                        position = visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i,
-                                                    position)
+                        position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i,
+                                                         position, lane)
                         slot, use = i % STAGES, i // STAGES
                         if use > 0:  # the consumers have released the slot's previous tiles
                             mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
-                        h = hk * group + position // tiles_per_head
-                        q_start = (first_tile + position % tiles_per_head) * BM
-                        full = qd_full + uint32(8 * slot)
-                        q_slot = q_ring + uint32(slot * Q_BYTES)
-                        do_slot = do_ring + uint32(slot * Q_BYTES)
-                        mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
-                        for chunk in static_range(CHUNKS):
-                            tma_load_4d(q_slot + uint32(chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK, h, q_start, b,
-                                        full)
-                            tma_load_4d(do_slot + uint32(chunk * Q_CHUNK_BYTES), do_map, chunk * CHUNK, h, q_start,
-                                        b, full)
+                        if leader:
+                            h = hk * group + position // tiles_per_head
+                            q_start = (first_tile + position % tiles_per_head) * BM
+                            full = qd_full + uint32(8 * slot)
+                            q_slot = q_ring + uint32(slot * Q_BYTES)
+                            do_slot = do_ring + uint32(slot * Q_BYTES)
+                            mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
+                            for chunk in static_range(CHUNKS):
+                                tma_load_4d(q_slot + uint32(chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK, h, q_start,
+                                            b, full)
+                                tma_load_4d(do_slot + uint32(chunk * Q_CHUNK_BYTES), do_map, chunk * CHUNK, h,
+                                            q_start, b, full)
             elif warp == 1:
                 position = -1
                 for i in range(steps):
-                    position = visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position)
+                    position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i,
+                                                     position, lane)
                     slot, use = i % STAGES, i // STAGES
                     if use > 0:
                         mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)

@@ -103,6 +103,42 @@ def _class_scans(class_at):
     return next_visited, visited_count
 
 
+def _warp_class_scans(class_at):
+    """The scans of ``_class_scans`` done by a whole warp, ``lane`` its lane (0..31; all 32 lanes
+    call with the same arguments): each lane reads one class of 32 consecutive positions, so one
+    memory latency covers 32 of them, and the lanes agree by butterfly shuffles (the lowest lane
+    that found one; the sum of the counts). Same results as ``_class_scans``."""
+
+    @register_jitable
+    def warp_next_visited(params, where, position, end, lane):
+        while position < end:
+            found = uint32(32)  # the lowest lane whose position is visited, 32 if none
+            if position + lane < end and class_at(params, where, position + lane) != EMPTY:
+                found = uint32(lane)
+            mask = uint32(16)
+            while mask != uint32(0):
+                found = min(found, shuffle_xor_u32(found, mask))
+                mask >>= uint32(1)
+            if found < uint32(32):
+                return position + int32(found)
+            position += 32
+        return end
+
+    @register_jitable
+    def warp_visited_count(params, where, start, end, lane):
+        count = uint32(0)
+        for position in range(start + lane, end, 32):
+            if class_at(params, where, position) != EMPTY:
+                count += uint32(1)
+        mask = uint32(16)
+        while mask != uint32(0):
+            count += shuffle_xor_u32(count, mask)
+            mask >>= uint32(1)
+        return int32(count)
+
+    return warp_next_visited, warp_visited_count
+
+
 def param_types(variant):
     """The signature types of ``params`` for ``variant``, in order (the bias tensor's element type
     is the variant's; bfloat16 arrives as its uint16 bits)."""
@@ -660,6 +696,7 @@ class Hooks:
 
         next_key, key_count = _class_scans(key_tile_class)
         next_pair, pair_count = _class_scans(pair_class)
+        warp_next_pair, warp_pair_count = _warp_class_scans(pair_class)
 
         @register_jitable
         def next_key_tile(params, b, h, m_tile, n_tile, end):
@@ -707,6 +744,23 @@ class Hooks:
                 return group * per_head
             return pair_count(params, (b, hk, group, n_tile, first, per_head), 0, group * per_head)
 
+        @register_jitable
+        def warp_visit_query_step(params, b, hk, group, n_tile, first, per_head, i, previous, lane):
+            """``visit_query_step`` walked by a whole warp (all 32 lanes, ``lane`` each one's): the
+            same step, 32 pairs a read past empty ones."""
+            if not variant.block_mask:
+                return i
+            return warp_next_pair(params, (b, hk, group, n_tile, first, per_head), previous + 1, group * per_head,
+                                  lane)
+
+        @register_jitable
+        def warp_visited_query_steps(params, b, hk, group, n_tile, first, per_head, lane):
+            """``visited_query_steps`` counted by a whole warp (all 32 lanes)."""
+            if not variant.block_mask:
+                return group * per_head
+            return warp_pair_count(params, (b, hk, group, n_tile, first, per_head), 0, group * per_head, lane)
+
+        self.warp_visit_query_step, self.warp_visited_query_steps = warp_visit_query_step, warp_visited_query_steps
         self.tile_class, self.next_key_tile = tile_class, next_key_tile
         self.visit_query_step, self.visited_query_steps = visit_query_step, visited_query_steps
         self.visit_key_tile, self.visited_key_tiles = visit_key_tile, visited_key_tiles
