@@ -56,7 +56,8 @@ TOPICS = [
         once. The geometry module says which query tiles see the key tile, and which of them see all
         of it (no mask), as it says the forward's key tiles.""",
      [(KERNEL, BODY, "query_tiles(", 0, "the query tiles that see this key tile (geometry.py)"),
-      (KERNEL, BODY, "steps = visited_query_steps(", 0, "one step per (query head of the group, query tile) it visits"),
+      (KERNEL, BODY, "steps = warp_visited_query_steps(", 0,
+       "one step per (query head of the group, query tile) it visits, counted by the whole warp"),
       (KERNEL, BODY, "store_rows(dk, dk_acc", 0, "dK written once, times the scale, after the loop")]),
     ("2. The scores transposed: keys as rows", """
         Each consumer owns 64 keys of the tile and computes S^T = K_c Q_i^T (64 keys by 64 queries)
