@@ -171,10 +171,10 @@ def test_full_tiles_are_not_tested(rng, xp):
 
 
 def test_walks_over_the_table():
-    """The kernels' walks over a block mask's table (nbflash.kernels.variants.Hooks) against a list
+    """The forwards' walks over a block mask's table (nbflash.kernels.variants.Hooks) against a list
     comprehension: random tables with long runs of empty tiles, bands [first, end) ending inside
-    one, rows with nothing to visit; the dK/dV walk over (query head, query tile) pairs of a KV
-    head's group, across heads."""
+    one, rows with nothing to visit (the dK/dV kernel's walk over (query head, query tile) pairs:
+    test_warp_walks_over_the_table)."""
     from nbflash.kernels import variants
     from nbflash.problem import Variant
 
@@ -196,18 +196,6 @@ def test_walks_over_the_table():
                     walk.append(j)
                 assert walk == expected
                 assert hooks.next_key_tile(params, 0, h, m, walk[-1] + 1 if walk else first, end) == end
-        for group, hk in ((1, 3), (2, 1), (4, 0)):  # query heads hk * group ... of the group
-            for n in range(n_tiles):
-                first, end = sorted(int(x) for x in rng.integers(0, m_tiles + 1, 2))
-                per_head = end - first
-                pairs = [g * per_head + t - first for g in range(group) for t in range(first, end)
-                         if table[0, hk * group + g, t, n] != EMPTY]
-                assert hooks.visited_query_steps(params, 0, hk, group, n, first, per_head) == len(pairs)
-                walk, position = [], -1
-                for i in range(len(pairs)):
-                    position = hooks.visit_query_step(params, 0, hk, group, n, first, per_head, i, position)
-                    walk.append(position)
-                assert walk == pairs
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="a one-warp kernel on NumPy tables (the GPU runs the kernels' own grid)")

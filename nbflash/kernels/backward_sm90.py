@@ -387,7 +387,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
     # A block mask's classes: EMPTY (query tile, key tile) pairs are never loaded nor computed, FULL
     # ones skip the mask test; the steps walk the pairs visited (the i-th step is pair i without one)
-    tile_class, visit_query_step = hooks.tile_class, hooks.visit_query_step
+    tile_class = hooks.tile_class
     # ... walked and counted by whole warps where every lane is there (the producer's and the
     # prologue's): 32 classes a read
     warp_visit_query_step, warp_visited_query_steps = hooks.warp_visit_query_step, hooks.warp_visited_query_steps
@@ -432,7 +432,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         def consumer_step(smem, qd_full, stats_word0, params, b, hk, group, n_block, first_tile, tiles_per_head, i,
                           position):
             """Step i's (pair, query head, query tile, -): pair i."""
-            position = visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position)
+            position = i
             return position, hk * group + position // tiles_per_head, first_tile + position % tiles_per_head, False
 
     @inline_device

@@ -680,9 +680,9 @@ class Hooks:
             def tile_class(params, b, h, m_tile, n_tile):
                 return int32(FULL)
 
-        # The walks over the tiles a block visits: key tiles of a query tile (the forwards), and
-        # (query head, query tile) pairs over a key tile (the sm90 dK/dV kernel), both scans of
-        # positions by _class_scans.
+        # The walks over the tiles a block visits: key tiles of a query tile (the forwards), scans
+        # of positions by _class_scans, and (query head, query tile) pairs over a key tile (the sm90
+        # dK/dV kernel), by _warp_class_scans.
 
         @register_jitable
         def key_tile_class(params, where, n_tile):
@@ -695,7 +695,6 @@ class Hooks:
             return tile_class(params, b, hk * group + position // per_head, first + position % per_head, n_tile)
 
         next_key, key_count = _class_scans(key_tile_class)
-        next_pair, pair_count = _class_scans(pair_class)
         warp_next_pair, warp_pair_count = _warp_class_scans(pair_class)
 
         @register_jitable
@@ -726,28 +725,13 @@ class Hooks:
             return key_count(params, (b, h, m_tile), first, end)
 
         @register_jitable
-        def visit_query_step(params, b, hk, group, n_tile, first, per_head, i, previous):
+        def warp_visit_query_step(params, b, hk, group, n_tile, first, per_head, i, previous, lane):
             """The i-th step (from 0) of a dK/dV block over key tile ``n_tile``, as its position
             among the (query head of KV head hk's group, query tile) pairs in order, g * per_head +
             tile - first, given the step before it at ``previous`` (-1 for i = 0): i without a block
             mask (the loop then compiles as before), else the next pair after ``previous`` that is
-            not EMPTY."""
-            if not variant.block_mask:
-                return i
-            return next_pair(params, (b, hk, group, n_tile, first, per_head), previous + 1, group * per_head)
-
-        @register_jitable
-        def visited_query_steps(params, b, hk, group, n_tile, first, per_head):
-            """How many of the group * per_head (query head, query tile) pairs over key tile
-            ``n_tile`` a dK/dV block visits (not EMPTY)."""
-            if not variant.block_mask:
-                return group * per_head
-            return pair_count(params, (b, hk, group, n_tile, first, per_head), 0, group * per_head)
-
-        @register_jitable
-        def warp_visit_query_step(params, b, hk, group, n_tile, first, per_head, i, previous, lane):
-            """``visit_query_step`` walked by a whole warp (all 32 lanes, ``lane`` each one's): the
-            same step, 32 pairs a read past empty ones."""
+            not EMPTY. Walked by a whole warp (all 32 lanes, ``lane`` each one's): 32 pairs a read
+            past empty ones."""
             if not variant.block_mask:
                 return i
             return warp_next_pair(params, (b, hk, group, n_tile, first, per_head), previous + 1, group * per_head,
@@ -755,14 +739,14 @@ class Hooks:
 
         @register_jitable
         def warp_visited_query_steps(params, b, hk, group, n_tile, first, per_head, lane):
-            """``visited_query_steps`` counted by a whole warp (all 32 lanes)."""
+            """How many of the group * per_head (query head, query tile) pairs over key tile
+            ``n_tile`` a dK/dV block visits (not EMPTY), counted by a whole warp (all 32 lanes)."""
             if not variant.block_mask:
                 return group * per_head
             return warp_pair_count(params, (b, hk, group, n_tile, first, per_head), 0, group * per_head, lane)
 
         self.warp_visit_query_step, self.warp_visited_query_steps = warp_visit_query_step, warp_visited_query_steps
         self.tile_class, self.next_key_tile = tile_class, next_key_tile
-        self.visit_query_step, self.visited_query_steps = visit_query_step, visited_query_steps
         self.visit_key_tile, self.visited_key_tiles = visit_key_tile, visited_key_tiles
 
         # The layout: where sequence b's rows are. The kernels call this only under `if VARLEN:`
