@@ -230,6 +230,7 @@ def test_warp_walks_over_the_table():
         if trial == 3:
             table[:] = EMPTY  # nothing to visit
         table[0, :, : m_tiles - 2, 1] = EMPTY  # a run of empty pairs longer than a round of reads
+        table[0, ::2, :, 0] = EMPTY  # every other head's tiles all empty: walks cross a whole head
         hk = int(rng.integers(0, 8 // group))
         for n in range(2):
             first, end = int(rng.integers(0, 5)), int(rng.integers(m_tiles - 5, m_tiles + 1))
