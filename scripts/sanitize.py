@@ -69,21 +69,23 @@ TOLERANCE = {"float16": 2e-2, "bfloat16": 8e-2, "float32": 1e-4}
 
 
 def _dense(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, family, backward, **variant):
-    """One forward (and backward) against the float64 reference."""
+    """One forward (and backward) against the float64 reference. A ``block_mask`` goes to the
+    kernels only: the reference takes its mask_mod."""
     import nbflash
 
     q = _draw(rng, (batch, seqlen_q, nheads, headdim), dtype)
     k = _draw(rng, (batch, seqlen_k, nheads_k, headdim), dtype)
     v = _draw(rng, (batch, seqlen_k, nheads_k, headdim), dtype)
+    reference = {name: value for name, value in variant.items() if name != "block_mask"}
     with nbflash.kernel_family(family):
         out, lse = nbflash.flash_attn_func(q, k, v, return_lse=True, **variant)
-        ref_out, _ = nbflash.attention_reference(_host(q), _host(k), _host(v), return_lse=True, **variant)
+        ref_out, _ = nbflash.attention_reference(_host(q), _host(k), _host(v), return_lse=True, **reference)
         _close(out, ref_out, f"{family} forward {dtype}", TOLERANCE[dtype])
         if backward:
             dout = _draw(rng, out.shape, dtype)
             for deterministic in (False, True):
                 grads = nbflash.flash_attn_backward(dout, q, k, v, out, lse, deterministic=deterministic, **variant)
-                want = nbflash.attention_reference_backward(_host(dout), _host(q), _host(k), _host(v), **variant)
+                want = nbflash.attention_reference_backward(_host(dout), _host(q), _host(k), _host(v), **reference)
                 for name, got, ref in zip("qkv", grads, want):
                     scale = max(1.0, float(np.abs(ref).max()))
                     _close(got, ref, f"{family} d{name} {dtype} deterministic={deterministic}",
@@ -175,7 +177,7 @@ def case_decode(rng, small):
 
 
 def case_sm90(rng, small):
-    """The Hopper family, where this nbflash has it and the GPU runs it."""
+    """The Hopper family's forward, where this nbflash has it and the GPU runs it."""
     import nbflash.configs as configs
 
     if "sm90" not in configs.FAMILIES:
@@ -184,6 +186,28 @@ def case_sm90(rng, small):
     n = (13, 29) if small else (77, 200)
     _dense(rng, "float16", 2, n[0], n[1], 4, 2, 64, "sm90", False)
     _dense(rng, "bfloat16", 1, n[1], n[1], 2, 1, 128, "sm90", False, causal=True)
+
+
+def case_sm90_backward(rng, small):
+    """The Hopper family's backward (the dK/dV kernel, and with ``deterministic=True`` the dQ kernel),
+    and its forward, on tails, GQA, the window's variants and a block mask whose tables skip whole
+    (query tile, key tile) pairs (the producer's warp-wide walks)."""
+    import nbflash
+    import nbflash.configs as configs
+    from nbflash.catalogue import document_mask_mod
+
+    if "sm90" not in configs.FAMILIES:
+        print("no sm90 family in this nbflash: skipped")
+        return
+    n = (13, 29) if small else (77, 200)
+    _dense(rng, "float16", 2, n[0], n[1], 4, 2, 64, "sm90", True)
+    _dense(rng, "bfloat16", 1, n[1], n[1], 2, 1, 128, "sm90", True, causal=True)
+    _dense(rng, "float16", 1, n[1], n[0], 2, 2, 64, "sm90", True, window_size=(n[0] // 2, 3), softcap=20.0,
+           alibi_slopes=_backend().asarray(np.array([0.5, 0.25], np.float32)))
+    seqlen = 70 if small else 333
+    mask_mod = document_mask_mod(seqlen, seqlen)
+    block_mask = nbflash.create_block_mask(mask_mod, None, None, seqlen, seqlen)
+    _dense(rng, "float16", 1, seqlen, seqlen, 4, 2, 128, "sm90", True, mask_mod=mask_mod, block_mask=block_mask)
 
 
 @dataclass(frozen=True)
