@@ -174,18 +174,18 @@ def test_full_tiles_are_not_tested(rng, xp):
 def test_walks_over_the_table():
     """The forwards' walks over a block mask's table (nbflash.kernels.variants.Hooks) against a list
     comprehension: random tables with long runs of empty tiles (longer than a warp's 32 reads), bands
-    [first, end) ending inside one, rows with nothing to visit. The forwards find, count and walk
-    the tiles with whole warps (the sm90 forward: warp_visited_key_tiles and warp_visit_key_tile;
-    the mma forward's prefetch: warp_next_key_tile), run here by a 32-thread kernel. (The dK/dV
-    kernel's walk over (query head, query tile) pairs: test_warp_walks_over_the_table.)"""
+    [first, end) ending inside one, rows with nothing to visit. The sm90 forward's count and walk
+    are done by a whole warp (warp_visited_key_tiles, warp_visit_key_tile), run here by a 32-thread
+    kernel; the mma forward's prefetch (next_key_tile) by one thread. (The dK/dV kernel's walk over
+    (query head, query tile) pairs: test_warp_walks_over_the_table.)"""
     from nbflash.kernels import variants
     from nbflash.problem import Variant
 
     hooks = variants.hooks(Variant(block_mask=True))
-    count_tiles, visit, next_tile = hooks.warp_visited_key_tiles, hooks.warp_visit_key_tile, hooks.warp_next_key_tile
+    count_tiles, visit = hooks.warp_visited_key_tiles, hooks.warp_visit_key_tile
 
     @cuda.jit
-    def walk(table, h, m, first, end, out, found):
+    def walk(table, h, m, first, end, out):
         lane = cuda.threadIdx.x
         params = (table,)
         n_tiles = count_tiles(params, 0, h, m, first, end, lane)
@@ -196,13 +196,6 @@ def test_walks_over_the_table():
             j = visit(params, 0, h, m, first, i, j, end, lane)
             if lane == 0:
                 out[1 + i] = j
-        j = next_tile(params, 0, h, m, first, end, lane)
-        i = 0
-        while j < end:
-            if lane == 0:
-                found[i] = j
-            i += 1
-            j = next_tile(params, 0, h, m, j + 1, end, lane)
 
     rng = np.random.default_rng(3)
     for trial in range(12):
@@ -210,17 +203,22 @@ def test_walks_over_the_table():
         table = np.where(rng.random((1, 4, m_tiles, n_tiles)) < 0.25, FULL, EMPTY).astype(np.int8)
         table[0, 0, 0, :] = EMPTY  # a row with nothing to visit
         table[0, 1, :, : n_tiles * 3 // 4] = EMPTY  # a run of empty tiles longer than a round of reads
+        params = (table,)
         for h in range(4):
             m = int(rng.integers(0, m_tiles))
             first, end = sorted(int(x) for x in rng.integers(0, n_tiles + 1, 2))
             if trial % 3 == 0:
                 first, end = 0, n_tiles
             expected = [j for j in range(first, end) if table[0, h, m, j] != EMPTY]
-            out, found = np.full(1 + n_tiles, -7, np.int64), np.full(n_tiles, -7, np.int64)
-            walk[1, 32](table, h, m, first, end, out, found)
+            out = np.full(1 + n_tiles, -7, np.int64)
+            walk[1, 32](table, h, m, first, end, out)
             assert out[0] == len(expected)
             assert list(out[1:1 + len(expected)]) == expected
-            assert list(found) == expected + [-7] * (n_tiles - len(expected))
+            position, walked = first, []
+            while (position := hooks.next_key_tile(params, 0, h, m, position, end)) < end:
+                walked.append(position)
+                position += 1
+            assert walked == expected
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="a one-warp kernel on NumPy tables (the GPU runs the kernels' own grid)")

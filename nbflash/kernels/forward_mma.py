@@ -206,7 +206,7 @@ def build_forward_mma(config: MmaForwardConfig):
     score_units, score_row, score_at, _ = hooks.tensor_core_score(config.fold_scale)
     DROPOUT, dropout_words = hooks.DROPOUT, hooks.dropout_words
     keep_or_zero, dropout_scale = hooks.keep_or_zero, hooks.dropout_scale
-    BLOCK_MASK, tile_class, next_key_tile = hooks.BLOCK_MASK, hooks.tile_class, hooks.warp_next_key_tile
+    BLOCK_MASK, tile_class, next_key_tile = hooks.BLOCK_MASK, hooks.tile_class, hooks.next_key_tile
     VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
     SKIP_RESCALE, FOLD_SCALE = config.skip_rescale, config.fold_scale and not SCORE
     ROW_BYTES = ROW * 2
@@ -551,9 +551,7 @@ def build_forward_mma(config: MmaForwardConfig):
         # ---- Prologue: Q_i and the first K/V tile in flight; Q_i into registers ----
         load_q_tile(smem, base, q, b, m_start, h, seqlen_q)
         cp_async_commit()
-        # (a block mask's EMPTY tiles are passed over: each warp finds the next tile visited with all
-        # its lanes, 32 tiles a read; block-uniform, so the barriers stay uniform)
-        first_visited = next_key_tile(params, b, h, m_block, first_tile, end_tile, lane)  # first_tile without one
+        first_visited = next_key_tile(params, b, h, m_block, first_tile, end_tile)  # first_tile without a block mask
         if end_tile > first_visited:
             load_kv_tiles(smem, base, k, v, b, first_visited * BN, hk, seqlen_k, 0)
         cp_async_commit()
@@ -597,7 +595,7 @@ def build_forward_mma(config: MmaForwardConfig):
             cp_async_wait(0)  # this thread's copies of tile j (the only group in flight) have landed
             cuda.syncthreads()  # every thread's have: tile j is complete in shared memory; and every
             #                     warp is done with iteration j - 1, so the other buffer is free
-            j_next = next_key_tile(params, b, h, m_block, j + 1, end_tile, lane)  # the next tile visited: j + 1 without
+            j_next = next_key_tile(params, b, h, m_block, j + 1, end_tile)  # the next tile visited: j + 1 without
             if j_next < end_tile:  # prefetch it while this one is computed on
                 load_kv_tiles(smem, base, k, v, b, n_start + (j_next - j) * BN, hk, seqlen_k, 1 - buf)
             cp_async_commit()

@@ -78,15 +78,29 @@ PARAM_TYPES = {
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
+def _next_visited(class_at):
+    """next_visited(params, where, position, end): the first position in [position, end) whose
+    block-mask class ``class_at(params, where, position)`` is not EMPTY (end if none), one class a
+    trip, by a thread alone (the mma forward's prefetch). Reading eight at once (independent loads)
+    measured slower on the H200, 10-20% for a document mask (docs/perf-notes.md, "Block masks on the
+    Hopper family"); where a whole warp walks, ``_warp_class_scans`` reads 32 a trip."""
+
+    @register_jitable
+    def next_visited(params, where, position, end):
+        while position < end and class_at(params, where, position) == EMPTY:
+            position += 1
+        return position
+
+    return next_visited
+
+
 def _warp_class_scans(class_at):
-    """(warp_next_visited, warp_visited_count) over positions whose block-mask class ``class_at(params,
-    where, position)`` is not EMPTY, done by a whole warp, ``lane`` its lane (0..31; all 32 lanes call
-    with the same arguments): warp_next_visited(params, where, position, end, lane) is the first such
-    position in [position, end) (end if none), warp_visited_count(params, where, start, end, lane) how
-    many there are in [start, end). Each lane reads one class of 32 consecutive positions, so one
+    """(warp_next_visited, warp_visited_count), done by a whole warp, ``lane`` its lane (0..31; all
+    32 lanes call with the same arguments): warp_next_visited(params, where, position, end, lane) is
+    ``_next_visited``'s answer, warp_visited_count(params, where, start, end, lane) how many positions
+    of [start, end) are not EMPTY. Each lane reads one class of 32 consecutive positions, so one
     memory latency covers 32 of them, and the lanes agree by butterfly shuffles (the lowest lane
-    that found one; the sum of the counts). One class a trip by one thread measured far slower on
-    the H200 (docs/perf-notes.md, "Block masks on the Hopper family"), and so did eight at once."""
+    that found one; the sum of the counts)."""
 
     @register_jitable
     def warp_next_visited(params, where, position, end, lane):
@@ -659,9 +673,9 @@ class Hooks:
             def tile_class(params, b, h, m_tile, n_tile):
                 return int32(FULL)
 
-        # The walks over the tiles a block visits, each by whole warps (_warp_class_scans): key tiles
-        # of a query tile (the forwards), and (query head, query tile) pairs over a key tile (the sm90
-        # dK/dV kernel).
+        # The walks over the tiles a block visits: key tiles of a query tile (the forwards), and
+        # (query head, query tile) pairs over a key tile (the sm90 dK/dV kernel). Where a whole warp
+        # walks (the sm90 kernels), by _warp_class_scans; the mma forward's prefetch by _next_visited.
 
         @register_jitable
         def key_tile_class(params, where, n_tile):
@@ -673,17 +687,18 @@ class Hooks:
             b, hk, group, n_tile, first, per_head = where
             return tile_class(params, b, hk * group + position // per_head, first + position % per_head, n_tile)
 
+        next_key = _next_visited(key_tile_class)
         warp_next_key, warp_key_count = _warp_class_scans(key_tile_class)
         warp_next_pair, warp_pair_count = _warp_class_scans(pair_class)
 
         @register_jitable
-        def warp_next_key_tile(params, b, h, m_tile, n_tile, end, lane):
+        def next_key_tile(params, b, h, m_tile, n_tile, end):
             """The first key tile from ``n_tile`` on that query tile ``m_tile`` visits (not EMPTY),
-            or ``end`` (``n_tile`` itself without a block mask): the mma forward prefetches that one.
-            Found by a whole warp (all 32 lanes, ``lane`` each one's): 32 tiles a read."""
+            or ``end``: a pipelined kernel prefetches that one (``n_tile`` itself without a block
+            mask)."""
             if not variant.block_mask:
                 return n_tile
-            return warp_next_key(params, (b, h, m_tile), n_tile, end, lane)
+            return next_key(params, (b, h, m_tile), n_tile, end)
 
         @register_jitable
         def warp_visit_key_tile(params, b, h, m_tile, first, i, previous, end, lane):
@@ -726,7 +741,7 @@ class Hooks:
             return warp_pair_count(params, (b, hk, group, n_tile, first, per_head), 0, group * per_head, lane)
 
         self.warp_visit_query_step, self.warp_visited_query_steps = warp_visit_query_step, warp_visited_query_steps
-        self.tile_class, self.warp_next_key_tile = tile_class, warp_next_key_tile
+        self.tile_class, self.next_key_tile = tile_class, next_key_tile
         self.warp_visit_key_tile, self.warp_visited_key_tiles = warp_visit_key_tile, warp_visited_key_tiles
 
         # The layout: where sequence b's rows are. The kernels call this only under `if VARLEN:`
