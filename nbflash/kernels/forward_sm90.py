@@ -87,8 +87,7 @@ tanh) that only the lse sees. The mask point is ``hidden`` on the same elements;
 mask (the mask tensor, mask_mod) no tile is known to be whole (``key_tiles`` says so), so every
 visited tile takes it, except where a block mask's table calls a tile FULL (mask_mod keeps it
 whole); the tiles the table calls EMPTY are never loaded nor computed: the producer and the
-consumers walk the same visited tiles, each warp with all its lanes (``warp_visit_key_tile``, 32
-tiles a read), counted the same way (``warp_visited_key_tiles``).
+consumers walk the same visited tiles (``visit_key_tile``), counted by ``visited_key_tiles``.
 Dropout is the probability point: each P kept or zeroed as it is packed for P V (``drop_p``), after
 l_i has summed the undropped P, the kept scale applied with 1 / l, as forward_mma.py's mma_p_v
 does. A feature that is absent compiles to nothing. Packed sequences stay with the sm80 family
@@ -317,8 +316,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
     # A block mask's classes: EMPTY tiles are never loaded nor computed, FULL ones skip the mask test
     # (FULL everywhere without one, and then the walk below is j = first_tile + i)
-    tile_class, visit_key_tile, visited_key_tiles = hooks.tile_class, hooks.warp_visit_key_tile, hooks.warp_visited_key_tiles
-    BLOCK_MASK = hooks.BLOCK_MASK
+    tile_class, visit_key_tile, visited_key_tiles = hooks.tile_class, hooks.visit_key_tile, hooks.visited_key_tiles
     HEAVY_GROUPS = config.heavy_groups
     head_context = hooks.head_context
     # A score feature (softcap, ALiBi, bias, score_mod): raw S through the tensor-core score point, into
@@ -590,9 +588,8 @@ def build_forward_sm90(config: Sm90ForwardConfig):
         first_tile, first_full, end_full, end_tile = key_tiles(
             m_start, min(m_start + BM, seqlen_q), seqlen_q, seqlen_k, params, BN)
         # ... of which a block mask's EMPTY ones are passed over: the i-th tile visited is j, which
-        # the producer and the consumers walk alike, each warp with all its lanes (visit_key_tile:
-        # 32 tiles a read; every warp counts them the same way)
-        n_tiles = visited_key_tiles(params, b, h, m_block, first_tile, end_tile, tid % 32)
+        # the producer and the consumers walk alike (visit_key_tile)
+        n_tiles = visited_key_tiles(params, b, h, m_block, first_tile, end_tile)
 
         if tid == 0:
             mbarrier_init(q_full, 1)
@@ -608,27 +605,19 @@ def build_forward_sm90(config: Sm90ForwardConfig):
             if SPLIT_REGISTERS:
                 setmaxnreg_dec(PRODUCER_REGS)
             if tid < 32:
-                # One elected lane issues the copies; with a block mask the whole warp walks the
-                # tiles with it (32 classes a read: a later document's query block passes tens of
-                # empty tiles), else the elected lane alone (the i-th tile is first_tile + i)
-                lane = tid
-                leader = elect_sync() == uint32(1)
-                if leader or BLOCK_MASK:
+                if elect_sync() == uint32(1):
                     maps_address = array_address(maps)
                     q_map, k_map, v_map = maps_address, maps_address + 128, maps_address + 256
-                    if leader:
-                        fence_proxy_tensormap_acquire(q_map)  # the maps were copied from the host
-                        fence_proxy_tensormap_acquire(k_map)
-                        fence_proxy_tensormap_acquire(v_map)
-                        mbarrier_arrive_expect_tx(q_full, Q_BYTES)
-                        for chunk in static_range(CHUNKS):
-                            tma_load_4d(q_tile + uint32(chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK, h, m_start, b,
-                                        q_full)
+                    fence_proxy_tensormap_acquire(q_map)  # the maps were copied from the host
+                    fence_proxy_tensormap_acquire(k_map)
+                    fence_proxy_tensormap_acquire(v_map)
+                    mbarrier_arrive_expect_tx(q_full, Q_BYTES)
+                    for chunk in static_range(CHUNKS):
+                        tma_load_4d(q_tile + uint32(chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK, h, m_start, b,
+                                    q_full)
                     j = first_tile - 1
                     for i in range(n_tiles):
-                        j = visit_key_tile(params, b, h, m_block, first_tile, i, j, end_tile, lane)
-                        if not leader:
-                            continue
+                        j = visit_key_tile(params, b, h, m_block, first_tile, i, j, end_tile)
                         slot, use = i % STAGES, i // STAGES
                         if use > 0:  # the consumers have released the slot's previous tile
                             mbarrier_wait(kv_empty + uint32(8 * slot), (use - 1) & 1)
@@ -683,7 +672,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
             j = first_tile - 1  # the key tile visited before the first
             if not OVERLAP:
                 for i in range(n_tiles):
-                    j = visit_key_tile(params, b, h, m_block, first_tile, i, j, end_tile, lane)
+                    j = visit_key_tile(params, b, h, m_block, first_tile, i, j, end_tile)
                     slot, use = i % STAGES, i // STAGES
 
                     # S = Q_i K_j^T
@@ -722,7 +711,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                 # Overlapped (FlashAttention-3's intra-warpgroup pipelining): S_j = Q K_j^T is issued
                 # together with O += P_{j-1} V_{j-1}; the softmax of S_j runs while the P V product is
                 # still in flight, and O is rescaled by alpha_j once it has landed.
-                j = visit_key_tile(params, b, h, m_block, first_tile, 0, j, end_tile, lane)
+                j = visit_key_tile(params, b, h, m_block, first_tile, 0, j, end_tile)
                 acc_s = fence_operands(registers_from(s, S_REGS))
                 mbarrier_wait(k_full, 0)
                 wgmma_fence()  # the accumulator's registers are ordered before wgmma uses them
@@ -738,7 +727,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                     drop_p(s, row0, j * BN, params, head_ctx, q4)
                 pack_p(s, p)
                 for i in range(1, n_tiles):
-                    j = visit_key_tile(params, b, h, m_block, first_tile, i, j, end_tile, lane)
+                    j = visit_key_tile(params, b, h, m_block, first_tile, i, j, end_tile)
                     slot, use = i % STAGES, i // STAGES
                     prev_slot, prev_use = (i - 1) % STAGES, (i - 1) // STAGES
                     acc_s = fence_operands(registers_from(s, S_REGS))

@@ -78,12 +78,13 @@ PARAM_TYPES = {
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
-def _next_visited(class_at):
-    """next_visited(params, where, position, end): the first position in [position, end) whose
-    block-mask class ``class_at(params, where, position)`` is not EMPTY (end if none), one class a
-    trip, by a thread alone (the mma forward's prefetch). Reading eight at once (independent loads)
-    measured slower on the H200, 10-20% for a document mask (docs/perf-notes.md, "Block masks on the
-    Hopper family"); where a whole warp walks, ``_warp_class_scans`` reads 32 a trip."""
+def _class_scans(class_at):
+    """(next_visited, visited_count) over positions whose block-mask class ``class_at(params,
+    where, position)`` is not EMPTY: next_visited(params, where, position, end) is the first such
+    position in [position, end) (end if none), visited_count(params, where, start, end) how many
+    there are in [start, end). One class a trip: reading eight at once (independent loads) measured
+    slower on the H200, 10-20% for a document mask (docs/perf-notes.md, "Block masks on the Hopper
+    family")."""
 
     @register_jitable
     def next_visited(params, where, position, end):
@@ -91,16 +92,22 @@ def _next_visited(class_at):
             position += 1
         return position
 
-    return next_visited
+    @register_jitable
+    def visited_count(params, where, start, end):
+        count = 0
+        for position in range(start, end):
+            if class_at(params, where, position) != EMPTY:
+                count += 1
+        return count
+
+    return next_visited, visited_count
 
 
 def _warp_class_scans(class_at):
-    """(warp_next_visited, warp_visited_count), done by a whole warp, ``lane`` its lane (0..31; all
-    32 lanes call with the same arguments): warp_next_visited(params, where, position, end, lane) is
-    ``_next_visited``'s answer, warp_visited_count(params, where, start, end, lane) how many positions
-    of [start, end) are not EMPTY. Each lane reads one class of 32 consecutive positions, so one
+    """The scans of ``_class_scans`` done by a whole warp, ``lane`` its lane (0..31; all 32 lanes
+    call with the same arguments): each lane reads one class of 32 consecutive positions, so one
     memory latency covers 32 of them, and the lanes agree by butterfly shuffles (the lowest lane
-    that found one; the sum of the counts)."""
+    that found one; the sum of the counts). Same results as ``_class_scans``."""
 
     @register_jitable
     def warp_next_visited(params, where, position, end, lane):
@@ -673,9 +680,9 @@ class Hooks:
             def tile_class(params, b, h, m_tile, n_tile):
                 return int32(FULL)
 
-        # The walks over the tiles a block visits: key tiles of a query tile (the forwards), and
-        # (query head, query tile) pairs over a key tile (the sm90 dK/dV kernel). Where a whole warp
-        # walks (the sm90 kernels), by _warp_class_scans; the mma forward's prefetch by _next_visited.
+        # The walks over the tiles a block visits: key tiles of a query tile (the forwards), scans
+        # of positions by _class_scans, and (query head, query tile) pairs over a key tile (the sm90
+        # dK/dV kernel), by _warp_class_scans.
 
         @register_jitable
         def key_tile_class(params, where, n_tile):
@@ -687,8 +694,7 @@ class Hooks:
             b, hk, group, n_tile, first, per_head = where
             return tile_class(params, b, hk * group + position // per_head, first + position % per_head, n_tile)
 
-        next_key = _next_visited(key_tile_class)
-        warp_next_key, warp_key_count = _warp_class_scans(key_tile_class)
+        next_key, key_count = _class_scans(key_tile_class)
         warp_next_pair, warp_pair_count = _warp_class_scans(pair_class)
 
         @register_jitable
@@ -701,23 +707,22 @@ class Hooks:
             return next_key(params, (b, h, m_tile), n_tile, end)
 
         @register_jitable
-        def warp_visit_key_tile(params, b, h, m_tile, first, i, previous, end, lane):
+        def visit_key_tile(params, b, h, m_tile, first, i, previous, end):
             """The i-th key tile (from 0) that query tile ``m_tile`` visits from ``first`` on, given
             the one before it, ``previous`` (first - 1 for i = 0): first + i without a block mask
             (a kernel's loop then compiles as it did before block masks), else the next tile after
-            ``previous`` not EMPTY. Walked by a whole warp (all 32 lanes, ``lane`` each one's): 32
-            tiles a read past empty ones."""
+            ``previous`` not EMPTY."""
             if not variant.block_mask:
                 return first + i
-            return warp_next_key(params, (b, h, m_tile), previous + 1, end, lane)
+            return next_key(params, (b, h, m_tile), previous + 1, end)
 
         @register_jitable
-        def warp_visited_key_tiles(params, b, h, m_tile, first, end, lane):
+        def visited_key_tiles(params, b, h, m_tile, first, end):
             """How many key tiles of [first, end) query tile ``m_tile`` visits (not EMPTY): end -
-            first without a block mask. Counted by a whole warp (all 32 lanes)."""
+            first without a block mask."""
             if not variant.block_mask:
                 return end - first
-            return warp_key_count(params, (b, h, m_tile), first, end, lane)
+            return key_count(params, (b, h, m_tile), first, end)
 
         @register_jitable
         def warp_visit_query_step(params, b, hk, group, n_tile, first, per_head, i, previous, lane):
@@ -742,7 +747,7 @@ class Hooks:
 
         self.warp_visit_query_step, self.warp_visited_query_steps = warp_visit_query_step, warp_visited_query_steps
         self.tile_class, self.next_key_tile = tile_class, next_key_tile
-        self.warp_visit_key_tile, self.warp_visited_key_tiles = warp_visit_key_tile, warp_visited_key_tiles
+        self.visit_key_tile, self.visited_key_tiles = visit_key_tile, visited_key_tiles
 
         # The layout: where sequence b's rows are. The kernels call this only under `if VARLEN:`
         # (the dense layout compiles nothing of it).
