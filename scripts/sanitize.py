@@ -290,6 +290,8 @@ def main(argv=None):
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=sorted(CASES), help="cases to run")
     parser.add_argument("--sanitizer", default="compute-sanitizer", help="the compute-sanitizer executable")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per sanitized run")
+    parser.add_argument("--warm-timeout", type=float, default=900,
+                        help="seconds for each case's unsanitized run, which compiles its kernels on a cold cache")
     parser.add_argument("--log-dir", default=None, help="write each sanitized run's output here")
     args = parser.parse_args(argv)
 
@@ -301,7 +303,13 @@ def main(argv=None):
     me = [sys.executable, os.path.abspath(__file__)] + (["--small"] if args.small else [])
     rows, failed = [], False
     for case in args.cases:
-        warm = subprocess.run(me + ["--case", case], capture_output=True, text=True, timeout=args.timeout)
+        try:  # the unsanitized run compiles the case's kernels on a cold cache: its own, longer limit
+            warm = subprocess.run(me + ["--case", case], capture_output=True, text=True, timeout=args.warm_timeout)
+        except subprocess.TimeoutExpired:
+            rows.append((case, "(unsanitized)", "timed out",
+                         f"over --warm-timeout {args.warm_timeout:g} s (compiling on a cold kernel cache?)"))
+            failed = True
+            continue
         if warm.returncode != 0:
             rows.append((case, "(unsanitized)", "case failed", (warm.stderr.strip().splitlines() or ["?"])[-1]))
             failed = True

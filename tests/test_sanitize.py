@@ -52,3 +52,27 @@ def test_planted_write_lands_past_its_allocation(sanitize):
     assert x.nbytes % 512 == 0 and x.nbytes % (2 << 20) != 0  # CuPy's rounding; ends inside a driver page
     if not SIMULATOR:
         assert x.data.mem.size == x.nbytes  # CuPy: the allocation ends where the array does
+
+
+def test_a_slow_warm_up_is_a_row_not_a_traceback(sanitize, monkeypatch, capsys):
+    """Each case first runs unsanitized, compiling its kernels on a cold cache (the sm90_backward
+    case took over 100 s on the H200 so); past --warm-timeout that is the table's row for the case,
+    the other cases still run, and the exit status says something failed."""
+    import subprocess
+
+    calls = []
+
+    def run(command, **kwargs):
+        calls.append((command, kwargs["timeout"]))
+        if "--tool" not in command and "sm90_backward" in command:
+            raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+        return subprocess.CompletedProcess(command, 0, MEMCHECK_CLEAN, "")
+
+    monkeypatch.setattr(sanitize.subprocess, "run", run)
+    status = sanitize.main(["--cases", "sm90_backward", "forward", "--tools", "memcheck", "--warm-timeout", "7",
+                            "--timeout", "3", "--sanitizer", "compute-sanitizer"])
+    table = capsys.readouterr().out
+    assert status == 1
+    assert "sm90_backward  (unsanitized)  timed out  (over --warm-timeout 7 s" in table
+    assert "forward        memcheck       clean" in table
+    assert [timeout for command, timeout in calls] == [7, 7, 3]  # the warm-ups' limit, then the sanitized run's
