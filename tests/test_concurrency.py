@@ -235,11 +235,13 @@ def test_host_side_from_eight_threads_matches_serial(rng, xp):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_gpu_threads_on_their_own_streams_match_serial_calls(rng, xp, dtype):
-    """Eight threads, each on its own CuPy stream, run forward and backward (deterministic dQ, so
-    results are bit-reproducible) on problems of their own, twice over the same kernels: the
-    results are bit-identical to serial calls on the default stream."""
+@pytest.mark.parametrize("dtype, deterministic", [("float16", True), ("float32", True), ("float16", False)])
+def test_gpu_threads_on_their_own_streams_match_serial_calls(rng, xp, dtype, deterministic):
+    """Eight threads, each on its own CuPy stream, run forward and backward on problems of their
+    own, three times over the same kernels: the results are bit-identical to serial calls on the
+    default stream. With the default backward (``deterministic=False``: on compute capability 9.0
+    the Hopper one), dQ adds float32 atomics in whatever order the blocks run, so it is held to
+    the serial dQ within rounding instead; out, lse, dK and dV stay bit-identical."""
     import cupy
 
     shapes = [(2, 257, 203, 4, 2, 64, True), (1, 113, 300, 4, 4, 64, False), (3, 64, 64, 2, 1, 64, True),
@@ -249,7 +251,7 @@ def test_gpu_threads_on_their_own_streams_match_serial_calls(rng, xp, dtype):
     def call(problem):
         q, k, v, dout, causal = problem
         out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-        grads = nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
+        grads = nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
         return out, lse, *grads
 
     serial = [[to_numpy(x) for x in call(p)] for p in problems]
@@ -264,4 +266,10 @@ def test_gpu_threads_on_their_own_streams_match_serial_calls(rng, xp, dtype):
 
     for got, expected in zip(_in_threads(threaded, len(problems)), serial):
         for repeat in got:
-            assert all(_bitwise_equal(a, b) for a, b in zip(repeat, expected))
+            out, lse, dq, dk, dv = repeat
+            assert all(_bitwise_equal(a, b) for a, b in zip((out, lse, dk, dv), expected[:2] + expected[3:]))
+            if deterministic:
+                assert _bitwise_equal(dq, expected[2])
+            else:
+                want = expected[2].astype(np.float32)
+                assert np.allclose(dq.astype(np.float32), want, rtol=2e-3, atol=2e-3 * float(np.abs(want).max()))

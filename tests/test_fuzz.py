@@ -4,7 +4,7 @@ Each test draws a whole call: shapes (batch, lengths including 1 and the tile si
 ratios, head dims), layouts (transposed views, slices of larger arrays with spare heads and padded
 rows, rows off the 16-byte grid), dtypes, kernel families, scales (0 and negative included) and
 every variant (causal, windows, softcap, ALiBi, bias and mask tensors, score_mod / mask_mod,
-dropout), and holds the result to the same checks as the hand-written tests, through their helpers
+block masks, dropout), and holds the result to the same checks as the hand-written tests, through their helpers
 (tests/helpers.py, test_backward.py, test_varlen.py, test_kvcache.py): flash-attn's rule of at most
 twice the error of a same-precision naive implementation against float64 (forward outputs also
 allowed the half-ulp of storing the exact answer in their dtype, ``output_rounding``: a draw of a
@@ -100,12 +100,15 @@ GPU = SimpleNamespace(
 # family) is a kernel to compile, 10-40 s for a tensor-core one: the GPU draws them from these
 # classes and fuzzes everything else. (dtype, headdim, features, free): ``free`` classes also draw
 # rows off the 16-byte grid, zero and negative scales, and every family. The dense and varlen
-# classes reach about 30 forward and 80 backward kernels (counted by planning them: 26 and 48 of
-# them tensor-core), most of which the prebuild in the module docstring compiles ahead on all cores.
+# classes reached about 30 forward and 80 backward kernels when the dense ones were the first seven
+# (counted by planning them: 26 and 48 of them tensor-core), most of which the prebuild in the module
+# docstring compiles ahead on all cores; the last four (dropout, a score_mod, block masks with their
+# mask_mod) compile on first use.
 GPU_DENSE = [
     ("float16", 64, "", True), ("bfloat16", 128, "", False), ("float32", 64, "", True),
     ("float16", 40, "softcap", False), ("bfloat16", 64, "alibi", False), ("float16", 128, "bias", False),
-    ("bfloat16", 64, "mask", False),
+    ("bfloat16", 64, "mask", False), ("float16", 128, "dropout", False), ("bfloat16", 128, "score_mod", False),
+    ("float16", 128, "block_mask", False), ("bfloat16", 64, "block_mask", False),
 ]
 GPU_VARLEN = [("float16", 64, "", True), ("bfloat16", 128, "softcap", False), ("float32", 40, "", True)]
 # (dtype, headdim, paged, rotary, features) of the KV-cache call; float32 takes the gathered route.
@@ -188,16 +191,23 @@ def mask_stripes(b, h, q_idx, kv_idx):
     return (q_idx + 2 * kv_idx + h) % 3 != 0
 
 
+def mask_documents(b, h, q_idx, kv_idx):
+    """Runs of 13 positions (a document each; one more per head) over a causal band: given with its
+    block mask, whole tile pairs are empty (skipped) or full (no test), rows past the last shared
+    document see no key."""
+    return (q_idx // (13 + h) == kv_idx // (13 + h)) & (kv_idx <= q_idx + 2)
+
+
 # ---------------------------------------------------------------------------------------------------
 # flash_attn_func and flash_attn_backward
 # ---------------------------------------------------------------------------------------------------
 
 
 @st.composite
-def dense_calls(draw, sizes):
+def dense_calls(draw, sizes, classes=None):
     """A flash_attn_func call: its shapes, layouts, family and variant arguments, and a seed for
-    the values."""
-    dtype, headdim, features, layouts, scales, families = draw(statics(sizes, GPU_DENSE))
+    the values (on the GPU, of one of ``classes``, by default GPU_DENSE)."""
+    dtype, headdim, features, layouts, scales, families = draw(statics(sizes, classes or GPU_DENSE))
     nheads_k = draw(st.sampled_from(sizes.kv_heads))
     call = dict(
         dtype=dtype, family=draw(st.sampled_from(families)), batch=draw(st.integers(1, sizes.batch)),
@@ -211,13 +221,14 @@ def dense_calls(draw, sizes):
         call.update(softcap=draw(st.sampled_from([0.0, 0.0, 0.8, 6.0])),
                     alibi=draw(st.sampled_from([None, None, "heads", "batch"])),
                     bias=draw(st.sampled_from([None, None, None, "float32", "dtype", "mask"])),
-                    user=draw(st.sampled_from([None, None, None, "score_mod", "mask_mod"])),
+                    user=draw(st.sampled_from([None, None, None, "score_mod", "mask_mod", "block_mask"])),
                     dropout_p=draw(st.sampled_from([0.0, 0.0, 0.0, 0.3])))
     else:
         call.update(softcap=draw(st.floats(0.5, 30.0)) if "softcap" in features else 0.0,
                     alibi=draw(st.sampled_from(["heads", "batch"])) if "alibi" in features else None,
                     bias="float32" if features == "bias" else "mask" if features == "mask" else None,
-                    user=None, dropout_p=0.0)
+                    user=features if features in ("score_mod", "block_mask") else None,
+                    dropout_p=0.3 if features == "dropout" else 0.0)
     return within_budget(call, sizes)
 
 
@@ -267,6 +278,11 @@ def dense_arguments(call, xp):
         kwargs["score_mod"] = score_shift
     elif call["user"] == "mask_mod":
         kwargs["mask_mod"] = mask_stripes
+    elif call["user"] == "block_mask":  # per head, or shared by every batch row and head
+        shared = bool(rng.integers(2))
+        kwargs["mask_mod"] = mask_documents
+        kwargs["block_mask"] = nbflash.create_block_mask(mask_documents, None if shared else b, None if shared else h,
+                                                         sq, sk)
     if call["dropout_p"]:
         kwargs.update(dropout_p=call["dropout_p"], seed=int(rng.integers(2**63)))
     return q, k, v, dout, kwargs
@@ -280,7 +296,8 @@ def _assume_family_serves(call, q, k, v, kwargs):
     problem = validation.check_forward(q, k, v, kwargs["softmax_scale"], kwargs["causal"], kwargs["window_size"],
                                        kwargs["softcap"], kwargs.get("alibi_slopes"), kwargs.get("bias"),
                                        kwargs.get("score_mod"), kwargs.get("mask_mod"), None,
-                                       kwargs.get("dropout_p", 0.0), kwargs.get("seed"))[0]
+                                       kwargs.get("dropout_p", 0.0), kwargs.get("seed"),
+                                       block_mask=kwargs.get("block_mask"))[0]
     assume(configs.sm90_unsupported_reason(problem.static) is None)
 
 
@@ -290,8 +307,9 @@ def family(name):
 
 
 def _reference_variant(kwargs):
-    """The keyword arguments of the float64 reference for a call's."""
-    return {name: value for name, value in kwargs.items() if name not in ("softmax_scale", "causal")}
+    """The keyword arguments of the float64 reference for a call's (a block mask's mask_mod is
+    given beside it)."""
+    return {name: value for name, value in kwargs.items() if name not in ("softmax_scale", "causal", "block_mask")}
 
 
 def run_dense_forward(call, xp):
@@ -533,6 +551,35 @@ def test_a_wrong_kernel_fails_the_fuzz(xp, monkeypatch):
         run_dense_forward(call, xp)
 
 
+def assert_valid_dense(dense):
+    """A drawn dense call passes validation (score_mod, mask_mod and a block mask included)."""
+    q, k, v, dout, kwargs = dense_arguments(dense, np)
+    kwargs = {n: x for n, x in kwargs.items() if n not in ("causal", "softmax_scale")}
+    validation.check_forward(q, k, v, dense["softmax_scale"], dense["causal"], kwargs.get("window_size"),
+                             kwargs.get("softcap"), kwargs.get("alibi_slopes"), kwargs.get("bias"),
+                             score_mod=kwargs.get("score_mod"), mask_mod=kwargs.get("mask_mod"),
+                             dropout_p=kwargs.get("dropout_p", 0.0), seed=kwargs.get("seed"),
+                             block_mask=kwargs.get("block_mask"))
+    return kwargs
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs these draws")
+@pytest.mark.parametrize("index", range(len(GPU_DENSE)))
+@examples(ci=2)
+@given(data=st.data())
+def test_every_gpu_dense_class_draws_valid_calls(index, data):
+    """Each of the GPU's dense classes (a derandomized draw over all of them reaches only the first
+    few) gives calls validation accepts, with the feature the class names."""
+    dtype, headdim, features, _ = GPU_DENSE[index]
+    dense = data.draw(dense_calls(GPU, [GPU_DENSE[index]]))
+    kwargs = assert_valid_dense(dense)
+    assert (dense["dtype"], dense["headdim"]) == (dtype, headdim)
+    named = {"softcap": "softcap", "alibi": "alibi_slopes", "bias": "bias", "mask": "bias", "dropout": "dropout_p",
+             "score_mod": "score_mod", "block_mask": "block_mask"}
+    for feature in features.split():
+        assert kwargs.get(named[feature]) is not None, feature
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs these draws")
 @examples(ci=15)
 @given(dense=dense_calls(GPU), packed=varlen_calls(GPU), decode=kvcache_calls(GPU))
@@ -542,11 +589,7 @@ def test_gpu_draws_are_valid_calls(dense, packed, decode):
     from nbflash import kvcache
     from .test_kvcache import make_case
 
-    q, k, v, dout, kwargs = dense_arguments(dense, np)
-    kwargs = {n: x for n, x in kwargs.items() if n not in ("causal", "softmax_scale")}
-    validation.check_forward(q, k, v, dense["softmax_scale"], dense["causal"], kwargs.get("window_size"),
-                             kwargs.get("softcap"), kwargs.get("alibi_slopes"), kwargs.get("bias"),
-                             dropout_p=kwargs.get("dropout_p", 0.0), seed=kwargs.get("seed"))
+    assert_valid_dense(dense)
     lq, lk = packed["lengths_q"], packed["lengths_k"]
     q = np.zeros((sum(lq), packed["nheads"], packed["headdim"]), SUPPORTED[packed["dtype"]])
     k = np.zeros((sum(lk), packed["nheads_k"], packed["headdim"]), q.dtype)
