@@ -185,6 +185,8 @@ if SIMULATOR:
     # --- Named barriers -----------------------------------------------------------------------------
     # Ids 1..15 are the kernel's; id 0 is cuda.syncthreads's, which the emulation does not share.
 
+    BARRIER_SECONDS = 600  # the emulated named barriers' bound on a wait (below)
+
     class _NamedBarriers:
         def __init__(self):
             self.cv = threading.Condition()
@@ -210,11 +212,15 @@ if SIMULATOR:
                     self.generation[barrier_id] = generation + 1
                     self.cv.notify_all()
                 elif wait:
+                    # A bound, so that a deadlock fails rather than hangs; generous, as the emulation is
+                    # slow: 256 threads' share of a bfloat16 headdim-128 step took over 60 s between
+                    # the first and the last arrival on 2 cores (scripts/sanitize.py --case
+                    # sm90_backward --small), as the warp exchange's 600 s allow in primitives.py
                     released = self.cv.wait_for(lambda: self.generation[barrier_id] != generation,
-                                                timeout=60)
+                                                timeout=BARRIER_SECONDS)
                     if not released:
                         raise RuntimeError(f"named barrier {barrier_id}: {self.arrived[barrier_id]} "
-                                           f"of {count} threads arrived in 60 s")
+                                           f"of {count} threads arrived in {BARRIER_SECONDS} s")
 
     def named_barrier_sync(barrier_id, count):
         """bar.sync id, count: wait until ``count`` threads (a multiple of 32, whole warps) have
