@@ -8,8 +8,9 @@ driver loads: the cubin Numba linked, and the name of the kernel in it.
 
 One file per kernel: the entry name, a newline, the SHA-256 of the cubin in hex, a newline, then
 the cubin. The file name is a hash of everything the machine code depends on: the file layout
-(``FORMAT``), the kernel's module and the files all kernels share, the compiler's versions (numba,
-numba-cuda, llvmlite), the configuration, the signature and the GPU's compute capability.
+(``FORMAT``), the kernel's module, the files all kernels share and the nbflash modules it imports,
+the compiler's versions (numba, numba-cuda, llvmlite), the configuration, the signature and the
+GPU's compute capability.
 
 Faults: a file is written to a temporary name in the same folder and renamed over the old one, so
 processes filling one cache at once never see half a file. A file that is there but cannot be read,
@@ -21,6 +22,7 @@ still loaded.
 The directory is ``$NBFLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/nbflash``, else ``~/.cache/nbflash``.
 """
 
+import ast
 import ctypes
 import hashlib
 import os
@@ -50,15 +52,41 @@ SHARED_KERNEL_SOURCES = (
 )
 
 
+def kernel_sources(module_file):
+    """The files a kernel module's compiled code can come from: the module, SHARED_KERNEL_SOURCES,
+    and every nbflash module it imports, directly or through those (read from the ``import``
+    statements): the Hopper primitives for the sm90 kernels, forward_sm90.py's tile constants for
+    the sm90 backward, kernels/kvcache.py's append rows for the decode kernel."""
+    package = pathlib.Path(__file__).parent
+    found, todo = set(), [pathlib.Path(module_file)] + [package / name for name in SHARED_KERNEL_SOURCES]
+    while todo:
+        path = todo.pop()
+        if path in found or not path.is_file():
+            continue
+        found.add(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:  # relative: from the importing file's folder, one up per extra dot
+                base, parts = path.parents[node.level - 1], node.module.split(".") if node.module else []
+            elif node.module == "nbflash" or (node.module or "").startswith("nbflash."):
+                base, parts = package.parent, node.module.split(".")
+            else:
+                continue
+            target = base.joinpath(*parts)  # a module (target.py), or a package whose modules are named
+            candidates = [target.with_suffix(".py")] + [target / f"{alias.name}.py" for alias in node.names]
+            todo.extend(c for c in candidates if c.is_file() and package in c.parents)
+    return sorted(found)
+
+
 @lru_cache(maxsize=None)
 def _source_hash(module_name):
-    """A hash of the source the kernels of ``module_name`` are built from: an edit to that module or
-    to a shared file is a miss; an edit to another kernel's module is not."""
+    """A hash of the source the kernels of ``module_name`` are built from (``kernel_sources``): an
+    edit to any of those files is a miss; an edit to a kernel module it does not import is not."""
     digest = hashlib.sha256()
     package = pathlib.Path(__file__).parent
-    module_file = pathlib.Path(sys.modules[module_name].__file__)
-    for path in [package / name for name in SHARED_KERNEL_SOURCES] + [module_file]:
-        digest.update(path.name.encode())
+    for path in kernel_sources(sys.modules[module_name].__file__):
+        digest.update(str(path.relative_to(package)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
 

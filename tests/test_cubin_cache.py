@@ -241,3 +241,24 @@ def test_key_follows_the_kernels_own_module(monkeypatch):
     after = (cubin_cache.cache_key(forward, "sig", (9, 0)), cubin_cache.cache_key(backward_cfg, "sig", (9, 0)))
     assert after[0] == before[0] and after[1] != before[1]
     assert forward_mma.__name__ != backward_mma.__name__
+
+
+def test_a_kernel_key_covers_the_modules_it_imports():
+    """The files hashed into a kernel module's key follow its imports: the Hopper kernels are
+    built from primitives_sm90.py (its intrinsics' asm) and the sm90 backward from forward_sm90.py's
+    tile constants, the decode kernel from kernels/kvcache.py's append rows; a kernel module
+    another does not import stays out (an edit there is no miss)."""
+    import pathlib
+
+    from nbflash.kernels import backward_sm90, decode_mma, forward_mma
+
+    package = pathlib.Path(cubin_cache.__file__).parent
+
+    def sources(module):
+        return {str(path.relative_to(package)) for path in cubin_cache.kernel_sources(module.__file__)}
+
+    shared = set(cubin_cache.SHARED_KERNEL_SOURCES)
+    assert {"primitives_sm90.py", "kernels/forward_sm90.py", "kernels/backward_sm90.py"} | shared <= sources(
+        backward_sm90)
+    assert {"kernels/kvcache.py", "kernels/decode_mma.py"} | shared <= sources(decode_mma)
+    assert sources(forward_mma) == shared | {"kernels/forward_mma.py"}
