@@ -6,7 +6,8 @@
 
 Each case is a few nbflash calls on shapes that end in partial tiles: lengths one past and one
 short of a tile, GQA, rows that see no key, zero-length sequences, pages that split a tile, the
-split-KV combine. For each tool and case this script starts itself again under
+split-KV combine; the variants that read more than q, k and v (dropout's generator, bias and mask
+tensors through their strides, a user's score_mod); the Hopper forward and backward. For each tool and case this script starts itself again under
 ``compute-sanitizer --tool TOOL`` and reads the sanitizer's error summary. Every case first runs
 once without a sanitizer, which checks its results against the float64 reference and fills the
 on-disk kernel cache, so the sanitized runs load their kernels the way a user's second process
@@ -22,6 +23,7 @@ would report each missing one as an API error. Needs a GPU and compute-sanitizer
 """
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -69,16 +71,18 @@ TOLERANCE = {"float16": 2e-2, "bfloat16": 8e-2, "float32": 1e-4}
 
 
 def _dense(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, family, backward, **variant):
-    """One forward (and backward) against the float64 reference. A ``block_mask`` goes to the
-    kernels only: the reference takes its mask_mod."""
+    """One forward (and backward) against the float64 reference, on kernel family ``family`` (None:
+    the library's own choice). A ``block_mask`` goes to the kernels only (the reference takes its
+    mask_mod), a ``score_mod_grad`` to the backward and the references only."""
     import nbflash
 
     q = _draw(rng, (batch, seqlen_q, nheads, headdim), dtype)
     k = _draw(rng, (batch, seqlen_k, nheads_k, headdim), dtype)
     v = _draw(rng, (batch, seqlen_k, nheads_k, headdim), dtype)
     reference = {name: value for name, value in variant.items() if name != "block_mask"}
-    with nbflash.kernel_family(family):
-        out, lse = nbflash.flash_attn_func(q, k, v, return_lse=True, **variant)
+    forward = {name: value for name, value in variant.items() if name != "score_mod_grad"}
+    with nbflash.kernel_family(family) if family else contextlib.nullcontext():
+        out, lse = nbflash.flash_attn_func(q, k, v, return_lse=True, **forward)
         ref_out, _ = nbflash.attention_reference(_host(q), _host(k), _host(v), return_lse=True, **reference)
         _close(out, ref_out, f"{family} forward {dtype}", TOLERANCE[dtype])
         if backward:
@@ -208,6 +212,32 @@ def case_sm90_backward(rng, small):
     mask_mod = document_mask_mod(seqlen, seqlen)
     block_mask = nbflash.create_block_mask(mask_mod, None, None, seqlen, seqlen)
     _dense(rng, "float16", 1, seqlen, seqlen, 4, 2, 128, "sm90", True, mask_mod=mask_mod, block_mask=block_mask)
+
+
+def score_tilt(score, b, h, q_idx, kv_idx):
+    """A user score_mod for the variants case (module level: one fingerprint, one compile)."""
+    return score + 0.01 * (kv_idx - q_idx) - 0.1 * h
+
+
+def score_tilt_grad(score, b, h, q_idx, kv_idx):
+    return 1.0
+
+
+def case_variants(rng, small):
+    """Dropout, a float32 bias and a boolean mask tensor (broadcast over batch or heads) and a user
+    score_mod, forward and backward, on the mma family and on the library's own choice (the Hopper
+    kernels where compute capability 9.0 has them): the variants' extra reads (the Philox stream,
+    the tensors through their strides, the user's code)."""
+    xp = _backend()
+    n = (13, 29) if small else (77, 200)
+    for family in ("mma", None):
+        _dense(rng, "float16", 2, n[0], n[1], 4, 2, 64, family, True, causal=True, dropout_p=0.2, seed=7)
+        bias = xp.asarray(rng.standard_normal((2, 1, n[0], n[1])).astype(np.float32))
+        _dense(rng, "float16", 2, n[0], n[1], 4, 2, 64, family, True, window_size=(n[1] // 2, 2), bias=bias)
+        mask = xp.asarray(rng.random((n[1], n[1])) < 0.7)
+        _dense(rng, "bfloat16", 1, n[1], n[1], 2, 1, 128, family, True, bias=mask)
+        _dense(rng, "bfloat16", 1, n[1], n[0], 2, 2, 128, family, True, causal=True, score_mod=score_tilt,
+               score_mod_grad=score_tilt_grad)
 
 
 @dataclass(frozen=True)
