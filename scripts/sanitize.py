@@ -180,16 +180,23 @@ def case_decode(rng, small):
     nbflash.merge_attention_states(out_a, lse_a, out_b, lse_b)
 
 
-def case_sm90(rng, small):
-    """The Hopper family's forward, where this nbflash has it and the GPU runs it."""
+def _sm90_calls(rng, small, backward):
+    """The Hopper family's plain and causal calls (GQA, tails), forward and with ``backward`` the
+    backward too; False where this nbflash has no sm90 family."""
     import nbflash.configs as configs
 
     if "sm90" not in configs.FAMILIES:
         print("no sm90 family in this nbflash: skipped")
-        return
+        return False
     n = (13, 29) if small else (77, 200)
-    _dense(rng, "float16", 2, n[0], n[1], 4, 2, 64, "sm90", False)
-    _dense(rng, "bfloat16", 1, n[1], n[1], 2, 1, 128, "sm90", False, causal=True)
+    _dense(rng, "float16", 2, n[0], n[1], 4, 2, 64, "sm90", backward)
+    _dense(rng, "bfloat16", 1, n[1], n[1], 2, 1, 128, "sm90", backward, causal=True)
+    return True
+
+
+def case_sm90(rng, small):
+    """The Hopper family's forward, where this nbflash has it and the GPU runs it."""
+    _sm90_calls(rng, small, False)
 
 
 def case_sm90_backward(rng, small):
@@ -197,15 +204,11 @@ def case_sm90_backward(rng, small):
     and its forward, on tails, GQA, the window's variants and a block mask whose tables skip whole
     (query tile, key tile) pairs (the producer's warp-wide walks)."""
     import nbflash
-    import nbflash.configs as configs
     from nbflash.catalogue import document_mask_mod
 
-    if "sm90" not in configs.FAMILIES:
-        print("no sm90 family in this nbflash: skipped")
+    if not _sm90_calls(rng, small, True):
         return
     n = (13, 29) if small else (77, 200)
-    _dense(rng, "float16", 2, n[0], n[1], 4, 2, 64, "sm90", True)
-    _dense(rng, "bfloat16", 1, n[1], n[1], 2, 1, 128, "sm90", True, causal=True)
     _dense(rng, "float16", 1, n[1], n[0], 2, 2, 64, "sm90", True, window_size=(n[0] // 2, 3), softcap=20.0,
            alibi_slopes=_backend().asarray(np.array([0.5, 0.25], np.float32)))
     seqlen = 70 if small else 333
