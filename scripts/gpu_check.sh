@@ -10,6 +10,10 @@
 #                                only the test suite, stopped after SECONDS (default 145; about 120 s
 #                                with a prebuilt cache on 16 cores)
 #
+# The whole suite takes longer than one 10-minute command. NBFLASH_RESUME_LOGS (earlier parts'
+# pytest.log files, separated by ':') leaves out the tests they already report (tests/conftest.py),
+# so each part runs only what the earlier ones did not reach.
+#
 # Logs and tables go to $OUT (or ./gpu_check_out). Every step has its own time limit, and the test
 # log names each result as it comes (-v), so a step cut short still says what failed.
 # Needs pytest-xdist (and execnet) beside the project's dependencies.

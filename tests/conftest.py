@@ -5,6 +5,7 @@ conftest and checks for a GPU through CuPy alone.
 """
 
 import os
+import re
 import zlib
 
 
@@ -38,7 +39,36 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(cores, 4 if SIMULATOR else 8))
 
 
+RESULT_LINE = re.compile(r"\b(?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (tests/\S+)")
+
+
+def reported_node_ids(paths):
+    """The node ids that ``pytest -v`` logs at `paths` report a result for (xdist's lines too)."""
+    done = set()
+    for path in paths:
+        with open(path, errors="replace") as log:
+            for line in log:
+                done.update(RESULT_LINE.findall(line))
+    return done
+
+
+def _resume(config, items):
+    """With ``NBFLASH_RESUME_LOGS`` (``pytest -v`` logs, separated by os.pathsep), leave out the
+    tests those logs already report: a suite longer than one sitting runs in parts, each part
+    taking what the earlier ones did not reach."""
+    logs = [p for p in os.environ.get("NBFLASH_RESUME_LOGS", "").split(os.pathsep) if p]
+    if not logs:
+        return
+    done = reported_node_ids(logs)
+    kept = [item for item in items if item.nodeid not in done]
+    dropped = [item for item in items if item.nodeid in done]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def pytest_collection_modifyitems(config, items):
+    _resume(config, items)
     if SIMULATOR:
         skip = pytest.mark.skip(reason="needs a CUDA GPU; running in Numba's CUDA simulator")
         for item in items:
