@@ -215,16 +215,17 @@ def test_visible_pairs_count_what_a_mask_keeps(bench):
     assert bench.visible_pairs(batch, nheads, n, True, mask_mod) == batch * nheads * 3 * (32 * 33 // 2)
 
 
-def test_a_mask_mod_is_timed_with_its_block_mask(bench):
+def test_a_mask_mod_is_timed_with_its_block_mask(bench, xp):
     """The nbflash runners give a catalogue mask_mod its block mask (empty tiles skipped, as Flex's
-    block mask skips them); a variant without one is checked as it is."""
+    block mask skips them); a variant without one is checked as it is. The arrays are the backend's
+    (CuPy on a GPU: nbflash refuses host arrays there)."""
     import numpy as np
 
     from nbflash.catalogue import variant_arguments
 
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((1, 40, 2, 16)).astype(np.float16) for _ in range(3))
-    problem = bench.checked(q, k, v, False, variant_arguments("document-mask-mod", 1, 2, 40, np))[0]
+    q, k, v = (xp.asarray(rng.standard_normal((1, 40, 2, 16)).astype(np.float16)) for _ in range(3))
+    problem = bench.checked(q, k, v, False, variant_arguments("document-mask-mod", 1, 2, 40, xp))[0]
     assert problem.static.variant.block_mask and problem.static.variant.mask_mod
     assert not bench.checked(q, k, v, True, {})[0].static.variant.block_mask
 
