@@ -27,6 +27,9 @@ run_tests() {  # $1: time limit in seconds
     # compile the same kernels go to one worker (--dist loadgroup, tests/conftest.py). pytest runs in
     # a process group of its own so that, past the time limit, its xdist workers stop with it
     # instead of loading the host and the GPU under the measurements that follow.
+    # Each test phase over half a second is logged as it ends (tests/conftest.py), so a part cut off
+    # by its limit still says where the time went; the slowest are printed after the tallies.
+    export NBFLASH_DURATIONS_LOG=${NBFLASH_DURATIONS_LOG:-$out/durations.log}
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 setsid timeout "$1" python3 -m pytest -n "${WORKERS:-15}" \
         --dist loadgroup -v -p no:cacheprovider -W ignore --tb=short -rf tests/ > "$out/pytest.log" 2>&1 &
     local group=$!
@@ -36,6 +39,8 @@ run_tests() {  # $1: time limit in seconds
     grep -aE "^(FAILED|ERROR)|\] (FAILED|ERROR)" "$out/pytest.log" | sed 's/^\[gw[0-9]*\] //' | sort | uniq | head -40
     echo "passed: $(grep -acE '\] PASSED' "$out/pytest.log")  failed: $(grep -acE '\] FAILED' "$out/pytest.log")"
     tail -1 "$out/pytest.log"
+    echo "slowest test phases (seconds, phase, outcome, test):"
+    sort -rn "$NBFLASH_DURATIONS_LOG" 2> /dev/null | head -15
 }
 
 bench_forward() {  # $1: time limit, then bench.py arguments

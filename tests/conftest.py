@@ -67,6 +67,18 @@ def _resume(config, items):
         items[:] = kept
 
 
+def pytest_runtest_logreport(report):
+    """With ``NBFLASH_DURATIONS_LOG``, each test phase that took more than half a second appends a
+    line (seconds, phase, outcome, node id) to that file as it ends: a run cut off by a time limit
+    still says where its time went (pytest's --durations prints only at the end). Short lines
+    appended by several xdist workers stay whole."""
+    path = os.environ.get("NBFLASH_DURATIONS_LOG")
+    replayed = getattr(report, "node", None) is not None  # xdist's controller, repeating a worker's report
+    if path and report.duration > 0.5 and not replayed:
+        with open(path, "a") as log:
+            log.write(f"{report.duration:.1f} {report.when} {report.outcome} {report.nodeid}\n")
+
+
 def pytest_collection_modifyitems(config, items):
     _resume(config, items)
     if SIMULATOR:
