@@ -9,6 +9,13 @@
 #   scripts/gpu_check.sh suite [SECONDS]
 #                                only the test suite, stopped after SECONDS (default 145; about 120 s
 #                                with a prebuilt cache on 16 cores)
+#   scripts/gpu_check.sh reliability
+#                                issue 14's checks past the test suite, about 9 minutes: the tests
+#                                past 2^31 elements, one 1M-token sequence, compute-sanitizer's four
+#                                tools on every case of scripts/sanitize.py
+#   scripts/gpu_check.sh fuzz [EXAMPLES]
+#                                the GPU fuzz profile, three processes of EXAMPLES (default 170) draws
+#                                per fuzz test (4 tests: 12 x EXAMPLES calls), about 5 minutes
 #
 # The whole suite takes longer than one 10-minute command. NBFLASH_RESUME_LOGS (earlier parts'
 # pytest.log files, separated by ':') leaves out the tests they already report (tests/conftest.py),
@@ -78,8 +85,32 @@ all)
 suite)
     run_tests "${2:-145}"
     ;;
+reliability)
+    # Each step under its own limit, its log under $out; the tallies at the end.
+    NBFLASH_SCALE_TESTS=1 timeout 200 python3 -m pytest -m gpu -n 0 -v -p no:cacheprovider tests/test_scale.py \
+        > "$out/scale.log" 2>&1
+    echo "scale tests: exit $?; $(tail -1 "$out/scale.log")"
+    timeout 120 python3 scripts/long_sequence.py > "$out/long_sequence.log" 2>&1
+    echo "long sequence: exit $?"
+    tail -8 "$out/long_sequence.log"
+    timeout 230 python3 scripts/sanitize.py --timeout 120 --warm-timeout 200 > "$out/sanitize.log" 2>&1
+    echo "sanitizer: exit $?"
+    tail -30 "$out/sanitize.log"
+    ;;
+fuzz)
+    # Three processes of fresh random draws (hypothesis draws anew in each), four workers each.
+    for run in 1 2 3; do
+        NBFLASH_FUZZ_PROFILE=gpu NBFLASH_FUZZ_EXAMPLES="${2:-170}" timeout 330 python3 -m pytest -m gpu -n 4 \
+            -p no:cacheprovider --hypothesis-show-statistics tests/test_fuzz.py > "$out/fuzz$run.log" 2>&1 &
+    done
+    wait
+    for run in 1 2 3; do
+        echo "fuzz run $run: $(tail -1 "$out/fuzz$run.log")"
+        grep -aE "passing|failing" "$out/fuzz$run.log" | sort | uniq -c | head -8
+    done
+    ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|fuzz [EXAMPLES]" >&2
     exit 2
     ;;
 esac
