@@ -88,10 +88,22 @@ GPU_SHAPES = [(2, 113, 203, 4, 2, 40), (1, 203, 113, 6, 2, 59), (2, 1023, 1024, 
               (1, 512, 2048, 2, 2, 128), (1, 300, 300, 2, 1, 256)]
 
 
+def gpu_grid():
+    """(shape, name, family, dtype) of the GPU grid: every variant at every shape on both families.
+    The tensor-core family takes float16 and bfloat16 in turn, by shape and variant, so that each
+    variant meets both types and each shape both: the types differ in loads and conversions only,
+    which the plain grids of test_forward.py and test_backward*.py cover at every headdim, and each
+    tensor-core case compiles its own kernels (10-40 s each), most of this file's GPU time."""
+    for i, shape in enumerate(GPU_SHAPES):
+        for j, name in enumerate(NAMES):
+            yield shape, name, "mma", ("float16", "bfloat16")[(i + j) % 2]
+            yield shape, name, "portable", "float32"
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("family, dtype", [("mma", "float16"), ("mma", "bfloat16"), ("portable", "float32")])
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape, name, family, dtype",
+                         [pytest.param(*case, id="-".join(["x".join(map(str, case[0])), *case[1:]]))
+                          for case in gpu_grid()])
 def test_variant_gpu(rng, xp, shape, name, family, dtype):
     run_backward(rng, xp, name, family, dtype, *shape, deterministic=shape[1] == 113)
 
