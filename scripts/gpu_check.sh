@@ -87,13 +87,13 @@ suite)
     ;;
 reliability)
     # Each step under its own limit, its log under $out; the tallies at the end.
-    NBFLASH_SCALE_TESTS=1 timeout 200 python3 -m pytest -m gpu -n 0 -v -p no:cacheprovider tests/test_scale.py \
+    NBFLASH_SCALE_TESTS=1 timeout 190 python3 -m pytest -m gpu -n 0 -v -p no:cacheprovider tests/test_scale.py \
         > "$out/scale.log" 2>&1
     echo "scale tests: exit $?; $(tail -1 "$out/scale.log")"
-    timeout 120 python3 scripts/long_sequence.py > "$out/long_sequence.log" 2>&1
+    timeout 100 python3 scripts/long_sequence.py > "$out/long_sequence.log" 2>&1
     echo "long sequence: exit $?"
     tail -8 "$out/long_sequence.log"
-    timeout 230 python3 scripts/sanitize.py --timeout 120 --warm-timeout 200 > "$out/sanitize.log" 2>&1
+    timeout 290 python3 scripts/sanitize.py --timeout 120 --warm-timeout 200 > "$out/sanitize.log" 2>&1
     echo "sanitizer: exit $?"
     tail -30 "$out/sanitize.log"
     ;;
