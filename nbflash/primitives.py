@@ -370,6 +370,11 @@ if SIMULATOR:
         landed cp.async copies of each lane are then visible to the others."""
         _warp_collective(lambda posted: posted, 0)
 
+    def warp_all(x):
+        """1 in every lane when ``x`` is nonzero in every lane of the warp, else 0 (vote.sync.all)."""
+        return _warp_collective(lambda posted: [np.uint32(all(int(v) != 0 for v in posted))] * len(posted),
+                                np.uint32(x))
+
 else:
     from llvmlite import ir
     from numba.cuda import cgutils
@@ -591,6 +596,19 @@ else:
         def codegen(context, builder, signature, args):
             return _asm(builder, _i32, args, "shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r",
                         side_effect=True)
+
+        return sig, codegen
+
+    @intrinsic
+    def warp_all(typingctx, x):
+        """1 in every lane when ``x`` is nonzero in every lane of the warp, else 0 (vote.sync.all
+        with a full mask: every lane calls it, in warp-uniform control flow)."""
+        sig = types.uint32(types.uint32)
+
+        def codegen(context, builder, signature, args):
+            text = ("{ .reg .pred p, q; setp.ne.u32 p, $1, 0; vote.sync.all.pred q, p, 0xffffffff; "
+                    "selp.u32 $0, 1, 0, q; }")
+            return _asm(builder, _i32, args, text, "=r,r", side_effect=True)
 
         return sig, codegen
 

@@ -83,7 +83,8 @@ def nbflash_runner(family):
 def nbflash_replaced_runner(family, **fields):
     """Times the forward of ``family``'s planned kernel with ``fields`` of its config replaced: a
     search column (--heavy-groups G: heavy_groups=G, longest-first within groups of (batch, head)
-    pairs, nbflash/kernels/geometry.py ``grouped_block``; --forward-blocks: the tensor-core
+    pairs, nbflash/kernels/geometry.py ``grouped_block``; --rescale-slack S: rescale_slack=S, lazy
+    rescaling; --forward-blocks: the tensor-core
     forward's block_m, block_n and num_warps in place of nbflash/configs.py MMA_FORWARD's)."""
 
     def run(q, k, v, causal, **variant):
@@ -92,6 +93,10 @@ def nbflash_replaced_runner(family, **fields):
         return lambda: _launch_forward(kernel, problem, q_, k_, v_)
 
     return run
+
+
+# The families whose forward config has rescale_slack (lazy rescaling; --rescale-slack)
+RESCALE_SLACK_FAMILIES = ("mma",)
 
 
 def nbflash_step_runner(family):
@@ -379,7 +384,7 @@ TRAINING = ("forward", "backward", "forward+backward")
 # The passes each pass-specific flag goes with; the other passes refuse it.
 FLAG_PASSES = {
     **dict.fromkeys(("seqlens", "variants", "families", "dkdv_blocks", "heavy_groups", "forward_blocks", "no_naive",
-                     "rounds"), TRAINING),
+                     "rounds", "rescale_slack"), TRAINING),
     "causal": (*TRAINING, "varlen"),
     **dict.fromkeys(("decode_shapes", "decode_heads", "page_sizes", "seqlen_q", "num_splits", "page_aligned"),
                     ("decode",)),
@@ -424,6 +429,12 @@ def build_parser():
         "--forward-blocks", nargs="+", default=None, metavar="MxNxW",
         help="--pass forward: also time the tensor-core forward with these (block_m, block_n, num_warps) in "
         "place of the table's, one column each, e.g. 64x32x2",
+    )
+    parser.add_argument(
+        "--rescale-slack", type=float, nargs="+", default=None, metavar="S",
+        help="--pass forward: also time the families' planned forward with lazy rescaling, rescale_slack=S "
+        f"(powers of 2 that P may reach before the maxima move; families {', '.join(RESCALE_SLACK_FAMILIES)}), "
+        "one column each",
     )
     parser.add_argument(
         "--rounds", type=int, default=None, metavar="R",
@@ -518,6 +529,11 @@ def resolve_arguments(parser, args):
             parser.error("--heavy-groups goes with --pass forward")
         if any(g <= 0 for g in args.heavy_groups):
             parser.error("--heavy-groups takes positive group sizes")
+        args.rescale_slack = args.rescale_slack or []
+        if args.rescale_slack and args.which != "forward":
+            parser.error("--rescale-slack goes with --pass forward")
+        if any(not 0 < slack <= 8 for slack in args.rescale_slack):
+            parser.error("--rescale-slack takes values in (0, 8]")
         args.no_naive = bool(args.no_naive)
         args.rounds = 1 if args.rounds is None else args.rounds
         if args.rounds < 1:
@@ -562,6 +578,10 @@ def main(argv=None):
     for groups in args.heavy_groups:
         for family in args.families:
             runners[f"nbflash {family} g{groups}"] = nbflash_replaced_runner(family, heavy_groups=groups)
+    for slack in args.rescale_slack:
+        for family in args.families:
+            if family in RESCALE_SLACK_FAMILIES:
+                runners[f"nbflash {family} lazy{slack:g}"] = nbflash_replaced_runner(family, rescale_slack=slack)
     for blocks in args.forward_blocks:
         block_m, block_n, num_warps = map(int, blocks.split("x"))
         runners[f"nbflash mma {blocks}"] = nbflash_replaced_runner("mma", block_m=block_m, block_n=block_n,

@@ -83,6 +83,29 @@ def test_heavy_groups_goes_with_the_forward(bench, capsys):
                                                                        "--heavy-groups", "8")
 
 
+def test_rescale_slack_goes_with_the_forward(bench, capsys):
+    assert arguments(bench, "--rescale-slack", "8", "4").rescale_slack == [8.0, 4.0]
+    assert arguments(bench).rescale_slack == []
+    for bad in (["--rescale-slack", "0"], ["--rescale-slack", "9"], ["--pass", "backward", "--rescale-slack", "8"]):
+        with pytest.raises(SystemExit):
+            arguments(bench, *bad)
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1", reason="the simulator's arrays")
+def test_rescale_slack_runner_is_within_rounding_of_the_planned_kernel(bench):
+    """The --rescale-slack column's call: the same attention, P taken against older maxima."""
+    import numpy as np
+
+    import nbflash
+
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 40, 2, 16)).astype(np.float16) for _ in range(3))
+    out, lse = bench.nbflash_replaced_runner("mma", rescale_slack=8.0)(q, k, v, True)()
+    want, want_lse = nbflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert np.abs(out.astype(np.float32) - want.astype(np.float32)).max() < 2e-3
+    assert np.abs(lse - want_lse).max() < 1e-4
+
+
 @pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1", reason="the simulator's arrays")
 def test_heavy_groups_runner_matches_the_planned_kernel(bench):
     """The --heavy-groups column's call: the planned kernel in the grouped order gives the planned

@@ -128,6 +128,25 @@ def test_two_slices_per_warp(skip_rescale, q_in_registers):
     check(config, seqlen_q=40, seqlen_k=40)
 
 
+@pytest.mark.parametrize("slack, scale", [(1.0, 2.0), (8.0, 0.25)])
+def test_lazy_rescale(slack, scale):
+    """rescale_slack: P taken against maxima up to 2**slack behind. With scale 2 the scores spread
+    over about +-35 powers of 2, so a kernel that never moved its maxima would overflow P's float16
+    (and one that rescaled l or acc alone would be off); slack 8 at a small scale mostly stays.
+    Causal with tails, GQA, two 16-row slices a warp as well as one."""
+    check(MmaForwardConfig("float16", 16, WINDOW, rescale_slack=slack, **SMALL), seqlen_q=37, seqlen_k=52,
+          nheads=2, nheads_k=1, scale=scale)
+    check(MmaForwardConfig("bfloat16", 16, PLAIN, block_m=64, block_n=32, num_warps=2, rescale_slack=slack),
+          seqlen_q=40, seqlen_k=70, scale=scale)
+
+
+def test_lazy_rescale_bounds():
+    with pytest.raises(ValueError, match="rescale_slack"):
+        MmaForwardConfig("float16", 16, PLAIN, rescale_slack=9.0)
+    with pytest.raises(ValueError, match="take one"):
+        MmaForwardConfig("float16", 16, PLAIN, rescale_slack=4.0, skip_rescale=True)
+
+
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(40, 37), (25, 40)])
 def test_sub_tiles(seqlen_q, seqlen_k):
     # K/V tiles of 32 keys consumed 16 at a time; 4 warps, so warps skip sub-tiles past their diagonal.

@@ -247,6 +247,26 @@ def test_pointwise():
     check_pointwise(np.random.default_rng(3))
 
 
+@cuda.jit
+def _vote_kernel(flags, out):
+    warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+    out[warp, lane] = P.warp_all(flags[warp, lane])
+
+
+def check_vote(rng):
+    """warp_all per warp of a 3-warp block: all set, one lane clear (a random one), all clear."""
+    flags = rng.integers(1, 2**32, (3, 32), dtype=np.uint64).astype(np.uint32)
+    flags[1, rng.integers(32)] = 0
+    flags[2] = 0
+    out = np.full((3, 32), 7, np.uint32)
+    _vote_kernel[1, 96](flags, out)
+    np.testing.assert_array_equal(out, np.array([[1] * 32, [0] * 32, [0] * 32], np.uint32))
+
+
+def test_vote():
+    check_vote(np.random.default_rng(5))
+
+
 def test_static_range_needs_unroll():
     """static_range loops are expanded by @unroll; one left in an undecorated function (which Numba
     would refuse) raises in the simulator as well, naming the fix."""
@@ -276,3 +296,4 @@ def test_intrinsics_match_layouts_on_gpu():
         check_cp_async(rng)
         check_red(rng)
         check_pointwise(rng)
+        check_vote(rng)

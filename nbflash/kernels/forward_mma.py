@@ -91,6 +91,7 @@ from nbflash.primitives import (
     shared_address,
     static_range,
     unroll,
+    warp_all,
 )
 
 from . import variants
@@ -117,6 +118,13 @@ class MmaForwardConfig:
     q_in_registers: bool | None = None
     sub_n: int = 0  # keys per S register tile (a divisor of block_n, multiple of 16); 0: block_n
     skip_rescale: bool = False  # branch around acc *= alpha when a row's max did not change
+    # Lazy rescaling: a warp keeps the row maxima its P is taken against (m_i) until some row's
+    # running max passes its m_i by more than this many powers of 2, so P <= 2**rescale_slack; only
+    # then are m_i, l_i and acc rescaled, all rows of the warp at once (one vote a tile, a
+    # warp-uniform branch). O = acc / l and lse = m_i + log2(l) are the same in exact arithmetic.
+    # 0: rescale at every tile (alpha = 1 when the max held). At most 8: P stays far inside
+    # float16's range (65504) when it is packed for P V.
+    rescale_slack: float = 0.0
     fold_scale: bool = True  # the scale is positive: fold it into exp2 (a score feature folds its units)
     # Longest-first within groups of this many (batch, head) pairs (0: off; geometry.grouped_block):
     # the grid's last wave holds short blocks (with a window) while the blocks running together
@@ -141,6 +149,10 @@ class MmaForwardConfig:
                              f"{self.block_n=}, {self.sub_n=}")
         if self.heavy_groups < 0:
             raise ValueError(f"heavy_groups={self.heavy_groups} must be 0 (off) or a group size")
+        if not 0 <= self.rescale_slack <= 8:
+            raise ValueError(f"rescale_slack={self.rescale_slack} must be in [0, 8] (powers of 2 that P may reach)")
+        if self.rescale_slack and self.skip_rescale:
+            raise ValueError("rescale_slack and skip_rescale are two ways of skipping the rescale: take one")
 
     @property
     def headdim_padded(self):
@@ -209,6 +221,7 @@ def build_forward_mma(config: MmaForwardConfig):
     BLOCK_MASK, tile_class, next_key_tile = hooks.BLOCK_MASK, hooks.tile_class, hooks.next_key_tile
     VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
     SKIP_RESCALE, FOLD_SCALE = config.skip_rescale, config.fold_scale and not SCORE
+    SLACK = float32(config.rescale_slack)
     ROW_BYTES = ROW * 2
     Q_BYTES, KV_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
     CHUNKS = HDP // 8  # 16-byte chunks per row
@@ -389,6 +402,53 @@ def build_forward_mma(config: MmaForwardConfig):
                     for dt in static_range(DT):
                         acc[mt, dt, 2 * r] *= alpha
                         acc[mt, dt, 2 * r + 1] *= alpha
+
+    @inline_device
+    @unroll
+    def lazy_online_softmax(s, m_i, l_i, acc, scale_log2, first_row, n_start, params, head_ctx, g, t):
+        """online_softmax with lazy rescaling (``rescale_slack``): S -> P = exp2(S * scale_log2 -
+        m_i * scale_log2) against the m_i the warp holds, as long as no row's max passes it by more
+        than the slack; otherwise m_i moves to the new maxima and l_i and acc are rescaled, for all
+        of the warp's rows (the vote keeps the branch warp-uniform)."""
+        tile_max = cuda.local.array(ROW_STAT, float32)
+        stay = uint32(1)
+        for mt in static_range(MT):
+            for r in static_range(2):
+                m_new = m_i[mt, r]
+                for nt in static_range(NT):
+                    m_new = max(m_new, max(s[mt, nt, 2 * r], s[mt, nt, 2 * r + 1]))
+                m_new = quad_max(m_new)
+                tile_max[mt, r] = m_new
+                # False for a row with no key yet and none here (-inf and -inf), and for NaN
+                if m_new * scale_log2 > m_i[mt, r] * scale_log2 + SLACK:
+                    stay = uint32(0)
+        stay = warp_all(stay)
+        if not stay:  # the rare tile: every row of the warp moves to its new max
+            for mt in static_range(MT):
+                for r in static_range(2):
+                    m_new = tile_max[mt, r]
+                    # A row that has seen only masked keys keeps m = -inf; alpha is then 0 or 1
+                    m_scaled = m_new * scale_log2 if m_new != NEG_INF else float32(0)
+                    alpha = exp2_approx(m_i[mt, r] * scale_log2 - m_scaled)
+                    l_i[mt, r] *= alpha
+                    m_i[mt, r] = m_new
+                    for dt in static_range(DT):
+                        acc[mt, dt, 2 * r] *= alpha
+                        acc[mt, dt, 2 * r + 1] *= alpha
+        for mt in static_range(MT):
+            for r in static_range(2):
+                # A row that has seen only masked keys keeps m = -inf; subtract 0 then, not -inf.
+                m_scaled = m_i[mt, r] * scale_log2 if m_i[mt, r] != NEG_INF else float32(0)
+                row_sum = float32(0)
+                for nt in static_range(NT):
+                    for e in static_range(2):
+                        p = exp2_approx(s[mt, nt, 2 * r + e] * scale_log2 - m_scaled)
+                        s[mt, nt, 2 * r + e] = p
+                        row_sum += p
+                l_i[mt, r] += row_sum
+
+    if SLACK > 0:
+        online_softmax = lazy_online_softmax  # noqa: F811 (the step below calls whichever is chosen)
 
     @inline_device
     @unroll
