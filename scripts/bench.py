@@ -96,7 +96,7 @@ def nbflash_replaced_runner(family, **fields):
 
 
 # The families whose forward config has rescale_slack (lazy rescaling; --rescale-slack)
-RESCALE_SLACK_FAMILIES = ("mma",)
+RESCALE_SLACK_FAMILIES = ("mma", "sm90")
 
 
 def nbflash_step_runner(family):

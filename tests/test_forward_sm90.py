@@ -69,7 +69,7 @@ def run_kernel(config, q, k, v, scale, window, xp, softcap=0.0, alibi_slopes=Non
 
 
 def check(config, xp, batch=1, seqlen_q=20, seqlen_k=33, nheads=2, nheads_k=1, seed=0, window=CAUSAL,
-          heads_first=False):
+          heads_first=False, scale=None):
     window = window if config.variant.window else None
     rng = np.random.default_rng(seed)
     D, dt = config.headdim, NP_DTYPE[config.dtype]
@@ -81,7 +81,7 @@ def check(config, xp, batch=1, seqlen_q=20, seqlen_k=33, nheads=2, nheads_k=1, s
         return rng.standard_normal((batch, seqlen, heads, D)).astype(dt)
 
     q, k, v = draw(seqlen_q, nheads), draw(seqlen_k, nheads_k), draw(seqlen_k, nheads_k)
-    scale = 1.0 / math.sqrt(D)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
     out, lse = run_kernel(config, q, k, v, scale, window, xp)
     ref, ref_lse = reference(q, k, v, scale, window)
     naive, _ = reference(q, k, v, scale, window, p_dtype=dt)
@@ -120,6 +120,15 @@ def test_overlapped(window, xp):
     # the window, 2 query blocks of which the first has rows without keys.
     config = Sm90ForwardConfig("float16", 64, WINDOW if window else PLAIN, overlap=True, **SMALL)
     check(config, xp, seqlen_q=70 if window else 9, seqlen_k=150, nheads=1 if window else 2, nheads_k=1)
+
+
+@pytest.mark.parametrize("overlap, slack, scale", [(False, 1.0, 1.0), (True, 8.0, 0.125)])
+def test_lazy_rescale(overlap, slack, scale, xp):
+    """rescale_slack, in the plain and the overlapped consumer loops: at scale 1 the scores spread
+    over about +-35 powers of 2, so the maxima must move (a kernel that never moved them overflows
+    P), at scale 1/8 they mostly stay; causal, two query blocks, 3 key tiles, rows without keys."""
+    config = Sm90ForwardConfig("float16", 64, WINDOW, overlap=overlap, rescale_slack=slack, **SMALL)
+    check(config, xp, seqlen_q=70, seqlen_k=150, nheads=1, nheads_k=1, scale=scale)
 
 
 def test_pingpong(xp):

@@ -113,6 +113,7 @@ from nbflash.primitives import (
     shared_address,
     static_range,
     unroll,
+    warp_all,
 )
 from nbflash.primitives_sm90 import (
     SWIZZLE_128B,
@@ -193,6 +194,10 @@ class Sm90ForwardConfig:
     # next; so the last wave holds short blocks (with a window) while the blocks running together
     # still read a few heads' K and V (scripts/dispatch_model.py models the backward's case)
     heavy_groups: int = 0
+    # Lazy rescaling (as MmaForwardConfig.rescale_slack): each warp keeps the maxima its P is taken
+    # against until some row passes them by more than this many powers of 2 (a vote a tile), so
+    # P <= 2**rescale_slack and O is rescaled only then; 0: at every tile. At most 8.
+    rescale_slack: float = 0.0
 
     def __post_init__(self):
         if self.dtype not in ("float16", "bfloat16", FP8):
@@ -219,6 +224,8 @@ class Sm90ForwardConfig:
             raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
         if self.heavy_groups < 0:
             raise ValueError(f"heavy_groups={self.heavy_groups} must be 0 (off) or a group size")
+        if not 0 <= self.rescale_slack <= 8:
+            raise ValueError(f"rescale_slack={self.rescale_slack} must be in [0, 8] (powers of 2 that P may reach)")
         if self.consumers == 2:  # setmaxnreg splits the registers (one consumer keeps the entry cap)
             check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
 
@@ -311,6 +318,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     SPLIT_REGISTERS = CONSUMERS == 2  # with one consumer the entry cap already suffices
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
     OVERLAP, PINGPONG = config.overlap, config.pingpong
+    SLACK = float32(config.rescale_slack)
     TURN_THREADS = 2 * GROUP  # a turn barrier: the waiting consumer and the one handing over
     hooks = variants.hooks(config.variant)
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
@@ -438,6 +446,42 @@ def build_forward_sm90(config: Sm90ForwardConfig):
 
     @inline_device
     @unroll
+    def lazy_online_softmax(s, m_i, l_i, alpha, scale_log2):
+        """online_softmax with lazy rescaling (``rescale_slack``): the warp's maxima stay where they
+        are, and alpha is exactly 1, unless some row of the warp passes its m_i by more than the
+        slack (one vote); then every row moves to its new max."""
+        tile_max = cuda.local.array(2, float32)
+        stay = uint32(1)
+        for rh in static_range(2):
+            m_new = m_i[rh]
+            for c in static_range(NT):
+                m_new = max(m_new, max(s[4 * c + 2 * rh], s[4 * c + 2 * rh + 1]))
+            m_new = quad_max(m_new)
+            tile_max[rh] = m_new
+            # False for a row with no key yet and none here (-inf and -inf), and for NaN
+            if m_new * scale_log2 > m_i[rh] * scale_log2 + SLACK:
+                stay = uint32(0)
+        stay = warp_all(stay)
+        for rh in static_range(2):
+            alpha[rh] = float32(1)
+            if not stay:  # warp-uniform
+                m_new = tile_max[rh]
+                # A row that has seen only masked keys keeps m = -inf; alpha is then 0 or 1
+                m_scaled = m_new * scale_log2 if m_new != NEG_INF else float32(0)
+                alpha[rh] = exp2_approx(m_i[rh] * scale_log2 - m_scaled)
+                l_i[rh] *= alpha[rh]
+                m_i[rh] = m_new
+            m_scaled = m_i[rh] * scale_log2 if m_i[rh] != NEG_INF else float32(0)
+            row_sum = float32(0)
+            for c in static_range(NT):
+                for e in static_range(2):
+                    p = exp2_approx(s[4 * c + 2 * rh + e] * scale_log2 - m_scaled)
+                    s[4 * c + 2 * rh + e] = p
+                    row_sum += p
+            l_i[rh] += row_sum
+
+    @inline_device
+    @unroll
     def drop_p(s, row0, n_start, params, head_ctx, q4):
         """The probability point: P or 0 by its dropout bit, element by element, after online_softmax
         has summed the undropped P into l_i and before pack_p (each P's last use); the kept scale
@@ -455,6 +499,20 @@ def build_forward_sm90(config: Sm90ForwardConfig):
             for c in static_range(DT):
                 o[4 * c + 2 * rh] *= alpha[rh]
                 o[4 * c + 2 * rh + 1] *= alpha[rh]
+
+    rescale_every_row = rescale_o
+
+    @inline_device
+    @unroll
+    def lazy_rescale_o(o, alpha):
+        """rescale_o where the warp's maxima moved: lazy_online_softmax leaves alpha exactly 1 in every
+        row of a warp that stayed, and below 1 in some row of one that moved (past the slack), so
+        this vote gives its answer again, warp-uniform."""
+        if not warp_all(uint32(alpha[0] == float32(1) and alpha[1] == float32(1))):
+            rescale_every_row(o, alpha)
+
+    if SLACK > 0:  # the consumer loops call whichever pair is chosen
+        online_softmax, rescale_o = lazy_online_softmax, lazy_rescale_o  # noqa: F811
 
     @inline_device
     @unroll
