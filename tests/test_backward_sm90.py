@@ -22,6 +22,7 @@ from nbflash.catalogue import forward_arguments, variant_arguments
 from nbflash.kernels.backward_mma import MmaBackwardConfig
 from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
 from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
+from nbflash.kernels.backward_sm90_rows import Sm90RowsBackwardConfig
 from nbflash.problem import Static, Variant
 
 from .conftest import SIMULATOR
@@ -351,6 +352,58 @@ def test_backward_sm90_dq_by_steps_gpu(rng, xp, sm90_backward_table, seqlens, ca
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_sm90_block_m_128_gpu(rng, xp, block_m_128, seqlens, causal, headdim):
     run_sm90(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
+
+
+@pytest.fixture
+def rows_split(monkeypatch):
+    """Plan the sm90 backward's dK/dV kernel with the query rows split between the consumers
+    (backward_sm90_rows.py, 128 x 128 tiles), the planner's launch order kept."""
+    planned = configs.sm90_backward_config
+    monkeypatch.setattr(configs, "sm90_backward_config", lambda dtype, headdim, variant: Sm90RowsBackwardConfig(
+        dtype, headdim, variant, heavy_groups=planned(dtype, headdim, variant).heavy_groups))
+    backward._kernels.cache_clear()
+    yield
+    backward._kernels.cache_clear()
+
+
+def run_rows(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal, heads_first=False):
+    static = Static(dtype, headdim, False, 0, CAUSAL if causal else Variant())
+    assert isinstance(configs.plan_backward(static, False, "sm90", True)[1], Sm90RowsBackwardConfig)
+    return run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal, False,
+                    heads_first, family="sm90")
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_backward_sm90_rows_small(rng, xp, rows_split):
+    """The query rows split between the consumers: causal with tails, seqlen_q > seqlen_k (the
+    first rows see no key), GQA 2:1 over two query tiles of 128 (four steps through a ring of two)
+    and one key tile with a tail; headdim 40, padded to 64."""
+    run_rows(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("headdim", [40, 64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, rows_split, seqlens, causal, headdim, stages):
+    planned = configs.sm90_backward_config
+    monkeypatch.setattr(configs, "sm90_backward_config",
+                        lambda *args: dataclasses.replace(planned(*args), stages=stages))
+    run_rows(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
+
+
+def test_rows_configs():
+    """The rows split serves plain and windowed attention at headdims up to 64, fp16 and bf16."""
+    for kwargs in (dict(headdim=72), dict(headdim=60), dict(variant=Variant(softcap=True)),
+                   dict(variant=Variant(window=True, dropout=True)), dict(variant=Variant(varlen=True)),
+                   dict(dtype="float32"), dict(stages=1), dict(producer_registers=32, consumer_registers=240)):
+        with pytest.raises(ValueError):
+            Sm90RowsBackwardConfig(**{"dtype": "float16", "headdim": 64, **kwargs})
+    config = Sm90RowsBackwardConfig("bfloat16", 64, Variant(window=True), stages=3)
+    assert (config.block_m, config.block_n, config.threads) == (128, 128, 384)
+    assert config.dynamic_shared_bytes == 200_760 and config.grid(2, 8, 2, 300, 300) == (3, 2, 2)
+    assert launch.describe(config) == "Hopper backward dK/dV (bfloat16, headdim 64, causal/window)"
 
 
 def test_block_m_configs():
