@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from nbflash.primitives import (
     SIMULATOR,
@@ -270,16 +270,23 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
         """S -> P = exp2(S * scale_log2 - lse_log2[row]) in place, for the thread's two query rows
         (row0, row0 + 8; lse_log2 theirs) and its key columns n_start + 8 c + 2 q4 + e; masked
         entries (keys past seqlen_k, or outside the row's window) get P = 0. ``masked`` is a
-        constant at each call site. Rows past seqlen_q have lse_log2 = +inf, so P = 0."""
+        constant at each call site. Rows past seqlen_q have lse_log2 = +inf, so P = 0.
+        The mask tests the column's offset 8 c + e from the thread's first key against the row's
+        bounds less that key (the band's test is the same shifted, and this kernel serves no
+        element mask): 32 keys made once before the loop were spilled, and compared in 64 bits."""
+        key0 = n_start + 2 * q4
+        if masked:  # the first key made opaque each step, so nothing of it is kept across the loop
+            key0 = int64(fence_operands((uint32(key0), uint32(0)))[0])  # (one register is no tuple to the asm)
         for rh in static_range(2):
             row = row0 + 8 * rh
             lo, hi = row_keys(row, seqlen_q, seqlen_k, params)  # used by the masked copy
+            lo_rel, hi_rel = int32(max(lo - key0, -1)), int32(hi - key0)
             for c in static_range(NT):
                 for e in static_range(2):
                     r = 4 * c + 2 * rh + e
                     p = exp2_approx(s[r] * scale_log2 - lse_log2[rh])
                     if masked:
-                        if hidden(n_start + 8 * c + 2 * q4 + e, lo, hi, row, seqlen_q, params, head_ctx):
+                        if hidden(int32(8 * c + e), lo_rel, hi_rel, row, seqlen_q, params, head_ctx):
                             p = float32(0)
                     s[r] = p
 
@@ -302,15 +309,16 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
 
     @inline_device
     @unroll
-    def store_rows_tile(smem, tile_word, packed, row0, g, q4):
-        """The thread's packed P (or dS) of rows row0 + (0, 8) of the step (row0 % 8 = g) and keys
-        8 c + 2 q4, + 1 into the tile at smem index ``tile_word``: key chunk c // 8 (P_CHUNK_BYTES
-        apart), rows of 128 bytes, 16-byte unit c % 8 stored at (c % 8) ^ g (the swizzle wgmma
-        reads). Packed register i holds key group c = i // 2 of row row0 + 8 (i % 2)."""
+    def store_rows_tile(smem, row_word, swizzle, packed):
+        """The thread's packed P (or dS) of its rows r0 and r0 + 8 of the step (r0 % 8 = g) and keys
+        8 c + 2 q4, + 1 into a tile: key chunk c // 8 (P_CHUNK_BYTES apart), rows of 128 bytes,
+        16-byte unit c % 8 stored at (c % 8) ^ g (the swizzle wgmma reads). ``row_word`` is the smem
+        index of the tile's row r0 plus q4, ``swizzle`` is 4 g (a unit in words). Packed register i
+        holds key group c = i // 2 of row r0 + 8 (i % 2)."""
         for i in static_range(P_REGS):
-            row = row0 + 8 * (i % 2)
             chunk, unit = (i // 2) // 8, (i // 2) % 8
-            smem[tile_word + chunk * (P_CHUNK_BYTES // 4) + row * (ROW_BYTES // 4) + ((unit ^ g) * 4) + q4] = packed[i]
+            offset = chunk * (P_CHUNK_BYTES // 4) + 8 * (i % 2) * (ROW_BYTES // 4)
+            smem[row_word + uint32(offset) + (uint32(4 * unit) ^ swizzle)] = packed[i]
 
     @inline_device
     @unroll
@@ -453,8 +461,8 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
             desc_v_rows = smem_descriptor(v_tile, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
             desc_k_cols = smem_descriptor(k_tile, KV_BYTES, 1024, SWIZZLE_128B)  # dQ's B: keys x headdim
             chunk_off = uint32(consumer * P_CHUNK_BYTES)  # the consumer's keys in the P and dS tiles
-            p_word = (p_tile - smem_start) // uint32(4)
-            ds_word = (ds_tile - smem_start) // uint32(4)
+            # smem index of the thread's first row (and lane pair) in the P tile; dS's is P_BYTES on
+            p_row_word = uint32((p_tile - smem_start) // uint32(4) + uint32(row0 * (ROW_BYTES // 4) + q4))
 
             s = cuda.local.array(S_REGS, float32)
             dp = cuda.local.array(S_REGS, float32)
@@ -517,8 +525,12 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                 # P and dS of all 128 rows into shared memory, once the last step's dV and dK products
                 # (both consumers', each waited for before its next step) have read the tiles
                 named_barrier_sync(1, BOTH)
-                store_rows_tile(smem, p_word, p, row0, g, q4)
-                store_rows_tile(smem, ds_word, ds, row0, g, q4)
+                # The row and swizzle words made opaque each step: else LLVM makes all 64 store
+                # addresses once before the loop, and ptxas spills them (320 bytes, 74 local accesses
+                # in the loop)
+                row_word, swizzle = fence_operands((p_row_word, uint32(4 * g)))
+                store_rows_tile(smem, row_word, swizzle, p)
+                store_rows_tile(smem, row_word + uint32(P_BYTES // 4), swizzle, ds)
                 fence_proxy_async()  # the stores are ordered before wgmma reads them
                 ds_regs = fence_operands(registers_from(ds, P_REGS))
                 acc_q = fence_operands(registers_from(zeros, ACC_REGS))
