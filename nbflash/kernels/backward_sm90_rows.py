@@ -103,13 +103,12 @@ ROWS = 64  # query rows per consumer warpgroup: the M of S, dP and dQ
 BLOCK_M = 128  # query rows per step: two consumers' rows
 BLOCK_N = 128  # keys per block: the N of S and dP; 64 per consumer in dK and dV
 MAX_HEADDIM = 64  # one 64-column chunk: dK, dV and dQ of 32 registers each
-# The variant's features this kernel serves: the window (causal included); the others (score
-# features, dropout, element and block masks, packed sequences) stay with backward_sm90.py
-SERVED_FEATURES = ("window",)
 
 
 def served(variant):
-    """This kernel serves ``variant``: nothing but the window (causal) is on."""
+    """This kernel serves ``variant``: nothing but the window (causal included) is on. The other
+    features (score features, dropout, element and block masks, packed sequences) stay with
+    backward_sm90.py."""
     return variant._replace(window=False) == Variant()
 
 
