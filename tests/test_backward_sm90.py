@@ -377,16 +377,17 @@ def run_rows(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtyp
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-@pytest.mark.parametrize("case", ["causal-hd40", "plain-hd64-bf16"])
+@pytest.mark.parametrize("case", ["causal-hd40", "plain-hd64"])
 def test_backward_sm90_rows_small(rng, xp, rows_split, case):
     """The query rows split between the consumers, GQA 2:1. Causal: two query tiles of 128 (four
     steps through a ring of two, the second tile's rows mostly past seqlen_q), seqlen_q > seqlen_k
     (the first rows see no key), one key tile with a tail, headdim 40 padded to 64, fp16. Plain: one
-    query tile (rows past seqlen_q), two key tiles, the second a tail, headdim 64, bf16."""
+    query tile (rows past seqlen_q), two key tiles, the second a tail, headdim 64, fp16 (bf16 took
+    57 s once and 607 s in another run of the emulation, alone on 2 cores: left to the GPU grid)."""
     if case == "causal-hd40":
         run_rows(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True)
     else:
-        run_rows(rng, xp, 1, 70, 200, 2, 1, 64, "bfloat16", False)
+        run_rows(rng, xp, 1, 70, 200, 2, 1, 64, "float16", False)
 
 
 @pytest.mark.gpu
