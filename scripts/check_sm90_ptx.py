@@ -85,8 +85,9 @@ def fp8_forward_kernels():
 def backward_kernels():
     """(name, Python function, signature, compile options) of the sm90 dK/dV kernel's planned
     configs (fp16, plain), and at headdim 64 of the defer_dq schedule, the 32-column "columns"
-    split (without and with defer_dq), 128 query rows per step ("columns" and "steps") and causal
-    dropout at each planned headdim."""
+    split (without and with defer_dq), 128 query rows per step ("columns" and "steps"), the query
+    rows split between the consumers (backward_sm90_rows.py: fp16 and bf16, plain and causal) and
+    causal dropout at each planned headdim."""
     import dataclasses
 
     from nbflash import configs
@@ -105,6 +106,13 @@ def backward_kernels():
         found.append((f"backward_sm90_m128_{split}_hd64", dataclasses.replace(hd64, block_m=128, dq_split=split)))
     found.append(("backward_sm90_m128_columns_r240_hd64", dataclasses.replace(
         hd64, block_m=128, dq_split="columns", producer_registers=24, consumer_registers=240)))
+    # the query rows split between the consumers (backward_sm90_rows.py), fp16 and bf16, plain and causal
+    from nbflash.kernels.backward_sm90_rows import Sm90RowsBackwardConfig
+
+    for dtype in ("float16", "bfloat16"):
+        for variant in (Variant(), Variant(window=True)):
+            found.append((f"backward_sm90_rows_{'causal' if variant.window else 'plain'}_{dtype}_hd64",
+                          Sm90RowsBackwardConfig(dtype, 64, variant)))
     # causal dropout (served when "sm90" is forced): P^T from the landed dP^T, shuffled Philox words
     for headdim, *_ in configs.SM90_BACKWARD:
         found.append((f"backward_sm90_causal_dropout_hd{headdim}",

@@ -22,7 +22,9 @@ Backward, each column a schedule:
   under its S^T and dP^T products (defer_dq), 2 and 3 stages; "columns-defer-dq", "columns" with
   the deferred atomics; "m128-columns", "m128-steps" (headdim 64): 128 query rows per step, and
   "m128-columns-r240" with setmaxnreg 24 / 240 (32 / 240 asks more registers than the block holds
-  and hangs: check_register_split);
+  and hangs: check_register_split); "rows" / "rows-3st" (headdim 64): the query rows split between
+  the consumers (nbflash/kernels/backward_sm90_rows.py, 128 x 128 tiles), 2 and 3 stages, the
+  planner's launch order;
 - "planned": the planner's choice (configs.SM90_BACKWARD).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
@@ -148,6 +150,7 @@ def main():
 
 def backward_schedules(headdim, causal):
     from nbflash import configs
+    from nbflash.kernels.backward_sm90_rows import Sm90RowsBackwardConfig
     from nbflash.problem import Variant
 
     planned = configs.sm90_backward_config("float16", headdim, Variant(window=causal))
@@ -173,6 +176,10 @@ def backward_schedules(headdim, causal):
             found[f"m128-{split}"] = base.__class__(**{**base.__dict__, "block_m": 128, "dq_split": split})
         found["m128-columns-r240"] = base.__class__(**{**base.__dict__, "block_m": 128, "dq_split": "columns",
                                                       "producer_registers": 24, "consumer_registers": 240})
+        # the query rows split between the consumers (a kernel of its own), the planner's launch order
+        found["rows"] = Sm90RowsBackwardConfig("float16", headdim, planned.variant, heavy_groups=planned.heavy_groups)
+        found["rows-3st"] = Sm90RowsBackwardConfig("float16", headdim, planned.variant, stages=3,
+                                                   heavy_groups=planned.heavy_groups)
     found["planned"] = planned
     return {name: config for name, config in found.items() if ONLY is None or name in ONLY}
 

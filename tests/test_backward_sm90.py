@@ -22,6 +22,7 @@ from nbflash.catalogue import forward_arguments, variant_arguments
 from nbflash.kernels.backward_mma import MmaBackwardConfig
 from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
 from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
+from nbflash.kernels.backward_sm90_rows import Sm90RowsBackwardConfig
 from nbflash.problem import Static, Variant
 
 from .conftest import SIMULATOR
@@ -351,6 +352,67 @@ def test_backward_sm90_dq_by_steps_gpu(rng, xp, sm90_backward_table, seqlens, ca
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_sm90_block_m_128_gpu(rng, xp, block_m_128, seqlens, causal, headdim):
     run_sm90(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
+
+
+@pytest.fixture
+def rows_split(monkeypatch):
+    """Plan the sm90 backward's dK/dV kernel with the query rows split between the consumers
+    (backward_sm90_rows.py, 128 x 128 tiles), on a GPU in the planner's launch order (groups of
+    heads). The simulator takes the plain order: with two key tiles, groups of 4 launch 8 blocks
+    (6 exit at once), and the emulation took four times as long (148 s against 36) and, on a busy
+    machine, long enough for a producer's bounded mbarrier wait to trap."""
+    planned = configs.sm90_backward_config
+    monkeypatch.setattr(configs, "sm90_backward_config", lambda dtype, headdim, variant: Sm90RowsBackwardConfig(
+        dtype, headdim, variant, heavy_groups=0 if SIMULATOR else planned(dtype, headdim, variant).heavy_groups))
+    backward._kernels.cache_clear()
+    yield
+    backward._kernels.cache_clear()
+
+
+def run_rows(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal, heads_first=False):
+    static = Static(dtype, headdim, False, 0, CAUSAL if causal else Variant())
+    assert isinstance(configs.plan_backward(static, False, "sm90", True)[1], Sm90RowsBackwardConfig)
+    return run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal, False,
+                    heads_first, family="sm90")
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+@pytest.mark.parametrize("case", ["causal-hd40", "plain-hd64"])
+def test_backward_sm90_rows_small(rng, xp, rows_split, case):
+    """The query rows split between the consumers, GQA 2:1. Causal: two query tiles of 128 (four
+    steps through a ring of two, the second tile's rows mostly past seqlen_q), seqlen_q > seqlen_k
+    (the first rows see no key), one key tile with a tail, headdim 40 padded to 64, fp16. Plain: one
+    query tile (rows past seqlen_q), two key tiles, the second a tail, headdim 64, fp16 (bf16 took
+    57 s once and 607 s in another run of the emulation, alone on 2 cores: left to the GPU grid)."""
+    if case == "causal-hd40":
+        run_rows(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True)
+    else:
+        run_rows(rng, xp, 1, 70, 200, 2, 1, 64, "float16", False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("headdim", [40, 64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, rows_split, seqlens, causal, headdim, stages):
+    planned = configs.sm90_backward_config
+    monkeypatch.setattr(configs, "sm90_backward_config",
+                        lambda *args: dataclasses.replace(planned(*args), stages=stages))
+    run_rows(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
+
+
+def test_rows_configs():
+    """The rows split serves plain and windowed attention at headdims up to 64, fp16 and bf16."""
+    for kwargs in (dict(headdim=72), dict(headdim=60), dict(variant=Variant(softcap=True)),
+                   dict(variant=Variant(window=True, dropout=True)), dict(variant=Variant(varlen=True)),
+                   dict(dtype="float32"), dict(stages=1), dict(producer_registers=32, consumer_registers=240)):
+        with pytest.raises(ValueError):
+            Sm90RowsBackwardConfig(**{"dtype": "float16", "headdim": 64, **kwargs})
+    config = Sm90RowsBackwardConfig("bfloat16", 64, Variant(window=True), stages=3)
+    assert (config.block_m, config.block_n, config.threads) == (128, 128, 384)
+    assert config.dynamic_shared_bytes == 200_760 and config.grid(2, 8, 2, 300, 300) == (3, 2, 2)
+    assert launch.describe(config) == "Hopper backward dK/dV (bfloat16, headdim 64, causal/window)"
 
 
 def test_block_m_configs():

@@ -1,0 +1,560 @@
+"""FlashAttention backward on Hopper (sm_90a), the dK/dV pass with the query rows split between the
+consumers: FlashAttention-3's headdim-64 shape, an option to time beside backward_sm90.py.
+
+Read backward_sm90.py first: the producer, the ring and the tiles are its. There each consumer
+warpgroup owns 64 of the tile's keys and works on the transposed scores; here each owns 64 of the
+step's 128 query rows and works on the scores as the forward does. Per (batch, KV head), with
+D = rowsum(dO * O) from the preprocess::
+
+    for each tile of 128 keys K_j, V_j (one thread block; loaded once by TMA):
+        producer warpgroup (as in backward_sm90.py): Q_i, dO_i (128 rows) by TMA, lse_i (base 2)
+            and D_i of the tile's rows by the stats warp, into ring slot i % stages
+        each consumer warpgroup c (query rows 64 c .. 64 c + 63 of every step; keys 64 c .. 64 c + 63
+        of dK and dV):
+            dK_c = dV_c = 0                                                         (registers)
+            for the i-th step, once the slot is full:
+                S  = Q_c K_j^T,  dP = dO_c V_j^T             (wgmma, m64n128, both from shared memory)
+                P  = exp2(S * scale_log2 - lse_log2[row])  (0 where masked; while dP is in flight)
+                dS = P * (dP - D[row])
+                P, dS -> shared memory (16 bit, all 128 rows x 128 keys between the two consumers)
+                dQ_c  = dS K_j          (wgmma, dS from registers; into dq_accum by red.add)
+                dV_c += P^T dO_i,  dK_c += dS^T Q_i   (wgmma, P^T and dS^T: key chunk c of the tiles)
+                arrive on the slot's empty barrier
+            dK *= scale; write dK_c, dV_c
+
+Why this split: the statistics are per row, so a thread reads its two rows' lse and D once a step
+(the keys split reads one per query column), and the window's bounds are made once per row; dQ_c's
+A operand is dS_c as it sits in the accumulator's registers, so no consumer waits on another for
+dQ, and both do the same work every step. The price: dV and dK need every query's P and dS for a
+key, so both go through shared memory, and the two consumers meet at two barriers a step (before
+the stores, every product of the last step has read the single P and dS tiles; after them, every
+store is in).
+
+Grid and threads: as backward_sm90.py with block_n = 128 (``heavy_groups`` included); block =
+384 threads; block_m = 128.
+
+Shared memory (dynamic, every tile 1024-byte aligned): K_j, V_j (128 rows), the ring of Q_i and of
+dO_i tiles (128 rows), the P and dS tiles (two 64-key chunks each of 128 query rows of 128 bytes,
+the 128-byte swizzle: read with keys contiguous they are P^T's and dS^T's MN-major image), the
+ring's stats (lse_log2 and D, 128 floats each per slot), then the mbarriers.
+
+Memory and arguments: backward_sm90.py's (the same signature and tensor maps). Variants: plain
+attention and the window (causal included); headdims a multiple of 8 up to 64 (padded to 64 by
+TMA's zero fill); the other features raise in the config (backward_sm90.py serves them).
+"""
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from numba import cuda, float32, int32, int64, uint32, uint64
+
+from nbflash.primitives import (
+    SIMULATOR,
+    exp2_approx,
+    f32_as_u32,
+    global_address,
+    inline_device,
+    pack_bf16x2,
+    pack_f16x2,
+    red_add_f32x2,
+    shared_address,
+    static_range,
+    u32_as_f32,
+    unroll,
+)
+from nbflash.primitives_sm90 import (
+    SWIZZLE_128B,
+    array_address,
+    check_register_split,
+    elect_sync,
+    fence_mbarrier_init,
+    fence_operands,
+    fence_proxy_async,
+    fence_proxy_tensormap_acquire,
+    launch_bounded,
+    make_wgmma_rs,
+    make_wgmma_ss,
+    mbarrier_arrive,
+    mbarrier_arrive_expect_tx,
+    mbarrier_init,
+    mbarrier_wait,
+    named_barrier_sync,
+    registers_from,
+    registers_to,
+    setmaxnreg_dec,
+    setmaxnreg_inc,
+    smem_descriptor,
+    tma_load_4d,
+    wgmma_commit,
+    wgmma_fence,
+    wgmma_wait,
+)
+from nbflash.problem import Variant
+
+from . import variants
+from .backward_sm90 import MAX_SHARED_BYTES
+from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
+from .geometry import grouped_block, grouped_grid
+from .tiles import output_store
+
+LOG2E = math.log2(math.e)
+ROWS = 64  # query rows per consumer warpgroup: the M of S, dP and dQ
+BLOCK_M = 128  # query rows per step: two consumers' rows
+BLOCK_N = 128  # keys per block: the N of S and dP; 64 per consumer in dK and dV
+MAX_HEADDIM = 64  # one 64-column chunk: dK, dV and dQ of 32 registers each
+
+
+def served(variant):
+    """This kernel serves ``variant``: nothing but the window (causal included) is on. The other
+    features (score features, dropout, element and block masks, packed sequences) stay with
+    backward_sm90.py."""
+    return variant._replace(window=False) == Variant()
+
+
+@dataclass(frozen=True)
+class Sm90RowsBackwardConfig:
+    """One compiled variant of the Hopper dK/dV kernel with the query rows split between the two
+    consumers (the backward's preprocess and dq conversion are the portable family's)."""
+
+    dtype: str  # 'float16' or 'bfloat16'
+    headdim: int  # a multiple of 8, at most 64
+    variant: Variant = Variant()
+    stages: int = 2  # query tiles in flight (the ring)
+    producer_registers: int = 40  # setmaxnreg caps (the block holds 384 x 168 registers at entry)
+    consumer_registers: int = 232
+    heavy_groups: int = 0  # longest-first within groups of (batch, KV head) pairs, as backward_sm90.py's
+    kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
+    atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
+    consumers = 2
+    block_m = BLOCK_M
+    block_n = BLOCK_N
+    dq_reduce = "red"  # what the tensor maps read (backward_sm90.tensor_maps): no dq_accum map
+    arch_suffix = "a"  # wgmma, TMA and setmaxnreg assemble for sm_90a only
+
+    def __post_init__(self):
+        if self.dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
+        if self.headdim % 8 or not 8 <= self.headdim <= MAX_HEADDIM:
+            raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..{MAX_HEADDIM}")
+        if not served(self.variant):
+            raise ValueError(f"{self.variant=}: the rows-split sm90 backward serves plain attention and the window "
+                             "(causal) only; backward_sm90.py serves the other features")
+        if self.stages < 2:
+            raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
+        if self.heavy_groups < 0:
+            raise ValueError(f"heavy_groups={self.heavy_groups} must be 0 (off) or a group size")
+        check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
+        if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
+            raise ValueError(f"{self.dynamic_shared_bytes} bytes of shared memory exceed a block's "
+                             f"{MAX_SHARED_BYTES}: fewer stages")
+
+    @property
+    def headdim_padded(self):
+        return CHUNK
+
+    @property
+    def threads(self):
+        return GROUP * (self.consumers + 1)
+
+    @property
+    def q_bytes(self):
+        """Bytes of one Q (or dO) tile: 128 rows of 128 bytes."""
+        return BLOCK_M * ROW_BYTES
+
+    @property
+    def kv_bytes(self):
+        return BLOCK_N * ROW_BYTES
+
+    @property
+    def p_bytes(self):
+        """Bytes of the P (or dS) tile: 128 query rows x 128 keys, 16 bit."""
+        return BLOCK_M * BLOCK_N * 2
+
+    @property
+    def stats_bytes(self):
+        """Bytes of one slot's lse_log2 and D."""
+        return 2 * BLOCK_M * 4
+
+    @property
+    def dynamic_shared_bytes(self):
+        """The tiles, the stats, 1 + 2 stages mbarriers, and 1024 bytes of slack to align the tiles."""
+        return (1024 + 2 * self.kv_bytes + 2 * self.stages * self.q_bytes + 2 * self.p_bytes
+                + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages))
+
+    @property
+    def launch_bounds(self):
+        return (self.threads, 1)
+
+    def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
+        tiles = -(-seqlen_k // BLOCK_N)
+        if self.heavy_groups:
+            return grouped_grid(tiles, batch * nheads_k, self.heavy_groups)
+        return (tiles, nheads_k, batch)
+
+
+@lru_cache(maxsize=None)
+def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
+    """Compile-time constants of ``config`` captured in a fresh ``@cuda.jit`` kernel."""
+    BM, BN, HD, STAGES, THREADS = BLOCK_M, BLOCK_N, config.headdim, config.stages, config.threads
+    CONSUMERS = config.consumers
+    Q_BYTES, KV_BYTES, P_BYTES, STATS_BYTES = config.q_bytes, config.kv_bytes, config.p_bytes, config.stats_bytes
+    P_CHUNK_BYTES = BM * ROW_BYTES  # a 64-key chunk of the P (dS) tile: 128 query rows of 128 bytes
+    HD_STEPS = CHUNK // 16  # k16 steps over headdim (S, dP)
+    Q_STEPS = BM // 16  # k16 steps over the step's queries (dV, dK)
+    KEY_STEPS = BN // 16  # k16 steps over the tile's keys (dQ)
+    S_REGS, ACC_REGS, P_REGS = BN // 2, CHUNK // 2, BN // 4  # per thread: S (dP), dK (dV, dQ), packed P (dS)
+    NT = BN // 8  # 8-key column groups of S
+    DT = CHUNK // 8  # 8-column groups of dK, dV, dQ (headdim)
+    ROWS_PER_LANE = BM // 32  # producer warp 1: the stats rows of each lane
+    FULL_ARRIVALS = 1 + 32  # the TMA thread's expect_tx and the stats warp's 32 lanes
+    EMPTY_ARRIVALS = CONSUMERS * GROUP
+    BOTH = CONSUMERS * GROUP  # threads of the named barriers across the consumers
+    PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
+    HEAVY_GROUPS = config.heavy_groups
+    hooks = variants.hooks(config.variant)
+    query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
+    NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
+    IS_F16 = config.dtype == "float16"
+    AB = "f16" if IS_F16 else "bf16"
+    pack = pack_f16x2 if IS_F16 else pack_bf16x2
+    wgmma_rows_by_keys = make_wgmma_ss(BN, AB, 0)  # S (64 x BN) = Q_c (K-major) K_j^T (keys K-major)
+    wgmma_dq = make_wgmma_rs(CHUNK, AB, 1)  # dQ_c (64 x 64) = dS_c (registers) K_j (keys x headdim, MN-major)
+    # dV_c (64 keys x 64) += P^T (key chunk c of the P tile, keys contiguous: MN-major) dO_i (MN-major)
+    wgmma_keys_acc = make_wgmma_ss(CHUNK, AB, 1, 1)
+    K_MAJOR = (16, 1024)  # descriptor strides (bytes): 8-row groups 1024 apart, LBO unused
+    STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
+    store_element = output_store(config.dtype)
+
+    @inline_device
+    def k_step(chunk_bytes, kk):
+        """Descriptor increment (16-byte units) of k16 step kk of a K-major tile."""
+        return uint64(((kk // 4) * chunk_bytes + (kk % 4) * 32) >> 4)
+
+    @inline_device
+    @unroll
+    def issue_rows_by_keys(acc, desc_a, desc_b):
+        """acc = A B^T over headdim (S = Q_c K_j^T or dP = dO_c V_j^T) from the first k16 step's
+        zero (scale-d 0), one commit group."""
+        for kk in static_range(HD_STEPS):
+            acc = wgmma_rows_by_keys(acc, desc_a + k_step(Q_BYTES, kk), desc_b + k_step(KV_BYTES, kk),
+                                     uint32(0 if kk == 0 else 1))
+        wgmma_commit()
+        return acc
+
+    @inline_device
+    @unroll
+    def issue_dq(acc, ds_regs, desc_k):
+        """acc = dS_c K_j over the tile's keys, dS_c's packed registers as A (k16 step ks: registers
+        4 ks .. 4 ks + 3), from the first step's zero; one commit group."""
+        for ks in static_range(KEY_STEPS):
+            acc = wgmma_dq(acc, ds_regs[4 * ks], ds_regs[4 * ks + 1], ds_regs[4 * ks + 2], ds_regs[4 * ks + 3],
+                           desc_k + uint64(ks * STEP16), uint32(0 if ks == 0 else 1))
+        wgmma_commit()
+        return acc
+
+    @inline_device
+    @unroll
+    def issue_keys_acc(acc, desc_a, desc_b):
+        """acc += A B over the step's 128 queries (dV_c += P^T dO_i or dK_c += dS^T Q_i), both from
+        shared memory, MN-major; one commit group."""
+        for ks in static_range(Q_STEPS):
+            acc = wgmma_keys_acc(acc, desc_a + uint64(ks * STEP16), desc_b + uint64(ks * STEP16), uint32(1))
+        wgmma_commit()
+        return acc
+
+    @inline_device
+    @unroll
+    def probabilities(s, row0, lse_log2, n_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, q4, masked):
+        """S -> P = exp2(S * scale_log2 - lse_log2[row]) in place, for the thread's two query rows
+        (row0, row0 + 8; lse_log2 theirs) and its key columns n_start + 8 c + 2 q4 + e; masked
+        entries (keys past seqlen_k, or outside the row's window) get P = 0. ``masked`` is a
+        constant at each call site. Rows past seqlen_q have lse_log2 = +inf, so P = 0.
+        The mask tests the column's offset 8 c + e from the thread's first key against the row's
+        bounds less that key (the band's test is the same shifted, and this kernel serves no
+        element mask): 32 keys made once before the loop were spilled, and compared in 64 bits."""
+        key0 = n_start + 2 * q4
+        if masked:  # the first key made opaque each step, so nothing of it is kept across the loop
+            key0 = int64(fence_operands((uint32(key0), uint32(0)))[0])  # (one register is no tuple to the asm)
+        for rh in static_range(2):
+            row = row0 + 8 * rh
+            lo, hi = row_keys(row, seqlen_q, seqlen_k, params)  # used by the masked copy
+            lo_rel, hi_rel = int32(max(lo - key0, -1)), int32(hi - key0)
+            for c in static_range(NT):
+                for e in static_range(2):
+                    r = 4 * c + 2 * rh + e
+                    p = exp2_approx(s[r] * scale_log2 - lse_log2[rh])
+                    if masked:
+                        if hidden(int32(8 * c + e), lo_rel, hi_rel, row, seqlen_q, params, head_ctx):
+                            p = float32(0)
+                    s[r] = p
+
+    @inline_device
+    @unroll
+    def score_gradients(p, dp, d):
+        """dP -> dS = P (dP - D[row]) in place (P = 0 where masked gives dS = 0)."""
+        for c in static_range(NT):
+            for rh in static_range(2):
+                for e in static_range(2):
+                    r = 4 * c + 2 * rh + e
+                    dp[r] = p[r] * (dp[r] - d[rh])
+
+    @inline_device
+    @unroll
+    def pack_a(x, packed):
+        """A registers of a k16 slice ks: the accumulator's registers 8 ks .. 8 ks + 7, in pairs."""
+        for i in static_range(P_REGS):
+            packed[i] = pack(x[2 * i], x[2 * i + 1])
+
+    @inline_device
+    @unroll
+    def store_rows_tile(smem, row_word, swizzle, packed):
+        """The thread's packed P (or dS) of its rows r0 and r0 + 8 of the step (r0 % 8 = g) and keys
+        8 c + 2 q4, + 1 into a tile: key chunk c // 8 (P_CHUNK_BYTES apart), rows of 128 bytes,
+        16-byte unit c % 8 stored at (c % 8) ^ g (the swizzle wgmma reads). ``row_word`` is the smem
+        index of the tile's row r0 plus q4, ``swizzle`` is 4 g (a unit in words). Packed register i
+        holds key group c = i // 2 of row r0 + 8 (i % 2)."""
+        for i in static_range(P_REGS):
+            chunk, unit = (i // 2) // 8, (i // 2) % 8
+            offset = chunk * (P_CHUNK_BYTES // 4) + 8 * (i % 2) * (ROW_BYTES // 4)
+            smem[row_word + uint32(offset) + (uint32(4 * unit) ^ swizzle)] = packed[i]
+
+    @inline_device
+    @unroll
+    def add_dq(dq_accum, acc, b, row0, h, seqlen_q, q4):
+        """dq_accum[b, row0 + (0, 8), h, 8 c + 2 q4 (+1)] += acc (unscaled), inside the arrays."""
+        for rh in static_range(2):
+            row = row0 + 8 * rh
+            if row < seqlen_q:
+                row_address = global_address(dq_accum, b, row, h, 0)
+                for c in static_range(DT):
+                    col = 8 * c + 2 * q4
+                    if col < HD:  # HD is a multiple of 8: both columns of the pair are inside
+                        red_add_f32x2(row_address + col * 4, acc[4 * c + 2 * rh], acc[4 * c + 2 * rh + 1])
+
+    @inline_device
+    @unroll
+    def store_rows(dst, acc, b, row0, h, seqlen, scale, q4):
+        """dst[b, row0 + (0, 8), h, :] = acc * scale, for rows inside the sequence."""
+        for rh in static_range(2):
+            row = row0 + 8 * rh
+            if row < seqlen:
+                for c in static_range(DT):
+                    for e in static_range(2):
+                        col = 8 * c + 2 * q4 + e
+                        if col < HD:
+                            store_element(dst, b, row, h, col, acc[4 * c + 2 * rh + e] * scale)
+
+    # -----------------------------------------------------------------------------------------------
+    # The kernel
+    # -----------------------------------------------------------------------------------------------
+
+    @launch_bounded(THREADS, 1)
+    @unroll
+    def backward_dkdv_sm90_rows(q, k, v, dout, lse, delta, dk, dv, dq_accum, maps, scale_log2, scale, params):
+        if HEAVY_GROUPS:  # (batch, KV head) pairs in groups, key tile by key tile (geometry.py)
+            n_block, pair = grouped_block(cuda.blockIdx.x, cuda.blockIdx.y, HEAVY_GROUPS)
+            if pair >= q.shape[0] * k.shape[2]:
+                return  # the last group's missing pairs: the whole block, before any barrier
+            b, hk = pair // k.shape[2], pair % k.shape[2]
+        else:
+            n_block, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        group_id = tid // GROUP  # 0: the producer; 1 + c: consumer c
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        group = q.shape[2] // k.shape[2]  # GQA: query heads hk * group ... share this K/V tile
+        n_start = n_block * BN
+
+        # Shared memory: tiles from the first 1024-byte boundary, then the stats and the barriers.
+        smem = cuda.shared.array(0, uint32)
+        smem_start = shared_address(smem)
+        base = smem_start
+        if not SIMULATOR:
+            base = base + ((uint32(1024) - (base & uint32(1023))) & uint32(1023))
+        k_tile = base
+        v_tile = k_tile + uint32(KV_BYTES)
+        q_ring = v_tile + uint32(KV_BYTES)
+        do_ring = q_ring + uint32(STAGES * Q_BYTES)
+        p_tile = do_ring + uint32(STAGES * Q_BYTES)
+        ds_tile = p_tile + uint32(P_BYTES)
+        stats_ring = ds_tile + uint32(P_BYTES)
+        kv_full = stats_ring + uint32(STAGES * STATS_BYTES)
+        qd_full = kv_full + uint32(8)  # + 8 * slot
+        qd_empty = qd_full + uint32(8 * STAGES)
+        stats_word0 = (stats_ring - smem_start) // uint32(4)  # smem's index of the first slot's stats
+
+        # ---- Which query tiles see this key tile (geometry.py): [first_tile, end_tile), of which
+        # [first_full, end_full) see all of its keys; the key tail always masks. One step per
+        # (query head of the group, query tile).
+        first_tile, first_full, end_full, end_tile = query_tiles(
+            n_start, min(n_start + BN, seqlen_k), seqlen_q, seqlen_k, params, BM)
+        tail = n_start + BN > seqlen_k
+        tiles_per_head = end_tile - first_tile
+        steps = group * tiles_per_head
+
+        if tid == 0:
+            mbarrier_init(kv_full, 1)
+            for slot in range(STAGES):
+                mbarrier_init(qd_full + uint32(8 * slot), FULL_ARRIVALS)
+                mbarrier_init(qd_empty + uint32(8 * slot), EMPTY_ARRIVALS)
+            fence_mbarrier_init()
+        cuda.syncthreads()  # the barriers are initialised before anyone arrives on or waits for them
+
+        if group_id == 0:
+            # ---- Producer: warp 0 issues the copies, warp 1 stages lse and D ----
+            setmaxnreg_dec(PRODUCER_REGS)
+            warp = tid // 32
+            lane = tid % 32
+            if warp == 0 and steps > 0:
+                if elect_sync() == uint32(1):  # one lane issues the copies
+                    maps_address = array_address(maps)
+                    q_map, k_map, v_map, do_map = (maps_address, maps_address + 128, maps_address + 256,
+                                                   maps_address + 384)
+                    fence_proxy_tensormap_acquire(q_map)  # the maps were copied from the host
+                    fence_proxy_tensormap_acquire(k_map)
+                    fence_proxy_tensormap_acquire(v_map)
+                    fence_proxy_tensormap_acquire(do_map)
+                    mbarrier_arrive_expect_tx(kv_full, 2 * KV_BYTES)
+                    tma_load_4d(k_tile, k_map, 0, hk, n_start, b, kv_full)
+                    tma_load_4d(v_tile, v_map, 0, hk, n_start, b, kv_full)
+                    for i in range(steps):
+                        slot, use = i % STAGES, i // STAGES
+                        if use > 0:  # the consumers have released the slot's previous tiles
+                            mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
+                        h = hk * group + i // tiles_per_head
+                        q_start = (first_tile + i % tiles_per_head) * BM
+                        full = qd_full + uint32(8 * slot)
+                        mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
+                        tma_load_4d(q_ring + uint32(slot * Q_BYTES), q_map, 0, h, q_start, b, full)
+                        tma_load_4d(do_ring + uint32(slot * Q_BYTES), do_map, 0, h, q_start, b, full)
+            elif warp == 1:
+                for i in range(steps):
+                    slot, use = i % STAGES, i // STAGES
+                    if use > 0:
+                        mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
+                    h = hk * group + i // tiles_per_head
+                    q_start = (first_tile + i % tiles_per_head) * BM
+                    stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
+                    for r in static_range(ROWS_PER_LANE):
+                        row = q_start + 32 * r + lane
+                        lse_log2, d = POS_INF, float32(0)  # rows past seqlen_q: P = 0
+                        if row < seqlen_q:
+                            x = lse[b, h, row]
+                            if x != NEG_INF:  # a row that sees no key keeps +inf: P = 0
+                                lse_log2 = x * float32(LOG2E)
+                            d = delta[b, h, row]
+                        smem[stats + 32 * r + lane] = f32_as_u32(lse_log2)
+                        smem[stats + BM + 32 * r + lane] = f32_as_u32(d)
+                    mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
+        else:
+            # ---- Consumers: 64 query rows of each step, 64 keys of dK and dV each ----
+            setmaxnreg_inc(CONSUMER_REGS)
+            consumer = group_id - 1
+            lane = tid % 32
+            warp = (tid % GROUP) // 32
+            g, q4 = lane >> 2, lane & 3
+            row0 = ROWS * consumer + 16 * warp + g  # the thread's first row in the step (+8: the second)
+            key_row0 = n_start + ROWS * consumer + 16 * warp + g  # ... and in dK, dV: its first key row
+            rows_off = uint32(ROWS * consumer * ROW_BYTES)  # the consumer's rows in a Q or dO tile
+            desc_k_rows = smem_descriptor(k_tile, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)  # K_j^T's B: K-major
+            desc_v_rows = smem_descriptor(v_tile, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
+            desc_k_cols = smem_descriptor(k_tile, KV_BYTES, 1024, SWIZZLE_128B)  # dQ's B: keys x headdim
+            chunk_off = uint32(consumer * P_CHUNK_BYTES)  # the consumer's keys in the P and dS tiles
+            # smem index of the thread's first row (and lane pair) in the P tile; dS's is P_BYTES on
+            p_row_word = uint32((p_tile - smem_start) // uint32(4) + uint32(row0 * (ROW_BYTES // 4) + q4))
+
+            s = cuda.local.array(S_REGS, float32)
+            dp = cuda.local.array(S_REGS, float32)
+            zeros = cuda.local.array(S_REGS, float32)  # what every product but dK and dV starts from
+            dk_acc = cuda.local.array(ACC_REGS, float32)
+            dv_acc = cuda.local.array(ACC_REGS, float32)
+            dq_acc = cuda.local.array(ACC_REGS, float32)
+            p = cuda.local.array(P_REGS, uint32)
+            ds = cuda.local.array(P_REGS, uint32)
+            lse_log2 = cuda.local.array(2, float32)
+            d = cuda.local.array(2, float32)
+            for r in static_range(S_REGS):
+                zeros[r] = float32(0)
+            for r in static_range(ACC_REGS):
+                dk_acc[r] = float32(0)
+                dv_acc[r] = float32(0)
+
+            if steps > 0:
+                mbarrier_wait(kv_full, 0)
+            for i in range(steps):
+                slot, use = i % STAGES, i // STAGES
+                h = hk * group + i // tiles_per_head
+                tile = first_tile + i % tiles_per_head
+                head_ctx = head_context(params, b, h)
+                q_start = tile * BM
+                q_slot = q_ring + uint32(slot * Q_BYTES)
+                do_slot = do_ring + uint32(slot * Q_BYTES)
+
+                # S = Q_c K_j^T and dP = dO_c V_j^T, two commit groups, from fresh zeros (nothing but
+                # dK and dV lives across steps)
+                acc_s = fence_operands(registers_from(zeros, S_REGS))
+                acc_dp = fence_operands(registers_from(zeros, S_REGS))
+                mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
+                wgmma_fence()  # the accumulators' registers are ordered before wgmma uses them
+                acc_s = issue_rows_by_keys(acc_s, smem_descriptor(q_slot + rows_off, K_MAJOR[0], K_MAJOR[1],
+                                                                  SWIZZLE_128B), desc_k_rows)
+                acc_dp = issue_rows_by_keys(acc_dp, smem_descriptor(do_slot + rows_off, K_MAJOR[0], K_MAJOR[1],
+                                                                    SWIZZLE_128B), desc_v_rows)
+                # The thread's two rows' statistics (the stats warp's stores arrived with the slot)
+                stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
+                for rh in static_range(2):
+                    lse_log2[rh] = u32_as_f32(smem[stats + row0 + 8 * rh])
+                    d[rh] = u32_as_f32(smem[stats + BM + row0 + 8 * rh])
+                wgmma_wait(1)  # S has landed (dP may still run)
+                registers_to(s, fence_operands(acc_s))
+
+                # P, the mask only on tiles crossing the window's edges or a tail; then dS
+                if tail or tile < first_full or tile >= end_full:
+                    probabilities(s, q_start + row0, lse_log2, n_start, seqlen_q, seqlen_k, params, head_ctx,
+                                  scale_log2, q4, True)
+                else:
+                    probabilities(s, q_start + row0, lse_log2, n_start, seqlen_q, seqlen_k, params, head_ctx,
+                                  scale_log2, q4, False)
+                wgmma_wait(0)  # dP has landed
+                registers_to(dp, fence_operands(acc_dp))
+                score_gradients(s, dp, d)
+                pack_a(s, p)
+                pack_a(dp, ds)
+
+                # P and dS of all 128 rows into shared memory, once the last step's dV and dK products
+                # (both consumers', each waited for before its next step) have read the tiles
+                named_barrier_sync(1, BOTH)
+                # The row and swizzle words made opaque each step: else LLVM makes all 64 store
+                # addresses once before the loop, and ptxas spills them (320 bytes, 74 local accesses
+                # in the loop)
+                row_word, swizzle = fence_operands((p_row_word, uint32(4 * g)))
+                store_rows_tile(smem, row_word, swizzle, p)
+                store_rows_tile(smem, row_word + uint32(P_BYTES // 4), swizzle, ds)
+                fence_proxy_async()  # the stores are ordered before wgmma reads them
+                ds_regs = fence_operands(registers_from(ds, P_REGS))
+                acc_q = fence_operands(registers_from(zeros, ACC_REGS))
+                acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
+                acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
+                named_barrier_sync(2, BOTH)  # both consumers' rows are stored
+
+                # dQ_c = dS_c K_j (A from registers), then dV_c += P^T dO_i and dK_c += dS^T Q_i (key
+                # chunk c of the tiles): three commit groups, dQ's first so it lands first
+                wgmma_fence()  # dS's, dQ's and the accumulators' registers are ordered before wgmma
+                acc_q = issue_dq(acc_q, ds_regs, desc_k_cols)
+                acc_dv = issue_keys_acc(acc_dv, smem_descriptor(p_tile + chunk_off, P_CHUNK_BYTES, 1024, SWIZZLE_128B),
+                                        smem_descriptor(do_slot, Q_BYTES, 1024, SWIZZLE_128B))
+                acc_dk = issue_keys_acc(acc_dk, smem_descriptor(ds_tile + chunk_off, P_CHUNK_BYTES, 1024, SWIZZLE_128B),
+                                        smem_descriptor(q_slot, Q_BYTES, 1024, SWIZZLE_128B))
+                wgmma_wait(2)  # dQ_c has landed: added while dV and dK run
+                registers_to(dq_acc, fence_operands(acc_q))
+                add_dq(dq_accum, dq_acc, b, q_start + row0, h, seqlen_q, q4)
+                wgmma_wait(0)  # dV's and dK's products are done with the slot and the P and dS tiles
+                registers_to(dv_acc, fence_operands(acc_dv))
+                registers_to(dk_acc, fence_operands(acc_dk))
+                mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
+
+            # ---- Write dK = dS^T Q * scale and dV (keys no query sees get 0) ----
+            store_rows(dk, dk_acc, b, key_row0, hk, seqlen_k, scale, q4)
+            store_rows(dv, dv_acc, b, key_row0, hk, seqlen_k, float32(1), q4)
+
+    return backward_dkdv_sm90_rows
