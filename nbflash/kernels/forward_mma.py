@@ -376,6 +376,26 @@ def build_forward_mma(config: MmaForwardConfig):
 
     @inline_device
     @unroll
+    def row_max(s, m, mt, r):
+        """The larger of ``m`` and the largest score of row (mt, r) of the tile, over the quad."""
+        for nt in static_range(NT):
+            m = max(m, max(s[mt, nt, 2 * r], s[mt, nt, 2 * r + 1]))
+        return quad_max(m)
+
+    @inline_device
+    @unroll
+    def exponentiate_row(s, mt, r, m_scaled, scale_log2):
+        """Row (mt, r) of S -> P = exp2(S * scale_log2 - m_scaled) in place; returns the lane's sum of P."""
+        row_sum = float32(0)
+        for nt in static_range(NT):
+            for e in static_range(2):
+                p = exp2_approx(s[mt, nt, 2 * r + e] * scale_log2 - m_scaled)
+                s[mt, nt, 2 * r + e] = p
+                row_sum += p
+        return row_sum
+
+    @inline_device
+    @unroll
     def online_softmax(s, m_i, l_i, acc, scale_log2, first_row, n_start, params, head_ctx, g, t):
         """S -> P = exp2(S * scale_log2 - m_new * scale_log2) in place; rescale l_i and acc by
         alpha = exp2((m_i - m_new) * scale_log2). l_i stays a per-lane partial sum until the end.
@@ -383,19 +403,11 @@ def build_forward_mma(config: MmaForwardConfig):
         for mt in static_range(MT):
             for r in static_range(2):
                 m_prev = m_i[mt, r]
-                m_new = m_prev
-                for nt in static_range(NT):
-                    m_new = max(m_new, max(s[mt, nt, 2 * r], s[mt, nt, 2 * r + 1]))
-                m_new = quad_max(m_new)
+                m_new = row_max(s, m_prev, mt, r)
                 # A row that has seen only masked keys keeps m = -inf; subtract 0 then, not -inf.
                 m_scaled = m_new * scale_log2 if m_new != NEG_INF else float32(0)
                 alpha = exp2_approx(m_prev * scale_log2 - m_scaled)
-                row_sum = float32(0)
-                for nt in static_range(NT):
-                    for e in static_range(2):
-                        p = exp2_approx(s[mt, nt, 2 * r + e] * scale_log2 - m_scaled)
-                        s[mt, nt, 2 * r + e] = p
-                        row_sum += p
+                row_sum = exponentiate_row(s, mt, r, m_scaled, scale_log2)
                 l_i[mt, r] = l_i[mt, r] * alpha + row_sum
                 m_i[mt, r] = m_new
                 if not SKIP_RESCALE or m_new != m_prev:  # alpha is exactly 1 when the max held
@@ -414,10 +426,7 @@ def build_forward_mma(config: MmaForwardConfig):
         stay = uint32(1)
         for mt in static_range(MT):
             for r in static_range(2):
-                m_new = m_i[mt, r]
-                for nt in static_range(NT):
-                    m_new = max(m_new, max(s[mt, nt, 2 * r], s[mt, nt, 2 * r + 1]))
-                m_new = quad_max(m_new)
+                m_new = row_max(s, m_i[mt, r], mt, r)
                 tile_max[mt, r] = m_new
                 # False for a row with no key yet and none here (-inf and -inf), and for NaN
                 if m_new * scale_log2 > m_i[mt, r] * scale_log2 + SLACK:
@@ -439,13 +448,7 @@ def build_forward_mma(config: MmaForwardConfig):
             for r in static_range(2):
                 # A row that has seen only masked keys keeps m = -inf; subtract 0 then, not -inf.
                 m_scaled = m_i[mt, r] * scale_log2 if m_i[mt, r] != NEG_INF else float32(0)
-                row_sum = float32(0)
-                for nt in static_range(NT):
-                    for e in static_range(2):
-                        p = exp2_approx(s[mt, nt, 2 * r + e] * scale_log2 - m_scaled)
-                        s[mt, nt, 2 * r + e] = p
-                        row_sum += p
-                l_i[mt, r] += row_sum
+                l_i[mt, r] += exponentiate_row(s, mt, r, m_scaled, scale_log2)
 
     if SLACK > 0:
         online_softmax = lazy_online_softmax  # noqa: F811 (the step below calls whichever is chosen)

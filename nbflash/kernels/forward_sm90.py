@@ -422,25 +422,37 @@ def build_forward_sm90(config: Sm90ForwardConfig):
 
     @inline_device
     @unroll
+    def row_max(s, m, rh):
+        """The larger of ``m`` and the largest score of the thread's row rh of the tile, over the quad."""
+        for c in static_range(NT):
+            m = max(m, max(s[4 * c + 2 * rh], s[4 * c + 2 * rh + 1]))
+        return quad_max(m)
+
+    @inline_device
+    @unroll
+    def exponentiate_row(s, rh, m_scaled, scale_log2):
+        """Row rh of S -> P = exp2(S * scale_log2 - m_scaled) in place; returns the lane's sum of P."""
+        row_sum = float32(0)
+        for c in static_range(NT):
+            for e in static_range(2):
+                p = exp2_approx(s[4 * c + 2 * rh + e] * scale_log2 - m_scaled)
+                s[4 * c + 2 * rh + e] = p
+                row_sum += p
+        return row_sum
+
+    @inline_device
+    @unroll
     def online_softmax(s, m_i, l_i, alpha, scale_log2):
         """S -> P = exp2(S * scale_log2 - m_new * scale_log2) in place; l_i rescaled by, and ``alpha``
         set to, exp2((m_i - m_new) * scale_log2), for the O accumulator (rescale_o). l_i stays a
         per-lane partial sum."""
         for rh in static_range(2):
             m_prev = m_i[rh]
-            m_new = m_prev
-            for c in static_range(NT):
-                m_new = max(m_new, max(s[4 * c + 2 * rh], s[4 * c + 2 * rh + 1]))
-            m_new = quad_max(m_new)
+            m_new = row_max(s, m_prev, rh)
             # A row that has seen only masked keys keeps m = -inf; subtract 0 then, not -inf.
             m_scaled = m_new * scale_log2 if m_new != NEG_INF else float32(0)
             alpha[rh] = exp2_approx(m_prev * scale_log2 - m_scaled)
-            row_sum = float32(0)
-            for c in static_range(NT):
-                for e in static_range(2):
-                    p = exp2_approx(s[4 * c + 2 * rh + e] * scale_log2 - m_scaled)
-                    s[4 * c + 2 * rh + e] = p
-                    row_sum += p
+            row_sum = exponentiate_row(s, rh, m_scaled, scale_log2)
             l_i[rh] = l_i[rh] * alpha[rh] + row_sum
             m_i[rh] = m_new
 
@@ -453,10 +465,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
         tile_max = cuda.local.array(2, float32)
         stay = uint32(1)
         for rh in static_range(2):
-            m_new = m_i[rh]
-            for c in static_range(NT):
-                m_new = max(m_new, max(s[4 * c + 2 * rh], s[4 * c + 2 * rh + 1]))
-            m_new = quad_max(m_new)
+            m_new = row_max(s, m_i[rh], rh)
             tile_max[rh] = m_new
             # False for a row with no key yet and none here (-inf and -inf), and for NaN
             if m_new * scale_log2 > m_i[rh] * scale_log2 + SLACK:
@@ -472,13 +481,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                 l_i[rh] *= alpha[rh]
                 m_i[rh] = m_new
             m_scaled = m_i[rh] * scale_log2 if m_i[rh] != NEG_INF else float32(0)
-            row_sum = float32(0)
-            for c in static_range(NT):
-                for e in static_range(2):
-                    p = exp2_approx(s[4 * c + 2 * rh + e] * scale_log2 - m_scaled)
-                    s[4 * c + 2 * rh + e] = p
-                    row_sum += p
-            l_i[rh] += row_sum
+            l_i[rh] += exponentiate_row(s, rh, m_scaled, scale_log2)
 
     @inline_device
     @unroll
