@@ -217,7 +217,7 @@ TOPICS = [
             (KERNEL, "issue_qk", "uint32(0 if kk == 0 else 1)", 0, "scale_d: the first step overwrites"),
             (KERNEL, "issue_pv", "acc_o = wgmma_pv(acc_o, p_regs[4 * ks]", 0, "P's registers 4 ks .. 4 ks + 3"),
             (KERNEL, "pack_p", "p[i] = pack(s[2 * i], s[2 * i + 1])", 0, "S -> P's A registers, in place"),
-            (KERNEL, "online_softmax", "m_new = quad_max(m_new)", 0, "the row max: a quad shuffle"),
+            (KERNEL, "row_max", "return quad_max(m)", 0, "the row max: a quad shuffle"),
             (KERNEL, "write_output", "l_row = quad_sum(l_i[rh])", 0, "the row sum, reduced once at the end"),
             (KERNEL, "mask_scores", "hidden(n_start + 8 * c + 2 * q4 + e", 0, "a register's column, for the mask"),
             (KERNEL, "write_output", "col = 8 * c + 2 * q4 + e", 0, "... and for the output"),
