@@ -79,7 +79,9 @@ def _dense(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, fam
     q = _draw(rng, (batch, seqlen_q, nheads, headdim), dtype)
     k = _draw(rng, (batch, seqlen_k, nheads_k, headdim), dtype)
     v = _draw(rng, (batch, seqlen_k, nheads_k, headdim), dtype)
-    reference = {name: value for name, value in variant.items() if name != "block_mask"}
+    # The reference runs on the host: a bias or mask tensor (or slopes) goes to it as a NumPy copy.
+    reference = {name: _host(value) if hasattr(value, "get") else value
+                 for name, value in variant.items() if name != "block_mask"}
     forward = {name: value for name, value in variant.items() if name != "score_mod_grad"}
     with nbflash.kernel_family(family) if family else contextlib.nullcontext():
         out, lse = nbflash.flash_attn_func(q, k, v, return_lse=True, **forward)

@@ -4,6 +4,7 @@ filling one cache at once: tests/test_concurrency.py."""
 
 import hashlib
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -262,3 +263,19 @@ def test_a_kernel_key_covers_the_modules_it_imports():
         backward_sm90)
     assert {"kernels/kvcache.py", "kernels/decode_mma.py"} | shared <= sources(decode_mma)
     assert sources(forward_mma) == shared | {"kernels/forward_mma.py"}
+
+
+@dataclass(frozen=True)
+class OutsideConfig:
+    """A configuration whose module is not in the package (this test file), as a script's own
+    kernel is (scripts/sanitize.py's planted one)."""
+
+    dtype: str = "float32"
+
+
+def test_a_kernel_defined_outside_the_package_has_a_key():
+    """Its module's file is hashed under its name; the first GPU run of the sanitizer's planted case
+    stopped on ``relative_to`` (the script is not under nbflash/)."""
+    key = cubin_cache.cache_key(OutsideConfig(), "void(float32[::1])", (9, 0))
+    assert key == cubin_cache.cache_key(OutsideConfig(), "void(float32[::1])", (9, 0))
+    assert key != cubin_cache.cache_key(OutsideConfig("float16"), "void(float32[::1])", (9, 0))
