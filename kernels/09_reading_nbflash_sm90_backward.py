@@ -116,7 +116,9 @@ TOPICS = [
         of dQ_i over all 128 keys ("columns"); at 64 the consumers take turns by step ("steps"),
         each adding the whole dQ_i over all keys on its steps. Both read the two consumers' dS^T
         side by side, so a step's barrier now spans both warpgroups: 21-32% faster at headdim 128
-        on the H200 all the same. With deterministic=True the
+        on the H200 all the same. (At headdims up to 64, for plain and windowed attention, the plan
+        takes a sibling kernel, backward_sm90_rows.py, that splits a step's query rows between
+        the consumers instead of its keys: 10-17% faster there.) With deterministic=True the
         plan swaps in the forward's shape for dQ: one block per query tile loops over the key
         tiles, dQ_i stays in registers, dS goes from the accumulator into dQ's A registers as the
         forward's P does, and dq is written once (backward_dq_sm90.py); dK and dV then come from the
@@ -210,12 +212,12 @@ def main(seqlen_q=None, seqlen_k=None, headdim=None, causal=False):
     result = dict(missing=[], layout=None, error=None, allowed=None)
     why_not = sm90_runs_here()
     problem = BackwardProblem(seqlen_q, seqlen_k, headdim, causal)
-    config = configs.sm90_backward_config("float16", headdim, Variant(window=causal))
+    config = configs.sm90_backward_table_config("float16", headdim, Variant(window=causal))
 
     print("lesson 09: reading nbflash's Hopper backward (nbflash/kernels/backward_sm90.py)")
     print("  Open the kernel file beside this printout; its docstring has the loop, the grid and the layouts.")
     print(f"\nThe problem: q {problem.shapes[0]}, k and v {problem.shapes[1]}, float16, causal={causal}")
-    print(f"  planned dK/dV config: block_n {config.block_n} keys ({config.consumers} consumers of 64),"
+    print(f"  its dK/dV config (configs.SM90_BACKWARD's row): block_n {config.block_n} keys ({config.consumers} consumers of 64),"
           f" block_m {config.block_m} queries a step, stages {config.stages}, dq_split {config.dq_split!r}")
     config_facts(config, problem)
     for title, text, anchors in TOPICS:

@@ -39,6 +39,8 @@ from .kernels.backward_sm90 import MAX_HEADDIM as SM90_BACKWARD_MAX_HEADDIM
 from .kernels.backward_sm90 import UNSERVED_FEATURES as SM90_BACKWARD_UNSERVED
 from .kernels.backward_sm90 import served as sm90_backward_serves
 from .kernels.backward_sm90 import Sm90BackwardConfig
+from .kernels.backward_sm90_rows import Sm90RowsBackwardConfig
+from .kernels.backward_sm90_rows import served as sm90_rows_serves
 from .kernels.backward_dq_sm90 import SERVED_VARIANTS as SM90_DQ_VARIANTS
 from .kernels.backward_dq_sm90 import Sm90DqConfig
 from .kernels.forward_mma import MmaForwardConfig
@@ -94,6 +96,17 @@ MMA_FORWARD = [
 # docs/perf-notes.md step 13): causal hd 128 8k fp16 +11.6%, causal + ALiBi +10.5%. Without a window
 # every query block has the same work and the order is left as it was.
 MMA_FORWARD_HEAVY_GROUPS = 8
+
+# The tensor-core forward's lazy rescaling (MmaForwardConfig.rescale_slack: P may reach 2**8 before
+# a warp moves its maxima and rescales O), by largest headdim. Measured on the H200 at headdim 128,
+# 8k, fp16 (scripts/bench.py --rescale-slack 8 --rounds 5, docs/benchmarks.md "GPU runs of
+# 2026-12-04, second session"): the window +9.7% (0.95x FlexAttention), causal +8.9%. Not measured
+# at headdims 64 and 256: off there.
+MMA_FORWARD_RESCALE_SLACK = [
+    (64, 0.0),
+    (128, 8.0),
+    (256, 0.0),
+]
 
 _forced_family = contextvars.ContextVar("nbflash_kernel_family", default=None)
 
@@ -287,6 +300,7 @@ def mma_forward_config(dtype, headdim, variant, aligned, positive_scale=True):
         aligned=aligned and headdim % 8 == 0,
         fold_scale=positive_scale,
         heavy_groups=MMA_FORWARD_HEAVY_GROUPS if variant.window else 0,
+        rescale_slack=_row(MMA_FORWARD_RESCALE_SLACK, headdim)[1],
     )
 
 
@@ -449,8 +463,27 @@ def sm90_backward_unsupported_reason(static, deterministic, aligned):
 SM90_BACKWARD_HEAVY_GROUPS = 4
 
 
-@lru_cache(maxsize=None)
+# The query rows split between the consumers (nbflash/kernels/backward_sm90_rows.py) at headdims up
+# to this, for the variants it serves (plain attention and the window): measured on the H200
+# (scripts/sm90_schedules.py --backward --headdims 64 --anchors, docs/benchmarks.md "GPU runs of
+# 2026-12-04, second session"), fp16, headdim 64, 4k and 16k, causal and not: 1.10-1.17x
+# backward_sm90.py's planned "steps" kernel, 1.15-1.24x SDPA flash's backward. Two stages (a third
+# was 0.92-1.01x). The simulator keeps backward_sm90.py (the rows kernel's emulation takes about
+# 50 s a case: tests/test_backward_sm90.py runs it through a fixture).
+SM90_BACKWARD_ROWS_MAX_HEADDIM = 64
+
+
 def sm90_backward_config(dtype, headdim, variant):
+    """The sm90 backward's dK/dV kernel: the rows split where it serves the call and was measured
+    faster (``SM90_BACKWARD_ROWS_MAX_HEADDIM``), backward_sm90.py's from the table otherwise."""
+    if not runtime.SIMULATOR and headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM and sm90_rows_serves(variant):
+        return Sm90RowsBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS)
+    return sm90_backward_table_config(dtype, headdim, variant)
+
+
+@lru_cache(maxsize=None)
+def sm90_backward_table_config(dtype, headdim, variant):
+    """backward_sm90.py's dK/dV kernel with ``SM90_BACKWARD``'s row for ``headdim``."""
     _, stages, dq_split, *reduce = _row(SM90_BACKWARD, headdim)
     return Sm90BackwardConfig(dtype=dtype, headdim=headdim, variant=variant, stages=stages, dq_split=dq_split,
                               dq_reduce=reduce[0] if reduce else "red", heavy_groups=SM90_BACKWARD_HEAVY_GROUPS)

@@ -94,9 +94,9 @@ def backward_kernels():
     from nbflash.kernels import registry
     from nbflash.problem import Variant
 
-    found = [(f"backward_sm90_hd{headdim}", configs.sm90_backward_config("float16", headdim, Variant()))
+    found = [(f"backward_sm90_hd{headdim}", configs.sm90_backward_table_config("float16", headdim, Variant()))
              for headdim, *_ in configs.SM90_BACKWARD]
-    hd64 = configs.sm90_backward_config("float16", 64, Variant())
+    hd64 = configs.sm90_backward_table_config("float16", 64, Variant())
     found.append(("backward_sm90_defer_dq_hd64", dataclasses.replace(hd64, dq_split="steps", defer_dq=True)))
     # dQ by 32-column halves (wgmma N = 32), without and with the deferred atomics
     found.append(("backward_sm90_columns_hd64", dataclasses.replace(hd64, dq_split="columns")))
@@ -116,7 +116,7 @@ def backward_kernels():
     # causal dropout (served when "sm90" is forced): P^T from the landed dP^T, shuffled Philox words
     for headdim, *_ in configs.SM90_BACKWARD:
         found.append((f"backward_sm90_causal_dropout_hd{headdim}",
-                      configs.sm90_backward_config("float16", headdim, Variant(window=True, dropout=True))))
+                      configs.sm90_backward_table_config("float16", headdim, Variant(window=True, dropout=True))))
     return [(name, registry.build(config).py_func, registry.signature(config), {"launch_bounds": config.launch_bounds})
             for name, config in found]
 

@@ -25,7 +25,8 @@ Backward, each column a schedule:
   and hangs: check_register_split); "rows" / "rows-3st" (headdim 64): the query rows split between
   the consumers (nbflash/kernels/backward_sm90_rows.py, 128 x 128 tiles), 2 and 3 stages, the
   planner's launch order;
-- "planned": the planner's choice (configs.SM90_BACKWARD).
+- "planned": the planner's choice (configs.sm90_backward_config: the rows split at headdim 64,
+  configs.SM90_BACKWARD's row of backward_sm90.py otherwise).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
 schedule's ratio to SDPA flash after the table. With --isolate S, each (shape, schedule) runs in a
@@ -153,8 +154,9 @@ def backward_schedules(headdim, causal):
     from nbflash.kernels.backward_sm90_rows import Sm90RowsBackwardConfig
     from nbflash.problem import Variant
 
-    planned = configs.sm90_backward_config("float16", headdim, Variant(window=causal))
-    base = planned.__class__(**{**planned.__dict__, "stages": 2, "dq_split": "keys", "heavy_groups": 0})
+    planned = configs.sm90_backward_config("float16", headdim, Variant(window=causal))  # rows split at hd <= 64
+    table = configs.sm90_backward_table_config("float16", headdim, Variant(window=causal))  # backward_sm90.py
+    base = table.__class__(**{**table.__dict__, "stages": 2, "dq_split": "keys", "heavy_groups": 0})
     found = {"base": base, "serial": base.__class__(**{**base.__dict__, "overlap": False}),
              "3stages": base.__class__(**{**base.__dict__, "stages": 3}),
              "regs240": base.__class__(**{**base.__dict__, "producer_registers": 24, "consumer_registers": 240})}
@@ -165,9 +167,9 @@ def backward_schedules(headdim, causal):
     if base.headdim_padded == 128:
         found["columns-tma"] = base.__class__(**{**base.__dict__, "dq_split": "columns", "dq_reduce": "tma"})
     found["steps-tma"] = base.__class__(**{**base.__dict__, "dq_split": "steps", "dq_reduce": "tma"})
-    found["heavy-first"] = planned.__class__(**{**planned.__dict__, "heavy_first": True, "heavy_groups": 0})
+    found["heavy-first"] = table.__class__(**{**table.__dict__, "heavy_first": True, "heavy_groups": 0})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
-        found[f"heavy-groups{groups}"] = planned.__class__(**{**planned.__dict__, "heavy_groups": groups})
+        found[f"heavy-groups{groups}"] = table.__class__(**{**table.__dict__, "heavy_groups": groups})
     if base.headdim_padded == 64:
         found["defer-dq"] = base.__class__(**{**base.__dict__, "dq_split": "steps", "defer_dq": True})
         found["3st-defer-dq"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps", "defer_dq": True})
@@ -177,9 +179,9 @@ def backward_schedules(headdim, causal):
         found["m128-columns-r240"] = base.__class__(**{**base.__dict__, "block_m": 128, "dq_split": "columns",
                                                       "producer_registers": 24, "consumer_registers": 240})
         # the query rows split between the consumers (a kernel of its own), the planner's launch order
-        found["rows"] = Sm90RowsBackwardConfig("float16", headdim, planned.variant, heavy_groups=planned.heavy_groups)
-        found["rows-3st"] = Sm90RowsBackwardConfig("float16", headdim, planned.variant, stages=3,
-                                                   heavy_groups=planned.heavy_groups)
+        found["rows"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, heavy_groups=table.heavy_groups)
+        found["rows-3st"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, stages=3,
+                                                   heavy_groups=table.heavy_groups)
     found["planned"] = planned
     return {name: config for name, config in found.items() if ONLY is None or name in ONLY}
 

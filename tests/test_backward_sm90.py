@@ -42,7 +42,9 @@ CAUSAL = Variant(window=True)
 
 def run_sm90(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal, heads_first=False):
     static = Static(dtype, headdim, False, 0, CAUSAL if causal else Variant())
-    assert isinstance(configs.plan_backward(static, False, "sm90", True)[1], Sm90BackwardConfig)
+    # backward_sm90.py's kernel, or (on a GPU, headdim <= 64) the rows split the planner takes there
+    assert isinstance(configs.plan_backward(static, False, "sm90", True)[1],
+                      (Sm90BackwardConfig, Sm90RowsBackwardConfig))
     return run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal, False,
                     heads_first, family="sm90")
 
@@ -119,10 +121,11 @@ def sm90_backward_table(request, monkeypatch):
     """Plan the sm90 backward with the (stages, dq_split[, dq_reduce]) given as the test's parameter."""
     stages, dq_split, *reduce = request.param
     monkeypatch.setattr(configs, "SM90_BACKWARD", [(128, stages, dq_split, *reduce)])
-    configs.sm90_backward_config.cache_clear()
+    monkeypatch.setattr(configs, "SM90_BACKWARD_ROWS_MAX_HEADDIM", 0)  # backward_sm90.py at every headdim
+    configs.sm90_backward_table_config.cache_clear()
     backward._kernels.cache_clear()
     yield
-    configs.sm90_backward_config.cache_clear()
+    configs.sm90_backward_table_config.cache_clear()
     backward._kernels.cache_clear()
 
 
@@ -164,7 +167,7 @@ def test_backward_sm90_dq_by_tma_small(rng, xp, sm90_backward_table):
 @pytest.fixture
 def heavy_first(monkeypatch):
     """Plan the sm90 backward with the grid's key tiles slowest (heavy_first)."""
-    planned = configs.sm90_backward_config
+    planned = configs.sm90_backward_table_config
     monkeypatch.setattr(configs, "sm90_backward_config",
                         lambda *args: dataclasses.replace(planned(*args), heavy_first=True, heavy_groups=0))
     backward._kernels.cache_clear()
@@ -191,7 +194,7 @@ def test_backward_sm90_heavy_first_gpu(rng, xp, heavy_first, causal):
 def heavy_groups(request, monkeypatch):
     """Plan the sm90 backward longest-first within groups of (batch, KV head) pairs, as many as
     the parameter says."""
-    planned = configs.sm90_backward_config
+    planned = configs.sm90_backward_table_config
     monkeypatch.setattr(configs, "sm90_backward_config",
                         lambda *args: dataclasses.replace(planned(*args), heavy_groups=request.param))
     backward._kernels.cache_clear()
@@ -232,7 +235,7 @@ def test_heavy_groups_config():
 def defer_dq(request, monkeypatch):
     """Plan the sm90 backward with dQ_i's atomics deferred to the next step (defer_dq), dQ split
     as the parameter says ("steps" or "columns")."""
-    planned = configs.sm90_backward_config
+    planned = configs.sm90_backward_table_config
     monkeypatch.setattr(configs, "sm90_backward_config", lambda *args: dataclasses.replace(
         planned(*args), dq_split=request.param, defer_dq=True))
     backward._kernels.cache_clear()
@@ -243,7 +246,7 @@ def defer_dq(request, monkeypatch):
 @pytest.fixture
 def block_m_128(request, monkeypatch):
     """Plan the sm90 backward with 128 query rows per step, dQ split as the parameter says."""
-    planned = configs.sm90_backward_config
+    planned = configs.sm90_backward_table_config
     monkeypatch.setattr(configs, "sm90_backward_config", lambda *args: dataclasses.replace(
         planned(*args), block_m=128, dq_split=request.param))
     backward._kernels.cache_clear()
@@ -400,6 +403,29 @@ def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, rows_split, seqlens, causa
     monkeypatch.setattr(configs, "sm90_backward_config",
                         lambda *args: dataclasses.replace(planned(*args), stages=stages))
     run_rows(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
+
+
+def test_rows_split_is_planned_where_measured(monkeypatch):
+    """On compute capability 9.0 the planner takes the rows split for plain and windowed attention
+    at headdims up to 64 (configs.SM90_BACKWARD_ROWS_MAX_HEADDIM), in its launch order;
+    backward_sm90.py for the features the rows split does not serve and past headdim 64; the
+    simulator keeps backward_sm90.py."""
+    sim = configs.plan_backward(Static("float16", 64, False, 0, CAUSAL), False, "sm90", True)[1]
+    assert isinstance(sim, Sm90BackwardConfig) == SIMULATOR
+    monkeypatch.setattr(configs.runtime, "SIMULATOR", False)
+    monkeypatch.setattr(configs, "_compute_capability", lambda device=0: (9, 0))
+    for dtype, headdim, variant in [("float16", 64, Variant()), ("bfloat16", 64, CAUSAL), ("float16", 40, CAUSAL)]:
+        for family in ("sm90", None if headdim == 64 else "sm90"):
+            dkdv = configs.plan_backward(Static(dtype, headdim, False, 0, variant), False, family, True)[1]
+            assert isinstance(dkdv, Sm90RowsBackwardConfig) and dkdv.heavy_groups == configs.SM90_BACKWARD_HEAVY_GROUPS
+            assert (dkdv.dtype, dkdv.headdim, dkdv.variant, dkdv.stages) == (dtype, headdim, variant, 2)
+    for headdim, variant in [(64, Variant(window=True, softcap=True)), (64, Variant(dropout=True)),
+                             (64, Variant(mask_mod="g:0", block_mask=True)), (72, CAUSAL), (128, Variant())]:
+        dkdv = configs.plan_backward(Static("float16", headdim, False, 0, variant), False, "sm90", True)[1]
+        assert isinstance(dkdv, Sm90BackwardConfig), (headdim, variant)
+    # deterministic: no atomics, so neither dK/dV kernel of the Hopper family
+    dkdv = configs.plan_backward(Static("float16", 64, False, 0, CAUSAL), True, "sm90", True)[1]
+    assert isinstance(dkdv, MmaBackwardConfig)
 
 
 def test_rows_configs():
