@@ -433,6 +433,7 @@ def build_parser():
     parser.add_argument(
         "--rescale-slack", type=float, nargs="+", default=None, metavar="S",
         help="--pass forward: also time the families' planned forward with lazy rescaling, rescale_slack=S "
+        "(0: eager, for the configs that plan it: the mma forward at headdims 65-128) "
         f"(powers of 2 that P may reach before the maxima move; families {', '.join(RESCALE_SLACK_FAMILIES)}), "
         "one column each",
     )
@@ -532,8 +533,8 @@ def resolve_arguments(parser, args):
         args.rescale_slack = args.rescale_slack or []
         if args.rescale_slack and args.which != "forward":
             parser.error("--rescale-slack goes with --pass forward")
-        if any(not 0 < slack <= 8 for slack in args.rescale_slack):
-            parser.error("--rescale-slack takes values in (0, 8]")
+        if any(not 0 <= slack <= 8 for slack in args.rescale_slack):
+            parser.error("--rescale-slack takes values in [0, 8] (0: eager, the rescale at every tile)")
         args.no_naive = bool(args.no_naive)
         args.rounds = 1 if args.rounds is None else args.rounds
         if args.rounds < 1:
@@ -581,7 +582,8 @@ def main(argv=None):
     for slack in args.rescale_slack:
         for family in args.families:
             if family in RESCALE_SLACK_FAMILIES:
-                runners[f"nbflash {family} lazy{slack:g}"] = nbflash_replaced_runner(family, rescale_slack=slack)
+                name = f"lazy{slack:g}" if slack else "eager"
+                runners[f"nbflash {family} {name}"] = nbflash_replaced_runner(family, rescale_slack=slack)
     for blocks in args.forward_blocks:
         block_m, block_n, num_warps = map(int, blocks.split("x"))
         runners[f"nbflash mma {blocks}"] = nbflash_replaced_runner("mma", block_m=block_m, block_n=block_n,

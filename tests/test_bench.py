@@ -86,7 +86,8 @@ def test_heavy_groups_goes_with_the_forward(bench, capsys):
 def test_rescale_slack_goes_with_the_forward(bench, capsys):
     assert arguments(bench, "--rescale-slack", "8", "4").rescale_slack == [8.0, 4.0]
     assert arguments(bench).rescale_slack == []
-    for bad in (["--rescale-slack", "0"], ["--rescale-slack", "9"], ["--pass", "backward", "--rescale-slack", "8"]):
+    assert arguments(bench, "--rescale-slack", "0").rescale_slack == [0.0]  # eager, where lazy is planned
+    for bad in (["--rescale-slack", "-1"], ["--rescale-slack", "9"], ["--pass", "backward", "--rescale-slack", "8"]):
         with pytest.raises(SystemExit):
             arguments(bench, *bad)
 
