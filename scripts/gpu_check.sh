@@ -10,12 +10,16 @@
 #                                only the test suite, stopped after SECONDS (default 145; about 120 s
 #                                with a prebuilt cache on 16 cores)
 #   scripts/gpu_check.sh reliability
-#                                issue 14's checks past the test suite, about 9 minutes: the tests
-#                                past 2^31 elements, one 1M-token sequence, compute-sanitizer's four
-#                                tools on every case of scripts/sanitize.py
+#                                issue 14's checks past the test suite, about 2.5 minutes: the tests
+#                                past 2^31 elements, one 1M-token sequence
+#   scripts/gpu_check.sh sanitize
+#                                compute-sanitizer's four tools on every case of scripts/sanitize.py,
+#                                about 4 minutes with a warm kernel cache (up to 9.5 on a cold one:
+#                                inside "reliability" a 290 s limit cut it before its table)
 #   scripts/gpu_check.sh fuzz [EXAMPLES]
 #                                the GPU fuzz profile, three processes of EXAMPLES (default 170) draws
-#                                per fuzz test (4 tests: 12 x EXAMPLES calls), about 5 minutes
+#                                per fuzz test (4 tests: 12 x EXAMPLES calls), up to 9 minutes (330 s
+#                                stopped all three before pytest's summary once: 11 of 12 tests done)
 #
 # The whole suite takes longer than one 10-minute command. NBFLASH_RESUME_LOGS (earlier parts'
 # pytest.log files, separated by ':') leaves out the tests they already report (tests/conftest.py),
@@ -93,24 +97,28 @@ reliability)
     timeout 100 python3 scripts/long_sequence.py > "$out/long_sequence.log" 2>&1
     echo "long sequence: exit $?"
     tail -8 "$out/long_sequence.log"
-    timeout 290 python3 scripts/sanitize.py --timeout 120 --warm-timeout 200 > "$out/sanitize.log" 2>&1
+    ;;
+sanitize)
+    timeout 560 python3 scripts/sanitize.py --timeout 150 --warm-timeout 200 > "$out/sanitize.log" 2>&1
     echo "sanitizer: exit $?"
-    tail -30 "$out/sanitize.log"
+    tail -32 "$out/sanitize.log"
     ;;
 fuzz)
-    # Three processes of fresh random draws (hypothesis draws anew in each), four workers each.
+    # Three processes of fresh random draws (hypothesis draws anew in each), four workers each; -v
+    # names each test's result as it ends, so a process cut off by its limit still says what passed.
     for run in 1 2 3; do
-        NBFLASH_FUZZ_PROFILE=gpu NBFLASH_FUZZ_EXAMPLES="${2:-170}" timeout 330 python3 -m pytest -m gpu -n 4 \
+        NBFLASH_FUZZ_PROFILE=gpu NBFLASH_FUZZ_EXAMPLES="${2:-170}" timeout 540 python3 -m pytest -m gpu -n 4 -v \
             -p no:cacheprovider --hypothesis-show-statistics tests/test_fuzz.py > "$out/fuzz$run.log" 2>&1 &
     done
     wait
     for run in 1 2 3; do
         echo "fuzz run $run: $(tail -1 "$out/fuzz$run.log")"
+        grep -aE "\] (PASSED|FAILED|ERROR)" "$out/fuzz$run.log" | sed 's/^\[gw[0-9]*\] //' | sort
         grep -aE "passing|failing" "$out/fuzz$run.log" | sort | uniq -c | head -8
     done
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|fuzz [EXAMPLES]" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]" >&2
     exit 2
     ;;
 esac
