@@ -39,7 +39,11 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(cores, 4 if SIMULATOR else 8))
 
 
-RESULT_LINE = re.compile(r"\b(?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (tests/\S+)")
+# A node id: the file and test, then its parameters in brackets, which may hold spaces ("[old layout]").
+# xdist's -v lines put the outcome first, a single process's -v lines after the id.
+_NODE_ID = r"tests/[^\s\[]+(?:\[[^\]\n]*\])?"
+_OUTCOME = r"(?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
+RESULT_LINE = re.compile(rf"\b{_OUTCOME} ({_NODE_ID})|^({_NODE_ID}) {_OUTCOME}\b")
 
 
 def reported_node_ids(paths):
@@ -48,7 +52,7 @@ def reported_node_ids(paths):
     for path in paths:
         with open(path, errors="replace") as log:
             for line in log:
-                done.update(RESULT_LINE.findall(line))
+                done.update(first or second for first, second in RESULT_LINE.findall(line))
     return done
 
 
