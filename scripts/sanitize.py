@@ -202,15 +202,18 @@ def case_sm90(rng, small):
 
 
 def case_sm90_backward(rng, small):
-    """The Hopper family's backward (the dK/dV kernel, and with ``deterministic=True`` the dQ kernel),
+    """The Hopper family's backward (the dK/dV kernels, and with ``deterministic=True`` the dQ kernel),
     and its forward, on tails, GQA, the window's variants and a block mask whose tables skip whole
-    (query tile, key tile) pairs (the producer's warp-wide walks)."""
+    (query tile, key tile) pairs (the producer's warp-wide walks). At headdims up to 64, plain and
+    causal calls take the rows split (backward_sm90_rows.py): headdim 64 plain in _sm90_calls, and
+    causal at headdim 40 (padded to 64) with more queries than keys (rows that see no key)."""
     import nbflash
     from nbflash.catalogue import document_mask_mod
 
     if not _sm90_calls(rng, small, True):
         return
     n = (13, 29) if small else (77, 200)
+    _dense(rng, "bfloat16", 2, n[1], n[0], 4, 2, 40, "sm90", True, causal=True)
     _dense(rng, "float16", 1, n[1], n[0], 2, 2, 64, "sm90", True, window_size=(n[0] // 2, 3), softcap=20.0,
            alibi_slopes=_backend().asarray(np.array([0.5, 0.25], np.float32)))
     seqlen = 70 if small else 333
