@@ -13,7 +13,9 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
   (``SM90_DEFAULT_HEADDIMS``; with softcap and ALiBi measured at headdim 128), for the variants
   measured (``SM90_DEFAULT_VARIANTS``: the others run on it only when "sm90" is forced). Its backward
   (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; every variant but packed
-  sequences, headdim up to 128, ``sm90_backward_unsupported_reason``) is the
+  sequences, headdim up to 128, ``sm90_backward_unsupported_reason``; at headdims up to 64, for
+  plain and windowed attention, its sibling nbflash/kernels/backward_sm90_rows.py, which splits the
+  query rows between the consumers: ``sm90_backward_config``) is the
   default at ``SM90_BACKWARD_DEFAULT_HEADDIMS`` for plain and causal attention, with dropout or a
   score_mod (``_measured_on_sm90``), and at headdim 128 for causal attention with softcap or ALiBi
   (``SM90_BACKWARD_HD128_VARIANTS``); the sm80 family's
