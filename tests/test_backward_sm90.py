@@ -438,7 +438,7 @@ def test_rows_configs():
     config = Sm90RowsBackwardConfig("bfloat16", 64, Variant(window=True), stages=3)
     assert (config.block_m, config.block_n, config.threads) == (128, 128, 384)
     assert config.dynamic_shared_bytes == 200_760 and config.grid(2, 8, 2, 300, 300) == (3, 2, 2)
-    assert launch.describe(config) == "Hopper backward dK/dV (bfloat16, headdim 64, causal/window)"
+    assert launch.describe(config) == "Hopper rows-split backward dK/dV (bfloat16, headdim 64, causal/window)"
 
 
 def test_block_m_configs():
