@@ -53,11 +53,7 @@ from nbflash.primitives import (
     SIMULATOR,
     exp2_approx,
     f32_as_u32,
-    global_address,
     inline_device,
-    pack_bf16x2,
-    pack_f16x2,
-    red_add_f32x2,
     shared_address,
     static_range,
     u32_as_f32,
@@ -68,7 +64,6 @@ from nbflash.primitives_sm90 import (
     array_address,
     check_register_split,
     elect_sync,
-    fence_mbarrier_init,
     fence_operands,
     fence_proxy_async,
     fence_proxy_tensormap_acquire,
@@ -77,7 +72,6 @@ from nbflash.primitives_sm90 import (
     make_wgmma_ss,
     mbarrier_arrive,
     mbarrier_arrive_expect_tx,
-    mbarrier_init,
     mbarrier_wait,
     named_barrier_sync,
     registers_from,
@@ -93,10 +87,9 @@ from nbflash.primitives_sm90 import (
 from nbflash.problem import Variant
 
 from . import variants
-from .backward_sm90 import MAX_SHARED_BYTES
+from .backward_sm90 import MAX_SHARED_BYTES, make_add_dq, make_init_ring, make_pack_a, make_store_rows
 from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
 from .geometry import grouped_block, grouped_grid
-from .tiles import output_store
 
 LOG2E = math.log2(math.e)
 ROWS = 64  # query rows per consumer warpgroup: the M of S, dP and dQ
@@ -205,7 +198,6 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     KEY_STEPS = BN // 16  # k16 steps over the tile's keys (dQ)
     S_REGS, ACC_REGS, P_REGS = BN // 2, CHUNK // 2, BN // 4  # per thread: S (dP), dK (dV, dQ), packed P (dS)
     NT = BN // 8  # 8-key column groups of S
-    DT = CHUNK // 8  # 8-column groups of dK, dV, dQ (headdim)
     ROWS_PER_LANE = BM // 32  # producer warp 1: the stats rows of each lane
     FULL_ARRIVALS = 1 + 32  # the TMA thread's expect_tx and the stats warp's 32 lanes
     EMPTY_ARRIVALS = CONSUMERS * GROUP
@@ -217,14 +209,16 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
     IS_F16 = config.dtype == "float16"
     AB = "f16" if IS_F16 else "bf16"
-    pack = pack_f16x2 if IS_F16 else pack_bf16x2
     wgmma_rows_by_keys = make_wgmma_ss(BN, AB, 0)  # S (64 x BN) = Q_c (K-major) K_j^T (keys K-major)
     wgmma_dq = make_wgmma_rs(CHUNK, AB, 1)  # dQ_c (64 x 64) = dS_c (registers) K_j (keys x headdim, MN-major)
     # dV_c (64 keys x 64) += P^T (key chunk c of the P tile, keys contiguous: MN-major) dO_i (MN-major)
     wgmma_keys_acc = make_wgmma_ss(CHUNK, AB, 1, 1)
     K_MAJOR = (16, 1024)  # descriptor strides (bytes): 8-row groups 1024 apart, LBO unused
     STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
-    store_element = output_store(config.dtype)
+    init_ring = make_init_ring(STAGES, FULL_ARRIVALS, EMPTY_ARRIVALS)
+    pack_a = make_pack_a(config.dtype, P_REGS)  # P's and dS's A registers
+    add_dq = make_add_dq(HD, CHUNK)  # dQ_c into dq_accum
+    store_rows = make_store_rows(config.dtype, HD, CHUNK)  # dK, dV
 
     @inline_device
     def k_step(chunk_bytes, kk):
@@ -301,13 +295,6 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
 
     @inline_device
     @unroll
-    def pack_a(x, packed):
-        """A registers of a k16 slice ks: the accumulator's registers 8 ks .. 8 ks + 7, in pairs."""
-        for i in static_range(P_REGS):
-            packed[i] = pack(x[2 * i], x[2 * i + 1])
-
-    @inline_device
-    @unroll
     def store_rows_tile(smem, row_word, swizzle, packed):
         """The thread's packed P (or dS) of its rows r0 and r0 + 8 of the step (r0 % 8 = g) and keys
         8 c + 2 q4, + 1 into a tile: key chunk c // 8 (P_CHUNK_BYTES apart), rows of 128 bytes,
@@ -318,32 +305,6 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
             chunk, unit = (i // 2) // 8, (i // 2) % 8
             offset = chunk * (P_CHUNK_BYTES // 4) + 8 * (i % 2) * (ROW_BYTES // 4)
             smem[row_word + uint32(offset) + (uint32(4 * unit) ^ swizzle)] = packed[i]
-
-    @inline_device
-    @unroll
-    def add_dq(dq_accum, acc, b, row0, h, seqlen_q, q4):
-        """dq_accum[b, row0 + (0, 8), h, 8 c + 2 q4 (+1)] += acc (unscaled), inside the arrays."""
-        for rh in static_range(2):
-            row = row0 + 8 * rh
-            if row < seqlen_q:
-                row_address = global_address(dq_accum, b, row, h, 0)
-                for c in static_range(DT):
-                    col = 8 * c + 2 * q4
-                    if col < HD:  # HD is a multiple of 8: both columns of the pair are inside
-                        red_add_f32x2(row_address + col * 4, acc[4 * c + 2 * rh], acc[4 * c + 2 * rh + 1])
-
-    @inline_device
-    @unroll
-    def store_rows(dst, acc, b, row0, h, seqlen, scale, q4):
-        """dst[b, row0 + (0, 8), h, :] = acc * scale, for rows inside the sequence."""
-        for rh in static_range(2):
-            row = row0 + 8 * rh
-            if row < seqlen:
-                for c in static_range(DT):
-                    for e in static_range(2):
-                        col = 8 * c + 2 * q4 + e
-                        if col < HD:
-                            store_element(dst, b, row, h, col, acc[4 * c + 2 * rh + e] * scale)
 
     # -----------------------------------------------------------------------------------------------
     # The kernel
@@ -393,11 +354,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
         steps = group * tiles_per_head
 
         if tid == 0:
-            mbarrier_init(kv_full, 1)
-            for slot in range(STAGES):
-                mbarrier_init(qd_full + uint32(8 * slot), FULL_ARRIVALS)
-                mbarrier_init(qd_empty + uint32(8 * slot), EMPTY_ARRIVALS)
-            fence_mbarrier_init()
+            init_ring(kv_full, qd_full, qd_empty)
         cuda.syncthreads()  # the barriers are initialised before anyone arrives on or waits for them
 
         if group_id == 0:
@@ -547,7 +504,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                                         smem_descriptor(q_slot, Q_BYTES, 1024, SWIZZLE_128B))
                 wgmma_wait(2)  # dQ_c has landed: added while dV and dK run
                 registers_to(dq_acc, fence_operands(acc_q))
-                add_dq(dq_accum, dq_acc, b, q_start + row0, h, seqlen_q, q4)
+                add_dq(dq_accum, dq_acc, b, q_start + row0, h, 0, seqlen_q, q4)
                 wgmma_wait(0)  # dV's and dK's products are done with the slot and the P and dS tiles
                 registers_to(dv_acc, fence_operands(acc_dv))
                 registers_to(dk_acc, fence_operands(acc_dk))
