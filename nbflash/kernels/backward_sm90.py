@@ -419,6 +419,63 @@ def make_init_ring(stages, full_arrivals, empty_arrivals):
     return init_ring
 
 
+def make_stage_stats(config, hooks):
+    """``stage_stats``, the producer's warp 1 in a dK/dV block (one key tile; backward_sm90_rows.py's
+    as well): walking the block's steps (the visited (query head, query tile) pairs) through the
+    ring with warp 0's copies, each step's lse in base 2 and D (with a block mask, the step itself
+    for the consumers) into the slot's stats."""
+    BM, STAGES, STATS_BYTES = config.block_m, config.stages, config.stats_bytes
+    ROWS_PER_LANE = BM // 32  # the stats rows of each lane
+    BLOCK_MASK, STEP_WORD, SCORE = hooks.BLOCK_MASK, 2 * BM, hooks.SCORE
+    warp_visit_query_step, tile_class, head_context = hooks.warp_visit_query_step, hooks.tile_class, hooks.head_context
+    score_units = hooks.tensor_core_score(False)[0]
+    NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
+
+    @inline_device
+    @unroll
+    def stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
+                    tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full):
+        """Warp 1's: step i's lse_log2 and D of its BM query rows into ring slot i % STAGES's stats (at
+        smem index stats_word0 on), once the consumers have released the slot; the arrival on its
+        full barrier releases the stores. With a block mask, lane 0 adds the step (pair, query
+        head, query tile, masked) at word STEP_WORD."""
+        position = -1
+        for i in range(steps):
+            position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
+                                             lane)
+            slot, use = i % STAGES, i // STAGES
+            if use > 0:
+                mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
+            h = hk * group + position // tiles_per_head
+            q_start = (first_tile + position % tiles_per_head) * BM
+            stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
+            # the score features' offset (variants.OFFSET) out of lse, as out of their scores
+            offset = float32(0)
+            if SCORE:
+                offset = score_units(params, scale, head_context(params, b, h))[variants.OFFSET]
+            for r in static_range(ROWS_PER_LANE):
+                row = q_start + 32 * r + lane
+                lse_log2, d = POS_INF, float32(0)  # rows past seqlen_q: P = 0
+                if row < seqlen_q:
+                    x = lse[b, h, row]
+                    if x != NEG_INF:  # a row that sees no key keeps +inf: P = 0
+                        lse_log2 = x * float32(LOG2E) - offset
+                    d = delta[b, h, row]
+                smem[stats + 32 * r + lane] = f32_as_u32(lse_log2)
+                smem[stats + BM + 32 * r + lane] = f32_as_u32(d)
+            if BLOCK_MASK and lane == 0:  # the step for the consumers: pair, head, tile, masked
+                tile = first_tile + position % tiles_per_head
+                smem[stats + STEP_WORD] = uint32(position)
+                smem[stats + STEP_WORD + 1] = uint32(h)
+                smem[stats + STEP_WORD + 2] = uint32(tile)
+                smem[stats + STEP_WORD + 3] = uint32(
+                    tail or tile < first_full or tile >= end_full
+                    or tile_class(params, b, h, tile, n_block) != variants.FULL)
+            mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
+
+    return stage_stats
+
+
 @lru_cache(maxsize=None)
 def build_backward_sm90(config: Sm90BackwardConfig):
     """Compile-time constants of ``config`` captured in a fresh ``@cuda.jit`` kernel."""
@@ -459,7 +516,6 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     S_REGS, ACC_REGS, P_REGS = BM // 2, HDP // 2, BM // 4  # per thread: S^T, dK (dV), packed P^T
     DQ_REGS = DQ_COLS // 2  # a product's dQ columns
     NT = BM // 8  # 8-column groups of S^T (queries)
-    ROWS_PER_LANE = BM // 32  # producer warp 1: the stats rows of each lane
     FULL_ARRIVALS = 1 + 32  # the TMA thread's expect_tx and the stats warp's 32 lanes
     EMPTY_ARRIVALS = CONSUMERS * GROUP
     SPLIT_REGISTERS = CONSUMERS == 2
@@ -467,9 +523,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     hooks = variants.hooks(config.variant)
     query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
     # A block mask's classes: EMPTY (query tile, key tile) pairs are never loaded nor computed, FULL
-    # ones skip the mask test; the steps walk the pairs visited (the i-th step is pair i without one)
-    tile_class = hooks.tile_class
-    # ... walked and counted by whole warps where every lane is there (the producer's and the
+    # ones skip the mask test (make_stage_stats); the steps walk the pairs visited (the i-th step is
+    # pair i without one), walked and counted by whole warps where every lane is there (the producer's and the
     # prologue's): 32 classes a read
     warp_visit_query_step, warp_visited_query_steps = hooks.warp_visit_query_step, hooks.warp_visited_query_steps
     # With one, the stats warp hands each step to the consumers with its slot (at word STEP_WORD of
@@ -485,7 +540,6 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     score_units, score_row, _, score_at_grad = hooks.tensor_core_score(False)
     # commit groups left in flight while P^T is computed (with a score feature dS^T is made with P^T)
     PENDING = 1 if config.overlap and not FUSED else 0
-    NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
     IS_F16 = config.dtype == "float16"
     AB = "f16" if IS_F16 else "bf16"
     wgmma_keys_by_queries = make_wgmma_ss(BM, AB, 0)  # S^T (64 x BM) = K_c (K-major) Q_i^T (K-major)
@@ -497,6 +551,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     pack_a = make_pack_a(config.dtype, P_REGS)  # P^T's and dS^T's A registers
     add_dq = make_add_dq(HD, DQ_COLS)  # a product's dQ columns into dq_accum
     store_rows = make_store_rows(config.dtype, HD, HDP)  # dK, dV
+    stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
 
     if BLOCK_MASK:
 
@@ -779,39 +834,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                                 tma_load_4d(do_slot + uint32(chunk * Q_CHUNK_BYTES), do_map, chunk * CHUNK, h,
                                             q_start, b, full)
             elif warp == 1:
-                position = -1
-                for i in range(steps):
-                    position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i,
-                                                     position, lane)
-                    slot, use = i % STAGES, i // STAGES
-                    if use > 0:
-                        mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
-                    h = hk * group + position // tiles_per_head
-                    q_start = (first_tile + position % tiles_per_head) * BM
-                    stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
-                    # the score features' offset (variants.OFFSET) out of lse, as out of their scores
-                    offset = float32(0)
-                    if SCORE:
-                        offset = score_units(params, scale, head_context(params, b, h))[variants.OFFSET]
-                    for r in static_range(ROWS_PER_LANE):
-                        row = q_start + 32 * r + lane
-                        lse_log2, d = POS_INF, float32(0)  # rows past seqlen_q: P = 0
-                        if row < seqlen_q:
-                            x = lse[b, h, row]
-                            if x != NEG_INF:  # a row that sees no key keeps +inf: P = 0
-                                lse_log2 = x * float32(LOG2E) - offset
-                            d = delta[b, h, row]
-                        smem[stats + 32 * r + lane] = f32_as_u32(lse_log2)
-                        smem[stats + BM + 32 * r + lane] = f32_as_u32(d)
-                    if BLOCK_MASK and lane == 0:  # the step for the consumers: pair, head, tile, masked
-                        tile = first_tile + position % tiles_per_head
-                        smem[stats + STEP_WORD] = uint32(position)
-                        smem[stats + STEP_WORD + 1] = uint32(h)
-                        smem[stats + STEP_WORD + 2] = uint32(tile)
-                        smem[stats + STEP_WORD + 3] = uint32(
-                            tail or tile < first_full or tile >= end_full
-                            or tile_class(params, b, h, tile, n_block) != variants.FULL)
-                    mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
+                stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
+                            tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full)
         else:
             # ---- Consumers: 64 keys each ----
             if SPLIT_REGISTERS:

@@ -43,7 +43,6 @@ attention and the window (causal included); headdims a multiple of 8 up to 64 (p
 TMA's zero fill); the other features raise in the config (backward_sm90.py serves them).
 """
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -52,7 +51,6 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 from nbflash.primitives import (
     SIMULATOR,
     exp2_approx,
-    f32_as_u32,
     inline_device,
     shared_address,
     static_range,
@@ -87,11 +85,17 @@ from nbflash.primitives_sm90 import (
 from nbflash.problem import Variant
 
 from . import variants
-from .backward_sm90 import MAX_SHARED_BYTES, make_add_dq, make_init_ring, make_pack_a, make_store_rows
+from .backward_sm90 import (
+    MAX_SHARED_BYTES,
+    make_add_dq,
+    make_init_ring,
+    make_pack_a,
+    make_stage_stats,
+    make_store_rows,
+)
 from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
 from .geometry import grouped_block, grouped_grid
 
-LOG2E = math.log2(math.e)
 ROWS = 64  # query rows per consumer warpgroup: the M of S, dP and dQ
 BLOCK_M = 128  # query rows per step: two consumers' rows
 BLOCK_N = 128  # keys per block: the N of S and dP; 64 per consumer in dK and dV
@@ -198,7 +202,6 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     KEY_STEPS = BN // 16  # k16 steps over the tile's keys (dQ)
     S_REGS, ACC_REGS, P_REGS = BN // 2, CHUNK // 2, BN // 4  # per thread: S (dP), dK (dV, dQ), packed P (dS)
     NT = BN // 8  # 8-key column groups of S
-    ROWS_PER_LANE = BM // 32  # producer warp 1: the stats rows of each lane
     FULL_ARRIVALS = 1 + 32  # the TMA thread's expect_tx and the stats warp's 32 lanes
     EMPTY_ARRIVALS = CONSUMERS * GROUP
     BOTH = CONSUMERS * GROUP  # threads of the named barriers across the consumers
@@ -206,7 +209,6 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     HEAVY_GROUPS = config.heavy_groups
     hooks = variants.hooks(config.variant)
     query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
-    NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
     IS_F16 = config.dtype == "float16"
     AB = "f16" if IS_F16 else "bf16"
     wgmma_rows_by_keys = make_wgmma_ss(BN, AB, 0)  # S (64 x BN) = Q_c (K-major) K_j^T (keys K-major)
@@ -219,6 +221,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     pack_a = make_pack_a(config.dtype, P_REGS)  # P's and dS's A registers
     add_dq = make_add_dq(HD, CHUNK)  # dQ_c into dq_accum
     store_rows = make_store_rows(config.dtype, HD, CHUNK)  # dK, dV
+    stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
 
     @inline_device
     def k_step(chunk_bytes, kk):
@@ -384,25 +387,9 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                         mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
                         tma_load_4d(q_ring + uint32(slot * Q_BYTES), q_map, 0, h, q_start, b, full)
                         tma_load_4d(do_ring + uint32(slot * Q_BYTES), do_map, 0, h, q_start, b, full)
-            elif warp == 1:
-                for i in range(steps):
-                    slot, use = i % STAGES, i // STAGES
-                    if use > 0:
-                        mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
-                    h = hk * group + i // tiles_per_head
-                    q_start = (first_tile + i % tiles_per_head) * BM
-                    stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
-                    for r in static_range(ROWS_PER_LANE):
-                        row = q_start + 32 * r + lane
-                        lse_log2, d = POS_INF, float32(0)  # rows past seqlen_q: P = 0
-                        if row < seqlen_q:
-                            x = lse[b, h, row]
-                            if x != NEG_INF:  # a row that sees no key keeps +inf: P = 0
-                                lse_log2 = x * float32(LOG2E)
-                            d = delta[b, h, row]
-                        smem[stats + 32 * r + lane] = f32_as_u32(lse_log2)
-                        smem[stats + BM + 32 * r + lane] = f32_as_u32(d)
-                    mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
+            elif warp == 1:  # backward_sm90.py's stats warp
+                stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
+                            tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full)
         else:
             # ---- Consumers: 64 query rows of each step, 64 keys of dK and dV each ----
             setmaxnreg_inc(CONSUMER_REGS)
