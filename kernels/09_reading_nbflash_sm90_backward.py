@@ -104,7 +104,7 @@ TOPICS = [
         the statistics. Every consumer thread arrives on the slot's empty barrier once its dV, dK
         products (the last readers of Q_i, dO_i) are done.""",
      [(KERNEL, "build_backward_sm90", "FULL_ARRIVALS = 1 + 32", 0, "the TMA thread and the stats warp"),
-      (KERNEL, BODY, "mbarrier_arrive(qd_full", 0, "the stats warp's arrival releases its stores"),
+      (KERNEL, "stage_stats", "mbarrier_arrive(qd_full", 0, "the stats warp's arrival releases its stores"),
       (KERNEL, BODY, "mbarrier_arrive(qd_empty", 0, "a consumer thread releases the slot")]),
     ("6. dQ: atomics, or a second kernel", """
         A key-tile block sees only part of each query's keys, so its dS K is a partial sum of dQ_i.

@@ -337,6 +337,145 @@ def tensor_maps(config, q, k, v, dout, dq_accum=None):
     return cached_tensor_maps(key, arrays, lambda *xs: _words(config, *xs))
 
 
+# -------------------------------------------------------------------------------------------------
+# Device functions the Hopper backward kernels share (this file's, backward_sm90_rows.py's and
+# backward_dq_sm90.py's), each made from a config's constants. A 64-row accumulator is in wgmma's
+# layout: thread (warp w of the warpgroup, g = lane // 4, q4 = lane % 4) holds rows 16 w + g
+# (registers 4 c + e) and 16 w + g + 8 (registers 4 c + 2 + e) of columns 8 c + 2 q4 + e.
+# -------------------------------------------------------------------------------------------------
+
+
+def make_pack_a(dtype, regs):
+    """``pack_a(x, packed)``: an accumulator's registers packed pair by pair into ``regs`` 16-bit
+    ``dtype`` pairs, the A registers of a wgmma (k16 slice ks: packed registers 4 ks .. 4 ks + 3)."""
+    pack = pack_f16x2 if dtype == "float16" else pack_bf16x2
+
+    @inline_device
+    @unroll
+    def pack_a(x, packed):
+        """A registers of a k16 slice ks: the accumulator's registers 8 ks .. 8 ks + 7, in pairs."""
+        for i in static_range(regs):
+            packed[i] = pack(x[2 * i], x[2 * i + 1])
+
+    return pack_a
+
+
+def make_add_dq(headdim, columns):
+    """``add_dq(dq_accum, acc, b, row0, h, col0, seqlen_q, q4)``: a 64-row product of ``columns``
+    dQ columns into dq_accum by red.add, the thread's two rows and column pairs inside the arrays."""
+    HD = headdim
+
+    @inline_device
+    @unroll
+    def add_dq(dq_accum, acc, b, row0, h, col0, seqlen_q, q4):
+        """dq_accum[b, row0 + (0, 8), h, col0 + 8 c + 2 q4 (+1)] += acc (unscaled), inside the arrays."""
+        for rh in static_range(2):
+            row = row0 + 8 * rh
+            if row < seqlen_q:
+                row_address = global_address(dq_accum, b, row, h, 0)
+                for c in static_range(columns // 8):
+                    col = col0 + 8 * c + 2 * q4
+                    if col < HD:  # HD is a multiple of 8: both columns of the pair are inside
+                        red_add_f32x2(row_address + col * 4, acc[4 * c + 2 * rh], acc[4 * c + 2 * rh + 1])
+
+    return add_dq
+
+
+def make_store_rows(dtype, headdim, headdim_padded):
+    """``store_rows(dst, acc, b, row0, h, seqlen, scale, q4)``: a 64-row accumulator of
+    ``headdim_padded`` columns times ``scale``, narrowed to ``dtype``, into dst's rows (dK, dV, dq)."""
+    HD, DT = headdim, headdim_padded // 8  # DT: 8-column groups of the accumulator
+    store_element = output_store(dtype)
+
+    @inline_device
+    @unroll
+    def store_rows(dst, acc, b, row0, h, seqlen, scale, q4):
+        """dst[b, row0 + (0, 8), h, :] = acc * scale, for rows inside the sequence."""
+        for rh in static_range(2):
+            row = row0 + 8 * rh
+            if row < seqlen:
+                for c in static_range(DT):
+                    for e in static_range(2):
+                        col = 8 * c + 2 * q4 + e
+                        if col < HD:
+                            store_element(dst, b, row, h, col, acc[4 * c + 2 * rh + e] * scale)
+
+    return store_rows
+
+
+def make_init_ring(stages, full_arrivals, empty_arrivals):
+    """``init_ring(kv_full, qd_full, qd_empty)``, thread 0's before the block's first barrier: the
+    K/V tile's barrier (one arrival: the TMA thread's expect_tx) and each ring slot's full and empty
+    barriers (8 bytes apart), fenced so that the copy engine sees them."""
+
+    @inline_device
+    def init_ring(kv_full, qd_full, qd_empty):
+        mbarrier_init(kv_full, 1)
+        for slot in range(stages):
+            mbarrier_init(qd_full + uint32(8 * slot), full_arrivals)
+            mbarrier_init(qd_empty + uint32(8 * slot), empty_arrivals)
+        fence_mbarrier_init()
+
+    return init_ring
+
+
+def make_stage_stats(config, hooks):
+    """``stage_stats``, the producer's warp 1 in a dK/dV block (one key tile; backward_sm90_rows.py's
+    as well): walking the block's steps (the visited (query head, query tile) pairs) through the
+    ring with warp 0's copies, each step's lse in base 2 and D (with a block mask, the step itself
+    for the consumers) into the slot's stats."""
+    BM, STAGES, STATS_BYTES = config.block_m, config.stages, config.stats_bytes
+    ROWS_PER_LANE = BM // 32  # the stats rows of each lane
+    BLOCK_MASK, STEP_WORD, SCORE = hooks.BLOCK_MASK, 2 * BM, hooks.SCORE
+    warp_visit_query_step, tile_class, head_context = hooks.warp_visit_query_step, hooks.tile_class, hooks.head_context
+    score_units = hooks.tensor_core_score(False)[0]
+    NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
+
+    @inline_device
+    @unroll
+    def stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
+                    tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full):
+        """Warp 1's: step i's lse_log2 and D of its BM query rows into ring slot i % STAGES's stats (at
+        smem index stats_word0 on), once the consumers have released the slot; the arrival on its
+        full barrier releases the stores. With a block mask, lane 0 adds the step (pair, query
+        head, query tile, masked) at word STEP_WORD."""
+        position = -1
+        for i in range(steps):
+            position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
+                                             lane)
+            slot, use = i % STAGES, i // STAGES
+            if use > 0:
+                mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
+            h = hk * group + position // tiles_per_head
+            q_start = (first_tile + position % tiles_per_head) * BM
+            stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
+            # the score features' offset (variants.OFFSET) out of lse, as out of their scores
+            offset = float32(0)
+            if SCORE:
+                offset = score_units(params, scale, head_context(params, b, h))[variants.OFFSET]
+            for r in static_range(ROWS_PER_LANE):
+                row = q_start + 32 * r + lane
+                lse_log2, d = POS_INF, float32(0)  # rows past seqlen_q: P = 0
+                if row < seqlen_q:
+                    x = lse[b, h, row]
+                    if x != NEG_INF:  # a row that sees no key keeps +inf: P = 0
+                        lse_log2 = x * float32(LOG2E) - offset
+                    d = delta[b, h, row]
+                smem[stats + 32 * r + lane] = f32_as_u32(lse_log2)
+                smem[stats + BM + 32 * r + lane] = f32_as_u32(d)
+            if BLOCK_MASK and lane == 0:  # the step for the consumers: pair, head, tile, masked
+                tile = first_tile + position % tiles_per_head
+                smem[stats + STEP_WORD] = uint32(position)
+                smem[stats + STEP_WORD + 1] = uint32(h)
+                smem[stats + STEP_WORD + 2] = uint32(tile)
+                smem[stats + STEP_WORD + 3] = uint32(
+                    tail or tile < first_full or tile >= end_full
+                    or tile_class(params, b, h, tile, n_block) != variants.FULL)
+            mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
+
+    return stage_stats
+
+
 @lru_cache(maxsize=None)
 def build_backward_sm90(config: Sm90BackwardConfig):
     """Compile-time constants of ``config`` captured in a fresh ``@cuda.jit`` kernel."""
@@ -377,8 +516,6 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     S_REGS, ACC_REGS, P_REGS = BM // 2, HDP // 2, BM // 4  # per thread: S^T, dK (dV), packed P^T
     DQ_REGS = DQ_COLS // 2  # a product's dQ columns
     NT = BM // 8  # 8-column groups of S^T (queries)
-    DT = HDP // 8  # 8-column groups of dK, dV (headdim)
-    ROWS_PER_LANE = BM // 32  # producer warp 1: the stats rows of each lane
     FULL_ARRIVALS = 1 + 32  # the TMA thread's expect_tx and the stats warp's 32 lanes
     EMPTY_ARRIVALS = CONSUMERS * GROUP
     SPLIT_REGISTERS = CONSUMERS == 2
@@ -386,9 +523,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     hooks = variants.hooks(config.variant)
     query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
     # A block mask's classes: EMPTY (query tile, key tile) pairs are never loaded nor computed, FULL
-    # ones skip the mask test; the steps walk the pairs visited (the i-th step is pair i without one)
-    tile_class = hooks.tile_class
-    # ... walked and counted by whole warps where every lane is there (the producer's and the
+    # ones skip the mask test (make_stage_stats); the steps walk the pairs visited (the i-th step is
+    # pair i without one), walked and counted by whole warps where every lane is there (the producer's and the
     # prologue's): 32 classes a read
     warp_visit_query_step, warp_visited_query_steps = hooks.warp_visit_query_step, hooks.warp_visited_query_steps
     # With one, the stats warp hands each step to the consumers with its slot (at word STEP_WORD of
@@ -404,16 +540,18 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     score_units, score_row, _, score_at_grad = hooks.tensor_core_score(False)
     # commit groups left in flight while P^T is computed (with a score feature dS^T is made with P^T)
     PENDING = 1 if config.overlap and not FUSED else 0
-    NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
     IS_F16 = config.dtype == "float16"
     AB = "f16" if IS_F16 else "bf16"
-    pack = pack_f16x2 if IS_F16 else pack_bf16x2
     wgmma_keys_by_queries = make_wgmma_ss(BM, AB, 0)  # S^T (64 x BM) = K_c (K-major) Q_i^T (K-major)
     wgmma_keys_acc = make_wgmma_rs(HDP, AB, 1)  # dV (64 x HDP) += P^T (registers) dO (queries x HDP, MN-major)
     wgmma_dq = make_wgmma_ss(DQ_COLS, AB, 1, 1)  # dQ (64 x DQ_COLS) = dS (MN-major) K's columns (MN-major)
     K_MAJOR = (16, 1024)  # descriptor strides (bytes): 8-row groups 1024 apart, LBO unused
     STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
-    store_element = output_store(config.dtype)
+    init_ring = make_init_ring(STAGES, FULL_ARRIVALS, EMPTY_ARRIVALS)
+    pack_a = make_pack_a(config.dtype, P_REGS)  # P^T's and dS^T's A registers
+    add_dq = make_add_dq(HD, DQ_COLS)  # a product's dQ columns into dq_accum
+    store_rows = make_store_rows(config.dtype, HD, HDP)  # dK, dV
+    stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
 
     if BLOCK_MASK:
 
@@ -548,13 +686,6 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 
     @inline_device
     @unroll
-    def pack_a(x, packed):
-        """A registers of a k16 slice ks: the accumulator's registers 8 ks .. 8 ks + 7, in pairs."""
-        for i in static_range(P_REGS):
-            packed[i] = pack(x[2 * i], x[2 * i + 1])
-
-    @inline_device
-    @unroll
     def store_ds_t(smem, ds_word, packed, warp, g, q4):
         """The thread's packed dS^T (rows 16 warp + g and + 8, query columns 8 c + 2 q4, + 1) into the
         consumer's dS^T tile: 64-query chunks (c // 8) DS_CHUNK_STRIDE bytes apart, rows of 128 bytes,
@@ -564,19 +695,6 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             row = 16 * warp + g + 8 * (i % 2)
             chunk, unit = (i // 2) // 8, (i // 2) % 8
             smem[ds_word + chunk * (DS_CHUNK_STRIDE // 4) + row * (ROW_BYTES // 4) + ((unit ^ g) * 4) + q4] = packed[i]
-
-    @inline_device
-    @unroll
-    def add_dq(dq_accum, acc, b, row0, h, col0, seqlen_q, q4):
-        """dq_accum[b, row0 + (0, 8), h, col0 + 8 c + 2 q4 (+1)] += acc (unscaled), inside the arrays."""
-        for rh in static_range(2):
-            row = row0 + 8 * rh
-            if row < seqlen_q:
-                row_address = global_address(dq_accum, b, row, h, 0)
-                for c in static_range(DQ_COLS // 8):
-                    col = col0 + 8 * c + 2 * q4
-                    if col < HD:  # HD is a multiple of 8: both columns of the pair are inside
-                        red_add_f32x2(row_address + col * 4, acc[4 * c + 2 * rh], acc[4 * c + 2 * rh + 1])
 
     @inline_device
     def add_dq_rows(dq_accum, acc, acc_hi, b, row0, h, col0, seqlen_q, q4):
@@ -616,19 +734,6 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 word = box + row * (ROW_BYTES // 4) + ((chunk ^ g) * 4) + 2 * (q4 & 1)
                 smem[word] = f32_as_u32(acc[4 * c + 2 * rh])
                 smem[word + 1] = f32_as_u32(acc[4 * c + 2 * rh + 1])
-
-    @inline_device
-    @unroll
-    def store_rows(dst, acc, b, row0, h, seqlen, scale, q4):
-        """dst[b, row0 + (0, 8), h, :] = acc * scale, for rows inside the sequence."""
-        for rh in static_range(2):
-            row = row0 + 8 * rh
-            if row < seqlen:
-                for c in static_range(DT):
-                    for e in static_range(2):
-                        col = 8 * c + 2 * q4 + e
-                        if col < HD:
-                            store_element(dst, b, row, h, col, acc[4 * c + 2 * rh + e] * scale)
 
     # -----------------------------------------------------------------------------------------------
     # The kernel
@@ -680,11 +785,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         steps = warp_visited_query_steps(params, b, hk, group, n_block, first_tile, tiles_per_head, tid % 32)
 
         if tid == 0:
-            mbarrier_init(kv_full, 1)
-            for slot in range(STAGES):
-                mbarrier_init(qd_full + uint32(8 * slot), FULL_ARRIVALS)
-                mbarrier_init(qd_empty + uint32(8 * slot), EMPTY_ARRIVALS)
-            fence_mbarrier_init()
+            init_ring(kv_full, qd_full, qd_empty)
         cuda.syncthreads()  # the barriers are initialised before anyone arrives on or waits for them
 
         if group_id == 0:
@@ -733,39 +834,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                                 tma_load_4d(do_slot + uint32(chunk * Q_CHUNK_BYTES), do_map, chunk * CHUNK, h,
                                             q_start, b, full)
             elif warp == 1:
-                position = -1
-                for i in range(steps):
-                    position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i,
-                                                     position, lane)
-                    slot, use = i % STAGES, i // STAGES
-                    if use > 0:
-                        mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
-                    h = hk * group + position // tiles_per_head
-                    q_start = (first_tile + position % tiles_per_head) * BM
-                    stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
-                    # the score features' offset (variants.OFFSET) out of lse, as out of their scores
-                    offset = float32(0)
-                    if SCORE:
-                        offset = score_units(params, scale, head_context(params, b, h))[variants.OFFSET]
-                    for r in static_range(ROWS_PER_LANE):
-                        row = q_start + 32 * r + lane
-                        lse_log2, d = POS_INF, float32(0)  # rows past seqlen_q: P = 0
-                        if row < seqlen_q:
-                            x = lse[b, h, row]
-                            if x != NEG_INF:  # a row that sees no key keeps +inf: P = 0
-                                lse_log2 = x * float32(LOG2E) - offset
-                            d = delta[b, h, row]
-                        smem[stats + 32 * r + lane] = f32_as_u32(lse_log2)
-                        smem[stats + BM + 32 * r + lane] = f32_as_u32(d)
-                    if BLOCK_MASK and lane == 0:  # the step for the consumers: pair, head, tile, masked
-                        tile = first_tile + position % tiles_per_head
-                        smem[stats + STEP_WORD] = uint32(position)
-                        smem[stats + STEP_WORD + 1] = uint32(h)
-                        smem[stats + STEP_WORD + 2] = uint32(tile)
-                        smem[stats + STEP_WORD + 3] = uint32(
-                            tail or tile < first_full or tile >= end_full
-                            or tile_class(params, b, h, tile, n_block) != variants.FULL)
-                    mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
+                stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
+                            tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full)
         else:
             # ---- Consumers: 64 keys each ----
             if SPLIT_REGISTERS:

@@ -43,7 +43,6 @@ attention and the window (causal included); headdims a multiple of 8 up to 64 (p
 TMA's zero fill); the other features raise in the config (backward_sm90.py serves them).
 """
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -52,12 +51,7 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 from nbflash.primitives import (
     SIMULATOR,
     exp2_approx,
-    f32_as_u32,
-    global_address,
     inline_device,
-    pack_bf16x2,
-    pack_f16x2,
-    red_add_f32x2,
     shared_address,
     static_range,
     u32_as_f32,
@@ -68,7 +62,6 @@ from nbflash.primitives_sm90 import (
     array_address,
     check_register_split,
     elect_sync,
-    fence_mbarrier_init,
     fence_operands,
     fence_proxy_async,
     fence_proxy_tensormap_acquire,
@@ -77,7 +70,6 @@ from nbflash.primitives_sm90 import (
     make_wgmma_ss,
     mbarrier_arrive,
     mbarrier_arrive_expect_tx,
-    mbarrier_init,
     mbarrier_wait,
     named_barrier_sync,
     registers_from,
@@ -93,12 +85,17 @@ from nbflash.primitives_sm90 import (
 from nbflash.problem import Variant
 
 from . import variants
-from .backward_sm90 import MAX_SHARED_BYTES
+from .backward_sm90 import (
+    MAX_SHARED_BYTES,
+    make_add_dq,
+    make_init_ring,
+    make_pack_a,
+    make_stage_stats,
+    make_store_rows,
+)
 from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
 from .geometry import grouped_block, grouped_grid
-from .tiles import output_store
 
-LOG2E = math.log2(math.e)
 ROWS = 64  # query rows per consumer warpgroup: the M of S, dP and dQ
 BLOCK_M = 128  # query rows per step: two consumers' rows
 BLOCK_N = 128  # keys per block: the N of S and dP; 64 per consumer in dK and dV
@@ -205,8 +202,6 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     KEY_STEPS = BN // 16  # k16 steps over the tile's keys (dQ)
     S_REGS, ACC_REGS, P_REGS = BN // 2, CHUNK // 2, BN // 4  # per thread: S (dP), dK (dV, dQ), packed P (dS)
     NT = BN // 8  # 8-key column groups of S
-    DT = CHUNK // 8  # 8-column groups of dK, dV, dQ (headdim)
-    ROWS_PER_LANE = BM // 32  # producer warp 1: the stats rows of each lane
     FULL_ARRIVALS = 1 + 32  # the TMA thread's expect_tx and the stats warp's 32 lanes
     EMPTY_ARRIVALS = CONSUMERS * GROUP
     BOTH = CONSUMERS * GROUP  # threads of the named barriers across the consumers
@@ -214,17 +209,19 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     HEAVY_GROUPS = config.heavy_groups
     hooks = variants.hooks(config.variant)
     query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
-    NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
     IS_F16 = config.dtype == "float16"
     AB = "f16" if IS_F16 else "bf16"
-    pack = pack_f16x2 if IS_F16 else pack_bf16x2
     wgmma_rows_by_keys = make_wgmma_ss(BN, AB, 0)  # S (64 x BN) = Q_c (K-major) K_j^T (keys K-major)
     wgmma_dq = make_wgmma_rs(CHUNK, AB, 1)  # dQ_c (64 x 64) = dS_c (registers) K_j (keys x headdim, MN-major)
     # dV_c (64 keys x 64) += P^T (key chunk c of the P tile, keys contiguous: MN-major) dO_i (MN-major)
     wgmma_keys_acc = make_wgmma_ss(CHUNK, AB, 1, 1)
     K_MAJOR = (16, 1024)  # descriptor strides (bytes): 8-row groups 1024 apart, LBO unused
     STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
-    store_element = output_store(config.dtype)
+    init_ring = make_init_ring(STAGES, FULL_ARRIVALS, EMPTY_ARRIVALS)
+    pack_a = make_pack_a(config.dtype, P_REGS)  # P's and dS's A registers
+    add_dq = make_add_dq(HD, CHUNK)  # dQ_c into dq_accum
+    store_rows = make_store_rows(config.dtype, HD, CHUNK)  # dK, dV
+    stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
 
     @inline_device
     def k_step(chunk_bytes, kk):
@@ -301,13 +298,6 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
 
     @inline_device
     @unroll
-    def pack_a(x, packed):
-        """A registers of a k16 slice ks: the accumulator's registers 8 ks .. 8 ks + 7, in pairs."""
-        for i in static_range(P_REGS):
-            packed[i] = pack(x[2 * i], x[2 * i + 1])
-
-    @inline_device
-    @unroll
     def store_rows_tile(smem, row_word, swizzle, packed):
         """The thread's packed P (or dS) of its rows r0 and r0 + 8 of the step (r0 % 8 = g) and keys
         8 c + 2 q4, + 1 into a tile: key chunk c // 8 (P_CHUNK_BYTES apart), rows of 128 bytes,
@@ -318,32 +308,6 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
             chunk, unit = (i // 2) // 8, (i // 2) % 8
             offset = chunk * (P_CHUNK_BYTES // 4) + 8 * (i % 2) * (ROW_BYTES // 4)
             smem[row_word + uint32(offset) + (uint32(4 * unit) ^ swizzle)] = packed[i]
-
-    @inline_device
-    @unroll
-    def add_dq(dq_accum, acc, b, row0, h, seqlen_q, q4):
-        """dq_accum[b, row0 + (0, 8), h, 8 c + 2 q4 (+1)] += acc (unscaled), inside the arrays."""
-        for rh in static_range(2):
-            row = row0 + 8 * rh
-            if row < seqlen_q:
-                row_address = global_address(dq_accum, b, row, h, 0)
-                for c in static_range(DT):
-                    col = 8 * c + 2 * q4
-                    if col < HD:  # HD is a multiple of 8: both columns of the pair are inside
-                        red_add_f32x2(row_address + col * 4, acc[4 * c + 2 * rh], acc[4 * c + 2 * rh + 1])
-
-    @inline_device
-    @unroll
-    def store_rows(dst, acc, b, row0, h, seqlen, scale, q4):
-        """dst[b, row0 + (0, 8), h, :] = acc * scale, for rows inside the sequence."""
-        for rh in static_range(2):
-            row = row0 + 8 * rh
-            if row < seqlen:
-                for c in static_range(DT):
-                    for e in static_range(2):
-                        col = 8 * c + 2 * q4 + e
-                        if col < HD:
-                            store_element(dst, b, row, h, col, acc[4 * c + 2 * rh + e] * scale)
 
     # -----------------------------------------------------------------------------------------------
     # The kernel
@@ -393,11 +357,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
         steps = group * tiles_per_head
 
         if tid == 0:
-            mbarrier_init(kv_full, 1)
-            for slot in range(STAGES):
-                mbarrier_init(qd_full + uint32(8 * slot), FULL_ARRIVALS)
-                mbarrier_init(qd_empty + uint32(8 * slot), EMPTY_ARRIVALS)
-            fence_mbarrier_init()
+            init_ring(kv_full, qd_full, qd_empty)
         cuda.syncthreads()  # the barriers are initialised before anyone arrives on or waits for them
 
         if group_id == 0:
@@ -427,25 +387,9 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                         mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
                         tma_load_4d(q_ring + uint32(slot * Q_BYTES), q_map, 0, h, q_start, b, full)
                         tma_load_4d(do_ring + uint32(slot * Q_BYTES), do_map, 0, h, q_start, b, full)
-            elif warp == 1:
-                for i in range(steps):
-                    slot, use = i % STAGES, i // STAGES
-                    if use > 0:
-                        mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
-                    h = hk * group + i // tiles_per_head
-                    q_start = (first_tile + i % tiles_per_head) * BM
-                    stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
-                    for r in static_range(ROWS_PER_LANE):
-                        row = q_start + 32 * r + lane
-                        lse_log2, d = POS_INF, float32(0)  # rows past seqlen_q: P = 0
-                        if row < seqlen_q:
-                            x = lse[b, h, row]
-                            if x != NEG_INF:  # a row that sees no key keeps +inf: P = 0
-                                lse_log2 = x * float32(LOG2E)
-                            d = delta[b, h, row]
-                        smem[stats + 32 * r + lane] = f32_as_u32(lse_log2)
-                        smem[stats + BM + 32 * r + lane] = f32_as_u32(d)
-                    mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
+            elif warp == 1:  # backward_sm90.py's stats warp
+                stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
+                            tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full)
         else:
             # ---- Consumers: 64 query rows of each step, 64 keys of dK and dV each ----
             setmaxnreg_inc(CONSUMER_REGS)
@@ -547,7 +491,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                                         smem_descriptor(q_slot, Q_BYTES, 1024, SWIZZLE_128B))
                 wgmma_wait(2)  # dQ_c has landed: added while dV and dK run
                 registers_to(dq_acc, fence_operands(acc_q))
-                add_dq(dq_accum, dq_acc, b, q_start + row0, h, seqlen_q, q4)
+                add_dq(dq_accum, dq_acc, b, q_start + row0, h, 0, seqlen_q, q4)
                 wgmma_wait(0)  # dV's and dK's products are done with the slot and the P and dS tiles
                 registers_to(dv_acc, fence_operands(acc_dv))
                 registers_to(dk_acc, fence_operands(acc_dk))
