@@ -71,8 +71,6 @@ from nbflash.primitives import (
     SIMULATOR,
     exp2_approx,
     inline_device,
-    pack_bf16x2,
-    pack_f16x2,
     shared_address,
     static_range,
     unroll,
@@ -105,8 +103,8 @@ from nbflash.primitives_sm90 import (
 from nbflash.problem import Variant
 
 from . import variants
+from .backward_sm90 import make_pack_a, make_store_rows
 from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
-from .tiles import output_store
 
 LOG2E = math.log2(math.e)
 MAX_HEADDIM = 128  # S, dP and dQ of 64 rows live in a consumer's registers together
@@ -200,7 +198,6 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
     KEY_STEPS = BN // 16  # k16 steps over a key tile (dQ)
     S_REGS, DQ_REGS, DS_REGS = BN // 2, HDP // 2, BN // 4  # per thread: S (dP), dQ, packed dS
     NT = BN // 8  # 8-column groups of S
-    DT = HDP // 8  # 8-column groups of dQ
     EMPTY_ARRIVALS = CONSUMERS * GROUP  # every consumer thread releases a slot
     SPLIT_REGISTERS = CONSUMERS == 2  # with one consumer the entry cap already suffices
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
@@ -210,7 +207,6 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
     IS_F16 = config.dtype == "float16"
     AB = "f16" if IS_F16 else "bf16"
-    pack = pack_f16x2 if IS_F16 else pack_bf16x2
     wgmma_scores = make_wgmma_ss(BN, AB, 0)  # S (64 x BN) = Q K^T and dP = dO V^T, all K-major
     wgmma_dq = make_wgmma_rs(HDP, AB, 1)  # dQ (64 x HDP) += dS (registers) K (keys x HDP, MN-major)
     # Descriptor strides (bytes): K-major 128B swizzle, 8-row groups 1024 apart (LBO unused: 16);
@@ -218,7 +214,8 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
     K_MAJOR = (16, 1024)
     K_MN_MAJOR = (KV_CHUNK_BYTES, 1024)
     STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
-    store_element = output_store(config.dtype)
+    pack_ds = make_pack_a(config.dtype, DS_REGS)  # dS's A registers
+    store_rows = make_store_rows(config.dtype, HD, HDP)  # dq
 
     # -----------------------------------------------------------------------------------------------
     # Tile addresses: a k16 step of a K-major tile is 32 bytes inside a 128-byte row, and the next
@@ -300,26 +297,6 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
                 for e in static_range(2):
                     r = 4 * c + 2 * rh + e
                     dp[r] = p[r] * (dp[r] - d_row[rh])
-
-    @inline_device
-    @unroll
-    def pack_ds(ds, packed):
-        """dS's A registers: k16 slice ks is dS's registers 8 ks .. 8 ks + 7, packed in pairs."""
-        for i in static_range(DS_REGS):
-            packed[i] = pack(ds[2 * i], ds[2 * i + 1])
-
-    @inline_device
-    @unroll
-    def store_rows(dst, acc, b, row0, h, seqlen, scale, q4):
-        """dst[b, row0 + (0, 8), h, :] = acc * scale, narrowed, for rows inside the sequence."""
-        for rh in static_range(2):
-            row = row0 + 8 * rh
-            if row < seqlen:
-                for c in static_range(DT):
-                    for e in static_range(2):
-                        col = 8 * c + 2 * q4 + e
-                        if col < HD:
-                            store_element(dst, b, row, h, col, acc[4 * c + 2 * rh + e] * scale)
 
     # -----------------------------------------------------------------------------------------------
     # The kernel
