@@ -118,7 +118,7 @@ TOPICS = [
         side by side, so a step's barrier now spans both warpgroups: 21-32% faster at headdim 128
         on the H200 all the same. (At headdims up to 64, for plain and windowed attention, the plan
         takes a sibling kernel, backward_sm90_rows.py, that splits a step's query rows between
-        the consumers instead of its keys: 10-17% faster there.) With deterministic=True the
+        the consumers instead of its keys: 11-17% faster there.) With deterministic=True the
         plan swaps in the forward's shape for dQ: one block per query tile loops over the key
         tiles, dQ_i stays in registers, dS goes from the accumulator into dQ's A registers as the
         forward's P does, and dq is written once (backward_dq_sm90.py); dK and dV then come from the

@@ -468,7 +468,7 @@ SM90_BACKWARD_HEAVY_GROUPS = 4
 # The query rows split between the consumers (nbflash/kernels/backward_sm90_rows.py) at headdims up
 # to this, for the variants it serves (plain attention and the window): measured on the H200
 # (scripts/sm90_schedules.py --backward --headdims 64 --anchors, docs/benchmarks.md "GPU runs of
-# 2026-12-04, second session"), fp16, headdim 64, 4k and 16k, causal and not: 1.10-1.17x
+# 2026-12-04, second session"), fp16, headdim 64, 4k and 16k, causal and not: 1.11-1.17x
 # backward_sm90.py's planned "steps" kernel, 1.15-1.24x SDPA flash's backward. Two stages (a third
 # was 0.92-1.01x). The simulator keeps backward_sm90.py (the rows kernel's emulation takes about
 # 50 s a case: tests/test_backward_sm90.py runs it through a fixture).

@@ -432,10 +432,9 @@ def build_parser():
     )
     parser.add_argument(
         "--rescale-slack", type=float, nargs="+", default=None, metavar="S",
-        help="--pass forward: also time the families' planned forward with lazy rescaling, rescale_slack=S "
-        "(0: eager, for the configs that plan it: the mma forward at headdims 65-128) "
-        f"(powers of 2 that P may reach before the maxima move; families {', '.join(RESCALE_SLACK_FAMILIES)}), "
-        "one column each",
+        help="--pass forward: also time the families' planned forward with rescale_slack=S (lazy rescaling: "
+        "powers of 2 that P may reach before the maxima move; 0: eager, to time against the configs that plan "
+        f"it, the mma forward at headdims 65-128; families {', '.join(RESCALE_SLACK_FAMILIES)}), one column each",
     )
     parser.add_argument(
         "--rounds", type=int, default=None, metavar="R",

@@ -1,6 +1,6 @@
 """FlashAttention backward on Hopper (sm_90a), the dK/dV pass with the query rows split between the
 consumers: FlashAttention-3's headdim-64 shape, the planned dK/dV kernel at headdims up to 64 for
-plain and windowed attention (configs.sm90_backward_config; 1.10-1.17x backward_sm90.py's there on
+plain and windowed attention (configs.sm90_backward_config; 1.11-1.17x backward_sm90.py's there on
 the H200).
 
 Read backward_sm90.py first: the producer, the ring and the tiles are its. There each consumer
