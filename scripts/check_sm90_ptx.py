@@ -113,6 +113,9 @@ def backward_kernels():
         for variant in (Variant(), Variant(window=True)):
             found.append((f"backward_sm90_rows_{'causal' if variant.window else 'plain'}_{dtype}_hd64",
                           Sm90RowsBackwardConfig(dtype, 64, variant)))
+    for variant in (Variant(), Variant(window=True)):  # step i + 1's S before step i's dV and dK, 3 stages
+        found.append((f"backward_sm90_rows_pipe_{'causal' if variant.window else 'plain'}_float16_hd64",
+                      Sm90RowsBackwardConfig("float16", 64, variant, stages=3, pipelined=True)))
     # causal dropout (served when "sm90" is forced): P^T from the landed dP^T, shuffled Philox words
     for headdim, *_ in configs.SM90_BACKWARD:
         found.append((f"backward_sm90_causal_dropout_hd{headdim}",
@@ -182,9 +185,9 @@ _BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)\s*$")
 
 
 def loop_local_accesses(cubin, cuobjdump):
-    """(wgmmas, instructions, local loads and stores) of the loop that holds the kernel's first
-    HGMMA: the strongly connected component of the SASS control-flow graph containing its block
-    (None without wgmma). Spills outside the loop (values kept for the epilogue) cost once per
+    """(wgmmas, instructions, local loads and stores) of the loop that holds the most HGMMAs: the
+    strongly connected component of the SASS control-flow graph whose blocks hold them (None
+    without wgmma). Spills outside the loop (values kept for the epilogue) cost once per
     block; these cost every step."""
     sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
     code = [(int(m.group(1), 16), m.group(2).strip()) for m in _SASS_LINE.finditer(sass)]
@@ -240,10 +243,11 @@ def loop_local_accesses(cubin, cuobjdump):
                 work.append((w, iter(successors[w])))
             elif w in on_stack:
                 low[v] = min(low[v], order[w])
-    first = next((i for i, (_, text) in enumerate(code) if "HGMMA" in text), None)
-    if first is None:
+    hgmma = [component[block[i]] for i, (_, text) in enumerate(code) if "HGMMA" in text]
+    if not hgmma:
         return None
-    body = [text for i, (_, text) in enumerate(code) if component[block[i]] == component[block[first]]]
+    loop = max(hgmma, key=hgmma.count)  # a pipelined loop's prologue issues some wgmmas outside it
+    body = [text for i, (_, text) in enumerate(code) if component[block[i]] == loop]
     return (sum("HGMMA" in t for t in body), len(body),
             sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in body))
 

@@ -364,11 +364,24 @@ def rows_split(monkeypatch):
     heads). The simulator takes the plain order: with two key tiles, groups of 4 launch 8 blocks
     (6 exit at once), and the emulation took four times as long (148 s against 36) and, on a busy
     machine, long enough for a producer's bounded mbarrier wait to trap."""
+    plan_rows(monkeypatch)
+    yield
+    backward._kernels.cache_clear()
+
+
+@pytest.fixture
+def rows_pipelined(monkeypatch):
+    """As rows_split, with step i + 1's S issued before step i's dV and dK (``pipelined``), 3 stages."""
+    plan_rows(monkeypatch, stages=3, pipelined=True)
+    yield
+    backward._kernels.cache_clear()
+
+
+def plan_rows(monkeypatch, **fields):
     planned = configs.sm90_backward_config
     monkeypatch.setattr(configs, "sm90_backward_config", lambda dtype, headdim, variant: Sm90RowsBackwardConfig(
-        dtype, headdim, variant, heavy_groups=0 if SIMULATOR else planned(dtype, headdim, variant).heavy_groups))
-    backward._kernels.cache_clear()
-    yield
+        dtype, headdim, variant, heavy_groups=0 if SIMULATOR else planned(dtype, headdim, variant).heavy_groups,
+        **fields))
     backward._kernels.cache_clear()
 
 
@@ -391,6 +404,25 @@ def test_backward_sm90_rows_small(rng, xp, rows_split, case):
         run_rows(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True)
     else:
         run_rows(rng, xp, 1, 70, 200, 2, 1, 64, "float16", False)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_backward_sm90_rows_pipelined_small(rng, xp, rows_pipelined):
+    """The pipelined loop on rows_small's causal case: four steps (the prologue, three of the loop,
+    the peeled last step) through a ring of three."""
+    run_rows(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("headdim", [40, 64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_rows_pipelined_gpu(rng, xp, monkeypatch, rows_pipelined, seqlens, causal, headdim, stages):
+    planned = configs.sm90_backward_config
+    monkeypatch.setattr(configs, "sm90_backward_config",
+                        lambda *args: dataclasses.replace(planned(*args), stages=stages))
+    run_rows(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
 
 
 @pytest.mark.gpu
