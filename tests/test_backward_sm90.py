@@ -414,27 +414,19 @@ def test_backward_sm90_rows_pipelined_small(rng, xp, rows_pipelined):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pipelined", [False, True], ids=["plain-loop", "pipelined"])
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("headdim", [40, 64])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_sm90_rows_pipelined_gpu(rng, xp, monkeypatch, rows_pipelined, seqlens, causal, headdim, stages):
-    planned = configs.sm90_backward_config
-    monkeypatch.setattr(configs, "sm90_backward_config",
-                        lambda *args: dataclasses.replace(planned(*args), stages=stages))
-    run_rows(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("headdim", [40, 64])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, rows_split, seqlens, causal, headdim, stages):
-    planned = configs.sm90_backward_config
-    monkeypatch.setattr(configs, "sm90_backward_config",
-                        lambda *args: dataclasses.replace(planned(*args), stages=stages))
-    run_rows(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
+def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, stages, pipelined):
+    """The rows split (plain loop and pipelined) on the GPU, the planner's launch order."""
+    plan_rows(monkeypatch, stages=stages, pipelined=pipelined)
+    try:
+        run_rows(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal,
+                 heads_first=causal)
+    finally:
+        backward._kernels.cache_clear()
 
 
 def test_rows_split_is_planned_where_measured(monkeypatch):
