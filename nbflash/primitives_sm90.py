@@ -1,6 +1,6 @@
-"""Hopper (sm_90a) primitives: fences, elect, setmaxnreg, named barriers, mbarriers, the 1-D bulk
-copy, 2-D TMA loads and stores, 4-D TMA loads, and wgmma (f16, bf16, and fp8: e4m3 / e5m2, whose
-intrinsics have been compiled and assembled but not yet run on a GPU), each as an inline-PTX
+"""Hopper (sm_90a) primitives: fences, elect, setmaxnreg, named barriers, stmatrix, mbarriers, the
+1-D bulk copy, 2-D TMA loads and stores, 4-D TMA loads, and wgmma (f16, bf16, and fp8: e4m3 / e5m2,
+whose intrinsics have been compiled and assembled but not yet run on a GPU), each as an inline-PTX
 intrinsic beside a plain-Python emulation.
 
 As in ``nbflash.primitives`` (whose ``shared_address`` and ``global_address`` these take), the choice
@@ -140,6 +140,26 @@ if SIMULATOR:
         if not _p._shared_ranges.contains(addr, nbytes):
             raise IndexError(f"shared address {addr:#x} (+{nbytes}) is outside every shared array")
         return addr
+
+    # --- stmatrix --------------------------------------------------------------------------------
+
+    def _stmatrix_combine(posted):
+        for i in range(4):
+            for r in range(8):
+                row = np.frombuffer(_check_shared_bytes(posted[8 * i + r][0], 16), dtype=np.uint32)
+                row[:] = [posted[4 * r + t][1 + i] for t in range(4)]
+        return [None] * 32
+
+    def _check_shared_bytes(addr, nbytes):
+        return (ctypes.c_uint8 * nbytes).from_address(_check_shared(addr, nbytes, 16))
+
+    def stmatrix_x4(addr, r0, r1, r2, r3):
+        """stmatrix.x4 (ldmatrix's inverse), by a whole warp: four 8x8 matrices of 16-bit elements to
+        shared memory. Lane 8 i + r gives the address (16-byte aligned) of row r of matrix i; register
+        i of the lane with g = lane >> 2, t = lane & 3 holds M_i[g, 2t:2t+2] (the lower index in the
+        low half): the layout of an mma accumulator's 8-column group packed to 16 bits, so a tile of
+        packed scores goes out in one instruction per four such groups instead of one per register."""
+        _p._warp_collective(_stmatrix_combine, (int(addr), int(r0), int(r1), int(r2), int(r3)))
 
     # --- Fences, elect, setmaxnreg ----------------------------------------------------------------
 
@@ -876,6 +896,7 @@ else:
 
     named_barrier_sync = _ptx("bar.sync $0, $1;", (u32, u32))
     named_barrier_arrive = _ptx("bar.arrive $0, $1;", (u32, u32))
+    stmatrix_x4 = _ptx("stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};", (u32,) * 5)
 
     mbarrier_init = _ptx("mbarrier.init.shared::cta.b64 [$0], $1;", (u32, u32))
     fence_mbarrier_init = _ptx("fence.mbarrier_init.release.cluster;")

@@ -44,6 +44,7 @@ EXPECTED = {
     "small": ["setmaxnreg.dec.sync.aligned.u32 40", "setmaxnreg.inc.sync.aligned.u32 232", "elect.sync",
               "fence.proxy.async.shared::cta", "wgmma.fence.sync.aligned"],
     "named_barriers": ["bar.sync", "bar.arrive"],
+    "stmatrix": ["stmatrix.sync.aligned.m8n8.x4.shared.b16"],
     "descriptor_bits": [],
     "mbarrier_bulk_copy": ["mbarrier.init.shared::cta.b64", "mbarrier.arrive.expect_tx",
                            "mbarrier.try_wait.parity", "cp.async.bulk.shared::cluster.global"],

@@ -96,6 +96,43 @@ def test_copy_operands(rng):
     check_copy(rng)
 
 
+# --- stmatrix: four 8x8 matrices of 16-bit elements from one warp's registers --------------------------
+
+@cuda.jit
+def _stmatrix_kernel(out):
+    # Register i of lane (g, t) holds M_i[g, 2t:2t+2] = 1000 i + 8 g + 2 t and + 1; lane 8 i + r gives
+    # row r of matrix i the 16-byte slot (8 i + r) ^ 5 of a 32-slot buffer (rows out of order, as a
+    # swizzle places them).
+    lane = cuda.threadIdx.x
+    buf = cuda.shared.array(128, uint32)
+    for w in range(4):
+        buf[4 * lane + w] = uint32(0xFFFFFFFF)
+    cuda.syncthreads()
+    g, t = uint32(lane >> 2), uint32(lane & 3)
+    low = 8 * g + 2 * t
+    H.stmatrix_x4(P.shared_address(buf) + uint32(16 * (lane ^ 5)), low | ((low + 1) << 16),
+                  (low + 1000) | ((low + 1001) << 16), (low + 2000) | ((low + 2001) << 16),
+                  (low + 3000) | ((low + 3001) << 16))
+    cuda.syncthreads()
+    for w in range(4):
+        out[4 * lane + w] = buf[4 * lane + w]
+
+
+def check_stmatrix():
+    out = np.zeros(128, dtype=np.uint32)
+    _stmatrix_kernel[1, 32](out)
+    slots = out.view(np.uint16).reshape(32, 8)
+    expected = np.empty((32, 8), dtype=np.uint16)
+    for i in range(4):
+        for r in range(8):
+            expected[(8 * i + r) ^ 5] = 1000 * i + 8 * r + np.arange(8)
+    np.testing.assert_array_equal(slots, expected)
+
+
+def test_stmatrix():
+    check_stmatrix()
+
+
 # --- Named barriers: bar.arrive / bar.sync hand-offs between warps ------------------------------------
 
 ROUNDS = 4
@@ -861,6 +898,7 @@ def test_sm90_intrinsics_on_gpu(xp):
         check_copy(rng)
         check_descriptor_bits()
         check_named_barriers()
+        check_stmatrix()
         check_mbarrier(rng)
         for case in WGMMA_CASES:
             check_wgmma(*case, rng)
@@ -924,6 +962,7 @@ def offline_kernels():
         ("descriptor_bits", _descriptor_kernel, (types.Array(types.int64, 2, "C"), types.Array(types.uint64, 1, "C")),
          {}),
         ("named_barriers", _named_barrier_kernel, (types.Array(types.uint32, 2, "C"),), {}),
+        ("stmatrix", _stmatrix_kernel, (types.Array(types.uint32, 1, "C"),), {}),
         ("mbarrier_bulk_copy", _mbarrier_kernel,
          (types.Array(types.float16, 4, "C"), types.Array(types.uint16, 2, "C"),
           types.Array(types.uint32, 1, "C")), {}),
