@@ -413,15 +413,19 @@ def test_backward_sm90_rows_pipelined_small(rng, xp, rows_pipelined):
     run_rows(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True)
 
 
+ROWS_FORMS = {"plain-loop": {}, "pipelined": {"pipelined": True}, "stmatrix": {"stmatrix": True}}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("pipelined", [False, True], ids=["plain-loop", "pipelined"])
+@pytest.mark.parametrize("form", list(ROWS_FORMS))
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("headdim", [40, 64])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, stages, pipelined):
-    """The rows split (plain loop and pipelined) on the GPU, the planner's launch order."""
-    plan_rows(monkeypatch, stages=stages, pipelined=pipelined)
+def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, stages, form):
+    """The rows split (its plain loop, pipelined, P and dS by stmatrix) on the GPU, the planner's
+    launch order."""
+    plan_rows(monkeypatch, stages=stages, **ROWS_FORMS[form])
     try:
         run_rows(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal,
                  heads_first=causal)

@@ -79,6 +79,7 @@ from nbflash.primitives_sm90 import (
     setmaxnreg_dec,
     setmaxnreg_inc,
     smem_descriptor,
+    stmatrix_x4,
     tma_load_4d,
     wgmma_commit,
     wgmma_fence,
@@ -124,6 +125,7 @@ class Sm90RowsBackwardConfig:
     consumer_registers: int = 232
     heavy_groups: int = 0  # longest-first within groups of (batch, KV head) pairs, as backward_sm90.py's
     pipelined: bool = False  # issue step i + 1's S before step i's dV and dK: its P under them (see the docstring)
+    stmatrix: bool = False  # P and dS into their tiles by stmatrix (16 a step) instead of 64 32-bit stores
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
     consumers = 2
@@ -209,7 +211,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     EMPTY_ARRIVALS = CONSUMERS * GROUP
     BOTH = CONSUMERS * GROUP  # threads of the named barriers across the consumers
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
-    HEAVY_GROUPS, PIPELINED = config.heavy_groups, config.pipelined
+    HEAVY_GROUPS, PIPELINED, STMATRIX = config.heavy_groups, config.pipelined, config.stmatrix
     hooks = variants.hooks(config.variant)
     query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
     IS_F16 = config.dtype == "float16"
@@ -314,6 +316,37 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
 
     @inline_device
     @unroll
+    def store_tile_stmatrix(lane_row, lane_j, lane_r, packed):
+        """The warp's packed P (or dS) of its 16 rows r0 .. r0 + 15 of the step into a tile, by
+        stmatrix: call k stores key groups 2k and 2k + 1 (packed registers 4k .. 4k + 3: group 2k rows
+        r0 + g and r0 + 8 + g, then group 2k + 1's), matrix i being rows r0 + 8 (i % 2) .. + 7 of group
+        2k + i // 2. Lane 8 i + r gives that matrix's row r: key chunk 2k // 8 (P_CHUNK_BYTES apart),
+        16-byte unit (2k % 8 + i // 2) ^ r (the 128-byte swizzle; the row's index mod 8 is r).
+        ``lane_row`` is the tile's address of the lane's row r0 + 8 (i % 2) + r, ``lane_j`` = i // 2,
+        ``lane_r`` = r."""
+        for k in static_range(P_REGS // 4):
+            unit = (uint32((2 * k) % 8) + lane_j) ^ lane_r
+            stmatrix_x4(lane_row + uint32((2 * k // 8) * P_CHUNK_BYTES) + unit * uint32(16),
+                        packed[4 * k], packed[4 * k + 1], packed[4 * k + 2], packed[4 * k + 3])
+
+    @inline_device
+    def store_tiles(smem, p_tile, p_row_word, lane_row, g, lane, p, ds):
+        """P and dS of the thread's two rows into the P and dS tiles (``stmatrix``: lane_row is the
+        P tile's offset of the lane's stmatrix row; else p_row_word, the word of its first row). The
+        row and lane words are made opaque each step: else LLVM makes every store address once
+        before the loop, and ptxas spills them (the 32-bit stores' 64: 320 bytes, 74 local accesses
+        in the loop)."""
+        if STMATRIX:
+            row, lane_j, lane_r = fence_operands((lane_row, uint32(lane >> 4), uint32(lane & 7)))
+            store_tile_stmatrix(p_tile + row, lane_j, lane_r, p)
+            store_tile_stmatrix(p_tile + row + uint32(P_BYTES), lane_j, lane_r, ds)
+        else:
+            row_word, swizzle = fence_operands((p_row_word, uint32(4 * g)))
+            store_rows_tile(smem, row_word, swizzle, p)
+            store_rows_tile(smem, row_word + uint32(P_BYTES // 4), swizzle, ds)
+
+    @inline_device
+    @unroll
     def read_stats(smem, stats_word0, slot, row0, lse_log2, d):
         """The thread's two rows' lse_log2 and D in a slot (the stats warp's stores arrived with it)."""
         stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
@@ -358,15 +391,13 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
 
     @inline_device
     @unroll
-    def tiles_and_dq(smem, p, ds, p_row_word, g, zeros, desc_k_cols):
+    def tiles_and_dq(smem, p, ds, p_tile, p_row_word, lane_row, g, lane, zeros, desc_k_cols):
         """Step i's front in the pipelined loop: its packed P and dS of all 128 rows into the tiles once
         both consumers' last dV and dK (each waited for at the end of its last step) have read them;
         dQ_i = dS_i K_j issued from the thread's own dS registers, before the other consumer's rows
         are in. Returns dQ_i's accumulator, in flight."""
         named_barrier_sync(1, BOTH)
-        row_word, swizzle = fence_operands((p_row_word, uint32(4 * g)))  # (the plain loop says why)
-        store_rows_tile(smem, row_word, swizzle, p)
-        store_rows_tile(smem, row_word + uint32(P_BYTES // 4), swizzle, ds)
+        store_tiles(smem, p_tile, p_row_word, lane_row, g, lane, p, ds)
         fence_proxy_async()  # the stores are ordered before wgmma reads them
         ds_regs = fence_operands(registers_from(ds, P_REGS))
         acc_q = fence_operands(registers_from(zeros, ACC_REGS))
@@ -378,9 +409,10 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     @inline_device
     @unroll
     def pipelined_steps(smem, stats_word0, q_ring, do_ring, p_tile, ds_tile, qd_full, qd_empty, desc_k_rows,
-                        desc_v_rows, desc_k_cols, rows_off, chunk_off, p_row_word, g, q4, row0, steps, hk, group,
-                        first_tile, tiles_per_head, first_full, end_full, tail, n_start, seqlen_q, seqlen_k, params,
-                        b, scale_log2, dq_accum, s, dp, zeros, dk_acc, dv_acc, dq_acc, p, ds, lse_log2, d):
+                        desc_v_rows, desc_k_cols, rows_off, chunk_off, p_row_word, lane_row, g, lane, q4, row0,
+                        steps, hk, group, first_tile, tiles_per_head, first_full, end_full, tail, n_start, seqlen_q,
+                        seqlen_k, params, b, scale_log2, dq_accum, s, dp, zeros, dk_acc, dv_acc, dq_acc, p, ds,
+                        lse_log2, d):
         """The consumer's steps with step i + 1's S issued before step i's dV and dK (``pipelined``), so
         that exp2 of P_{i+1} runs on the CUDA cores while the tensor cores work on dV_i, dK_i and
         dP_{i+1}. Each step ends with nothing in flight (S_{i+1} and dP_{i+1} landed, P_{i+1} made):
@@ -419,7 +451,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
         for i in range(steps - 1):
             slot, use, h, tile = step_at(i, hk, group, first_tile, tiles_per_head)
             n_slot, n_use, n_h, n_tile = step_at(i + 1, hk, group, first_tile, tiles_per_head)
-            acc_q = tiles_and_dq(smem, p, ds, p_row_word, g, zeros, desc_k_cols)
+            acc_q = tiles_and_dq(smem, p, ds, p_tile, p_row_word, lane_row, g, lane, zeros, desc_k_cols)
             acc_s = fence_operands(registers_from(zeros, S_REGS))
             acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
             acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
@@ -450,7 +482,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
 
         # The last step: its dV and dK alone
         slot, use, h, tile = step_at(steps - 1, hk, group, first_tile, tiles_per_head)
-        acc_q = tiles_and_dq(smem, p, ds, p_row_word, g, zeros, desc_k_cols)
+        acc_q = tiles_and_dq(smem, p, ds, p_tile, p_row_word, lane_row, g, lane, zeros, desc_k_cols)
         acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
         acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
         wgmma_fence()
@@ -561,6 +593,9 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
             chunk_off = uint32(consumer * P_CHUNK_BYTES)  # the consumer's keys in the P and dS tiles
             # smem index of the thread's first row (and lane pair) in the P tile; dS's is P_BYTES on
             p_row_word = uint32((p_tile - smem_start) // uint32(4) + uint32(row0 * (ROW_BYTES // 4) + q4))
+            # ... and with stmatrix the P tile's offset of the row the lane gives (lane 8 i + r: row r of
+            # the warp's eight rows 8 (i % 2) on)
+            lane_row = uint32((ROWS * consumer + 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7)) * ROW_BYTES)
 
             s = cuda.local.array(S_REGS, float32)
             dp = cuda.local.array(S_REGS, float32)
@@ -583,10 +618,10 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
             if PIPELINED:
                 if steps > 0:
                     pipelined_steps(smem, stats_word0, q_ring, do_ring, p_tile, ds_tile, qd_full, qd_empty,
-                                    desc_k_rows, desc_v_rows, desc_k_cols, rows_off, chunk_off, p_row_word, g, q4,
-                                    row0, steps, hk, group, first_tile, tiles_per_head, first_full, end_full, tail,
-                                    n_start, seqlen_q, seqlen_k, params, b, scale_log2, dq_accum, s, dp, zeros, dk_acc,
-                                    dv_acc, dq_acc, p, ds, lse_log2, d)
+                                    desc_k_rows, desc_v_rows, desc_k_cols, rows_off, chunk_off, p_row_word, lane_row,
+                                    g, lane, q4, row0, steps, hk, group, first_tile, tiles_per_head, first_full,
+                                    end_full, tail, n_start, seqlen_q, seqlen_k, params, b, scale_log2, dq_accum, s,
+                                    dp, zeros, dk_acc, dv_acc, dq_acc, p, ds, lse_log2, d)
             else:
                 for i in range(steps):
                     slot, use = i % STAGES, i // STAGES
@@ -621,12 +656,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                     # P and dS of all 128 rows into shared memory, once the last step's dV and dK products
                     # (both consumers', each waited for before its next step) have read the tiles
                     named_barrier_sync(1, BOTH)
-                    # The row and swizzle words made opaque each step: else LLVM makes all 64 store
-                    # addresses once before the loop, and ptxas spills them (320 bytes, 74 local accesses
-                    # in the loop)
-                    row_word, swizzle = fence_operands((p_row_word, uint32(4 * g)))
-                    store_rows_tile(smem, row_word, swizzle, p)
-                    store_rows_tile(smem, row_word + uint32(P_BYTES // 4), swizzle, ds)
+                    store_tiles(smem, p_tile, p_row_word, lane_row, g, lane, p, ds)
                     fence_proxy_async()  # the stores are ordered before wgmma reads them
                     ds_regs = fence_operands(registers_from(ds, P_REGS))
                     acc_q = fence_operands(registers_from(zeros, ACC_REGS))
