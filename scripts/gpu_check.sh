@@ -14,12 +14,15 @@
 #                                past 2^31 elements, one 1M-token sequence
 #   scripts/gpu_check.sh sanitize
 #                                compute-sanitizer's four tools on every case of scripts/sanitize.py,
-#                                about 4 minutes with a warm kernel cache (up to 9.5 on a cold one:
-#                                inside "reliability" a 290 s limit cut it before its table)
+#                                about 4 minutes with a warm kernel cache; on a cold one the cases'
+#                                unsanitized runs compile first, all at once (one after another they
+#                                took the whole 560 s limit on a fresh machine)
 #   scripts/gpu_check.sh fuzz [EXAMPLES]
 #                                the GPU fuzz profile, three processes of EXAMPLES (default 170) draws
-#                                per fuzz test (4 tests: 12 x EXAMPLES calls), up to 9 minutes (330 s
-#                                stopped all three before pytest's summary once: 11 of 12 tests done)
+#                                per fuzz test (4 tests: 12 x EXAMPLES calls), after a prebuild of most
+#                                of its kernels, up to 9.2 minutes; every passing example is counted as
+#                                it passes (without the prebuild, 540 s stopped one process's backward
+#                                test and another's statistics: 11 of 12 tests done)
 #
 # The whole suite takes longer than one 10-minute command. NBFLASH_RESUME_LOGS (earlier parts'
 # pytest.log files, separated by ':') leaves out the tests they already report (tests/conftest.py),
@@ -104,11 +107,20 @@ sanitize)
     tail -32 "$out/sanitize.log"
     ;;
 fuzz)
-    # Three processes of fresh random draws (hypothesis draws anew in each), four workers each; -v
-    # names each test's result as it ends, so a process cut off by its limit still says what passed.
+    # Most of the fuzz's kernels compiled first on all cores (tests/test_fuzz.py's docstring; a
+    # prebuild cut by its limit only leaves the rest to compile on first use), then three processes
+    # of fresh random draws (hypothesis draws anew in each), four workers each. Each example that
+    # passes is logged as it passes (NBFLASH_FUZZ_LOG): hypothesis prints its statistics only at a
+    # test's end, and a process stopped by its limit once left its count unknown.
+    timeout "${PREBUILD_LIMIT:-170}" python3 -m nbflash prebuild --jobs 16 --headdims 40 64 128 --unaligned \
+        --variants plain causal softcap causal-softcap alibi causal-alibi bias causal-bias document-mask \
+        > "$out/prebuild.log" 2>&1
+    echo "prebuild: exit $?: $(tail -1 "$out/prebuild.log")"
+    rm -f "$out/fuzz_passed.log"
     for run in 1 2 3; do
-        NBFLASH_FUZZ_PROFILE=gpu NBFLASH_FUZZ_EXAMPLES="${2:-170}" timeout 540 python3 -m pytest -m gpu -n 4 -v \
-            -p no:cacheprovider --hypothesis-show-statistics tests/test_fuzz.py > "$out/fuzz$run.log" 2>&1 &
+        NBFLASH_FUZZ_LOG="$out/fuzz_passed.log" NBFLASH_FUZZ_PROFILE=gpu NBFLASH_FUZZ_EXAMPLES="${2:-170}" \
+            timeout "${FUZZ_LIMIT:-380}" python3 -m pytest -m gpu -n 4 -v -p no:cacheprovider \
+            --hypothesis-show-statistics tests/test_fuzz.py > "$out/fuzz$run.log" 2>&1 &
     done
     wait
     for run in 1 2 3; do
@@ -116,6 +128,8 @@ fuzz)
         grep -aE "\] (PASSED|FAILED|ERROR)" "$out/fuzz$run.log" | sed 's/^\[gw[0-9]*\] //' | sort
         grep -aE "passing|failing" "$out/fuzz$run.log" | sort | uniq -c | head -8
     done
+    echo "examples passed, by test, all three processes (NBFLASH_FUZZ_LOG):"
+    sort "$out/fuzz_passed.log" 2> /dev/null | uniq -c
     ;;
 *)
     echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]" >&2

@@ -11,7 +11,10 @@ tensors through their strides, a user's score_mod); the Hopper forward and backw
 ``compute-sanitizer --tool TOOL`` and reads the sanitizer's error summary. Every case first runs
 once without a sanitizer, which checks its results against the float64 reference and fills the
 on-disk kernel cache, so the sanitized runs load their kernels the way a user's second process
-does (from cubins, through the driver), not through Numba.
+does (from cubins, through the driver), not through Numba. Those unsanitized runs go first, several
+at once (``--warm-jobs``): on a cold cache they are mostly compiling, and one after another they
+once took the whole of a 560-second limit before any sanitizer ran. Each row of the table is printed
+as it comes, so a run stopped by a limit still says what it found.
 
 The ``planted`` case launches a kernel that writes one element past its array, loaded and
 launched through nbflash's own path (``nbflash.launch.compiled``): memcheck must report it, which
@@ -30,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -330,6 +334,9 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=300, help="seconds per sanitized run")
     parser.add_argument("--warm-timeout", type=float, default=900,
                         help="seconds for each case's unsanitized run, which compiles its kernels on a cold cache")
+    parser.add_argument("--warm-jobs", type=int, default=None,
+                        help="unsanitized runs at once (default: every case, up to half the CPU cores): on a cold "
+                             "cache they compile, and in parallel the compiles take a case's time, not the sum")
     parser.add_argument("--log-dir", default=None, help="write each sanitized run's output here")
     args = parser.parse_args(argv)
 
@@ -340,17 +347,33 @@ def main(argv=None):
     sanitizer = shutil.which(args.sanitizer) or args.sanitizer
     me = [sys.executable, os.path.abspath(__file__)] + (["--small"] if args.small else [])
     rows, failed = [], False
-    for case in args.cases:
-        try:  # the unsanitized run compiles the case's kernels on a cold cache: its own, longer limit
-            warm = subprocess.run(me + ["--case", case], capture_output=True, text=True, timeout=args.warm_timeout)
+    width = max(len(case) for case in args.cases)
+
+    def row(case, tool, verdict, extra):  # printed as it comes too: a run cut off by its limit still tells
+        rows.append((case, tool, verdict, extra))
+        print(f"{case:<{width}}  {tool:<13}  {verdict}  ({extra})", flush=True)
+
+    def unsanitized(case):  # compiles the case's kernels on a cold cache: its own, longer limit
+        start = time.perf_counter()
+        try:
+            run = subprocess.run(me + ["--case", case], capture_output=True, text=True, timeout=args.warm_timeout)
         except subprocess.TimeoutExpired:
-            rows.append((case, "(unsanitized)", "timed out",
-                         f"over --warm-timeout {args.warm_timeout:g} s (compiling on a cold kernel cache?)"))
-            failed = True
-            continue
-        if warm.returncode != 0:
-            rows.append((case, "(unsanitized)", "case failed", (warm.stderr.strip().splitlines() or ["?"])[-1]))
-            failed = True
+            return None, f"over --warm-timeout {args.warm_timeout:g} s (compiling on a cold kernel cache?)"
+        if run.returncode != 0:
+            return False, (run.stderr.strip().splitlines() or ["?"])[-1]
+        return True, f"{time.perf_counter() - start:.0f} s"
+
+    # Every case's unsanitized run first, several at once (they check the results and fill the
+    # kernel cache; the cache's writes are atomic), then the sanitized runs one at a time.
+    jobs = args.warm_jobs or max(1, min(len(args.cases), (os.cpu_count() or 2) // 2))
+    warmed = {}
+    with ThreadPoolExecutor(jobs) as pool:
+        for case, (ok, extra) in zip(args.cases, pool.map(unsanitized, args.cases)):
+            warmed[case] = ok
+            row(case, "(unsanitized)", {True: "ok", False: "case failed", None: "timed out"}[ok], extra)
+            failed |= not ok
+    for case in args.cases:
+        if not warmed[case]:
             continue
         for tool in args.tools:
             command = [sanitizer, "--tool", tool, "--report-api-errors", "no", "--error-exitcode", str(ERROR_EXIT)]
@@ -378,8 +401,7 @@ def main(argv=None):
             else:
                 verdict = "clean" if errors == 0 and code == 0 else f"{errors} errors (exit {code})"
             failed |= verdict not in ("clean", "reported, as it must")
-            rows.append((case, tool, verdict, f"{time.perf_counter() - start:.0f} s"))
-    width = max(len(r[0]) for r in rows) if rows else 4
+            row(case, tool, verdict, f"{time.perf_counter() - start:.0f} s")
     print(f"{'case':<{width}}  {'tool':<13}  result")
     for case, tool, verdict, extra in rows:
         print(f"{case:<{width}}  {tool:<13}  {verdict}  ({extra})")

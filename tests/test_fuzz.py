@@ -66,6 +66,16 @@ def examples(ci):
     return settings(max_examples=ci) if PROFILE == "ci" else settings()
 
 
+def passed(name):
+    """With ``NBFLASH_FUZZ_LOG`` set, a line ``name`` appended to that file for each GPU example that
+    passed, as it passes: hypothesis prints its statistics only when its test ends, so a process
+    stopped by a time limit would leave its count unknown (scripts/gpu_check.sh fuzz counts these)."""
+    path = os.environ.get("NBFLASH_FUZZ_LOG")
+    if path:
+        with open(path, "a") as log:
+            log.write(name + "\n")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def poisoned_small_tiles():
     """NaN-poisoned allocations for the whole module, and in the simulator small tiles."""
@@ -333,6 +343,7 @@ def test_fuzz_forward(xp, call):
 @given(call=dense_calls(GPU))
 def test_gpu_fuzz_forward(xp, call):
     run_dense_forward(call, xp)
+    passed("forward")
 
 
 def run_dense_backward(call, xp, deterministic):
@@ -359,6 +370,7 @@ def test_fuzz_backward(xp, call, deterministic):
 @given(call=dense_calls(GPU), deterministic=st.booleans())
 def test_gpu_fuzz_backward(xp, call, deterministic):
     run_dense_backward(call, xp, deterministic)
+    passed("backward")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -429,6 +441,7 @@ def test_fuzz_varlen(xp, call):
 @given(call=varlen_calls(GPU))
 def test_gpu_fuzz_varlen(xp, call):
     run_varlen(call, xp)
+    passed("varlen")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -512,6 +525,7 @@ def test_fuzz_kvcache(xp, call):
 @given(call=kvcache_calls(GPU))
 def test_gpu_fuzz_kvcache(xp, call):
     run_kvcache(call, xp)
+    passed("kvcache")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -610,3 +624,16 @@ def test_profiles():
     ci = settings.get_profile("ci")
     assert ci.derandomize and ci.deadline is None and ci.database is None
     assert settings.get_profile("gpu").max_examples >= 2000 or "NBFLASH_FUZZ_EXAMPLES" in os.environ
+
+
+def test_passed_examples_are_logged_as_they_pass(tmp_path, monkeypatch):
+    """The GPU fuzz's count survives a time limit: each passing example is a line of NBFLASH_FUZZ_LOG,
+    written as it passes; without the variable nothing is written."""
+    log = tmp_path / "passed.log"
+    monkeypatch.setenv("NBFLASH_FUZZ_LOG", str(log))
+    for name in ("forward", "forward", "varlen"):
+        passed(name)
+    assert log.read_text().splitlines() == ["forward", "forward", "varlen"]
+    monkeypatch.delenv("NBFLASH_FUZZ_LOG")
+    passed("forward")
+    assert log.read_text().splitlines() == ["forward", "forward", "varlen"]
