@@ -114,9 +114,6 @@ def backward_kernels():
         for variant in (Variant(), Variant(window=True)):
             found.append((f"backward_sm90_rows_{'causal' if variant.window else 'plain'}_{dtype}_hd64",
                           Sm90RowsBackwardConfig(dtype, 64, variant)))
-    for variant in (Variant(), Variant(window=True)):  # step i + 1's S before step i's dV and dK, 3 stages
-        found.append((f"backward_sm90_rows_pipe_{'causal' if variant.window else 'plain'}_float16_hd64",
-                      Sm90RowsBackwardConfig("float16", 64, variant, stages=3, pipelined=True)))
     for dtype in ("float16", "bfloat16"):  # P and dS stored by stmatrix
         for variant in (Variant(), Variant(window=True)):
             found.append((f"backward_sm90_rows_stmatrix_{'causal' if variant.window else 'plain'}_{dtype}_hd64",

@@ -24,8 +24,8 @@ Backward, each column a schedule:
   "m128-columns-r240" with setmaxnreg 24 / 240 (32 / 240 asks more registers than the block holds
   and hangs: check_register_split); "rows" / "rows-3st" (headdim 64): the query rows split between
   the consumers (nbflash/kernels/backward_sm90_rows.py, 128 x 128 tiles), 2 and 3 stages, the
-  planner's launch order; "rows-pipe" / "rows-pipe-2st": the rows split with step i + 1's S issued
-  before step i's dV and dK (pipelined), 3 and 2 stages; "rows-stmatrix": P and dS stored by stmatrix;
+  planner's launch order; "rows-stmatrix": P and dS stored by stmatrix (the pipelined loop timed
+  on 2026-12-04 as "rows-pipe" is in git history, commit 1aba50e; docs/perf-notes.md step 15);
 - "planned": the planner's choice (configs.sm90_backward_config: the rows split at headdim 64,
   configs.SM90_BACKWARD's row of backward_sm90.py otherwise).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
@@ -183,11 +183,6 @@ def backward_schedules(headdim, causal):
         found["rows"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, heavy_groups=table.heavy_groups)
         found["rows-3st"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, stages=3,
                                                    heavy_groups=table.heavy_groups)
-        # step i + 1's S issued before step i's dV and dK: P_{i+1} under them (3 stages, and 2)
-        found["rows-pipe"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, stages=3, pipelined=True,
-                                                    heavy_groups=table.heavy_groups)
-        found["rows-pipe-2st"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, pipelined=True,
-                                                        heavy_groups=table.heavy_groups)
         # P and dS stored by stmatrix (16 instructions a step instead of 64)
         found["rows-stmatrix"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, stmatrix=True,
                                                         heavy_groups=table.heavy_groups)

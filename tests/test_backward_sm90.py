@@ -369,14 +369,6 @@ def rows_split(monkeypatch):
     backward._kernels.cache_clear()
 
 
-@pytest.fixture
-def rows_pipelined(monkeypatch):
-    """As rows_split, with step i + 1's S issued before step i's dV and dK (``pipelined``), 3 stages."""
-    plan_rows(monkeypatch, stages=3, pipelined=True)
-    yield
-    backward._kernels.cache_clear()
-
-
 def plan_rows(monkeypatch, **fields):
     planned = configs.sm90_backward_config
     monkeypatch.setattr(configs, "sm90_backward_config", lambda dtype, headdim, variant: Sm90RowsBackwardConfig(
@@ -406,14 +398,7 @@ def test_backward_sm90_rows_small(rng, xp, rows_split, case):
         run_rows(rng, xp, 1, 70, 200, 2, 1, 64, "float16", False)
 
 
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-def test_backward_sm90_rows_pipelined_small(rng, xp, rows_pipelined):
-    """The pipelined loop on rows_small's causal case: four steps (the prologue, three of the loop,
-    the peeled last step) through a ring of three."""
-    run_rows(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True)
-
-
-ROWS_FORMS = {"plain-loop": {}, "pipelined": {"pipelined": True}, "stmatrix": {"stmatrix": True}}
+ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}}
 
 
 @pytest.mark.gpu
@@ -423,8 +408,8 @@ ROWS_FORMS = {"plain-loop": {}, "pipelined": {"pipelined": True}, "stmatrix": {"
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, stages, form):
-    """The rows split (its plain loop, pipelined, P and dS by stmatrix) on the GPU, the planner's
-    launch order."""
+    """The rows split (P and dS by 32-bit stores, and by stmatrix) on the GPU, the planner's launch
+    order."""
     plan_rows(monkeypatch, stages=stages, **ROWS_FORMS[form])
     try:
         run_rows(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal,

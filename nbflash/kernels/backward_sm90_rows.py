@@ -124,7 +124,6 @@ class Sm90RowsBackwardConfig:
     producer_registers: int = 40  # setmaxnreg caps (the block holds 384 x 168 registers at entry)
     consumer_registers: int = 232
     heavy_groups: int = 0  # longest-first within groups of (batch, KV head) pairs, as backward_sm90.py's
-    pipelined: bool = False  # issue step i + 1's S before step i's dV and dK: its P under them (see the docstring)
     stmatrix: bool = False  # P and dS into their tiles by stmatrix (16 a step) instead of 64 32-bit stores
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
@@ -211,7 +210,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     EMPTY_ARRIVALS = CONSUMERS * GROUP
     BOTH = CONSUMERS * GROUP  # threads of the named barriers across the consumers
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
-    HEAVY_GROUPS, PIPELINED, STMATRIX = config.heavy_groups, config.pipelined, config.stmatrix
+    HEAVY_GROUPS, STMATRIX = config.heavy_groups, config.stmatrix
     hooks = variants.hooks(config.variant)
     query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
     IS_F16 = config.dtype == "float16"
@@ -367,11 +366,6 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                           scale_log2, q4, False)
 
     @inline_device
-    def step_at(i, hk, group, first_tile, tiles_per_head):
-        """Step i's ring slot, the slot's use, query head and query tile."""
-        return i % STAGES, i // STAGES, hk * group + i // tiles_per_head, first_tile + i % tiles_per_head
-
-    @inline_device
     def rows_descriptor(tile, rows_off):
         """A consumer's 64 rows of a Q (dO) tile as S's (dP's) A: K-major."""
         return smem_descriptor(tile + rows_off, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
@@ -380,121 +374,6 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     def mn_descriptor(tile, chunk_bytes):
         """A tile read MN-major (dV's and dK's A and B): 64-column chunks chunk_bytes apart."""
         return smem_descriptor(tile, chunk_bytes, 1024, SWIZZLE_128B)
-
-    @inline_device
-    @unroll
-    def gradients_packed(s, dp, d, p, ds):
-        """dS = P (dP - D), then P and dS packed to 16 bits (wgmma's A registers)."""
-        score_gradients(s, dp, d)
-        pack_a(s, p)
-        pack_a(dp, ds)
-
-    @inline_device
-    @unroll
-    def tiles_and_dq(smem, p, ds, p_tile, p_row_word, lane_row, g, lane, zeros, desc_k_cols):
-        """Step i's front in the pipelined loop: its packed P and dS of all 128 rows into the tiles once
-        both consumers' last dV and dK (each waited for at the end of its last step) have read them;
-        dQ_i = dS_i K_j issued from the thread's own dS registers, before the other consumer's rows
-        are in. Returns dQ_i's accumulator, in flight."""
-        named_barrier_sync(1, BOTH)
-        store_tiles(smem, p_tile, p_row_word, lane_row, g, lane, p, ds)
-        fence_proxy_async()  # the stores are ordered before wgmma reads them
-        ds_regs = fence_operands(registers_from(ds, P_REGS))
-        acc_q = fence_operands(registers_from(zeros, ACC_REGS))
-        wgmma_fence()  # dS's and dQ's registers are ordered before wgmma
-        acc_q = issue_dq(acc_q, ds_regs, desc_k_cols)
-        named_barrier_sync(2, BOTH)  # both consumers' rows are stored
-        return acc_q
-
-    @inline_device
-    @unroll
-    def pipelined_steps(smem, stats_word0, q_ring, do_ring, p_tile, ds_tile, qd_full, qd_empty, desc_k_rows,
-                        desc_v_rows, desc_k_cols, rows_off, chunk_off, p_row_word, lane_row, g, lane, q4, row0,
-                        steps, hk, group, first_tile, tiles_per_head, first_full, end_full, tail, n_start, seqlen_q,
-                        seqlen_k, params, b, scale_log2, dq_accum, s, dp, zeros, dk_acc, dv_acc, dq_acc, p, ds,
-                        lse_log2, d):
-        """The consumer's steps with step i + 1's S issued before step i's dV and dK (``pipelined``), so
-        that exp2 of P_{i+1} runs on the CUDA cores while the tensor cores work on dV_i, dK_i and
-        dP_{i+1}. Each step ends with nothing in flight (S_{i+1} and dP_{i+1} landed, P_{i+1} made):
-
-            S_0, dP_0 issued; P_0; dP_0 landed
-            for step i (the last one peeled: no step i + 1):
-                dS_i; P_i, dS_i -> tiles (barrier 1 before, barrier 2 after the stores)
-                issue dQ_i (before barrier 2: its A is the thread's own dS_i)
-                issue S_{i+1}, then dV_i, dK_i            (tensor core queue: dQ_i S_{i+1} dV_i dK_i)
-                dQ_i landed -> dq_accum; issue dP_{i+1}   (... dP_{i+1})
-                S_{i+1} landed -> P_{i+1}, under dV_i, dK_i and dP_{i+1}
-                all landed: release slot i
-
-        The registers peak as in the plain loop (S and dP 128, dK and dV 64): S_{i+1} is issued while
-        dQ_i's 32 and dS_i's 32 A registers live, dP_{i+1} only once dQ_i has been added. Slot i + 1
-        is needed half a step earlier than in the plain loop (before step i's products): 3 stages
-        give the producer a step to fill it."""
-        slot, use, h, tile = step_at(0, hk, group, first_tile, tiles_per_head)
-        acc_s = fence_operands(registers_from(zeros, S_REGS))
-        acc_dp = fence_operands(registers_from(zeros, S_REGS))
-        mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
-        wgmma_fence()  # the accumulators' registers are ordered before wgmma uses them
-        acc_s = issue_rows_by_keys(acc_s, rows_descriptor(q_ring + uint32(slot * Q_BYTES), rows_off), desc_k_rows)
-        acc_dp = issue_rows_by_keys(acc_dp, rows_descriptor(do_ring + uint32(slot * Q_BYTES), rows_off), desc_v_rows)
-        read_stats(smem, stats_word0, slot, row0, lse_log2, d)
-        wgmma_wait(1)  # S_0 has landed (dP_0 may still run)
-        registers_to(s, fence_operands(acc_s))
-        step_probabilities(s, tile, row0, lse_log2, n_start, seqlen_q, seqlen_k, params,
-                           head_context(params, b, h), scale_log2, q4, tail, first_full, end_full)
-        wgmma_wait(0)
-        registers_to(dp, fence_operands(acc_dp))
-        gradients_packed(s, dp, d, p, ds)
-        p_chunk = mn_descriptor(p_tile + chunk_off, P_CHUNK_BYTES)  # the consumer's keys of P^T and dS^T
-        ds_chunk = mn_descriptor(ds_tile + chunk_off, P_CHUNK_BYTES)
-
-        for i in range(steps - 1):
-            slot, use, h, tile = step_at(i, hk, group, first_tile, tiles_per_head)
-            n_slot, n_use, n_h, n_tile = step_at(i + 1, hk, group, first_tile, tiles_per_head)
-            acc_q = tiles_and_dq(smem, p, ds, p_tile, p_row_word, lane_row, g, lane, zeros, desc_k_cols)
-            acc_s = fence_operands(registers_from(zeros, S_REGS))
-            acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
-            acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
-            mbarrier_wait(qd_full + uint32(8 * n_slot), n_use & 1)
-            wgmma_wait(0)  # dQ_i has landed (it ran while the other consumer stored its rows)
-            registers_to(dq_acc, fence_operands(acc_q))
-            wgmma_fence()
-            acc_s = issue_rows_by_keys(acc_s, rows_descriptor(q_ring + uint32(n_slot * Q_BYTES), rows_off),
-                                       desc_k_rows)
-            acc_dv = issue_keys_acc(acc_dv, p_chunk, mn_descriptor(do_ring + uint32(slot * Q_BYTES), Q_BYTES))
-            acc_dk = issue_keys_acc(acc_dk, ds_chunk, mn_descriptor(q_ring + uint32(slot * Q_BYTES), Q_BYTES))
-            add_dq(dq_accum, dq_acc, b, tile * BM + row0, h, 0, seqlen_q, q4)
-            read_stats(smem, stats_word0, n_slot, row0, lse_log2, d)  # step i's D has been used
-            wgmma_wait(2)  # S_{i+1} has landed (dV_i, dK_i may still run)
-            registers_to(s, fence_operands(acc_s))
-            acc_dp = fence_operands(registers_from(zeros, S_REGS))
-            wgmma_fence()
-            acc_dp = issue_rows_by_keys(acc_dp, rows_descriptor(do_ring + uint32(n_slot * Q_BYTES), rows_off),
-                                        desc_v_rows)
-            step_probabilities(s, n_tile, row0, lse_log2, n_start, seqlen_q, seqlen_k, params,
-                               head_context(params, b, n_h), scale_log2, q4, tail, first_full, end_full)
-            wgmma_wait(0)  # dV_i, dK_i and dP_{i+1} have landed
-            registers_to(dp, fence_operands(acc_dp))
-            registers_to(dv_acc, fence_operands(acc_dv))
-            registers_to(dk_acc, fence_operands(acc_dk))
-            mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with slot i
-            gradients_packed(s, dp, d, p, ds)  # only P_{i+1} and dS_{i+1} packed cross to the next step
-
-        # The last step: its dV and dK alone
-        slot, use, h, tile = step_at(steps - 1, hk, group, first_tile, tiles_per_head)
-        acc_q = tiles_and_dq(smem, p, ds, p_tile, p_row_word, lane_row, g, lane, zeros, desc_k_cols)
-        acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
-        acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
-        wgmma_fence()
-        acc_dv = issue_keys_acc(acc_dv, p_chunk, mn_descriptor(do_ring + uint32(slot * Q_BYTES), Q_BYTES))
-        acc_dk = issue_keys_acc(acc_dk, ds_chunk, mn_descriptor(q_ring + uint32(slot * Q_BYTES), Q_BYTES))
-        wgmma_wait(2)  # dQ has landed
-        registers_to(dq_acc, fence_operands(acc_q))
-        add_dq(dq_accum, dq_acc, b, tile * BM + row0, h, 0, seqlen_q, q4)
-        wgmma_wait(0)
-        registers_to(dv_acc, fence_operands(acc_dv))
-        registers_to(dk_acc, fence_operands(acc_dk))
-        mbarrier_arrive(qd_empty + uint32(8 * slot))
 
     # -----------------------------------------------------------------------------------------------
     # The kernel
@@ -615,70 +494,62 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
 
             if steps > 0:
                 mbarrier_wait(kv_full, 0)
-            if PIPELINED:
-                if steps > 0:
-                    pipelined_steps(smem, stats_word0, q_ring, do_ring, p_tile, ds_tile, qd_full, qd_empty,
-                                    desc_k_rows, desc_v_rows, desc_k_cols, rows_off, chunk_off, p_row_word, lane_row,
-                                    g, lane, q4, row0, steps, hk, group, first_tile, tiles_per_head, first_full,
-                                    end_full, tail, n_start, seqlen_q, seqlen_k, params, b, scale_log2, dq_accum, s,
-                                    dp, zeros, dk_acc, dv_acc, dq_acc, p, ds, lse_log2, d)
-            else:
-                for i in range(steps):
-                    slot, use = i % STAGES, i // STAGES
-                    h = hk * group + i // tiles_per_head
-                    tile = first_tile + i % tiles_per_head
-                    head_ctx = head_context(params, b, h)
-                    q_start = tile * BM
-                    q_slot = q_ring + uint32(slot * Q_BYTES)
-                    do_slot = do_ring + uint32(slot * Q_BYTES)
+            for i in range(steps):
+                slot, use = i % STAGES, i // STAGES
+                h = hk * group + i // tiles_per_head
+                tile = first_tile + i % tiles_per_head
+                head_ctx = head_context(params, b, h)
+                q_start = tile * BM
+                q_slot = q_ring + uint32(slot * Q_BYTES)
+                do_slot = do_ring + uint32(slot * Q_BYTES)
 
-                    # S = Q_c K_j^T and dP = dO_c V_j^T, two commit groups, from fresh zeros (nothing but
-                    # dK and dV lives across steps)
-                    acc_s = fence_operands(registers_from(zeros, S_REGS))
-                    acc_dp = fence_operands(registers_from(zeros, S_REGS))
-                    mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
-                    wgmma_fence()  # the accumulators' registers are ordered before wgmma uses them
-                    acc_s = issue_rows_by_keys(acc_s, rows_descriptor(q_slot, rows_off), desc_k_rows)
-                    acc_dp = issue_rows_by_keys(acc_dp, rows_descriptor(do_slot, rows_off), desc_v_rows)
-                    read_stats(smem, stats_word0, slot, row0, lse_log2, d)
-                    wgmma_wait(1)  # S has landed (dP may still run)
-                    registers_to(s, fence_operands(acc_s))
+                # S = Q_c K_j^T and dP = dO_c V_j^T, two commit groups, from fresh zeros (nothing but
+                # dK and dV lives across steps)
+                acc_s = fence_operands(registers_from(zeros, S_REGS))
+                acc_dp = fence_operands(registers_from(zeros, S_REGS))
+                mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
+                wgmma_fence()  # the accumulators' registers are ordered before wgmma uses them
+                acc_s = issue_rows_by_keys(acc_s, rows_descriptor(q_slot, rows_off), desc_k_rows)
+                acc_dp = issue_rows_by_keys(acc_dp, rows_descriptor(do_slot, rows_off), desc_v_rows)
+                read_stats(smem, stats_word0, slot, row0, lse_log2, d)
+                wgmma_wait(1)  # S has landed (dP may still run)
+                registers_to(s, fence_operands(acc_s))
 
-                    # P, the mask only on tiles crossing the window's edges or a tail; then dS
-                    step_probabilities(s, tile, row0, lse_log2, n_start, seqlen_q, seqlen_k, params, head_ctx,
-                                       scale_log2, q4, tail, first_full, end_full)
-                    wgmma_wait(0)  # dP has landed
-                    registers_to(dp, fence_operands(acc_dp))
-                    score_gradients(s, dp, d)
-                    pack_a(s, p)
-                    pack_a(dp, ds)
+                # P, the mask only on tiles crossing the window's edges or a tail; then dS
+                step_probabilities(s, tile, row0, lse_log2, n_start, seqlen_q, seqlen_k, params, head_ctx,
+                                   scale_log2, q4, tail, first_full, end_full)
+                wgmma_wait(0)  # dP has landed
+                registers_to(dp, fence_operands(acc_dp))
+                score_gradients(s, dp, d)
+                pack_a(s, p)
+                pack_a(dp, ds)
 
-                    # P and dS of all 128 rows into shared memory, once the last step's dV and dK products
-                    # (both consumers', each waited for before its next step) have read the tiles
-                    named_barrier_sync(1, BOTH)
-                    store_tiles(smem, p_tile, p_row_word, lane_row, g, lane, p, ds)
-                    fence_proxy_async()  # the stores are ordered before wgmma reads them
-                    ds_regs = fence_operands(registers_from(ds, P_REGS))
-                    acc_q = fence_operands(registers_from(zeros, ACC_REGS))
-                    acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
-                    acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
-                    named_barrier_sync(2, BOTH)  # both consumers' rows are stored
+                # P and dS of all 128 rows into shared memory, once the last step's dV and dK products
+                # (both consumers', each waited for before its next step) have read the tiles
+                named_barrier_sync(1, BOTH)
+                store_tiles(smem, p_tile, p_row_word, lane_row, g, lane, p, ds)
+                fence_proxy_async()  # the stores are ordered before wgmma reads them
+                ds_regs = fence_operands(registers_from(ds, P_REGS))
+                acc_q = fence_operands(registers_from(zeros, ACC_REGS))
+                acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
+                acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
+                named_barrier_sync(2, BOTH)  # both consumers' rows are stored
 
-                    # dQ_c = dS_c K_j (A from registers), then dV_c += P^T dO_i and dK_c += dS^T Q_i (key
-                    # chunk c of the tiles): three commit groups, dQ's first so it lands first
-                    wgmma_fence()  # dS's, dQ's and the accumulators' registers are ordered before wgmma
-                    acc_q = issue_dq(acc_q, ds_regs, desc_k_cols)
-                    acc_dv = issue_keys_acc(acc_dv, mn_descriptor(p_tile + chunk_off, P_CHUNK_BYTES),
-                                            mn_descriptor(do_slot, Q_BYTES))
-                    acc_dk = issue_keys_acc(acc_dk, mn_descriptor(ds_tile + chunk_off, P_CHUNK_BYTES),
-                                            mn_descriptor(q_slot, Q_BYTES))
-                    wgmma_wait(2)  # dQ_c has landed: added while dV and dK run
-                    registers_to(dq_acc, fence_operands(acc_q))
-                    add_dq(dq_accum, dq_acc, b, q_start + row0, h, 0, seqlen_q, q4)
-                    wgmma_wait(0)  # dV's and dK's products are done with the slot and the P and dS tiles
-                    registers_to(dv_acc, fence_operands(acc_dv))
-                    registers_to(dk_acc, fence_operands(acc_dk))
-                    mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
+                # dQ_c = dS_c K_j (A from registers), then dV_c += P^T dO_i and dK_c += dS^T Q_i (key
+                # chunk c of the tiles): three commit groups, dQ's first so it lands first
+                wgmma_fence()  # dS's, dQ's and the accumulators' registers are ordered before wgmma
+                acc_q = issue_dq(acc_q, ds_regs, desc_k_cols)
+                acc_dv = issue_keys_acc(acc_dv, mn_descriptor(p_tile + chunk_off, P_CHUNK_BYTES),
+                                        mn_descriptor(do_slot, Q_BYTES))
+                acc_dk = issue_keys_acc(acc_dk, mn_descriptor(ds_tile + chunk_off, P_CHUNK_BYTES),
+                                        mn_descriptor(q_slot, Q_BYTES))
+                wgmma_wait(2)  # dQ_c has landed: added while dV and dK run
+                registers_to(dq_acc, fence_operands(acc_q))
+                add_dq(dq_accum, dq_acc, b, q_start + row0, h, 0, seqlen_q, q4)
+                wgmma_wait(0)  # dV's and dK's products are done with the slot and the P and dS tiles
+                registers_to(dv_acc, fence_operands(acc_dv))
+                registers_to(dk_acc, fence_operands(acc_dk))
+                mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
 
             # ---- Write dK = dS^T Q * scale and dV (keys no query sees get 0) ----
             store_rows(dk, dk_acc, b, key_row0, hk, seqlen_k, scale, q4)
