@@ -86,21 +86,33 @@ def measure_peak(fn):
     return meter.peak
 
 
-def time_ms(fn, warmup=1, repeats=5, budget_s=1.0):
+def time_ms(fn, warmup=1, repeats=5, budget_s=1.0, before=None):
     """Median milliseconds of ``fn``: CUDA events after ``warmup`` calls; at least 3 repeats, more
-    up to ``repeats`` while within ``budget_s``. In the simulator: one call, CPU time."""
+    up to ``repeats`` while within ``budget_s``. In the simulator: one call, CPU time.
+
+    Each call runs between its two events on an idle GPU, so its host work before the first launch
+    (argument checks, allocations) counts. With ``before``, ``before()`` is queued ahead of every
+    timed call, before its start event: the GPU is still working on it while ``fn``'s host work
+    runs, so only ``fn``'s GPU time counts, as in a training step whose host runs ahead of its
+    kernels. scripts/bench.py times torch's backward so (a fresh forward queued before each), and
+    nbflash's backward the same way beside it. ``before`` must keep the GPU busy longer than
+    ``fn``'s host work takes (a forward pass at benchmark sizes does)."""
     if SIMULATOR:
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
     cp = runtime.cupy()
     for _ in range(warmup):
+        if before is not None:
+            before()
         fn()
     cp.cuda.get_current_stream().synchronize()
     start, stop = cp.cuda.Event(), cp.cuda.Event()
     times = []
     deadline = time.perf_counter() + budget_s
     while len(times) < max(1, repeats) and (len(times) < 3 or time.perf_counter() < deadline):
+        if before is not None:
+            before()
         start.record()
         fn()
         stop.record()

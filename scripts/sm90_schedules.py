@@ -38,7 +38,9 @@ With --parts, the planned backward's three launches (preprocess: D and dq_accum'
 kernel; the dq conversion) timed one at a time on each shape, and the bytes the two row-wise
 kernels move over their time (GB/s), next to a device-to-device copy's.
 Each is timed as a whole flash_attn_backward call (preprocess and dq conversion included, the same
-for all), FLOPs 2.5x the forward's, its dq, dk, dv compared with the base's.
+for all), with a forward queued ahead of each timed call as the SDPA anchors have (so the call's
+host work overlaps GPU time for both; before 2026-12-04's third session ours was timed on an idle
+GPU, its host work counted), FLOPs 2.5x the forward's, its dq, dk, dv compared with the base's.
 
 Forward, for each shape (flash-attn's grid: hidden 2048, batch 16384 / seqlen): the planned config ("base"),
 the overlapped loop ("overlap": S_{j+1} issued with P_j V_j), the two consumers taking turns
@@ -245,6 +247,7 @@ def backward_row(table, headdim, seqlen, causal, names):
     import nbflash
     from nbflash import backward, configs
     from nbflash.kernels.geometry import visible_count
+    from nbflash.measure import time_ms
     from nbflash.problem import window_bounds
 
     nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
@@ -269,7 +272,10 @@ def backward_row(table, headdim, seqlen, causal, names):
             got = [g.astype(np.float32) for g in call()]
             base = got if base is None else base
             difference = max(float(cupy.abs(a - b).max()) for a, b in zip(got, base))
-            row[name] = (round(flops / median_ms(call, 10) / 1e9, 1), difference)
+            # a forward queued before each timed call, as the SDPA anchors' (bench.BackwardOnly)
+            ms = time_ms(call, warmup=3, repeats=10, budget_s=math.inf,
+                         before=lambda: nbflash.flash_attn_func(q, k, v, causal=causal))
+            row[name] = (round(flops / ms / 1e9, 1), difference)
     finally:
         configs.sm90_backward_config = planned
         backward._kernels.cache_clear()

@@ -253,3 +253,42 @@ def test_a_mask_mod_is_timed_with_its_block_mask(bench, xp):
     assert problem.static.variant.block_mask and problem.static.variant.mask_mod
     assert not bench.checked(q, k, v, True, {})[0].static.variant.block_mask
 
+
+
+def test_time_ms_queues_before_ahead_of_each_start_event(monkeypatch):
+    """nbflash.measure.time_ms(before=...): ``before()`` goes into the stream ahead of every timed
+    call's start event (warm-ups included), so the call's host work overlaps it, as the torch
+    anchors' backward overlaps its fresh forward; without ``before`` the start event comes first."""
+    from types import SimpleNamespace
+
+    from nbflash import measure
+
+    log = []
+
+    class Event:
+        def __init__(self):
+            self.name = "start" if not any(isinstance(x, Event) for x in log) else "stop"
+            log.append(self)
+
+        def record(self):
+            log.append(f"{self.name}.record")
+
+        def synchronize(self):
+            pass
+
+    def fake_cupy():
+        return SimpleNamespace(cuda=SimpleNamespace(
+            Event=Event, get_elapsed_time=lambda a, b: 2.0,
+            get_current_stream=lambda: SimpleNamespace(synchronize=lambda: log.append("sync"))))
+
+    monkeypatch.setattr(measure, "SIMULATOR", False)
+    monkeypatch.setattr(measure.runtime, "cupy", fake_cupy)
+    assert measure.time_ms(lambda: log.append("fn"), warmup=1, repeats=2, budget_s=0.0,
+                           before=lambda: log.append("before")) == 2.0
+    steps = [x for x in log if isinstance(x, str)]
+    assert steps[:3] == ["before", "fn", "sync"]  # the warm-up
+    timed = steps[3:]
+    assert timed == ["before", "start.record", "fn", "stop.record"] * 2  # each timed call
+    log.clear()
+    measure.time_ms(lambda: log.append("fn"), warmup=0, repeats=1, budget_s=0.0)
+    assert [x for x in log if isinstance(x, str)][1:4] == ["start.record", "fn", "stop.record"]
