@@ -40,6 +40,10 @@ dO_i tiles (128 rows), the P and dS tiles (two 64-key chunks each of 128 query r
 the 128-byte swizzle: read with keys contiguous they are P^T's and dS^T's MN-major image), the
 ring's stats (lse_log2 and D, 128 floats each per slot), then the mbarriers.
 
+P and dS go to their tiles by 32-bit stores, or with ``stmatrix=True`` by stmatrix (16 instructions
+a step instead of 64; measured within -6% to +2% of the stores on the H200, so not planned:
+docs/perf-notes.md, "Hopper backward", step 16).
+
 Memory and arguments: backward_sm90.py's (the same signature and tensor maps). Variants: plain
 attention and the window (causal included); headdims a multiple of 8 up to 64 (padded to 64 by
 TMA's zero fill); the other features raise in the config (backward_sm90.py serves them).
