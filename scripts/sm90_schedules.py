@@ -36,7 +36,9 @@ schedule that hangs the GPU costs its own cells ("hang") instead of the run, as 
 caps asked for more registers than the block held once did (now refused by the configs).
 With --parts, the planned backward's three launches (preprocess: D and dq_accum's zeros; the dK/dV
 kernel; the dq conversion) timed one at a time on each shape, and the bytes the two row-wise
-kernels move over their time (GB/s), next to a device-to-device copy's.
+kernels move over their time (GB/s), next to a device-to-device copy's; then the whole call three
+ways: alone on an idle GPU (its host work before the first launch counted), behind a forward
+queued ahead (host work hidden), and ten calls back to back (per call).
 Each is timed as a whole flash_attn_backward call (preprocess and dq conversion included, the same
 for all), with a forward queued ahead of each timed call as the SDPA anchors have (so the call's
 host work overlaps GPU time for both; before 2026-12-04's third session ours was timed on an idle
@@ -332,14 +334,16 @@ def main_parts():
     import nbflash
     from nbflash import backward, validation
     from nbflash.kernels.geometry import visible_count
+    from nbflash.measure import back_to_back_ms, time_ms
     from nbflash.problem import window_bounds
 
     copy_src = cupy.empty(1 << 28, np.uint8)
     copy_dst = cupy.empty_like(copy_src)
     copy_gbs = 2 * copy_src.nbytes / median_ms(lambda: copy_dst.__setitem__(Ellipsis, copy_src), 20) / 1e6
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
-    print("| hd | seqlen | causal | preprocess us | GB/s | dK/dV us | TFLOP/s | convert us | GB/s | whole call us |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| hd | seqlen | causal | preprocess us | GB/s | dK/dV us | TFLOP/s | convert us | GB/s | whole call us "
+          "| behind a forward us | back to back us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for headdim, seqlen, causal in SHAPES:
         nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
         rng = np.random.default_rng(seqlen + headdim)
@@ -362,6 +366,13 @@ def main_parts():
                                                                             dq_accum), (scale_log2, scale), params), 10),
             "convert": median_ms(lambda: convert.launch(convert.config.grid(*shape), (dq_accum, dq), (scale,)), 20),
             "call": median_ms(lambda: nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal), 10),
+            # the call's host work hidden behind a forward queued ahead (as the SDPA anchors are timed),
+            # and ten calls back to back: against "call", what the host and the launch gaps cost
+            "behind": time_ms(lambda: nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal), warmup=3,
+                              repeats=10, budget_s=math.inf,
+                              before=lambda: nbflash.flash_attn_func(q, k, v, causal=causal)),
+            "row": back_to_back_ms(lambda: nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal), 10,
+                                   warmup=3, repeats=5, budget_s=math.inf),
         }
         left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
         flops = 2.5 * 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
@@ -369,7 +380,8 @@ def main_parts():
         convert_bytes = dq_accum.nbytes + dq.nbytes
         print(f"| {headdim} | {seqlen} | {causal} | {1e3 * times['pre']:.0f} | {pre_bytes / times['pre'] / 1e6:.0f} "
               f"| {1e3 * times['dkdv']:.0f} | {flops / times['dkdv'] / 1e9:.1f} | {1e3 * times['convert']:.0f} | "
-              f"{convert_bytes / times['convert'] / 1e6:.0f} | {1e3 * times['call']:.0f} |", flush=True)
+              f"{convert_bytes / times['convert'] / 1e6:.0f} | {1e3 * times['call']:.0f} | "
+              f"{1e3 * times['behind']:.0f} | {1e3 * times['row']:.0f} |", flush=True)
 
 
 def parse_args():
