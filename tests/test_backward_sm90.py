@@ -255,22 +255,24 @@ def block_m_128(request, monkeypatch):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-@pytest.mark.parametrize("block_m_128", ["columns", "steps"], indirect=True)
+@pytest.mark.parametrize("block_m_128", ["steps"], indirect=True)
 def test_backward_sm90_block_m_128_small(rng, xp, block_m_128):
     """128 query rows per step (dS^T in two 64-query chunks, dQ_i by two m64 products, every product
     from fresh zeros): causal with tails over two query tiles and GQA 2:1 (four steps, so each
-    consumer's turns with "steps" come twice); headdim 40 (padded to 64: "columns" halves of 32)."""
+    consumer's turns with "steps" come twice); headdim 40 (padded to 64). Not planned; "columns"
+    (60 s of the simulator) runs on the GPU grid only, to keep CI within its time."""
     dkdv = configs.plan_backward(Static("float16", 40, True, 0, CAUSAL), False, "sm90")[1]
     assert (dkdv.block_m, dkdv.dq_split) == (128, block_m_128)
     run_sm90(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-@pytest.mark.parametrize("defer_dq", ["steps", "columns"], indirect=True)
+@pytest.mark.parametrize("defer_dq", ["steps"], indirect=True)
 def test_backward_sm90_defer_dq_small(rng, xp, defer_dq):
     """dQ_i added at the next step's start (the last one after the loop): causal with tails over
     three query tiles and GQA 2:1 (six steps, so each consumer's turns with "steps" include the
-    last, added after the loop); by columns at headdim 96."""
+    last, added after the loop). Not planned; by columns (headdim 96, 65 s of the simulator) it runs
+    on the GPU grid only, to keep CI within its time."""
     headdim = 64 if defer_dq == "steps" else 96
     dkdv = configs.plan_backward(Static("float16", headdim, True, 0, CAUSAL), False, "sm90")[1]
     assert dkdv.defer_dq and dkdv.dq_split == defer_dq
