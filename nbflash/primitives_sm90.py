@@ -146,12 +146,9 @@ if SIMULATOR:
     def _stmatrix_combine(posted):
         for i in range(4):
             for r in range(8):
-                row = np.frombuffer(_check_shared_bytes(posted[8 * i + r][0], 16), dtype=np.uint32)
+                row = np.frombuffer(_p._shared_bytes(posted[8 * i + r][0], 16), dtype=np.uint32)
                 row[:] = [posted[4 * r + t][1 + i] for t in range(4)]
         return [None] * 32
-
-    def _check_shared_bytes(addr, nbytes):
-        return (ctypes.c_uint8 * nbytes).from_address(_check_shared(addr, nbytes, 16))
 
     def stmatrix_x4(addr, r0, r1, r2, r3):
         """stmatrix.x4 (ldmatrix's inverse), by a whole warp: four 8x8 matrices of 16-bit elements to
