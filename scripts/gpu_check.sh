@@ -22,7 +22,8 @@
 #                                per fuzz test (4 tests: 12 x EXAMPLES calls), after a prebuild of most
 #                                of its kernels, up to 9.2 minutes; every passing example is counted as
 #                                it passes (without the prebuild, 540 s stopped one process's backward
-#                                test and another's statistics: 11 of 12 tests done)
+#                                test and another's statistics: 11 of 12 tests done), and each failing
+#                                one's report as it fails (xdist prints them only at the session's end)
 #
 # The whole suite takes longer than one 10-minute command. NBFLASH_RESUME_LOGS (earlier parts'
 # pytest.log files, separated by ':') leaves out the tests they already report (tests/conftest.py),
@@ -116,9 +117,9 @@ fuzz)
         --variants plain causal softcap causal-softcap alibi causal-alibi bias causal-bias document-mask \
         > "$out/prebuild.log" 2>&1
     echo "prebuild: exit $?: $(tail -1 "$out/prebuild.log")"
-    rm -f "$out/fuzz_passed.log"
+    rm -f "$out/fuzz_passed.log" "$out/fuzz_failures.log"
     for run in 1 2 3; do
-        NBFLASH_FUZZ_LOG="$out/fuzz_passed.log" NBFLASH_FUZZ_PROFILE=gpu NBFLASH_FUZZ_EXAMPLES="${2:-170}" \
+        NBFLASH_FUZZ_LOG="$out/fuzz_passed.log" NBFLASH_FAILURES_LOG="$out/fuzz_failures.log" NBFLASH_FUZZ_PROFILE=gpu NBFLASH_FUZZ_EXAMPLES="${2:-170}" \
             timeout "${FUZZ_LIMIT:-380}" python3 -m pytest -m gpu -n 4 -v -p no:cacheprovider \
             --hypothesis-show-statistics tests/test_fuzz.py > "$out/fuzz$run.log" 2>&1 &
     done
@@ -130,6 +131,8 @@ fuzz)
     done
     echo "examples passed, by test, all three processes (NBFLASH_FUZZ_LOG):"
     sort "$out/fuzz_passed.log" 2> /dev/null | uniq -c
+    echo "failing examples (NBFLASH_FAILURES_LOG, written as they fail): $(grep -c '^====' "$out/fuzz_failures.log" 2> /dev/null || echo 0)"
+    grep -aE "^====|Falsifying|Error|assert" "$out/fuzz_failures.log" 2> /dev/null | head -20
     ;;
 *)
     echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]" >&2

@@ -81,6 +81,19 @@ def pytest_runtest_logreport(report):
     if path and report.duration > 0.5 and not replayed:
         with open(path, "a") as log:
             log.write(f"{report.duration:.1f} {report.when} {report.outcome} {report.nodeid}\n")
+    _log_failure(report)
+
+
+def _log_failure(report):
+    """With ``NBFLASH_FAILURES_LOG``, each failed test phase appends its whole report (traceback,
+    and for a fuzz test hypothesis's falsifying example) to that file as it fails. pytest-xdist
+    prints failures only when the session ends, so a run stopped by a time limit once lost the one
+    failing fuzz example it had found. Written by the process that prints the results (xdist's
+    controller, or pytest itself without workers), so reports never interleave."""
+    path = os.environ.get("NBFLASH_FAILURES_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as log:
+            log.write(f"==== {report.when} {report.nodeid}\n{report.longreprtext}\n")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -174,6 +174,21 @@ def test_prebuild_bad_arguments_are_one_line(args, monkeypatch, capsys):
     assert len(errors) == 1, errors
 
 
+def test_prebuild_unaligned_with_every_family_on_hopper():
+    """``--unaligned`` on compute capability 9.0 with the sm90 family in the list (the default) once
+    stopped the whole command: the sm90 forward, which needs rows on 16-byte boundaries, was planned
+    for the unaligned variant too. The unaligned configurations are the sm80 family's; sm90's are the
+    aligned ones, and the GPU fuzz's variants plan without an error."""
+    names = "plain causal softcap alibi bias causal-bias document-mask".split()
+    variants = prebuild.catalogue_variants(names)
+    wanted = prebuild.configurations(["float16"], [40, 64, 128], list(prebuild.FAMILIES), (9, 0), True, variants)
+    aligned = prebuild.configurations(["float16"], [40, 64, 128], list(prebuild.FAMILIES), (9, 0), False, variants)
+    assert set(aligned) < set(wanted)
+    unaligned = [c for c in wanted if getattr(c, "aligned", True) is False]
+    assert unaligned and all(type(c).__name__.startswith("Mma") for c in unaligned)
+    assert any(type(c).__name__.startswith("Sm90") for c in aligned)
+
+
 def test_prebuild_counts_built_cached_and_failed(monkeypatch, tmp_path, capsys):
     """The whole command with threads for processes and a build that compiles nothing: one tick per
     kernel, the counts at the end, and each distinct error once."""

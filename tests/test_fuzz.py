@@ -637,3 +637,26 @@ def test_passed_examples_are_logged_as_they_pass(tmp_path, monkeypatch):
     monkeypatch.delenv("NBFLASH_FUZZ_LOG")
     passed("forward")
     assert log.read_text().splitlines() == ["forward", "forward", "varlen"]
+
+
+def test_failures_are_logged_as_they_fail(tmp_path, monkeypatch):
+    """A failing example survives a time limit too: with NBFLASH_FAILURES_LOG each failed report
+    (hypothesis's falsifying example inside) is appended as it fails, once (not by xdist's workers,
+    whose reports the controller writes), and passing reports are not."""
+    from .conftest import pytest_runtest_logreport
+
+    def report(outcome, text, when="call"):
+        return SimpleNamespace(failed=outcome == "failed", outcome=outcome, when=when, duration=0.0,
+                               nodeid="tests/test_fuzz.py::test_gpu_fuzz_varlen", longreprtext=text)
+
+    log = tmp_path / "failures.log"
+    monkeypatch.setenv("NBFLASH_FAILURES_LOG", str(log))
+    monkeypatch.delenv("NBFLASH_DURATIONS_LOG", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    pytest_runtest_logreport(report("passed", ""))
+    pytest_runtest_logreport(report("failed", "Falsifying example: run_varlen(call={'lengths_q': [0, 65]})"))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    pytest_runtest_logreport(report("failed", "the same report, from a worker"))
+    text = log.read_text()
+    assert text.count("====") == 1 and "call tests/test_fuzz.py::test_gpu_fuzz_varlen" in text
+    assert "Falsifying example: run_varlen" in text and "worker" not in text
