@@ -40,6 +40,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import UnsatisfiedAssumption
 
 import nbflash
 from nbflash import configs, validation
@@ -66,14 +67,29 @@ def examples(ci):
     return settings(max_examples=ci) if PROFILE == "ci" else settings()
 
 
-def passed(name):
-    """With ``NBFLASH_FUZZ_LOG`` set, a line ``name`` appended to that file for each GPU example that
-    passed, as it passes: hypothesis prints its statistics only when its test ends, so a process
-    stopped by a time limit would leave its count unknown (scripts/gpu_check.sh fuzz counts these)."""
-    path = os.environ.get("NBFLASH_FUZZ_LOG")
+def _append(variable, text):
+    path = os.environ.get(variable)
     if path:
         with open(path, "a") as log:
-            log.write(name + "\n")
+            log.write(text)
+
+
+@contextlib.contextmanager
+def logged(name, call):
+    """One GPU example, logged as it ends. With ``NBFLASH_FUZZ_LOG``, a line ``name`` for each example
+    that passed: hypothesis prints its statistics only when its test ends, so a process stopped by a
+    time limit would leave its count unknown (scripts/gpu_check.sh fuzz counts these). With
+    ``NBFLASH_FAILURES_LOG``, each failing call and its error, before hypothesis has shrunk it (each
+    shrinking step that still fails adds one more): a limit that stops the shrinking, or the process,
+    leaves the failing draw behind."""
+    try:
+        yield
+    except UnsatisfiedAssumption:
+        raise
+    except Exception as error:
+        _append("NBFLASH_FAILURES_LOG", f"---- {name} example failed: {call!r}\n{type(error).__name__}: {error}\n")
+        raise
+    _append("NBFLASH_FUZZ_LOG", name + "\n")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -342,8 +358,8 @@ def test_fuzz_forward(xp, call):
 @pytest.mark.gpu
 @given(call=dense_calls(GPU))
 def test_gpu_fuzz_forward(xp, call):
-    run_dense_forward(call, xp)
-    passed("forward")
+    with logged("forward", call):
+        run_dense_forward(call, xp)
 
 
 def run_dense_backward(call, xp, deterministic):
@@ -369,8 +385,8 @@ def test_fuzz_backward(xp, call, deterministic):
 @pytest.mark.gpu
 @given(call=dense_calls(GPU), deterministic=st.booleans())
 def test_gpu_fuzz_backward(xp, call, deterministic):
-    run_dense_backward(call, xp, deterministic)
-    passed("backward")
+    with logged("backward", dict(call, deterministic=deterministic)):
+        run_dense_backward(call, xp, deterministic)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -440,8 +456,8 @@ def test_fuzz_varlen(xp, call):
 @pytest.mark.gpu
 @given(call=varlen_calls(GPU))
 def test_gpu_fuzz_varlen(xp, call):
-    run_varlen(call, xp)
-    passed("varlen")
+    with logged("varlen", call):
+        run_varlen(call, xp)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -524,8 +540,8 @@ def test_fuzz_kvcache(xp, call):
 @pytest.mark.gpu
 @given(call=kvcache_calls(GPU))
 def test_gpu_fuzz_kvcache(xp, call):
-    run_kvcache(call, xp)
-    passed("kvcache")
+    with logged("kvcache", call):
+        run_kvcache(call, xp)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -626,17 +642,28 @@ def test_profiles():
     assert settings.get_profile("gpu").max_examples >= 2000 or "NBFLASH_FUZZ_EXAMPLES" in os.environ
 
 
-def test_passed_examples_are_logged_as_they_pass(tmp_path, monkeypatch):
+def test_examples_are_logged_as_they_end(tmp_path, monkeypatch):
     """The GPU fuzz's count survives a time limit: each passing example is a line of NBFLASH_FUZZ_LOG,
-    written as it passes; without the variable nothing is written."""
-    log = tmp_path / "passed.log"
-    monkeypatch.setenv("NBFLASH_FUZZ_LOG", str(log))
+    each failing one its call and error in NBFLASH_FAILURES_LOG, written as they end (the failure
+    raised on; a rejected draw, hypothesis's assume, neither); without the variables nothing is
+    written."""
+    passes, failures = tmp_path / "passed.log", tmp_path / "failures.log"
+    monkeypatch.setenv("NBFLASH_FUZZ_LOG", str(passes))
+    monkeypatch.setenv("NBFLASH_FAILURES_LOG", str(failures))
     for name in ("forward", "forward", "varlen"):
-        passed(name)
-    assert log.read_text().splitlines() == ["forward", "forward", "varlen"]
+        with logged(name, {"seqlen_q": 1}):
+            pass
+    with pytest.raises(AssertionError), logged("varlen", {"lengths_q": [0, 65]}):
+        raise AssertionError("out: max error 0.5")
+    with pytest.raises(UnsatisfiedAssumption), logged("forward", {}):
+        raise UnsatisfiedAssumption()
+    assert passes.read_text().splitlines() == ["forward", "forward", "varlen"]
+    assert failures.read_text() == "---- varlen example failed: {'lengths_q': [0, 65]}\nAssertionError: out: max error 0.5\n"
     monkeypatch.delenv("NBFLASH_FUZZ_LOG")
-    passed("forward")
-    assert log.read_text().splitlines() == ["forward", "forward", "varlen"]
+    monkeypatch.delenv("NBFLASH_FAILURES_LOG")
+    with logged("forward", {}):
+        pass
+    assert passes.read_text().splitlines() == ["forward", "forward", "varlen"]
 
 
 def test_failures_are_logged_as_they_fail(tmp_path, monkeypatch):
