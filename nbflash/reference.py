@@ -299,13 +299,26 @@ def attention_reference_backward(dout, q, k, v, softmax_scale=None, causal=False
 
 def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
                              window_size=(UNBOUNDED, UNBOUNDED), softcap=0.0, alibi_slopes=None, bias=None, score_mod=None, mask_mod=None, score_mod_grad=None, dropout_p=0.0, seed=0,
-                             batch_offset=0):
+                             batch_offset=0, numerics="framework"):
     """Gradients as a same-precision naive implementation computes them, for error budgets.
 
     The forward of ``attention_naive``, then each backward matmul accumulating in float32 and rounding
     its result to the input dtype, as a framework's fp16/bf16 autograd does. Returns float32
     ``(dq, dk, dv)`` holding input-dtype values. Not chunked: for test sizes only.
+
+    ``numerics="flash"``: FlashAttention's own rounding instead. Scores stay float32; its forward rounds the unnormalized
+    exponentials for the product with v and divides by their float32 sum at the end; its backward
+    recomputes P and dP in float32 registers: dS = P * (dP - rowsum(dout * out)) from the float32 P
+    and dP (only dS, and P for dV, rounded to the input dtype), against ``out`` as that forward stored
+    it (one key tile's worth: a kernel's rescaling between tiles is not modelled). Its P then differs
+    from the rounded one that made ``out``, so the rows of dS no longer sum to zero, an error a
+    framework's autograd (whose P is the same rounded P throughout) does not make. With a couple of
+    keys that error can be twice or more the framework's own (one query against two keys, fp16: dq off
+    by 1.1e-3 against the framework's 4.5e-4, the kernels equal to this implementation to the bit).
     """
+    if numerics not in ("framework", "flash"):
+        raise ValueError(f"numerics must be 'framework' or 'flash', not {numerics!r}")
+    flash = numerics == "flash"
     dtype = as_numpy_dtype(q.dtype)
     xp, q, k, v, group, scores, _ = _setup(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                            np.float32, bias, (score_mod, mask_mod, score_mod_grad), (dropout_p, seed),
@@ -324,18 +337,24 @@ def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
     for b in range(q.shape[0]):
         for h in range(q.shape[2]):
             k_h, v_h, do = k[b, :, h // group], v[b, :, h // group], dout[b, :, h]
-            s, grad = scores(rounded((q[b, :, h] @ k_h.T) * scale), b, h, rows, mask, rounded)
-            p, _, row_sum = _softmax_rows(s.astype(xp.float32), xp)
-            p = rounded(p / xp.where(row_sum > 0, row_sum, 1.0))
+            in_scores = (lambda x: x) if flash else rounded  # FlashAttention keeps scores in float32
+            s, grad = scores(in_scores((q[b, :, h] @ k_h.T) * scale), b, h, rows, mask, in_scores)
+            exps, _, row_sum = _softmax_rows(s.astype(xp.float32), xp)
+            p_exact = exps / xp.where(row_sum > 0, row_sum, 1.0)
+            p = rounded(p_exact)
             factor = scores.dropout_factor(b, h, rows)
             kept = p if factor is None else rounded(p * factor.astype(xp.float32))
-            out = rounded(kept @ v_h)
+            if flash:  # its forward: the unnormalized exponentials rounded, the sum divided out at the end
+                kept_exps = rounded(exps if factor is None else exps * factor.astype(xp.float32))
+                out = rounded((kept_exps @ v_h) / xp.where(row_sum > 0, row_sum, 1.0))
+            else:
+                out = rounded(kept @ v_h)
             dv[b, :, h // group] += rounded(kept.T @ do)
-            dp = rounded(do @ v_h.T)
+            dp = do @ v_h.T if flash else rounded(do @ v_h.T)
             if factor is not None:
-                dp = rounded(dp * factor.astype(xp.float32))
+                dp = dp * factor.astype(xp.float32) if flash else rounded(dp * factor.astype(xp.float32))
             delta = (do * out).sum(axis=1, keepdims=True)
-            ds = rounded(p * (dp - delta))
+            ds = rounded((p_exact if flash else p) * (dp - delta))
             if grad is not None:
                 ds = rounded(ds * grad)
             dq[b, :, h] = rounded((ds @ k_h) * scale)

@@ -18,7 +18,7 @@
 #                                unsanitized runs compile first, all at once (one after another they
 #                                took the whole 560 s limit on a fresh machine)
 #   scripts/gpu_check.sh fuzz [EXAMPLES]
-#                                the GPU fuzz profile, three processes of EXAMPLES (default 170) draws
+#                                the GPU fuzz profile, FUZZ_PROCESSES (default 3) processes of EXAMPLES (default 170) draws
 #                                per fuzz test (4 tests: 12 x EXAMPLES calls), after a prebuild of most
 #                                of its kernels, up to 9.2 minutes; every passing example is counted as
 #                                it passes (without the prebuild, 540 s stopped one process's backward
@@ -113,23 +113,27 @@ fuzz)
     # of fresh random draws (hypothesis draws anew in each), four workers each. Each example that
     # passes is logged as it passes (NBFLASH_FUZZ_LOG): hypothesis prints its statistics only at a
     # test's end, and a process stopped by its limit once left its count unknown.
-    timeout "${PREBUILD_LIMIT:-170}" python3 -m nbflash prebuild --jobs 16 --headdims 40 64 128 --unaligned \
-        --variants plain causal softcap causal-softcap alibi causal-alibi bias causal-bias document-mask \
-        > "$out/prebuild.log" 2>&1
-    echo "prebuild: exit $?: $(tail -1 "$out/prebuild.log")"
+    # PREBUILD_LIMIT=0 leaves the prebuild out; FUZZ_PROCESSES sets the number of processes.
+    if [ "${PREBUILD_LIMIT:-170}" != 0 ]; then
+        timeout "${PREBUILD_LIMIT:-170}" python3 -m nbflash prebuild --jobs 16 --headdims 40 64 128 --unaligned \
+            --variants plain causal softcap causal-softcap alibi causal-alibi bias causal-bias document-mask \
+            > "$out/prebuild.log" 2>&1
+        echo "prebuild: exit $?: $(tail -1 "$out/prebuild.log")"
+    fi
     rm -f "$out/fuzz_passed.log" "$out/fuzz_failures.log"
-    for run in 1 2 3; do
+    runs=$(seq "${FUZZ_PROCESSES:-3}")
+    for run in $runs; do
         NBFLASH_FUZZ_LOG="$out/fuzz_passed.log" NBFLASH_FAILURES_LOG="$out/fuzz_failures.log" NBFLASH_FUZZ_PROFILE=gpu NBFLASH_FUZZ_EXAMPLES="${2:-170}" \
             timeout "${FUZZ_LIMIT:-380}" python3 -m pytest -m gpu -n 4 -v -p no:cacheprovider \
             --hypothesis-show-statistics tests/test_fuzz.py > "$out/fuzz$run.log" 2>&1 &
     done
     wait
-    for run in 1 2 3; do
+    for run in $runs; do
         echo "fuzz run $run: $(tail -1 "$out/fuzz$run.log")"
         grep -aE "\] (PASSED|FAILED|ERROR)" "$out/fuzz$run.log" | sed 's/^\[gw[0-9]*\] //' | sort
         grep -aE "passing|failing" "$out/fuzz$run.log" | sort | uniq -c | head -8
     done
-    echo "examples passed, by test, all three processes (NBFLASH_FUZZ_LOG):"
+    echo "examples passed, by test, all processes (NBFLASH_FUZZ_LOG):"
     sort "$out/fuzz_passed.log" 2> /dev/null | uniq -c
     echo "failing examples (NBFLASH_FAILURES_LOG, written as they fail): $(grep -c '^====' "$out/fuzz_failures.log" 2> /dev/null || echo 0)"
     grep -aE "^====|Falsifying|Error|assert" "$out/fuzz_failures.log" 2> /dev/null | head -20
