@@ -87,7 +87,8 @@ def backward_kernels():
     """(name, Python function, signature, compile options) of the sm90 dK/dV kernel's planned
     configs (fp16, plain), and at headdim 64 of the defer_dq schedule, the 32-column "columns"
     split (without and with defer_dq), 128 query rows per step ("columns" and "steps"), the query
-    rows split between the consumers (backward_sm90_rows.py: fp16 and bf16, plain and causal) and
+    rows split between the consumers (backward_sm90_rows.py: fp16 and bf16, plain and causal; and its
+    persistent grid, fp16) and
     causal dropout at each planned headdim."""
     import dataclasses
 
@@ -118,6 +119,9 @@ def backward_kernels():
         for variant in (Variant(), Variant(window=True)):
             found.append((f"backward_sm90_rows_stmatrix_{'causal' if variant.window else 'plain'}_{dtype}_hd64",
                           Sm90RowsBackwardConfig(dtype, 64, variant, stmatrix=True)))
+    for variant in (Variant(), Variant(window=True)):  # a persistent grid, K and V double-buffered
+        found.append((f"backward_sm90_rows_persistent_{'causal' if variant.window else 'plain'}_float16_hd64",
+                      Sm90RowsBackwardConfig("float16", 64, variant, persistent=132)))
     # causal dropout (served when "sm90" is forced): P^T from the landed dP^T, shuffled Philox words
     for headdim, *_ in configs.SM90_BACKWARD:
         found.append((f"backward_sm90_causal_dropout_hd{headdim}",

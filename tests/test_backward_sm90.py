@@ -373,8 +373,9 @@ def rows_split(monkeypatch):
 
 def plan_rows(monkeypatch, **fields):
     planned = configs.sm90_backward_config
+    heavy = not SIMULATOR and not fields.get("persistent")  # a persistent grid takes its own order
     monkeypatch.setattr(configs, "sm90_backward_config", lambda dtype, headdim, variant: Sm90RowsBackwardConfig(
-        dtype, headdim, variant, heavy_groups=0 if SIMULATOR else planned(dtype, headdim, variant).heavy_groups,
+        dtype, headdim, variant, heavy_groups=planned(dtype, headdim, variant).heavy_groups if heavy else 0,
         **fields))
     backward._kernels.cache_clear()
 
@@ -400,7 +401,22 @@ def test_backward_sm90_rows_small(rng, xp, rows_split, case):
         run_rows(rng, xp, 1, 70, 200, 2, 1, 64, "float16", False)
 
 
-ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}}
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_backward_sm90_rows_persistent_small(rng, xp, monkeypatch):
+    """A persistent grid of 2 blocks over 6 key tiles (3 key tiles, one a tail, x 2 KV heads): each
+    block takes 3, so both K/V buffers turn over (the producer waits on a buffer's empty barrier
+    before its second load into it) and the ring's slots run on across key tiles; one query tile
+    with rows past seqlen_q, headdim 64, fp16."""
+    plan_rows(monkeypatch, persistent=2)
+    try:
+        config = configs.sm90_backward_config("float16", 64, Variant())
+        assert config.grid(1, 2, 2, 70, 300) == (2, 1, 1) and config.grid(1, 1, 1, 70, 100) == (1, 1, 1)
+        run_rows(rng, xp, 1, 70, 300, 2, 2, 64, "float16", False)
+    finally:
+        backward._kernels.cache_clear()
+
+
+ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"persistent": 132}}
 
 
 @pytest.mark.gpu
@@ -410,8 +426,10 @@ ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}}
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, stages, form):
-    """The rows split (P and dS by 32-bit stores, and by stmatrix) on the GPU, the planner's launch
-    order."""
+    """The rows split (P and dS by 32-bit stores, by stmatrix, and a persistent grid of 132 blocks)
+    on the GPU, the planner's launch order (the persistent grid its own: key tile by key tile)."""
+    if form == "persistent" and stages > 2:
+        pytest.skip("a persistent grid's second K/V leaves shared memory for 2 stages")
     plan_rows(monkeypatch, stages=stages, **ROWS_FORMS[form])
     try:
         run_rows(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal,
@@ -447,13 +465,16 @@ def test_rows_configs():
     """The rows split serves plain and windowed attention at headdims up to 64, fp16 and bf16."""
     for kwargs in (dict(headdim=72), dict(headdim=60), dict(variant=Variant(softcap=True)),
                    dict(variant=Variant(window=True, dropout=True)), dict(variant=Variant(varlen=True)),
-                   dict(dtype="float32"), dict(stages=1), dict(producer_registers=32, consumer_registers=240)):
+                   dict(dtype="float32"), dict(stages=1), dict(producer_registers=32, consumer_registers=240),
+                   dict(persistent=-1), dict(persistent=132, heavy_groups=8), dict(persistent=132, stages=3)):
         with pytest.raises(ValueError):
             Sm90RowsBackwardConfig(**{"dtype": "float16", "headdim": 64, **kwargs})
     config = Sm90RowsBackwardConfig("bfloat16", 64, Variant(window=True), stages=3)
     assert (config.block_m, config.block_n, config.threads) == (128, 128, 384)
     assert config.dynamic_shared_bytes == 200_760 and config.grid(2, 8, 2, 300, 300) == (3, 2, 2)
     assert launch.describe(config) == "Hopper rows-split backward dK/dV (bfloat16, headdim 64, causal/window)"
+    persistent = Sm90RowsBackwardConfig("float16", 64, persistent=132)  # a second K and V, three more barriers
+    assert persistent.dynamic_shared_bytes == 199_744 and persistent.grid(4, 16, 16, 4096, 4096) == (132, 1, 1)
 
 
 def test_block_m_configs():

@@ -434,16 +434,17 @@ def make_stage_stats(config, hooks):
     @inline_device
     @unroll
     def stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
-                    tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full):
-        """Warp 1's: step i's lse_log2 and D of its BM query rows into ring slot i % STAGES's stats (at
-        smem index stats_word0 on), once the consumers have released the slot; the arrival on its
-        full barrier releases the stores. With a block mask, lane 0 adds the step (pair, query
-        head, query tile, masked) at word STEP_WORD."""
+                    tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, step0):
+        """Warp 1's: step i's lse_log2 and D of its BM query rows into ring slot (step0 + i) % STAGES's
+        stats (at smem index stats_word0 on; step0: the block's steps before this key tile's, in a
+        persistent block), once the consumers have released the slot; the arrival on its full
+        barrier releases the stores. With a block mask, lane 0 adds the step (pair, query head,
+        query tile, masked) at word STEP_WORD."""
         position = -1
         for i in range(steps):
             position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
                                              lane)
-            slot, use = i % STAGES, i // STAGES
+            slot, use = (step0 + i) % STAGES, (step0 + i) // STAGES
             if use > 0:
                 mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
             h = hk * group + position // tiles_per_head
@@ -835,7 +836,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                                             q_start, b, full)
             elif warp == 1:
                 stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
-                            tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full)
+                            tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, 0)
         else:
             # ---- Consumers: 64 keys each ----
             if SPLIT_REGISTERS:

@@ -44,6 +44,13 @@ P and dS go to their tiles by 32-bit stores, or with ``stmatrix=True`` by stmatr
 a step instead of 64; measured within -6% to +2% of the stores on the H200, so not planned:
 docs/perf-notes.md, "Hopper backward", step 16).
 
+``persistent=n`` (an option, not planned: not yet timed on a GPU; docs/perf-notes.md, "Hopper
+backward", step 18): a grid of at most n blocks, each taking work items t, t + n, ... over (key tile,
+batch x KV head), the key tile the slowest (so causal's longest tiles go first). Each role runs the
+per-tile code above once per item, with the ring's slots and phases counted on across items, and K
+and V in two buffers with a full and an empty barrier each: the producer loads the next item's K
+and V while the consumers still work on the current one, instead of a new block starting cold.
+
 Memory and arguments: backward_sm90.py's (the same signature and tensor maps). Variants: plain
 attention and the window (causal included); headdims a multiple of 8 up to 64 (padded to 64 by
 TMA's zero fill); the other features raise in the config (backward_sm90.py serves them).
@@ -68,6 +75,7 @@ from nbflash.primitives_sm90 import (
     array_address,
     check_register_split,
     elect_sync,
+    fence_mbarrier_init,
     fence_operands,
     fence_proxy_async,
     fence_proxy_tensormap_acquire,
@@ -76,6 +84,7 @@ from nbflash.primitives_sm90 import (
     make_wgmma_ss,
     mbarrier_arrive,
     mbarrier_arrive_expect_tx,
+    mbarrier_init,
     mbarrier_wait,
     named_barrier_sync,
     registers_from,
@@ -129,6 +138,10 @@ class Sm90RowsBackwardConfig:
     consumer_registers: int = 232
     heavy_groups: int = 0  # longest-first within groups of (batch, KV head) pairs, as backward_sm90.py's
     stmatrix: bool = False  # P and dS into their tiles by stmatrix (16 a step) instead of 64 32-bit stores
+    # A persistent grid: at most this many blocks (0: one block per key tile), each taking the key
+    # tiles t, t + blocks, ... (key tile index the slowest: the longest tiles of causal first), with
+    # K and V double-buffered so that the next tile's load runs under the current tile's steps.
+    persistent: int = 0
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
     consumers = 2
@@ -149,6 +162,9 @@ class Sm90RowsBackwardConfig:
             raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
         if self.heavy_groups < 0:
             raise ValueError(f"heavy_groups={self.heavy_groups} must be 0 (off) or a group size")
+        if self.persistent < 0 or (self.persistent and self.heavy_groups):
+            raise ValueError(f"persistent={self.persistent} must be 0 (off) or a block count, and takes its own "
+                             "order (heavy_groups=0)")
         check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
         if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
             raise ValueError(f"{self.dynamic_shared_bytes} bytes of shared memory exceed a block's "
@@ -183,9 +199,11 @@ class Sm90RowsBackwardConfig:
 
     @property
     def dynamic_shared_bytes(self):
-        """The tiles, the stats, 1 + 2 stages mbarriers, and 1024 bytes of slack to align the tiles."""
-        return (1024 + 2 * self.kv_bytes + 2 * self.stages * self.q_bytes + 2 * self.p_bytes
-                + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages))
+        """The tiles, the stats, 1 + 2 stages mbarriers, and 1024 bytes of slack to align the tiles;
+        persistent: a second K and V and three more mbarriers (the second K/V's full, both empties)."""
+        kv_buffers = 2 if self.persistent else 1
+        return (1024 + 2 * kv_buffers * self.kv_bytes + 2 * self.stages * self.q_bytes + 2 * self.p_bytes
+                + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages) + (24 if self.persistent else 0))
 
     @property
     def launch_bounds(self):
@@ -193,6 +211,8 @@ class Sm90RowsBackwardConfig:
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
         tiles = -(-seqlen_k // BLOCK_N)
+        if self.persistent:
+            return (min(self.persistent, tiles * nheads_k * batch), 1, 1)
         if self.heavy_groups:
             return grouped_grid(tiles, batch * nheads_k, self.heavy_groups)
         return (tiles, nheads_k, batch)
@@ -214,7 +234,10 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     EMPTY_ARRIVALS = CONSUMERS * GROUP
     BOTH = CONSUMERS * GROUP  # threads of the named barriers across the consumers
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
-    HEAVY_GROUPS, STMATRIX = config.heavy_groups, config.stmatrix
+    HEAVY_GROUPS, STMATRIX, PERSISTENT = config.heavy_groups, config.stmatrix, config.persistent > 0
+    KV_BUFFERS = 2 if PERSISTENT else 1  # K/V tiles in flight
+    KV_PAIR = 2 * KV_BYTES  # a buffer's K and V
+    KV_FULL_STEP = 8 * (1 + 2 * STAGES)  # the second buffer's full barrier: after the ring's barriers
     hooks = variants.hooks(config.variant)
     query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
     IS_F16 = config.dtype == "float16"
@@ -383,23 +406,49 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     # The kernel
     # -----------------------------------------------------------------------------------------------
 
+    @inline_device
+    def key_tile(work, pairs, nheads_k):
+        """A persistent block's work item -> (key tile, KV head, batch): the key tile the slowest."""
+        pair = work % pairs
+        return work // pairs, pair % nheads_k, pair // nheads_k
+
+    @inline_device
+    def visits(n_block, seqlen_q, seqlen_k, params, group):
+        """Which query tiles see key tile n_block (geometry.py): [first_tile, end_tile), of which
+        [first_full, end_full) see all of its keys; the key tail always masks. One step per (query
+        head of the group, query tile)."""
+        n_start = n_block * BN
+        first_tile, first_full, end_full, end_tile = query_tiles(
+            n_start, min(n_start + BN, seqlen_k), seqlen_q, seqlen_k, params, BM)
+        tiles_per_head = end_tile - first_tile
+        return n_start, first_tile, first_full, end_full, n_start + BN > seqlen_k, tiles_per_head, group * tiles_per_head
+
     @launch_bounded(THREADS, 1)
     @unroll
     def backward_dkdv_sm90_rows(q, k, v, dout, lse, delta, dk, dv, dq_accum, maps, scale_log2, scale, params):
+        # The block's key tiles, as work items [work0, work_end) in strides of work_stride: one (its
+        # own) unless persistent.
+        nheads_k = k.shape[2]
+        pairs = q.shape[0] * nheads_k
+        work0, work_end, work_stride = 0, 1, 1
+        if PERSISTENT:
+            work0, work_end, work_stride = cuda.blockIdx.x, ((k.shape[1] + BN - 1) // BN) * pairs, cuda.gridDim.x
         if HEAVY_GROUPS:  # (batch, KV head) pairs in groups, key tile by key tile (geometry.py)
             n_block, pair = grouped_block(cuda.blockIdx.x, cuda.blockIdx.y, HEAVY_GROUPS)
-            if pair >= q.shape[0] * k.shape[2]:
+            if pair >= pairs:
                 return  # the last group's missing pairs: the whole block, before any barrier
-            b, hk = pair // k.shape[2], pair % k.shape[2]
+            b, hk = pair // nheads_k, pair % nheads_k
         else:
             n_block, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         tid = cuda.threadIdx.x
         group_id = tid // GROUP  # 0: the producer; 1 + c: consumer c
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-        group = q.shape[2] // k.shape[2]  # GQA: query heads hk * group ... share this K/V tile
-        n_start = n_block * BN
+        group = q.shape[2] // nheads_k  # GQA: query heads hk * group ... share this K/V tile
+        visited = visits(n_block, seqlen_q, seqlen_k, params, group)  # persistent: again per key tile
 
         # Shared memory: tiles from the first 1024-byte boundary, then the stats and the barriers.
+        # Persistent: K/V buffer j at k_tile + j KV_PAIR (its V KV_BYTES on), its full and empty
+        # barriers at kv_full + j KV_FULL_STEP and kv_empty + 8 j.
         smem = cuda.shared.array(0, uint32)
         smem_start = shared_address(smem)
         base = smem_start
@@ -407,7 +456,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
             base = base + ((uint32(1024) - (base & uint32(1023))) & uint32(1023))
         k_tile = base
         v_tile = k_tile + uint32(KV_BYTES)
-        q_ring = v_tile + uint32(KV_BYTES)
+        q_ring = k_tile + uint32(KV_BUFFERS * KV_PAIR)
         do_ring = q_ring + uint32(STAGES * Q_BYTES)
         p_tile = do_ring + uint32(STAGES * Q_BYTES)
         ds_tile = p_tile + uint32(P_BYTES)
@@ -415,19 +464,16 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
         kv_full = stats_ring + uint32(STAGES * STATS_BYTES)
         qd_full = kv_full + uint32(8)  # + 8 * slot
         qd_empty = qd_full + uint32(8 * STAGES)
+        kv_empty = qd_empty + uint32(8 * STAGES + 8)  # persistent only: after the second K/V's full barrier
         stats_word0 = (stats_ring - smem_start) // uint32(4)  # smem's index of the first slot's stats
-
-        # ---- Which query tiles see this key tile (geometry.py): [first_tile, end_tile), of which
-        # [first_full, end_full) see all of its keys; the key tail always masks. One step per
-        # (query head of the group, query tile).
-        first_tile, first_full, end_full, end_tile = query_tiles(
-            n_start, min(n_start + BN, seqlen_k), seqlen_q, seqlen_k, params, BM)
-        tail = n_start + BN > seqlen_k
-        tiles_per_head = end_tile - first_tile
-        steps = group * tiles_per_head
 
         if tid == 0:
             init_ring(kv_full, qd_full, qd_empty)
+            if PERSISTENT:
+                mbarrier_init(kv_full + uint32(KV_FULL_STEP), 1)
+                mbarrier_init(kv_empty, EMPTY_ARRIVALS)
+                mbarrier_init(kv_empty + uint32(8), EMPTY_ARRIVALS)
+                fence_mbarrier_init()
         cuda.syncthreads()  # the barriers are initialised before anyone arrives on or waits for them
 
         if group_id == 0:
@@ -435,7 +481,8 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
             setmaxnreg_dec(PRODUCER_REGS)
             warp = tid // 32
             lane = tid % 32
-            if warp == 0 and steps > 0:
+            step0, kv_use = 0, 0  # the block's steps and loaded K/V tiles before this work item's
+            if warp == 0:
                 if elect_sync() == uint32(1):  # one lane issues the copies
                     maps_address = array_address(maps)
                     q_map, k_map, v_map, do_map = (maps_address, maps_address + 128, maps_address + 256,
@@ -444,22 +491,41 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                     fence_proxy_tensormap_acquire(k_map)
                     fence_proxy_tensormap_acquire(v_map)
                     fence_proxy_tensormap_acquire(do_map)
-                    mbarrier_arrive_expect_tx(kv_full, 2 * KV_BYTES)
-                    tma_load_4d(k_tile, k_map, 0, hk, n_start, b, kv_full)
-                    tma_load_4d(v_tile, v_map, 0, hk, n_start, b, kv_full)
-                    for i in range(steps):
-                        slot, use = i % STAGES, i // STAGES
-                        if use > 0:  # the consumers have released the slot's previous tiles
-                            mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
-                        h = hk * group + i // tiles_per_head
-                        q_start = (first_tile + i % tiles_per_head) * BM
-                        full = qd_full + uint32(8 * slot)
-                        mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
-                        tma_load_4d(q_ring + uint32(slot * Q_BYTES), q_map, 0, h, q_start, b, full)
-                        tma_load_4d(do_ring + uint32(slot * Q_BYTES), do_map, 0, h, q_start, b, full)
+                    for work in range(work0, work_end, work_stride):
+                        if PERSISTENT:
+                            n_block, hk, b = key_tile(work, pairs, nheads_k)
+                            visited = visits(n_block, seqlen_q, seqlen_k, params, group)
+                        n_start, first_tile, _, _, _, tiles_per_head, steps = visited
+                        if steps > 0:
+                            buffer = kv_use % KV_BUFFERS
+                            if kv_use >= KV_BUFFERS:  # the consumers are done with the buffer's last tile
+                                mbarrier_wait(kv_empty + uint32(8 * buffer), (kv_use // KV_BUFFERS - 1) & 1)
+                            kv_ready = kv_full + uint32(buffer * KV_FULL_STEP)
+                            mbarrier_arrive_expect_tx(kv_ready, 2 * KV_BYTES)
+                            tma_load_4d(k_tile + uint32(buffer * KV_PAIR), k_map, 0, hk, n_start, b, kv_ready)
+                            tma_load_4d(v_tile + uint32(buffer * KV_PAIR), v_map, 0, hk, n_start, b, kv_ready)
+                            kv_use += 1
+                        for i in range(steps):
+                            slot, use = (step0 + i) % STAGES, (step0 + i) // STAGES
+                            if use > 0:  # the consumers have released the slot's previous tiles
+                                mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
+                            h = hk * group + i // tiles_per_head
+                            q_start = (first_tile + i % tiles_per_head) * BM
+                            full = qd_full + uint32(8 * slot)
+                            mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
+                            tma_load_4d(q_ring + uint32(slot * Q_BYTES), q_map, 0, h, q_start, b, full)
+                            tma_load_4d(do_ring + uint32(slot * Q_BYTES), do_map, 0, h, q_start, b, full)
+                        step0 += steps
             elif warp == 1:  # backward_sm90.py's stats warp
-                stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
-                            tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full)
+                for work in range(work0, work_end, work_stride):
+                    if PERSISTENT:
+                        n_block, hk, b = key_tile(work, pairs, nheads_k)
+                        visited = visits(n_block, seqlen_q, seqlen_k, params, group)
+                    n_start, first_tile, first_full, end_full, tail, tiles_per_head, steps = visited
+                    stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
+                                tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full,
+                                step0)
+                    step0 += steps
         else:
             # ---- Consumers: 64 query rows of each step, 64 keys of dK and dV each ----
             setmaxnreg_inc(CONSUMER_REGS)
@@ -468,11 +534,8 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
             warp = (tid % GROUP) // 32
             g, q4 = lane >> 2, lane & 3
             row0 = ROWS * consumer + 16 * warp + g  # the thread's first row in the step (+8: the second)
-            key_row0 = n_start + ROWS * consumer + 16 * warp + g  # ... and in dK, dV: its first key row
+            key_row = ROWS * consumer + 16 * warp + g  # ... and its first key row in the tile (dK, dV)
             rows_off = uint32(ROWS * consumer * ROW_BYTES)  # the consumer's rows in a Q or dO tile
-            desc_k_rows = smem_descriptor(k_tile, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)  # K_j^T's B: K-major
-            desc_v_rows = smem_descriptor(v_tile, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
-            desc_k_cols = smem_descriptor(k_tile, KV_BYTES, 1024, SWIZZLE_128B)  # dQ's B: keys x headdim
             chunk_off = uint32(consumer * P_CHUNK_BYTES)  # the consumer's keys in the P and dS tiles
             # smem index of the thread's first row (and lane pair) in the P tile; dS's is P_BYTES on
             p_row_word = uint32((p_tile - smem_start) // uint32(4) + uint32(row0 * (ROW_BYTES // 4) + q4))
@@ -492,71 +555,94 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
             d = cuda.local.array(2, float32)
             for r in static_range(S_REGS):
                 zeros[r] = float32(0)
-            for r in static_range(ACC_REGS):
-                dk_acc[r] = float32(0)
-                dv_acc[r] = float32(0)
 
-            if steps > 0:
-                mbarrier_wait(kv_full, 0)
-            for i in range(steps):
-                slot, use = i % STAGES, i // STAGES
-                h = hk * group + i // tiles_per_head
-                tile = first_tile + i % tiles_per_head
-                head_ctx = head_context(params, b, h)
-                q_start = tile * BM
-                q_slot = q_ring + uint32(slot * Q_BYTES)
-                do_slot = do_ring + uint32(slot * Q_BYTES)
+            desc_k_rows = smem_descriptor(k_tile, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)  # K_j^T's B: K-major
+            desc_v_rows = smem_descriptor(v_tile, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
+            desc_k_cols = smem_descriptor(k_tile, KV_BYTES, 1024, SWIZZLE_128B)  # dQ's B: keys x headdim
 
-                # S = Q_c K_j^T and dP = dO_c V_j^T, two commit groups, from fresh zeros (nothing but
-                # dK and dV lives across steps)
-                acc_s = fence_operands(registers_from(zeros, S_REGS))
-                acc_dp = fence_operands(registers_from(zeros, S_REGS))
-                mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
-                wgmma_fence()  # the accumulators' registers are ordered before wgmma uses them
-                acc_s = issue_rows_by_keys(acc_s, rows_descriptor(q_slot, rows_off), desc_k_rows)
-                acc_dp = issue_rows_by_keys(acc_dp, rows_descriptor(do_slot, rows_off), desc_v_rows)
-                read_stats(smem, stats_word0, slot, row0, lse_log2, d)
-                wgmma_wait(1)  # S has landed (dP may still run)
-                registers_to(s, fence_operands(acc_s))
+            step0, kv_use = 0, 0  # the block's steps and K/V tiles before this work item's
+            for work in range(work0, work_end, work_stride):
+                if PERSISTENT:
+                    n_block, hk, b = key_tile(work, pairs, nheads_k)
+                    visited = visits(n_block, seqlen_q, seqlen_k, params, group)
+                n_start, first_tile, first_full, end_full, tail, tiles_per_head, steps = visited
+                buffer = kv_use % KV_BUFFERS
+                if PERSISTENT:  # the buffer this key tile's K and V come to
+                    k_now = k_tile + uint32(buffer * KV_PAIR)
+                    desc_k_rows = smem_descriptor(k_now, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
+                    desc_v_rows = smem_descriptor(k_now + uint32(KV_BYTES), K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
+                    desc_k_cols = smem_descriptor(k_now, KV_BYTES, 1024, SWIZZLE_128B)
+                for r in static_range(ACC_REGS):
+                    dk_acc[r] = float32(0)
+                    dv_acc[r] = float32(0)
 
-                # P, the mask only on tiles crossing the window's edges or a tail; then dS
-                step_probabilities(s, tile, row0, lse_log2, n_start, seqlen_q, seqlen_k, params, head_ctx,
-                                   scale_log2, q4, tail, first_full, end_full)
-                wgmma_wait(0)  # dP has landed
-                registers_to(dp, fence_operands(acc_dp))
-                score_gradients(s, dp, d)
-                pack_a(s, p)
-                pack_a(dp, ds)
+                if steps > 0:
+                    mbarrier_wait(kv_full + uint32(buffer * KV_FULL_STEP), (kv_use // KV_BUFFERS) & 1)
+                for i in range(steps):
+                    slot, use = (step0 + i) % STAGES, (step0 + i) // STAGES
+                    h = hk * group + i // tiles_per_head
+                    tile = first_tile + i % tiles_per_head
+                    head_ctx = head_context(params, b, h)
+                    q_start = tile * BM
+                    q_slot = q_ring + uint32(slot * Q_BYTES)
+                    do_slot = do_ring + uint32(slot * Q_BYTES)
 
-                # P and dS of all 128 rows into shared memory, once the last step's dV and dK products
-                # (both consumers', each waited for before its next step) have read the tiles
-                named_barrier_sync(1, BOTH)
-                store_tiles(smem, p_tile, p_row_word, lane_row, g, lane, p, ds)
-                fence_proxy_async()  # the stores are ordered before wgmma reads them
-                ds_regs = fence_operands(registers_from(ds, P_REGS))
-                acc_q = fence_operands(registers_from(zeros, ACC_REGS))
-                acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
-                acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
-                named_barrier_sync(2, BOTH)  # both consumers' rows are stored
+                    # S = Q_c K_j^T and dP = dO_c V_j^T, two commit groups, from fresh zeros (nothing
+                    # but dK and dV lives across steps)
+                    acc_s = fence_operands(registers_from(zeros, S_REGS))
+                    acc_dp = fence_operands(registers_from(zeros, S_REGS))
+                    mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
+                    wgmma_fence()  # the accumulators' registers are ordered before wgmma uses them
+                    acc_s = issue_rows_by_keys(acc_s, rows_descriptor(q_slot, rows_off), desc_k_rows)
+                    acc_dp = issue_rows_by_keys(acc_dp, rows_descriptor(do_slot, rows_off), desc_v_rows)
+                    read_stats(smem, stats_word0, slot, row0, lse_log2, d)
+                    wgmma_wait(1)  # S has landed (dP may still run)
+                    registers_to(s, fence_operands(acc_s))
 
-                # dQ_c = dS_c K_j (A from registers), then dV_c += P^T dO_i and dK_c += dS^T Q_i (key
-                # chunk c of the tiles): three commit groups, dQ's first so it lands first
-                wgmma_fence()  # dS's, dQ's and the accumulators' registers are ordered before wgmma
-                acc_q = issue_dq(acc_q, ds_regs, desc_k_cols)
-                acc_dv = issue_keys_acc(acc_dv, mn_descriptor(p_tile + chunk_off, P_CHUNK_BYTES),
-                                        mn_descriptor(do_slot, Q_BYTES))
-                acc_dk = issue_keys_acc(acc_dk, mn_descriptor(ds_tile + chunk_off, P_CHUNK_BYTES),
-                                        mn_descriptor(q_slot, Q_BYTES))
-                wgmma_wait(2)  # dQ_c has landed: added while dV and dK run
-                registers_to(dq_acc, fence_operands(acc_q))
-                add_dq(dq_accum, dq_acc, b, q_start + row0, h, 0, seqlen_q, q4)
-                wgmma_wait(0)  # dV's and dK's products are done with the slot and the P and dS tiles
-                registers_to(dv_acc, fence_operands(acc_dv))
-                registers_to(dk_acc, fence_operands(acc_dk))
-                mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
+                    # P, the mask only on tiles crossing the window's edges or a tail; then dS
+                    step_probabilities(s, tile, row0, lse_log2, n_start, seqlen_q, seqlen_k, params, head_ctx,
+                                       scale_log2, q4, tail, first_full, end_full)
+                    wgmma_wait(0)  # dP has landed
+                    registers_to(dp, fence_operands(acc_dp))
+                    score_gradients(s, dp, d)
+                    pack_a(s, p)
+                    pack_a(dp, ds)
 
-            # ---- Write dK = dS^T Q * scale and dV (keys no query sees get 0) ----
-            store_rows(dk, dk_acc, b, key_row0, hk, seqlen_k, scale, q4)
-            store_rows(dv, dv_acc, b, key_row0, hk, seqlen_k, float32(1), q4)
+                    # P and dS of all 128 rows into shared memory, once the last step's dV and dK
+                    # products (both consumers', each waited for before its next step) have read the
+                    # tiles
+                    named_barrier_sync(1, BOTH)
+                    store_tiles(smem, p_tile, p_row_word, lane_row, g, lane, p, ds)
+                    fence_proxy_async()  # the stores are ordered before wgmma reads them
+                    ds_regs = fence_operands(registers_from(ds, P_REGS))
+                    acc_q = fence_operands(registers_from(zeros, ACC_REGS))
+                    acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
+                    acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
+                    named_barrier_sync(2, BOTH)  # both consumers' rows are stored
+
+                    # dQ_c = dS_c K_j (A from registers), then dV_c += P^T dO_i and dK_c += dS^T Q_i
+                    # (key chunk c of the tiles): three commit groups, dQ's first so it lands first
+                    wgmma_fence()  # dS's, dQ's and the accumulators' registers are ordered before wgmma
+                    acc_q = issue_dq(acc_q, ds_regs, desc_k_cols)
+                    acc_dv = issue_keys_acc(acc_dv, mn_descriptor(p_tile + chunk_off, P_CHUNK_BYTES),
+                                            mn_descriptor(do_slot, Q_BYTES))
+                    acc_dk = issue_keys_acc(acc_dk, mn_descriptor(ds_tile + chunk_off, P_CHUNK_BYTES),
+                                            mn_descriptor(q_slot, Q_BYTES))
+                    wgmma_wait(2)  # dQ_c has landed: added while dV and dK run
+                    registers_to(dq_acc, fence_operands(acc_q))
+                    add_dq(dq_accum, dq_acc, b, q_start + row0, h, 0, seqlen_q, q4)
+                    wgmma_wait(0)  # dV's and dK's products are done with the slot and the P and dS tiles
+                    registers_to(dv_acc, fence_operands(acc_dv))
+                    registers_to(dk_acc, fence_operands(acc_dk))
+                    mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
+                if steps > 0:
+                    if PERSISTENT:  # every product that reads K_j and V_j has landed: the producer may
+                        mbarrier_arrive(kv_empty + uint32(8 * buffer))  # load a later tile into them
+                    kv_use += 1
+                    step0 += steps
+
+                # ---- Write dK = dS^T Q * scale and dV (keys no query sees get 0) ----
+                store_rows(dk, dk_acc, b, n_start + key_row, hk, seqlen_k, scale, q4)
+                store_rows(dv, dv_acc, b, n_start + key_row, hk, seqlen_k, float32(1), q4)
 
     return backward_dkdv_sm90_rows
