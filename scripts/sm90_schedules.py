@@ -26,6 +26,7 @@ Backward, each column a schedule:
   the consumers (nbflash/kernels/backward_sm90_rows.py, 128 x 128 tiles), 2 and 3 stages, the
   planner's launch order; "rows-stmatrix": P and dS stored by stmatrix (the pipelined loop timed
   on 2026-12-04 as "rows-pipe" is in git history, commit 1aba50e; docs/perf-notes.md step 15);
+  "rows-persistent": a persistent grid of one block per multiprocessor (step 18);
 - "planned": the planner's choice (configs.sm90_backward_config: the rows split at headdim 64,
   configs.SM90_BACKWARD's row of backward_sm90.py otherwise).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
@@ -190,6 +191,11 @@ def backward_schedules(headdim, causal):
         # P and dS stored by stmatrix (16 instructions a step instead of 64)
         found["rows-stmatrix"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, stmatrix=True,
                                                         heavy_groups=table.heavy_groups)
+        # a persistent grid, one block per multiprocessor, K and V double-buffered
+        from numba import cuda
+
+        found["rows-persistent"] = Sm90RowsBackwardConfig(
+            "float16", headdim, table.variant, persistent=cuda.get_current_device().MULTIPROCESSOR_COUNT)
     found["planned"] = planned
     return {name: config for name, config in found.items() if ONLY is None or name in ONLY}
 
