@@ -61,12 +61,12 @@ def _check_backward(problem, q, dout, out, lse, deterministic):
 
 
 @lru_cache(maxsize=None)
-def _kernels(static, deterministic, family, aligned):
+def _kernels(static, deterministic, family, aligned, out_aligned=False):
     """The three compiled kernels of a call (preprocess, dkdv, dq or convert_dq); one cache lookup
     per call. The tensor-core kernels take the portable ones' arguments."""
     with user_functions_compile(static.variant):
         return tuple(launch.compiled(config, static.device)
-                     for config in plan_backward(static, deterministic, family, aligned))
+                     for config in plan_backward(static, deterministic, family, aligned, out_aligned))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -80,7 +80,9 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     # The tensor-core kernels where they apply, unless a family is forced (configs.plan_backward).
     family = forced_family()
     aligned = p.aligned and validation.rows_aligned(dout)  # q, k, v (checked) and dout: cp.async
-    preprocess, dkdv, dq_kernel = _kernels(p.static, deterministic, family, aligned)
+    # out's rows too: the row-wise kernels' 16-byte form (configs.ROWWISE_VECTOR) reads them
+    out_aligned = validation.rows_aligned(out)
+    preprocess, dkdv, dq_kernel = _kernels(p.static, deterministic, family, aligned, out_aligned)
     dq = launch.empty(q.shape, q.dtype)
     dk = launch.empty(k.shape, k.dtype)
     dv = launch.empty(v.shape, v.dtype)

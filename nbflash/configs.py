@@ -375,6 +375,11 @@ PORTABLE_BACKWARD_DQ = [
 
 # Preprocess and dq conversion: query rows per block and threads per row (memory-bound, tiny).
 PORTABLE_BACKWARD_ROWS = (32, 8)
+# ... and their 16-byte forms (backward_portable.py's ``vector``: headdim / 8 lanes a row, 256
+# threads a block), for 16-bit rows on 16-byte boundaries. Off: not yet timed on a GPU
+# (docs/perf-notes.md, "Hopper backward", step 19).
+ROWWISE_VECTOR = False
+ROWWISE_VECTOR_THREADS = 256
 
 
 def _fit(kernel, headdim, threads_per_row, fixed, fixed_is_m):
@@ -491,10 +496,12 @@ def sm90_backward_table_config(dtype, headdim, variant):
                               dq_reduce=reduce[0] if reduce else "red", heavy_groups=SM90_BACKWARD_HEAVY_GROUPS)
 
 
-def plan_backward(static, deterministic, family=None, aligned=None):
+def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=False):
     """The kernel configs of a backward call: (preprocess, dkdv, dq or convert_dq), for a problem's
     static part (``Problem.static``). ``aligned``: every row of q, k, v and dout starts on a 16-byte
     boundary (the tensor-core kernels then copy tiles with cp.async); default ``static.aligned``.
+    ``out_aligned``: so do out's rows (with ``aligned`` and ``ROWWISE_VECTOR``, the row-wise kernels
+    take their 16-byte forms where the dtype and headdim allow).
 
     ``family`` "sm90" (the Hopper dK/dV kernel with atomic dq, where it serves the call:
     ``sm90_backward_unsupported_reason``; with deterministic=True the sm80 dK/dV kernel without
@@ -519,8 +526,13 @@ def plan_backward(static, deterministic, family=None, aligned=None):
     atomic = not deterministic
     common = dict(dtype=dtype, headdim=headdim, variant=static.variant, atomic_dq=atomic)
     rows, rows_threads = PORTABLE_BACKWARD_ROWS
+    vector = (ROWWISE_VECTOR and aligned and out_aligned and dtype != "float32" and headdim % 8 == 0
+              and headdim // 8 <= ROWWISE_VECTOR_THREADS)
+    if vector:  # 16-byte accesses: eight features a lane
+        rows_threads = headdim // 8
+        rows = ROWWISE_VECTOR_THREADS // rows_threads
     # The row-wise kernels do not depend on the variant: one compiled kernel serves them all.
-    rowwise = dict(common, variant=Variant())
+    rowwise = dict(common, variant=Variant(), vector=vector)
     preprocess = PortableBackwardConfig("preprocess", block_m=rows, block_n=rows,
                                         threads_per_row=rows_threads, **rowwise)
     convert = PortableBackwardConfig("convert_dq", block_m=rows, block_n=rows,

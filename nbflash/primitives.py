@@ -80,6 +80,12 @@ def f32_to_bf16_bits(x):
 
 
 @cuda.jit(device=True, inline=True)
+def unpack_bf16x2(word):
+    """The two bfloat16 of a packed uint32 (the low 16 bits the first), widened to float32."""
+    return u32_as_f32(word << uint32(16)), u32_as_f32(word & uint32(0xFFFF0000))
+
+
+@cuda.jit(device=True, inline=True)
 def to_f32(x):
     """Widen a float16 or float32 element to float32."""
     return float32(x)
@@ -260,6 +266,30 @@ if SIMULATOR:
         with _reduction_lock:
             pair[0] = np.float32(pair[0]) + np.float32(a)
             pair[1] = np.float32(pair[1]) + np.float32(b)
+
+    def _global_bytes(address, nbytes):
+        addr = int(address)
+        if addr % nbytes:
+            raise ValueError(f"global address {addr:#x} is not {nbytes}-byte aligned")
+        if not _global_ranges.contains(addr, nbytes):
+            raise IndexError(f"global address {addr:#x} (+{nbytes}) is outside every array")
+        return (ctypes.c_uint32 * (nbytes // 4)).from_address(addr)
+
+    def load_u32x4_nc(address):
+        """The 16 bytes at a global address (see global_address; 16-byte aligned) as four uint32,
+        by the read-only path (ld.global.nc.v4: for data no thread of the running kernel writes)."""
+        return tuple(np.uint32(word) for word in _global_bytes(address, 16))
+
+    def store_u32x4(address, a, b, c, d):
+        """Four uint32 to the 16 bytes at a global address (16-byte aligned), one vector store."""
+        words = _global_bytes(address, 16)
+        for i, word in enumerate((a, b, c, d)):
+            words[i] = int(word) & 0xFFFFFFFF
+
+    def unpack_f16x2(word):
+        """The two float16 of a packed uint32 (the low 16 bits the first), widened to float32."""
+        halves = np.array([int(word) & 0xFFFF, (int(word) >> 16) & 0xFFFF], dtype=np.uint16).view(np.float16)
+        return np.float32(halves[0]), np.float32(halves[1])
 
     def cp_async_commit():
         """Close the group of cp.async copies issued so far (nothing to do: copies were immediate)."""
@@ -467,6 +497,46 @@ else:
             _asm(builder, ir.VoidType(), list(args), "red.global.add.v2.f32 [$0], {$1, $2};",
                  "l,f,f,~{memory}", side_effect=True)
             return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def load_u32x4_nc(typingctx, address):
+        """The 16 bytes at a global address (see global_address; 16-byte aligned) as four uint32,
+        by the read-only path (ld.global.nc.v4.u32: for data no thread of the running kernel writes)."""
+        ret = types.UniTuple(types.uint32, 4)
+        sig = ret(types.int64)
+
+        def codegen(context, builder, signature, args):
+            struct = _asm(builder, ir.LiteralStructType([_i32] * 4), list(args),
+                          "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+            return _tuple(context, builder, ret, struct, 4)
+
+        return sig, codegen
+
+    @intrinsic
+    def store_u32x4(typingctx, address, a, b, c, d):
+        """Four uint32 to the 16 bytes at a global address (16-byte aligned): st.global.v4.u32."""
+        sig = types.void(types.int64, types.uint32, types.uint32, types.uint32, types.uint32)
+
+        def codegen(context, builder, signature, args):
+            _asm(builder, ir.VoidType(), list(args), "st.global.v4.u32 [$0], {$1, $2, $3, $4};",
+                 "l,r,r,r,r,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def unpack_f16x2(typingctx, word):
+        """The two float16 of a packed uint32 (the low 16 bits the first), widened to float32."""
+        ret = types.UniTuple(types.float32, 2)
+        sig = ret(types.uint32)
+
+        def codegen(context, builder, signature, args):
+            struct = _asm(builder, ir.LiteralStructType([_f32] * 2), list(args),
+                          "{ .reg .f16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
+                          "=f,=f,r")
+            return _tuple(context, builder, ret, struct, 2)
 
         return sig, codegen
 

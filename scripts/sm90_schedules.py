@@ -3,7 +3,7 @@
 
     python scripts/sm90_schedules.py
     python scripts/sm90_schedules.py --backward [--headdims D ...] [--only NAME ...] [--anchors] [--isolate S]
-    python scripts/sm90_schedules.py --parts [--headdims D ...]
+    python scripts/sm90_schedules.py --parts [--headdims D ...] [--rowwise-vector]
 
 Backward, each column a schedule:
 - "base": 2 stages, dQ split by keys (each consumer adds dS K_c for its own 64 keys), the grid's
@@ -39,7 +39,9 @@ With --parts, the planned backward's three launches (preprocess: D and dq_accum'
 kernel; the dq conversion) timed one at a time on each shape, and the bytes the two row-wise
 kernels move over their time (GB/s), next to a device-to-device copy's; then the whole call three
 ways: alone on an idle GPU (its host work before the first launch counted), behind a forward
-queued ahead (host work hidden), and ten calls back to back (per call).
+queued ahead (host work hidden), and ten calls back to back (per call). --rowwise-vector plans the
+two row-wise kernels' 16-byte forms (configs.ROWWISE_VECTOR; docs/perf-notes.md step 19) for the
+run: one --parts run with it and one without compare them.
 Each is timed as a whole flash_attn_backward call (preprocess and dq conversion included, the same
 for all), with a forward queued ahead of each timed call as the SDPA anchors have (so the call's
 host work overlaps GPU time for both; before 2026-12-04's third session ours was timed on an idle
@@ -357,7 +359,8 @@ def main_parts():
                          .astype(np.float16) for _ in range(4))
         out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
         problem, q_, k_, v_ = validation.check_forward(q, k, v, None, causal)
-        preprocess, dkdv, convert = backward._kernels(problem.static, False, None, problem.aligned)
+        preprocess, dkdv, convert = backward._kernels(problem.static, False, None, problem.aligned,
+                                                      validation.rows_aligned(out))
         shape = (batch, nheads, nheads, seqlen, seqlen)
         delta = cupy.empty((batch, nheads, seqlen), np.float32)
         dq_accum = cupy.empty(q.shape, np.float32)
@@ -403,6 +406,8 @@ def parse_args():
                         help="with --backward: time each (shape, schedule) in a child process with this time "
                              "limit, so that a schedule that hangs the GPU costs only its own cells")
     parser.add_argument("--child", nargs=4, metavar=("NAME", "HD", "SEQLEN", "CAUSAL"), help=argparse.SUPPRESS)
+    parser.add_argument("--rowwise-vector", action="store_true",
+                        help="plan the row-wise kernels' 16-byte forms (configs.ROWWISE_VECTOR) for this run")
     parser.add_argument("--parts", action="store_true",
                         help="the planned backward's preprocess, dK/dV and dq conversion timed apart")
     return parser.parse_args()
@@ -416,6 +421,10 @@ if __name__ == "__main__":
         ONLY = {"base", "planned", *args.only}
     ANCHORS = args.anchors
     ISOLATE = args.isolate
+    if args.rowwise_vector:  # the backward calls plan the row-wise kernels' 16-byte forms
+        from nbflash import configs
+
+        configs.ROWWISE_VECTOR = True
     if args.child:
         name, headdim, seqlen, causal = args.child
         child_entry(name, int(headdim), int(seqlen), causal == "True")

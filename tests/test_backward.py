@@ -157,6 +157,43 @@ def test_backward_causal_rows_without_keys(rng, xp):
         assert np.isfinite(dk).all() and np.isfinite(dv).all()
 
 
+@pytest.fixture
+def rowwise_vector(monkeypatch):
+    """The row-wise kernels' 16-byte forms planned (configs.ROWWISE_VECTOR), for this test only."""
+    from nbflash import backward, configs
+
+    monkeypatch.setattr(configs, "ROWWISE_VECTOR", True)
+    backward._kernels.cache_clear()
+    yield configs
+    backward._kernels.cache_clear()
+
+
+@pytest.mark.parametrize("dtype, headdim", [("float16", 16), ("bfloat16", 40)])
+def test_backward_rowwise_vector(rng, xp, rowwise_vector, dtype, headdim):
+    """The preprocess and the dq conversion by 16-byte accesses: D, dq_accum's zeros and dq's
+    conversion against float64, atomic and deterministic, with rows past the last block's end (37
+    rows, 128 or 51 a block: headdim / 8 lanes a row). An out whose rows are off the 16-byte grid,
+    and float32, take the scalar forms."""
+    from nbflash.problem import Static, Variant
+
+    static = Static(dtype, headdim, True, 0, Variant())
+    planned = rowwise_vector.plan_backward(static, False, "portable", True, True)
+    assert planned[0].vector and planned[2].vector and planned[0].threads_per_row == headdim // 8
+    assert not rowwise_vector.plan_backward(static, False, "portable", True, False)[0].vector
+    assert not rowwise_vector.plan_backward(Static("float32", 16, True, 0, Variant()), False, "portable", True,
+                                            True)[0].vector
+    run_case(rng, xp, 1, 37, 20, 2, 1, headdim, dtype, False)
+    run_case(rng, xp, 1, 37, 20, 2, 1, headdim, dtype, True, deterministic=True)
+    # out off the 16-byte grid: a view one element into a wider array
+    q, k, v = random_qkv(rng, xp, 1, 9, 11, 1, 1, headdim, dtype)
+    dout = random_like(rng, xp, q)
+    out, lse = forward(q, k, v)
+    wide = xp.zeros((1, 9, 1, headdim + 1), out.dtype)
+    wide[..., 1:] = out
+    grads = portable_backward(dout, q, k, v, wide[..., 1:], lse)
+    assert_gradients_close(grads, dout, q, k, v, False)
+
+
 def test_backward_deterministic_is_bitwise_reproducible(rng, xp):
     q, k, v = random_qkv(rng, xp, 1, 21, 18, 2, 1, 12, "float16")
     dout = random_like(rng, xp, q)

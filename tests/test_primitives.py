@@ -197,6 +197,48 @@ def test_red_add_f32x2():
     check_red(np.random.default_rng(5))
 
 
+# --- ld.global.nc.v4, st.global.v4 and the packed-pair unpacks ----------------------------------------
+
+@cuda.jit
+def _vector_kernel(x, y, widened, coords):
+    # Lane i copies the 16 bytes x[coords[i], c:c + 8] (8 16-bit elements) to y at the same place,
+    # and widens them both ways: as float16 pairs and as bfloat16 pairs.
+    lane = cuda.threadIdx.x
+    b, s, h, c = coords[lane, 0], coords[lane, 1], coords[lane, 2], coords[lane, 3]
+    w0, w1, w2, w3 = P.load_u32x4_nc(P.global_address(x, b, s, h, c))
+    P.store_u32x4(P.global_address(y, b, s, h, c), w0, w1, w2, w3)
+    for i, word in enumerate((w0, w1, w2, w3)):
+        lo, hi = P.unpack_f16x2(word)
+        widened[lane, 0, 2 * i], widened[lane, 0, 2 * i + 1] = lo, hi
+        lo, hi = P.unpack_bf16x2(word)
+        widened[lane, 1, 2 * i], widened[lane, 1, 2 * i + 1] = lo, hi
+
+
+def test_vector_load_store_unpack():
+    """16-byte loads and stores at 16-byte-aligned places of a 4-D array (every lane its own eight
+    elements; lanes may repeat a place: the same bytes), and each uint32's two halves widened as
+    float16 and as bfloat16, the low half first."""
+    rng = np.random.default_rng(8)
+    values = rng.standard_normal((2, 3, 2, 16)).astype(np.float16)
+    values.reshape(-1)[:4] = [np.inf, -0.0, 65504, 6e-8]  # an infinity, a signed zero, the largest, a subnormal
+    x = values.view(np.uint16)
+    y = np.zeros_like(x)
+    coords = np.stack([rng.integers(0, 2, 32), rng.integers(0, 3, 32), rng.integers(0, 2, 32),
+                       8 * rng.integers(0, 2, 32)], axis=1).astype(np.int64)
+    coords[0] = 0
+    widened = np.full((32, 2, 8), np.nan, np.float32)
+    _vector_kernel[1, 32](x, y, widened, coords)
+    for lane, (b, s, h, c) in enumerate(coords):
+        bits = x[b, s, h, c:c + 8]
+        np.testing.assert_array_equal(y[b, s, h, c:c + 8], bits)
+        np.testing.assert_array_equal(widened[lane, 0], bits.view(np.float16).astype(np.float32))
+        np.testing.assert_array_equal(widened[lane, 1], (bits.astype(np.uint32) << 16).view(np.float32))
+    touched = np.zeros(x.shape, bool)
+    for b, s, h, c in coords:
+        touched[b, s, h, c:c + 8] = True
+    assert (y[~touched] == 0).all()  # nothing written outside the lanes' places
+
+
 # --- ld.global.cg ------------------------------------------------------------------------------------
 
 @cuda.jit

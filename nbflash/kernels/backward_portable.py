@@ -68,7 +68,19 @@ from functools import lru_cache
 from numba import cuda, float32, uint16, uint32
 from numba.types import float16
 
-from nbflash.primitives import inline_device, static_range, unroll
+from nbflash.primitives import (
+    global_address,
+    inline_device,
+    load_u32x4_nc,
+    pack_bf16x2,
+    pack_f16x2,
+    static_range,
+    store_u32x4,
+    u32_as_f32,
+    unpack_bf16x2,
+    unpack_f16x2,
+    unroll,
+)
 from nbflash.problem import Variant
 
 from . import variants
@@ -93,6 +105,15 @@ class PortableBackwardConfig:
     block_n: int  # key/value rows per tile
     threads_per_row: int
     atomic_dq: bool  # dQ through float32 atomics (else by the deterministic ``dq`` kernel)
+    # preprocess and convert_dq only: each lane's 8 features of its row by 16-byte loads and stores
+    # (16-bit dtypes, headdim a multiple of 8, threads_per_row = headdim / 8, rows 16-byte aligned)
+    vector: bool = False
+
+    def __post_init__(self):
+        if self.vector and (self.kernel not in ("preprocess", "convert_dq") or self.dtype == "float32"
+                            or self.headdim % 8 or self.threads_per_row != self.headdim // 8):
+            raise ValueError(f"vector rows: preprocess or convert_dq, 16-bit elements, headdim a multiple of 8 and "
+                             f"headdim / 8 lanes per row, not {self}")
 
     @property
     def rows(self):
@@ -511,6 +532,77 @@ def build_backward_portable(config):
         if q_idx < seqlen_q:
             convert_row(dq_accum, dq, cuda.blockIdx.z, q_idx, cuda.blockIdx.y, lane, values, scale)
 
+    # ------------------------------------------------------------------------------------------
+    # The two row-wise kernels by 16-byte accesses (``vector``): lane l owns features 8 l .. 8 l + 7
+    # of its row, one 16-byte load of O and one of dO (four packed pairs each), two 16-byte stores
+    # of dq_accum's zeros; the conversion reads 32 bytes of dq_accum and stores 16 of dq. The
+    # scalar forms above issue 2- and 4-byte accesses, 8 lanes a row (0.6-0.75x of the copy
+    # bandwidth on the H200: docs/perf-notes.md, "Hopper backward", step 12).
+    # ------------------------------------------------------------------------------------------
+
+    unpack = unpack_f16x2 if config.dtype == "float16" else unpack_bf16x2
+    pack = pack_f16x2 if config.dtype == "float16" else pack_bf16x2
+
+    @inline_device
+    @unroll
+    def dot_packed(o, do):
+        """o . do over a lane's eight features, each four uint32 of packed 16-bit pairs; a fixed
+        order, so D is the same bits on every run."""
+        partial = float32(0.0)
+        for w in static_range(4):
+            o_lo, o_hi = unpack(o[w])
+            do_lo, do_hi = unpack(do[w])
+            partial += o_lo * do_lo
+            partial += o_hi * do_hi
+        return partial
+
+    @cuda.jit(cache=True)  # compiled code is kept on disk (per config) across processes
+    def backward_preprocess_vector(out, dout, delta, dq_accum):
+        seqlen_q = out.shape[1]
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        row = cuda.threadIdx.x // THREADS_PER_ROW
+        lane = cuda.threadIdx.x % THREADS_PER_ROW
+        q_idx = cuda.blockIdx.x * BLOCK_M + row
+        partial_s = cuda.shared.array((BLOCK_M, THREADS_PER_ROW_PAD), float32)
+
+        partial = float32(0.0)
+        if q_idx < seqlen_q:
+            o = load_u32x4_nc(global_address(out, batch, q_idx, head, 8 * lane))
+            do = load_u32x4_nc(global_address(dout, batch, q_idx, head, 8 * lane))
+            if ATOMIC_DQ:
+                zeros = global_address(dq_accum, batch, q_idx, head, 8 * lane)
+                store_u32x4(zeros, uint32(0), uint32(0), uint32(0), uint32(0))
+                store_u32x4(zeros + 16, uint32(0), uint32(0), uint32(0), uint32(0))
+            partial = dot_packed(o, do)
+        partial_s[row, lane] = partial
+        cuda.syncthreads()  # every lane's partial sum of the row is in shared memory
+
+        if lane == 0 and q_idx < seqlen_q:
+            total = float32(0.0)
+            for i in range(THREADS_PER_ROW):  # a fixed order: D is the same bits on every run
+                total += partial_s[row, i]
+            delta[batch, head, q_idx] = total
+
+    @cuda.jit(cache=True)  # compiled code is kept on disk (per config) across processes
+    def backward_convert_dq_vector(dq_accum, dq, scale):
+        seqlen_q = dq.shape[1]
+        row = cuda.threadIdx.x // THREADS_PER_ROW
+        lane = cuda.threadIdx.x % THREADS_PER_ROW
+        q_idx = cuda.blockIdx.x * BLOCK_M + row
+        if q_idx < seqlen_q:
+            batch, head = cuda.blockIdx.z, cuda.blockIdx.y
+            accumulated = global_address(dq_accum, batch, q_idx, head, 8 * lane)
+            a = load_u32x4_nc(accumulated)  # features 8 lane .. + 3
+            b = load_u32x4_nc(accumulated + 16)  # ... + 4 .. + 7
+            store_u32x4(global_address(dq, batch, q_idx, head, 8 * lane),
+                        pack(u32_as_f32(a[0]) * scale, u32_as_f32(a[1]) * scale),
+                        pack(u32_as_f32(a[2]) * scale, u32_as_f32(a[3]) * scale),
+                        pack(u32_as_f32(b[0]) * scale, u32_as_f32(b[1]) * scale),
+                        pack(u32_as_f32(b[2]) * scale, u32_as_f32(b[3]) * scale))
+
+    if config.vector:
+        return {"preprocess": backward_preprocess_vector, "convert_dq": backward_convert_dq_vector}[config.kernel]
     return {
         "preprocess": backward_preprocess,
         "dkdv": backward_dkdv,
