@@ -102,11 +102,14 @@ def configurations(dtypes, headdims, families, cc, unaligned=False, variants=Non
                 if family == "sm80" and configs._sm90_default(static):  # what the forward runs by default
                     jobs[configs.plan_forward(static)] = None
                 for deterministic in (False, True):
-                    for config in configs.plan_backward(static, deterministic, family):
-                        jobs[config] = None
-                    if family == "sm80":  # what the backward runs by default (sm90's dK/dV on Hopper)
-                        for config in configs.plan_backward(static, deterministic):
+                    # out's rows aligned too where the rest are (the row-wise kernels' 16-byte forms,
+                    # when configs.ROWWISE_VECTOR plans them)
+                    for out_aligned in {False, aligned}:
+                        for config in configs.plan_backward(static, deterministic, family, None, out_aligned):
                             jobs[config] = None
+                        if family == "sm80":  # what the backward runs by default (sm90's dK/dV on Hopper)
+                            for config in configs.plan_backward(static, deterministic, None, None, out_aligned):
+                                jobs[config] = None
         if "sm90" in families and cc == configs.SM90_COMPUTE_CAPABILITY:  # the Hopper kernels, forced or not
             for dtype, headdim, variant in itertools.product(dtypes, headdims, variants):
                 static = Static(dtype, headdim, True, 0, variant)
@@ -114,8 +117,9 @@ def configurations(dtypes, headdims, families, cc, unaligned=False, variants=Non
                     jobs[configs.plan_forward(static, "sm90")] = None
                 if not configs.mma_unsupported_reason(dtype):
                     for deterministic in (False, True):
-                        for config in configs.plan_backward(static, deterministic, "sm90"):
-                            jobs[config] = None
+                        for out_aligned in (False, True):
+                            for config in configs.plan_backward(static, deterministic, "sm90", None, out_aligned):
+                                jobs[config] = None
     return list(jobs)
 
 

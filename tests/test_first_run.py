@@ -189,6 +189,20 @@ def test_prebuild_unaligned_with_every_family_on_hopper():
     assert any(type(c).__name__.startswith("Sm90") for c in aligned)
 
 
+def test_prebuild_has_the_rowwise_vector_forms_when_planned(monkeypatch):
+    """With configs.ROWWISE_VECTOR on, the prebuild compiles the row-wise kernels' 16-byte forms
+    too (the preprocess, atomic and not, and the conversion, per 16-bit headdim), beside the scalar
+    ones that unaligned outputs still take; with it off, neither is planned."""
+    wanted = prebuild.configurations(["float16"], [64, 128], ["portable", "sm80"], (9, 0))
+    assert not any(getattr(c, "vector", False) for c in wanted)
+    monkeypatch.setattr(configs, "ROWWISE_VECTOR", True)
+    vector = [c for c in prebuild.configurations(["float16"], [64, 128], ["portable", "sm80"], (9, 0))
+              if getattr(c, "vector", False)]
+    assert sorted((c.headdim, c.kernel, c.atomic_dq) for c in vector) == [
+        (hd, kernel, atomic) for hd in (64, 128) for kernel, atomic in
+        (("convert_dq", True), ("preprocess", False), ("preprocess", True))]
+
+
 def test_prebuild_counts_built_cached_and_failed(monkeypatch, tmp_path, capsys):
     """The whole command with threads for processes and a build that compiles nothing: one tick per
     kernel, the counts at the end, and each distinct error once."""
