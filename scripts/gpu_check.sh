@@ -25,6 +25,9 @@
 #                                it passes (without the prebuild, 540 s stopped one process's backward
 #                                test and another's statistics: 11 of 12 tests done), and each failing
 #                                one's report as it fails (xdist prints them only at the session's end)
+#   scripts/gpu_check.sh levers  issue 13's options not yet run on a GPU (the persistent rows grid,
+#                                the 16-byte row-wise kernels): their tests, then each timed against
+#                                what is planned, about 9 minutes
 #
 # The whole suite takes longer than one 10-minute command. NBFLASH_RESUME_LOGS (earlier parts'
 # pytest.log files, separated by ':') leaves out the tests they already report (tests/conftest.py),
@@ -139,8 +142,24 @@ fuzz)
     echo "failing examples (NBFLASH_FAILURES_LOG, written as they fail): $(grep -c '^====' "$out/fuzz_failures.log" 2> /dev/null || echo 0)"
     grep -aE "^====|Falsifying|Error|assert" "$out/fuzz_failures.log" 2> /dev/null | head -20
     ;;
+levers)
+    # Issue 13's options built without a GPU (docs/perf-notes.md, "Hopper backward", steps 18 and
+    # 19): their GPU tests, then each timed against what is planned, in one run of about 9 minutes.
+    OMP_NUM_THREADS=1 timeout 180 python3 -m pytest -n 8 -v -p no:cacheprovider -W ignore tests/test_backward_sm90.py \
+        tests/test_backward.py tests/test_primitives.py -k "(rows_gpu and persistent) or rowwise_vector or vector_load" \
+        > "$out/levers_tests.log" 2>&1
+    echo "tests: exit $?: $(tail -1 "$out/levers_tests.log")"
+    grep -aE "\] (FAILED|ERROR)" "$out/levers_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
+    timeout 90 python3 scripts/sm90_schedules.py --parts > "$out/parts.log" 2>&1
+    echo "row-wise kernels as planned (exit $?):"; grep -a "^|" "$out/parts.log"
+    timeout 90 python3 scripts/sm90_schedules.py --parts --rowwise-vector > "$out/parts_vector.log" 2>&1
+    echo "row-wise kernels by 16-byte accesses (exit $?):"; grep -a "^|" "$out/parts_vector.log"
+    timeout 180 python3 scripts/sm90_schedules.py --backward --headdims 64 --only rows rows-persistent planned \
+        --anchors > "$out/persistent.log" 2>&1
+    echo "persistent rows grid (exit $?):"; tail -16 "$out/persistent.log"
+    ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers" >&2
     exit 2
     ;;
 esac
