@@ -228,6 +228,18 @@ def build_backward_portable(config):
                 o_raw[f] = out[batch, q_idx, head, d]
                 do_raw[f] = dout[batch, q_idx, head, d]
 
+    @cuda.jit(device=True, inline=True)
+    def store_delta(partial_s, partial, row, lane, delta, batch, head, q_idx, seqlen_q):
+        """D of the block's rows: each lane's partial sum of its row into shared memory, then lane 0
+        of each row adds them up."""
+        partial_s[row, lane] = partial
+        cuda.syncthreads()  # every lane's partial sum of the row is in shared memory
+        if lane == 0 and q_idx < seqlen_q:
+            total = float32(0.0)
+            for i in range(THREADS_PER_ROW):  # a fixed order: D is the same bits on every run
+                total += partial_s[row, i]
+            delta[batch, head, q_idx] = total
+
     @cuda.jit(cache=True)  # compiled code is kept on disk (per config) across processes
     def backward_preprocess(out, dout, delta, dq_accum):
         seqlen_q = out.shape[1]
@@ -251,14 +263,7 @@ def build_backward_portable(config):
             for f in range(FEATURES_PER_THREAD):  # a fixed order: D is the same bits on every run
                 if WHOLE_ROWS or lane + uint32(f * THREADS_PER_ROW) < uint32(HEADDIM):
                     partial += load(o_raw[f]) * load(do_raw[f])
-        partial_s[row, lane] = partial
-        cuda.syncthreads()  # every lane's partial sum of the row is in shared memory
-
-        if lane == 0 and q_idx < seqlen_q:
-            total = float32(0.0)
-            for i in range(THREADS_PER_ROW):  # a fixed order: D is the same bits on every run
-                total += partial_s[row, i]
-            delta[batch, head, q_idx] = total
+        store_delta(partial_s, partial, row, lane, delta, batch, head, q_idx, seqlen_q)
 
     # ------------------------------------------------------------------------------------------
     # dK, dV (and, with atomics, dQ): one block per key/value tile
@@ -575,14 +580,7 @@ def build_backward_portable(config):
                 store_u32x4(zeros, uint32(0), uint32(0), uint32(0), uint32(0))
                 store_u32x4(zeros + 16, uint32(0), uint32(0), uint32(0), uint32(0))
             partial = dot_packed(o, do)
-        partial_s[row, lane] = partial
-        cuda.syncthreads()  # every lane's partial sum of the row is in shared memory
-
-        if lane == 0 and q_idx < seqlen_q:
-            total = float32(0.0)
-            for i in range(THREADS_PER_ROW):  # a fixed order: D is the same bits on every run
-                total += partial_s[row, i]
-            delta[batch, head, q_idx] = total
+        store_delta(partial_s, partial, row, lane, delta, batch, head, q_idx, seqlen_q)
 
     @cuda.jit(cache=True)  # compiled code is kept on disk (per config) across processes
     def backward_convert_dq_vector(dq_accum, dq, scale):
