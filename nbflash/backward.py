@@ -10,7 +10,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import launch, runtime, validation
+from . import configs, launch, runtime, validation
 from .block_mask import kernel_params
 from .configs import forced_family, plan_backward
 from .dtypes import FLOAT32
@@ -80,8 +80,8 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     # The tensor-core kernels where they apply, unless a family is forced (configs.plan_backward).
     family = forced_family()
     aligned = p.aligned and validation.rows_aligned(dout)  # q, k, v (checked) and dout: cp.async
-    # out's rows too: the row-wise kernels' 16-byte form (configs.ROWWISE_VECTOR) reads them
-    out_aligned = validation.rows_aligned(out)
+    # out's rows too, where the row-wise kernels' 16-byte forms are planned (they read them)
+    out_aligned = configs.ROWWISE_VECTOR and validation.rows_aligned(out)
     preprocess, dkdv, dq_kernel = _kernels(p.static, deterministic, family, aligned, out_aligned)
     dq = launch.empty(q.shape, q.dtype)
     dk = launch.empty(k.shape, k.dtype)

@@ -526,8 +526,7 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
     atomic = not deterministic
     common = dict(dtype=dtype, headdim=headdim, variant=static.variant, atomic_dq=atomic)
     rows, rows_threads = PORTABLE_BACKWARD_ROWS
-    vector = (ROWWISE_VECTOR and aligned and out_aligned and dtype != "float32" and headdim % 8 == 0
-              and headdim // 8 <= ROWWISE_VECTOR_THREADS)
+    vector = ROWWISE_VECTOR and aligned and out_aligned and dtype != "float32" and headdim % 8 == 0
     if vector:  # 16-byte accesses: eight features a lane
         rows_threads = headdim // 8
         rows = ROWWISE_VECTOR_THREADS // rows_threads

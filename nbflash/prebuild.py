@@ -104,7 +104,7 @@ def configurations(dtypes, headdims, families, cc, unaligned=False, variants=Non
                 for deterministic in (False, True):
                     # out's rows aligned too where the rest are (the row-wise kernels' 16-byte forms,
                     # when configs.ROWWISE_VECTOR plans them)
-                    for out_aligned in {False, aligned}:
+                    for out_aligned in (False, True) if aligned else (False,):
                         for config in configs.plan_backward(static, deterministic, family, None, out_aligned):
                             jobs[config] = None
                         if family == "sm80":  # what the backward runs by default (sm90's dK/dV on Hopper)

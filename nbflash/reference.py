@@ -334,25 +334,28 @@ def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
     dv = xp.zeros(v.shape, xp.float32)
     rows = xp.arange(q.shape[1])
     mask = scores.masks([rows])[0]
+    # What stays in float32 registers under FlashAttention's numerics (scores, dP) and is rounded to
+    # the dtype by a framework's
+    registers = (lambda x: x) if flash else rounded
     for b in range(q.shape[0]):
         for h in range(q.shape[2]):
             k_h, v_h, do = k[b, :, h // group], v[b, :, h // group], dout[b, :, h]
-            in_scores = (lambda x: x) if flash else rounded  # FlashAttention keeps scores in float32
-            s, grad = scores(in_scores((q[b, :, h] @ k_h.T) * scale), b, h, rows, mask, in_scores)
+            s, grad = scores(registers((q[b, :, h] @ k_h.T) * scale), b, h, rows, mask, registers)
             exps, _, row_sum = _softmax_rows(s.astype(xp.float32), xp)
-            p_exact = exps / xp.where(row_sum > 0, row_sum, 1.0)
+            row_sum = xp.where(row_sum > 0, row_sum, 1.0)
+            p_exact = exps / row_sum
             p = rounded(p_exact)
             factor = scores.dropout_factor(b, h, rows)
             kept = p if factor is None else rounded(p * factor.astype(xp.float32))
             if flash:  # its forward: the unnormalized exponentials rounded, the sum divided out at the end
                 kept_exps = rounded(exps if factor is None else exps * factor.astype(xp.float32))
-                out = rounded((kept_exps @ v_h) / xp.where(row_sum > 0, row_sum, 1.0))
+                out = rounded((kept_exps @ v_h) / row_sum)
             else:
                 out = rounded(kept @ v_h)
             dv[b, :, h // group] += rounded(kept.T @ do)
-            dp = do @ v_h.T if flash else rounded(do @ v_h.T)
+            dp = registers(do @ v_h.T)
             if factor is not None:
-                dp = dp * factor.astype(xp.float32) if flash else rounded(dp * factor.astype(xp.float32))
+                dp = registers(dp * factor.astype(xp.float32))
             delta = (do * out).sum(axis=1, keepdims=True)
             ds = rounded((p_exact if flash else p) * (dp - delta))
             if grad is not None:

@@ -144,9 +144,11 @@ fuzz)
     ;;
 levers)
     # Issue 13's options built without a GPU (docs/perf-notes.md, "Hopper backward", steps 18 and
-    # 19): their GPU tests, then each timed against what is planned, in one run of about 9 minutes.
+    # 19): their GPU tests, with the planned rows-split kernel's (its loop now runs per key tile,
+    # recompiled with the same instruction count causal, +8 plain), then each timed against what is
+    # planned, in one run of about 9 minutes.
     OMP_NUM_THREADS=1 timeout 180 python3 -m pytest -n 8 -v -p no:cacheprovider -W ignore tests/test_backward_sm90.py \
-        tests/test_backward.py tests/test_primitives.py -k "(rows_gpu and persistent) or rowwise_vector or vector_load" \
+        tests/test_backward.py tests/test_primitives.py -k "(rows_gpu and not stmatrix) or rowwise_vector or vector_load" \
         > "$out/levers_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/levers_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/levers_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
