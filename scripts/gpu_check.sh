@@ -147,7 +147,7 @@ levers)
     # 19): their GPU tests, with the planned rows-split kernel's (its loop now runs per key tile,
     # recompiled with the same instruction count causal, +8 plain), then each timed against what is
     # planned, in one run of about 9 minutes.
-    OMP_NUM_THREADS=1 timeout 180 python3 -m pytest -n 8 -v -p no:cacheprovider -W ignore tests/test_backward_sm90.py \
+    OMP_NUM_THREADS=1 timeout 210 python3 -m pytest -n 8 -v -p no:cacheprovider -W ignore tests/test_backward_sm90.py \
         tests/test_backward.py tests/test_primitives.py -k "(rows_gpu and not stmatrix) or rowwise_vector or vector_load" \
         > "$out/levers_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/levers_tests.log")"
@@ -156,7 +156,7 @@ levers)
     echo "row-wise kernels as planned (exit $?):"; grep -a "^|" "$out/parts.log"
     timeout 90 python3 scripts/sm90_schedules.py --parts --rowwise-vector > "$out/parts_vector.log" 2>&1
     echo "row-wise kernels by 16-byte accesses (exit $?):"; grep -a "^|" "$out/parts_vector.log"
-    timeout 180 python3 scripts/sm90_schedules.py --backward --headdims 64 --only rows rows-persistent planned \
+    timeout 160 python3 scripts/sm90_schedules.py --backward --headdims 64 --only rows rows-persistent planned \
         --anchors > "$out/persistent.log" 2>&1
     echo "persistent rows grid (exit $?):"; tail -16 "$out/persistent.log"
     ;;
