@@ -25,9 +25,10 @@
 #                                it passes (without the prebuild, 540 s stopped one process's backward
 #                                test and another's statistics: 11 of 12 tests done), and each failing
 #                                one's report as it fails (xdist prints them only at the session's end)
-#   scripts/gpu_check.sh levers  issue 13's options not yet run on a GPU (the persistent rows grid,
-#                                the 16-byte row-wise kernels): their tests, then each timed against
-#                                what is planned, about 9 minutes
+#   scripts/gpu_check.sh levers  issue 13's open option (the persistent rows grid, in the planned
+#                                launch order) and what is planned: the backward's GPU tests (the
+#                                16-byte row-wise kernels planned), then the grid timed against what
+#                                is planned, about 8 minutes
 #
 # The whole suite takes longer than one 10-minute command. NBFLASH_RESUME_LOGS (earlier parts'
 # pytest.log files, separated by ':') leaves out the tests they already report (tests/conftest.py),
@@ -143,22 +144,17 @@ fuzz)
     grep -aE "^====|Falsifying|Error|assert" "$out/fuzz_failures.log" 2> /dev/null | head -20
     ;;
 levers)
-    # Issue 13's options built without a GPU (docs/perf-notes.md, "Hopper backward", steps 18 and
-    # 19): their GPU tests, with the planned rows-split kernel's (its loop now runs per key tile,
-    # recompiled with the same instruction count causal, +8 plain), then each timed against what is
-    # planned, in one run of about 9 minutes.
-    OMP_NUM_THREADS=1 timeout 210 python3 -m pytest -n 8 -v -p no:cacheprovider -W ignore tests/test_backward_sm90.py \
-        tests/test_backward.py tests/test_primitives.py -k "(rows_gpu and not stmatrix) or rowwise_vector or vector_load" \
+    # Issue 13's open option (docs/perf-notes.md, "Hopper backward", step 18: the persistent grid
+    # in the planned launch order) and what is planned (step 19: the 16-byte row-wise kernels): the
+    # backward's GPU tests, then the grid and the planned backward timed against the anchors.
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 270 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+        -W ignore tests/test_backward_sm90.py tests/test_backward.py tests/test_primitives.py -k "not stmatrix" \
         > "$out/levers_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/levers_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/levers_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 90 python3 scripts/sm90_schedules.py --parts > "$out/parts.log" 2>&1
-    echo "row-wise kernels as planned (exit $?):"; grep -a "^|" "$out/parts.log"
-    timeout 90 python3 scripts/sm90_schedules.py --parts --rowwise-vector > "$out/parts_vector.log" 2>&1
-    echo "row-wise kernels by 16-byte accesses (exit $?):"; grep -a "^|" "$out/parts_vector.log"
-    timeout 160 python3 scripts/sm90_schedules.py --backward --headdims 64 --only rows rows-persistent planned \
-        --anchors > "$out/persistent.log" 2>&1
-    echo "persistent rows grid (exit $?):"; tail -16 "$out/persistent.log"
+    timeout 220 python3 scripts/sm90_schedules.py --backward --only rows-persistent planned --anchors \
+        > "$out/persistent.log" 2>&1
+    echo "persistent rows grid and the planned backward (exit $?):"; tail -24 "$out/persistent.log"
     ;;
 *)
     echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers" >&2

@@ -3,7 +3,7 @@
 
     python scripts/sm90_schedules.py
     python scripts/sm90_schedules.py --backward [--headdims D ...] [--only NAME ...] [--anchors] [--isolate S]
-    python scripts/sm90_schedules.py --parts [--headdims D ...] [--rowwise-vector]
+    python scripts/sm90_schedules.py --parts [--headdims D ...] [--rowwise-scalar]
 
 Backward, each column a schedule:
 - "base": 2 stages, dQ split by keys (each consumer adds dS K_c for its own 64 keys), the grid's
@@ -26,7 +26,8 @@ Backward, each column a schedule:
   the consumers (nbflash/kernels/backward_sm90_rows.py, 128 x 128 tiles), 2 and 3 stages, the
   planner's launch order; "rows-stmatrix": P and dS stored by stmatrix (the pipelined loop timed
   on 2026-12-04 as "rows-pipe" is in git history, commit 1aba50e; docs/perf-notes.md step 15);
-  "rows-persistent": a persistent grid of one block per multiprocessor (step 18);
+  "rows-persistent": a persistent grid of one block per multiprocessor over the planned launch
+  order (step 18);
 - "planned": the planner's choice (configs.sm90_backward_config: the rows split at headdim 64,
   configs.SM90_BACKWARD's row of backward_sm90.py otherwise).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
@@ -39,8 +40,8 @@ With --parts, the planned backward's three launches (preprocess: D and dq_accum'
 kernel; the dq conversion) timed one at a time on each shape, and the bytes the two row-wise
 kernels move over their time (GB/s), next to a device-to-device copy's; then the whole call three
 ways: alone on an idle GPU (its host work before the first launch counted), behind a forward
-queued ahead (host work hidden), and ten calls back to back (per call). --rowwise-vector plans the
-two row-wise kernels' 16-byte forms (configs.ROWWISE_VECTOR; docs/perf-notes.md step 19) for the
+queued ahead (host work hidden), and ten calls back to back (per call). --rowwise-scalar plans the
+two row-wise kernels' scalar forms (configs.ROWWISE_VECTOR off; docs/perf-notes.md step 19) for the
 run: one --parts run with it and one without compare them.
 Each is timed as a whole flash_attn_backward call (preprocess and dq conversion included, the same
 for all), with a forward queued ahead of each timed call as the SDPA anchors have (so the call's
@@ -58,6 +59,7 @@ saying the seconds, registers and local (spill) bytes. Needs a GPU of compute ca
 
 import argparse
 import math
+import multiprocessing
 import os
 import sys
 import time
@@ -117,7 +119,8 @@ def main():
     for headdim, _, causal in SHAPES:
         for name, config in schedules(headdim, causal).items():
             jobs[config] = f"hd {headdim} {'causal' if causal else 'plain'} {name}"
-    with ProcessPoolExecutor(min(12, os.cpu_count())) as pool:
+    # spawned, not forked: the persistent grid's size asked the device, so CUDA is initialized here
+    with ProcessPoolExecutor(min(12, os.cpu_count()), mp_context=multiprocessing.get_context("spawn")) as pool:
         for name, seconds, registers, local in pool.map(build, [(n, c) for c, n in jobs.items()]):
             print(f"built {name}: {seconds:.1f} s, {registers} registers, {local} local bytes", flush=True)
     rows = []
@@ -197,7 +200,8 @@ def backward_schedules(headdim, causal):
         from numba import cuda
 
         found["rows-persistent"] = Sm90RowsBackwardConfig(
-            "float16", headdim, table.variant, persistent=cuda.get_current_device().MULTIPROCESSOR_COUNT)
+            "float16", headdim, table.variant, heavy_groups=table.heavy_groups,
+            persistent=cuda.get_current_device().MULTIPROCESSOR_COUNT)
     found["planned"] = planned
     return {name: config for name, config in found.items() if ONLY is None or name in ONLY}
 
@@ -209,7 +213,8 @@ def main_backward():
     for (headdim, causal), found in table.items():
         for name, config in found.items():
             jobs[config] = f"hd {headdim} {'causal' if causal else 'plain'} {name}"
-    with ProcessPoolExecutor(min(12, os.cpu_count())) as pool:
+    # spawned, not forked: the persistent grid's size asked the device, so CUDA is initialized here
+    with ProcessPoolExecutor(min(12, os.cpu_count()), mp_context=multiprocessing.get_context("spawn")) as pool:
         for name, seconds, registers, local in pool.map(build, [(n, c) for c, n in jobs.items()]):
             print(f"built {name}: {seconds:.1f} s, {registers} registers, {local} local bytes", flush=True)
     rows, began = [], time.time()
@@ -406,8 +411,8 @@ def parse_args():
                         help="with --backward: time each (shape, schedule) in a child process with this time "
                              "limit, so that a schedule that hangs the GPU costs only its own cells")
     parser.add_argument("--child", nargs=4, metavar=("NAME", "HD", "SEQLEN", "CAUSAL"), help=argparse.SUPPRESS)
-    parser.add_argument("--rowwise-vector", action="store_true",
-                        help="plan the row-wise kernels' 16-byte forms (configs.ROWWISE_VECTOR) for this run")
+    parser.add_argument("--rowwise-scalar", action="store_true",
+                        help="plan the row-wise kernels' scalar forms (configs.ROWWISE_VECTOR off) for this run")
     parser.add_argument("--parts", action="store_true",
                         help="the planned backward's preprocess, dK/dV and dq conversion timed apart")
     return parser.parse_args()
@@ -421,10 +426,10 @@ if __name__ == "__main__":
         ONLY = {"base", "planned", *args.only}
     ANCHORS = args.anchors
     ISOLATE = args.isolate
-    if args.rowwise_vector:  # the backward calls plan the row-wise kernels' 16-byte forms
+    if args.rowwise_scalar:  # the backward calls plan the row-wise kernels' scalar forms
         from nbflash import configs
 
-        configs.ROWWISE_VECTOR = True
+        configs.ROWWISE_VECTOR = False
     if args.child:
         name, headdim, seqlen, causal = args.child
         child_entry(name, int(headdim), int(seqlen), causal == "True")

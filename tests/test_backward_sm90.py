@@ -373,10 +373,9 @@ def rows_split(monkeypatch):
 
 def plan_rows(monkeypatch, **fields):
     planned = configs.sm90_backward_config
-    heavy = not SIMULATOR and not fields.get("persistent")  # a persistent grid takes its own order
     monkeypatch.setattr(configs, "sm90_backward_config", lambda dtype, headdim, variant: Sm90RowsBackwardConfig(
-        dtype, headdim, variant, heavy_groups=planned(dtype, headdim, variant).heavy_groups if heavy else 0,
-        **fields))
+        dtype, headdim, variant, **{"heavy_groups": 0 if SIMULATOR else planned(dtype, headdim, variant).heavy_groups,
+                                    **fields}))
     backward._kernels.cache_clear()
 
 
@@ -403,14 +402,16 @@ def test_backward_sm90_rows_small(rng, xp, rows_split, case):
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 def test_backward_sm90_rows_persistent_small(rng, xp, monkeypatch):
-    """A persistent grid of 2 blocks over 6 key tiles (3 key tiles, one a tail, x 2 KV heads): each
-    block takes 3, so both K/V buffers turn over (the producer waits on a buffer's empty barrier
-    before its second load into it) and the ring's slots run on across key tiles; one query tile
-    with rows past seqlen_q, headdim 64, fp16."""
-    plan_rows(monkeypatch, persistent=2)
+    """A persistent grid of 2 blocks over 6 key tiles (3 key tiles, one a tail, x 2 KV heads) in
+    the launch order of heavy groups of 3 pairs: 9 items, the 3 of the missing third pair skipped,
+    so each block takes 3 key tiles and both K/V buffers turn over (the producer waits on a
+    buffer's empty barrier before its second load into it) and the ring's slots run on across key
+    tiles; one query tile with rows past seqlen_q, headdim 64, fp16."""
+    plan_rows(monkeypatch, persistent=2, heavy_groups=3)
     try:
         config = configs.sm90_backward_config("float16", 64, Variant())
-        assert config.grid(1, 2, 2, 70, 300) == (2, 1, 1) and config.grid(1, 1, 1, 70, 100) == (1, 1, 1)
+        # one key tile of one pair: 3 items (2 of missing pairs), 2 blocks
+        assert config.grid(1, 2, 2, 70, 300) == (2, 1, 1) and config.grid(1, 1, 1, 70, 100) == (2, 1, 1)
         run_rows(rng, xp, 1, 70, 300, 2, 2, 64, "float16", False)
     finally:
         backward._kernels.cache_clear()
@@ -427,7 +428,7 @@ ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, stages, form):
     """The rows split (P and dS by 32-bit stores, by stmatrix, and a persistent grid of 132 blocks)
-    on the GPU, the planner's launch order (the persistent grid its own: key tile by key tile)."""
+    on the GPU, the planner's launch order (the persistent grid's items in it)."""
     if form == "persistent" and stages > 2:
         pytest.skip("a persistent grid's second K/V leaves shared memory for 2 stages")
     plan_rows(monkeypatch, stages=stages, **ROWS_FORMS[form])
@@ -466,7 +467,7 @@ def test_rows_configs():
     for kwargs in (dict(headdim=72), dict(headdim=60), dict(variant=Variant(softcap=True)),
                    dict(variant=Variant(window=True, dropout=True)), dict(variant=Variant(varlen=True)),
                    dict(dtype="float32"), dict(stages=1), dict(producer_registers=32, consumer_registers=240),
-                   dict(persistent=-1), dict(persistent=132, heavy_groups=8), dict(persistent=132, stages=3)):
+                   dict(persistent=-1), dict(persistent=132, stages=3)):
         with pytest.raises(ValueError):
             Sm90RowsBackwardConfig(**{"dtype": "float16", "headdim": 64, **kwargs})
     config = Sm90RowsBackwardConfig("bfloat16", 64, Variant(window=True), stages=3)
@@ -475,6 +476,9 @@ def test_rows_configs():
     assert launch.describe(config) == "Hopper rows-split backward dK/dV (bfloat16, headdim 64, causal/window)"
     persistent = Sm90RowsBackwardConfig("float16", 64, persistent=132)  # a second K and V, three more barriers
     assert persistent.dynamic_shared_bytes == 199_744 and persistent.grid(4, 16, 16, 4096, 4096) == (132, 1, 1)
+    # fewer items than blocks: as many blocks as the plain grid's (heavy groups: partial groups' too)
+    assert persistent.grid(1, 2, 2, 300, 300) == (6, 1, 1)
+    assert Sm90RowsBackwardConfig("float16", 64, persistent=132, heavy_groups=4).grid(1, 2, 2, 300, 300) == (12, 1, 1)
 
 
 def test_block_m_configs():

@@ -44,9 +44,11 @@ P and dS go to their tiles by 32-bit stores, or with ``stmatrix=True`` by stmatr
 a step instead of 64; measured within -6% to +2% of the stores on the H200, so not planned:
 docs/perf-notes.md, "Hopper backward", step 16).
 
-``persistent=n`` (an option, not planned: not yet timed on a GPU; docs/perf-notes.md, "Hopper
-backward", step 18): a grid of at most n blocks, each taking work items t, t + n, ... over (key tile,
-batch x KV head), the key tile the slowest (so causal's longest tiles go first). Each role runs the
+``persistent=n`` (an option, not planned; docs/perf-notes.md, "Hopper backward", step 18): a grid
+of at most n blocks, each taking work items t, t + n, ... of the plain grid's blocks in their launch
+order (``heavy_groups`` included), so that the blocks running together read the same few heads'
+Q, dO and dq_accum, as the plain grid's do (taken key tile by key tile across all heads, the first
+form measured 24-27% slower: L2 no longer held what they shared). Each role runs the
 per-tile code above once per item, with the ring's slots and phases counted on across items, and K
 and V in two buffers with a full and an empty barrier each: the producer loads the next item's K
 and V while the consumers still work on the current one, instead of a new block starting cold.
@@ -138,9 +140,9 @@ class Sm90RowsBackwardConfig:
     consumer_registers: int = 232
     heavy_groups: int = 0  # longest-first within groups of (batch, KV head) pairs, as backward_sm90.py's
     stmatrix: bool = False  # P and dS into their tiles by stmatrix (16 a step) instead of 64 32-bit stores
-    # A persistent grid: at most this many blocks (0: one block per key tile), each taking the key
-    # tiles t, t + blocks, ... (key tile index the slowest: the longest tiles of causal first), with
-    # K and V double-buffered so that the next tile's load runs under the current tile's steps.
+    # A persistent grid: at most this many blocks (0: one block per key tile), each taking the plain
+    # grid's blocks t, t + blocks, ... in launch order, with K and V double-buffered so that the next
+    # tile's load runs under the current tile's steps.
     persistent: int = 0
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
@@ -162,9 +164,8 @@ class Sm90RowsBackwardConfig:
             raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
         if self.heavy_groups < 0:
             raise ValueError(f"heavy_groups={self.heavy_groups} must be 0 (off) or a group size")
-        if self.persistent < 0 or (self.persistent and self.heavy_groups):
-            raise ValueError(f"persistent={self.persistent} must be 0 (off) or a block count, and takes its own "
-                             "order (heavy_groups=0)")
+        if self.persistent < 0:
+            raise ValueError(f"persistent={self.persistent} must be 0 (off) or a block count")
         check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
         if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
             raise ValueError(f"{self.dynamic_shared_bytes} bytes of shared memory exceed a block's "
@@ -211,11 +212,13 @@ class Sm90RowsBackwardConfig:
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
         tiles = -(-seqlen_k // BLOCK_N)
-        if self.persistent:
-            return (min(self.persistent, tiles * nheads_k * batch), 1, 1)
         if self.heavy_groups:
-            return grouped_grid(tiles, batch * nheads_k, self.heavy_groups)
-        return (tiles, nheads_k, batch)
+            grid = grouped_grid(tiles, batch * nheads_k, self.heavy_groups)
+        else:
+            grid = (tiles, nheads_k, batch)
+        if self.persistent:  # the blocks above are its work items
+            return (min(self.persistent, grid[0] * grid[1] * grid[2]), 1, 1)
+        return grid
 
 
 @lru_cache(maxsize=None)
@@ -407,10 +410,15 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     # -----------------------------------------------------------------------------------------------
 
     @inline_device
-    def key_tile(work, pairs, nheads_k):
-        """A persistent block's work item -> (key tile, KV head, batch): the key tile the slowest."""
-        pair = work % pairs
-        return work // pairs, pair % nheads_k, pair // nheads_k
+    def key_tile(work, grid_x, pairs, nheads_k):
+        """A persistent block's work item -> (key tile, KV head, batch, whether the pair exists): the
+        plain grid's block `work` in launch order, grid_x blocks a row (a partial last group of heavy
+        pairs has items with nothing to do)."""
+        x, y = work % grid_x, work // grid_x
+        n_block, pair = x, y
+        if HEAVY_GROUPS:
+            n_block, pair = grouped_block(x, y, HEAVY_GROUPS)
+        return n_block, pair % nheads_k, pair // nheads_k, pair < pairs
 
     @inline_device
     def visits(n_block, seqlen_q, seqlen_k, params, group):
@@ -430,10 +438,14 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
         # own) unless persistent.
         nheads_k = k.shape[2]
         pairs = q.shape[0] * nheads_k
-        work0, work_end, work_stride = 0, 1, 1
-        if PERSISTENT:
-            work0, work_end, work_stride = cuda.blockIdx.x, ((k.shape[1] + BN - 1) // BN) * pairs, cuda.gridDim.x
-        if HEAVY_GROUPS:  # (batch, KV head) pairs in groups, key tile by key tile (geometry.py)
+        work0, work_end, work_stride, grid_x = 0, 1, 1, 1
+        if PERSISTENT:  # the plain grid's blocks, grid_x a row (config.grid)
+            grid_x = (k.shape[1] + BN - 1) // BN
+            grid_y = pairs
+            if HEAVY_GROUPS:
+                grid_x, grid_y = grid_x * HEAVY_GROUPS, (pairs + HEAVY_GROUPS - 1) // HEAVY_GROUPS
+            work0, work_end, work_stride = cuda.blockIdx.x, grid_x * grid_y, cuda.gridDim.x
+        if HEAVY_GROUPS and not PERSISTENT:  # (batch, KV head) pairs in groups, key tile by key tile (geometry.py)
             n_block, pair = grouped_block(cuda.blockIdx.x, cuda.blockIdx.y, HEAVY_GROUPS)
             if pair >= pairs:
                 return  # the last group's missing pairs: the whole block, before any barrier
@@ -493,7 +505,9 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                     fence_proxy_tensormap_acquire(do_map)
                     for work in range(work0, work_end, work_stride):
                         if PERSISTENT:
-                            n_block, hk, b = key_tile(work, pairs, nheads_k)
+                            n_block, hk, b, exists = key_tile(work, grid_x, pairs, nheads_k)
+                            if not exists:
+                                continue
                             visited = visits(n_block, seqlen_q, seqlen_k, params, group)
                         n_start, first_tile, _, _, _, tiles_per_head, steps = visited
                         if steps > 0:
@@ -519,7 +533,9 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
             elif warp == 1:  # backward_sm90.py's stats warp
                 for work in range(work0, work_end, work_stride):
                     if PERSISTENT:
-                        n_block, hk, b = key_tile(work, pairs, nheads_k)
+                        n_block, hk, b, exists = key_tile(work, grid_x, pairs, nheads_k)
+                        if not exists:
+                            continue
                         visited = visits(n_block, seqlen_q, seqlen_k, params, group)
                     n_start, first_tile, first_full, end_full, tail, tiles_per_head, steps = visited
                     stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
@@ -563,7 +579,9 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
             step0, kv_use = 0, 0  # the block's steps and K/V tiles before this work item's
             for work in range(work0, work_end, work_stride):
                 if PERSISTENT:
-                    n_block, hk, b = key_tile(work, pairs, nheads_k)
+                    n_block, hk, b, exists = key_tile(work, grid_x, pairs, nheads_k)
+                    if not exists:
+                        continue
                     visited = visits(n_block, seqlen_q, seqlen_k, params, group)
                 n_start, first_tile, first_full, end_full, tail, tiles_per_head, steps = visited
                 buffer = kv_use % KV_BUFFERS
