@@ -159,7 +159,8 @@ def test_backward_causal_rows_without_keys(rng, xp):
 
 @pytest.fixture
 def rowwise_vector(monkeypatch):
-    """The row-wise kernels' 16-byte forms planned (configs.ROWWISE_VECTOR), for this test only."""
+    """The row-wise kernels' 16-byte forms planned (configs.ROWWISE_VECTOR, the default: set here so
+    that the test keeps them if the default changes)."""
     from nbflash import backward, configs
 
     monkeypatch.setattr(configs, "ROWWISE_VECTOR", True)

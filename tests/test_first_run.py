@@ -190,14 +190,16 @@ def test_prebuild_unaligned_with_every_family_on_hopper():
 
 
 def test_prebuild_has_the_rowwise_vector_forms_when_planned(monkeypatch):
-    """With configs.ROWWISE_VECTOR on, the prebuild compiles the row-wise kernels' 16-byte forms
-    too (the preprocess, atomic and not, and the conversion, per 16-bit headdim), beside the scalar
-    ones that unaligned outputs still take; with it off, neither is planned."""
+    """With configs.ROWWISE_VECTOR on (planned), the prebuild compiles the row-wise kernels' 16-byte
+    forms too (the preprocess, atomic and not, and the conversion, per 16-bit headdim), beside the
+    scalar ones that unaligned outputs still take; with it off, none is planned."""
+    monkeypatch.setattr(configs, "ROWWISE_VECTOR", False)
     wanted = prebuild.configurations(["float16"], [64, 128], ["portable", "sm80"], (9, 0))
     assert not any(getattr(c, "vector", False) for c in wanted)
     monkeypatch.setattr(configs, "ROWWISE_VECTOR", True)
-    vector = [c for c in prebuild.configurations(["float16"], [64, 128], ["portable", "sm80"], (9, 0))
-              if getattr(c, "vector", False)]
+    configured = prebuild.configurations(["float16"], [64, 128], ["portable", "sm80"], (9, 0))
+    assert set(wanted) < set(configured)  # the scalar forms stay
+    vector = [c for c in configured if getattr(c, "vector", False)]
     assert sorted((c.headdim, c.kernel, c.atomic_dq) for c in vector) == [
         (hd, kernel, atomic) for hd in (64, 128) for kernel, atomic in
         (("convert_dq", True), ("preprocess", False), ("preprocess", True))]
