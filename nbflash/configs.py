@@ -431,8 +431,12 @@ SM90_BACKWARD = [
 # measured faster than the mma family (docs/perf-notes.md, "Hopper backward": fp16 at headdims 64
 # and 128, seqlen 4k and 16k, causal and not, 1.4-1.8x the mma family; with dQ's atomics halved,
 # 0.98-1.20x SDPA flash).
-# Headdims 72-120 it serves are not measured yet: mma by default.
-SM90_BACKWARD_DEFAULT_HEADDIMS = (64, 128)
+# Between them, padded to 128 columns: measured at headdims 80, 96 and 112 (scripts/bench.py --pass
+# backward --families sm90 mma, fp16, 4k and 16k, causal and not; docs/benchmarks.md "GPU runs of
+# 2026-12-04, fifth session"): 1.42-1.97x the mma backward, 1.02-1.34x SDPA flash's. 72, 88, 104
+# and 120 take the same padded kernel, whose time hardly depends on the true headdim (hd 80 ran at
+# 259-274 TFLOP/s, hd 112 at 323-337): not timed, expected between their neighbours.
+SM90_BACKWARD_DEFAULT_HEADDIMS = (64, 72, 80, 88, 96, 104, 112, 120, 128)
 # ... for these variants, and with dropout or a score_mod (``_measured_on_sm90``); the others it
 # serves run on it when "sm90" is forced
 SM90_BACKWARD_DEFAULT_VARIANTS = (Variant(), Variant(window=True))

@@ -460,6 +460,17 @@ def test_rows_split_is_planned_where_measured(monkeypatch):
     # deterministic: no atomics, so neither dK/dV kernel of the Hopper family
     dkdv = configs.plan_backward(Static("float16", 64, False, 0, CAUSAL), True, "sm90", True)[1]
     assert isinstance(dkdv, MmaBackwardConfig)
+    # the default (no family asked): backward_sm90.py's padded kernel at headdims 72-120 too, for
+    # plain and windowed attention; the mma family for a feature not measured there, below 64, and
+    # for unaligned rows
+    for headdim in (72, 80, 96, 112, 120):
+        for variant in (Variant(), CAUSAL):
+            dkdv = configs.plan_backward(Static("bfloat16", headdim, False, 0, variant), False, None, True)[1]
+            assert isinstance(dkdv, Sm90BackwardConfig) and dkdv.headdim_padded == 128, (headdim, variant)
+    for headdim, variant, aligned in [(96, Variant(dropout=True), True), (96, Variant(softcap=True), True),
+                                      (48, Variant(), True), (96, Variant(), False), (136, Variant(), True)]:
+        dkdv = configs.plan_backward(Static("float16", headdim, False, 0, variant), False, None, aligned)[1]
+        assert isinstance(dkdv, MmaBackwardConfig), (headdim, variant, aligned)
 
 
 def test_rows_configs():
