@@ -38,8 +38,6 @@ from . import runtime
 from .problem import Variant
 from .kernels.backward_mma import MmaBackwardConfig
 from .kernels.backward_sm90 import MAX_HEADDIM as SM90_BACKWARD_MAX_HEADDIM
-from .kernels.backward_sm90 import UNSERVED_FEATURES as SM90_BACKWARD_UNSERVED
-from .kernels.backward_sm90 import served as sm90_backward_serves
 from .kernels.backward_sm90 import Sm90BackwardConfig
 from .kernels.backward_sm90_rows import Sm90RowsBackwardConfig
 from .kernels.backward_sm90_rows import served as sm90_rows_serves
@@ -457,8 +455,6 @@ def sm90_backward_unsupported_reason(static, deterministic, aligned):
         return f"the sm90 backward runs on compute capability 9.0 only, this GPU has {cc[0]}.{cc[1]}"
     if deterministic:
         return "the sm90 backward adds dq with atomics; deterministic=True runs the sm80 family's fixed order"
-    if not sm90_backward_serves(static.variant):
-        return f"the sm90 backward serves every variant but {' and '.join(SM90_BACKWARD_UNSERVED)}"
     if static.headdim % 8 or static.headdim > SM90_BACKWARD_MAX_HEADDIM:
         return (f"the sm90 backward takes headdim a multiple of 8 up to {SM90_BACKWARD_MAX_HEADDIM}, "
                 f"not {static.headdim}")

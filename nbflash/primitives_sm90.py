@@ -961,10 +961,16 @@ else:
         # as UINT16 (loads copy bits); float32 as FLOAT32 (what a reduce-add needs to add floats).
         data_type = (driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16 if x.dtype.itemsize == 2
                      else driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32)
+        # A dimension of one element is never stepped over: its stride (0 in a view over a batch
+        # of packed rows) given as the span of the dimensions inside it, as a dense array's.
+        strides = list(x.strides[:3])
+        for i in (2, 1, 0):
+            if x.shape[i] == 1:
+                strides[i] = (strides[i + 1] if i < 2 else x.dtype.itemsize) * x.shape[i + 1]
         err, tensor_map = driver.cuTensorMapEncodeTiled(
             data_type, 4, x.data.ptr,
             [driver.cuuint64_t(n) for n in reversed(x.shape)],
-            [driver.cuuint64_t(s) for s in reversed(x.strides[:3])],
+            [driver.cuuint64_t(s) for s in reversed(strides)],
             [driver.cuuint32_t(n) for n in reversed(box)], [driver.cuuint32_t(1)] * 4,
             driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, modes[swizzle],
             driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,

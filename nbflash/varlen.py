@@ -6,8 +6,10 @@ batch + 1 offsets, on the GPU) say where each sequence's rows start. This is a l
 kernels as ``flash_attn_func`` (``Variant.varlen``), not other kernels: each kernel gets the packed
 arrays as views of shape (batch, total, ...) with stride 0 over batch, reads its sequence's bounds
 from the offsets (``nbflash.kernels.geometry.packed_sequence``) and narrows its views to those rows;
-from there on it is the dense kernel on one sequence. The offsets are runtime values: new lengths
-never recompile anything.
+from there on it is the dense kernel on one sequence. (The Hopper dK/dV kernel takes lse, delta
+and the arrays it writes as the packed arrays themselves, a batch of one, and offsets its rows: its
+narrowed views would hold their strides in registers it has not got.) The offsets are runtime
+values: new lengths never recompile anything.
 
 Checking the offsets: they live on the GPU, and reading them back is a host synchronization, which
 the call otherwise never makes. So by default they are checked only where that costs nothing
@@ -24,6 +26,7 @@ import numpy as np
 from . import backward, interface, launch, runtime, validation
 from .configs import forced_family
 from .dtypes import FLOAT32
+from .kernels.backward_sm90 import Sm90BackwardConfig
 from .reference import attention_probabilities
 
 LOG2_E = math.log2(math.e)
@@ -175,7 +178,11 @@ def _varlen_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     # The tile kernels: one grid row per sequence, on stride-0 views narrowed in the kernel.
     shape = (p.batch, p.nheads, p.nheads_k, p.seqlen_q, p.seqlen_k)  # seqlen_*: the max_seqlen values
     views = [_batch_view(x, p.batch) for x in (q, k, v, dout, lse, delta[0], dk, dv, dq_accum[0], dq[0])]
-    dkdv.launch(dkdv.config.grid(*shape), views[:9], (scale_log2, scale), p.params)
+    if isinstance(dkdv.config, Sm90BackwardConfig):  # it writes the packed arrays as a batch of one
+        dkdv.launch(dkdv.config.grid(*shape), (*views[:4], lse[None], delta, dk[None], dv[None], dq_accum),
+                    (scale_log2, scale), p.params)
+    else:
+        dkdv.launch(dkdv.config.grid(*shape), views[:9], (scale_log2, scale), p.params)
     if deterministic:
         dq_kernel.launch(dq_kernel.config.grid(*shape), views[:6] + views[9:], (scale_log2, scale), p.params)
     else:

@@ -88,8 +88,9 @@ def backward_kernels():
     configs (fp16, plain), and at headdim 64 of the defer_dq schedule, the 32-column "columns"
     split (without and with defer_dq), 128 query rows per step ("columns" and "steps"), the query
     rows split between the consumers (backward_sm90_rows.py: fp16 and bf16, plain and causal; and its
-    persistent grid, fp16) and
-    causal dropout at each planned headdim."""
+    persistent grid, fp16),
+    causal dropout at each planned headdim, and the causal kernel at each, dense and on packed
+    sequences."""
     import dataclasses
 
     from nbflash import configs
@@ -126,6 +127,12 @@ def backward_kernels():
     for headdim, *_ in configs.SM90_BACKWARD:
         found.append((f"backward_sm90_causal_dropout_hd{headdim}",
                       configs.sm90_backward_table_config("float16", headdim, Variant(window=True, dropout=True))))
+    # packed sequences (served when "sm90" is forced): every array narrowed to the block's sequence,
+    # TMA's rows offset by its first; beside the causal kernel of the same headdim
+    for headdim, *_ in configs.SM90_BACKWARD:
+        for varlen in (False, True):
+            found.append((f"backward_sm90_{'varlen_' if varlen else ''}causal_hd{headdim}",
+                          configs.sm90_backward_table_config("float16", headdim, Variant(window=True, varlen=varlen))))
     return [(name, registry.build(config).py_func, registry.signature(config), {"launch_bounds": config.launch_bounds})
             for name, config in found]
 

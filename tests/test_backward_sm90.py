@@ -67,12 +67,18 @@ def test_backward_sm90_planning():
         (Static("bfloat16", 256, False, 0), False, True),  # dK, dV of 64 keys need too many registers
         (Static("float16", 60, False, 0), False, True),  # not a multiple of 8 (TMA's 16-byte rows)
         (Static("float16", 64, False, 0), False, False),  # rows off 16 bytes
-        (Static("float16", 64, False, 0, Variant(varlen=True)), False, True),
+        (Static("float16", 64, False, 0, Variant(varlen=True)), True, True),  # deterministic: the mma order
         (Static("float16", 64, False, 0, Variant(dropout=True)), True, True),  # deterministic: the mma order
     ]:
         plan = configs.plan_backward(static, deterministic, "sm90", aligned)
         assert not any(isinstance(c, Sm90BackwardConfig) for c in plan)
         assert isinstance(plan[1], MmaBackwardConfig)
+    # packed sequences: the Hopper dK/dV kernel when asked for (not by default: not yet timed)
+    varlen = Static("float16", 96, False, 0, Variant(varlen=True, window=True))
+    plan = configs.plan_backward(varlen, False, "sm90", True)
+    assert isinstance(plan[1], Sm90BackwardConfig) and plan[1].variant.varlen
+    with pytest.raises(ValueError, match="varlen"):
+        Sm90BackwardConfig("float16", 64, Variant(varlen=True), dq_split="steps", dq_reduce="tma")
     # a block mask (with its mask_mod): the Hopper dK/dV kernel walks the pairs it visits
     plan = configs.plan_backward(Static("float16", 64, False, 0, Variant(mask_mod="g:0", block_mask=True)), False,
                                  "sm90", True)
@@ -468,6 +474,7 @@ def test_rows_split_is_planned_where_measured(monkeypatch):
             dkdv = configs.plan_backward(Static("bfloat16", headdim, False, 0, variant), False, None, True)[1]
             assert isinstance(dkdv, Sm90BackwardConfig) and dkdv.headdim_padded == 128, (headdim, variant)
     for headdim, variant, aligned in [(96, Variant(dropout=True), True), (96, Variant(softcap=True), True),
+                                      (128, Variant(varlen=True), True),
                                       (48, Variant(), True), (96, Variant(), False), (136, Variant(), True)]:
         dkdv = configs.plan_backward(Static("float16", headdim, False, 0, variant), False, None, aligned)[1]
         assert isinstance(dkdv, MmaBackwardConfig), (headdim, variant, aligned)

@@ -88,11 +88,13 @@ LENGTHS_K = [12, 5, 7, 0]
 
 
 def run(rng, xp, family, dtype, causal, deterministic, lengths_q=LENGTHS_Q, lengths_k=LENGTHS_K, **variant):
+    """The forward and backward on ``family`` (the backward only with "sm90": its forward serves
+    no packed sequences, the mma family's runs)."""
     q = packed(rng, xp, lengths_q, 2, 16, dtype)
     k, v = (packed(rng, xp, lengths_k, 1, 16, dtype) for _ in range(2))
     cu_q, cu_k = offsets(lengths_q, xp), offsets(lengths_k, xp)
     args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
-    with nbflash.kernel_family(family):
+    with nbflash.kernel_family("mma" if family == "sm90" else family):
         out, lse = nbflash.flash_attn_varlen_func(q, k, v, *args, causal=causal, return_lse=True, **variant)
     assert_varlen_forward(out, lse, q, k, v, cu_q, cu_k, causal, **variant)
     dout = packed(rng, xp, lengths_q, 2, 16, dtype)
@@ -217,13 +219,34 @@ def test_varlen_bad_input(xp):
         nbflash.flash_attn_varlen_backward(q, q, k, v, q, lse, cu_q, cu_k, 6, 3, 0.1)
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+def test_varlen_sm90_backward_causal(rng, xp, monkeypatch):
+    """The Hopper dK/dV kernel on packed sequences (its real tiles: 128 keys, 64 queries; the
+    forward falls back to the mma family): sequence 2 spans two key tiles and two query tiles, so
+    its tiles' TMA reads cross into sequence 3's rows and past the packed arrays' end; sequence 1
+    has no query (its dK, dV are 0), sequence 3 no key (its dq rows 0), and the blocks of key tiles
+    past a sequence's end exit."""
+    from nbflash import backward, launch
+    from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
+
+    built, compiled = [], launch.compiled
+    monkeypatch.setattr(launch, "compiled", lambda config, *args: built.append(config) or compiled(config, *args))
+    backward._kernels.cache_clear()
+    try:
+        run(rng, xp, "sm90", "float16", True, False, [9, 0, 70, 3], [12, 5, 130, 0])
+    finally:
+        backward._kernels.cache_clear()
+    assert any(isinstance(c, Sm90BackwardConfig) and c.variant.varlen for c in built)
+
+
 # ---- GPU: real tile sizes ------------------------------------------------------------------------
 
 GPU_LENGTHS = [([1, 300, 0, 129, 64, 77], [250, 1, 40, 129, 0, 200])]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family,dtype", [("mma", "float16"), ("mma", "bfloat16"), ("portable", "float32")])
+@pytest.mark.parametrize("family,dtype", [("mma", "float16"), ("mma", "bfloat16"), ("portable", "float32"),
+                                          ("sm90", "float16"), ("sm90", "bfloat16")])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_varlen_gpu(rng, xp, family, dtype, causal, deterministic):
@@ -232,7 +255,7 @@ def test_varlen_gpu(rng, xp, family, dtype, causal, deterministic):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family,dtype", [("mma", "bfloat16"), ("portable", "float32")])
+@pytest.mark.parametrize("family,dtype", [("mma", "bfloat16"), ("portable", "float32"), ("sm90", "bfloat16")])
 def test_varlen_gpu_variants(rng, xp, family, dtype):
     lengths_q, lengths_k = GPU_LENGTHS[0]
     run(rng, xp, family, dtype, True, True, lengths_q, lengths_k, **combined(xp, len(lengths_q)))

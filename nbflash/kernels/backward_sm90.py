@@ -74,9 +74,23 @@ step to the consumers with its slot); the score features
 the raw S^T (``Hooks.tensor_core_score``, as in the mma backward) and whose derivative multiplies
 dS^T; and dropout, whose factors (the forward's Philox stream, ``Hooks.dropout_bits_t``) multiply
 the P^T that dV takes and dP^T. With a score feature or dropout, dS^T is made with P^T once dP^T
-has landed. Packed sequences, headdims above 128 (dK and dV of 64 keys at headdim 256
-would need all of a consumer's registers) and the deterministic mode (a fixed order instead of
-atomics) stay with the mma family (nbflash/kernels/backward_mma.py).
+has landed. Headdims above 128 (dK and dV of 64 keys at headdim 256 would need all of a
+consumer's registers) and the deterministic mode (a fixed order instead of atomics) stay with the
+mma family (nbflash/kernels/backward_mma.py).
+
+Packed sequences (``variant.varlen``): q, k, v, dout are stride-0 views over batch of the packed
+arrays (as in backward_mma.py), lse, delta, dk, dv and dq_accum the packed arrays as a batch of one
+(nbflash/varlen.py; narrowed views, as the mma family takes them, would keep their strides in
+registers: 468 bytes spilled at hd 128). grid.x covers the longest key sequence; a block reads its
+sequence's first rows and lengths (``sequence``, from cu_seqlens in ``params``), exits at once if
+its key tile lies past the sequence's end, and otherwise offsets every row it reads or writes by
+the sequence's first. TMA reads the packed arrays (the maps are those of a batch of one:
+``tensor_maps``) at the sequence's first row plus the tile's. A tile crossing the
+sequence's end so reads the next sequence's rows (or zeros past the last one), which the dense
+layout's tails already make harmless: rows past seqlen_q get lse = +inf (P = 0, dS = 0, no dq
+added), keys past seqlen_k are masked (P = 0) and their dK, dV rows not written. What such rows
+hold only meets a zero, so finite values there change nothing; a NaN or an infinity in another
+sequence's rows would (0 x NaN), where the mma family never reads them.
 """
 
 import math
@@ -145,17 +159,11 @@ KEYS = 64  # keys per consumer warpgroup: the M of its wgmmas
 MAX_SHARED_BYTES = 232448  # dynamic shared memory a block may have on compute capability 9.0
 DQ_BOX_COLS = 32  # float32 columns of a dQ box for the TMA reduce-add: 128-byte rows
 MAX_HEADDIM = 128
-# What the sm90 backward does not serve (the mma family's backward does): packed sequences. Every
-# other feature enters through the hooks: the window, the element masks (mask tensor, mask_mod: then
-# no tile is whole, Hooks.query_tiles, except the pairs a block mask calls FULL), a block mask's
-# EMPTY pairs skipped (the steps walk the pairs visited), the score features (softcap, ALiBi, bias,
-# score_mod: the tensor-core score point, as in the mma backward) and dropout.
-UNSERVED_FEATURES = ("varlen",)
-
-
-def served(variant):
-    """The sm90 backward serves ``variant``: none of ``UNSERVED_FEATURES``."""
-    return not any(getattr(variant, feature) for feature in UNSERVED_FEATURES)
+# The sm90 backward serves every variant. Each feature enters through the hooks: the window, the
+# element masks (mask tensor, mask_mod: then no tile is whole, Hooks.query_tiles, except the pairs a
+# block mask calls FULL), a block mask's EMPTY pairs skipped (the steps walk the pairs visited), the
+# score features (softcap, ALiBi, bias, score_mod: the tensor-core score point, as in the mma
+# backward), dropout, and packed sequences (the layout: ``Hooks.sequence``, TMA's rows offset).
 
 
 @dataclass(frozen=True)
@@ -215,8 +223,8 @@ class Sm90BackwardConfig:
             raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
         if self.headdim % 8 or not 8 <= self.headdim <= MAX_HEADDIM:
             raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..{MAX_HEADDIM}")
-        if not served(self.variant):
-            raise ValueError(f"{self.variant=}: the sm90 backward serves no {' and no '.join(UNSERVED_FEATURES)}")
+        if self.variant.varlen and self.dq_reduce == "tma":
+            raise ValueError("packed sequences (varlen) add dq by red.add: dq_reduce='tma' has no map of their rows")
         if self.consumers not in (1, 2):
             raise ValueError(f"{self.consumers=} must be 1 or 2")
         if self.stages < 2:
@@ -332,6 +340,8 @@ def tensor_maps(config, q, k, v, dout, dq_accum=None):
     of block_m rows x 32 float32 columns), kept for the last few calls as the forward's. Any
     backward config with block_m and block_n: this kernel's and the deterministic dQ kernel's."""
     dq_accum = dq_accum if getattr(config, "dq_reduce", "red") == "tma" else None
+    if config.variant.varlen:  # stride-0 views over batch: the maps are the packed arrays' (a batch of one)
+        q, k, v, dout = (x[:1] for x in (q, k, v, dout))
     key = (type(config).__name__, config.block_m, config.block_n, dq_accum is not None)
     arrays = (q, k, v, dout) if dq_accum is None else (q, k, v, dout, dq_accum)
     return cached_tensor_maps(key, arrays, lambda *xs: _words(config, *xs))
@@ -429,6 +439,7 @@ def make_stage_stats(config, hooks):
     BLOCK_MASK, STEP_WORD, SCORE = hooks.BLOCK_MASK, 2 * BM, hooks.SCORE
     warp_visit_query_step, tile_class, head_context = hooks.warp_visit_query_step, hooks.tile_class, hooks.head_context
     score_units = hooks.tensor_core_score(False)[0]
+    VARLEN, sequence = hooks.VARLEN, hooks.sequence
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
 
     @inline_device
@@ -439,7 +450,12 @@ def make_stage_stats(config, hooks):
         stats (at smem index stats_word0 on; step0: the block's steps before this key tile's, in a
         persistent block), once the consumers have released the slot; the arrival on its full
         barrier releases the stores. With a block mask, lane 0 adds the step (pair, query head,
-        query tile, masked) at word STEP_WORD."""
+        query tile, masked) at word STEP_WORD. Packed sequences: lse and delta hold the packed rows
+        (a batch of one), the sequence's from its first."""
+        mem_b, row0 = b, 0
+        if VARLEN:
+            row0 = sequence(params, b, lse.shape[2], lse.shape[2])[0]  # the query rows' first
+            mem_b = 0
         position = -1
         for i in range(steps):
             position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
@@ -458,10 +474,10 @@ def make_stage_stats(config, hooks):
                 row = q_start + 32 * r + lane
                 lse_log2, d = POS_INF, float32(0)  # rows past seqlen_q: P = 0
                 if row < seqlen_q:
-                    x = lse[b, h, row]
+                    x = lse[mem_b, h, row0 + row]
                     if x != NEG_INF:  # a row that sees no key keeps +inf: P = 0
                         lse_log2 = x * float32(LOG2E) - offset
-                    d = delta[b, h, row]
+                    d = delta[mem_b, h, row0 + row]
                 smem[stats + 32 * r + lane] = f32_as_u32(lse_log2)
                 smem[stats + BM + 32 * r + lane] = f32_as_u32(d)
             if BLOCK_MASK and lane == 0:  # the step for the consumers: pair, head, tile, masked
@@ -536,6 +552,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     SCORE = hooks.SCORE  # softcap, ALiBi: P from the raw S^T through the score point, dS carries its derivative
     # dropout: dV takes the dropped P^T, dS^T the factor too
     DROPOUT, dropout_bits_t, dropout_bit = hooks.DROPOUT, hooks.dropout_bits_t, hooks.dropout_bit
+    VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
     FUSED = SCORE or DROPOUT  # dS^T made with P^T, from the landed dP^T (its factors used as they are made)
     # No max here: any scale works, but ALiBi's slope per unit of a zero scale would not.
     score_units, score_row, _, score_at_grad = hooks.tensor_core_score(False)
@@ -706,11 +723,12 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 
     @inline_device
     def add_dq_of_step(dq_accum, acc, b, hk, group, first_tile, tiles_per_head, i, position, consumer, warp, g,
-                       seqlen_q, q4):
+                       q_row0, seqlen_q, q4):
         """defer_dq: step i's dQ_i chunk (held in ``acc``; the step's pair at ``position``) into
-        dq_accum, if it was this consumer's to add (every step with "columns", its turns with "steps")."""
+        dq_accum, if it was this consumer's to add (every step with "columns", its turns with "steps");
+        the tile's rows from dq_accum's row q_row0 on, those below seqlen_q."""
         h = hk * group + position // tiles_per_head
-        row0 = (first_tile + position % tiles_per_head) * BM + 16 * warp + g
+        row0 = q_row0 + (first_tile + position % tiles_per_head) * BM + 16 * warp + g
         if DQ_BY_COLUMNS:  # the chunk a constant in each copy (a run-time one spilled 208 bytes)
             if consumer == 0:
                 add_dq(dq_accum, acc, b, row0, h, 0, seqlen_q, q4)
@@ -752,9 +770,18 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             hk, b, n_block = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         else:
             n_block, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        # Where the block's rows are: the batch index of the arrays it writes (and of TMA's maps),
+        # and TMA's first query and key rows (0, or the sequence's first packed rows)
+        mem_b, q_row0, k_row0 = b, 0, 0
+        if VARLEN:  # packed sequences (module docstring): 32-bit, as few registers as can be
+            q_first, q_rows, k_first, k_rows = sequence(params, b, q.shape[1], k.shape[1])
+            q_row0, seqlen_q, k_row0, seqlen_k = int32(q_first), int32(q_rows), int32(k_first), int32(k_rows)
+            if n_block * BN >= seqlen_k:
+                return  # the whole block, before any barrier: its key tile lies past the sequence's end
+            mem_b = 0
         tid = cuda.threadIdx.x
         group_id = tid // GROUP  # 0: the producer; 1 + c: consumer c
-        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         group = q.shape[2] // k.shape[2]  # GQA: query heads hk * group ... share this K/V tile
         n_start = n_block * BN
 
@@ -811,10 +838,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                         fence_proxy_tensormap_acquire(do_map)
                         mbarrier_arrive_expect_tx(kv_full, 2 * KV_BYTES)
                         for chunk in static_range(CHUNKS):
-                            tma_load_4d(k_tile + uint32(chunk * KV_CHUNK_BYTES), k_map, chunk * CHUNK, hk, n_start, b,
-                                        kv_full)
-                            tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk, n_start, b,
-                                        kv_full)
+                            tma_load_4d(k_tile + uint32(chunk * KV_CHUNK_BYTES), k_map, chunk * CHUNK, hk,
+                                        k_row0 + n_start, mem_b, kv_full)
+                            tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk,
+                                        k_row0 + n_start, mem_b, kv_full)
                     position = -1
                     for i in range(steps):
                         position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i,
@@ -830,10 +857,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                             do_slot = do_ring + uint32(slot * Q_BYTES)
                             mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
                             for chunk in static_range(CHUNKS):
-                                tma_load_4d(q_slot + uint32(chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK, h, q_start,
-                                            b, full)
+                                tma_load_4d(q_slot + uint32(chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK, h,
+                                            q_row0 + q_start, mem_b, full)
                                 tma_load_4d(do_slot + uint32(chunk * Q_CHUNK_BYTES), do_map, chunk * CHUNK, h,
-                                            q_start, b, full)
+                                            q_row0 + q_start, mem_b, full)
             elif warp == 1:
                 stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
                             tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, 0)
@@ -884,6 +911,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             position = -1  # the step's (query head, query tile) pair, in order
             for i in range(steps):
                 previous = position
+                if VARLEN:  # the sequence's first query row and lengths, read again each step (L1 hits):
+                    # held across the loop, they and what the masks make of them spilled
+                    q_first, q_rows, _, k_rows = sequence(params, b, q.shape[1], k.shape[1])
+                    q_row0, seqlen_q, seqlen_k = int32(q_first), int32(q_rows), int32(k_rows)
                 position, h, tile, step_masked = consumer_step(smem, qd_full, stats_word0, params, b, hk, group,
                                                                n_block, first_tile, tiles_per_head, i, position)
                 slot, use = i % STAGES, i // STAGES
@@ -896,8 +927,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 # S^T = K_c Q_i^T and dP^T = V_c dO_i^T, two commit groups
                 acc_s, acc_dp = issue_scores(s, dp, zeros, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use)
                 if DEFER_DQ and i > 0:  # the last step's dQ (its turn's) added while they run
-                    add_dq_of_step(dq_accum, dq_keep, b, hk, group, first_tile, tiles_per_head, i - 1, previous,
-                                   consumer, warp, g, seqlen_q, q4)
+                    add_dq_of_step(dq_accum, dq_keep, mem_b, hk, group, first_tile, tiles_per_head, i - 1, previous,
+                                   consumer, warp, g, q_row0, q_row0 + seqlen_q, q4)
                 wgmma_wait(PENDING)  # S^T has landed (with overlap, dP^T may still run)
                 registers_to(s, fence_operands(acc_s))
                 if FUSED:  # dP^T too: its derivative (and dropout's factors) used as it is made
@@ -986,11 +1017,14 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                         registers_to(dq_keep, copy_operands(registers_from(dq_acc, DQ_REGS)))
                     elif DQ_BY_COLUMNS:  # the chunk a constant in each copy (a run-time one spilled 208 bytes)
                         if consumer == 0:
-                            add_dq_rows(dq_accum, dq_acc, dq_hi, b, q_start + 16 * warp + g, h, 0, seqlen_q, q4)
+                            add_dq_rows(dq_accum, dq_acc, dq_hi, mem_b, q_row0 + q_start + 16 * warp + g, h, 0,
+                                        q_row0 + seqlen_q, q4)
                         else:
-                            add_dq_rows(dq_accum, dq_acc, dq_hi, b, q_start + 16 * warp + g, h, DQ_COLS, seqlen_q, q4)
+                            add_dq_rows(dq_accum, dq_acc, dq_hi, mem_b, q_row0 + q_start + 16 * warp + g, h, DQ_COLS,
+                                        q_row0 + seqlen_q, q4)
                     else:
-                        add_dq_rows(dq_accum, dq_acc, dq_hi, b, q_start + 16 * warp + g, h, chunk * CHUNK, seqlen_q, q4)
+                        add_dq_rows(dq_accum, dq_acc, dq_hi, mem_b, q_row0 + q_start + 16 * warp + g, h, chunk * CHUNK,
+                                        q_row0 + seqlen_q, q4)
                 if DQ_TMA:  # the warpgroup's dQ_i tile is staged: one thread adds it by TMA
                     fence_proxy_async()  # the staging stores are ordered before the async proxy reads them
                     named_barrier_sync(2 + consumer, GROUP)
@@ -1006,12 +1040,15 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                         tma_store_commit()
 
             if DEFER_DQ and steps > 0:
-                add_dq_of_step(dq_accum, dq_keep, b, hk, group, first_tile, tiles_per_head, steps - 1, position,
-                               consumer, warp, g, seqlen_q, q4)
+                add_dq_of_step(dq_accum, dq_keep, mem_b, hk, group, first_tile, tiles_per_head, steps - 1, position,
+                               consumer, warp, g, q_row0, q_row0 + seqlen_q, q4)
             if DQ_TMA and tid % GROUP == 0:
                 tma_store_wait(0)  # the staging tiles are read before the block's shared memory goes
             # ---- Write dK = dS^T Q * scale and dV (keys no query sees get 0) ----
-            store_rows(dk, dk_acc, b, key_row0, hk, seqlen_k, scale, q4)
-            store_rows(dv, dv_acc, b, key_row0, hk, seqlen_k, float32(1), q4)
+            if VARLEN:  # the key rows again: not held across the loop
+                _, _, k_first, k_rows = sequence(params, b, q.shape[1], k.shape[1])
+                k_row0, seqlen_k = int32(k_first), int32(k_rows)
+            store_rows(dk, dk_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, scale, q4)
+            store_rows(dv, dv_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, float32(1), q4)
 
     return backward_dkdv_sm90
