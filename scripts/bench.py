@@ -29,7 +29,8 @@ not bandwidth.
 ``--pass varlen`` times ``flash_attn_varlen_func``'s forward on a batch of mixed lengths packed
 without padding (see ``varlen_main``), in TFLOP/s over each sequence's visible scores, next to the
 dense kernel on the same tokens at equal lengths and on the padded batch, and SDPA's backends on the
-padded batch and on nested (jagged) tensors.
+padded batch and on nested (jagged) tensors; with ``--varlen-backward`` also
+``flash_attn_varlen_backward`` with the sm90 and the mma dK/dV kernels.
 """
 
 import argparse
@@ -381,7 +382,7 @@ DEFAULTS = {
                    page_aligned=False),
     "varlen": dict(headdims=[128], dtypes=["float16"], causal="both",
                    varlen_lengths=["uniform:16384:2048", "uniform:32768:8192", "128,512,1024,2048,4096,8192"],
-                   varlen_heads=["16x16"], jobs=0),
+                   varlen_heads=["16x16"], varlen_backward=False, jobs=0),
 }
 TRAINING = ("forward", "backward", "forward+backward")
 # The passes each pass-specific flag goes with; the other passes refuse it.
@@ -391,7 +392,7 @@ FLAG_PASSES = {
     "causal": (*TRAINING, "varlen"),
     **dict.fromkeys(("decode_shapes", "decode_heads", "page_sizes", "seqlen_q", "num_splits", "page_aligned"),
                     ("decode",)),
-    **dict.fromkeys(("varlen_lengths", "varlen_heads", "jobs"), ("varlen",)),
+    **dict.fromkeys(("varlen_lengths", "varlen_heads", "varlen_backward", "jobs"), ("varlen",)),
 }
 
 
@@ -471,6 +472,9 @@ def build_parser():
         help="the batches of sequence lengths, one row each: uniform:TOTAL:MAX, lengths drawn uniformly "
         "from [MAX / 4, MAX] (seed 0) until they add up to TOTAL tokens (the last one cut to fit), or a "
         "comma-separated list such as 128,512,4096; default " + " ".join(DEFAULTS["varlen"]["varlen_lengths"]))
+    varlen.add_argument("--varlen-backward", action="store_true", default=None,
+                        help="also flash_attn_varlen_backward with the sm90 and the mma dK/dV kernels, columns "
+                        "'bwd sm90' and 'bwd mma' (TFLOP/s, FLOPs 2.5x the forward's)")
     varlen.add_argument("--varlen-heads", nargs="+", default=None, metavar="HxHK",
                         help="query heads x KV heads; default 16x16 (16x4: GQA)")
     varlen.add_argument("--jobs", type=int, default=None,
@@ -956,6 +960,21 @@ def nbflash_varlen_runner(q, k, v, cu_seqlens, longest, causal):
     return lambda: _varlen_forward(problem, q_, k_, v_)
 
 
+def nbflash_varlen_backward_runner(q, k, v, cu_seqlens, longest, causal, family):
+    """flash_attn_varlen_backward on ``family``'s dK/dV kernel (sm90 where it serves the call, else
+    the mma family's), from the forward's out and lse made once, untimed."""
+    out, lse = nbflash.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, longest, longest, causal=causal,
+                                              return_lse=True)
+    dout = random_device(q.shape, q.dtype)
+
+    def call():
+        with nbflash.kernel_family(family):
+            return nbflash.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, longest, longest,
+                                                      causal=causal)
+
+    return call
+
+
 def sdpa_padded_runner(backend_name, q, k, v, lengths, causal):
     """SDPA restricted to one backend on the right-padded (batch, longest, heads, d) batch: causal
     with is_causal (every real row then sees only real keys), otherwise with a boolean key padding
@@ -1115,6 +1134,11 @@ def varlen_main(args, argv):
         if jagged:
             row["SDPA jagged"] = "-" if dtype == "float32" else tflops(
                 "SDPA jagged", lambda: sdpa_jagged_runner(q, k, v, cu_seqlens, lengths, causal))
+        if args.varlen_backward:  # the backward's dK/dV kernel of each family, FLOPs 2.5x the forward's
+            for family in ("sm90", "mma"):
+                row[f"bwd {family}"] = "-" if dtype == "float32" else tflops(
+                    f"bwd {family}", lambda family=family: nbflash_varlen_backward_runner(
+                        q, k, v, cu_seqlens, longest, causal, family), 2.5 * flops)
 
         def over(other):
             ours = row["nbflash varlen"]

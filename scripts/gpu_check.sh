@@ -25,10 +25,9 @@
 #                                it passes (without the prebuild, 540 s stopped one process's backward
 #                                test and another's statistics: 11 of 12 tests done), and each failing
 #                                one's report as it fails (xdist prints them only at the session's end)
-#   scripts/gpu_check.sh levers  issue 13's open option (the persistent rows grid, in the planned
-#                                launch order) and what is planned: the backward's GPU tests (the
-#                                16-byte row-wise kernels planned), then the grid timed against what
-#                                is planned, about 8 minutes
+#   scripts/gpu_check.sh levers  issue 13's work not yet run on a GPU: packed sequences on the sm90
+#                                dK/dV kernel (the varlen GPU grid, then the varlen backward timed
+#                                on both families), about 6 minutes
 #
 # The whole suite takes longer than one 10-minute command. NBFLASH_RESUME_LOGS (earlier parts'
 # pytest.log files, separated by ':') leaves out the tests they already report (tests/conftest.py),
@@ -144,17 +143,18 @@ fuzz)
     grep -aE "^====|Falsifying|Error|assert" "$out/fuzz_failures.log" 2> /dev/null | head -20
     ;;
 levers)
-    # Issue 13's open option (docs/perf-notes.md, "Hopper backward", step 18: the persistent grid
-    # in the planned launch order) and what is planned (step 19: the 16-byte row-wise kernels): the
-    # backward's GPU tests, then the grid and the planned backward timed against the anchors.
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 270 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
-        -W ignore tests/test_backward_sm90.py tests/test_backward.py tests/test_primitives.py -k "not stmatrix" \
+    # Issue 13's work not yet run on a GPU (docs/perf-notes.md, "Hopper backward", step 20): packed
+    # sequences on the sm90 dK/dV kernel, its GPU tests (and the persistent grid's two cases the
+    # last run did not reach), then the varlen backward on both families.
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 200 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+        -W ignore tests/test_varlen.py tests/test_backward_sm90.py -k "(varlen and sm90) or (rows_gpu and persistent)" \
         > "$out/levers_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/levers_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/levers_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 220 python3 scripts/sm90_schedules.py --backward --only rows-persistent planned --anchors \
-        > "$out/persistent.log" 2>&1
-    echo "persistent rows grid and the planned backward (exit $?):"; tail -24 "$out/persistent.log"
+    timeout 200 python3 scripts/bench.py --pass varlen --varlen-backward --headdims 64 128 --causal both \
+        --varlen-lengths uniform:16384:2048 --no-torch --budget 0.3 --markdown "$out/varlen_backward.md" \
+        > "$out/varlen_backward.log" 2>&1
+    echo "varlen backward (exit $?):"; tail -8 "$out/varlen_backward.log"
     ;;
 *)
     echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers" >&2

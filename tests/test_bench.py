@@ -44,9 +44,10 @@ def test_each_pass_refuses_the_flags_of_the_others(bench, capsys):
     assert "--no-naive does not apply to --pass varlen" in refused(bench, capsys, "--pass", "varlen", "--no-naive")
     assert "--page-sizes does not apply to --pass varlen" in refused(bench, capsys, "--pass", "varlen", "--page-sizes",
                                                                      "16")
-    for flag, value in (("--varlen-lengths", "128,256"), ("--varlen-heads", "16x4"), ("--jobs", "4")):
+    for flag, *value in (("--varlen-lengths", "128,256"), ("--varlen-heads", "16x4"), ("--jobs", "4"),
+                         ("--varlen-backward",)):
         for which in ("forward", "decode"):
-            error = refused(bench, capsys, "--pass", which, flag, value)
+            error = refused(bench, capsys, "--pass", which, flag, *value)
             assert f"{flag} does not apply to --pass {which} (it goes with --pass varlen)" in error
     # --causal goes with the training passes and the varlen pass, not with decode.
     assert "(it goes with --pass forward, backward, forward+backward or varlen)" in refused(
@@ -125,7 +126,8 @@ def test_heavy_groups_runner_matches_the_planned_kernel(bench):
 def test_varlen_defaults_and_parsed_values(bench):
     args = arguments(bench, "--pass", "varlen")
     assert (args.headdims, args.dtypes, args.causal, args.jobs) == ([128], ["float16"], "both", 0)
-    assert args.varlen_heads == [(16, 16)]
+    assert args.varlen_heads == [(16, 16)] and args.varlen_backward is False
+    assert arguments(bench, "--pass", "varlen", "--varlen-backward").varlen_backward is True
     labels = [label for label, _ in args.varlen_lengths]
     assert labels == ["uniform:16384:2048", "uniform:32768:8192", "128,512,1024,2048,4096,8192"]
     assert args.varlen_lengths[2][1] == [128, 512, 1024, 2048, 4096, 8192]
