@@ -87,17 +87,18 @@ LENGTHS_Q = [9, 0, 20, 3]
 LENGTHS_K = [12, 5, 7, 0]
 
 
-def run(rng, xp, family, dtype, causal, deterministic, lengths_q=LENGTHS_Q, lengths_k=LENGTHS_K, **variant):
+def run(rng, xp, family, dtype, causal, deterministic, lengths_q=LENGTHS_Q, lengths_k=LENGTHS_K, headdim=16,
+        **variant):
     """The forward and backward on ``family`` (the backward only with "sm90": its forward serves
     no packed sequences, the mma family's runs)."""
-    q = packed(rng, xp, lengths_q, 2, 16, dtype)
-    k, v = (packed(rng, xp, lengths_k, 1, 16, dtype) for _ in range(2))
+    q = packed(rng, xp, lengths_q, 2, headdim, dtype)
+    k, v = (packed(rng, xp, lengths_k, 1, headdim, dtype) for _ in range(2))
     cu_q, cu_k = offsets(lengths_q, xp), offsets(lengths_k, xp)
     args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
     with nbflash.kernel_family("mma" if family == "sm90" else family):
         out, lse = nbflash.flash_attn_varlen_func(q, k, v, *args, causal=causal, return_lse=True, **variant)
     assert_varlen_forward(out, lse, q, k, v, cu_q, cu_k, causal, **variant)
-    dout = packed(rng, xp, lengths_q, 2, 16, dtype)
+    dout = packed(rng, xp, lengths_q, 2, headdim, dtype)
     with nbflash.kernel_family(family):
         grads = nbflash.flash_attn_varlen_backward(dout, q, k, v, out, lse, *args, causal=causal,
                                                    deterministic=deterministic, **variant)
@@ -239,6 +240,14 @@ def test_varlen_sm90_backward_causal(rng, xp, monkeypatch):
     assert any(isinstance(c, Sm90BackwardConfig) and c.variant.varlen for c in built)
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+def test_varlen_sm90_backward_columns(rng, xp):
+    """The same kernel's headdim-128 form ("columns": each consumer adds half of dQ's columns over
+    both consumers' keys), not causal: sequence 0 spans two query and two key tiles, sequence 1's
+    key tile crosses into the packed arrays' end."""
+    run(rng, xp, "sm90", "bfloat16", False, False, [70, 5], [130, 20], 128)
+
+
 # ---- GPU: real tile sizes ------------------------------------------------------------------------
 
 GPU_LENGTHS = [([1, 300, 0, 129, 64, 77], [250, 1, 40, 129, 0, 200])]
@@ -252,6 +261,17 @@ GPU_LENGTHS = [([1, 300, 0, 129, 64, 77], [250, 1, 40, 129, 0, 200])]
 def test_varlen_gpu(rng, xp, family, dtype, causal, deterministic):
     for lengths_q, lengths_k in GPU_LENGTHS:
         run(rng, xp, family, dtype, causal, deterministic, lengths_q, lengths_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [64, 96, 128])
+def test_varlen_sm90_backward_gpu(rng, xp, dtype, causal, headdim):
+    """The sm90 dK/dV kernel's planned forms on packed sequences: "steps" at headdim 64, "columns"
+    (both consumers' dS^T, half the columns each) at 96 and 128."""
+    lengths_q, lengths_k = GPU_LENGTHS[0]
+    run(rng, xp, "sm90", dtype, causal, False, lengths_q, lengths_k, headdim)
 
 
 @pytest.mark.gpu
