@@ -48,7 +48,7 @@ docs/perf-notes.md, "Hopper backward", step 16).
 of at most n blocks, each taking work items t, t + n, ... of the plain grid's blocks in their launch
 order (``heavy_groups`` included), so that the blocks running together read the same few heads'
 Q, dO and dq_accum, as the plain grid's do (taken key tile by key tile across all heads, the first
-form measured 24-27% slower: L2 no longer held what they shared). Each role runs the
+form measured 14-27% slower: L2 no longer held what they shared). Each role runs the
 per-tile code above once per item, with the ring's slots and phases counted on across items, and K
 and V in two buffers with a full and an empty barrier each: the producer loads the next item's K
 and V while the consumers still work on the current one, instead of a new block starting cold.
