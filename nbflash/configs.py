@@ -40,6 +40,8 @@ from .kernels.backward_mma import MmaBackwardConfig
 from .kernels.backward_sm90 import MAX_HEADDIM as SM90_BACKWARD_MAX_HEADDIM
 from .kernels.backward_sm90 import Sm90BackwardConfig
 from .kernels.backward_sm90_rows import Sm90RowsBackwardConfig
+from .kernels.backward_sm90_wide import MAX_HEADDIM as SM90_WIDE_BACKWARD_MAX_HEADDIM
+from .kernels.backward_sm90_wide import Sm90WideBackwardConfig
 from .kernels.backward_sm90_rows import served as sm90_rows_serves
 from .kernels.backward_dq_sm90 import SERVED_VARIANTS as SM90_DQ_VARIANTS
 from .kernels.backward_dq_sm90 import Sm90DqConfig
@@ -455,9 +457,12 @@ def sm90_backward_unsupported_reason(static, deterministic, aligned):
         return f"the sm90 backward runs on compute capability 9.0 only, this GPU has {cc[0]}.{cc[1]}"
     if deterministic:
         return "the sm90 backward adds dq with atomics; deterministic=True runs the sm80 family's fixed order"
-    if static.headdim % 8 or static.headdim > SM90_BACKWARD_MAX_HEADDIM:
-        return (f"the sm90 backward takes headdim a multiple of 8 up to {SM90_BACKWARD_MAX_HEADDIM}, "
+    if static.headdim % 8 or static.headdim > SM90_WIDE_BACKWARD_MAX_HEADDIM:
+        return (f"the sm90 backward takes headdim a multiple of 8 up to {SM90_WIDE_BACKWARD_MAX_HEADDIM}, "
                 f"not {static.headdim}")
+    if static.headdim > SM90_BACKWARD_MAX_HEADDIM and not sm90_rows_serves(static.variant):
+        return (f"the sm90 backward at headdims above {SM90_BACKWARD_MAX_HEADDIM} (backward_sm90_wide.py) serves "
+                "plain attention and the window only")
     if not aligned:
         return "the sm90 backward's TMA needs every row of q, k, v and dout on a 16-byte boundary"
     return None
@@ -483,7 +488,10 @@ SM90_BACKWARD_ROWS_MAX_HEADDIM = 64
 
 def sm90_backward_config(dtype, headdim, variant):
     """The sm90 backward's dK/dV kernel: the rows split where it serves the call and was measured
-    faster (``SM90_BACKWARD_ROWS_MAX_HEADDIM``), backward_sm90.py's from the table otherwise."""
+    faster (``SM90_BACKWARD_ROWS_MAX_HEADDIM``), the wide one past headdim 128 (not yet timed: only
+    when "sm90" is forced), backward_sm90.py's from the table otherwise."""
+    if headdim > SM90_BACKWARD_MAX_HEADDIM:
+        return Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS)
     if not runtime.SIMULATOR and headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM and sm90_rows_serves(variant):
         return Sm90RowsBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS)
     return sm90_backward_table_config(dtype, headdim, variant)

@@ -133,6 +133,13 @@ def backward_kernels():
         for varlen in (False, True):
             found.append((f"backward_sm90_{'varlen_' if varlen else ''}causal_hd{headdim}",
                           configs.sm90_backward_table_config("float16", headdim, Variant(window=True, varlen=varlen))))
+    # headdims past 128: the consumers split headdim (backward_sm90_wide.py), fp16 and bf16, plain and causal
+    from nbflash.kernels.backward_sm90_wide import Sm90WideBackwardConfig
+
+    for dtype in ("float16", "bfloat16"):
+        for variant in (Variant(), Variant(window=True)):
+            found.append((f"backward_sm90_wide_{'causal' if variant.window else 'plain'}_{dtype}_hd256",
+                          Sm90WideBackwardConfig(dtype, 256, variant)))
     return [(name, registry.build(config).py_func, registry.signature(config), {"launch_bounds": config.launch_bounds})
             for name, config in found]
 

@@ -26,9 +26,10 @@
 #                                test and another's statistics: 11 of 12 tests done), and each failing
 #                                one's report as it fails (xdist prints them only at the session's end)
 #   scripts/gpu_check.sh levers  issue 13's work not yet run on a GPU: packed sequences on the sm90
-#                                dK/dV kernel (the varlen GPU grid, then the varlen backward timed
-#                                on both families), and the sm90 backward at headdims 32 and 48
-#                                (not yet its default) against the mma one, about 9 minutes
+#                                dK/dV kernel and its wide kernel for headdims 136-256 (their GPU
+#                                grids, then the varlen backward timed on both families), and the
+#                                sm90 backward at headdim 256 (not its default) against the mma
+#                                one, about 9 minutes
 #
 # The whole suite takes longer than one 10-minute command. NBFLASH_RESUME_LOGS (earlier parts'
 # pytest.log files, separated by ':') leaves out the tests they already report (tests/conftest.py),
@@ -144,23 +145,25 @@ fuzz)
     grep -aE "^====|Falsifying|Error|assert" "$out/fuzz_failures.log" 2> /dev/null | head -20
     ;;
 levers)
-    # Issue 13's work not yet run on a GPU (docs/perf-notes.md, "Hopper backward", step 20): packed
-    # sequences on the sm90 dK/dV kernel, its GPU tests (and the persistent grid's two cases the
-    # last run did not reach), then the varlen backward on both families.
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 170 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
-        -W ignore tests/test_varlen.py tests/test_backward_sm90.py -k "(varlen and sm90) or (rows_gpu and persistent)" \
+    # Issue 13's work not yet run on a GPU (docs/perf-notes.md, "Hopper backward", steps 20 and 21):
+    # packed sequences on the sm90 dK/dV kernel and the wide kernel, their GPU tests (and the
+    # persistent grid's two cases the last run did not reach), then the varlen backward on both
+    # families and the sm90 backward at headdims it does not take by default.
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 200 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+        -W ignore tests/test_varlen.py tests/test_backward_sm90.py \
+        -k "(varlen and sm90) or (rows_gpu and persistent) or wide_gpu" \
         > "$out/levers_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/levers_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/levers_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 180 python3 scripts/bench.py --pass varlen --varlen-backward --headdims 64 128 --causal both \
+    timeout 150 python3 scripts/bench.py --pass varlen --varlen-backward --headdims 64 128 --causal both \
         --varlen-lengths uniform:16384:2048 --no-torch --budget 0.3 --markdown "$out/varlen_backward.md" \
         > "$out/varlen_backward.log" 2>&1
     echo "varlen backward (exit $?):"; tail -8 "$out/varlen_backward.log"
-    # headdims below 64 take the rows-split kernel padded to 64 columns when "sm90" is forced
-    timeout 180 python3 scripts/bench.py --pass backward --families sm90 mma --headdims 32 48 --seqlens 4096 16384 \
-        --causal both --dtypes float16 --no-naive --budget 0.25 --markdown "$out/small_headdims.md" \
-        > "$out/small_headdims.log" 2>&1
-    echo "sm90 backward at headdims 32 and 48 (exit $?):"; tail -12 "$out/small_headdims.log"
+    # headdims past 128 take the wide kernel when "sm90" is forced
+    timeout 190 python3 scripts/bench.py --pass backward --families sm90 mma --headdims 256 \
+        --seqlens 4096 16384 --causal both --dtypes float16 --no-naive --budget 0.25 \
+        --markdown "$out/headdim256.md" > "$out/headdim256.log" 2>&1
+    echo "sm90 backward at headdim 256 (exit $?):"; tail -10 "$out/headdim256.log"
     ;;
 *)
     echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers" >&2

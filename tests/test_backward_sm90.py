@@ -23,6 +23,7 @@ from nbflash.kernels.backward_mma import MmaBackwardConfig
 from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
 from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
 from nbflash.kernels.backward_sm90_rows import Sm90RowsBackwardConfig
+from nbflash.kernels.backward_sm90_wide import Sm90WideBackwardConfig
 from nbflash.problem import Static, Variant
 
 from .conftest import SIMULATOR
@@ -44,7 +45,7 @@ def run_sm90(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtyp
     static = Static(dtype, headdim, False, 0, CAUSAL if causal else Variant())
     # backward_sm90.py's kernel, or (on a GPU, headdim <= 64) the rows split the planner takes there
     assert isinstance(configs.plan_backward(static, False, "sm90", True)[1],
-                      (Sm90BackwardConfig, Sm90RowsBackwardConfig))
+                      (Sm90BackwardConfig, Sm90RowsBackwardConfig, Sm90WideBackwardConfig))
     return run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal, False,
                     heads_first, family="sm90")
 
@@ -64,7 +65,7 @@ def test_backward_sm90_planning():
     assert launch.describe(dq) == "Hopper backward dQ (float16, headdim 128, causal/window, deterministic)"
     for static, deterministic, aligned in [
         (Static("float16", 128, False, 0, Variant(softcap=True)), True, True),  # sm90's dQ: plain and window
-        (Static("bfloat16", 256, False, 0), False, True),  # dK, dV of 64 keys need too many registers
+        (Static("bfloat16", 256, False, 0, Variant(softcap=True)), False, True),  # the wide kernel: plain, window
         (Static("float16", 60, False, 0), False, True),  # not a multiple of 8 (TMA's 16-byte rows)
         (Static("float16", 64, False, 0), False, False),  # rows off 16 bytes
         (Static("float16", 64, False, 0, Variant(varlen=True)), True, True),  # deterministic: the mma order
@@ -103,6 +104,16 @@ def test_backward_sm90_ring_and_rows_without_keys(rng, xp):
     dq, dk, dv = run_sm90(rng, xp, 1, 140, 60, 1, 1, 72, "bfloat16", True)
     dq = to_numpy(dq).astype(np.float32)
     assert (dq[:, :80] == 0).all()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+def test_backward_sm90_wide_small(rng, xp):
+    """Headdims past 128 (backward_sm90_wide.py: the consumers split headdim, 64 keys a block):
+    headdim 200 (padded to 256; consumer 1 writes 72 columns), causal, GQA 2:1, two key tiles (the
+    second a tail) and two query tiles (the second mostly past seqlen_q)."""
+    config = configs.plan_backward(Static("float16", 200, False, 0, CAUSAL), False, "sm90", True)[1]
+    assert isinstance(config, Sm90WideBackwardConfig) and config.dynamic_shared_bytes <= 232_448
+    run_sm90(rng, xp, 1, 70, 100, 2, 1, 200, "float16", True)
 
 
 def test_backward_sm90_deterministic_small(rng, xp):
@@ -601,6 +612,20 @@ def test_backward_sm90_gpu(rng, xp, seqlens, headdim, causal, dtype):
     index = SEQLENS.index(seqlens) + headdim // 8
     nheads, nheads_k = HEADS[index % len(HEADS)]
     run_sm90(rng, xp, 2, *seqlens, nheads, nheads_k, headdim, dtype, causal, heads_first=headdim == 96)
+
+
+WIDE_SEQLENS = [(1, 1), (113, 203), (203, 113), (1023, 1024), (2048, 2048)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [136, 192, 256])
+@pytest.mark.parametrize("seqlens", WIDE_SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_wide_gpu(rng, xp, seqlens, headdim, causal, dtype):
+    """Headdims past 128 on backward_sm90_wide.py (taken when "sm90" is forced)."""
+    nheads, nheads_k = HEADS[(WIDE_SEQLENS.index(seqlens) + headdim // 8) % len(HEADS)]
+    run_sm90(rng, xp, 2, *seqlens, nheads, nheads_k, headdim, dtype, causal, heads_first=headdim == 192)
 
 
 @pytest.mark.gpu

@@ -75,8 +75,9 @@ the raw S^T (``Hooks.tensor_core_score``, as in the mma backward) and whose deri
 dS^T; and dropout, whose factors (the forward's Philox stream, ``Hooks.dropout_bits_t``) multiply
 the P^T that dV takes and dP^T. With a score feature or dropout, dS^T is made with P^T once dP^T
 has landed. Headdims above 128 (dK and dV of 64 keys at headdim 256 would need all of a
-consumer's registers) and the deterministic mode (a fixed order instead of atomics) stay with the
-mma family (nbflash/kernels/backward_mma.py).
+consumer's registers) go to backward_sm90_wide.py (plain and windowed attention) or else the mma
+family (nbflash/kernels/backward_mma.py), as does the deterministic mode (a fixed order instead of
+atomics).
 
 Packed sequences (``variant.varlen``): q, k, v, dout are stride-0 views over batch of the packed
 arrays (as in backward_mma.py), lse, delta, dk, dv and dq_accum the packed arrays as a batch of one

@@ -21,6 +21,7 @@ from .backward_portable import PortableBackwardConfig, build_backward_portable
 from .backward_dq_sm90 import Sm90DqConfig, build_backward_dq_sm90
 from .backward_sm90 import Sm90BackwardConfig, build_backward_sm90
 from .backward_sm90_rows import Sm90RowsBackwardConfig, build_backward_sm90_rows
+from .backward_sm90_wide import Sm90WideBackwardConfig, build_backward_sm90_wide
 from .backward_sm90 import tensor_maps as backward_tensor_maps
 from .decode_mma import MmaDecodeConfig, build_decode_mma
 from .forward_mma import MmaForwardConfig, build_forward_mma
@@ -122,6 +123,7 @@ KERNELS = {
     MmaBackwardConfig: (build_backward_mma, _backward),
     Sm90BackwardConfig: (build_backward_sm90, _backward_sm90),
     Sm90RowsBackwardConfig: (build_backward_sm90_rows, _backward_sm90),  # the same arguments
+    Sm90WideBackwardConfig: (build_backward_sm90_wide, _backward_sm90),  # the same arguments
     Sm90DqConfig: (build_backward_dq_sm90, _backward_dq_sm90),
     MmaDecodeConfig: (build_decode_mma, _decode),
     AppendConfig: (build_append, _append),
@@ -136,6 +138,7 @@ HOST_ARGUMENTS = {
     Sm90ForwardConfig: lambda config, arrays: (*arrays, tensor_maps(config, *arrays[:3])),
     Sm90BackwardConfig: lambda config, arrays: (*arrays, backward_tensor_maps(config, *arrays[:4], arrays[8])),
     Sm90RowsBackwardConfig: lambda config, arrays: (*arrays, backward_tensor_maps(config, *arrays[:4])),
+    Sm90WideBackwardConfig: lambda config, arrays: (*arrays, backward_tensor_maps(config, *arrays[:4])),
     Sm90DqConfig: lambda config, arrays: (*arrays, backward_tensor_maps(config, *arrays[:4])),
 }
 

@@ -1,0 +1,494 @@
+"""FlashAttention backward on Hopper for headdims above 128 (up to 256): the consumers split headdim.
+
+backward_sm90.py gives each consumer warpgroup 64 keys of dK and dV over the whole headdim: at
+headdim 256 that is 2 x 64 x 256 / 128 = 256 float32 registers a thread, more than setmaxnreg
+allows. Here a block takes 64 keys and both consumers share them, each owning half of headdim's
+columns (docs/perf-notes.md, "Hopper backward", step 21)::
+
+    for each tile of 64 keys K_j, V_j (one thread block; loaded once by TMA):
+        producer warpgroup: as backward_sm90.py's (warp 0: K_j, V_j, then Q_i, dO_i through the ring;
+            warp 1: each step's lse_i and D_i into the slot's stats)
+        consumer c (columns 128 c .. 128 c + 127 of dK, dV and dQ):
+            dK_c = dV_c = 0
+            for the i-th step (64 queries), once its slot is full:
+                consumer 0: S^T = K_j Q_i^T;  consumer 1: dP^T = V_j dO_i^T      (wgmma, K = headdim)
+                consumer 1: dP^T -> shared memory (float32), arrive
+                consumer 0: P^T = exp2(S^T * scale_log2 - lse_log2[query]) (0 where masked),
+                            dS^T = P^T (dP^T - D[query]), P^T and dS^T -> shared memory (16 bit)
+                both, once P^T and dS^T are stored:
+                    dV_c += P^T dO_i[:, c],  dK_c += dS^T Q_i[:, c]   (wgmma, both from shared memory)
+                    dQ_i[:, c] = dS K_j[:, c], 64 columns at a time, into dq_accum by red.add
+                    arrive on the slot's empty barrier
+            dK_c *= scale; write dK_c, dV_c
+
+P^T and dS^T are made in float32 by consumer 0 alone (dS^T from the exact P^T, as the other
+kernels), which holds no dP^T: consumer 1 hands it over through shared memory, register r of thread
+t at word r * 128 + t (a warp's stores fill the 32 banks). Two named barriers a step: dP^T handed
+over (consumer 1 arrives, consumer 0 waits), and the tiles stored (both wait). Each step's products
+read P^T and dS^T from shared memory (SS), where backward_sm90.py takes them from registers.
+
+Registers per consumer thread: dK_c, dV_c 64 each, S^T or dP^T 32, a 64-column dQ product 32, P^T
+and dS^T packed 16 each (consumer 0, short-lived). Shared memory: K_j, V_j 64 KB, a 2-stage ring of
+Q_i and dO_i 128 KB, P^T and dS^T 16 KB, dP^T's hand-over 16 KB, the stats 1 KB: 226 KB.
+
+Variants: plain attention and the window (causal included), like backward_sm90_rows.py; headdims
+a multiple of 8 in 136..256, padded to 256 by TMA's zero fill. An option not yet run on a GPU: the
+planner takes it when "sm90" is forced at those headdims (the mma family's backward by default).
+
+Memory and arguments: backward_sm90.py's (the same signature and tensor maps).
+"""
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from numba import cuda, float32, uint32, uint64
+
+from nbflash.primitives import (
+    SIMULATOR,
+    exp2_approx,
+    f32_as_u32,
+    inline_device,
+    pack_bf16x2,
+    pack_f16x2,
+    shared_address,
+    static_range,
+    u32_as_f32,
+    unroll,
+)
+from nbflash.primitives_sm90 import (
+    SWIZZLE_128B,
+    array_address,
+    check_register_split,
+    elect_sync,
+    fence_operands,
+    fence_proxy_async,
+    fence_proxy_tensormap_acquire,
+    launch_bounded,
+    make_wgmma_ss,
+    mbarrier_arrive,
+    mbarrier_arrive_expect_tx,
+    mbarrier_wait,
+    named_barrier_arrive,
+    named_barrier_sync,
+    registers_from,
+    registers_to,
+    setmaxnreg_dec,
+    setmaxnreg_inc,
+    smem_descriptor,
+    tma_load_4d,
+    wgmma_commit,
+    wgmma_fence,
+    wgmma_wait,
+)
+from nbflash.problem import Variant
+
+from . import variants
+from .backward_sm90 import (
+    MAX_SHARED_BYTES,
+    make_add_dq,
+    make_init_ring,
+    make_stage_stats,
+    make_store_rows,
+)
+from .backward_sm90_rows import served
+from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
+from .geometry import grouped_block, grouped_grid
+
+BLOCK_M = 64  # queries per step: the N of S^T and dP^T, the M of dQ
+BLOCK_N = 64  # keys per block: the M of S^T, dP^T, dK and dV
+MIN_HEADDIM, MAX_HEADDIM = 136, 256
+HEADDIM_PADDED = 256  # four 64-column chunks
+HALF = HEADDIM_PADDED // 2  # a consumer's columns
+
+
+@dataclass(frozen=True)
+class Sm90WideBackwardConfig:
+    """One compiled variant of the Hopper dK/dV kernel for headdims 136..256, the consumers splitting
+    headdim (the backward's preprocess and dq conversion are the portable family's)."""
+
+    dtype: str  # 'float16' or 'bfloat16'
+    headdim: int
+    variant: Variant = Variant()
+    stages: int = 2  # query tiles in flight (the ring)
+    producer_registers: int = 40  # setmaxnreg caps (the block holds 384 x 168 registers at entry)
+    consumer_registers: int = 232
+    heavy_groups: int = 0  # longest-first within groups of (batch, KV head) pairs, as backward_sm90.py's
+    kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
+    atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
+    consumers = 2
+    block_m = BLOCK_M
+    block_n = BLOCK_N
+    dq_reduce = "red"  # what the tensor maps read (backward_sm90.tensor_maps): no dq_accum map
+    arch_suffix = "a"  # wgmma, TMA and setmaxnreg assemble for sm_90a only
+
+    def __post_init__(self):
+        if self.dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
+        if self.headdim % 8 or not MIN_HEADDIM <= self.headdim <= MAX_HEADDIM:
+            raise ValueError(f"{self.headdim=} must be a multiple of 8 in {MIN_HEADDIM}..{MAX_HEADDIM}")
+        if not served(self.variant):
+            raise ValueError(f"{self.variant=}: the wide sm90 backward serves plain attention and the window "
+                             "(causal) only")
+        if self.stages < 2:
+            raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
+        if self.heavy_groups < 0:
+            raise ValueError(f"heavy_groups={self.heavy_groups} must be 0 (off) or a group size")
+        check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
+        if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
+            raise ValueError(f"{self.dynamic_shared_bytes} bytes of shared memory exceed a block's "
+                             f"{MAX_SHARED_BYTES}: fewer stages")
+
+    @property
+    def headdim_padded(self):
+        return HEADDIM_PADDED
+
+    @property
+    def threads(self):
+        return GROUP * (self.consumers + 1)
+
+    @property
+    def q_bytes(self):
+        """Bytes of one Q (or dO) tile: four 64-column chunks of 64 rows of 128 bytes."""
+        return (HEADDIM_PADDED // CHUNK) * BLOCK_M * ROW_BYTES
+
+    @property
+    def kv_bytes(self):
+        return (HEADDIM_PADDED // CHUNK) * BLOCK_N * ROW_BYTES
+
+    @property
+    def pt_bytes(self):
+        """Bytes of the P^T (or dS^T) tile: 64 keys x 64 queries, 16 bit."""
+        return BLOCK_N * ROW_BYTES
+
+    @property
+    def handover_bytes(self):
+        """Bytes of dP^T's hand-over: 64 x 64 float32."""
+        return BLOCK_N * BLOCK_M * 4
+
+    @property
+    def stats_bytes(self):
+        """Bytes of one slot's lse_log2 and D."""
+        return 2 * BLOCK_M * 4
+
+    @property
+    def dynamic_shared_bytes(self):
+        """The tiles, the hand-over, the stats, 1 + 2 stages mbarriers, and 1024 bytes of slack to
+        align the tiles."""
+        return (1024 + 2 * self.kv_bytes + 2 * self.stages * self.q_bytes + 2 * self.pt_bytes + self.handover_bytes
+                + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages))
+
+    @property
+    def launch_bounds(self):
+        return (self.threads, 1)
+
+    def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
+        tiles = -(-seqlen_k // BLOCK_N)
+        if self.heavy_groups:
+            return grouped_grid(tiles, batch * nheads_k, self.heavy_groups)
+        return (tiles, nheads_k, batch)
+
+
+@lru_cache(maxsize=None)
+def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
+    """Compile-time constants of ``config`` captured in a fresh ``@cuda.jit`` kernel."""
+    BM, BN, HD, STAGES, THREADS = BLOCK_M, BLOCK_N, config.headdim, config.stages, config.threads
+    CHUNKS = HEADDIM_PADDED // CHUNK
+    Q_BYTES, KV_BYTES, PT_BYTES, STATS_BYTES = config.q_bytes, config.kv_bytes, config.pt_bytes, config.stats_bytes
+    HANDOVER_BYTES = config.handover_bytes
+    Q_CHUNK_BYTES, KV_CHUNK_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
+    HD_STEPS = HEADDIM_PADDED // 16  # k16 steps over headdim (S^T, dP^T)
+    Q_STEPS = BM // 16  # k16 steps over the step's queries (dV, dK)
+    KEY_STEPS = BN // 16  # k16 steps over the tile's keys (dQ)
+    S_REGS, ACC_REGS, DQ_REGS, P_REGS = BM // 2, HALF // 2, CHUNK // 2, BM // 4
+    NT = BM // 8  # 8-query column groups of S^T
+    FULL_ARRIVALS = 1 + 32  # the TMA thread's expect_tx and the stats warp's 32 lanes
+    EMPTY_ARRIVALS = BOTH = 2 * GROUP  # both consumers' threads
+    PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
+    HEAVY_GROUPS = config.heavy_groups
+    hooks = variants.hooks(config.variant)
+    query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
+    AB = "f16" if config.dtype == "float16" else "bf16"
+    wgmma_keys_by_queries = make_wgmma_ss(BM, AB, 0)  # S^T (64 x 64) = K_j (K-major) Q_i^T (K-major)
+    wgmma_keys_acc = make_wgmma_ss(HALF, AB, 1)  # dV_c (64 x 128) += P^T (K-major) dO_i's half (MN-major)
+    wgmma_dq = make_wgmma_ss(CHUNK, AB, 1, 1)  # dQ (64 x 64) = dS (dS^T read MN-major) K_j's chunk (MN-major)
+    K_MAJOR = (16, 1024)  # descriptor strides (bytes): 8-row groups 1024 apart, LBO unused
+    STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
+    init_ring = make_init_ring(STAGES, FULL_ARRIVALS, EMPTY_ARRIVALS)
+    pack = pack_f16x2 if config.dtype == "float16" else pack_bf16x2  # two values into 16-bit halves
+    add_dq = make_add_dq(HD, CHUNK)  # a 64-column dQ product into dq_accum
+    store_first = make_store_rows(config.dtype, HALF, HALF)  # consumer 0's columns of dK, dV
+    store_second = make_store_rows(config.dtype, HD - HALF, HALF)  # consumer 1's (those below headdim)
+    stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
+
+    @inline_device
+    def k_step(chunk_bytes, kk):
+        """Descriptor increment (16-byte units) of k16 step kk of a K-major tile."""
+        return uint64(((kk // 4) * chunk_bytes + (kk % 4) * 32) >> 4)
+
+    @inline_device
+    @unroll
+    def issue_keys_by_queries(acc, desc_a, desc_b):
+        """acc = A B^T over headdim (S^T = K_j Q_i^T or dP^T = V_j dO_i^T), one commit group."""
+        for kk in static_range(HD_STEPS):
+            acc = wgmma_keys_by_queries(acc, desc_a + k_step(KV_CHUNK_BYTES, kk), desc_b + k_step(Q_CHUNK_BYTES, kk),
+                                        uint32(0 if kk == 0 else 1))
+        wgmma_commit()
+        return acc
+
+    @inline_device
+    @unroll
+    def issue_keys_acc(acc, desc_a, desc_b):
+        """acc += A B over the step's queries (dV_c += P^T dO_i[:, c] or dK_c += dS^T Q_i[:, c]), A
+        K-major (k16 step: 32 bytes along a row), B MN-major; one commit group."""
+        for ks in static_range(Q_STEPS):
+            acc = wgmma_keys_acc(acc, desc_a + uint64(2 * ks), desc_b + uint64(ks * STEP16), uint32(1))
+        wgmma_commit()
+        return acc
+
+    @inline_device
+    @unroll
+    def issue_dq(acc, desc_ds, desc_k):
+        """acc = dS K_j over the tile's keys for one 64-column chunk, from zero; one commit group."""
+        for ks in static_range(KEY_STEPS):
+            acc = wgmma_dq(acc, desc_ds + uint64(ks * STEP16), desc_k + uint64(ks * STEP16),
+                           uint32(0 if ks == 0 else 1))
+        wgmma_commit()
+        return acc
+
+    @inline_device
+    @unroll
+    def probabilities_t(s, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, q4,
+                        masked):
+        """S^T -> P^T = exp2(S^T * scale_log2 - lse_log2[query]) in place, for the thread's key rows
+        key_row0, key_row0 + 8 and its query columns 8 c + 2 q4 + e; masked entries (keys past
+        seqlen_k, or outside a query's window) get 0. ``masked`` is a constant at each call site."""
+        for c in static_range(NT):
+            for e in static_range(2):
+                col = 8 * c + 2 * q4 + e
+                lse_c = u32_as_f32(smem[stats + col])
+                lo, hi = row_keys(q_start + col, seqlen_q, seqlen_k, params)  # used by the masked copy
+                for rh in static_range(2):
+                    r = 4 * c + 2 * rh + e
+                    p = exp2_approx(s[r] * scale_log2 - lse_c)
+                    if masked:
+                        if hidden(key_row0 + 8 * rh, lo, hi, q_start + col, seqlen_q, params, head_ctx):
+                            p = float32(0)
+                    s[r] = p
+
+    @inline_device
+    @unroll
+    def store_tiles_t(smem, pt_row_word, s, handover_lane, stats, g, q4):
+        """P^T (in s) and dS^T = P^T (dP^T - D[query]) (dP^T from the hand-over) of the thread's key
+        rows 16 warp + g, + 8 and query columns 8 c + 2 q4, + 1, packed to 16 bits, into the P^T and
+        dS^T tiles: rows of 128 bytes, 16-byte unit c stored at c ^ g (the 128-byte swizzle wgmma
+        reads; the row's index mod 8 is g). ``pt_row_word``: the P^T tile's word of the thread's
+        first row plus q4; ``handover_lane``: the hand-over's word of register 0 for this thread.
+        Both are made opaque each step: else LLVM makes every address once before the loop, and
+        ptxas spills them."""
+        row_word, swizzle, lane_word = fence_operands((pt_row_word, uint32(4 * g), handover_lane))
+        for c in static_range(NT):
+            d0 = u32_as_f32(smem[stats + BM + 8 * c + 2 * q4])
+            d1 = u32_as_f32(smem[stats + BM + 8 * c + 2 * q4 + 1])
+            for rh in static_range(2):
+                r = 4 * c + 2 * rh
+                dp0 = u32_as_f32(smem[lane_word + uint32(r * GROUP)])
+                dp1 = u32_as_f32(smem[lane_word + uint32((r + 1) * GROUP)])
+                word = row_word + uint32(8 * rh * (ROW_BYTES // 4)) + (uint32(4 * c) ^ swizzle)
+                smem[word] = pack(s[r], s[r + 1])
+                smem[word + uint32(PT_BYTES // 4)] = pack(s[r] * (dp0 - d0), s[r + 1] * (dp1 - d1))
+
+    # -----------------------------------------------------------------------------------------------
+    # The kernel
+    # -----------------------------------------------------------------------------------------------
+
+    @launch_bounded(THREADS, 1)
+    @unroll
+    def backward_dkdv_sm90_wide(q, k, v, dout, lse, delta, dk, dv, dq_accum, maps, scale_log2, scale, params):
+        if HEAVY_GROUPS:  # (batch, KV head) pairs in groups, key tile by key tile (geometry.py)
+            n_block, pair = grouped_block(cuda.blockIdx.x, cuda.blockIdx.y, HEAVY_GROUPS)
+            if pair >= q.shape[0] * k.shape[2]:
+                return  # the last group's missing pairs: the whole block, before any barrier
+            b, hk = pair // k.shape[2], pair % k.shape[2]
+        else:
+            n_block, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        group_id = tid // GROUP  # 0: the producer; 1 + c: consumer c
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        group = q.shape[2] // k.shape[2]  # GQA: query heads hk * group ... share this K/V tile
+        n_start = n_block * BN
+
+        # Shared memory: tiles from the first 1024-byte boundary, then the stats and the barriers.
+        smem = cuda.shared.array(0, uint32)
+        smem_start = shared_address(smem)
+        base = smem_start
+        if not SIMULATOR:
+            base = base + ((uint32(1024) - (base & uint32(1023))) & uint32(1023))
+        k_tile = base
+        v_tile = k_tile + uint32(KV_BYTES)
+        q_ring = v_tile + uint32(KV_BYTES)
+        do_ring = q_ring + uint32(STAGES * Q_BYTES)
+        pt_tile = do_ring + uint32(STAGES * Q_BYTES)
+        ds_tile = pt_tile + uint32(PT_BYTES)
+        handover = ds_tile + uint32(PT_BYTES)
+        stats_ring = handover + uint32(HANDOVER_BYTES)
+        kv_full = stats_ring + uint32(STAGES * STATS_BYTES)
+        qd_full = kv_full + uint32(8)  # + 8 * slot
+        qd_empty = qd_full + uint32(8 * STAGES)
+        stats_word0 = (stats_ring - smem_start) // uint32(4)  # smem's index of the first slot's stats
+
+        # Which query tiles see this key tile (geometry.py): [first_tile, end_tile), of which
+        # [first_full, end_full) see all of its keys; the key tail always masks. One step per (query
+        # head of the group, query tile).
+        first_tile, first_full, end_full, end_tile = query_tiles(
+            n_start, min(n_start + BN, seqlen_k), seqlen_q, seqlen_k, params, BM)
+        tail = n_start + BN > seqlen_k
+        tiles_per_head = end_tile - first_tile
+        steps = group * tiles_per_head
+
+        if tid == 0:
+            init_ring(kv_full, qd_full, qd_empty)
+        cuda.syncthreads()  # the barriers are initialised before anyone arrives on or waits for them
+
+        if group_id == 0:
+            # ---- Producer: warp 0 issues the copies, warp 1 stages lse and D ----
+            setmaxnreg_dec(PRODUCER_REGS)
+            warp = tid // 32
+            lane = tid % 32
+            if warp == 0 and steps > 0:
+                if elect_sync() == uint32(1):  # one lane issues the copies
+                    maps_address = array_address(maps)
+                    q_map, k_map, v_map, do_map = (maps_address, maps_address + 128, maps_address + 256,
+                                                   maps_address + 384)
+                    fence_proxy_tensormap_acquire(q_map)  # the maps were copied from the host
+                    fence_proxy_tensormap_acquire(k_map)
+                    fence_proxy_tensormap_acquire(v_map)
+                    fence_proxy_tensormap_acquire(do_map)
+                    mbarrier_arrive_expect_tx(kv_full, 2 * KV_BYTES)
+                    for chunk in static_range(CHUNKS):
+                        tma_load_4d(k_tile + uint32(chunk * KV_CHUNK_BYTES), k_map, chunk * CHUNK, hk, n_start, b,
+                                    kv_full)
+                        tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk, n_start, b,
+                                    kv_full)
+                    for i in range(steps):
+                        slot, use = i % STAGES, i // STAGES
+                        if use > 0:  # the consumers have released the slot's previous tiles
+                            mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
+                        h = hk * group + i // tiles_per_head
+                        q_start = (first_tile + i % tiles_per_head) * BM
+                        full = qd_full + uint32(8 * slot)
+                        mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
+                        for chunk in static_range(CHUNKS):
+                            tma_load_4d(q_ring + uint32(slot * Q_BYTES + chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK,
+                                        h, q_start, b, full)
+                            tma_load_4d(do_ring + uint32(slot * Q_BYTES + chunk * Q_CHUNK_BYTES), do_map,
+                                        chunk * CHUNK, h, q_start, b, full)
+            elif warp == 1:
+                stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
+                            tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, 0)
+        else:
+            # ---- Consumers: columns HALF c .. HALF c + HALF - 1 of dK, dV and dQ each ----
+            setmaxnreg_inc(CONSUMER_REGS)
+            consumer = group_id - 1
+            t = tid % GROUP
+            lane = tid % 32
+            warp = t // 32
+            g, q4 = lane >> 2, lane & 3
+            key_row0 = n_start + 16 * warp + g  # the thread's first key row (+8: the second)
+            col_chunk = uint32(2 * consumer)  # the consumer's first 64-column chunk
+            # the scores' A: K_j (consumer 0) or V_j (consumer 1), K-major
+            desc_kv = smem_descriptor(k_tile + uint32(consumer * KV_BYTES), K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
+            desc_pt = smem_descriptor(pt_tile, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)  # dV's A: P^T, K-major
+            desc_dst = smem_descriptor(ds_tile, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)  # dK's A: dS^T, K-major
+            desc_ds = smem_descriptor(ds_tile, PT_BYTES, 1024, SWIZZLE_128B)  # dQ's A: dS (dS^T read MN-major)
+            # smem words: the hand-over's register 0 of this thread, and the P^T tile's first row of
+            # the thread plus q4 (dS^T's tile follows it)
+            handover_lane = uint32((handover - smem_start) // uint32(4) + uint32(t))
+            pt_row_word = uint32((pt_tile - smem_start) // uint32(4) + uint32((16 * warp + g) * (ROW_BYTES // 4) + q4))
+
+            # S^T (P^T) or dP^T, and a dQ product: each made from its own last registers, which the
+            # first k16 step ignores (scale-d 0); zeros only so that the first step reads defined values
+            s = cuda.local.array(S_REGS, float32)
+            dk_acc = cuda.local.array(ACC_REGS, float32)
+            dv_acc = cuda.local.array(ACC_REGS, float32)
+            dq_acc = cuda.local.array(DQ_REGS, float32)
+            for r in static_range(S_REGS):
+                s[r] = float32(0)
+                dq_acc[r] = float32(0)
+            for r in static_range(ACC_REGS):
+                dk_acc[r] = float32(0)
+                dv_acc[r] = float32(0)
+
+            if steps > 0:
+                mbarrier_wait(kv_full, 0)
+            for i in range(steps):
+                slot, use = i % STAGES, i // STAGES
+                h = hk * group + i // tiles_per_head
+                tile = first_tile + i % tiles_per_head
+                q_start = tile * BM
+                q_slot = q_ring + uint32(slot * Q_BYTES)
+                do_slot = do_ring + uint32(slot * Q_BYTES)
+
+                # S^T = K_j Q_i^T (consumer 0) or dP^T = V_j dO_i^T (consumer 1)
+                acc_s = fence_operands(registers_from(s, S_REGS))
+                mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
+                wgmma_fence()  # the accumulator's registers are ordered before wgmma uses them
+                acc_s = issue_keys_by_queries(acc_s, desc_kv, smem_descriptor(
+                    q_slot if consumer == 0 else do_slot, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B))
+                wgmma_wait(0)
+                registers_to(s, fence_operands(acc_s))
+
+                stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
+                if consumer == 1:  # dP^T to consumer 0: register r of thread t at word r * GROUP + t
+                    lane_word = fence_operands((handover_lane, uint32(0)))[0]  # opaque: see store_tiles_t
+                    for r in static_range(S_REGS):
+                        smem[lane_word + uint32(r * GROUP)] = f32_as_u32(s[r])
+                    named_barrier_arrive(1, BOTH)
+                else:
+                    head_ctx = head_context(params, b, h)
+                    if tail or tile < first_full or tile >= end_full:
+                        probabilities_t(s, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
+                                        scale_log2, q4, True)
+                    else:
+                        probabilities_t(s, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
+                                        scale_log2, q4, False)
+                    named_barrier_sync(1, BOTH)  # dP^T is handed over
+                    store_tiles_t(smem, pt_row_word, s, handover_lane, stats, g, q4)
+                    fence_proxy_async()  # the tiles' stores are ordered before wgmma reads them
+                named_barrier_sync(2, BOTH)  # P^T and dS^T are stored
+
+                # dV_c += P^T dO_i[:, c], dK_c += dS^T Q_i[:, c], and dQ_i's first 64 columns of c
+                acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
+                acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
+                acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
+                wgmma_fence()
+                acc_dv = issue_keys_acc(acc_dv, desc_pt, smem_descriptor(
+                    do_slot + col_chunk * uint32(Q_CHUNK_BYTES), Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
+                acc_dk = issue_keys_acc(acc_dk, desc_dst, smem_descriptor(
+                    q_slot + col_chunk * uint32(Q_CHUNK_BYTES), Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
+                acc_q = issue_dq(acc_q, desc_ds, smem_descriptor(
+                    k_tile + col_chunk * uint32(KV_CHUNK_BYTES), KV_CHUNK_BYTES, 1024, SWIZZLE_128B))
+                wgmma_wait(0)
+                registers_to(dv_acc, fence_operands(acc_dv))
+                registers_to(dk_acc, fence_operands(acc_dk))
+                registers_to(dq_acc, fence_operands(acc_q))
+                mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
+                row = q_start + 16 * warp + g
+                add_dq(dq_accum, dq_acc, b, row, h, HALF * consumer, seqlen_q, q4)
+                # ... and its second 64 columns
+                acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
+                wgmma_fence()
+                acc_q = issue_dq(acc_q, desc_ds, smem_descriptor(
+                    k_tile + (col_chunk + uint32(1)) * uint32(KV_CHUNK_BYTES), KV_CHUNK_BYTES, 1024, SWIZZLE_128B))
+                wgmma_wait(0)
+                registers_to(dq_acc, fence_operands(acc_q))
+                add_dq(dq_accum, dq_acc, b, row, h, HALF * consumer + CHUNK, seqlen_q, q4)
+
+            # ---- Write dK_c = dS^T Q * scale and dV_c (keys no query sees get 0) ----
+            if consumer == 0:
+                store_first(dk, dk_acc, b, key_row0, hk, seqlen_k, scale, q4)
+                store_first(dv, dv_acc, b, key_row0, hk, seqlen_k, float32(1), q4)
+            else:
+                store_second(dk[:, :, :, HALF:], dk_acc, b, key_row0, hk, seqlen_k, scale, q4)
+                store_second(dv[:, :, :, HALF:], dv_acc, b, key_row0, hk, seqlen_k, float32(1), q4)
+
+    return backward_dkdv_sm90_wide
