@@ -113,6 +113,9 @@ def test_backward_sm90_wide_small(rng, xp):
     second a tail) and two query tiles (the second mostly past seqlen_q)."""
     config = configs.plan_backward(Static("float16", 200, False, 0, CAUSAL), False, "sm90", True)[1]
     assert isinstance(config, Sm90WideBackwardConfig) and config.dynamic_shared_bytes <= 232_448
+    # deterministic: the mma kernels (the sm90 dQ kernel stops at headdim 128)
+    plan = configs.plan_backward(Static("float16", 256, False, 0, CAUSAL), True, "sm90", True)
+    assert isinstance(plan[1], MmaBackwardConfig) and not isinstance(plan[2], Sm90DqConfig)
     run_sm90(rng, xp, 1, 70, 100, 2, 1, 200, "float16", True)
 
 

@@ -189,6 +189,18 @@ def test_prebuild_unaligned_with_every_family_on_hopper():
     assert any(type(c).__name__.startswith("Sm90") for c in aligned)
 
 
+def test_prebuild_plans_the_wide_hopper_backward():
+    """At headdims past 128 on compute capability 9.0 the prebuild has the wide sm90 dK/dV kernel
+    (what "sm90" forced takes there) and, for deterministic=True, the mma kernels: the sm90 dQ kernel
+    stops at headdim 128."""
+    from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
+    from nbflash.kernels.backward_sm90_wide import Sm90WideBackwardConfig
+
+    wanted = prebuild.configurations(["bfloat16"], [256], list(prebuild.FAMILIES), (9, 0))
+    assert any(isinstance(c, Sm90WideBackwardConfig) for c in wanted)
+    assert not any(isinstance(c, Sm90DqConfig) for c in wanted)
+
+
 def test_prebuild_has_the_rowwise_vector_forms_when_planned(monkeypatch):
     """With configs.ROWWISE_VECTOR on (planned), the prebuild compiles the row-wise kernels' 16-byte
     forms too (the preprocess, atomic and not, and the conversion, per 16-bit headdim), beside the
