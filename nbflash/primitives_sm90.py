@@ -96,6 +96,14 @@ def descriptor_bits(window_address, leading_bytes, stride_bytes, swizzle):
             | ((uint64(swizzle) & uint64(3)) << uint64(62)))
 
 
+
+@cuda.jit(device=True, inline=True)
+def k_step(chunk_bytes, kk):
+    """Descriptor increment (16-byte units) of k16 step ``kk`` of a K-major tile stored as 64-column
+    chunks of ``chunk_bytes`` each (rows of 128 bytes, the 128B swizzle): 32 bytes along the rows
+    within a chunk, the next chunk every four steps."""
+    return uint64(((kk // 4) * chunk_bytes + (kk % 4) * 32) >> 4)
+
 if SIMULATOR:
     import ctypes
 

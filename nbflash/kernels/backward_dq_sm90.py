@@ -83,6 +83,7 @@ from nbflash.primitives_sm90 import (
     fence_mbarrier_init,
     fence_operands,
     fence_proxy_tensormap_acquire,
+    k_step,
     launch_bounded,
     make_wgmma_rs,
     make_wgmma_ss,
@@ -221,11 +222,6 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
     # Tile addresses: a k16 step of a K-major tile is 32 bytes inside a 128-byte row, and the next
     # chunk after 4 steps; a k16 step of MN-major K (16 keys) is 16 rows of 128 bytes.
     # -----------------------------------------------------------------------------------------------
-
-    @inline_device
-    def k_step(chunk_bytes, kk):
-        """Descriptor increment (16-byte units) of k16 step kk of a K-major tile."""
-        return uint64(((kk // 4) * chunk_bytes + (kk % 4) * 32) >> 4)
 
     @inline_device
     def key_major_descriptor(ring, slot):

@@ -81,6 +81,7 @@ from nbflash.primitives_sm90 import (
     fence_operands,
     fence_proxy_async,
     fence_proxy_tensormap_acquire,
+    k_step,
     launch_bounded,
     make_wgmma_rs,
     make_wgmma_ss,
@@ -256,11 +257,6 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     add_dq = make_add_dq(HD, CHUNK)  # dQ_c into dq_accum
     store_rows = make_store_rows(config.dtype, HD, CHUNK)  # dK, dV
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
-
-    @inline_device
-    def k_step(chunk_bytes, kk):
-        """Descriptor increment (16-byte units) of k16 step kk of a K-major tile."""
-        return uint64(((kk // 4) * chunk_bytes + (kk % 4) * 32) >> 4)
 
     @inline_device
     @unroll

@@ -118,12 +118,13 @@ from nbflash.primitives import (
 from nbflash.primitives_sm90 import (
     SWIZZLE_128B,
     array_address,
-    check_register_split,
     cached_tensor_maps,
+    check_register_split,
     elect_sync,
     fence_mbarrier_init,
     fence_operands,
     fence_proxy_tensormap_acquire,
+    k_step,
     launch_bounded,
     make_wgmma_rs,
     make_wgmma_ss,
@@ -353,11 +354,6 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     # Tile addresses: a k16 step of a K-major tile is 32 bytes inside a 128-byte row, and the next
     # chunk after 4 steps; a k16 step of V (16 keys) is 16 rows of 128 bytes.
     # -----------------------------------------------------------------------------------------------
-
-    @inline_device
-    def k_step(chunk_bytes, kk):
-        """Descriptor increment (16-byte units) of k16 step kk of a K-major tile."""
-        return uint64(((kk // 4) * chunk_bytes + (kk % 4) * 32) >> 4)
 
     @inline_device
     def k_descriptor(k_ring, slot):
