@@ -12,10 +12,11 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
   (``sm90_unsupported_reason``); chosen by default at the headdims where it was measured faster
   (``SM90_DEFAULT_HEADDIMS``; with softcap and ALiBi measured at headdim 128), for the variants
   measured (``SM90_DEFAULT_VARIANTS``: the others run on it only when "sm90" is forced). Its backward
-  (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; every variant but packed
-  sequences, headdim up to 128, ``sm90_backward_unsupported_reason``; at headdims up to 64, for
-  plain and windowed attention, its sibling nbflash/kernels/backward_sm90_rows.py, which splits the
-  query rows between the consumers: ``sm90_backward_config``) is the
+  (nbflash/kernels/backward_sm90.py: the dK/dV kernel with atomic dq; every variant, packed
+  sequences included, headdim up to 128, ``sm90_backward_unsupported_reason``; at headdims up to
+  64, for plain and windowed attention, its sibling nbflash/kernels/backward_sm90_rows.py, which
+  splits the query rows between the consumers; at headdims 136-256, every variant, its sibling
+  nbflash/kernels/backward_sm90_wide.py, which splits headdim: ``sm90_backward_config``) is the
   default at ``SM90_BACKWARD_DEFAULT_HEADDIMS`` for plain and causal attention, with dropout or a
   score_mod (``_measured_on_sm90``), and at headdim 128 for causal attention with softcap or ALiBi
   (``SM90_BACKWARD_HD128_VARIANTS``); the sm80 family's
@@ -460,9 +461,6 @@ def sm90_backward_unsupported_reason(static, deterministic, aligned):
     if static.headdim % 8 or static.headdim > SM90_WIDE_BACKWARD_MAX_HEADDIM:
         return (f"the sm90 backward takes headdim a multiple of 8 up to {SM90_WIDE_BACKWARD_MAX_HEADDIM}, "
                 f"not {static.headdim}")
-    if static.headdim > SM90_BACKWARD_MAX_HEADDIM and not sm90_rows_serves(static.variant):
-        return (f"the sm90 backward at headdims above {SM90_BACKWARD_MAX_HEADDIM} (backward_sm90_wide.py) serves "
-                "plain attention and the window only")
     if not aligned:
         return "the sm90 backward's TMA needs every row of q, k, v and dout on a 16-byte boundary"
     return None

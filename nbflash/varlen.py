@@ -26,7 +26,6 @@ import numpy as np
 from . import backward, interface, launch, runtime, validation
 from .configs import forced_family
 from .dtypes import FLOAT32
-from .kernels.backward_sm90 import Sm90BackwardConfig
 from .reference import attention_probabilities
 
 LOG2_E = math.log2(math.e)
@@ -178,7 +177,7 @@ def _varlen_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     # The tile kernels: one grid row per sequence, on stride-0 views narrowed in the kernel.
     shape = (p.batch, p.nheads, p.nheads_k, p.seqlen_q, p.seqlen_k)  # seqlen_*: the max_seqlen values
     views = [_batch_view(x, p.batch) for x in (q, k, v, dout, lse, delta[0], dk, dv, dq_accum[0], dq[0])]
-    if isinstance(dkdv.config, Sm90BackwardConfig):  # it writes the packed arrays as a batch of one
+    if getattr(dkdv.config, "varlen_batch_of_one", False):  # the Hopper kernels offset the packed rows themselves
         dkdv.launch(dkdv.config.grid(*shape), (*views[:4], lse[None], delta, dk[None], dv[None], dq_accum),
                     (scale_log2, scale), p.params)
     else:

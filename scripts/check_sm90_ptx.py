@@ -89,8 +89,9 @@ def backward_kernels():
     split (without and with defer_dq), 128 query rows per step ("columns" and "steps"), the query
     rows split between the consumers (backward_sm90_rows.py: fp16 and bf16, plain and causal; and its
     persistent grid, fp16),
-    causal dropout at each planned headdim, and the causal kernel at each, dense and on packed
-    sequences."""
+    causal dropout at each planned headdim, the causal kernel at each, dense and on packed
+    sequences, and the kernel for headdims past 128 (backward_sm90_wide.py) at 256: plain and causal,
+    fp16 and bf16, and causal with softcap, with dropout and on packed sequences (fp16)."""
     import dataclasses
 
     from nbflash import configs
@@ -140,6 +141,11 @@ def backward_kernels():
         for variant in (Variant(), Variant(window=True)):
             found.append((f"backward_sm90_wide_{'causal' if variant.window else 'plain'}_{dtype}_hd256",
                           Sm90WideBackwardConfig(dtype, 256, variant)))
+    # ... and its variants (fp16, causal): a score feature and dropout (dS^T made in the hand-over),
+    # packed sequences (the bounds read again each step)
+    for feature in ("softcap", "dropout", "varlen"):
+        found.append((f"backward_sm90_wide_{feature}_causal_float16_hd256",
+                      Sm90WideBackwardConfig("float16", 256, Variant(window=True, **{feature: True}))))
     return [(name, registry.build(config).py_func, registry.signature(config), {"launch_bounds": config.launch_bounds})
             for name, config in found]
 

@@ -25,11 +25,13 @@
 #                                it passes (without the prebuild, 540 s stopped one process's backward
 #                                test and another's statistics: 11 of 12 tests done), and each failing
 #                                one's report as it fails (xdist prints them only at the session's end)
-#   scripts/gpu_check.sh levers  issue 13's work not yet run on a GPU: packed sequences on the sm90
-#                                dK/dV kernel and its wide kernel for headdims 136-256 (their GPU
-#                                grids, then the varlen backward timed on both families), and the
-#                                sm90 backward at headdim 256 (not its default) against the mma
-#                                one, about 9 minutes
+#   scripts/gpu_check.sh levers  issue 13's work not yet timed on a GPU: the persistent grid's two
+#                                cases the last run did not reach, the varlen backward on both
+#                                families, and the sm90 backward at headdim 256 (not its default)
+#                                against the mma one, about 7 minutes
+#   scripts/gpu_check.sh wide    issue 13's kernels not yet run on a GPU, their test grids: packed
+#                                sequences on the sm90 dK/dV kernel, and its wide kernel for
+#                                headdims 136-256 with every variant, dense and packed, up to 8 minutes
 #
 # The whole suite takes longer than one 10-minute command. NBFLASH_RESUME_LOGS (earlier parts'
 # pytest.log files, separated by ':') leaves out the tests they already report (tests/conftest.py),
@@ -145,14 +147,11 @@ fuzz)
     grep -aE "^====|Falsifying|Error|assert" "$out/fuzz_failures.log" 2> /dev/null | head -20
     ;;
 levers)
-    # Issue 13's work not yet run on a GPU (docs/perf-notes.md, "Hopper backward", steps 20 and 21):
-    # packed sequences on the sm90 dK/dV kernel and the wide kernel, their GPU tests (and the
-    # persistent grid's two cases the last run did not reach), then the varlen backward on both
-    # families and the sm90 backward at headdims it does not take by default.
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 200 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
-        -W ignore tests/test_varlen.py tests/test_backward_sm90.py \
-        -k "(varlen and sm90) or (rows_gpu and persistent) or wide_gpu" \
-        > "$out/levers_tests.log" 2>&1
+    # Issue 13's work not yet timed on a GPU (docs/perf-notes.md, "Hopper backward", steps 18, 20
+    # and 21): the persistent grid's two cases the last run did not reach, then the varlen backward
+    # on both families and the sm90 backward at headdims it does not take by default.
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 100 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+        -W ignore tests/test_backward_sm90.py -k "rows_gpu and persistent" > "$out/levers_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/levers_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/levers_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
     timeout 150 python3 scripts/bench.py --pass varlen --varlen-backward --headdims 64 128 --causal both \
@@ -165,8 +164,18 @@ levers)
         --markdown "$out/headdim256.md" > "$out/headdim256.log" 2>&1
     echo "sm90 backward at headdim 256 (exit $?):"; tail -10 "$out/headdim256.log"
     ;;
+wide)
+    # Issue 13's kernels not yet run on a GPU (docs/perf-notes.md, "Hopper backward", steps 20-22):
+    # their GPU grids, each test named as it ends (-v), so a run cut short says what it reached.
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 470 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+        -W ignore tests/test_varlen.py tests/test_backward_sm90.py -k "(varlen and sm90) or wide_gpu or wide_variants" \
+        > "$out/wide_tests.log" 2>&1
+    echo "tests: exit $?: $(tail -1 "$out/wide_tests.log")"
+    grep -aE "\] (FAILED|ERROR)" "$out/wide_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -30
+    echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
+    ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|wide" >&2
     exit 2
     ;;
 esac

@@ -230,8 +230,11 @@ def case_sm90_backward(rng, small):
     mask_mod = document_mask_mod(seqlen, seqlen)
     block_mask = nbflash.create_block_mask(mask_mod, None, None, seqlen, seqlen)
     _dense(rng, "float16", 1, seqlen, seqlen, 4, 2, 128, "sm90", True, mask_mod=mask_mod, block_mask=block_mask)
-    # headdims past 128: backward_sm90_wide.py (the consumers split headdim)
+    # headdims past 128: backward_sm90_wide.py (the consumers split headdim), and with score
+    # features (dS^T made in the hand-over's words)
     _dense(rng, "bfloat16", 1, n[1], n[0], 2, 1, 256, "sm90", True, causal=True)
+    _dense(rng, "float16", 1, n[1], n[0], 2, 2, 192, "sm90", True, window_size=(n[0] // 2, 3), softcap=20.0,
+           alibi_slopes=_backend().asarray(np.array([0.5, 0.25], np.float32)))
 
 
 def score_tilt(score, b, h, q_idx, kv_idx):

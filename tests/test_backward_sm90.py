@@ -65,7 +65,6 @@ def test_backward_sm90_planning():
     assert launch.describe(dq) == "Hopper backward dQ (float16, headdim 128, causal/window, deterministic)"
     for static, deterministic, aligned in [
         (Static("float16", 128, False, 0, Variant(softcap=True)), True, True),  # sm90's dQ: plain and window
-        (Static("bfloat16", 256, False, 0, Variant(softcap=True)), False, True),  # the wide kernel: plain, window
         (Static("float16", 60, False, 0), False, True),  # not a multiple of 8 (TMA's 16-byte rows)
         (Static("float16", 64, False, 0), False, False),  # rows off 16 bytes
         (Static("float16", 64, False, 0, Variant(varlen=True)), True, True),  # deterministic: the mma order
@@ -78,6 +77,14 @@ def test_backward_sm90_planning():
     varlen = Static("float16", 96, False, 0, Variant(varlen=True, window=True))
     plan = configs.plan_backward(varlen, False, "sm90", True)
     assert isinstance(plan[1], Sm90BackwardConfig) and plan[1].variant.varlen
+    # headdims past 128: the wide kernel, every variant (not by default: not yet timed)
+    for variant in (Variant(softcap=True), Variant(window=True, varlen=True), Variant(dropout=True, alibi=True),
+                    Variant(mask_mod="g:0", block_mask=True)):
+        plan = configs.plan_backward(Static("bfloat16", 256, False, 0, variant), False, "sm90", True)
+        assert isinstance(plan[1], Sm90WideBackwardConfig) and plan[1].variant == variant
+        assert plan[1].dynamic_shared_bytes <= 232_448
+        assert isinstance(configs.plan_backward(Static("bfloat16", 256, False, 0, variant), False)[1],
+                          MmaBackwardConfig)
     with pytest.raises(ValueError, match="varlen"):
         Sm90BackwardConfig("float16", 64, Variant(varlen=True), dq_split="steps", dq_reduce="tma")
     # a block mask (with its mask_mod): the Hopper dK/dV kernel walks the pairs it visits
@@ -572,12 +579,21 @@ def run_sm90_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen_k, nheads, nh
     causal, arguments = split(variant_arguments(name, batch, nheads, seqlen_k, xp, seqlen_q))
     q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
     problem = validation.check_forward(q, k, v, None, causal, **arguments)[0]
-    assert isinstance(configs.plan_backward(problem.static, False, "sm90")[1], Sm90BackwardConfig)
+    kernel = Sm90WideBackwardConfig if headdim > 128 else Sm90BackwardConfig
+    assert isinstance(configs.plan_backward(problem.static, False, "sm90")[1], kernel)
     out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **forward_arguments(arguments))
     dout = random_like(rng, xp, q)
     with nbflash.kernel_family("sm90"):
         grads = flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **arguments)
     assert_gradients_close(grads, dout, q, k, v, causal, **arguments)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the variants' grid below")
+def test_backward_sm90_wide_score_features_small(rng, xp):
+    """The wide kernel (headdim 136: consumer 1 writes 8 columns) with window + softcap + per-batch
+    ALiBi: consumer 0 waits for dP^T's hand-over, makes P^T and dS^T together, dS^T (float32)
+    replacing dP^T there, then packs both; one key tile (a tail) of two query heads (GQA 2:1)."""
+    run_sm90_variant(rng, xp, "combined", "float16", 1, 40, 60, 2, 1, 136)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the variants' grid below")
@@ -598,6 +614,16 @@ SCORE_VARIANTS = ["softcap", "causal-softcap", "alibi", "causal-alibi", "combine
 @pytest.mark.parametrize("shape", [(2, 113, 203, 4, 2, 64), (1, 1023, 1024, 4, 1, 128), (2, 300, 257, 2, 2, 96)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_backward_sm90_variants_gpu(rng, xp, shape, name, dtype):
+    run_sm90_variant(rng, xp, name, dtype, *shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", SCORE_VARIANTS)
+@pytest.mark.parametrize("shape", [(2, 113, 203, 4, 2, 256), (1, 300, 257, 2, 2, 160)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_backward_sm90_wide_variants_gpu(rng, xp, shape, name, dtype):
+    """The variants on the wide kernel (headdims past 128; taken when "sm90" is forced)."""
     run_sm90_variant(rng, xp, name, dtype, *shape)
 
 

@@ -266,10 +266,11 @@ def test_varlen_gpu(rng, xp, family, dtype, causal, deterministic):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("headdim", [64, 96, 128])
+@pytest.mark.parametrize("headdim", [64, 96, 128, 136, 256])
 def test_varlen_sm90_backward_gpu(rng, xp, dtype, causal, headdim):
     """The sm90 dK/dV kernel's planned forms on packed sequences: "steps" at headdim 64, "columns"
-    (both consumers' dS^T, half the columns each) at 96 and 128."""
+    (both consumers' dS^T, half the columns each) at 96 and 128, and past 128 the wide kernel
+    (backward_sm90_wide.py)."""
     lengths_q, lengths_k = GPU_LENGTHS[0]
     run(rng, xp, "sm90", dtype, causal, False, lengths_q, lengths_k, headdim)
 
@@ -280,3 +281,11 @@ def test_varlen_gpu_variants(rng, xp, family, dtype):
     lengths_q, lengths_k = GPU_LENGTHS[0]
     run(rng, xp, family, dtype, True, True, lengths_q, lengths_k, **combined(xp, len(lengths_q)))
     run(rng, xp, family, dtype, False, False, lengths_q, lengths_k, **combined(xp, len(lengths_q), dropout=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_varlen_sm90_wide_variants_gpu(rng, xp, dtype):
+    """The wide kernel (headdim 256) on packed sequences with the window, softcap, ALiBi and dropout."""
+    lengths_q, lengths_k = GPU_LENGTHS[0]
+    run(rng, xp, "sm90", dtype, True, False, lengths_q, lengths_k, 256, **combined(xp, len(lengths_q)))

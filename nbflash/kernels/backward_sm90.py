@@ -75,9 +75,9 @@ the raw S^T (``Hooks.tensor_core_score``, as in the mma backward) and whose deri
 dS^T; and dropout, whose factors (the forward's Philox stream, ``Hooks.dropout_bits_t``) multiply
 the P^T that dV takes and dP^T. With a score feature or dropout, dS^T is made with P^T once dP^T
 has landed. Headdims above 128 (dK and dV of 64 keys at headdim 256 would need all of a
-consumer's registers) go to backward_sm90_wide.py (plain and windowed attention) or else the mma
-family (nbflash/kernels/backward_mma.py), as does the deterministic mode (a fixed order instead of
-atomics).
+consumer's registers) go to backward_sm90_wide.py (every variant, through this file's ``make_*``
+device functions), and the deterministic mode (a fixed order instead of atomics) to the mma family
+(nbflash/kernels/backward_mma.py).
 
 Packed sequences (``variant.varlen``): q, k, v, dout are stride-0 views over batch of the packed
 arrays (as in backward_mma.py), lse, delta, dk, dv and dq_accum the packed arrays as a batch of one
@@ -118,14 +118,15 @@ from nbflash.primitives import (
 from nbflash.primitives_sm90 import (
     SWIZZLE_128B,
     array_address,
-    check_register_split,
     cached_tensor_maps,
+    check_register_split,
     copy_operands,
     elect_sync,
     fence_mbarrier_init,
     fence_operands,
     fence_proxy_async,
     fence_proxy_tensormap_acquire,
+    k_step,
     launch_bounded,
     make_wgmma_rs,
     make_wgmma_ss,
@@ -218,6 +219,9 @@ class Sm90BackwardConfig:
     block_m: int = 64
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
+    # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
+    # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
+    varlen_batch_of_one = True
 
     def __post_init__(self):
         if self.dtype not in ("float16", "bfloat16"):
@@ -349,10 +353,13 @@ def tensor_maps(config, q, k, v, dout, dq_accum=None):
 
 
 # -------------------------------------------------------------------------------------------------
-# Device functions the Hopper backward kernels share (this file's, backward_sm90_rows.py's and
-# backward_dq_sm90.py's), each made from a config's constants. A 64-row accumulator is in wgmma's
-# layout: thread (warp w of the warpgroup, g = lane // 4, q4 = lane % 4) holds rows 16 w + g
-# (registers 4 c + e) and 16 w + g + 8 (registers 4 c + 2 + e) of columns 8 c + 2 q4 + e.
+# Device functions the Hopper backward kernels share (this file's, backward_sm90_rows.py's,
+# backward_sm90_wide.py's and backward_dq_sm90.py's), each made from a config's constants (or a
+# variant's hooks: the producer's copies, a consumer's step, its S^T and dP^T, the probabilities
+# with every variant's features, which this file's kernel and the wide one both run). A 64-row
+# accumulator is in wgmma's layout: thread (warp w of the warpgroup, g = lane // 4, q4 = lane % 4)
+# holds rows 16 w + g (registers 4 c + e) and 16 w + g + 8 (registers 4 c + 2 + e) of columns
+# 8 c + 2 q4 + e.
 # -------------------------------------------------------------------------------------------------
 
 
@@ -494,83 +501,34 @@ def make_stage_stats(config, hooks):
     return stage_stats
 
 
-@lru_cache(maxsize=None)
-def build_backward_sm90(config: Sm90BackwardConfig):
-    """Compile-time constants of ``config`` captured in a fresh ``@cuda.jit`` kernel."""
-    BM, BN, HD, HDP = config.block_m, config.block_n, config.headdim, config.headdim_padded
-    CONSUMERS, STAGES, THREADS = config.consumers, config.stages, config.threads
-    CHUNKS = HDP // CHUNK
-    Q_BYTES, KV_BYTES, DS_BYTES, STATS_BYTES = config.q_bytes, config.kv_bytes, config.ds_bytes, config.stats_bytes
-    Q_CHUNK_BYTES, KV_CHUNK_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
-    HD_STEPS = HDP // 16  # k16 steps over headdim (S^T, dP^T)
-    Q_STEPS = BM // 16  # k16 steps over a query tile (dV, dK)
-    DQ_BY_COLUMNS = config.dq_split == "columns"
-    DQ_BY_STEPS = config.dq_split == "steps"
-    DQ_ALL_KEYS = DQ_BY_COLUMNS or DQ_BY_STEPS  # dQ reads both consumers' dS^T (a barrier across both)
-    KEY_STEPS = (BN if DQ_ALL_KEYS else KEYS) // 16  # k16 steps of dQ: all keys, or the consumer's
-    DQ_CHUNKS = 1 if DQ_BY_COLUMNS else CHUNKS  # 64-column chunks of dQ a consumer adds
-    # dQ columns per product: a consumer's half of headdim with "columns" (32 at headdim 64, 64 at
-    # 128), else a 64-column chunk; the half's first byte in a row of K's tile: 64 bytes into the one
-    # chunk at headdim 64 (the 128B swizzle is of the address, so a descriptor may start mid-row),
-    # the second chunk at 128
-    DQ_COLS = HDP // 2 if DQ_BY_COLUMNS else CHUNK
-    HALF_OFFSET = (DQ_COLS // CHUNK) * KV_CHUNK_BYTES + (DQ_COLS % CHUNK) * 2
-    DQ_TMA = config.dq_reduce == "tma"  # dQ_i staged in shared memory, added by TMA
-    HEAVY_FIRST = config.heavy_first
-    HEAVY_GROUPS = config.heavy_groups
-    DEFER_DQ = config.defer_dq  # dQ_i added while step i+1's S^T and dP^T are in flight
-    DQ_STAGE_BYTES = config.dq_stage_bytes  # a consumer's staging tiles
-    DQ_BUFFERS = 2 if DQ_BY_COLUMNS else 1  # ... in how many buffers
-    DQ_PENDING = DQ_BUFFERS - 1  # reduce-add groups that may still read staging when one is rewritten
-    DQ_BOX_BYTES = BM * DQ_BOX_COLS * 4
-    Q_CHUNKS = BM // 64  # 64-query chunks of a dS^T tile, and m64 products (halves) of dQ_i
-    DS_CHUNK = KEYS * ROW_BYTES  # bytes of a consumer's chunk: 64 keys x 64 queries
-    # A parity's dS^T tiles: with a split over all keys, chunk by chunk, each holding every consumer's
-    # keys in order (dQ_i's k16 steps walk all block_n keys of one chunk); else each consumer's own
-    # tile, its chunks in a row. One chunk (block_m 64): the consumers' tiles side by side, either way.
-    DS_CHUNK_STRIDE = (CONSUMERS if DQ_ALL_KEYS else 1) * DS_CHUNK
-    PARITY_CHUNKS = CONSUMERS * Q_CHUNKS  # chunks of one parity's tiles
-    FRESH = BM > 64  # every product starts from zeros: no accumulator's registers live across the loop
-    S_REGS, ACC_REGS, P_REGS = BM // 2, HDP // 2, BM // 4  # per thread: S^T, dK (dV), packed P^T
-    DQ_REGS = DQ_COLS // 2  # a product's dQ columns
-    NT = BM // 8  # 8-column groups of S^T (queries)
-    FULL_ARRIVALS = 1 + 32  # the TMA thread's expect_tx and the stats warp's 32 lanes
-    EMPTY_ARRIVALS = CONSUMERS * GROUP
-    SPLIT_REGISTERS = CONSUMERS == 2
-    PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
-    hooks = variants.hooks(config.variant)
-    query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
-    # A block mask's classes: EMPTY (query tile, key tile) pairs are never loaded nor computed, FULL
-    # ones skip the mask test (make_stage_stats); the steps walk the pairs visited (the i-th step is
-    # pair i without one), walked and counted by whole warps where every lane is there (the producer's and the
-    # prologue's): 32 classes a read
-    warp_visit_query_step, warp_visited_query_steps = hooks.warp_visit_query_step, hooks.warp_visited_query_steps
-    # With one, the stats warp hands each step to the consumers with its slot (at word STEP_WORD of
-    # the slot's stats: pair, query head, query tile, masked): a walk of their own kept the table and
-    # the band's 64-bit bounds live across their loop, where they spilled (ptxas: 124 bytes, 12 now;
-    # ncu: 6.6x the causal kernel's local loads; the document mask's backward ran 11% slower)
-    BLOCK_MASK, STEP_WORD = hooks.BLOCK_MASK, 2 * BM
-    SCORE = hooks.SCORE  # softcap, ALiBi: P from the raw S^T through the score point, dS carries its derivative
-    # dropout: dV takes the dropped P^T, dS^T the factor too
-    DROPOUT, dropout_bits_t, dropout_bit = hooks.DROPOUT, hooks.dropout_bits_t, hooks.dropout_bit
-    VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
-    FUSED = SCORE or DROPOUT  # dS^T made with P^T, from the landed dP^T (its factors used as they are made)
-    # No max here: any scale works, but ALiBi's slope per unit of a zero scale would not.
-    score_units, score_row, _, score_at_grad = hooks.tensor_core_score(False)
-    # commit groups left in flight while P^T is computed (with a score feature dS^T is made with P^T)
-    PENDING = 1 if config.overlap and not FUSED else 0
-    IS_F16 = config.dtype == "float16"
-    AB = "f16" if IS_F16 else "bf16"
-    wgmma_keys_by_queries = make_wgmma_ss(BM, AB, 0)  # S^T (64 x BM) = K_c (K-major) Q_i^T (K-major)
-    wgmma_keys_acc = make_wgmma_rs(HDP, AB, 1)  # dV (64 x HDP) += P^T (registers) dO (queries x HDP, MN-major)
-    wgmma_dq = make_wgmma_ss(DQ_COLS, AB, 1, 1)  # dQ (64 x DQ_COLS) = dS (MN-major) K's columns (MN-major)
-    K_MAJOR = (16, 1024)  # descriptor strides (bytes): 8-row groups 1024 apart, LBO unused
-    STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
-    init_ring = make_init_ring(STAGES, FULL_ARRIVALS, EMPTY_ARRIVALS)
-    pack_a = make_pack_a(config.dtype, P_REGS)  # P^T's and dS^T's A registers
-    add_dq = make_add_dq(HD, DQ_COLS)  # a product's dQ columns into dq_accum
-    store_rows = make_store_rows(config.dtype, HD, HDP)  # dK, dV
-    stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
+def make_issue_keys_by_queries(wgmma, headdim_padded, kv_chunk_bytes, q_chunk_bytes):
+    """``issue_keys_by_queries(acc, desc_a, desc_b) -> acc``: acc = A B^T over headdim, A a K-major
+    tile of keys (K or V: 64-column chunks of ``kv_chunk_bytes``), B one of queries (Q_i or dO_i:
+    chunks of ``q_chunk_bytes``), by ``wgmma`` (an SS product with B K-major): S^T = K Q_i^T or dP^T
+    = V dO_i^T, one commit group."""
+    HD_STEPS = headdim_padded // 16
+
+    @inline_device
+    @unroll
+    def issue_keys_by_queries(acc, desc_a, desc_b):
+        """acc = A B^T over headdim (S^T = K Q_i^T or dP^T = V dO_i^T), one commit group."""
+        for kk in static_range(HD_STEPS):
+            acc = wgmma(acc, desc_a + k_step(kv_chunk_bytes, kk), desc_b + k_step(q_chunk_bytes, kk),
+                        uint32(0 if kk == 0 else 1))
+        wgmma_commit()
+        return acc
+
+    return issue_keys_by_queries
+
+
+def make_consumer_step(hooks, block_m, stages, stats_bytes):
+    """``consumer_step(smem, qd_full, stats_word0, params, b, hk, group, n_block, first_tile,
+    tiles_per_head, i, position) -> (position, h, tile, masked)``: a consumer's i-th step, the
+    (query head, query tile) pair it works on. Without a block mask step i is pair i (masked is
+    then decided by the caller); with one, the stats warp walked to the pair and left it in the
+    slot's stats (word 2 block_m on: pair, query head, query tile, masked), which the consumer reads
+    once the slot is full (waiting for it: the stats warp arrives after its stores)."""
+    BLOCK_MASK, STEP_WORD, STATS_WORDS = hooks.BLOCK_MASK, 2 * block_m, stats_bytes // 4
 
     if BLOCK_MASK:
 
@@ -579,8 +537,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                           position):
             """Step i's (pair, query head, query tile, masked) as the stats warp left them with the
             slot (waiting for it: the stats warp arrives after its stores)."""
-            step = stats_word0 + uint32((i % STAGES) * (STATS_BYTES // 4)) + uint32(STEP_WORD)
-            mbarrier_wait(qd_full + uint32(8 * (i % STAGES)), (i // STAGES) & 1)
+            step = stats_word0 + uint32((i % stages) * STATS_WORDS) + uint32(STEP_WORD)
+            mbarrier_wait(qd_full + uint32(8 * (i % stages)), (i // stages) & 1)
             return int32(smem[step]), int32(smem[step + 1]), int32(smem[step + 2]), smem[step + 3] != uint32(0)
 
     else:
@@ -592,60 +550,79 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             position = i
             return position, hk * group + position // tiles_per_head, first_tile + position % tiles_per_head, False
 
-    @inline_device
-    def k_step(chunk_bytes, kk):
-        """Descriptor increment (16-byte units) of k16 step kk of a K-major tile."""
-        return uint64(((kk // 4) * chunk_bytes + (kk % 4) * 32) >> 4)
+    return consumer_step
+
+
+def make_produce_tiles(config, hooks):
+    """``produce_tiles(maps, k_tile, v_tile, q_ring, do_ring, kv_full, qd_full, qd_empty, params, b,
+    hk, group, n_block, first_tile, tiles_per_head, steps, q_row0, k_row0, mem_b, lane)``: the
+    producer's warp 0 in a dK/dV block of ``config`` (block_m, block_n, stages, headdim_padded,
+    q_bytes, kv_bytes): K_j and V_j by TMA (completing on kv_full), then for each step the visited
+    (query head, query tile) pair's Q_i and dO_i into ring slot i % stages once the consumers have
+    released it. One elected lane issues the copies; with a block mask the whole warp walks the
+    pairs with it (32 classes a read: a later document's key tile passes tens of empty pairs), else
+    the elected lane alone (step i is pair i). TMA's rows: k_row0 + the tile's keys, q_row0 + the
+    tile's queries, of batch mem_b (packed sequences: the sequence's first rows of a batch of one)."""
+    BM, BN, STAGES = config.block_m, config.block_n, config.stages
+    CHUNKS = config.headdim_padded // CHUNK
+    Q_BYTES, KV_BYTES = config.q_bytes, config.kv_bytes
+    Q_CHUNK_BYTES, KV_CHUNK_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
+    BLOCK_MASK, warp_visit_query_step = hooks.BLOCK_MASK, hooks.warp_visit_query_step
 
     @inline_device
     @unroll
-    def issue_keys_by_queries(acc, desc_a, desc_b):
-        """acc = A B^T over headdim (S^T = K_c Q_i^T or dP^T = V_c dO_i^T), one commit group."""
-        for kk in static_range(HD_STEPS):
-            acc = wgmma_keys_by_queries(acc, desc_a + k_step(KV_CHUNK_BYTES, kk), desc_b + k_step(Q_CHUNK_BYTES, kk),
-                                        uint32(0 if kk == 0 else 1))
-        wgmma_commit()
-        return acc
+    def produce_tiles(maps, k_tile, v_tile, q_ring, do_ring, kv_full, qd_full, qd_empty, params, b, hk, group,
+                      n_block, first_tile, tiles_per_head, steps, q_row0, k_row0, mem_b, lane):
+        leader = elect_sync() == uint32(1)
+        if leader or BLOCK_MASK:
+            maps_address = array_address(maps)
+            q_map, k_map, v_map, do_map = (maps_address, maps_address + 128, maps_address + 256, maps_address + 384)
+            if leader:
+                fence_proxy_tensormap_acquire(q_map)  # the maps were copied from the host
+                fence_proxy_tensormap_acquire(k_map)
+                fence_proxy_tensormap_acquire(v_map)
+                fence_proxy_tensormap_acquire(do_map)
+                mbarrier_arrive_expect_tx(kv_full, 2 * KV_BYTES)
+                for chunk in static_range(CHUNKS):
+                    tma_load_4d(k_tile + uint32(chunk * KV_CHUNK_BYTES), k_map, chunk * CHUNK, hk,
+                                k_row0 + n_block * BN, mem_b, kv_full)
+                    tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk,
+                                k_row0 + n_block * BN, mem_b, kv_full)
+            position = -1
+            for i in range(steps):
+                position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i,
+                                                 position, lane)
+                slot, use = i % STAGES, i // STAGES
+                if use > 0:  # the consumers have released the slot's previous tiles
+                    mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
+                if leader:
+                    h = hk * group + position // tiles_per_head
+                    q_start = (first_tile + position % tiles_per_head) * BM
+                    full = qd_full + uint32(8 * slot)
+                    q_slot = q_ring + uint32(slot * Q_BYTES)
+                    do_slot = do_ring + uint32(slot * Q_BYTES)
+                    mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
+                    for chunk in static_range(CHUNKS):
+                        tma_load_4d(q_slot + uint32(chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK, h,
+                                    q_row0 + q_start, mem_b, full)
+                        tma_load_4d(do_slot + uint32(chunk * Q_CHUNK_BYTES), do_map, chunk * CHUNK, h,
+                                    q_row0 + q_start, mem_b, full)
 
-    @inline_device
-    def issue_scores(s, dp, zeros, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use):
-        """S^T = K_c Q_i^T and dP^T = V_c dO_i^T of the step whose tiles are in ring ``slot`` (its
-        ``use``-th fill), once they have landed: two commit groups; returns their accumulators (from
-        ``zeros`` with FRESH: the first k16 step ignores them, and s and dp are then dead between steps)."""
-        if FRESH:
-            acc_s = fence_operands(registers_from(zeros, S_REGS))
-            acc_dp = fence_operands(registers_from(zeros, S_REGS))
-        else:
-            acc_s = fence_operands(registers_from(s, S_REGS))
-            acc_dp = fence_operands(registers_from(dp, S_REGS))
-        mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
-        wgmma_fence()  # the accumulators' registers are ordered before wgmma uses them
-        acc_s = issue_keys_by_queries(acc_s, desc_k, smem_descriptor(q_ring + uint32(slot * Q_BYTES), K_MAJOR[0],
-                                                                     K_MAJOR[1], SWIZZLE_128B))
-        acc_dp = issue_keys_by_queries(acc_dp, desc_v, smem_descriptor(do_ring + uint32(slot * Q_BYTES), K_MAJOR[0],
-                                                                       K_MAJOR[1], SWIZZLE_128B))
-        return acc_s, acc_dp
+    return produce_tiles
 
-    @inline_device
-    @unroll
-    def issue_keys_acc(acc, a_regs, desc_b):
-        """acc += A B over the query tile (dV += P^T dO_i or dK += dS^T Q_i), A from registers (k16
-        step ks: registers 4 ks .. 4 ks + 3), one commit group."""
-        for ks in static_range(Q_STEPS):
-            acc = wgmma_keys_acc(acc, a_regs[4 * ks], a_regs[4 * ks + 1], a_regs[4 * ks + 2], a_regs[4 * ks + 3],
-                                 desc_b + uint64(ks * STEP16), uint32(1))
-        wgmma_commit()
-        return acc
 
-    @inline_device
-    @unroll
-    def issue_dq(acc, desc_ds, desc_k):
-        """acc = dS K for DQ_COLS columns of headdim, over the consumer's 64 keys or all block_n."""
-        for ks in static_range(KEY_STEPS):
-            acc = wgmma_dq(acc, desc_ds + uint64(ks * STEP16), desc_k + uint64(ks * STEP16),
-                           uint32(0 if ks == 0 else 1))
-        wgmma_commit()
-        return acc
+def make_probabilities_t(hooks, block_m, handover=False):
+    """``probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
+    scale_log2, units, q4, masked)``: a consumer's S^T (keys by block_m queries, wgmma's layout) ->
+    P^T in place, and with a score feature or dropout dS^T from the landed dP^T at once. ``dp`` is
+    dP^T's registers, or with ``handover`` the shared-memory word of this thread's register 0 of a
+    float32 copy (register r at word dp + 128 r: backward_sm90_wide.py's hand-over), where dS^T
+    replaces dP^T."""
+    BM, NT = block_m, block_m // 8
+    row_keys, hidden = hooks.row_keys, hooks.hidden
+    SCORE, DROPOUT, dropout_bits_t, dropout_bit = hooks.SCORE, hooks.DROPOUT, hooks.dropout_bits_t, hooks.dropout_bit
+    FUSED = SCORE or DROPOUT  # dS^T made with P^T, from the landed dP^T (its factors used as they are made)
+    _, score_row, _, score_at_grad = hooks.tensor_core_score(False)
 
     @inline_device
     @unroll
@@ -690,7 +667,132 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                             factor = dropout_bit(drop, 4 * rh + 2 * half + e, params)
                         s[r] = p * factor
                         if FUSED:
-                            dp[r] = p * (dp[r] * factor - d_c) * dy
+                            if handover:
+                                word = dp + uint32(r * GROUP)
+                                smem[word] = f32_as_u32(p * (u32_as_f32(smem[word]) * factor - d_c) * dy)
+                            else:
+                                dp[r] = p * (dp[r] * factor - d_c) * dy
+
+    return probabilities_t
+
+
+@lru_cache(maxsize=None)
+def build_backward_sm90(config: Sm90BackwardConfig):
+    """Compile-time constants of ``config`` captured in a fresh ``@cuda.jit`` kernel."""
+    BM, BN, HD, HDP = config.block_m, config.block_n, config.headdim, config.headdim_padded
+    CONSUMERS, STAGES, THREADS = config.consumers, config.stages, config.threads
+    CHUNKS = HDP // CHUNK
+    Q_BYTES, KV_BYTES, DS_BYTES, STATS_BYTES = config.q_bytes, config.kv_bytes, config.ds_bytes, config.stats_bytes
+    Q_CHUNK_BYTES, KV_CHUNK_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
+    Q_STEPS = BM // 16  # k16 steps over a query tile (dV, dK)
+    DQ_BY_COLUMNS = config.dq_split == "columns"
+    DQ_BY_STEPS = config.dq_split == "steps"
+    DQ_ALL_KEYS = DQ_BY_COLUMNS or DQ_BY_STEPS  # dQ reads both consumers' dS^T (a barrier across both)
+    KEY_STEPS = (BN if DQ_ALL_KEYS else KEYS) // 16  # k16 steps of dQ: all keys, or the consumer's
+    DQ_CHUNKS = 1 if DQ_BY_COLUMNS else CHUNKS  # 64-column chunks of dQ a consumer adds
+    # dQ columns per product: a consumer's half of headdim with "columns" (32 at headdim 64, 64 at
+    # 128), else a 64-column chunk; the half's first byte in a row of K's tile: 64 bytes into the one
+    # chunk at headdim 64 (the 128B swizzle is of the address, so a descriptor may start mid-row),
+    # the second chunk at 128
+    DQ_COLS = HDP // 2 if DQ_BY_COLUMNS else CHUNK
+    HALF_OFFSET = (DQ_COLS // CHUNK) * KV_CHUNK_BYTES + (DQ_COLS % CHUNK) * 2
+    DQ_TMA = config.dq_reduce == "tma"  # dQ_i staged in shared memory, added by TMA
+    HEAVY_FIRST = config.heavy_first
+    HEAVY_GROUPS = config.heavy_groups
+    DEFER_DQ = config.defer_dq  # dQ_i added while step i+1's S^T and dP^T are in flight
+    DQ_STAGE_BYTES = config.dq_stage_bytes  # a consumer's staging tiles
+    DQ_BUFFERS = 2 if DQ_BY_COLUMNS else 1  # ... in how many buffers
+    DQ_PENDING = DQ_BUFFERS - 1  # reduce-add groups that may still read staging when one is rewritten
+    DQ_BOX_BYTES = BM * DQ_BOX_COLS * 4
+    Q_CHUNKS = BM // 64  # 64-query chunks of a dS^T tile, and m64 products (halves) of dQ_i
+    DS_CHUNK = KEYS * ROW_BYTES  # bytes of a consumer's chunk: 64 keys x 64 queries
+    # A parity's dS^T tiles: with a split over all keys, chunk by chunk, each holding every consumer's
+    # keys in order (dQ_i's k16 steps walk all block_n keys of one chunk); else each consumer's own
+    # tile, its chunks in a row. One chunk (block_m 64): the consumers' tiles side by side, either way.
+    DS_CHUNK_STRIDE = (CONSUMERS if DQ_ALL_KEYS else 1) * DS_CHUNK
+    PARITY_CHUNKS = CONSUMERS * Q_CHUNKS  # chunks of one parity's tiles
+    FRESH = BM > 64  # every product starts from zeros: no accumulator's registers live across the loop
+    S_REGS, ACC_REGS, P_REGS = BM // 2, HDP // 2, BM // 4  # per thread: S^T, dK (dV), packed P^T
+    DQ_REGS = DQ_COLS // 2  # a product's dQ columns
+    NT = BM // 8  # 8-column groups of S^T (queries)
+    FULL_ARRIVALS = 1 + 32  # the TMA thread's expect_tx and the stats warp's 32 lanes
+    EMPTY_ARRIVALS = CONSUMERS * GROUP
+    SPLIT_REGISTERS = CONSUMERS == 2
+    PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
+    hooks = variants.hooks(config.variant)
+    query_tiles, head_context = hooks.query_tiles, hooks.head_context
+    # A block mask's classes: EMPTY (query tile, key tile) pairs are never loaded nor computed, FULL
+    # ones skip the mask test (make_stage_stats); the steps walk the pairs visited (the i-th step is
+    # pair i without one), walked and counted by whole warps where every lane is there (the
+    # producer's and the prologue's): 32 classes a read. With one, the stats warp hands each step to
+    # the consumers with its slot (make_consumer_step): a walk of their own kept the table and the
+    # band's 64-bit bounds live across their loop, where they spilled (ptxas: 124 bytes, 12 now;
+    # ncu: 6.6x the causal kernel's local loads; the document mask's backward ran 11% slower)
+    BLOCK_MASK, warp_visited_query_steps = hooks.BLOCK_MASK, hooks.warp_visited_query_steps
+    # softcap, ALiBi, bias, score_mod: P from the raw S^T through the score point, dS^T carries its
+    # derivative; dropout: dV takes the dropped P^T, dS^T the factor too
+    FUSED = hooks.SCORE or hooks.DROPOUT  # dS^T made with P^T, from the landed dP^T (make_probabilities_t)
+    VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
+    # No max here: any scale works, but ALiBi's slope per unit of a zero scale would not.
+    score_units = hooks.tensor_core_score(False)[0]
+    # commit groups left in flight while P^T is computed (with a score feature dS^T is made with P^T)
+    PENDING = 1 if config.overlap and not FUSED else 0
+    IS_F16 = config.dtype == "float16"
+    AB = "f16" if IS_F16 else "bf16"
+    # S^T (64 x BM) = K_c (K-major) Q_i^T (K-major), and dP^T = V_c dO_i^T
+    issue_keys_by_queries = make_issue_keys_by_queries(make_wgmma_ss(BM, AB, 0), HDP, KV_CHUNK_BYTES, Q_CHUNK_BYTES)
+    wgmma_keys_acc = make_wgmma_rs(HDP, AB, 1)  # dV (64 x HDP) += P^T (registers) dO (queries x HDP, MN-major)
+    wgmma_dq = make_wgmma_ss(DQ_COLS, AB, 1, 1)  # dQ (64 x DQ_COLS) = dS (MN-major) K's columns (MN-major)
+    K_MAJOR = (16, 1024)  # descriptor strides (bytes): 8-row groups 1024 apart, LBO unused
+    STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
+    init_ring = make_init_ring(STAGES, FULL_ARRIVALS, EMPTY_ARRIVALS)
+    pack_a = make_pack_a(config.dtype, P_REGS)  # P^T's and dS^T's A registers
+    add_dq = make_add_dq(HD, DQ_COLS)  # a product's dQ columns into dq_accum
+    store_rows = make_store_rows(config.dtype, HD, HDP)  # dK, dV
+    produce_tiles = make_produce_tiles(config, hooks)  # the producer's warp 0
+    stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
+    probabilities_t = make_probabilities_t(hooks, BM)
+    consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES)
+
+    @inline_device
+    def issue_scores(s, dp, zeros, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use):
+        """S^T = K_c Q_i^T and dP^T = V_c dO_i^T of the step whose tiles are in ring ``slot`` (its
+        ``use``-th fill), once they have landed: two commit groups; returns their accumulators (from
+        ``zeros`` with FRESH: the first k16 step ignores them, and s and dp are then dead between steps)."""
+        if FRESH:
+            acc_s = fence_operands(registers_from(zeros, S_REGS))
+            acc_dp = fence_operands(registers_from(zeros, S_REGS))
+        else:
+            acc_s = fence_operands(registers_from(s, S_REGS))
+            acc_dp = fence_operands(registers_from(dp, S_REGS))
+        mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
+        wgmma_fence()  # the accumulators' registers are ordered before wgmma uses them
+        acc_s = issue_keys_by_queries(acc_s, desc_k, smem_descriptor(q_ring + uint32(slot * Q_BYTES), K_MAJOR[0],
+                                                                     K_MAJOR[1], SWIZZLE_128B))
+        acc_dp = issue_keys_by_queries(acc_dp, desc_v, smem_descriptor(do_ring + uint32(slot * Q_BYTES), K_MAJOR[0],
+                                                                       K_MAJOR[1], SWIZZLE_128B))
+        return acc_s, acc_dp
+
+    @inline_device
+    @unroll
+    def issue_keys_acc(acc, a_regs, desc_b):
+        """acc += A B over the query tile (dV += P^T dO_i or dK += dS^T Q_i), A from registers (k16
+        step ks: registers 4 ks .. 4 ks + 3), one commit group."""
+        for ks in static_range(Q_STEPS):
+            acc = wgmma_keys_acc(acc, a_regs[4 * ks], a_regs[4 * ks + 1], a_regs[4 * ks + 2], a_regs[4 * ks + 3],
+                                 desc_b + uint64(ks * STEP16), uint32(1))
+        wgmma_commit()
+        return acc
+
+    @inline_device
+    @unroll
+    def issue_dq(acc, desc_ds, desc_k):
+        """acc = dS K for DQ_COLS columns of headdim, over the consumer's 64 keys or all block_n."""
+        for ks in static_range(KEY_STEPS):
+            acc = wgmma_dq(acc, desc_ds + uint64(ks * STEP16), desc_k + uint64(ks * STEP16),
+                           uint32(0 if ks == 0 else 1))
+        wgmma_commit()
+        return acc
 
     @inline_device
     @unroll
@@ -824,44 +926,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             warp = tid // 32
             lane = tid % 32
             if warp == 0 and steps > 0:
-                # One elected lane issues the copies; with a block mask the whole warp walks the
-                # pairs with it (32 classes a read: a later document's key tile passes tens of
-                # empty pairs), else the elected lane alone (step i is pair i)
-                leader = elect_sync() == uint32(1)
-                if leader or BLOCK_MASK:
-                    maps_address = array_address(maps)
-                    q_map, k_map, v_map, do_map = (maps_address, maps_address + 128, maps_address + 256,
-                                                   maps_address + 384)
-                    if leader:
-                        fence_proxy_tensormap_acquire(q_map)  # the maps were copied from the host
-                        fence_proxy_tensormap_acquire(k_map)
-                        fence_proxy_tensormap_acquire(v_map)
-                        fence_proxy_tensormap_acquire(do_map)
-                        mbarrier_arrive_expect_tx(kv_full, 2 * KV_BYTES)
-                        for chunk in static_range(CHUNKS):
-                            tma_load_4d(k_tile + uint32(chunk * KV_CHUNK_BYTES), k_map, chunk * CHUNK, hk,
-                                        k_row0 + n_start, mem_b, kv_full)
-                            tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk,
-                                        k_row0 + n_start, mem_b, kv_full)
-                    position = -1
-                    for i in range(steps):
-                        position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i,
-                                                         position, lane)
-                        slot, use = i % STAGES, i // STAGES
-                        if use > 0:  # the consumers have released the slot's previous tiles
-                            mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
-                        if leader:
-                            h = hk * group + position // tiles_per_head
-                            q_start = (first_tile + position % tiles_per_head) * BM
-                            full = qd_full + uint32(8 * slot)
-                            q_slot = q_ring + uint32(slot * Q_BYTES)
-                            do_slot = do_ring + uint32(slot * Q_BYTES)
-                            mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
-                            for chunk in static_range(CHUNKS):
-                                tma_load_4d(q_slot + uint32(chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK, h,
-                                            q_row0 + q_start, mem_b, full)
-                                tma_load_4d(do_slot + uint32(chunk * Q_CHUNK_BYTES), do_map, chunk * CHUNK, h,
-                                            q_row0 + q_start, mem_b, full)
+                produce_tiles(maps, k_tile, v_tile, q_ring, do_ring, kv_full, qd_full, qd_empty, params, b, hk, group,
+                              n_block, first_tile, tiles_per_head, steps, q_row0, k_row0, mem_b, lane)
             elif warp == 1:
                 stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
                             tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, 0)

@@ -31,9 +31,18 @@ Registers per consumer thread: dK_c, dV_c 64 each, S^T or dP^T 32, a 64-column d
 and dS^T packed 16 each (consumer 0, short-lived). Shared memory: K_j, V_j 64 KB, a 2-stage ring of
 Q_i and dO_i 128 KB, P^T and dS^T 16 KB, dP^T's hand-over 16 KB, the stats 1 KB: 226 KB.
 
-Variants: plain attention and the window (causal included), like backward_sm90_rows.py; headdims
-a multiple of 8 in 136..256, padded to 256 by TMA's zero fill. An option not yet run on a GPU: the
-planner takes it when "sm90" is forced at those headdims (the mma family's backward by default).
+Variants: every one backward_sm90.py serves, through the same hooks and device functions (its
+``make_*``): the window (causal included), the element masks (mask tensor, mask_mod), a block
+mask's EMPTY pairs skipped (the producer's warps walk the visited pairs, the stats warp hands each
+step to the consumers with its slot), the score features (softcap, ALiBi, bias, score_mod: the
+tensor-core score point on the raw S^T, whose derivative multiplies dS^T), dropout (the forward's
+Philox stream: the factor multiplies the P^T that dV takes and dP^T), and packed sequences (TMA's
+rows offset by the sequence's first, the bounds read again each step). With a score feature or
+dropout, consumer 0 makes dS^T with P^T: it waits for the hand-over first, and dS^T (float32)
+replaces dP^T in the hand-over's words (``make_probabilities_t`` with ``handover``), from where
+``store_tiles_t`` packs it. Headdims a multiple of 8 in 136..256, padded to 256 by TMA's zero
+fill. An option not yet run on a GPU: the planner takes it when "sm90" is forced at those headdims
+(the mma family's backward by default).
 
 Memory and arguments: backward_sm90.py's (the same signature and tensor maps).
 """
@@ -41,11 +50,10 @@ Memory and arguments: backward_sm90.py's (the same signature and tensor maps).
 from dataclasses import dataclass
 from functools import lru_cache
 
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from nbflash.primitives import (
     SIMULATOR,
-    exp2_approx,
     f32_as_u32,
     inline_device,
     pack_bf16x2,
@@ -57,16 +65,12 @@ from nbflash.primitives import (
 )
 from nbflash.primitives_sm90 import (
     SWIZZLE_128B,
-    array_address,
     check_register_split,
-    elect_sync,
     fence_operands,
     fence_proxy_async,
-    fence_proxy_tensormap_acquire,
     launch_bounded,
     make_wgmma_ss,
     mbarrier_arrive,
-    mbarrier_arrive_expect_tx,
     mbarrier_wait,
     named_barrier_arrive,
     named_barrier_sync,
@@ -75,7 +79,6 @@ from nbflash.primitives_sm90 import (
     setmaxnreg_dec,
     setmaxnreg_inc,
     smem_descriptor,
-    tma_load_4d,
     wgmma_commit,
     wgmma_fence,
     wgmma_wait,
@@ -86,11 +89,14 @@ from . import variants
 from .backward_sm90 import (
     MAX_SHARED_BYTES,
     make_add_dq,
+    make_consumer_step,
     make_init_ring,
+    make_issue_keys_by_queries,
+    make_probabilities_t,
+    make_produce_tiles,
     make_stage_stats,
     make_store_rows,
 )
-from .backward_sm90_rows import served
 from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
 from .geometry import grouped_block, grouped_grid
 
@@ -115,6 +121,7 @@ class Sm90WideBackwardConfig:
     heavy_groups: int = 0  # longest-first within groups of (batch, KV head) pairs, as backward_sm90.py's
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
+    varlen_batch_of_one = True  # packed sequences: as backward_sm90.py's (nbflash/varlen.py)
     consumers = 2
     block_m = BLOCK_M
     block_n = BLOCK_N
@@ -126,9 +133,6 @@ class Sm90WideBackwardConfig:
             raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
         if self.headdim % 8 or not MIN_HEADDIM <= self.headdim <= MAX_HEADDIM:
             raise ValueError(f"{self.headdim=} must be a multiple of 8 in {MIN_HEADDIM}..{MAX_HEADDIM}")
-        if not served(self.variant):
-            raise ValueError(f"{self.variant=}: the wide sm90 backward serves plain attention and the window "
-                             "(causal) only")
         if self.stages < 2:
             raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
         if self.heavy_groups < 0:
@@ -167,8 +171,9 @@ class Sm90WideBackwardConfig:
 
     @property
     def stats_bytes(self):
-        """Bytes of one slot's lse_log2 and D."""
-        return 2 * BLOCK_M * 4
+        """Bytes of one slot's lse_log2 and D; with a block mask, then the four words of the step
+        (backward_sm90.py's ``make_consumer_step``)."""
+        return 2 * BLOCK_M * 4 + (16 if self.variant.block_mask else 0)
 
     @property
     def dynamic_shared_bytes(self):
@@ -192,23 +197,28 @@ class Sm90WideBackwardConfig:
 def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
     """Compile-time constants of ``config`` captured in a fresh ``@cuda.jit`` kernel."""
     BM, BN, HD, STAGES, THREADS = BLOCK_M, BLOCK_N, config.headdim, config.stages, config.threads
-    CHUNKS = HEADDIM_PADDED // CHUNK
     Q_BYTES, KV_BYTES, PT_BYTES, STATS_BYTES = config.q_bytes, config.kv_bytes, config.pt_bytes, config.stats_bytes
     HANDOVER_BYTES = config.handover_bytes
     Q_CHUNK_BYTES, KV_CHUNK_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
-    HD_STEPS = HEADDIM_PADDED // 16  # k16 steps over headdim (S^T, dP^T)
     Q_STEPS = BM // 16  # k16 steps over the step's queries (dV, dK)
     KEY_STEPS = BN // 16  # k16 steps over the tile's keys (dQ)
-    S_REGS, ACC_REGS, DQ_REGS, P_REGS = BM // 2, HALF // 2, CHUNK // 2, BM // 4
+    S_REGS, ACC_REGS, DQ_REGS = BM // 2, HALF // 2, CHUNK // 2
     NT = BM // 8  # 8-query column groups of S^T
     FULL_ARRIVALS = 1 + 32  # the TMA thread's expect_tx and the stats warp's 32 lanes
     EMPTY_ARRIVALS = BOTH = 2 * GROUP  # both consumers' threads
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
     HEAVY_GROUPS = config.heavy_groups
     hooks = variants.hooks(config.variant)
-    query_tiles, row_keys, hidden, head_context = hooks.query_tiles, hooks.row_keys, hooks.hidden, hooks.head_context
+    query_tiles, head_context = hooks.query_tiles, hooks.head_context
+    # a block mask: the steps walk the visited pairs (backward_sm90.py's make_consumer_step)
+    BLOCK_MASK, warp_visited_query_steps = hooks.BLOCK_MASK, hooks.warp_visited_query_steps
+    FUSED = hooks.SCORE or hooks.DROPOUT  # dS^T made with P^T, in the hand-over (module docstring)
+    VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
+    score_units = hooks.tensor_core_score(False)[0]
     AB = "f16" if config.dtype == "float16" else "bf16"
-    wgmma_keys_by_queries = make_wgmma_ss(BM, AB, 0)  # S^T (64 x 64) = K_j (K-major) Q_i^T (K-major)
+    # S^T (64 x 64) = K_j (K-major) Q_i^T (K-major), and dP^T = V_j dO_i^T
+    issue_keys_by_queries = make_issue_keys_by_queries(make_wgmma_ss(BM, AB, 0), HEADDIM_PADDED, KV_CHUNK_BYTES,
+                                                       Q_CHUNK_BYTES)
     wgmma_keys_acc = make_wgmma_ss(HALF, AB, 1)  # dV_c (64 x 128) += P^T (K-major) dO_i's half (MN-major)
     wgmma_dq = make_wgmma_ss(CHUNK, AB, 1, 1)  # dQ (64 x 64) = dS (dS^T read MN-major) K_j's chunk (MN-major)
     K_MAJOR = (16, 1024)  # descriptor strides (bytes): 8-row groups 1024 apart, LBO unused
@@ -218,22 +228,10 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
     add_dq = make_add_dq(HD, CHUNK)  # a 64-column dQ product into dq_accum
     store_first = make_store_rows(config.dtype, HALF, HALF)  # consumer 0's columns of dK, dV
     store_second = make_store_rows(config.dtype, HD - HALF, HALF)  # consumer 1's (those below headdim)
+    produce_tiles = make_produce_tiles(config, hooks)  # the producer's warp 0
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
-
-    @inline_device
-    def k_step(chunk_bytes, kk):
-        """Descriptor increment (16-byte units) of k16 step kk of a K-major tile."""
-        return uint64(((kk // 4) * chunk_bytes + (kk % 4) * 32) >> 4)
-
-    @inline_device
-    @unroll
-    def issue_keys_by_queries(acc, desc_a, desc_b):
-        """acc = A B^T over headdim (S^T = K_j Q_i^T or dP^T = V_j dO_i^T), one commit group."""
-        for kk in static_range(HD_STEPS):
-            acc = wgmma_keys_by_queries(acc, desc_a + k_step(KV_CHUNK_BYTES, kk), desc_b + k_step(Q_CHUNK_BYTES, kk),
-                                        uint32(0 if kk == 0 else 1))
-        wgmma_commit()
-        return acc
+    consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES)
+    probabilities_t = make_probabilities_t(hooks, BM, handover=True)  # consumer 0's P^T (and fused dS^T)
 
     @inline_device
     @unroll
@@ -257,34 +255,15 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
 
     @inline_device
     @unroll
-    def probabilities_t(s, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, q4,
-                        masked):
-        """S^T -> P^T = exp2(S^T * scale_log2 - lse_log2[query]) in place, for the thread's key rows
-        key_row0, key_row0 + 8 and its query columns 8 c + 2 q4 + e; masked entries (keys past
-        seqlen_k, or outside a query's window) get 0. ``masked`` is a constant at each call site."""
-        for c in static_range(NT):
-            for e in static_range(2):
-                col = 8 * c + 2 * q4 + e
-                lse_c = u32_as_f32(smem[stats + col])
-                lo, hi = row_keys(q_start + col, seqlen_q, seqlen_k, params)  # used by the masked copy
-                for rh in static_range(2):
-                    r = 4 * c + 2 * rh + e
-                    p = exp2_approx(s[r] * scale_log2 - lse_c)
-                    if masked:
-                        if hidden(key_row0 + 8 * rh, lo, hi, q_start + col, seqlen_q, params, head_ctx):
-                            p = float32(0)
-                    s[r] = p
-
-    @inline_device
-    @unroll
     def store_tiles_t(smem, pt_row_word, s, handover_lane, stats, g, q4):
-        """P^T (in s) and dS^T = P^T (dP^T - D[query]) (dP^T from the hand-over) of the thread's key
-        rows 16 warp + g, + 8 and query columns 8 c + 2 q4, + 1, packed to 16 bits, into the P^T and
-        dS^T tiles: rows of 128 bytes, 16-byte unit c stored at c ^ g (the 128-byte swizzle wgmma
-        reads; the row's index mod 8 is g). ``pt_row_word``: the P^T tile's word of the thread's
-        first row plus q4; ``handover_lane``: the hand-over's word of register 0 for this thread.
-        Both are made opaque each step: else LLVM makes every address once before the loop, and
-        ptxas spills them."""
+        """P^T (in s) and dS^T of the thread's key rows 16 warp + g, + 8 and query columns 8 c + 2 q4,
+        + 1, packed to 16 bits, into the P^T and dS^T tiles: rows of 128 bytes, 16-byte unit c
+        stored at c ^ g (the 128-byte swizzle wgmma reads; the row's index mod 8 is g). dS^T = P^T
+        (dP^T - D[query]) from the hand-over's dP^T, or with a score feature or dropout the hand-over's
+        values as they are (probabilities_t made dS^T there). ``pt_row_word``: the P^T tile's word
+        of the thread's first row plus q4; ``handover_lane``: the hand-over's word of register 0 for
+        this thread. Both are made opaque each step: else LLVM makes every address once before the
+        loop, and ptxas spills them."""
         row_word, swizzle, lane_word = fence_operands((pt_row_word, uint32(4 * g), handover_lane))
         for c in static_range(NT):
             d0 = u32_as_f32(smem[stats + BM + 8 * c + 2 * q4])
@@ -293,9 +272,12 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                 r = 4 * c + 2 * rh
                 dp0 = u32_as_f32(smem[lane_word + uint32(r * GROUP)])
                 dp1 = u32_as_f32(smem[lane_word + uint32((r + 1) * GROUP)])
+                ds0, ds1 = dp0, dp1
+                if not FUSED:
+                    ds0, ds1 = s[r] * (dp0 - d0), s[r + 1] * (dp1 - d1)
                 word = row_word + uint32(8 * rh * (ROW_BYTES // 4)) + (uint32(4 * c) ^ swizzle)
                 smem[word] = pack(s[r], s[r + 1])
-                smem[word + uint32(PT_BYTES // 4)] = pack(s[r] * (dp0 - d0), s[r + 1] * (dp1 - d1))
+                smem[word + uint32(PT_BYTES // 4)] = pack(ds0, ds1)
 
     # -----------------------------------------------------------------------------------------------
     # The kernel
@@ -311,9 +293,18 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
             b, hk = pair // k.shape[2], pair % k.shape[2]
         else:
             n_block, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        # Where the block's rows are: the batch index of the arrays it writes (and of TMA's maps),
+        # and TMA's first query and key rows (0, or the sequence's first packed rows)
+        mem_b, q_row0, k_row0 = b, 0, 0
+        if VARLEN:  # packed sequences (backward_sm90.py's docstring): 32-bit, as few registers as can be
+            q_first, q_rows, k_first, k_rows = sequence(params, b, q.shape[1], k.shape[1])
+            q_row0, seqlen_q, k_row0, seqlen_k = int32(q_first), int32(q_rows), int32(k_first), int32(k_rows)
+            if n_block * BN >= seqlen_k:
+                return  # the whole block, before any barrier: its key tile lies past the sequence's end
+            mem_b = 0
         tid = cuda.threadIdx.x
         group_id = tid // GROUP  # 0: the producer; 1 + c: consumer c
-        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         group = q.shape[2] // k.shape[2]  # GQA: query heads hk * group ... share this K/V tile
         n_start = n_block * BN
 
@@ -337,13 +328,13 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
         stats_word0 = (stats_ring - smem_start) // uint32(4)  # smem's index of the first slot's stats
 
         # Which query tiles see this key tile (geometry.py): [first_tile, end_tile), of which
-        # [first_full, end_full) see all of its keys; the key tail always masks. One step per (query
-        # head of the group, query tile).
+        # [first_full, end_full) see all of its keys; the key tail always masks. One step per visited
+        # (query head of the group, query tile) pair.
         first_tile, first_full, end_full, end_tile = query_tiles(
             n_start, min(n_start + BN, seqlen_k), seqlen_q, seqlen_k, params, BM)
         tail = n_start + BN > seqlen_k
         tiles_per_head = end_tile - first_tile
-        steps = group * tiles_per_head
+        steps = warp_visited_query_steps(params, b, hk, group, n_block, first_tile, tiles_per_head, tid % 32)
 
         if tid == 0:
             init_ring(kv_full, qd_full, qd_empty)
@@ -355,33 +346,8 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
             warp = tid // 32
             lane = tid % 32
             if warp == 0 and steps > 0:
-                if elect_sync() == uint32(1):  # one lane issues the copies
-                    maps_address = array_address(maps)
-                    q_map, k_map, v_map, do_map = (maps_address, maps_address + 128, maps_address + 256,
-                                                   maps_address + 384)
-                    fence_proxy_tensormap_acquire(q_map)  # the maps were copied from the host
-                    fence_proxy_tensormap_acquire(k_map)
-                    fence_proxy_tensormap_acquire(v_map)
-                    fence_proxy_tensormap_acquire(do_map)
-                    mbarrier_arrive_expect_tx(kv_full, 2 * KV_BYTES)
-                    for chunk in static_range(CHUNKS):
-                        tma_load_4d(k_tile + uint32(chunk * KV_CHUNK_BYTES), k_map, chunk * CHUNK, hk, n_start, b,
-                                    kv_full)
-                        tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk, n_start, b,
-                                    kv_full)
-                    for i in range(steps):
-                        slot, use = i % STAGES, i // STAGES
-                        if use > 0:  # the consumers have released the slot's previous tiles
-                            mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
-                        h = hk * group + i // tiles_per_head
-                        q_start = (first_tile + i % tiles_per_head) * BM
-                        full = qd_full + uint32(8 * slot)
-                        mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
-                        for chunk in static_range(CHUNKS):
-                            tma_load_4d(q_ring + uint32(slot * Q_BYTES + chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK,
-                                        h, q_start, b, full)
-                            tma_load_4d(do_ring + uint32(slot * Q_BYTES + chunk * Q_CHUNK_BYTES), do_map,
-                                        chunk * CHUNK, h, q_start, b, full)
+                produce_tiles(maps, k_tile, v_tile, q_ring, do_ring, kv_full, qd_full, qd_empty, params, b, hk, group,
+                              n_block, first_tile, tiles_per_head, steps, q_row0, k_row0, mem_b, lane)
             elif warp == 1:
                 stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
                             tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, 0)
@@ -418,12 +384,20 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                 dk_acc[r] = float32(0)
                 dv_acc[r] = float32(0)
 
+            # the query tiles that see the key tile whole, in 32 bits (64-bit bounds held across the
+            # loop spilled)
+            full_start, full_end = int32(first_full), int32(end_full)
             if steps > 0:
                 mbarrier_wait(kv_full, 0)
+            position = -1  # the step's (query head, query tile) pair, in order
             for i in range(steps):
+                if VARLEN:  # the sequence's first query row and lengths, read again each step (L1 hits):
+                    # held across the loop, they and what the masks make of them spill
+                    q_first, q_rows, _, k_rows = sequence(params, b, q.shape[1], k.shape[1])
+                    q_row0, seqlen_q, seqlen_k = int32(q_first), int32(q_rows), int32(k_rows)
+                position, h, tile, step_masked = consumer_step(smem, qd_full, stats_word0, params, b, hk, group,
+                                                               n_block, first_tile, tiles_per_head, i, position)
                 slot, use = i % STAGES, i // STAGES
-                h = hk * group + i // tiles_per_head
-                tile = first_tile + i % tiles_per_head
                 q_start = tile * BM
                 q_slot = q_ring + uint32(slot * Q_BYTES)
                 do_slot = do_ring + uint32(slot * Q_BYTES)
@@ -444,14 +418,22 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                         smem[lane_word + uint32(r * GROUP)] = f32_as_u32(s[r])
                     named_barrier_arrive(1, BOTH)
                 else:
-                    head_ctx = head_context(params, b, h)
-                    if tail or tile < first_full or tile >= end_full:
-                        probabilities_t(s, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
-                                        scale_log2, q4, True)
+                    head_ctx = head_context(params, b, h)  # (b, h, ALiBi slope): what the variant reads per head
+                    units = score_units(params, scale, head_ctx)  # the score features' constants for this head
+                    lane_word = handover_lane  # read by probabilities_t only when FUSED
+                    if FUSED:  # dS^T is made with P^T: dP^T first
+                        named_barrier_sync(1, BOTH)
+                        lane_word = fence_operands((handover_lane, uint32(0)))[0]  # opaque: see store_tiles_t
+                    # the mask only on tiles crossing the window's edges or a tail (with a block mask,
+                    # the stats warp's word says it: those or not FULL)
+                    if step_masked if BLOCK_MASK else tail or int32(tile) < full_start or int32(tile) >= full_end:
+                        probabilities_t(s, lane_word, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params,
+                                        head_ctx, scale_log2, units, q4, True)
                     else:
-                        probabilities_t(s, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
-                                        scale_log2, q4, False)
-                    named_barrier_sync(1, BOTH)  # dP^T is handed over
+                        probabilities_t(s, lane_word, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params,
+                                        head_ctx, scale_log2, units, q4, False)
+                    if not FUSED:
+                        named_barrier_sync(1, BOTH)  # dP^T is handed over
                     store_tiles_t(smem, pt_row_word, s, handover_lane, stats, g, q4)
                     fence_proxy_async()  # the tiles' stores are ordered before wgmma reads them
                 named_barrier_sync(2, BOTH)  # P^T and dS^T are stored
@@ -472,8 +454,8 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                 registers_to(dk_acc, fence_operands(acc_dk))
                 registers_to(dq_acc, fence_operands(acc_q))
                 mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
-                row = q_start + 16 * warp + g
-                add_dq(dq_accum, dq_acc, b, row, h, HALF * consumer, seqlen_q, q4)
+                row = q_row0 + q_start + 16 * warp + g
+                add_dq(dq_accum, dq_acc, mem_b, row, h, HALF * consumer, q_row0 + seqlen_q, q4)
                 # ... and its second 64 columns
                 acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
                 wgmma_fence()
@@ -481,14 +463,18 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                     k_tile + (col_chunk + uint32(1)) * uint32(KV_CHUNK_BYTES), KV_CHUNK_BYTES, 1024, SWIZZLE_128B))
                 wgmma_wait(0)
                 registers_to(dq_acc, fence_operands(acc_q))
-                add_dq(dq_accum, dq_acc, b, row, h, HALF * consumer + CHUNK, seqlen_q, q4)
+                add_dq(dq_accum, dq_acc, mem_b, row, h, HALF * consumer + CHUNK, q_row0 + seqlen_q, q4)
 
             # ---- Write dK_c = dS^T Q * scale and dV_c (keys no query sees get 0) ----
+            if VARLEN:  # the key rows again: not held across the loop
+                _, _, k_first, k_rows = sequence(params, b, q.shape[1], k.shape[1])
+                k_row0, seqlen_k = int32(k_first), int32(k_rows)
             if consumer == 0:
-                store_first(dk, dk_acc, b, key_row0, hk, seqlen_k, scale, q4)
-                store_first(dv, dv_acc, b, key_row0, hk, seqlen_k, float32(1), q4)
+                store_first(dk, dk_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, scale, q4)
+                store_first(dv, dv_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, float32(1), q4)
             else:
-                store_second(dk[:, :, :, HALF:], dk_acc, b, key_row0, hk, seqlen_k, scale, q4)
-                store_second(dv[:, :, :, HALF:], dv_acc, b, key_row0, hk, seqlen_k, float32(1), q4)
+                store_second(dk[:, :, :, HALF:], dk_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, scale, q4)
+                store_second(dv[:, :, :, HALF:], dv_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, float32(1),
+                             q4)
 
     return backward_dkdv_sm90_wide
