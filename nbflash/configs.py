@@ -33,6 +33,7 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
 
 import contextlib
 import contextvars
+import dataclasses
 from functools import lru_cache
 
 from . import runtime
@@ -511,8 +512,8 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
     take their 16-byte forms where the dtype and headdim allow).
 
     ``family`` "sm90" (the Hopper dK/dV kernel with atomic dq, where it serves the call:
-    ``sm90_backward_unsupported_reason``; with deterministic=True the sm80 dK/dV kernel without
-    atomics and the Hopper dQ kernel, plain or windowed attention; the sm80 family's kernels
+    ``sm90_backward_unsupported_reason``; with deterministic=True the Hopper dK/dV kernel without
+    dQ and the Hopper dQ kernel, plain or windowed attention; the sm80 family's kernels
     otherwise; the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``, not deterministic), "sm80" (alias
     "mma": tensor-core dK/dV and dQ kernels, float16/bfloat16 on compute capability >= 8.0; the
     default wherever it applies) or "portable" (any dtype and GPU; the default elsewhere). All use the
@@ -525,8 +526,8 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
                                 and (_measured_on_sm90(static.variant, headdim, SM90_BACKWARD_DEFAULT_VARIANTS)
                                      or (headdim == 128 and static.variant._replace(score_mod_grad="")
                                          in SM90_BACKWARD_HD128_VARIANTS)))
-    # deterministic=True under "sm90": the sm80 dK/dV kernel without atomics and the sm90 dQ kernel
-    # (the dQ kernel takes headdims up to 128, as backward_sm90.py)
+    # deterministic=True under "sm90": the sm90 dK/dV kernel without dQ (dq_split="none") and the sm90
+    # dQ kernel (which takes headdims up to 128, as backward_sm90.py, and plain or windowed attention)
     sm90_dq = (family == "sm90" and deterministic and headdim <= SM90_BACKWARD_MAX_HEADDIM
                and sm90_backward_unsupported_reason(static, False, aligned) is None
                and static.variant._replace(score_mod_grad="") in SM90_DQ_VARIANTS)
@@ -548,6 +549,9 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
 
     if sm90:
         return preprocess, sm90_backward_config(dtype, headdim, static.variant), convert  # score_mod_grad too
+    if sm90_dq:  # both Hopper kernels, neither with atomics: dK, dV, then dQ, each in a fixed order
+        dkdv = dataclasses.replace(sm90_backward_table_config(dtype, headdim, static.variant), dq_split="none")
+        return preprocess, dkdv, Sm90DqConfig(dtype, headdim, static.variant._replace(score_mod_grad=""))
     if family == "sm80":
         _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DKDV, headdim)
         vector = dict(common, aligned=aligned and headdim % 8 == 0)
@@ -557,8 +561,6 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
                                  vector_dq=vector_dq, **vector)
         if atomic:
             return preprocess, dkdv, convert
-        if sm90_dq:
-            return preprocess, dkdv, Sm90DqConfig(dtype, headdim, static.variant._replace(score_mod_grad=""))
         _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DQ, headdim)
         dq = MmaBackwardConfig("dq", block_m=block_m, block_n=dropout_keys(block_n, static.variant),
                                num_warps=num_warps, **vector)

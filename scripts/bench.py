@@ -100,7 +100,7 @@ def nbflash_replaced_runner(family, **fields):
 RESCALE_SLACK_FAMILIES = ("mma", "sm90")
 
 
-def nbflash_step_runner(family):
+def nbflash_step_runner(family, deterministic=False):
     """Times one training step's attention: the forward, then the backward from its out and lse."""
 
     def run(q, k, v, causal, **variant):
@@ -110,7 +110,7 @@ def nbflash_step_runner(family):
         def call():
             with nbflash.kernel_family(family):
                 out, lse = _flash_attn_forward(problem, q_, k_, v_, family=family)
-                return _flash_attn_backward(problem, dout, q_, k_, v_, out, lse)
+                return _flash_attn_backward(problem, dout, q_, k_, v_, out, lse, deterministic)
 
         return call
 
@@ -128,7 +128,7 @@ def use_dkdv_blocks(blocks):
 DEFAULT_DKDV = list(configs.MMA_BACKWARD_DKDV)
 
 
-def nbflash_backward_runner(family, dkdv_blocks=None):
+def nbflash_backward_runner(family, dkdv_blocks=None, deterministic=False):
     """Times flash_attn_backward alone, from the default forward's out and lse, with a forward
     queued before each timed call (``call.before``: nbflash.measure.time_ms), as BackwardOnly times
     torch's backward: the backward's host work then overlaps that forward's GPU time for both."""
@@ -141,7 +141,7 @@ def nbflash_backward_runner(family, dkdv_blocks=None):
 
         def call():
             with nbflash.kernel_family(family):
-                return _flash_attn_backward(problem, dout, q_, k_, v_, out, lse)
+                return _flash_attn_backward(problem, dout, q_, k_, v_, out, lse, deterministic)
 
         call.before = lambda: _flash_attn_forward(problem, q_, k_, v_)
         return call
@@ -388,7 +388,7 @@ TRAINING = ("forward", "backward", "forward+backward")
 # The passes each pass-specific flag goes with; the other passes refuse it.
 FLAG_PASSES = {
     **dict.fromkeys(("seqlens", "variants", "families", "dkdv_blocks", "heavy_groups", "forward_blocks", "no_naive",
-                     "rounds", "rescale_slack"), TRAINING),
+                     "rounds", "rescale_slack", "deterministic"), TRAINING),
     "causal": (*TRAINING, "varlen"),
     **dict.fromkeys(("decode_shapes", "decode_heads", "page_sizes", "seqlen_q", "num_splits", "page_aligned"),
                     ("decode",)),
@@ -444,6 +444,11 @@ def build_parser():
         "--rounds", type=int, default=None, metavar="R",
         help="time every column R times, taking turns (each column once a round, after all are built), and "
         "report each column's median round; the spread (lowest, highest) goes to stderr. Default 1",
+    )
+    parser.add_argument(
+        "--deterministic", action="store_true", default=None,
+        help="--pass backward or forward+backward: also time each family's backward with deterministic=True "
+        "(no atomics: a fixed order), one column each",
     )
     parser.add_argument(
         "--dkdv-blocks", nargs="+", default=None, metavar="MxNxW",
@@ -542,6 +547,9 @@ def resolve_arguments(parser, args):
         if any(not 0 <= slack <= 8 for slack in args.rescale_slack):
             parser.error("--rescale-slack takes values in [0, 8] (0: eager, the rescale at every tile)")
         args.no_naive = bool(args.no_naive)
+        args.deterministic = bool(args.deterministic)
+        if args.deterministic and args.which == "forward":
+            parser.error("--deterministic goes with --pass backward or forward+backward")
         args.rounds = 1 if args.rounds is None else args.rounds
         if args.rounds < 1:
             parser.error("--rounds must be >= 1")
@@ -594,6 +602,9 @@ def main(argv=None):
         block_m, block_n, num_warps = map(int, blocks.split("x"))
         runners[f"nbflash mma {blocks}"] = nbflash_replaced_runner("mma", block_m=block_m, block_n=block_n,
                                                                    num_warps=num_warps)
+    if args.deterministic:
+        for family in args.families:
+            runners[f"nbflash {family} det"] = nbflash_pass(family, deterministic=True)
     for blocks in args.dkdv_blocks:
         if args.which != "backward":
             parser.error("--dkdv-blocks goes with --pass backward")

@@ -64,6 +64,8 @@ EXPECTED = {
     "forward_fp8": ["k32.f32.e4m3.e4m3", "cvt.rn.satfinite.e4m3x2.f32", "cp.async.bulk.tensor.4d"],
     "copy_operands": ["mov.b32"],
     "backward_sm90": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "red.global.add.v2.f32", "cp.async.bulk.tensor.4d"],
+    # the deterministic backward's dK/dV pass (dq_split="none"): no dQ, so no reductions
+    "backward_sm90_deterministic": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "cp.async.bulk.tensor.4d"],
 }
 
 
@@ -134,6 +136,10 @@ def backward_kernels():
         for varlen in (False, True):
             found.append((f"backward_sm90_{'varlen_' if varlen else ''}causal_hd{headdim}",
                           configs.sm90_backward_table_config("float16", headdim, Variant(window=True, varlen=varlen))))
+    # the deterministic backward's dK/dV pass (no dQ: dq_split="none"), plain at each planned headdim
+    for headdim, *_ in configs.SM90_BACKWARD:
+        found.append((f"backward_sm90_deterministic_hd{headdim}", dataclasses.replace(
+            configs.sm90_backward_table_config("float16", headdim, Variant()), dq_split="none")))
     # headdims past 128: the consumers split headdim (backward_sm90_wide.py), fp16 and bf16, plain and causal
     from nbflash.kernels.backward_sm90_wide import Sm90WideBackwardConfig
 

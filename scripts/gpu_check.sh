@@ -29,6 +29,10 @@
 #                                cases the last run did not reach, the varlen backward on both
 #                                families, and the sm90 backward at headdim 256 (not its default)
 #                                against the mma one, about 7 minutes
+#   scripts/gpu_check.sh deterministic
+#                                deterministic=True on both Hopper kernels (not yet run on a GPU): its
+#                                tests (bit-identical reruns), then its backward timed against the
+#                                mma family's deterministic one and the atomic ones, about 5 minutes
 #   scripts/gpu_check.sh wide    issue 13's kernels not yet run on a GPU, their test grids: packed
 #                                sequences on the sm90 dK/dV kernel, and its wide kernel for
 #                                headdims 136-256 with every variant, dense and packed, up to 8 minutes
@@ -164,6 +168,19 @@ levers)
         --markdown "$out/headdim256.md" > "$out/headdim256.log" 2>&1
     echo "sm90 backward at headdim 256 (exit $?):"; tail -10 "$out/headdim256.log"
     ;;
+deterministic)
+    # docs/perf-notes.md, "Hopper backward", step 23: the sm90 dK/dV kernel without dQ, then the sm90
+    # dQ kernel
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 150 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+        -W ignore tests/test_backward_sm90.py tests/test_backward_dq_sm90.py -k deterministic \
+        > "$out/deterministic_tests.log" 2>&1
+    echo "tests: exit $?: $(tail -1 "$out/deterministic_tests.log")"
+    grep -aE "\] (FAILED|ERROR)" "$out/deterministic_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
+    timeout 200 python3 scripts/bench.py --pass backward --families sm90 mma --deterministic --headdims 64 128 \
+        --seqlens 4096 16384 --causal both --dtypes float16 --no-naive --budget 0.25 \
+        --markdown "$out/deterministic.md" > "$out/deterministic.log" 2>&1
+    echo "deterministic backward (exit $?):"; tail -12 "$out/deterministic.log"
+    ;;
 wide)
     # Issue 13's kernels not yet run on a GPU (docs/perf-notes.md, "Hopper backward", steps 20-22):
     # their GPU grids, each test named as it ends (-v), so a run cut short says what it reached.
@@ -175,7 +192,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|wide" >&2
     exit 2
     ;;
 esac

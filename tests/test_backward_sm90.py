@@ -59,10 +59,14 @@ def test_backward_sm90_planning():
     # 8 key tiles of 4 pairs in one group: the planner's launch order, longest-first within groups of 4
     assert dkdv.heavy_groups == 4 and dkdv.grid(2, 8, 2, 1000, 1000) == (32, 1, 1)
     assert launch.describe(dkdv) == "Hopper backward dK/dV (float16, headdim 128, causal/window)"
-    # deterministic: the mma dK/dV kernel without atomics, then the sm90 dQ kernel (a fixed order)
+    # deterministic: the sm90 dK/dV kernel without dQ, then the sm90 dQ kernel (each a fixed order)
     _, dkdv, dq = configs.plan_backward(Static("float16", 128, False, 0, CAUSAL), True, "sm90", True)
-    assert isinstance(dkdv, MmaBackwardConfig) and not dkdv.atomic_dq and isinstance(dq, Sm90DqConfig)
+    assert isinstance(dkdv, Sm90BackwardConfig) and dkdv.dq_split == "none" and not dkdv.atomic_dq
+    assert dkdv.ds_bytes == 0 and isinstance(dq, Sm90DqConfig)
+    assert launch.describe(dkdv) == "Hopper backward dK/dV (float16, headdim 128, causal/window, deterministic)"
     assert launch.describe(dq) == "Hopper backward dQ (float16, headdim 128, causal/window, deterministic)"
+    with pytest.raises(ValueError, match="none"):
+        Sm90BackwardConfig("float16", 64, dq_split="none", defer_dq=True)
     for static, deterministic, aligned in [
         (Static("float16", 128, False, 0, Variant(softcap=True)), True, True),  # sm90's dQ: plain and window
         (Static("float16", 60, False, 0), False, True),  # not a multiple of 8 (TMA's 16-byte rows)
@@ -127,9 +131,10 @@ def test_backward_sm90_wide_small(rng, xp):
 
 
 def test_backward_sm90_deterministic_small(rng, xp):
-    """deterministic=True under "sm90": the sm90 dQ kernel after the mma dK/dV kernel, through the
-    public call (causal, tails, GQA); on a GPU at a larger size and bit-identical twice (the
-    simulator's kernel-level test, tests/test_backward_dq_sm90.py, reruns it there)."""
+    """deterministic=True under "sm90": the sm90 dK/dV kernel without dQ (dq_split="none"), then the
+    sm90 dQ kernel, through the public call (causal, tails, GQA); on a GPU at a larger size and
+    bit-identical twice (the simulator's kernel-level test, tests/test_backward_dq_sm90.py, reruns
+    it there)."""
     shape = (1, 40, 45, 2, 1, 64) if SIMULATOR else (2, 1023, 1024, 8, 2, 128)
     q, k, v = random_qkv(rng, xp, *shape, "float16")
     dout = random_like(rng, xp, q)
@@ -484,9 +489,9 @@ def test_rows_split_is_planned_where_measured(monkeypatch):
                              (64, Variant(mask_mod="g:0", block_mask=True)), (72, CAUSAL), (128, Variant())]:
         dkdv = configs.plan_backward(Static("float16", headdim, False, 0, variant), False, "sm90", True)[1]
         assert isinstance(dkdv, Sm90BackwardConfig), (headdim, variant)
-    # deterministic: no atomics, so neither dK/dV kernel of the Hopper family
+    # deterministic: no atomics, so not the rows split: backward_sm90.py's kernel without dQ
     dkdv = configs.plan_backward(Static("float16", 64, False, 0, CAUSAL), True, "sm90", True)[1]
-    assert isinstance(dkdv, MmaBackwardConfig)
+    assert isinstance(dkdv, Sm90BackwardConfig) and dkdv.dq_split == "none"
     # the default (no family asked): backward_sm90.py's padded kernel at headdims 72-120 too, for
     # plain and windowed attention; the mma family for a feature not measured there, below 64, and
     # for unaligned rows

@@ -74,6 +74,15 @@ def test_rounds_go_with_the_training_passes(bench, capsys):
     assert "--rounds does not apply to --pass decode" in refused(bench, capsys, "--pass", "decode", "--rounds", "3")
 
 
+def test_deterministic_goes_with_the_backward(bench, capsys):
+    assert arguments(bench).deterministic is False
+    assert arguments(bench, "--pass", "backward", "--deterministic").deterministic is True
+    assert arguments(bench, "--pass", "forward+backward", "--deterministic").deterministic is True
+    assert "--deterministic goes with --pass backward or forward+backward" in refused(bench, capsys, "--deterministic")
+    assert "--deterministic does not apply to --pass varlen" in refused(bench, capsys, "--pass", "varlen",
+                                                                        "--deterministic")
+
+
 def test_heavy_groups_goes_with_the_forward(bench, capsys):
     assert arguments(bench, "--heavy-groups", "4", "8").heavy_groups == [4, 8]
     assert arguments(bench).heavy_groups == []

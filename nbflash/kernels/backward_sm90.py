@@ -186,7 +186,9 @@ class Sm90BackwardConfig:
     # a barrier across both consumers per step; two consumers, headdim padded to 64 or 128: halves of
     # 32 or 64 columns, the N of its wgmma); "steps", the
     # consumers take turns by step parity, each adding the whole dQ_i over all block_n keys on its
-    # steps (half the atomics as well, for any headdim; two consumers)
+    # steps (half the atomics as well, for any headdim; two consumers); "none", no dQ at all: the
+    # deterministic backward's dK/dV pass (backward_dq_sm90.py makes dQ in a fixed order), without
+    # dS^T's stores, their barrier, the dQ products and the atomics
     dq_split: str = "keys"
     # How dQ_i reaches dq_accum: "red", each thread's float32 pairs by red.global.add.v2; "tma", the
     # consumer's tile through shared memory by TMA reduce-adds (one thread issues, the async proxy
@@ -218,7 +220,6 @@ class Sm90BackwardConfig:
     # across the loop). 128 takes dq_reduce="red" and no defer_dq
     block_m: int = 64
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
-    atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
     # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
     varlen_batch_of_one = True
@@ -234,10 +235,12 @@ class Sm90BackwardConfig:
             raise ValueError(f"{self.consumers=} must be 1 or 2")
         if self.stages < 2:
             raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
-        if self.dq_split not in ("keys", "columns", "steps"):
-            raise ValueError(f"{self.dq_split=} must be 'keys', 'columns' or 'steps'")
+        if self.dq_split not in ("keys", "columns", "steps", "none"):
+            raise ValueError(f"{self.dq_split=} must be 'keys', 'columns', 'steps' or 'none'")
         if self.dq_reduce not in ("red", "tma"):
             raise ValueError(f"{self.dq_reduce=} must be 'red' or 'tma'")
+        if self.dq_split == "none" and (self.dq_reduce != "red" or self.defer_dq):
+            raise ValueError("dq_split='none' (no dQ) takes dq_reduce='red' and defer_dq=False")
         if self.dq_reduce == "tma" and self.dq_split not in ("columns", "steps"):
             raise ValueError(f"dq_reduce='tma' takes dq_split 'columns' or 'steps', not {self.dq_split!r}")
         if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
@@ -267,6 +270,12 @@ class Sm90BackwardConfig:
                              f"chunk per consumer, staged as two boxes), not {self.headdim_padded=}")
 
     @property
+    def atomic_dq(self):
+        """dQ goes to dq_accum by atomics; with dq_split="none" there is no dQ here (the
+        deterministic backward: dq_accum is then a stand-in the kernel never reads)."""
+        return self.dq_split != "none"
+
+    @property
     def block_n(self):
         return KEYS * self.consumers
 
@@ -291,8 +300,8 @@ class Sm90BackwardConfig:
     @property
     def ds_bytes(self):
         """Bytes of one consumer's dS^T tile (64 keys x block_m queries, 16 bit: block_m / 64 chunks of
-        64 rows of 128 bytes)."""
-        return KEYS * self.block_m * 2
+        64 rows of 128 bytes); none without dQ."""
+        return KEYS * self.block_m * 2 if self.atomic_dq else 0
 
     @property
     def dq_stage_bytes(self):
@@ -688,6 +697,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     DQ_BY_COLUMNS = config.dq_split == "columns"
     DQ_BY_STEPS = config.dq_split == "steps"
     DQ_ALL_KEYS = DQ_BY_COLUMNS or DQ_BY_STEPS  # dQ reads both consumers' dS^T (a barrier across both)
+    NO_DQ = config.dq_split == "none"  # dK and dV only (the deterministic backward)
     KEY_STEPS = (BN if DQ_ALL_KEYS else KEYS) // 16  # k16 steps of dQ: all keys, or the consumer's
     DQ_CHUNKS = 1 if DQ_BY_COLUMNS else CHUNKS  # 64-column chunks of dQ a consumer adds
     # dQ columns per product: a consumer's half of headdim with "columns" (32 at headdim 64, 64 at
@@ -1021,8 +1031,9 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 ds_tile = ds_pair + uint32((i % 2) * DS_BYTES)
                 if DQ_ALL_KEYS:  # a parity's chunks hold dS^T of all block_n keys, rows in order
                     ds_tile = ds_tiles + uint32(((i % 2) * PARITY_CHUNKS + consumer) * DS_CHUNK)
-                store_ds_t(smem, (ds_tile - smem_start) // uint32(4), ds, warp, g, q4)
-                fence_proxy_async()  # the dS^T stores are ordered before wgmma reads them
+                if not NO_DQ:
+                    store_ds_t(smem, (ds_tile - smem_start) // uint32(4), ds, warp, g, q4)
+                    fence_proxy_async()  # the dS^T stores are ordered before wgmma reads them
 
                 # dV += P^T dO_i and dK += dS^T Q_i
                 p_regs = fence_operands(registers_from(p, P_REGS))
@@ -1033,7 +1044,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     tma_store_wait(DQ_PENDING)
                 if DQ_ALL_KEYS:
                     named_barrier_sync(1, CONSUMERS * GROUP)  # both consumers' dS^T is stored
-                else:
+                elif not NO_DQ:
                     named_barrier_sync(1 + consumer, GROUP)  # the warpgroup's dS^T is stored
                 wgmma_fence()  # P^T's, dS^T's and the accumulators' registers are ordered before wgmma
                 acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
@@ -1045,7 +1056,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 if DQ_ALL_KEYS:  # from the parity's first tile: all block_n keys
                     desc_ds = smem_descriptor(ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES), DS_BYTES, 1024,
                                               SWIZZLE_128B)
-                if DQ_BY_STEPS and i % 2 != consumer:  # the other consumer adds this step's dQ_i
+                if NO_DQ or (DQ_BY_STEPS and i % 2 != consumer):  # no dQ_i here, or the other consumer's
                     wgmma_wait(0)  # dV's and dK's products are done with Q_i and dO_i
                     registers_to(dv_acc, fence_operands(acc_dv))
                     registers_to(dk_acc, fence_operands(acc_dk))

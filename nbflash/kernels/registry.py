@@ -79,8 +79,10 @@ def _backward_sm90(config):
     k, v, dout (``HOST_ARGUMENTS``)."""
     t = KERNEL_DTYPE[config.dtype].name
     inputs = ", ".join([f"{t}[:,:,:,:]"] * 4)  # q, k, v, dout
+    # dq_accum, or without atomics (dq_split="none") a stand-in: delta, as for the other families
+    accum = "float32[:,:,:,::1]" if config.atomic_dq else "float32[:,:,::1]"
     return (f"void({inputs}, float32[:,:,:], float32[:,:,::1], {t}[:,:,:,::1], {t}[:,:,:,::1], "
-            f"float32[:,:,:,::1], uint64[:,::1], float32, float32, {_params(config)})")
+            f"{accum}, uint64[:,::1], float32, float32, {_params(config)})")
 
 
 def _backward_dq_sm90(config):
