@@ -185,7 +185,7 @@ TOPICS = [
             (PRIMS, None, "#   K-major,  128B:", 0, "the layouts the emulation decodes"),
             (KERNEL, "build_forward_sm90", "K_MAJOR = (16, 1024)", 0, "Q and K: (LBO, SBO)"),
             (KERNEL, "build_forward_sm90", "V_MN_MAJOR = (KV_CHUNK_BYTES, 1024)", 0, "V: (LBO, SBO)"),
-            (KERNEL, "k_step", "return uint64(((kk // 4) * chunk_bytes + (kk % 4) * 32) >> 4)", 0,
+            (PRIMS, "k_step", "return uint64(((kk // 4) * chunk_bytes + (kk % 4) * 32) >> 4)", 0,
              "k16 step kk of a K-major tile"),
             (KERNEL, "forward_sm90", "desc_q = smem_descriptor(q_tile + uint32(64 * consumer * ROW_BYTES)", 0,
              "consumer c's 64 rows of Q"),

@@ -67,7 +67,8 @@ TOPICS = [
         dV += P^T dO and dK += dS^T Q take P^T and dS^T straight from registers (the RS form), as
         the forward's O += P V takes P. Computing S = Q K^T instead would leave P with queries as
         rows, and P^T would have to go through shared memory.""",
-     [(KERNEL, "build_backward_sm90", "wgmma_keys_by_queries = make_wgmma_ss", 0, "S^T and dP^T: SS, N = 64 queries"),
+     [(KERNEL, "build_backward_sm90", "issue_keys_by_queries = make_issue_keys_by_queries(make_wgmma_ss", 0,
+       "S^T and dP^T: SS, N = 64 queries"),
       (KERNEL, "build_backward_sm90", "wgmma_keys_acc = make_wgmma_rs", 0, "dV and dK: RS, A from registers"),
       (KERNEL, "pack_a", "packed[i] = pack(", 0, "the accumulator packed into A registers")]),
     ("3. One tile, two descriptors", """
@@ -124,7 +125,7 @@ TOPICS = [
         forward's P does, and dq is written once (backward_dq_sm90.py); dK and dV then come from the
         mma family's kernel without atomics.""",
      [(KERNEL, "add_dq", "red_add_f32x2(", 0, "two columns of dq_accum per reduction"),
-      (KERNEL, BODY, "if DQ_BY_STEPS and i % 2 != consumer:", 0, "'steps': the other consumer's turn"),
+      (KERNEL, BODY, "(DQ_BY_STEPS and i % 2 != consumer)", 0, "'steps': the other consumer's turn"),
       (CONFIGS, "plan_backward", "sm90_dq = (", 0, "deterministic=True under 'sm90': the dQ kernel"),
       (DQ_KERNEL, None, "def backward_dq_sm90(", 0, "the deterministic dQ kernel")]),
 ]
