@@ -267,6 +267,19 @@ if SIMULATOR:
             pair[0] = np.float32(pair[0]) + np.float32(a)
             pair[1] = np.float32(pair[1]) + np.float32(b)
 
+    def red_add_f32x4(address, a, b, c, d):
+        """Add ``a``, ``b``, ``c``, ``d`` to the four float32 at a global address (see
+        global_address), atomically; the address must be 16-byte aligned."""
+        addr = int(address)
+        if addr % 16:
+            raise ValueError(f"global address {addr:#x} is not 16-byte aligned")
+        if not _global_ranges.contains(addr, 16):
+            raise IndexError(f"global address {addr:#x} (+16) is outside every array")
+        quad = (ctypes.c_float * 4).from_address(addr)
+        with _reduction_lock:
+            for i, x in enumerate((a, b, c, d)):
+                quad[i] = np.float32(quad[i]) + np.float32(x)
+
     def _global_bytes(address, nbytes):
         addr = int(address)
         if addr % nbytes:
@@ -496,6 +509,20 @@ else:
         def codegen(context, builder, signature, args):
             _asm(builder, ir.VoidType(), list(args), "red.global.add.v2.f32 [$0], {$1, $2};",
                  "l,f,f,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def red_add_f32x4(typingctx, address, a, b, c, d):
+        """Add ``a``, ``b``, ``c``, ``d`` to the four float32 at a global address (see
+        global_address), as one vector reduction (red.global.add.v4.f32, sm_90 and newer); 16-byte
+        aligned address."""
+        sig = types.void(types.int64, types.float32, types.float32, types.float32, types.float32)
+
+        def codegen(context, builder, signature, args):
+            _asm(builder, ir.VoidType(), list(args), "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
+                 "l,f,f,f,f,~{memory}", side_effect=True)
             return context.get_dummy_value()
 
         return sig, codegen

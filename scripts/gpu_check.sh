@@ -33,6 +33,9 @@
 #                                deterministic=True on both Hopper kernels (not yet run on a GPU): its
 #                                tests (bit-identical reruns), then its backward timed against the
 #                                mma family's deterministic one and the atomic ones, about 5 minutes
+#   scripts/gpu_check.sh dq4     dQ by 16-byte reductions (dq_vector=4, not yet run on a GPU): its
+#                                test grid, then the planned backward with it against without it
+#                                and SDPA, headdims 64 and 128, about 5 minutes
 #   scripts/gpu_check.sh wide    issue 13's kernels not yet run on a GPU, their test grids: packed
 #                                sequences on the sm90 dK/dV kernel, and its wide kernel for
 #                                headdims 136-256 with every variant, dense and packed, up to 8 minutes
@@ -181,6 +184,16 @@ deterministic)
         --markdown "$out/deterministic.md" > "$out/deterministic.log" 2>&1
     echo "deterministic backward (exit $?):"; tail -12 "$out/deterministic.log"
     ;;
+dq4)
+    # docs/perf-notes.md, "Hopper backward", step 24: lane pairs trade a column pair, red.add.v4
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 120 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+        -W ignore tests/test_backward_sm90.py -k quads > "$out/dq4_tests.log" 2>&1
+    echo "tests: exit $?: $(tail -1 "$out/dq4_tests.log")"
+    grep -aE "\] (FAILED|ERROR)" "$out/dq4_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
+    timeout 330 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-dq4 --anchors \
+        > "$out/dq4.log" 2>&1
+    echo "planned backward with dq_vector=4 (exit $?):"; tail -16 "$out/dq4.log"
+    ;;
 wide)
     # Issue 13's kernels not yet run on a GPU (docs/perf-notes.md, "Hopper backward", steps 20-22):
     # their GPU grids, each test named as it ends (-v), so a run cut short says what it reached.
@@ -192,7 +205,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dq4|wide" >&2
     exit 2
     ;;
 esac

@@ -29,7 +29,8 @@ Backward, each column a schedule:
   "rows-persistent": a persistent grid of one block per multiprocessor over the planned launch
   order (step 18);
 - "planned": the planner's choice (configs.sm90_backward_config: the rows split at headdim 64,
-  configs.SM90_BACKWARD's row of backward_sm90.py otherwise).
+  configs.SM90_BACKWARD's row of backward_sm90.py otherwise); "planned-dq4": the same with dQ added
+  by 16-byte reductions (dq_vector=4: lane pairs trade a column pair first, half the reductions).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
 schedule's ratio to SDPA flash after the table. With --isolate S, each (shape, schedule) runs in a
@@ -177,6 +178,8 @@ def backward_schedules(headdim, causal):
     found["3st-steps"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps"})
     if base.headdim_padded == 128:
         found["columns-tma"] = base.__class__(**{**base.__dict__, "dq_split": "columns", "dq_reduce": "tma"})
+    # dQ by 16-byte reductions (lane pairs trade a column pair first): the planned kernel with them
+    found["planned-dq4"] = planned.__class__(**{**planned.__dict__, "dq_vector": 4})
     found["steps-tma"] = base.__class__(**{**base.__dict__, "dq_split": "steps", "dq_reduce": "tma"})
     found["heavy-first"] = table.__class__(**{**table.__dict__, "heavy_first": True, "heavy_groups": 0})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs

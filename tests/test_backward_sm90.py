@@ -197,6 +197,36 @@ def test_backward_sm90_dq_by_tma_small(rng, xp, sm90_backward_table):
 
 
 @pytest.fixture
+def dq_by_quads(monkeypatch):
+    """Plan the sm90 dK/dV kernels (backward_sm90.py's and the rows split) with dq_vector=4."""
+    planned = configs.sm90_backward_config
+    monkeypatch.setattr(configs, "sm90_backward_config",
+                        lambda *args: dataclasses.replace(planned(*args), dq_vector=4))
+    backward._kernels.cache_clear()
+    yield
+    backward._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+@pytest.mark.parametrize("sm90_backward_table", [(2, "columns")], indirect=True, ids=["columns"])
+def test_backward_sm90_dq_by_quads_small(rng, xp, sm90_backward_table, dq_by_quads):
+    """dQ by 16-byte reductions (dq_vector=4): lanes q4 and q4 ^ 1 trade a column pair, each adds
+    four columns of one row. Headdim 96 by columns (consumer 1's last 32 columns past headdim),
+    causal, 70 query rows (the second tile's odd lanes' rows, 8 further down, past seqlen_q first)."""
+    assert configs.plan_backward(Static("float16", 96, True, 0, CAUSAL), False, "sm90")[1].dq_vector == 4
+    run_sm90(rng, xp, 1, 70, 100, 1, 1, 96, "float16", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_dq_by_quads_gpu(rng, xp, dq_by_quads, seqlens, headdim, causal):
+    """dq_vector=4 on the planned kernels: the rows split at headdim 64, "columns" at 128."""
+    run_sm90(rng, xp, 2, *seqlens, 4, 2, headdim, "bfloat16" if causal else "float16", causal)
+
+
+@pytest.fixture
 def heavy_first(monkeypatch):
     """Plan the sm90 backward with the grid's key tiles slowest (heavy_first)."""
     planned = configs.sm90_backward_table_config

@@ -197,6 +197,30 @@ def test_red_add_f32x2():
     check_red(np.random.default_rng(5))
 
 
+@cuda.jit
+def _red4_kernel(acc, coords, values):
+    # Lane i adds values[i, 0:4] to acc[coords[i], coords[i, 3]:coords[i, 3] + 4]; lanes collide.
+    lane = cuda.threadIdx.x
+    address = P.global_address(acc, coords[lane, 0], coords[lane, 1], coords[lane, 2], coords[lane, 3])
+    P.red_add_f32x4(address, values[lane, 0], values[lane, 1], values[lane, 2], values[lane, 3])
+
+
+def check_red4(rng):
+    acc = rng.integers(-8, 8, (2, 3, 2, 8)).astype(np.float32)
+    coords = np.stack([rng.integers(0, 2, 32), rng.integers(0, 3, 32), rng.integers(0, 2, 32),
+                       4 * rng.integers(0, 2, 32)], axis=1).astype(np.int64)
+    values = rng.integers(-64, 64, (32, 4)).astype(np.float32)  # integers: any order sums exactly
+    expected = acc.copy()
+    for (b, s, h, d), quad in zip(coords, values):
+        expected[b, s, h, d:d + 4] += quad
+    _red4_kernel[1, 32](acc, coords, values)
+    np.testing.assert_array_equal(acc, expected)
+
+
+def test_red_add_f32x4():
+    check_red4(np.random.default_rng(6))
+
+
 # --- ld.global.nc.v4, st.global.v4 and the packed-pair unpacks ----------------------------------------
 
 @cuda.jit
@@ -337,5 +361,7 @@ def test_intrinsics_match_layouts_on_gpu():
             check_ldmatrix(transpose, rng)
         check_cp_async(rng)
         check_red(rng)
+        if cuda.get_current_device().compute_capability >= (9, 0):  # red.v4.f32: sm_90
+            check_red4(rng)
         check_pointwise(rng)
         check_vote(rng)

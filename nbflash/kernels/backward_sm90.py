@@ -110,7 +110,9 @@ from nbflash.primitives import (
     pack_bf16x2,
     pack_f16x2,
     red_add_f32x2,
+    red_add_f32x4,
     shared_address,
+    shuffle_xor_u32,
     static_range,
     u32_as_f32,
     unroll,
@@ -219,6 +221,10 @@ class Sm90BackwardConfig:
     # starts from fresh zeros rather than from the last step's registers (nothing but dK and dV live
     # across the loop). 128 takes dq_reduce="red" and no defer_dq
     block_m: int = 64
+    # Floats a dQ reduction adds: 2 (red.add.v2, from the accumulator's column pairs as they are) or
+    # 4 (red.add.v4: lane pairs trade a column pair first by two shuffles; half the reductions). An
+    # option to time (docs/perf-notes.md, "Hopper backward", step 24); dq_reduce="red" only
+    dq_vector: int = 2
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
     # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
@@ -239,6 +245,8 @@ class Sm90BackwardConfig:
             raise ValueError(f"{self.dq_split=} must be 'keys', 'columns', 'steps' or 'none'")
         if self.dq_reduce not in ("red", "tma"):
             raise ValueError(f"{self.dq_reduce=} must be 'red' or 'tma'")
+        if self.dq_vector not in (2, 4) or (self.dq_vector == 4 and self.dq_reduce != "red"):
+            raise ValueError(f"dq_vector={self.dq_vector} must be 2, or 4 with dq_reduce='red'")
         if self.dq_split == "none" and (self.dq_reduce != "red" or self.defer_dq):
             raise ValueError("dq_split='none' (no dQ) takes dq_reduce='red' and defer_dq=False")
         if self.dq_reduce == "tma" and self.dq_split not in ("columns", "steps"):
@@ -387,23 +395,41 @@ def make_pack_a(dtype, regs):
     return pack_a
 
 
-def make_add_dq(headdim, columns):
+def make_add_dq(headdim, columns, quads=False):
     """``add_dq(dq_accum, acc, b, row0, h, col0, seqlen_q, q4)``: a 64-row product of ``columns``
-    dQ columns into dq_accum by red.add, the thread's two rows and column pairs inside the arrays."""
+    dQ columns into dq_accum by red.add, the thread's two rows and column pairs inside the arrays.
+    With ``quads``, lanes q4 and q4 ^ 1 first trade a pair of each 8-column group (two shuffles), so
+    that each adds four contiguous columns of one row (the even lane's row0, the odd lane's row0 +
+    8) by one red.add.v4: half the reductions, each of 16 bytes."""
     HD = headdim
 
     @inline_device
     @unroll
     def add_dq(dq_accum, acc, b, row0, h, col0, seqlen_q, q4):
         """dq_accum[b, row0 + (0, 8), h, col0 + 8 c + 2 q4 (+1)] += acc (unscaled), inside the arrays."""
-        for rh in static_range(2):
-            row = row0 + 8 * rh
-            if row < seqlen_q:
-                row_address = global_address(dq_accum, b, row, h, 0)
-                for c in static_range(columns // 8):
-                    col = col0 + 8 * c + 2 * q4
-                    if col < HD:  # HD is a multiple of 8: both columns of the pair are inside
-                        red_add_f32x2(row_address + col * 4, acc[4 * c + 2 * rh], acc[4 * c + 2 * rh + 1])
+        if quads:
+            odd = q4 & 1
+            row = row0 + 8 * odd  # the even lane's first row, the odd lane's second
+            row_address = global_address(dq_accum, b, row, h, 0)  # an address only: read below if inside
+            for c in static_range(columns // 8):
+                # Every lane, in step: the pair the partner adds (the even lane's second row, the odd
+                # lane's first) for the partner's, one 8-column group at a time (all at once, the
+                # received values would stay live together)
+                got0 = u32_as_f32(shuffle_xor_u32(f32_as_u32(acc[4 * c] if odd else acc[4 * c + 2]), uint32(1)))
+                got1 = u32_as_f32(shuffle_xor_u32(f32_as_u32(acc[4 * c + 1] if odd else acc[4 * c + 3]), uint32(1)))
+                col = col0 + 8 * c + 4 * (q4 >> 1)
+                if row < seqlen_q and col < HD:  # HD is a multiple of 8: the four columns are inside
+                    red_add_f32x4(row_address + col * 4, got0 if odd else acc[4 * c], got1 if odd else acc[4 * c + 1],
+                                  acc[4 * c + 2] if odd else got0, acc[4 * c + 3] if odd else got1)
+        else:
+            for rh in static_range(2):
+                row = row0 + 8 * rh
+                if row < seqlen_q:
+                    row_address = global_address(dq_accum, b, row, h, 0)
+                    for c in static_range(columns // 8):
+                        col = col0 + 8 * c + 2 * q4
+                        if col < HD:  # HD is a multiple of 8: both columns of the pair are inside
+                            red_add_f32x2(row_address + col * 4, acc[4 * c + 2 * rh], acc[4 * c + 2 * rh + 1])
 
     return add_dq
 
@@ -757,7 +783,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
     init_ring = make_init_ring(STAGES, FULL_ARRIVALS, EMPTY_ARRIVALS)
     pack_a = make_pack_a(config.dtype, P_REGS)  # P^T's and dS^T's A registers
-    add_dq = make_add_dq(HD, DQ_COLS)  # a product's dQ columns into dq_accum
+    add_dq = make_add_dq(HD, DQ_COLS, config.dq_vector == 4)  # a product's dQ columns into dq_accum
     store_rows = make_store_rows(config.dtype, HD, HDP)  # dK, dV
     produce_tiles = make_produce_tiles(config, hooks)  # the producer's warp 0
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1

@@ -145,6 +145,7 @@ class Sm90RowsBackwardConfig:
     # grid's blocks t, t + blocks, ... in launch order, with K and V double-buffered so that the next
     # tile's load runs under the current tile's steps.
     persistent: int = 0
+    dq_vector: int = 2  # floats a dQ reduction adds: 2, or 4 (lane pairs trade a pair first), as backward_sm90.py's
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
     consumers = 2
@@ -167,6 +168,8 @@ class Sm90RowsBackwardConfig:
             raise ValueError(f"heavy_groups={self.heavy_groups} must be 0 (off) or a group size")
         if self.persistent < 0:
             raise ValueError(f"persistent={self.persistent} must be 0 (off) or a block count")
+        if self.dq_vector not in (2, 4):
+            raise ValueError(f"dq_vector={self.dq_vector} must be 2 or 4")
         check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
         if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
             raise ValueError(f"{self.dynamic_shared_bytes} bytes of shared memory exceed a block's "
@@ -254,7 +257,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
     init_ring = make_init_ring(STAGES, FULL_ARRIVALS, EMPTY_ARRIVALS)
     pack_a = make_pack_a(config.dtype, P_REGS)  # P's and dS's A registers
-    add_dq = make_add_dq(HD, CHUNK)  # dQ_c into dq_accum
+    add_dq = make_add_dq(HD, CHUNK, config.dq_vector == 4)  # dQ_c into dq_accum
     store_rows = make_store_rows(config.dtype, HD, CHUNK)  # dK, dV
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
 
