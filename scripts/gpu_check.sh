@@ -36,6 +36,9 @@
 #   scripts/gpu_check.sh dq4     dQ by 16-byte reductions (dq_vector=4, not yet run on a GPU): its
 #                                test grid, then the planned backward with it against without it
 #                                and SDPA, headdims 64 and 128, about 5 minutes
+#   scripts/gpu_check.sh stalls  where the planned hd 128 dK/dV kernel's warps wait, instruction by
+#                                instruction (ncu's source counters; scripts/stall_report.py), plain
+#                                and causal at 4k, about 3 minutes; needs ncu with hardware counters
 #   scripts/gpu_check.sh wide    issue 13's kernels not yet run on a GPU, their test grids: packed
 #                                sequences on the sm90 dK/dV kernel, and its wide kernel for
 #                                headdims 136-256 with every variant, dense and packed, up to 8 minutes
@@ -194,6 +197,19 @@ dq4)
         > "$out/dq4.log" 2>&1
     echo "planned backward with dq_vector=4 (exit $?):"; tail -16 "$out/dq4.log"
     ;;
+stalls)
+    # docs/perf-notes.md, "Where issue 13 stands": the stall reasons of the hd 128 kernel's step
+    for causal in "" "--causal"; do
+        name="stalls${causal:+_causal}"
+        timeout 200 ncu --clock-control none --kernel-name regex:backward_dkdv --launch-skip 1 --launch-count 1 \
+            --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$out/$name" \
+            python3 scripts/stall_report.py run --headdim 128 --seqlen 4096 $causal > "$out/$name.log" 2>&1
+        echo "ncu ${causal:-plain} (exit $?): $(tail -1 "$out/$name.log")"
+        timeout 120 ncu --import "$out/$name.ncu-rep" --page source --csv --print-source sass > "$out/$name.csv" 2>&1
+        python3 scripts/stall_report.py summary "$out/$name.csv" --top 30 | tee "$out/$name.txt" | head -50
+        rm -f "$out/$name.ncu-rep"  # large; the CSV and the summary come back
+    done
+    ;;
 wide)
     # Issue 13's kernels not yet run on a GPU (docs/perf-notes.md, "Hopper backward", steps 20-22):
     # their GPU grids, each test named as it ends (-v), so a run cut short says what it reached.
@@ -205,7 +221,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dq4|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dq4|stalls|wide" >&2
     exit 2
     ;;
 esac

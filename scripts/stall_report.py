@@ -1,0 +1,104 @@
+"""Where a kernel's warps wait, instruction by instruction: a backward call for Nsight Compute to
+profile, and a summary of its per-instruction stall samples.
+
+    ncu --clock-control none --kernel-name regex:backward_dkdv --launch-skip 1 --launch-count 1 \\
+        --section SourceCounters --section WarpStateStats -f -o stalls \\
+        python3 scripts/stall_report.py run [--headdim 128] [--seqlen 4096] [--causal]
+    ncu --import stalls.ncu-rep --page source --csv --print-source sass > stalls.csv
+    python3 scripts/stall_report.py summary stalls.csv [--top 40]
+
+``run`` makes the planned backward's calls (the first one compiles and is skipped by
+--launch-skip; the second is profiled): batch 4, 16 heads, float16, flash-attn's grid at hidden
+2048, on the library's default family (the Hopper kernels on compute capability 9.0).
+``summary`` reads ncu's source page (one row per SASS instruction) and prints the instructions
+with the most stall samples, each with its share of the kernel's samples and the stall reasons
+ncu attributes to it, then the samples grouped by instruction kind (HGMMA, BAR, SYNCS, LDS, REDG,
+MUFU, ...): which wait the consumers spend their time in. docs/perf-notes.md, "Hopper backward",
+says what the step's phases are.
+"""
+
+import argparse
+import collections
+import csv
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def run(headdim, seqlen, causal):
+    import cupy
+    import numpy as np
+
+    import nbflash
+
+    rng = np.random.default_rng(0)
+    shape = (4, seqlen, 16, headdim)
+    q, k, v, dout = (cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(np.float16)) for _ in range(4))
+    out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    for _ in range(2):  # the first compiles (ncu skips it), the second is profiled
+        nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
+    cupy.cuda.runtime.deviceSynchronize()
+    print(f"ran the backward twice: {shape}, causal={causal}, {nbflash.explain(q, k, v, causal=causal)['family']}")
+
+
+def _number(text):
+    try:
+        return float(str(text).replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def summary(path, top):
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    # ncu's CSV may start with lines of its own before the header: the header names the source
+    header_at = next((i for i, row in enumerate(rows) if "Source" in row), None)
+    if header_at is None:
+        sys.exit(f"{path}: no header row with a 'Source' column; the first rows are {rows[:3]}")
+    header, body = rows[header_at], [row for row in rows[header_at + 1:] if len(row) == len(rows[header_at])]
+    samples_at = next((i for i, name in enumerate(header) if name.startswith("Warp Stall Sampling (All")), None)
+    if samples_at is None:
+        sys.exit(f"{path}: no 'Warp Stall Sampling (All Samples)' column; the columns are {header}")
+    source_at = header.index("Source")
+    # per-reason columns, where ncu gives them (names with 'stall' that hold numbers)
+    reasons = [i for i, name in enumerate(header) if "stall" in name.lower() and i != samples_at
+               and not name.startswith("Warp Stall Sampling")]
+    total = sum(_number(row[samples_at]) for row in body) or 1.0
+    print(f"{len(body)} instructions, {total:.0f} stall samples")
+    ranked = sorted(body, key=lambda row: -_number(row[samples_at]))
+    print(f"\nthe {top} instructions with the most samples (share of all, then the largest reasons):")
+    for row in ranked[:top]:
+        share = _number(row[samples_at]) / total
+        named = sorted(((_number(row[i]), header[i]) for i in reasons), reverse=True)[:3]
+        why = ", ".join(f"{name} {value:.0f}" for value, name in named if value)
+        print(f"  {share:6.1%}  {row[source_at].strip()[:70]:70s}  {why}")
+    kinds = collections.Counter()
+    for row in body:
+        opcode = re.match(r"\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", row[source_at])
+        kinds[opcode.group(1) if opcode else "?"] += _number(row[samples_at])
+    print("\nsamples by instruction kind:")
+    for kind, value in kinds.most_common(15):
+        print(f"  {value / total:6.1%}  {kind}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    one = sub.add_parser("run", help="the backward calls to profile")
+    one.add_argument("--headdim", type=int, default=128)
+    one.add_argument("--seqlen", type=int, default=4096)
+    one.add_argument("--causal", action="store_true")
+    two = sub.add_parser("summary", help="summarize ncu's source page (CSV)")
+    two.add_argument("csv")
+    two.add_argument("--top", type=int, default=40)
+    args = parser.parse_args()
+    if args.what == "run":
+        run(args.headdim, args.seqlen, args.causal)
+    else:
+        summary(args.csv, args.top)
+
+
+if __name__ == "__main__":
+    main()
