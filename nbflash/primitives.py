@@ -254,31 +254,24 @@ if SIMULATOR:
 
     _reduction_lock = threading.Lock()
 
+    def _red_add_f32(address, values):
+        """Add ``values`` to as many float32 at a global address, atomically (one vector reduction:
+        the address aligned to the vector's bytes)."""
+        words = _global_bytes(address, 4 * len(values))  # alignment and bounds checked
+        floats = (ctypes.c_float * len(values)).from_address(ctypes.addressof(words))
+        with _reduction_lock:
+            for i, x in enumerate(values):
+                floats[i] = np.float32(floats[i]) + np.float32(x)
+
     def red_add_f32x2(address, a, b):
         """Add ``a`` and ``b`` to the two float32 at a global address (see global_address),
         atomically; the address must be 8-byte aligned."""
-        addr = int(address)
-        if addr % 8:
-            raise ValueError(f"global address {addr:#x} is not 8-byte aligned")
-        if not _global_ranges.contains(addr, 8):
-            raise IndexError(f"global address {addr:#x} (+8) is outside every array")
-        pair = (ctypes.c_float * 2).from_address(addr)
-        with _reduction_lock:
-            pair[0] = np.float32(pair[0]) + np.float32(a)
-            pair[1] = np.float32(pair[1]) + np.float32(b)
+        _red_add_f32(address, (a, b))
 
     def red_add_f32x4(address, a, b, c, d):
         """Add ``a``, ``b``, ``c``, ``d`` to the four float32 at a global address (see
         global_address), atomically; the address must be 16-byte aligned."""
-        addr = int(address)
-        if addr % 16:
-            raise ValueError(f"global address {addr:#x} is not 16-byte aligned")
-        if not _global_ranges.contains(addr, 16):
-            raise IndexError(f"global address {addr:#x} (+16) is outside every array")
-        quad = (ctypes.c_float * 4).from_address(addr)
-        with _reduction_lock:
-            for i, x in enumerate((a, b, c, d)):
-                quad[i] = np.float32(quad[i]) + np.float32(x)
+        _red_add_f32(address, (a, b, c, d))
 
     def _global_bytes(address, nbytes):
         addr = int(address)

@@ -180,23 +180,6 @@ def _red_kernel(acc, coords, values):
     P.red_add_f32x2(address, values[lane, 0], values[lane, 1])
 
 
-def check_red(rng):
-    acc = rng.integers(-8, 8, (2, 3, 2, 8)).astype(np.float32)
-    coords = np.stack([rng.integers(0, 2, 32), rng.integers(0, 3, 32), rng.integers(0, 2, 32),
-                       2 * rng.integers(0, 4, 32)], axis=1).astype(np.int64)
-    values = rng.integers(-64, 64, (32, 2)).astype(np.float32)  # integers: any order sums exactly
-    expected = acc.copy()
-    for (b, s, h, d), (x, y) in zip(coords, values):
-        expected[b, s, h, d] += x
-        expected[b, s, h, d + 1] += y
-    _red_kernel[1, 32](acc, coords, values)
-    np.testing.assert_array_equal(acc, expected)
-
-
-def test_red_add_f32x2():
-    check_red(np.random.default_rng(5))
-
-
 @cuda.jit
 def _red4_kernel(acc, coords, values):
     # Lane i adds values[i, 0:4] to acc[coords[i], coords[i, 3]:coords[i, 3] + 4]; lanes collide.
@@ -205,20 +188,25 @@ def _red4_kernel(acc, coords, values):
     P.red_add_f32x4(address, values[lane, 0], values[lane, 1], values[lane, 2], values[lane, 3])
 
 
-def check_red4(rng):
+def check_red(rng, width=2):
+    """32 lanes' vector reductions of ``width`` float32 (2: _red_kernel, 4: _red4_kernel), colliding."""
     acc = rng.integers(-8, 8, (2, 3, 2, 8)).astype(np.float32)
     coords = np.stack([rng.integers(0, 2, 32), rng.integers(0, 3, 32), rng.integers(0, 2, 32),
-                       4 * rng.integers(0, 2, 32)], axis=1).astype(np.int64)
-    values = rng.integers(-64, 64, (32, 4)).astype(np.float32)  # integers: any order sums exactly
+                       width * rng.integers(0, 8 // width, 32)], axis=1).astype(np.int64)
+    values = rng.integers(-64, 64, (32, width)).astype(np.float32)  # integers: any order sums exactly
     expected = acc.copy()
-    for (b, s, h, d), quad in zip(coords, values):
-        expected[b, s, h, d:d + 4] += quad
-    _red4_kernel[1, 32](acc, coords, values)
+    for (b, s, h, d), vector in zip(coords, values):
+        expected[b, s, h, d:d + width] += vector
+    (_red_kernel if width == 2 else _red4_kernel)[1, 32](acc, coords, values)
     np.testing.assert_array_equal(acc, expected)
 
 
+def test_red_add_f32x2():
+    check_red(np.random.default_rng(5))
+
+
 def test_red_add_f32x4():
-    check_red4(np.random.default_rng(6))
+    check_red(np.random.default_rng(6), 4)
 
 
 # --- ld.global.nc.v4, st.global.v4 and the packed-pair unpacks ----------------------------------------
@@ -362,6 +350,6 @@ def test_intrinsics_match_layouts_on_gpu():
         check_cp_async(rng)
         check_red(rng)
         if cuda.get_current_device().compute_capability >= (9, 0):  # red.v4.f32: sm_90
-            check_red4(rng)
+            check_red(rng, 4)
         check_pointwise(rng)
         check_vote(rng)

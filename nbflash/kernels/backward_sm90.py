@@ -536,6 +536,27 @@ def make_stage_stats(config, hooks):
     return stage_stats
 
 
+def make_block_rows(hooks, block_n):
+    """``block_rows(params, b, n_block, seqlen_q, seqlen_k) -> (mem_b, q_row0, seqlen_q, k_row0,
+    seqlen_k, inside)``: where a dK/dV block's rows are. Dense: batch b's, from row 0. Packed
+    sequences: sequence b's first rows and lengths (``Hooks.sequence``; 32-bit, as few registers as
+    can be) in the packed arrays, a batch of one (mem_b 0); ``inside`` is False when key tile
+    n_block lies past the sequence's end (the block then exits before any barrier)."""
+    VARLEN, sequence = hooks.VARLEN, hooks.sequence
+
+    @inline_device
+    def block_rows(params, b, n_block, seqlen_q, seqlen_k):
+        mem_b, q_row0, k_row0, inside = b, 0, 0, True
+        if VARLEN:
+            q_first, q_rows, k_first, k_rows = sequence(params, b, seqlen_q, seqlen_k)
+            q_row0, seqlen_q, k_row0, seqlen_k = int32(q_first), int32(q_rows), int32(k_first), int32(k_rows)
+            inside = n_block * block_n < seqlen_k
+            mem_b = 0
+        return mem_b, q_row0, seqlen_q, k_row0, seqlen_k, inside
+
+    return block_rows
+
+
 def make_issue_keys_by_queries(wgmma, headdim_padded, kv_chunk_bytes, q_chunk_bytes):
     """``issue_keys_by_queries(acc, desc_a, desc_b) -> acc``: acc = A B^T over headdim, A a K-major
     tile of keys (K or V: 64-column chunks of ``kv_chunk_bytes``), B one of queries (Q_i or dO_i:
@@ -785,6 +806,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     pack_a = make_pack_a(config.dtype, P_REGS)  # P^T's and dS^T's A registers
     add_dq = make_add_dq(HD, DQ_COLS, config.dq_vector == 4)  # a product's dQ columns into dq_accum
     store_rows = make_store_rows(config.dtype, HD, HDP)  # dK, dV
+    block_rows = make_block_rows(hooks, BN)  # where the block's rows are (packed sequences: its sequence's)
     produce_tiles = make_produce_tiles(config, hooks)  # the producer's warp 0
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
     probabilities_t = make_probabilities_t(hooks, BM)
@@ -909,16 +931,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             hk, b, n_block = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         else:
             n_block, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         # Where the block's rows are: the batch index of the arrays it writes (and of TMA's maps),
         # and TMA's first query and key rows (0, or the sequence's first packed rows)
-        mem_b, q_row0, k_row0 = b, 0, 0
-        if VARLEN:  # packed sequences (module docstring): 32-bit, as few registers as can be
-            q_first, q_rows, k_first, k_rows = sequence(params, b, q.shape[1], k.shape[1])
-            q_row0, seqlen_q, k_row0, seqlen_k = int32(q_first), int32(q_rows), int32(k_first), int32(k_rows)
-            if n_block * BN >= seqlen_k:
-                return  # the whole block, before any barrier: its key tile lies past the sequence's end
-            mem_b = 0
+        mem_b, q_row0, seqlen_q, k_row0, seqlen_k, inside = block_rows(params, b, n_block, q.shape[1], k.shape[1])
+        if not inside:
+            return  # the whole block, before any barrier: its key tile lies past the sequence's end
         tid = cuda.threadIdx.x
         group_id = tid // GROUP  # 0: the producer; 1 + c: consumer c
         group = q.shape[2] // k.shape[2]  # GQA: query heads hk * group ... share this K/V tile

@@ -89,6 +89,7 @@ from . import variants
 from .backward_sm90 import (
     MAX_SHARED_BYTES,
     make_add_dq,
+    make_block_rows,
     make_consumer_step,
     make_init_ring,
     make_issue_keys_by_queries,
@@ -228,6 +229,7 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
     add_dq = make_add_dq(HD, CHUNK)  # a 64-column dQ product into dq_accum
     store_first = make_store_rows(config.dtype, HALF, HALF)  # consumer 0's columns of dK, dV
     store_second = make_store_rows(config.dtype, HD - HALF, HALF)  # consumer 1's (those below headdim)
+    block_rows = make_block_rows(hooks, BN)  # where the block's rows are (packed sequences: its sequence's)
     produce_tiles = make_produce_tiles(config, hooks)  # the producer's warp 0
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
     consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES)
@@ -293,16 +295,11 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
             b, hk = pair // k.shape[2], pair % k.shape[2]
         else:
             n_block, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         # Where the block's rows are: the batch index of the arrays it writes (and of TMA's maps),
         # and TMA's first query and key rows (0, or the sequence's first packed rows)
-        mem_b, q_row0, k_row0 = b, 0, 0
-        if VARLEN:  # packed sequences (backward_sm90.py's docstring): 32-bit, as few registers as can be
-            q_first, q_rows, k_first, k_rows = sequence(params, b, q.shape[1], k.shape[1])
-            q_row0, seqlen_q, k_row0, seqlen_k = int32(q_first), int32(q_rows), int32(k_first), int32(k_rows)
-            if n_block * BN >= seqlen_k:
-                return  # the whole block, before any barrier: its key tile lies past the sequence's end
-            mem_b = 0
+        mem_b, q_row0, seqlen_q, k_row0, seqlen_k, inside = block_rows(params, b, n_block, q.shape[1], k.shape[1])
+        if not inside:
+            return  # the whole block, before any barrier: its key tile lies past the sequence's end
         tid = cuda.threadIdx.x
         group_id = tid // GROUP  # 0: the producer; 1 + c: consumer c
         group = q.shape[2] // k.shape[2]  # GQA: query heads hk * group ... share this K/V tile
