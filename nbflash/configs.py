@@ -499,9 +499,9 @@ def sm90_backward_config(dtype, headdim, variant):
 @lru_cache(maxsize=None)
 def sm90_backward_table_config(dtype, headdim, variant):
     """backward_sm90.py's dK/dV kernel with ``SM90_BACKWARD``'s row for ``headdim``."""
-    _, stages, dq_split, *reduce = _row(SM90_BACKWARD, headdim)
+    _, stages, dq_split = _row(SM90_BACKWARD, headdim)
     return Sm90BackwardConfig(dtype=dtype, headdim=headdim, variant=variant, stages=stages, dq_split=dq_split,
-                              dq_reduce=reduce[0] if reduce else "red", heavy_groups=SM90_BACKWARD_HEAVY_GROUPS)
+                              heavy_groups=SM90_BACKWARD_HEAVY_GROUPS)
 
 
 def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=False):

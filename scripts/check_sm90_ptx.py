@@ -16,10 +16,8 @@ GPU (misaligned address), which the simulator cannot see.
 
 With ``--out`` the PTX, cubin and ptxas log of each kernel are kept there. ``--fp8-forward`` adds the
 fp8 forward's planned configs (nbflash.configs.SM90_FP8_FORWARD, plain and causal; spills are
-reported, not failed); ``--backward`` the sm90 dK/dV kernel's planned configs (configs.SM90_BACKWARD,
-plain) and its defer_dq schedule at headdim 64, whose wgmmas ptxas serialized (C7519) until the kept
-dQ left the accumulator's registers (copy_operands) and the dQ issue got its own wgmma_fence; and
-the 32-column "columns" split at headdim 64, without and with defer_dq.
+reported, not failed); ``--backward`` the sm90 dK/dV kernels' planned configs and the schedules
+and variants listed in ``backward_kernels``.
 
 Needs ptxas (the CUDA toolkit, or the nvidia-cuda-nvcc wheel) and Numba's NVVM; no GPU.
 """
@@ -90,9 +88,7 @@ def fp8_forward_kernels():
 
 def backward_kernels():
     """(name, Python function, signature, compile options) of the sm90 dK/dV kernel's planned
-    configs (fp16, plain), and at headdim 64 of the defer_dq schedule, the 32-column "columns"
-    split (without and with defer_dq), 128 query rows per step ("columns" and "steps"), the query
-    rows split between the consumers (backward_sm90_rows.py: fp16 and bf16, plain and causal; and its
+    configs (fp16, plain), and at headdim 64 the 32-column "columns" split, the query rows split between the consumers (backward_sm90_rows.py: fp16 and bf16, plain and causal; and its
     persistent grid, fp16),
     causal dropout at each planned headdim, the causal kernel at each, dense and on packed
     sequences, and the kernel for headdims past 128 (backward_sm90_wide.py) at 256: plain and causal,
@@ -106,15 +102,8 @@ def backward_kernels():
     found = [(f"backward_sm90_hd{headdim}", configs.sm90_backward_table_config("float16", headdim, Variant()))
              for headdim, *_ in configs.SM90_BACKWARD]
     hd64 = configs.sm90_backward_table_config("float16", 64, Variant())
-    found.append(("backward_sm90_defer_dq_hd64", dataclasses.replace(hd64, dq_split="steps", defer_dq=True)))
-    # dQ by 32-column halves (wgmma N = 32), without and with the deferred atomics
+    # dQ by 32-column halves (wgmma N = 32)
     found.append(("backward_sm90_columns_hd64", dataclasses.replace(hd64, dq_split="columns")))
-    found.append(("backward_sm90_columns_defer_dq_hd64", dataclasses.replace(hd64, dq_split="columns", defer_dq=True)))
-    # 128 query rows per step
-    for split in ("columns", "steps"):
-        found.append((f"backward_sm90_m128_{split}_hd64", dataclasses.replace(hd64, block_m=128, dq_split=split)))
-    found.append(("backward_sm90_m128_columns_r240_hd64", dataclasses.replace(
-        hd64, block_m=128, dq_split="columns", producer_registers=24, consumer_registers=240)))
     # the query rows split between the consumers (backward_sm90_rows.py), fp16 and bf16, plain and causal
     from nbflash.kernels.backward_sm90_rows import Sm90RowsBackwardConfig
 

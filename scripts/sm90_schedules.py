@@ -13,16 +13,13 @@ Backward, each column a schedule:
 - "columns" / "3st-columns": dQ split by columns between the consumers (half the atomics, a barrier
   across both per step; halves of 64 columns at headdim 128, of 32 at 64), 2 and 3 stages;
 - "steps" / "3st-steps": the consumers take turns by step for dQ (half the atomics, any headdim);
-- "columns-tma", "steps-tma": those splits with dQ added by TMA reduce-adds from shared memory;
 - "heavy-first": the planner's choice with the grid's key tiles slowest and no grouping (with causal
   attention the blocks that see the most query tiles start first);
 - "heavy-groups4", "heavy-groups8": the planner's choice, longest-first within groups of 4 or 8
   (batch, KV head) pairs (heavy_groups; the planner's is 4);
-- "defer-dq" / "3st-defer-dq" (headdim 64): "steps" with dQ_i's atomics deferred to the next step,
-  under its S^T and dP^T products (defer_dq), 2 and 3 stages; "columns-defer-dq", "columns" with
-  the deferred atomics; "m128-columns", "m128-steps" (headdim 64): 128 query rows per step, and
-  "m128-columns-r240" with setmaxnreg 24 / 240 (32 / 240 asks more registers than the block holds
-  and hangs: check_register_split); "rows" / "rows-3st" (headdim 64): the query rows split between
+- (dQ by TMA reduce-adds, dQ_i's atomics deferred to the next step and 128 query rows per step were
+  timed here until commit 354c94b, and left the kernel: docs/perf-notes.md steps 6, 9 and 11)
+- "rows" / "rows-3st" (headdim 64): the query rows split between
   the consumers (nbflash/kernels/backward_sm90_rows.py, 128 x 128 tiles), 2 and 3 stages, the
   planner's launch order; "rows-stmatrix": P and dS stored by stmatrix (the pipelined loop timed
   on 2026-12-04 as "rows-pipe" is in git history, commit 1aba50e; docs/perf-notes.md step 15);
@@ -176,22 +173,12 @@ def backward_schedules(headdim, causal):
     found["3st-columns"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "columns"})
     found["steps"] = base.__class__(**{**base.__dict__, "dq_split": "steps"})
     found["3st-steps"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps"})
-    if base.headdim_padded == 128:
-        found["columns-tma"] = base.__class__(**{**base.__dict__, "dq_split": "columns", "dq_reduce": "tma"})
     # dQ by 16-byte reductions (lane pairs trade a column pair first): the planned kernel with them
     found["planned-dq4"] = planned.__class__(**{**planned.__dict__, "dq_vector": 4})
-    found["steps-tma"] = base.__class__(**{**base.__dict__, "dq_split": "steps", "dq_reduce": "tma"})
     found["heavy-first"] = table.__class__(**{**table.__dict__, "heavy_first": True, "heavy_groups": 0})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
         found[f"heavy-groups{groups}"] = table.__class__(**{**table.__dict__, "heavy_groups": groups})
     if base.headdim_padded == 64:
-        found["defer-dq"] = base.__class__(**{**base.__dict__, "dq_split": "steps", "defer_dq": True})
-        found["3st-defer-dq"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps", "defer_dq": True})
-        found["columns-defer-dq"] = base.__class__(**{**base.__dict__, "dq_split": "columns", "defer_dq": True})
-        for split in ("columns", "steps"):  # 128 query rows per step
-            found[f"m128-{split}"] = base.__class__(**{**base.__dict__, "block_m": 128, "dq_split": split})
-        found["m128-columns-r240"] = base.__class__(**{**base.__dict__, "block_m": 128, "dq_split": "columns",
-                                                      "producer_registers": 24, "consumer_registers": 240})
         # the query rows split between the consumers (a kernel of its own), the planner's launch order
         found["rows"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, heavy_groups=table.heavy_groups)
         found["rows-3st"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, stages=3,

@@ -65,8 +65,6 @@ def test_backward_sm90_planning():
     assert dkdv.ds_bytes == 0 and isinstance(dq, Sm90DqConfig)
     assert launch.describe(dkdv) == "Hopper backward dK/dV (float16, headdim 128, causal/window, deterministic)"
     assert launch.describe(dq) == "Hopper backward dQ (float16, headdim 128, causal/window, deterministic)"
-    with pytest.raises(ValueError, match="none"):
-        Sm90BackwardConfig("float16", 64, dq_split="none", defer_dq=True)
     for static, deterministic, aligned in [
         (Static("float16", 128, False, 0, Variant(softcap=True)), True, True),  # sm90's dQ: plain and window
         (Static("float16", 60, False, 0), False, True),  # not a multiple of 8 (TMA's 16-byte rows)
@@ -89,8 +87,6 @@ def test_backward_sm90_planning():
         assert plan[1].dynamic_shared_bytes <= 232_448
         assert isinstance(configs.plan_backward(Static("bfloat16", 256, False, 0, variant), False)[1],
                           MmaBackwardConfig)
-    with pytest.raises(ValueError, match="varlen"):
-        Sm90BackwardConfig("float16", 64, Variant(varlen=True), dq_split="steps", dq_reduce="tma")
     # a block mask (with its mask_mod): the Hopper dK/dV kernel walks the pairs it visits
     plan = configs.plan_backward(Static("float16", 64, False, 0, Variant(mask_mod="g:0", block_mask=True)), False,
                                  "sm90", True)
@@ -150,9 +146,9 @@ def test_backward_sm90_deterministic_small(rng, xp):
 
 @pytest.fixture
 def sm90_backward_table(request, monkeypatch):
-    """Plan the sm90 backward with the (stages, dq_split[, dq_reduce]) given as the test's parameter."""
-    stages, dq_split, *reduce = request.param
-    monkeypatch.setattr(configs, "SM90_BACKWARD", [(128, stages, dq_split, *reduce)])
+    """Plan the sm90 backward with the (stages, dq_split) given as the test's parameter."""
+    stages, dq_split = request.param
+    monkeypatch.setattr(configs, "SM90_BACKWARD", [(128, stages, dq_split)])
     monkeypatch.setattr(configs, "SM90_BACKWARD_ROWS_MAX_HEADDIM", 0)  # backward_sm90.py at every headdim
     configs.sm90_backward_table_config.cache_clear()
     backward._kernels.cache_clear()
@@ -180,20 +176,6 @@ def test_backward_sm90_dq_by_steps_small(rng, xp, sm90_backward_table):
     over two query tiles, so each consumer adds one."""
     assert configs.plan_backward(Static("float16", 64, True, 0, CAUSAL), False, "sm90")[1].dq_split == "steps"
     run_sm90(rng, xp, 1, 70, 100, 1, 1, 64, "float16", True)
-
-
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-@pytest.mark.parametrize("sm90_backward_table", [(2, "columns", "tma"), (2, "steps", "tma")], indirect=True,
-                         ids=["columns-tma", "steps-tma"])
-def test_backward_sm90_dq_by_tma_small(rng, xp, sm90_backward_table):
-    """dQ_i staged in shared memory (the 128B swizzle of float32 boxes) and added into dq_accum by
-    TMA reduce-adds: causal with tails over two query tiles; by columns at headdim 96 (the second
-    consumer's last box wholly past headdim, not issued), by steps at 64 with GQA."""
-    split = configs.SM90_BACKWARD[0][2]
-    headdim, nheads = (96, 1) if split == "columns" else (64, 2)
-    planned = configs.plan_backward(Static("float16", headdim, True, 0, CAUSAL), False, "sm90")[1]
-    assert (planned.dq_split, planned.dq_reduce) == (split, "tma")
-    run_sm90(rng, xp, 1, 70, 100, nheads, 1, headdim, "float16", True)
 
 
 @pytest.fixture
@@ -293,88 +275,25 @@ def test_heavy_groups_config():
     assert config.grid(4, 32, 8, 4096, 4096) == (4 * 32, 8, 1)
 
 
-@pytest.fixture
-def defer_dq(request, monkeypatch):
-    """Plan the sm90 backward with dQ_i's atomics deferred to the next step (defer_dq), dQ split
-    as the parameter says ("steps" or "columns")."""
-    planned = configs.sm90_backward_table_config
-    monkeypatch.setattr(configs, "sm90_backward_config", lambda *args: dataclasses.replace(
-        planned(*args), dq_split=request.param, defer_dq=True))
-    backward._kernels.cache_clear()
-    yield request.param
-    backward._kernels.cache_clear()
-
-
-@pytest.fixture
-def block_m_128(request, monkeypatch):
-    """Plan the sm90 backward with 128 query rows per step, dQ split as the parameter says."""
-    planned = configs.sm90_backward_table_config
-    monkeypatch.setattr(configs, "sm90_backward_config", lambda *args: dataclasses.replace(
-        planned(*args), block_m=128, dq_split=request.param))
-    backward._kernels.cache_clear()
-    yield request.param
-    backward._kernels.cache_clear()
-
-
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-@pytest.mark.parametrize("block_m_128", ["steps"], indirect=True)
-def test_backward_sm90_block_m_128_small(rng, xp, block_m_128):
-    """128 query rows per step (dS^T in two 64-query chunks, dQ_i by two m64 products, every product
-    from fresh zeros): causal with tails over two query tiles and GQA 2:1 (four steps, so each
-    consumer's turns with "steps" come twice); headdim 40 (padded to 64). Not planned; "columns"
-    (60 s of the simulator) runs on the GPU grid only, to keep CI within its time."""
-    dkdv = configs.plan_backward(Static("float16", 40, True, 0, CAUSAL), False, "sm90")[1]
-    assert (dkdv.block_m, dkdv.dq_split) == (128, block_m_128)
-    run_sm90(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True)
-
-
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-@pytest.mark.parametrize("defer_dq", ["steps"], indirect=True)
-def test_backward_sm90_defer_dq_small(rng, xp, defer_dq):
-    """dQ_i added at the next step's start (the last one after the loop): causal with tails over
-    three query tiles and GQA 2:1 (six steps, so each consumer's turns with "steps" include the
-    last, added after the loop). Not planned; by columns (headdim 96, 65 s of the simulator) it runs
-    on the GPU grid only, to keep CI within its time."""
-    headdim = 64 if defer_dq == "steps" else 96
-    dkdv = configs.plan_backward(Static("float16", headdim, True, 0, CAUSAL), False, "sm90")[1]
-    assert dkdv.defer_dq and dkdv.dq_split == defer_dq
-    run_sm90(rng, xp, 1, 150, 100, 2, 1, headdim, "float16", True)
-
-
-def test_defer_dq_takes_one_chunk_per_consumer():
-    from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
-
-    for kwargs in (dict(headdim=128, dq_split="steps"), dict(headdim=64, dq_split="keys"),
-                   dict(headdim=128, dq_split="columns", dq_reduce="tma")):
-        with pytest.raises(ValueError, match="defer_dq=True takes"):
-            Sm90BackwardConfig(dtype="float16", variant=Variant(), defer_dq=True, **kwargs)
-    assert Sm90BackwardConfig(dtype="float16", headdim=40, variant=Variant(), dq_split="steps", defer_dq=True)
-    assert Sm90BackwardConfig(dtype="float16", headdim=64, variant=Variant(), dq_split="columns", defer_dq=True)
-
-
 def test_dq_by_columns_configs():
-    """"columns" halves headdim padded to 64 (32 columns each) or 128; the TMA reduce-add stages
-    64-column chunks, so with "columns" it takes 128; two consumers."""
+    """"columns" halves headdim padded to 64 (32 columns each) or 128; two consumers."""
     for headdim in (8, 40, 64, 72, 128):
         assert Sm90BackwardConfig(dtype="float16", headdim=headdim, variant=Variant(), dq_split="columns")
-    with pytest.raises(ValueError, match="dq_reduce='tma' takes a headdim padded to 128"):
-        Sm90BackwardConfig(dtype="float16", headdim=64, variant=Variant(), dq_split="columns", dq_reduce="tma")
     with pytest.raises(ValueError, match="takes two consumers"):
         Sm90BackwardConfig(dtype="float16", headdim=64, variant=Variant(), dq_split="columns", consumers=1)
 
 
 @pytest.mark.skipif(not _offline_toolchain(),
                     reason="needs ptxas and Numba's offline compilers (NVVM, NVRTC: numba-cuda[cu12] or [cu13])")
-def test_defer_dq_assembles_without_serialized_wgmma():
-    """ptxas on the defer_dq kernel (headdim 64, "steps"): no C75xx message (the dQ product under a
-    branch once made ptxas serialize every wgmma of the kernel), no spill; and on the 32-column
-    "columns" kernels at headdim 64, with and without defer_dq; offline, no GPU."""
+def test_columns_hd64_assembles_without_serialized_wgmma():
+    """ptxas on the 32-column "columns" kernel at headdim 64 (its dQ products' descriptors start
+    64 bytes into K's swizzled rows): no C75xx message, no spill; offline, no GPU."""
     import os
     import subprocess
     import sys
 
     root = os.path.join(os.path.dirname(__file__), "..")
-    names = ["backward_sm90_defer_dq_hd64", "backward_sm90_columns_hd64", "backward_sm90_columns_defer_dq_hd64"]
+    names = ["backward_sm90_columns_hd64"]
     run = subprocess.run([sys.executable, os.path.join(root, "scripts", "check_sm90_ptx.py"), "--backward", "--only",
                           *names], capture_output=True, text=True, cwd=root, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -383,41 +302,11 @@ def test_defer_dq_assembles_without_serialized_wgmma():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("defer_dq", ["steps", "columns"], indirect=True)
-@pytest.mark.parametrize("headdim", [40, 64])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_sm90_defer_dq_gpu(rng, xp, defer_dq, seqlens, causal, headdim):
-    run_sm90(rng, xp, 2, *seqlens, 4, 2, headdim, "float16", causal)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("sm90_backward_table", [(2, "columns", "tma"), (2, "steps", "tma")], indirect=True,
-                         ids=["columns-tma", "steps-tma"])
-@pytest.mark.parametrize("headdim", [64, 96, 128])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_sm90_dq_by_tma_gpu(rng, xp, sm90_backward_table, seqlens, causal, headdim):
-    if configs.SM90_BACKWARD[0][2] == "columns" and headdim == 64:
-        pytest.skip("the column split takes headdims padded to 128")
-    run_sm90(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("sm90_backward_table", [(2, "steps"), (3, "steps")], indirect=True, ids=["steps", "3stages-steps"])
 @pytest.mark.parametrize("headdim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_sm90_dq_by_steps_gpu(rng, xp, sm90_backward_table, seqlens, causal, headdim):
-    run_sm90(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("block_m_128", ["columns", "steps", "keys"], indirect=True)
-@pytest.mark.parametrize("headdim", [40, 64])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_sm90_block_m_128_gpu(rng, xp, block_m_128, seqlens, causal, headdim):
     run_sm90(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, heads_first=causal)
 
 
@@ -553,17 +442,6 @@ def test_rows_configs():
     # fewer items than blocks: as many blocks as the plain grid's (heavy groups: partial groups' too)
     assert persistent.grid(1, 2, 2, 300, 300) == (6, 1, 1)
     assert Sm90RowsBackwardConfig("float16", 64, persistent=132, heavy_groups=4).grid(1, 2, 2, 300, 300) == (12, 1, 1)
-
-
-def test_block_m_configs():
-    """block_m 64 or 128; 128 takes dq_reduce="red" and no defer_dq, and at headdim 128 exceeds
-    shared memory with two stages."""
-    for kwargs in (dict(block_m=96), dict(block_m=128, dq_split="columns", dq_reduce="tma"),
-                   dict(block_m=128, dq_split="steps", defer_dq=True), dict(block_m=128, headdim=128)):
-        with pytest.raises(ValueError, match="block_m|shared memory"):
-            Sm90BackwardConfig(**{"dtype": "float16", "headdim": 64, "variant": Variant(), **kwargs})
-    config = Sm90BackwardConfig(dtype="float16", headdim=64, variant=Variant(), block_m=128, dq_split="columns")
-    assert config.ds_bytes == 64 * 128 * 2 and config.q_bytes == 128 * 64 * 2
 
 
 def test_register_split_must_fit():

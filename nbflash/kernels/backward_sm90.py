@@ -47,8 +47,7 @@ Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``
 (nheads_k, batch, ceil(seqlen_k / block_n)), or with ``heavy_groups`` G (G ceil(seqlen_k / block_n),
 ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch, KV head) pairs, key tile by
 key tile; block = 128 * (consumers + 1) threads; block_n = 64 *
-consumers, block_m = 64 (or 128 with ``block_m=128``: two 64-query chunks of dS^T, dQ_i by two
-m64 products; an option to time, not planned).
+consumers, block_m = 64.
 
 Shared memory (dynamic, every tile 1024-byte aligned): K_j, V_j (block_n rows), the ring of Q_i and
 of dO_i tiles (block_m rows each), the consumers' dS^T tiles (two each, for even and odd steps: 64
@@ -76,8 +75,14 @@ dS^T; and dropout, whose factors (the forward's Philox stream, ``Hooks.dropout_b
 the P^T that dV takes and dP^T. With a score feature or dropout, dS^T is made with P^T once dP^T
 has landed. Headdims above 128 (dK and dV of 64 keys at headdim 256 would need all of a
 consumer's registers) go to backward_sm90_wide.py (every variant, through this file's ``make_*``
-device functions), and the deterministic mode (a fixed order instead of atomics) to the mma family
-(nbflash/kernels/backward_mma.py).
+device functions). The deterministic mode (a fixed order instead of atomics) runs this kernel with
+``dq_split="none"`` (dK and dV only) and then backward_dq_sm90.py's dQ kernel.
+
+Schedules measured on the H200 and taken out again for being slower (docs/perf-notes.md, "Hopper
+backward", steps 6, 9 and 11; the code is in commit 354c94b): dQ_i staged in shared memory and added
+by TMA reduce-adds (``dq_reduce="tma"``: within noise), dQ_i's atomics deferred under the next
+step's products (``defer_dq``: 3-9% slower) and 128 query rows per step (``block_m=128``: 12-13%
+slower).
 
 Packed sequences (``variant.varlen``): q, k, v, dout are stride-0 views over batch of the packed
 arrays (as in backward_mma.py), lse, delta, dk, dv and dq_accum the packed arrays as a batch of one
@@ -122,7 +127,6 @@ from nbflash.primitives_sm90 import (
     array_address,
     cached_tensor_maps,
     check_register_split,
-    copy_operands,
     elect_sync,
     fence_mbarrier_init,
     fence_operands,
@@ -144,9 +148,6 @@ from nbflash.primitives_sm90 import (
     smem_descriptor,
     tensor_map_4d_words,
     tma_load_4d,
-    tma_reduce_add_4d,
-    tma_store_commit,
-    tma_store_wait,
     wgmma_commit,
     wgmma_fence,
     wgmma_wait,
@@ -161,7 +162,6 @@ from .tiles import output_store
 LOG2E = math.log2(math.e)
 KEYS = 64  # keys per consumer warpgroup: the M of its wgmmas
 MAX_SHARED_BYTES = 232448  # dynamic shared memory a block may have on compute capability 9.0
-DQ_BOX_COLS = 32  # float32 columns of a dQ box for the TMA reduce-add: 128-byte rows
 MAX_HEADDIM = 128
 # The sm90 backward serves every variant. Each feature enters through the hooks: the window, the
 # element masks (mask tensor, mask_mod: then no tile is whole, Hooks.query_tiles, except the pairs a
@@ -183,6 +183,7 @@ class Sm90BackwardConfig:
     producer_registers: int = 40  # setmaxnreg caps with two consumers (the register file: 64K)
     consumer_registers: int = 232
     overlap: bool = True  # P^T's exponentials run while dP^T's product is in flight
+    block_m = 64  # query rows per step: the N of S^T = K Q^T (dS^T's rows are 128 bytes)
     # dQ_i's split between the consumers: "keys", each adds dS K_c for its own 64 keys and all of
     # headdim; "columns", each adds half of headdim's columns over all block_n keys (half the atomics,
     # a barrier across both consumers per step; two consumers, headdim padded to 64 or 128: halves of
@@ -192,11 +193,6 @@ class Sm90BackwardConfig:
     # deterministic backward's dK/dV pass (backward_dq_sm90.py makes dQ in a fixed order), without
     # dS^T's stores, their barrier, the dQ products and the atomics
     dq_split: str = "keys"
-    # How dQ_i reaches dq_accum: "red", each thread's float32 pairs by red.global.add.v2; "tma", the
-    # consumer's tile through shared memory by TMA reduce-adds (one thread issues, the async proxy
-    # adds: no reductions from the threads, so no memory fence waits on them). "tma" takes a split
-    # over all keys ("columns" or "steps").
-    dq_reduce: str = "red"
     # The grid's order: False, key tiles fastest (a head's tiles side by side); True, key tiles
     # slowest, so that with causal attention the tiles that see the most query tiles (the first)
     # start first and the last wave holds the shortest blocks (longest-first scheduling)
@@ -209,21 +205,9 @@ class Sm90BackwardConfig:
     # time = its steps) put the default's tail at +7% over the ideal at causal hd 128 4k and this
     # order's at +0.0% with groups of 4-8. Not with heavy_first
     heavy_groups: int = 0
-    # dQ_i's atomics deferred to the next step, issued right after its S^T and dP^T products: the
-    # tensor cores work while the consumer adds (without it they wait for the other consumer's
-    # products, if any); dQ_i's registers stay live across the step boundary, S^T's and dP^T's in
-    # flight under the adds (64 more live registers). Takes one 64-column chunk of dQ_i per consumer
-    # ("columns", or "steps" at headdims up to 64) and dq_reduce="red"
-    defer_dq: bool = False
-    # Query rows per step: the N of S^T = K Q^T. 64: dS^T's rows are 128 bytes; 128: half the steps
-    # (and their waits and barriers) per key tile, dS^T stored as two 64-query chunks, dQ_i made by
-    # two m64 products per column chunk; S^T and dP^T then take 64 registers each, so every product
-    # starts from fresh zeros rather than from the last step's registers (nothing but dK and dV live
-    # across the loop). 128 takes dq_reduce="red" and no defer_dq
-    block_m: int = 64
     # Floats a dQ reduction adds: 2 (red.add.v2, from the accumulator's column pairs as they are) or
     # 4 (red.add.v4: lane pairs trade a column pair first by two shuffles; half the reductions). An
-    # option to time (docs/perf-notes.md, "Hopper backward", step 24); dq_reduce="red" only
+    # option to time (docs/perf-notes.md, "Hopper backward", step 24)
     dq_vector: int = 2
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
@@ -235,35 +219,17 @@ class Sm90BackwardConfig:
             raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
         if self.headdim % 8 or not 8 <= self.headdim <= MAX_HEADDIM:
             raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..{MAX_HEADDIM}")
-        if self.variant.varlen and self.dq_reduce == "tma":
-            raise ValueError("packed sequences (varlen) add dq by red.add: dq_reduce='tma' has no map of their rows")
         if self.consumers not in (1, 2):
             raise ValueError(f"{self.consumers=} must be 1 or 2")
         if self.stages < 2:
             raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
         if self.dq_split not in ("keys", "columns", "steps", "none"):
             raise ValueError(f"{self.dq_split=} must be 'keys', 'columns', 'steps' or 'none'")
-        if self.dq_reduce not in ("red", "tma"):
-            raise ValueError(f"{self.dq_reduce=} must be 'red' or 'tma'")
-        if self.dq_vector not in (2, 4) or (self.dq_vector == 4 and self.dq_reduce != "red"):
-            raise ValueError(f"dq_vector={self.dq_vector} must be 2, or 4 with dq_reduce='red'")
-        if self.dq_split == "none" and (self.dq_reduce != "red" or self.defer_dq):
-            raise ValueError("dq_split='none' (no dQ) takes dq_reduce='red' and defer_dq=False")
-        if self.dq_reduce == "tma" and self.dq_split not in ("columns", "steps"):
-            raise ValueError(f"dq_reduce='tma' takes dq_split 'columns' or 'steps', not {self.dq_split!r}")
+        if self.dq_vector not in (2, 4):
+            raise ValueError(f"dq_vector={self.dq_vector} must be 2 or 4")
         if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
             raise ValueError(f"{self.dynamic_shared_bytes} bytes of shared memory exceed a block's "
-                             f"{MAX_SHARED_BYTES}: fewer stages, or dq_reduce='red'")
-        if self.defer_dq and (self.dq_reduce != "red" or self.dq_split not in ("columns", "steps")
-                              or (self.dq_split == "steps" and self.headdim_padded != CHUNK)):
-            raise ValueError("defer_dq=True takes dq_reduce='red' and a dQ_i of at most one 64-column chunk "
-                             "per consumer: dq_split='columns', or 'steps' at a headdim up to 64; not "
-                             f"{self.dq_split=}, {self.dq_reduce=}, {self.headdim=}")
-        if self.block_m not in (64, 128):
-            raise ValueError(f"{self.block_m=} must be 64 or 128")
-        if self.block_m == 128 and (self.dq_reduce != "red" or self.defer_dq):
-            raise ValueError(f"block_m=128 takes dq_reduce='red' and defer_dq=False, not {self.dq_reduce=}, "
-                             f"{self.defer_dq=}")
+                             f"{MAX_SHARED_BYTES}: fewer stages")
         if self.dq_split == "steps" and self.consumers != 2:
             raise ValueError(f"dq_split='steps' takes two consumers, not {self.consumers=}")
         if self.heavy_groups < 0 or (self.heavy_groups and self.heavy_first):
@@ -273,9 +239,6 @@ class Sm90BackwardConfig:
             check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
         if self.dq_split == "columns" and self.consumers != 2:
             raise ValueError(f"dq_split='columns' takes two consumers, not {self.consumers=}")
-        if self.dq_split == "columns" and self.dq_reduce == "tma" and self.headdim_padded != 2 * CHUNK:
-            raise ValueError("dq_split='columns' with dq_reduce='tma' takes a headdim padded to 128 (a 64-column "
-                             f"chunk per consumer, staged as two boxes), not {self.headdim_padded=}")
 
     @property
     def atomic_dq(self):
@@ -307,20 +270,9 @@ class Sm90BackwardConfig:
 
     @property
     def ds_bytes(self):
-        """Bytes of one consumer's dS^T tile (64 keys x block_m queries, 16 bit: block_m / 64 chunks of
-        64 rows of 128 bytes); none without dQ."""
+        """Bytes of one consumer's dS^T tile (64 keys x 64 queries, 16 bit: 64 rows of 128 bytes);
+        none without dQ."""
         return KEYS * self.block_m * 2 if self.atomic_dq else 0
-
-    @property
-    def dq_stage_bytes(self):
-        """Bytes of one consumer's dQ staging tiles for dq_reduce="tma": its dQ_i columns (one
-        64-column chunk with "columns", all of headdim with "steps") in float32, as boxes of 64 rows
-        x 32 columns (128-byte rows, the 128B swizzle); two of them with "columns" (a consumer adds
-        every step, so its last step's tile may still be read), one with "steps" (every other step)."""
-        if self.dq_reduce != "tma":
-            return 0
-        chunks = 1 if self.dq_split == "columns" else self.headdim_padded // CHUNK
-        return (2 if self.dq_split == "columns" else 1) * chunks * self.block_m * CHUNK * 4
 
     @property
     def stats_bytes(self):
@@ -332,7 +284,7 @@ class Sm90BackwardConfig:
     def dynamic_shared_bytes(self):
         """The tiles, the stats, 1 + 2 stages mbarriers, and 1024 bytes of slack to align the tiles."""
         return (1024 + 2 * self.kv_bytes + 2 * self.stages * self.q_bytes + 2 * self.consumers * self.ds_bytes
-                + self.consumers * self.dq_stage_bytes + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages))
+                + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages))
 
     @property
     def launch_bounds(self):
@@ -347,26 +299,21 @@ class Sm90BackwardConfig:
         return (nheads_k, batch, tiles) if self.heavy_first else (tiles, nheads_k, batch)
 
 
-def _words(config, q, k, v, dout, dq_accum=None):
-    words = [tensor_map_4d_words(x, (1, rows, 1, CHUNK), SWIZZLE_128B)
-             for x, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n), (dout, config.block_m))]
-    if dq_accum is not None:
-        words.append(tensor_map_4d_words(dq_accum, (1, config.block_m, 1, DQ_BOX_COLS), SWIZZLE_128B))
-    return np.stack(words)
+def _words(config, q, k, v, dout):
+    return np.stack([tensor_map_4d_words(x, (1, rows, 1, CHUNK), SWIZZLE_128B)
+                     for x, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n),
+                                     (dout, config.block_m))])
 
 
-def tensor_maps(config, q, k, v, dout, dq_accum=None):
+def tensor_maps(config, q, k, v, dout):
     """The kernel's ``maps``: the tensor maps of q, k, v, dout as a (4, 16) uint64 array on the
     backend, with the boxes the kernel loads (block_m rows of q and dout, block_n of k and v, 64
-    columns, swizzled as wgmma reads them), and with dq_reduce="tma" a fifth, of dq_accum (boxes
-    of block_m rows x 32 float32 columns), kept for the last few calls as the forward's. Any
-    backward config with block_m and block_n: this kernel's and the deterministic dQ kernel's."""
-    dq_accum = dq_accum if getattr(config, "dq_reduce", "red") == "tma" else None
+    columns, swizzled as wgmma reads them), kept for the last few calls as the forward's. Any
+    backward config with block_m and block_n: the Hopper dK/dV kernels' and the dQ kernel's."""
     if config.variant.varlen:  # stride-0 views over batch: the maps are the packed arrays' (a batch of one)
         q, k, v, dout = (x[:1] for x in (q, k, v, dout))
-    key = (type(config).__name__, config.block_m, config.block_n, dq_accum is not None)
-    arrays = (q, k, v, dout) if dq_accum is None else (q, k, v, dout, dq_accum)
-    return cached_tensor_maps(key, arrays, lambda *xs: _words(config, *xs))
+    key = (type(config).__name__, config.block_m, config.block_n)
+    return cached_tensor_maps(key, (q, k, v, dout), lambda *xs: _words(config, *xs))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -753,22 +700,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     # the second chunk at 128
     DQ_COLS = HDP // 2 if DQ_BY_COLUMNS else CHUNK
     HALF_OFFSET = (DQ_COLS // CHUNK) * KV_CHUNK_BYTES + (DQ_COLS % CHUNK) * 2
-    DQ_TMA = config.dq_reduce == "tma"  # dQ_i staged in shared memory, added by TMA
     HEAVY_FIRST = config.heavy_first
     HEAVY_GROUPS = config.heavy_groups
-    DEFER_DQ = config.defer_dq  # dQ_i added while step i+1's S^T and dP^T are in flight
-    DQ_STAGE_BYTES = config.dq_stage_bytes  # a consumer's staging tiles
-    DQ_BUFFERS = 2 if DQ_BY_COLUMNS else 1  # ... in how many buffers
-    DQ_PENDING = DQ_BUFFERS - 1  # reduce-add groups that may still read staging when one is rewritten
-    DQ_BOX_BYTES = BM * DQ_BOX_COLS * 4
-    Q_CHUNKS = BM // 64  # 64-query chunks of a dS^T tile, and m64 products (halves) of dQ_i
-    DS_CHUNK = KEYS * ROW_BYTES  # bytes of a consumer's chunk: 64 keys x 64 queries
-    # A parity's dS^T tiles: with a split over all keys, chunk by chunk, each holding every consumer's
-    # keys in order (dQ_i's k16 steps walk all block_n keys of one chunk); else each consumer's own
-    # tile, its chunks in a row. One chunk (block_m 64): the consumers' tiles side by side, either way.
-    DS_CHUNK_STRIDE = (CONSUMERS if DQ_ALL_KEYS else 1) * DS_CHUNK
-    PARITY_CHUNKS = CONSUMERS * Q_CHUNKS  # chunks of one parity's tiles
-    FRESH = BM > 64  # every product starts from zeros: no accumulator's registers live across the loop
+    # A parity's dS^T tiles (64 keys x 64 queries each): the consumers' side by side, so that with a
+    # split over all keys dQ_i's k16 steps walk all block_n keys of one tile pair in order
+    DS_TILE = KEYS * ROW_BYTES
     S_REGS, ACC_REGS, P_REGS = BM // 2, HDP // 2, BM // 4  # per thread: S^T, dK (dV), packed P^T
     DQ_REGS = DQ_COLS // 2  # a product's dQ columns
     NT = BM // 8  # 8-column groups of S^T (queries)
@@ -813,16 +749,12 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES)
 
     @inline_device
-    def issue_scores(s, dp, zeros, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use):
+    def issue_scores(s, dp, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use):
         """S^T = K_c Q_i^T and dP^T = V_c dO_i^T of the step whose tiles are in ring ``slot`` (its
-        ``use``-th fill), once they have landed: two commit groups; returns their accumulators (from
-        ``zeros`` with FRESH: the first k16 step ignores them, and s and dp are then dead between steps)."""
-        if FRESH:
-            acc_s = fence_operands(registers_from(zeros, S_REGS))
-            acc_dp = fence_operands(registers_from(zeros, S_REGS))
-        else:
-            acc_s = fence_operands(registers_from(s, S_REGS))
-            acc_dp = fence_operands(registers_from(dp, S_REGS))
+        ``use``-th fill), once they have landed: two commit groups; returns their accumulators (the
+        first k16 step ignores what s and dp hold)."""
+        acc_s = fence_operands(registers_from(s, S_REGS))
+        acc_dp = fence_operands(registers_from(dp, S_REGS))
         mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
         wgmma_fence()  # the accumulators' registers are ordered before wgmma uses them
         acc_s = issue_keys_by_queries(acc_s, desc_k, smem_descriptor(q_ring + uint32(slot * Q_BYTES), K_MAJOR[0],
@@ -867,53 +799,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     @unroll
     def store_ds_t(smem, ds_word, packed, warp, g, q4):
         """The thread's packed dS^T (rows 16 warp + g and + 8, query columns 8 c + 2 q4, + 1) into the
-        consumer's dS^T tile: 64-query chunks (c // 8) DS_CHUNK_STRIDE bytes apart, rows of 128 bytes,
-        16-byte unit c % 8 stored at (c % 8) ^ (row % 8) (the swizzle TMA writes and wgmma reads; row
-        % 8 = g). ``ds_word`` is the tile's smem index."""
+        consumer's dS^T tile: rows of 128 bytes, 16-byte unit c stored at c ^ (row % 8) (the swizzle
+        TMA writes and wgmma reads; row % 8 = g). ``ds_word`` is the tile's smem index."""
         for i in static_range(P_REGS):
             row = 16 * warp + g + 8 * (i % 2)
-            chunk, unit = (i // 2) // 8, (i // 2) % 8
-            smem[ds_word + chunk * (DS_CHUNK_STRIDE // 4) + row * (ROW_BYTES // 4) + ((unit ^ g) * 4) + q4] = packed[i]
-
-    @inline_device
-    def add_dq_rows(dq_accum, acc, acc_hi, b, row0, h, col0, seqlen_q, q4):
-        """add_dq of a product's rows; with block_m 128 also of the second product's, 64 rows on."""
-        add_dq(dq_accum, acc, b, row0, h, col0, seqlen_q, q4)
-        if Q_CHUNKS == 2:
-            add_dq(dq_accum, acc_hi, b, row0 + 64, h, col0, seqlen_q, q4)
-
-    @inline_device
-    def add_dq_of_step(dq_accum, acc, b, hk, group, first_tile, tiles_per_head, i, position, consumer, warp, g,
-                       q_row0, seqlen_q, q4):
-        """defer_dq: step i's dQ_i chunk (held in ``acc``; the step's pair at ``position``) into
-        dq_accum, if it was this consumer's to add (every step with "columns", its turns with "steps");
-        the tile's rows from dq_accum's row q_row0 on, those below seqlen_q."""
-        h = hk * group + position // tiles_per_head
-        row0 = q_row0 + (first_tile + position % tiles_per_head) * BM + 16 * warp + g
-        if DQ_BY_COLUMNS:  # the chunk a constant in each copy (a run-time one spilled 208 bytes)
-            if consumer == 0:
-                add_dq(dq_accum, acc, b, row0, h, 0, seqlen_q, q4)
-            else:
-                add_dq(dq_accum, acc, b, row0, h, DQ_COLS, seqlen_q, q4)
-        elif i % 2 == consumer:
-            add_dq(dq_accum, acc, b, row0, h, 0, seqlen_q, q4)
-
-    @inline_device
-    @unroll
-    def stage_dq(smem, stage_word, acc, warp, g, q4):
-        """The thread's share of a 64 x 64 dQ chunk (rows 16 warp + g and + 8, columns 8 c + 2 q4,
-        + 1) into two staging boxes of 32 float32 columns (``stage_word``: their smem index): rows of
-        128 bytes, 16-byte chunk j of row r stored at j ^ (r % 8) (the 128B swizzle, as TMA reads
-        it; r % 8 = g). Two 32-bit stores per pair: a warp's store of one c reaches 16 banks twice
-        (2-way conflicts); one 64-bit store per pair would fill all 32 banks twice without any."""
-        for c in static_range(CHUNK // 8):
-            box = stage_word + (c // 4) * (DQ_BOX_BYTES // 4)
-            chunk = 2 * (c % 4) + (q4 >> 1)
-            for rh in static_range(2):
-                row = 16 * warp + g + 8 * rh
-                word = box + row * (ROW_BYTES // 4) + ((chunk ^ g) * 4) + 2 * (q4 & 1)
-                smem[word] = f32_as_u32(acc[4 * c + 2 * rh])
-                smem[word + 1] = f32_as_u32(acc[4 * c + 2 * rh + 1])
+            smem[ds_word + row * (ROW_BYTES // 4) + (((i // 2) ^ g) * 4) + q4] = packed[i]
 
     # -----------------------------------------------------------------------------------------------
     # The kernel
@@ -952,8 +842,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         q_ring = v_tile + uint32(KV_BYTES)
         do_ring = q_ring + uint32(STAGES * Q_BYTES)
         ds_tiles = do_ring + uint32(STAGES * Q_BYTES)
-        dq_stage = ds_tiles + uint32(2 * CONSUMERS * DS_BYTES)  # dq_reduce="tma": the consumers' dQ tiles
-        stats_ring = dq_stage + uint32(CONSUMERS * DQ_STAGE_BYTES)
+        stats_ring = ds_tiles + uint32(2 * CONSUMERS * DS_BYTES)
         kv_full = stats_ring + uint32(STAGES * STATS_BYTES)
         qd_full = kv_full + uint32(8)  # + 8 * slot
         qd_empty = qd_full + uint32(8 * STAGES)
@@ -1004,9 +893,6 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             dk_acc = cuda.local.array(ACC_REGS, float32)
             dv_acc = cuda.local.array(ACC_REGS, float32)
             dq_acc = cuda.local.array(DQ_REGS, float32)
-            dq_hi = cuda.local.array(DQ_REGS if Q_CHUNKS == 2 else 1, float32)  # block_m 128: the second 64 rows
-            zeros = cuda.local.array(S_REGS if FRESH else 1, float32)  # FRESH: what every product starts from
-            dq_keep = cuda.local.array(DQ_REGS if DEFER_DQ else 1, float32)  # defer_dq: dQ_i until it is added
             p = cuda.local.array(P_REGS, uint32)
             ds = cuda.local.array(P_REGS, uint32)
             for r in static_range(S_REGS):
@@ -1017,20 +903,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 dv_acc[r] = float32(0)
             for r in static_range(DQ_REGS):
                 dq_acc[r] = float32(0)
-            if FRESH:
-                for r in static_range(S_REGS):
-                    zeros[r] = float32(0)
-
-            # dq_reduce="tma": dq_accum's map (the fifth), read by the consumer's thread 0, which issues
-            # its reduce-adds (recomputed where used: nothing more held across the loop)
-            if DQ_TMA and tid % GROUP == 0:
-                fence_proxy_tensormap_acquire(array_address(maps) + 512)  # the map was copied from the host
 
             if steps > 0:
                 mbarrier_wait(kv_full, 0)
             position = -1  # the step's (query head, query tile) pair, in order
             for i in range(steps):
-                previous = position
                 if VARLEN:  # the sequence's first query row and lengths, read again each step (L1 hits):
                     # held across the loop, they and what the masks make of them spilled
                     q_first, q_rows, _, k_rows = sequence(params, b, q.shape[1], k.shape[1])
@@ -1045,10 +922,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 do_slot = do_ring + uint32(slot * Q_BYTES)
 
                 # S^T = K_c Q_i^T and dP^T = V_c dO_i^T, two commit groups
-                acc_s, acc_dp = issue_scores(s, dp, zeros, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use)
-                if DEFER_DQ and i > 0:  # the last step's dQ (its turn's) added while they run
-                    add_dq_of_step(dq_accum, dq_keep, mem_b, hk, group, first_tile, tiles_per_head, i - 1, previous,
-                                   consumer, warp, g, q_row0, q_row0 + seqlen_q, q4)
+                acc_s, acc_dp = issue_scores(s, dp, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use)
                 wgmma_wait(PENDING)  # S^T has landed (with overlap, dP^T may still run)
                 registers_to(s, fence_operands(acc_s))
                 if FUSED:  # dP^T too: its derivative (and dropout's factors) used as it is made
@@ -1072,8 +946,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 # dS^T into the tile of this step's parity: the other may still be read by the last
                 # step's dQ in another warp; every warp is past that once the barrier below is passed
                 ds_tile = ds_pair + uint32((i % 2) * DS_BYTES)
-                if DQ_ALL_KEYS:  # a parity's chunks hold dS^T of all block_n keys, rows in order
-                    ds_tile = ds_tiles + uint32(((i % 2) * PARITY_CHUNKS + consumer) * DS_CHUNK)
+                if DQ_ALL_KEYS:  # a parity's tiles hold dS^T of all block_n keys, rows in order
+                    ds_tile = ds_tiles + uint32(((i % 2) * CONSUMERS + consumer) * DS_TILE)
                 if not NO_DQ:
                     store_ds_t(smem, (ds_tile - smem_start) // uint32(4), ds, warp, g, q4)
                     fence_proxy_async()  # the dS^T stores are ordered before wgmma reads them
@@ -1083,8 +957,6 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 ds_regs = fence_operands(registers_from(ds, P_REGS))
                 acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
                 acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
-                if DQ_TMA and tid % GROUP == 0:  # the staging buffer this step writes has been read by its last add
-                    tma_store_wait(DQ_PENDING)
                 if DQ_ALL_KEYS:
                     named_barrier_sync(1, CONSUMERS * GROUP)  # both consumers' dS^T is stored
                 elif not NO_DQ:
@@ -1093,8 +965,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
                 acc_dk = issue_keys_acc(acc_dk, ds_regs, smem_descriptor(q_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
 
-                # dQ_i += dS K_c, a 64-column chunk at a time (block_m 128: two products each, 64 queries
-                # apiece, from dS^T's two chunks)
+                # dQ_i += dS K_c, a 64-column chunk at a time
                 desc_ds = smem_descriptor(ds_tile, DS_BYTES, 1024, SWIZZLE_128B)  # dS: queries contiguous
                 if DQ_ALL_KEYS:  # from the parity's first tile: all block_n keys
                     desc_ds = smem_descriptor(ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES), DS_BYTES, 1024,
@@ -1111,60 +982,25 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     if DQ_BY_COLUMNS:  # the consumer's half of headdim, every key of the tile
                         desc_kc = smem_descriptor(k_tile + uint32(consumer * HALF_OFFSET), KV_CHUNK_BYTES, 1024,
                                                   SWIZZLE_128B)
-                    if FRESH:  # fresh zeros for both halves; the fence orders them before the products
-                        acc_q = fence_operands(registers_from(zeros, DQ_REGS))
-                        acc_q_hi = fence_operands(registers_from(zeros, DQ_REGS))
-                        wgmma_fence()
-                    else:
-                        acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
-                    if DEFER_DQ:  # a fence of its own under the turn's branch, else ptxas serializes (C7519)
-                        wgmma_fence()
+                    acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
                     acc_q = issue_dq(acc_q, desc_ds, desc_kc)
-                    if Q_CHUNKS == 2:
-                        acc_q_hi = issue_dq(acc_q_hi, desc_ds + uint64(DS_CHUNK_STRIDE >> 4), desc_kc)
                     wgmma_wait(0)
                     registers_to(dq_acc, fence_operands(acc_q))
-                    if Q_CHUNKS == 2:
-                        registers_to(dq_hi, fence_operands(acc_q_hi))
                     if chunk == 0:  # dV's and dK's products are done with Q_i and dO_i as well
                         registers_to(dv_acc, fence_operands(acc_dv))
                         registers_to(dk_acc, fence_operands(acc_dk))
                         mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
-                    if DQ_TMA:  # staged, for the reduce-adds below
-                        stage_dq(smem, (dq_stage - smem_start) // uint32(4) + uint32(
-                            ((consumer * DQ_BUFFERS + i % DQ_BUFFERS) * DQ_CHUNKS + chunk) * (2 * DQ_BOX_BYTES // 4)),
-                            dq_acc, warp, g, q4)
-                    elif DEFER_DQ:  # kept, out of the accumulator's registers, to add at the next step's start
-                        registers_to(dq_keep, copy_operands(registers_from(dq_acc, DQ_REGS)))
-                    elif DQ_BY_COLUMNS:  # the chunk a constant in each copy (a run-time one spilled 208 bytes)
+                    if DQ_BY_COLUMNS:  # the chunk a constant in each copy (a run-time one spilled 208 bytes)
                         if consumer == 0:
-                            add_dq_rows(dq_accum, dq_acc, dq_hi, mem_b, q_row0 + q_start + 16 * warp + g, h, 0,
-                                        q_row0 + seqlen_q, q4)
+                            add_dq(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h, 0, q_row0 + seqlen_q,
+                                   q4)
                         else:
-                            add_dq_rows(dq_accum, dq_acc, dq_hi, mem_b, q_row0 + q_start + 16 * warp + g, h, DQ_COLS,
-                                        q_row0 + seqlen_q, q4)
+                            add_dq(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h, DQ_COLS,
+                                   q_row0 + seqlen_q, q4)
                     else:
-                        add_dq_rows(dq_accum, dq_acc, dq_hi, mem_b, q_row0 + q_start + 16 * warp + g, h, chunk * CHUNK,
-                                        q_row0 + seqlen_q, q4)
-                if DQ_TMA:  # the warpgroup's dQ_i tile is staged: one thread adds it by TMA
-                    fence_proxy_async()  # the staging stores are ordered before the async proxy reads them
-                    named_barrier_sync(2 + consumer, GROUP)
-                    if tid % GROUP == 0:
-                        dq_map = array_address(maps) + 512
-                        buffer = dq_stage + uint32((consumer * DQ_BUFFERS + i % DQ_BUFFERS) * DQ_CHUNKS * 2 * DQ_BOX_BYTES)
-                        for chunk in static_range(DQ_CHUNKS):
-                            col0 = consumer * CHUNK if DQ_BY_COLUMNS else chunk * CHUNK
-                            for half in static_range(2):
-                                if col0 + half * DQ_BOX_COLS < HD:  # a box wholly past headdim adds nothing
-                                    tma_reduce_add_4d(dq_map, col0 + half * DQ_BOX_COLS, h, q_start, b,
-                                                      buffer + uint32((2 * chunk + half) * DQ_BOX_BYTES))
-                        tma_store_commit()
+                        add_dq(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h, chunk * CHUNK,
+                               q_row0 + seqlen_q, q4)
 
-            if DEFER_DQ and steps > 0:
-                add_dq_of_step(dq_accum, dq_keep, mem_b, hk, group, first_tile, tiles_per_head, steps - 1, position,
-                               consumer, warp, g, q_row0, q_row0 + seqlen_q, q4)
-            if DQ_TMA and tid % GROUP == 0:
-                tma_store_wait(0)  # the staging tiles are read before the block's shared memory goes
             # ---- Write dK = dS^T Q * scale and dV (keys no query sees get 0) ----
             if VARLEN:  # the key rows again: not held across the loop
                 _, _, k_first, k_rows = sequence(params, b, q.shape[1], k.shape[1])

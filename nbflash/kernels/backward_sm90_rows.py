@@ -151,7 +151,6 @@ class Sm90RowsBackwardConfig:
     consumers = 2
     block_m = BLOCK_M
     block_n = BLOCK_N
-    dq_reduce = "red"  # what the tensor maps read (backward_sm90.tensor_maps): no dq_accum map
     arch_suffix = "a"  # wgmma, TMA and setmaxnreg assemble for sm_90a only
 
     def __post_init__(self):
