@@ -78,7 +78,6 @@ from nbflash.primitives import (
 from nbflash.primitives_sm90 import (
     SWIZZLE_128B,
     array_address,
-    check_register_split,
     elect_sync,
     fence_mbarrier_init,
     fence_operands,
@@ -104,17 +103,16 @@ from nbflash.primitives_sm90 import (
 from nbflash.problem import Variant
 
 from . import variants
-from .backward_sm90 import make_pack_a, make_store_rows
+from .backward_sm90 import Sm90BackwardBlock, make_pack_a, make_store_rows
 from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
 
 LOG2E = math.log2(math.e)
 MAX_HEADDIM = 128  # S, dP and dQ of 64 rows live in a consumer's registers together
-MAX_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory a block of compute capability 9.0 may take
 SERVED_VARIANTS = (Variant(), Variant(window=True))  # the plain kernel and the window (causal included)
 
 
 @dataclass(frozen=True)
-class Sm90DqConfig:
+class Sm90DqConfig(Sm90BackwardBlock):
     """One compiled variant of the Hopper deterministic dQ kernel (the backward's preprocess is the
     portable family's; dK/dV come from a kernel without atomics)."""
 
@@ -130,23 +128,14 @@ class Sm90DqConfig:
     atomic_dq = False  # dQ is written once per query tile: a fixed order, no atomics
 
     def __post_init__(self):
-        if self.dtype not in ("float16", "bfloat16"):
-            raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
-        if self.headdim % 8 or not 8 <= self.headdim <= MAX_HEADDIM:
-            raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..{MAX_HEADDIM}")
+        self.check_dtype_headdim(8, MAX_HEADDIM)
         if self.variant not in SERVED_VARIANTS:
             raise ValueError(f"{self.variant=}: the sm90 dQ kernel serves the plain kernel and the window only")
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise ValueError(f"{self.block_n=} must be a multiple of 16 in 16..256 (a TMA box and a wgmma n)")
         if self.consumers not in (1, 2):
             raise ValueError(f"{self.consumers=} must be 1 or 2")
-        if self.stages < 2:
-            raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
-        if self.consumers == 2:  # setmaxnreg splits the registers (one consumer keeps the entry cap)
-            check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
-        if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
-            raise ValueError(f"{self.dynamic_shared_bytes=} exceeds {MAX_SHARED_BYTES} (fewer stages or a smaller "
-                             f"block_n)")
+        self.check_block()
 
     @property
     def block_m(self):
@@ -156,10 +145,6 @@ class Sm90DqConfig:
     def headdim_padded(self):
         """headdim rounded up to whole 64-column chunks (TMA fills the rest with zeros)."""
         return -(-self.headdim // CHUNK) * CHUNK
-
-    @property
-    def threads(self):
-        return GROUP * (self.consumers + 1)
 
     @property
     def q_bytes(self):
@@ -175,13 +160,6 @@ class Sm90DqConfig:
     def dynamic_shared_bytes(self):
         """The tiles, the 1 + 3 stages mbarriers, and 1024 bytes of slack to align the tiles."""
         return 1024 + 2 * self.q_bytes + 2 * self.stages * self.kv_bytes + 8 * (1 + 3 * self.stages)
-
-    @property
-    def launch_bounds(self):
-        """(threads, blocks per SM): the register cap at entry that setmaxnreg needs."""
-        return (self.threads, 1)
-
-    arch_suffix = "a"  # wgmma, TMA and setmaxnreg assemble for sm_90a only
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
         return (-(-seqlen_q // self.block_m), nheads, batch)

@@ -170,8 +170,43 @@ MAX_HEADDIM = 128
 # backward), dropout, and packed sequences (the layout: ``Hooks.sequence``, TMA's rows offset).
 
 
+class Sm90BackwardBlock:
+    """What the Hopper backward's configs share (this file's dK/dV kernel, the rows split's, the wide
+    kernel's and the dQ kernel's): a producer warpgroup and ``consumers`` consumer warpgroups of
+    sm_90a code, and the checks of the fields they all have."""
+
+    arch_suffix = "a"  # wgmma, TMA and setmaxnreg assemble for sm_90a only
+
+    @property
+    def threads(self):
+        return GROUP * (self.consumers + 1)
+
+    @property
+    def launch_bounds(self):
+        return (self.threads, 1)
+
+    def check_dtype_headdim(self, low, high):
+        if self.dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
+        if self.headdim % 8 or not low <= self.headdim <= high:
+            raise ValueError(f"{self.headdim=} must be a multiple of 8 in {low}..{high}")
+
+    def check_block(self):
+        """The ring, the launch order, the register split and shared memory (once the fields the
+        sizes depend on are checked)."""
+        if self.stages < 2:
+            raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
+        if getattr(self, "heavy_groups", 0) < 0:
+            raise ValueError(f"heavy_groups={self.heavy_groups} must be 0 (off) or a group size")
+        if self.consumers == 2:  # setmaxnreg splits the registers (one consumer keeps the entry cap)
+            check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
+        if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
+            raise ValueError(f"{self.dynamic_shared_bytes} bytes of shared memory exceed a block's "
+                             f"{MAX_SHARED_BYTES}: fewer stages")
+
+
 @dataclass(frozen=True)
-class Sm90BackwardConfig:
+class Sm90BackwardConfig(Sm90BackwardBlock):
     """One compiled variant of the Hopper dK/dV kernel (the backward's preprocess and dq conversion
     are the portable family's)."""
 
@@ -215,30 +250,18 @@ class Sm90BackwardConfig:
     varlen_batch_of_one = True
 
     def __post_init__(self):
-        if self.dtype not in ("float16", "bfloat16"):
-            raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
-        if self.headdim % 8 or not 8 <= self.headdim <= MAX_HEADDIM:
-            raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..{MAX_HEADDIM}")
+        self.check_dtype_headdim(8, MAX_HEADDIM)
         if self.consumers not in (1, 2):
             raise ValueError(f"{self.consumers=} must be 1 or 2")
-        if self.stages < 2:
-            raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
         if self.dq_split not in ("keys", "columns", "steps", "none"):
             raise ValueError(f"{self.dq_split=} must be 'keys', 'columns', 'steps' or 'none'")
+        if self.dq_split in ("columns", "steps") and self.consumers != 2:
+            raise ValueError(f"dq_split={self.dq_split!r} takes two consumers, not {self.consumers=}")
         if self.dq_vector not in (2, 4):
             raise ValueError(f"dq_vector={self.dq_vector} must be 2 or 4")
-        if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
-            raise ValueError(f"{self.dynamic_shared_bytes} bytes of shared memory exceed a block's "
-                             f"{MAX_SHARED_BYTES}: fewer stages")
-        if self.dq_split == "steps" and self.consumers != 2:
-            raise ValueError(f"dq_split='steps' takes two consumers, not {self.consumers=}")
-        if self.heavy_groups < 0 or (self.heavy_groups and self.heavy_first):
-            raise ValueError(f"heavy_groups={self.heavy_groups} must be 0 (off) or a group size, and not with "
-                             "heavy_first")
-        if self.consumers == 2:  # setmaxnreg splits the registers (one consumer keeps the entry cap)
-            check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
-        if self.dq_split == "columns" and self.consumers != 2:
-            raise ValueError(f"dq_split='columns' takes two consumers, not {self.consumers=}")
+        if self.heavy_groups and self.heavy_first:
+            raise ValueError(f"heavy_groups={self.heavy_groups} is not taken with heavy_first")
+        self.check_block()
 
     @property
     def atomic_dq(self):
@@ -254,10 +277,6 @@ class Sm90BackwardConfig:
     def headdim_padded(self):
         """headdim rounded up to whole 64-column chunks (TMA fills the rest with zeros)."""
         return -(-self.headdim // CHUNK) * CHUNK
-
-    @property
-    def threads(self):
-        return GROUP * (self.consumers + 1)
 
     @property
     def q_bytes(self):
@@ -285,12 +304,6 @@ class Sm90BackwardConfig:
         """The tiles, the stats, 1 + 2 stages mbarriers, and 1024 bytes of slack to align the tiles."""
         return (1024 + 2 * self.kv_bytes + 2 * self.stages * self.q_bytes + 2 * self.consumers * self.ds_bytes
                 + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages))
-
-    @property
-    def launch_bounds(self):
-        return (self.threads, 1)
-
-    arch_suffix = "a"  # wgmma, TMA and setmaxnreg assemble for sm_90a only
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
         tiles = -(-seqlen_k // self.block_n)

@@ -75,7 +75,6 @@ from nbflash.primitives import (
 from nbflash.primitives_sm90 import (
     SWIZZLE_128B,
     array_address,
-    check_register_split,
     elect_sync,
     fence_mbarrier_init,
     fence_operands,
@@ -105,7 +104,7 @@ from nbflash.problem import Variant
 
 from . import variants
 from .backward_sm90 import (
-    MAX_SHARED_BYTES,
+    Sm90BackwardBlock,
     make_add_dq,
     make_init_ring,
     make_pack_a,
@@ -129,7 +128,7 @@ def served(variant):
 
 
 @dataclass(frozen=True)
-class Sm90RowsBackwardConfig:
+class Sm90RowsBackwardConfig(Sm90BackwardBlock):
     """One compiled variant of the Hopper dK/dV kernel with the query rows split between the two
     consumers (the backward's preprocess and dq conversion are the portable family's)."""
 
@@ -151,36 +150,21 @@ class Sm90RowsBackwardConfig:
     consumers = 2
     block_m = BLOCK_M
     block_n = BLOCK_N
-    arch_suffix = "a"  # wgmma, TMA and setmaxnreg assemble for sm_90a only
 
     def __post_init__(self):
-        if self.dtype not in ("float16", "bfloat16"):
-            raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
-        if self.headdim % 8 or not 8 <= self.headdim <= MAX_HEADDIM:
-            raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..{MAX_HEADDIM}")
+        self.check_dtype_headdim(8, MAX_HEADDIM)
         if not served(self.variant):
             raise ValueError(f"{self.variant=}: the rows-split sm90 backward serves plain attention and the window "
                              "(causal) only; backward_sm90.py serves the other features")
-        if self.stages < 2:
-            raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
-        if self.heavy_groups < 0:
-            raise ValueError(f"heavy_groups={self.heavy_groups} must be 0 (off) or a group size")
         if self.persistent < 0:
             raise ValueError(f"persistent={self.persistent} must be 0 (off) or a block count")
         if self.dq_vector not in (2, 4):
             raise ValueError(f"dq_vector={self.dq_vector} must be 2 or 4")
-        check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
-        if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
-            raise ValueError(f"{self.dynamic_shared_bytes} bytes of shared memory exceed a block's "
-                             f"{MAX_SHARED_BYTES}: fewer stages")
+        self.check_block()
 
     @property
     def headdim_padded(self):
         return CHUNK
-
-    @property
-    def threads(self):
-        return GROUP * (self.consumers + 1)
 
     @property
     def q_bytes(self):
@@ -208,10 +192,6 @@ class Sm90RowsBackwardConfig:
         kv_buffers = 2 if self.persistent else 1
         return (1024 + 2 * kv_buffers * self.kv_bytes + 2 * self.stages * self.q_bytes + 2 * self.p_bytes
                 + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages) + (24 if self.persistent else 0))
-
-    @property
-    def launch_bounds(self):
-        return (self.threads, 1)
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
         tiles = -(-seqlen_k // BLOCK_N)

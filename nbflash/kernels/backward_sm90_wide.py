@@ -65,7 +65,6 @@ from nbflash.primitives import (
 )
 from nbflash.primitives_sm90 import (
     SWIZZLE_128B,
-    check_register_split,
     fence_operands,
     fence_proxy_async,
     launch_bounded,
@@ -87,7 +86,7 @@ from nbflash.problem import Variant
 
 from . import variants
 from .backward_sm90 import (
-    MAX_SHARED_BYTES,
+    Sm90BackwardBlock,
     make_add_dq,
     make_block_rows,
     make_consumer_step,
@@ -109,7 +108,7 @@ HALF = HEADDIM_PADDED // 2  # a consumer's columns
 
 
 @dataclass(frozen=True)
-class Sm90WideBackwardConfig:
+class Sm90WideBackwardConfig(Sm90BackwardBlock):
     """One compiled variant of the Hopper dK/dV kernel for headdims 136..256, the consumers splitting
     headdim (the backward's preprocess and dq conversion are the portable family's)."""
 
@@ -126,29 +125,14 @@ class Sm90WideBackwardConfig:
     consumers = 2
     block_m = BLOCK_M
     block_n = BLOCK_N
-    arch_suffix = "a"  # wgmma, TMA and setmaxnreg assemble for sm_90a only
 
     def __post_init__(self):
-        if self.dtype not in ("float16", "bfloat16"):
-            raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
-        if self.headdim % 8 or not MIN_HEADDIM <= self.headdim <= MAX_HEADDIM:
-            raise ValueError(f"{self.headdim=} must be a multiple of 8 in {MIN_HEADDIM}..{MAX_HEADDIM}")
-        if self.stages < 2:
-            raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
-        if self.heavy_groups < 0:
-            raise ValueError(f"heavy_groups={self.heavy_groups} must be 0 (off) or a group size")
-        check_register_split(self.threads, self.producer_registers, self.consumer_registers, self.consumers)
-        if self.dynamic_shared_bytes > MAX_SHARED_BYTES:
-            raise ValueError(f"{self.dynamic_shared_bytes} bytes of shared memory exceed a block's "
-                             f"{MAX_SHARED_BYTES}: fewer stages")
+        self.check_dtype_headdim(MIN_HEADDIM, MAX_HEADDIM)
+        self.check_block()
 
     @property
     def headdim_padded(self):
         return HEADDIM_PADDED
-
-    @property
-    def threads(self):
-        return GROUP * (self.consumers + 1)
 
     @property
     def q_bytes(self):
@@ -181,10 +165,6 @@ class Sm90WideBackwardConfig:
         align the tiles."""
         return (1024 + 2 * self.kv_bytes + 2 * self.stages * self.q_bytes + 2 * self.pt_bytes + self.handover_bytes
                 + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages))
-
-    @property
-    def launch_bounds(self):
-        return (self.threads, 1)
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
         tiles = -(-seqlen_k // BLOCK_N)
