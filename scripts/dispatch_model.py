@@ -7,7 +7,7 @@ block takes time proportional to its steps, SMs take the next block greedily, an
 compared with the ideal (all steps spread evenly). Orders:
 
 - default: a pair's key tiles side by side (tile 0, the heaviest, first), pair after pair;
-- heavy-first: key tile 0 of every pair, then tile 1, ... (``heavy_first``);
+- heavy-first: key tile 0 of every pair, then tile 1, ... (the kernel's former ``heavy_first``);
 - groups of G: heavy-first inside each group of G pairs, group after group (``heavy_groups``).
 
     python scripts/dispatch_model.py [--sms 132] [--block-m 64] [--block-n 128]

@@ -13,8 +13,6 @@ Backward, each column a schedule:
 - "columns" / "3st-columns": dQ split by columns between the consumers (half the atomics, a barrier
   across both per step; halves of 64 columns at headdim 128, of 32 at 64), 2 and 3 stages;
 - "steps" / "3st-steps": the consumers take turns by step for dQ (half the atomics, any headdim);
-- "heavy-first": the planner's choice with the grid's key tiles slowest and no grouping (with causal
-  attention the blocks that see the most query tiles start first);
 - "heavy-groups4", "heavy-groups8": the planner's choice, longest-first within groups of 4 or 8
   (batch, KV head) pairs (heavy_groups; the planner's is 4);
 - (dQ by TMA reduce-adds, dQ_i's atomics deferred to the next step and 128 query rows per step were
@@ -175,7 +173,6 @@ def backward_schedules(headdim, causal):
     found["3st-steps"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps"})
     # dQ by 16-byte reductions (lane pairs trade a column pair first): the planned kernel with them
     found["planned-dq4"] = planned.__class__(**{**planned.__dict__, "dq_vector": 4})
-    found["heavy-first"] = table.__class__(**{**table.__dict__, "heavy_first": True, "heavy_groups": 0})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
         found[f"heavy-groups{groups}"] = table.__class__(**{**table.__dict__, "heavy_groups": groups})
     if base.headdim_padded == 64:

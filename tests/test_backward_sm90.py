@@ -209,32 +209,6 @@ def test_backward_sm90_dq_by_quads_gpu(rng, xp, dq_by_quads, seqlens, headdim, c
 
 
 @pytest.fixture
-def heavy_first(monkeypatch):
-    """Plan the sm90 backward with the grid's key tiles slowest (heavy_first)."""
-    planned = configs.sm90_backward_table_config
-    monkeypatch.setattr(configs, "sm90_backward_config",
-                        lambda *args: dataclasses.replace(planned(*args), heavy_first=True, heavy_groups=0))
-    backward._kernels.cache_clear()
-    yield
-    backward._kernels.cache_clear()
-
-
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the case below at size")
-def test_backward_sm90_heavy_first_small(rng, xp, heavy_first):
-    """Key tiles as the grid's slowest index (blockIdx.z): causal over two key tiles and a tail,
-    GQA (the heads in blockIdx.x); one query tile."""
-    dkdv = configs.plan_backward(Static("float16", 64, True, 0, CAUSAL), False, "sm90")[1]
-    assert dkdv.heavy_first and dkdv.grid(2, 4, 2, 70, 200) == (2, 2, 2)
-    run_sm90(rng, xp, 1, 24, 200, 2, 1, 64, "float16", True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True])
-def test_backward_sm90_heavy_first_gpu(rng, xp, heavy_first, causal):
-    run_sm90(rng, xp, 2, 1023, 2048, 6, 2, 128, "float16", causal)
-
-
-@pytest.fixture
 def heavy_groups(request, monkeypatch):
     """Plan the sm90 backward longest-first within groups of (batch, KV head) pairs, as many as
     the parameter says."""
@@ -267,8 +241,6 @@ def test_backward_sm90_heavy_groups_gpu(rng, xp, heavy_groups, causal, batch):
 
 
 def test_heavy_groups_config():
-    with pytest.raises(ValueError, match="heavy_groups"):
-        Sm90BackwardConfig(dtype="float16", headdim=64, heavy_groups=4, heavy_first=True)
     with pytest.raises(ValueError, match="heavy_groups"):
         Sm90BackwardConfig(dtype="float16", headdim=64, heavy_groups=-1)
     config = Sm90BackwardConfig(dtype="float16", headdim=64, heavy_groups=4)

@@ -43,8 +43,7 @@ consumers take turns by step parity, the one whose turn it is adding the whole d
 keys: half the atomics too. The plan uses "columns" at headdim 128 and "steps" at 64
 (configs.SM90_BACKWARD: 21-32% and 6-11% faster than "keys" on the H200).
 
-Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_first``
-(nheads_k, batch, ceil(seqlen_k / block_n)), or with ``heavy_groups`` G (G ceil(seqlen_k / block_n),
+Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G (G ceil(seqlen_k / block_n),
 ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch, KV head) pairs, key tile by
 key tile; block = 128 * (consumers + 1) threads; block_n = 64 *
 consumers, block_m = 64.
@@ -228,17 +227,15 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # deterministic backward's dK/dV pass (backward_dq_sm90.py makes dQ in a fixed order), without
     # dS^T's stores, their barrier, the dQ products and the atomics
     dq_split: str = "keys"
-    # The grid's order: False, key tiles fastest (a head's tiles side by side); True, key tiles
-    # slowest, so that with causal attention the tiles that see the most query tiles (the first)
-    # start first and the last wave holds the shortest blocks (longest-first scheduling)
-    heavy_first: bool = False
-    # Longest-first within groups of this many (batch, KV head) pairs (0: off): the grid walks the
-    # groups one after another and, inside a group, key tile 0 of every pair, then tile 1, ...; so
-    # the blocks running together read a few heads' Q and dO (as without it: locality), and the
-    # last wave holds the shortest blocks (as with heavy_first), where the default order leaves the
+    # Longest-first within groups of this many (batch, KV head) pairs (0: off, a head's key tiles
+    # side by side): the grid walks the groups one after another and, inside a group, key tile 0 of
+    # every pair, then tile 1, ...; so the blocks running together read a few heads' Q and dO
+    # (locality), and the last wave holds the shortest blocks, where the default order leaves the
     # last head's heaviest tile to start near the end. A dispatch model (greedy, 132 SMs, block
     # time = its steps) put the default's tail at +7% over the ideal at causal hd 128 4k and this
-    # order's at +0.0% with groups of 4-8. Not with heavy_first
+    # order's at +0.0% with groups of 4-8. (All pairs in one group, key tiles slowest, was measured
+    # too, as ``heavy_first``: -8% to +3%, its blocks reading many heads at once; docs/perf-notes.md
+    # step 7, the code in commit 354c94b.)
     heavy_groups: int = 0
     # Floats a dQ reduction adds: 2 (red.add.v2, from the accumulator's column pairs as they are) or
     # 4 (red.add.v4: lane pairs trade a column pair first by two shuffles; half the reductions). An
@@ -259,8 +256,6 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
             raise ValueError(f"dq_split={self.dq_split!r} takes two consumers, not {self.consumers=}")
         if self.dq_vector not in (2, 4):
             raise ValueError(f"dq_vector={self.dq_vector} must be 2 or 4")
-        if self.heavy_groups and self.heavy_first:
-            raise ValueError(f"heavy_groups={self.heavy_groups} is not taken with heavy_first")
         self.check_block()
 
     @property
@@ -309,7 +304,7 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         tiles = -(-seqlen_k // self.block_n)
         if self.heavy_groups:
             return grouped_grid(tiles, batch * nheads_k, self.heavy_groups)
-        return (nheads_k, batch, tiles) if self.heavy_first else (tiles, nheads_k, batch)
+        return (tiles, nheads_k, batch)
 
 
 def _words(config, q, k, v, dout):
@@ -713,7 +708,6 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     # the second chunk at 128
     DQ_COLS = HDP // 2 if DQ_BY_COLUMNS else CHUNK
     HALF_OFFSET = (DQ_COLS // CHUNK) * KV_CHUNK_BYTES + (DQ_COLS % CHUNK) * 2
-    HEAVY_FIRST = config.heavy_first
     HEAVY_GROUPS = config.heavy_groups
     # A parity's dS^T tiles (64 keys x 64 queries each): the consumers' side by side, so that with a
     # split over all keys dQ_i's k16 steps walk all block_n keys of one tile pair in order
@@ -830,8 +824,6 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             if pair >= q.shape[0] * k.shape[2]:
                 return  # the last group's missing pairs: the whole block, before any barrier
             b, hk = pair // k.shape[2], pair % k.shape[2]
-        elif HEAVY_FIRST:
-            hk, b, n_block = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         else:
             n_block, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         # Where the block's rows are: the batch index of the arrays it writes (and of TMA's maps),
