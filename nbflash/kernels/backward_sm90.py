@@ -43,9 +43,9 @@ consumers take turns by step parity, the one whose turn it is adding the whole d
 keys: half the atomics too. The plan uses "columns" at headdim 128 and "steps" at 64
 (configs.SM90_BACKWARD: 21-32% and 6-11% faster than "keys" on the H200).
 
-Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G (G ceil(seqlen_k / block_n),
-ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch, KV head) pairs, key tile by
-key tile; block = 128 * (consumers + 1) threads; block_n = 64 *
+Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G
+(G ceil(seqlen_k / block_n), ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch,
+KV head) pairs, key tile by key tile; block = 128 * (consumers + 1) threads; block_n = 64 *
 consumers, block_m = 64.
 
 Shared memory (dynamic, every tile 1024-byte aligned): K_j, V_j (block_n rows), the ring of Q_i and
@@ -78,10 +78,10 @@ device functions). The deterministic mode (a fixed order instead of atomics) run
 ``dq_split="none"`` (dK and dV only) and then backward_dq_sm90.py's dQ kernel.
 
 Schedules measured on the H200 and taken out again for being slower (docs/perf-notes.md, "Hopper
-backward", steps 6, 9 and 11; the code is in commit 354c94b): dQ_i staged in shared memory and added
-by TMA reduce-adds (``dq_reduce="tma"``: within noise), dQ_i's atomics deferred under the next
-step's products (``defer_dq``: 3-9% slower) and 128 query rows per step (``block_m=128``: 12-13%
-slower).
+backward", steps 6, 7, 9 and 11; the code is in commit 354c94b): dQ_i staged in shared memory and
+added by TMA reduce-adds (``dq_reduce="tma"``: within noise), the key tiles as the grid's slowest
+index (``heavy_first``: -8% to +3%), dQ_i's atomics deferred under the next step's products
+(``defer_dq``: 3-9% slower) and 128 query rows per step (``block_m=128``: 12-13% slower).
 
 Packed sequences (``variant.varlen``): q, k, v, dout are stride-0 views over batch of the packed
 arrays (as in backward_mma.py), lse, delta, dk, dv and dq_accum the packed arrays as a batch of one
