@@ -122,6 +122,11 @@ def backward_kernels():
     for headdim, *_ in configs.SM90_BACKWARD:
         found.append((f"backward_sm90_causal_dropout_hd{headdim}",
                       configs.sm90_backward_table_config("float16", headdim, Variant(window=True, dropout=True))))
+    # ... and with its keep bits made by the producer's warps 2 and 3 (dropout_bits="producer")
+    for headdim, *_ in configs.SM90_BACKWARD:
+        found.append((f"backward_sm90_staged_dropout_hd{headdim}", dataclasses.replace(
+            configs.sm90_backward_table_config("float16", headdim, Variant(window=True, dropout=True)),
+            dropout_bits="producer")))
     # packed sequences (served when "sm90" is forced): every array narrowed to the block's sequence,
     # TMA's rows offset by its first; beside the causal kernel of the same headdim
     for headdim, *_ in configs.SM90_BACKWARD:

@@ -36,6 +36,10 @@
 #   scripts/gpu_check.sh dq4     dQ by 16-byte reductions (dq_vector=4, not yet run on a GPU): its
 #                                test grid, then the planned backward with it against without it
 #                                and SDPA, headdims 64 and 128, about 5 minutes
+#   scripts/gpu_check.sh dropout dropout's keep bits made by the producer's idle warps (not yet run on a
+#                                GPU): its test grid (bit-identical to the consumer lanes' bits), then
+#                                the planned dropout backward against it, headdims 64 and 128, about
+#                                5 minutes
 #   scripts/gpu_check.sh stalls  where the planned hd 128 dK/dV kernel's warps wait, instruction by
 #                                instruction (ncu's source counters; scripts/stall_report.py), plain
 #                                and causal at 4k, about 3 minutes; needs ncu with hardware counters
@@ -197,6 +201,17 @@ dq4)
         > "$out/dq4.log" 2>&1
     echo "planned backward with dq_vector=4 (exit $?):"; tail -16 "$out/dq4.log"
     ;;
+dropout)
+    # docs/perf-notes.md, "Hopper backward", step 26: dropout's keep bits from the producer's warps
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 150 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+        -W ignore tests/test_backward_sm90.py -k staged_dropout > "$out/dropout_tests.log" 2>&1
+    echo "tests: exit $?: $(tail -1 "$out/dropout_tests.log")"
+    grep -aE "\] (FAILED|ERROR)" "$out/dropout_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
+    timeout 300 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --dropout 0.1 \
+        --only dropout-producer > "$out/dropout.log" 2>&1
+    echo "dropout backward, keep bits by the consumers (planned) and by the producer (exit $?):"
+    tail -16 "$out/dropout.log"
+    ;;
 stalls)
     # docs/perf-notes.md, "Where issue 13 stands": the stall reasons of the hd 128 kernel's step
     for causal in "" "--causal"; do
@@ -221,7 +236,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dq4|stalls|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dq4|dropout|stalls|wide" >&2
     exit 2
     ;;
 esac

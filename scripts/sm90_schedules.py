@@ -3,6 +3,7 @@
 
     python scripts/sm90_schedules.py
     python scripts/sm90_schedules.py --backward [--headdims D ...] [--only NAME ...] [--anchors] [--isolate S]
+                                     [--dropout P]
     python scripts/sm90_schedules.py --parts [--headdims D ...] [--rowwise-scalar]
 
 Backward, each column a schedule:
@@ -23,6 +24,9 @@ Backward, each column a schedule:
   on 2026-12-04 as "rows-pipe" is in git history, commit 1aba50e; docs/perf-notes.md step 15);
   "rows-persistent": a persistent grid of one block per multiprocessor over the planned launch
   order (step 18);
+- with --dropout P, every schedule with dropout of probability P (the rows split, which does not serve
+  dropout, left out) and "dropout-producer": the planned kernel with dropout's keep bits made by the
+  producer warpgroup's warps 2 and 3 ahead of each step (dropout_bits="producer", step 26);
 - "planned": the planner's choice (configs.sm90_backward_config: the rows split at headdim 64,
   configs.SM90_BACKWARD's row of backward_sm90.py otherwise); "planned-dq4": the same with dQ added
   by 16-byte reductions (dq_vector=4: lane pairs trade a column pair first, half the reductions).
@@ -68,6 +72,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 ONLY = None  # --only: the backward schedules to time (None: all)
 ANCHORS = False  # --anchors: SDPA's backward next to the schedules
 ISOLATE = None  # --isolate: seconds for each (shape, schedule) in a child process (None: one process)
+DROPOUT = 0.0  # --dropout: the backward's schedules with this dropout probability (0: none)
 SHAPES = [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True), (64, 4096, False),
           (64, 16384, False), (64, 4096, True), (64, 16384, True)]  # (headdim, seqlen, causal)
 
@@ -161,8 +166,9 @@ def backward_schedules(headdim, causal):
     from nbflash.kernels.backward_sm90_rows import Sm90RowsBackwardConfig
     from nbflash.problem import Variant
 
-    planned = configs.sm90_backward_config("float16", headdim, Variant(window=causal))  # rows split at hd <= 64
-    table = configs.sm90_backward_table_config("float16", headdim, Variant(window=causal))  # backward_sm90.py
+    variant = Variant(window=causal, dropout=DROPOUT > 0)
+    planned = configs.sm90_backward_config("float16", headdim, variant)  # rows split at hd <= 64 (not dropout)
+    table = configs.sm90_backward_table_config("float16", headdim, variant)  # backward_sm90.py
     base = table.__class__(**{**table.__dict__, "stages": 2, "dq_split": "keys", "heavy_groups": 0})
     found = {"base": base, "serial": base.__class__(**{**base.__dict__, "overlap": False}),
              "3stages": base.__class__(**{**base.__dict__, "stages": 3}),
@@ -175,7 +181,9 @@ def backward_schedules(headdim, causal):
     found["planned-dq4"] = planned.__class__(**{**planned.__dict__, "dq_vector": 4})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
         found[f"heavy-groups{groups}"] = table.__class__(**{**table.__dict__, "heavy_groups": groups})
-    if base.headdim_padded == 64:
+    if DROPOUT:  # dropout's keep bits made by the producer's warps 2 and 3 instead of the consumer lanes
+        found["dropout-producer"] = planned.__class__(**{**planned.__dict__, "dropout_bits": "producer"})
+    if base.headdim_padded == 64 and not DROPOUT:
         # the query rows split between the consumers (a kernel of its own), the planner's launch order
         found["rows"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, heavy_groups=table.heavy_groups)
         found["rows-3st"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, stages=3,
@@ -256,7 +264,8 @@ def backward_row(table, headdim, seqlen, causal, names):
     rng = np.random.default_rng(seqlen + headdim)
     q, k, v, dout = (cupy.asarray(rng.standard_normal((batch, seqlen, nheads, headdim), np.float32))
                      .astype(np.float16) for _ in range(4))
-    out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    drop = dict(dropout_p=DROPOUT, seed=1) if DROPOUT else {}
+    out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **drop)
     left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
     flops = 2.5 * 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
     row, base = {"shape": (headdim, seqlen, causal)}, None
@@ -269,14 +278,14 @@ def backward_row(table, headdim, seqlen, causal, names):
 
             def call():
                 with nbflash.kernel_family("sm90"):
-                    return nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
+                    return nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **drop)
 
             got = [g.astype(np.float32) for g in call()]
             base = got if base is None else base
             difference = max(float(cupy.abs(a - b).max()) for a, b in zip(got, base))
             # a forward queued before each timed call, as the SDPA anchors' (bench.BackwardOnly)
             ms = time_ms(call, warmup=3, repeats=10, budget_s=math.inf,
-                         before=lambda: nbflash.flash_attn_func(q, k, v, causal=causal))
+                         before=lambda: nbflash.flash_attn_func(q, k, v, causal=causal, **drop))
             row[name] = (round(flops / ms / 1e9, 1), difference)
     finally:
         configs.sm90_backward_config = planned
@@ -294,7 +303,7 @@ def isolated_entry(name, headdim, seqlen, causal):
     import subprocess
 
     command = [sys.executable, os.path.abspath(__file__), "--backward", "--child", name, str(headdim), str(seqlen),
-               str(causal)]
+               str(causal), "--dropout", str(DROPOUT)]
     labels = ["SDPA flash", "SDPA cuDNN"] if name == "SDPA" else [name]
     try:
         run = subprocess.run(command, capture_output=True, text=True, timeout=ISOLATE)
@@ -400,6 +409,10 @@ def parse_args():
     parser.add_argument("--child", nargs=4, metavar=("NAME", "HD", "SEQLEN", "CAUSAL"), help=argparse.SUPPRESS)
     parser.add_argument("--rowwise-scalar", action="store_true",
                         help="plan the row-wise kernels' scalar forms (configs.ROWWISE_VECTOR off) for this run")
+    parser.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                        help="with --backward: the schedules with dropout of probability P (the SDPA anchors "
+                             "without), and \"dropout-producer\": the planned kernel with the keep bits made by "
+                             "the producer's warps 2 and 3")
     parser.add_argument("--parts", action="store_true",
                         help="the planned backward's preprocess, dK/dV and dq conversion timed apart")
     return parser.parse_args()
@@ -413,6 +426,7 @@ if __name__ == "__main__":
         ONLY = {"base", "planned", *args.only}
     ANCHORS = args.anchors
     ISOLATE = args.isolate
+    DROPOUT = args.dropout
     if args.rowwise_scalar:  # the backward calls plan the row-wise kernels' scalar forms
         from nbflash import configs
 

@@ -471,6 +471,7 @@ def run_sm90_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen_k, nheads, nh
     with nbflash.kernel_family("sm90"):
         grads = flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **arguments)
     assert_gradients_close(grads, dout, q, k, v, causal, **arguments)
+    return grads
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the variants' grid below")
@@ -482,11 +483,46 @@ def test_backward_sm90_wide_score_features_small(rng, xp):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the variants' grid below")
-def test_backward_sm90_dropout_small(rng, xp):
-    """Causal dropout: P^T times the factors of the forward's Philox stream (lane pairs sharing
-    their calls, Hooks.dropout_bits_t), dS^T made from the landed dP^T with them; 40 query
-    rows, so both 16-row halves of a call's block are used."""
-    run_sm90_variant(rng, xp, "causal-dropout", "float16", 1, 40, 60, 2, 1, 64)
+def test_backward_sm90_dropout_small(rng, xp, monkeypatch):
+    """Causal dropout: P^T times the factors of the forward's Philox stream, dS^T made from the
+    landed dP^T with them; 40 query rows, so both 16-row halves of a call's block are used, and 100
+    keys, so that both consumers' lanes draw. The keep bits made by the consumer lanes (lane pairs
+    sharing their calls, Hooks.dropout_bits_t) and by the producer's warps 2 and 3
+    (dropout_bits="producer": a thread's two calls for four lanes, Hooks.dropout_bits_t_lanes) are
+    the same bits, so the two give the same gradients to the bit."""
+    grads = {}
+    for form in ("consumers", "producer"):
+        planned = configs.sm90_backward_config
+        monkeypatch.setattr(configs, "sm90_backward_config",
+                            lambda *args: dataclasses.replace(planned(*args), dropout_bits=form))
+        backward._kernels.cache_clear()
+        grads[form] = run_sm90_variant(np.random.default_rng(7), xp, "causal-dropout", "float16", 1, 40, 100, 2, 1,
+                                       64)
+        monkeypatch.setattr(configs, "sm90_backward_config", planned)
+    backward._kernels.cache_clear()
+    for a, b in zip(grads["consumers"], grads["producer"]):
+        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["dropout", "causal-dropout"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(2, 113, 203, 4, 2, 64), (1, 1023, 1024, 4, 1, 128), (2, 300, 257, 2, 2, 96)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_backward_sm90_staged_dropout_gpu(xp, monkeypatch, name, dtype, shape):
+    """Dropout's keep bits made by the producer's warps 2 and 3 (dropout_bits="producer"): the
+    gradients are right, and the same to the bit as with the consumer lanes' own calls."""
+    grads = {}
+    for form in ("consumers", "producer"):
+        planned = configs.sm90_backward_config
+        monkeypatch.setattr(configs, "sm90_backward_config",
+                            lambda *args: dataclasses.replace(planned(*args), dropout_bits=form))
+        backward._kernels.cache_clear()
+        grads[form] = run_sm90_variant(np.random.default_rng(11), xp, name, dtype, *shape)
+        monkeypatch.setattr(configs, "sm90_backward_config", planned)
+    backward._kernels.cache_clear()
+    for a, b in zip(grads["consumers"], grads["producer"]):
+        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
 
 
 SCORE_VARIANTS = ["softcap", "causal-softcap", "alibi", "causal-alibi", "combined", "window", "dropout",

@@ -70,8 +70,9 @@ every warp counts them the same way, ``warp_visited_query_steps``, and the stats
 step to the consumers with its slot); the score features
 (softcap, ALiBi, the bias tensor, score_mod), whose scores come from the tensor-core score point of
 the raw S^T (``Hooks.tensor_core_score``, as in the mma backward) and whose derivative multiplies
-dS^T; and dropout, whose factors (the forward's Philox stream, ``Hooks.dropout_bits_t``) multiply
-the P^T that dV takes and dP^T. With a score feature or dropout, dS^T is made with P^T once dP^T
+dS^T; and dropout, whose factors (the forward's Philox stream, ``Hooks.dropout_bits_t``: made by
+each consumer lane, or with ``dropout_bits="producer"`` by the producer's idle warps 2 and 3 into the
+ring slot, ``make_stage_dropout``) multiply the P^T that dV takes and dP^T. With a score feature or dropout, dS^T is made with P^T once dP^T
 has landed. Headdims above 128 (dK and dV of 64 keys at headdim 256 would need all of a
 consumer's registers) go to backward_sm90_wide.py (every variant, through this file's ``make_*``
 device functions). The deterministic mode (a fixed order instead of atomics) runs this kernel with
@@ -241,6 +242,13 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # 4 (red.add.v4: lane pairs trade a column pair first by two shuffles; half the reductions). An
     # option to time (docs/perf-notes.md, "Hopper backward", step 24)
     dq_vector: int = 2
+    # Dropout's keep bits: "consumers", each consumer lane makes its Philox calls as it makes P^T
+    # (one call per eight scores, four bits traded with lane ^ 4); "producer", the producer
+    # warpgroup's idle warps 2 and 3 make the same calls for every lane ahead of the step, into the
+    # ring slot beside lse and D, and a consumer lane reads one word a step (no Philox rounds, and
+    # none of their registers, in the consumers' loop). An option to time (docs/perf-notes.md,
+    # "Hopper backward", step 26)
+    dropout_bits: str = "consumers"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
     # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
@@ -256,7 +264,14 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
             raise ValueError(f"dq_split={self.dq_split!r} takes two consumers, not {self.consumers=}")
         if self.dq_vector not in (2, 4):
             raise ValueError(f"dq_vector={self.dq_vector} must be 2 or 4")
+        if self.dropout_bits not in ("consumers", "producer"):
+            raise ValueError(f"{self.dropout_bits=} must be 'consumers' or 'producer'")
         self.check_block()
+
+    @property
+    def staged_dropout(self):
+        """Dropout's keep bits come from the producer's warps 2 and 3 (``dropout_bits="producer"``)."""
+        return self.variant.dropout and self.dropout_bits == "producer"
 
     @property
     def atomic_dq(self):
@@ -291,8 +306,10 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     @property
     def stats_bytes(self):
         """Bytes of one slot's lse_log2 and D; with a block mask, then four words of the step the
-        stats warp walked to: its pair, query head, query tile and whether it is masked."""
-        return 2 * self.block_m * 4 + (16 if self.variant.block_mask else 0)
+        stats warp walked to: its pair, query head, query tile and whether it is masked; with
+        ``staged_dropout``, then a word of keep bits per consumer thread."""
+        return (2 * self.block_m * 4 + (16 if self.variant.block_mask else 0)
+                + (4 * GROUP * self.consumers if self.staged_dropout else 0))
 
     @property
     def dynamic_shared_bytes(self):
@@ -491,6 +508,58 @@ def make_stage_stats(config, hooks):
     return stage_stats
 
 
+def make_stage_dropout(config, hooks):
+    """``stage_dropout(smem, stats_word0, qd_full, qd_empty, params, b, hk, group, n_block, first_tile,
+    tiles_per_head, steps, n_start, t)``: the producer's warps 2 and 3 (thread t of their 64) with
+    ``staged_dropout``: for each step, once the consumers have released its slot, every consumer
+    lane's keep bits (``Hooks.dropout_bits_t``'s, byte p for the queries 16 p + 2 q4 on) into the
+    slot's words from DROP_WORD on, a word per consumer thread. The lanes of key rows k, k + 1 and of
+    k + 16, k + 17 (lane ^ 4, and the same two of the next warp) make the same two Philox calls a
+    query pair; thread t makes them once for those four lanes (``Hooks.dropout_bits_t_lanes``): half
+    the calls the consumer lanes make themselves. The arrival on the slot's full barrier releases
+    the stores."""
+    BM, STAGES, STATS_BYTES, CONSUMERS = config.block_m, config.stages, config.stats_bytes, config.consumers
+    DROP_WORD = 2 * BM + (4 if hooks.BLOCK_MASK else 0)  # after lse_log2, D and a block mask's step
+    QUADS = CONSUMERS * 32  # lane quads: (consumer, even warp, g // 2, q4)
+    warp_visit_query_step, head_context = hooks.warp_visit_query_step, hooks.head_context
+    dropout_bits_t_lanes = hooks.dropout_bits_t_lanes
+
+    @inline_device
+    @unroll
+    def stage_dropout(smem, stats_word0, qd_full, qd_empty, params, b, hk, group, n_block, first_tile,
+                      tiles_per_head, steps, n_start, t):
+        """Warps 2 and 3's: step i's keep bits of every consumer lane into ring slot i % STAGES."""
+        position = -1
+        for i in range(steps):
+            position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
+                                             t % 32)
+            slot, use = i % STAGES, i // STAGES
+            if use > 0:
+                mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
+            h = hk * group + position // tiles_per_head
+            q_start = (first_tile + position % tiles_per_head) * BM
+            head_ctx = head_context(params, b, h)
+            words = stats_word0 + uint32(slot * (STATS_BYTES // 4) + DROP_WORD)
+            for quad in range(t, QUADS, 64):  # loops, not unrolled: two calls at a time in 40 registers
+                # consumer c, warps 2 w2 and 2 w2 + 1, key rows 16 (2 w2) + 2 gh and + 1, the lanes' q4
+                c, w2, gh, q4 = quad // 32, (quad // 16) % 2, (quad // 4) % 4, quad % 4
+                key = n_start + 64 * c + 32 * w2 + 2 * gh
+                w0_even, w0_odd, w1_even, w1_odd = uint32(0), uint32(0), uint32(0), uint32(0)
+                for p in range(BM // 16):
+                    a, b_, c_, d = dropout_bits_t_lanes(q_start + 16 * p + 2 * q4, key, params, head_ctx)
+                    at = uint32(8 * p)
+                    w0_even, w0_odd, w1_even, w1_odd = (w0_even | (a << at), w0_odd | (b_ << at), w1_even | (c_ << at),
+                                                        w1_odd | (d << at))
+                lane = uint32(128 * c + 64 * w2 + 8 * gh + q4)  # the consumer thread of lane 4 g + q4, g = 2 gh
+                smem[words + lane] = w0_even
+                smem[words + lane + uint32(4)] = w0_odd  # lane ^ 4: key + 1
+                smem[words + lane + uint32(32)] = w1_even  # the next warp: key + 16
+                smem[words + lane + uint32(36)] = w1_odd
+            mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
+
+    return stage_dropout
+
+
 def make_block_rows(hooks, block_n):
     """``block_rows(params, b, n_block, seqlen_q, seqlen_k) -> (mem_b, q_row0, seqlen_q, k_row0,
     seqlen_k, inside)``: where a dK/dV block's rows are. Dense: batch b's, from row 0. Packed
@@ -622,13 +691,14 @@ def make_produce_tiles(config, hooks):
     return produce_tiles
 
 
-def make_probabilities_t(hooks, block_m, handover=False):
+def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False):
     """``probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
     scale_log2, units, q4, masked)``: a consumer's S^T (keys by block_m queries, wgmma's layout) ->
     P^T in place, and with a score feature or dropout dS^T from the landed dP^T at once. ``dp`` is
     dP^T's registers, or with ``handover`` the shared-memory word of this thread's register 0 of a
     float32 copy (register r at word dp + 128 r: backward_sm90_wide.py's hand-over), where dS^T
-    replaces dP^T."""
+    replaces dP^T. With ``staged_dropout`` the keep bits come in ``drop_word`` (byte p for queries
+    16 p + 2 q4 on, make_stage_dropout's) instead of the lane's own Philox calls."""
     BM, NT = block_m, block_m // 8
     row_keys, hidden = hooks.row_keys, hooks.hidden
     SCORE, DROPOUT, dropout_bits_t, dropout_bit = hooks.SCORE, hooks.DROPOUT, hooks.dropout_bits_t, hooks.dropout_bit
@@ -638,7 +708,7 @@ def make_probabilities_t(hooks, block_m, handover=False):
     @inline_device
     @unroll
     def probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
-                        units, q4, masked):
+                        units, q4, masked, drop_word):
         """S^T -> P^T = exp2(S^T * scale_log2 - lse_log2[query]) in place, for the thread's two key
         rows (key_row0, key_row0 + 8) and its query columns 8 c + 2 q4 + e; masked entries (keys
         past seqlen_k, or outside a query's window) get P = 0. With a score feature P comes from the
@@ -653,7 +723,10 @@ def make_probabilities_t(hooks, block_m, handover=False):
         for pair in static_range(NT // 2):
             # Dropout's factors of queries 16 pair + 2 q4 (+1, +8, +9), the two key rows: one Philox call
             # per eight scores, shared with lane ^ 4 (Hooks.dropout_bits_t); a constant without dropout
-            drop = dropout_bits_t(q_start + 16 * pair + 2 * q4, key_row0, params, head_ctx)
+            if staged_dropout:
+                drop = (drop_word >> uint32(8 * pair)) & uint32(255)
+            else:
+                drop = dropout_bits_t(q_start + 16 * pair + 2 * q4, key_row0, params, head_ctx)
             for half in static_range(2):
                 c = 2 * pair + half
                 for e in static_range(2):
@@ -715,7 +788,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     S_REGS, ACC_REGS, P_REGS = BM // 2, HDP // 2, BM // 4  # per thread: S^T, dK (dV), packed P^T
     DQ_REGS = DQ_COLS // 2  # a product's dQ columns
     NT = BM // 8  # 8-column groups of S^T (queries)
-    FULL_ARRIVALS = 1 + 32  # the TMA thread's expect_tx and the stats warp's 32 lanes
+    STAGED_DROPOUT = config.staged_dropout  # dropout's keep bits from the producer's warps 2 and 3
+    DROP_WORD = 2 * BM + (4 if config.variant.block_mask else 0)  # ... at this word of a slot's stats
+    # the TMA thread's expect_tx and the stats warp's 32 lanes (and the dropout warps' 64)
+    FULL_ARRIVALS = 1 + 32 + (64 if STAGED_DROPOUT else 0)
     EMPTY_ARRIVALS = CONSUMERS * GROUP
     SPLIT_REGISTERS = CONSUMERS == 2
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
@@ -752,7 +828,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     block_rows = make_block_rows(hooks, BN)  # where the block's rows are (packed sequences: its sequence's)
     produce_tiles = make_produce_tiles(config, hooks)  # the producer's warp 0
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
-    probabilities_t = make_probabilities_t(hooks, BM)
+    probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT)
+    stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
     consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES)
 
     @inline_device
@@ -878,6 +955,9 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             elif warp == 1:
                 stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
                             tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, 0)
+            elif STAGED_DROPOUT:  # warps 2 and 3
+                stage_dropout(smem, stats_word0, qd_full, qd_empty, params, b, hk, group, n_block, first_tile,
+                              tiles_per_head, steps, n_start, tid - 64)
         else:
             # ---- Consumers: 64 keys each ----
             if SPLIT_REGISTERS:
@@ -936,12 +1016,15 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 # P^T, the mask only on tiles crossing the window's edges or a tail (with a block mask,
                 # the stats warp's word says it: those or not FULL); then dS^T
                 stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
+                drop_word = uint32(0)  # with STAGED_DROPOUT, the thread's keep bits (the producer's)
+                if STAGED_DROPOUT:
+                    drop_word = smem[stats + uint32(DROP_WORD) + uint32(tid - GROUP)]
                 if step_masked if BLOCK_MASK else tail or tile < first_full or tile >= end_full:
                     probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
-                                    scale_log2, units, q4, True)
+                                    scale_log2, units, q4, True, drop_word)
                 else:
                     probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
-                                    scale_log2, units, q4, False)
+                                    scale_log2, units, q4, False, drop_word)
                 if not FUSED:
                     wgmma_wait(0)  # dP^T has landed
                     registers_to(dp, fence_operands(acc_dp))

@@ -404,10 +404,10 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                     # the stats warp's word says it: those or not FULL)
                     if step_masked if BLOCK_MASK else tail or int32(tile) < full_start or int32(tile) >= full_end:
                         probabilities_t(s, lane_word, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params,
-                                        head_ctx, scale_log2, units, q4, True)
+                                        head_ctx, scale_log2, units, q4, True, uint32(0))
                     else:
                         probabilities_t(s, lane_word, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params,
-                                        head_ctx, scale_log2, units, q4, False)
+                                        head_ctx, scale_log2, units, q4, False, uint32(0))
                     if not FUSED:
                         named_barrier_sync(1, BOTH)  # dP^T is handed over
                     store_tiles_t(smem, pt_row_word, s, handover_lane, stats, g, q4)

@@ -836,6 +836,16 @@ class Hooks:
                 return kept(byte_of(word, odd), threshold) | (kept(byte_of(word, 2 + odd), threshold) << uint32(1))
 
             @register_jitable
+            def interleave_bits(even_q, odd_q):
+                """dropout_bits_t's bits from bit 2 j + i of the even and the odd query's."""
+                bits = uint32(0)
+                for n in range(4):  # n = 2 j + i -> bit 4 j + 2 i (+1 for the odd query)
+                    at = uint32(4 * (n // 2) + 2 * (n % 2))
+                    bits |= (((even_q >> uint32(n)) & uint32(1)) << at) | (((odd_q >> uint32(n)) & uint32(1))
+                                                                         << (at + uint32(1)))
+                return bits
+
+            @register_jitable
             def dropout_bits_t(query, key, params, head_ctx):
                 """Which of the scores (query + 8 i + e, key + 8 j) are kept, as bit 4 j + 2 i + e
                 (``dropout_bit``), for ``query % 16 < 8`` even and ``key % 16 < 8``: a lane's eight
@@ -857,12 +867,31 @@ class Hooks:
                 theirs = column_bits(lo, 1 - odd, threshold) | (column_bits(hi, 1 - odd, threshold) << uint32(2))
                 got = shuffle_xor_u32(theirs, uint32(4))  # query + 1 - odd (+8) for my keys
                 even_q, odd_q = (got, mine) if odd else (mine, got)
-                bits = uint32(0)
-                for n in range(4):  # n = 2 j + i -> bit 4 j + 2 i (+1 for the odd query)
-                    at = uint32(4 * (n // 2) + 2 * (n % 2))
-                    bits |= (((even_q >> uint32(n)) & uint32(1)) << at) | (((odd_q >> uint32(n)) & uint32(1))
-                                                                         << (at + uint32(1)))
-                return bits
+                return interleave_bits(even_q, odd_q)
+
+            @register_jitable
+            def lane_bits(even_lo, even_hi, odd_lo, odd_hi, parity, threshold):
+                """dropout_bits_t's bits of a key parity from the even query's call's words for keys
+                key and key + 8 (even_lo, even_hi) and the odd query's (odd_lo, odd_hi)."""
+                return interleave_bits(
+                    column_bits(even_lo, parity, threshold) | (column_bits(even_hi, parity, threshold) << uint32(2)),
+                    column_bits(odd_lo, parity, threshold) | (column_bits(odd_hi, parity, threshold) << uint32(2)))
+
+            @register_jitable
+            def dropout_bits_t_lanes(query, key, params, head_ctx):
+                """dropout_bits_t of the four lanes that share two Philox calls, by one thread, for
+                ``key % 32 < 8`` even: keys key and key + 1 (a lane and lane ^ 4) and key + 16 and
+                key + 17 (the same lanes of the next warp, 16 key rows on, whose calls are the same:
+                their words 2 and 3), as (key, key + 1, key + 16, key + 17). The calls are the lanes'
+                (queries query, query + 8 and query + 1, query + 9), each read whole: two calls per
+                sixteen scores, no shuffle; for a warp that stages the bits for the lanes."""
+                w_e = dropout_block(query, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
+                w_o = dropout_block(query + 1, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
+                t = params[THRESHOLD]
+                return (lane_bits(w_e[0], w_e[1], w_o[0], w_o[1], 0, t),
+                        lane_bits(w_e[0], w_e[1], w_o[0], w_o[1], 1, t),
+                        lane_bits(w_e[2], w_e[3], w_o[2], w_o[3], 0, t),
+                        lane_bits(w_e[2], w_e[3], w_o[2], w_o[3], 1, t))
 
             @register_jitable
             def dropout_bit(bits, i, params):
@@ -896,12 +925,17 @@ class Hooks:
                 return uint32(255)
 
             @register_jitable
+            def dropout_bits_t_lanes(query, key, params, head_ctx):
+                return uint32(255), uint32(255), uint32(255), uint32(255)
+
+            @register_jitable
             def dropout_bit(bits, i, params):
                 return float32(1)
 
         self.dropout_factor, self.dropout_words, self.byte_factor = dropout_factor, dropout_words, byte_factor
         self.keep_or_zero, self.dropout_scale = keep_or_zero, dropout_scale
         self.dropout_bits_t, self.dropout_bit = dropout_bits_t, dropout_bit
+        self.dropout_bits_t_lanes = dropout_bits_t_lanes
 
     def tensor_core_score(self, positive_scale):
         """The tensor-core kernels' score point, on raw q.k (no scale applied):
