@@ -884,10 +884,18 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     def store_ds_t(smem, ds_word, packed, warp, g, q4):
         """The thread's packed dS^T (rows 16 warp + g and + 8, query columns 8 c + 2 q4, + 1) into the
         consumer's dS^T tile: rows of 128 bytes, 16-byte unit c stored at c ^ (row % 8) (the swizzle
-        TMA writes and wgmma reads; row % 8 = g). ``ds_word`` is the tile's smem index."""
-        for i in static_range(P_REGS):
-            row = 16 * warp + g + 8 * (i % 2)
-            smem[ds_word + row * (ROW_BYTES // 4) + (((i // 2) ^ g) * 4) + q4] = packed[i]
+        TMA writes and wgmma reads; row % 8 = g). ``ds_word`` is the tile's smem index. With a block
+        mask the row's word and the swizzle are made opaque each step: else LLVM makes the eight
+        store offsets once before the loop, and beside the mask's step words ptxas spills them."""
+        if BLOCK_MASK:
+            row_word, swizzle = fence_operands((uint32(ds_word + (16 * warp + g) * (ROW_BYTES // 4) + q4),
+                                                uint32(4 * g)))
+            for i in static_range(P_REGS):
+                smem[row_word + uint32(8 * (i % 2) * (ROW_BYTES // 4)) + (uint32(4 * (i // 2)) ^ swizzle)] = packed[i]
+        else:
+            for i in static_range(P_REGS):
+                row = 16 * warp + g + 8 * (i % 2)
+                smem[ds_word + row * (ROW_BYTES // 4) + (((i // 2) ^ g) * 4) + q4] = packed[i]
 
     # -----------------------------------------------------------------------------------------------
     # The kernel
