@@ -963,7 +963,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             elif warp == 1:
                 stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
                             tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, 0)
-            elif STAGED_DROPOUT:  # warps 2 and 3
+            elif STAGED_DROPOUT and warp >= 2:  # warps 2 and 3
                 stage_dropout(smem, stats_word0, qd_full, qd_empty, params, b, hk, group, n_block, first_tile,
                               tiles_per_head, steps, n_start, tid - 64)
         else:
