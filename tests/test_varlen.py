@@ -285,6 +285,27 @@ def test_varlen_gpu_variants(rng, xp, family, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_varlen_sm90_staged_dropout_gpu(rng, xp, monkeypatch, dtype, headdim):
+    """Dropout's keep bits made by the producer's warps 2 and 3 (dropout_bits="producer") on
+    packed sequences, with the window, softcap and ALiBi: the bits of each sequence's own rows."""
+    import dataclasses
+
+    from nbflash import backward, configs
+
+    planned = configs.sm90_backward_config
+    monkeypatch.setattr(configs, "sm90_backward_config",
+                        lambda *args: dataclasses.replace(planned(*args), dropout_bits="producer"))
+    backward._kernels.cache_clear()
+    try:
+        lengths_q, lengths_k = GPU_LENGTHS[0]
+        run(rng, xp, "sm90", dtype, True, False, lengths_q, lengths_k, headdim, **combined(xp, len(lengths_q)))
+    finally:
+        backward._kernels.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_varlen_sm90_wide_variants_gpu(rng, xp, dtype):
     """The wide kernel (headdim 256) on packed sequences with the window, softcap, ALiBi and dropout."""
     lengths_q, lengths_k = GPU_LENGTHS[0]
