@@ -72,8 +72,8 @@ step to the consumers with its slot); the score features
 the raw S^T (``Hooks.tensor_core_score``, as in the mma backward) and whose derivative multiplies
 dS^T; and dropout, whose factors (the forward's Philox stream, ``Hooks.dropout_bits_t``: made by
 each consumer lane, or with ``dropout_bits="producer"`` by the producer's idle warps 2 and 3 into the
-ring slot, ``make_stage_dropout``) multiply the P^T that dV takes and dP^T. With a score feature or dropout, dS^T is made with P^T once dP^T
-has landed. Headdims above 128 (dK and dV of 64 keys at headdim 256 would need all of a
+ring slot, ``make_stage_dropout``) multiply the P^T that dV takes and dP^T. With a score feature or
+dropout, dS^T is made with P^T once dP^T has landed. Headdims above 128 (dK and dV of 64 keys at headdim 256 would need all of a
 consumer's registers) go to backward_sm90_wide.py (every variant, through this file's ``make_*``
 device functions). The deterministic mode (a fixed order instead of atomics) runs this kernel with
 ``dq_split="none"`` (dK and dV only) and then backward_dq_sm90.py's dQ kernel.
@@ -544,17 +544,19 @@ def make_stage_dropout(config, hooks):
                 # consumer c, warps 2 w2 and 2 w2 + 1, key rows 16 (2 w2) + 2 gh and + 1, the lanes' q4
                 c, w2, gh, q4 = quad // 32, (quad // 16) % 2, (quad // 4) % 4, quad % 4
                 key = n_start + 64 * c + 32 * w2 + 2 * gh
-                w0_even, w0_odd, w1_even, w1_odd = uint32(0), uint32(0), uint32(0), uint32(0)
+                # the four lanes' words: keys key, key + 1, key + 16, key + 17, a byte per query pair p
+                word0, word1, word16, word17 = uint32(0), uint32(0), uint32(0), uint32(0)
                 for p in range(BM // 16):
-                    a, b_, c_, d = dropout_bits_t_lanes(q_start + 16 * p + 2 * q4, key, params, head_ctx)
+                    bits0, bits1, bits16, bits17 = dropout_bits_t_lanes(q_start + 16 * p + 2 * q4, key, params,
+                                                                        head_ctx)
                     at = uint32(8 * p)
-                    w0_even, w0_odd, w1_even, w1_odd = (w0_even | (a << at), w0_odd | (b_ << at), w1_even | (c_ << at),
-                                                        w1_odd | (d << at))
-                lane = uint32(128 * c + 64 * w2 + 8 * gh + q4)  # the consumer thread of lane 4 g + q4, g = 2 gh
-                smem[words + lane] = w0_even
-                smem[words + lane + uint32(4)] = w0_odd  # lane ^ 4: key + 1
-                smem[words + lane + uint32(32)] = w1_even  # the next warp: key + 16
-                smem[words + lane + uint32(36)] = w1_odd
+                    word0, word1 = word0 | (bits0 << at), word1 | (bits1 << at)
+                    word16, word17 = word16 | (bits16 << at), word17 | (bits17 << at)
+                thread = uint32(128 * c + 64 * w2 + 8 * gh + q4)  # the consumer thread of key row key
+                smem[words + thread] = word0
+                smem[words + thread + uint32(4)] = word1  # lane ^ 4: key + 1
+                smem[words + thread + uint32(32)] = word16  # the next warp: key + 16
+                smem[words + thread + uint32(36)] = word17
             mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
 
     return stage_dropout
