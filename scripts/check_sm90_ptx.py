@@ -88,11 +88,13 @@ def fp8_forward_kernels():
 
 def backward_kernels():
     """(name, Python function, signature, compile options) of the sm90 dK/dV kernel's planned
-    configs (fp16, plain), and at headdim 64 the 32-column "columns" split, the query rows split between the consumers (backward_sm90_rows.py: fp16 and bf16, plain and causal; and its
-    persistent grid, fp16),
-    causal dropout at each planned headdim, the causal kernel at each, dense and on packed
-    sequences, and the kernel for headdims past 128 (backward_sm90_wide.py) at 256: plain and causal,
-    fp16 and bf16, and causal with softcap, with dropout and on packed sequences (fp16)."""
+    configs (fp16, plain), and at headdim 64 the 32-column "columns" split, the query rows split
+    between the consumers (backward_sm90_rows.py: fp16 and bf16, plain and causal; and its
+    persistent grid, fp16), causal dropout at each planned headdim (its keep bits made by the
+    consumer lanes, and by the producer's warps 2 and 3), the causal kernel at each, dense and on
+    packed sequences, dQ by 16-byte reductions, the deterministic pass, and the kernel for headdims
+    past 128 (backward_sm90_wide.py) at 256: plain and causal, fp16 and bf16, and causal with
+    softcap, with dropout and on packed sequences (fp16)."""
     import dataclasses
 
     from nbflash import configs
