@@ -75,8 +75,9 @@ each consumer lane, or with ``dropout_bits="producer"`` by the producer's idle w
 ring slot, ``make_stage_dropout``) multiply the P^T that dV takes and dP^T. With a score feature or
 dropout, dS^T is made with P^T once dP^T has landed. Headdims above 128 (dK and dV of 64 keys at
 headdim 256 would need all of a consumer's registers) go to backward_sm90_wide.py (every variant,
-through this file's ``make_*`` device functions). The deterministic mode (a fixed order instead of atomics) runs this kernel with
-``dq_split="none"`` (dK and dV only) and then backward_dq_sm90.py's dQ kernel.
+through this file's ``make_*`` device functions). The deterministic mode (a fixed order instead
+of atomics) runs this kernel with ``dq_split="none"`` (dK and dV only) and then
+backward_dq_sm90.py's dQ kernel.
 
 Schedules measured on the H200 and taken out again for being slower (docs/perf-notes.md, "Hopper
 backward", steps 6, 7, 9 and 11; the code is in commit 354c94b): dQ_i staged in shared memory and
