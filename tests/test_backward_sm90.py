@@ -482,6 +482,23 @@ def test_backward_sm90_wide_score_features_small(rng, xp):
     run_sm90_variant(rng, xp, "combined", "float16", 1, 40, 60, 2, 1, 136)
 
 
+def dropout_forms_agree(xp, monkeypatch, seed, name, dtype, shape):
+    """run_sm90_variant (gradients against the reference) with dropout's keep bits made by the
+    consumer lanes and by the producer's warps 2 and 3, on the same draw: the same bits, so the
+    same gradients to the bit."""
+    grads = {}
+    planned = configs.sm90_backward_config
+    for form in ("consumers", "producer"):
+        monkeypatch.setattr(configs, "sm90_backward_config",
+                            lambda *args: dataclasses.replace(planned(*args), dropout_bits=form))
+        backward._kernels.cache_clear()
+        grads[form] = run_sm90_variant(np.random.default_rng(seed), xp, name, dtype, *shape)
+    monkeypatch.setattr(configs, "sm90_backward_config", planned)
+    backward._kernels.cache_clear()
+    for a, b in zip(grads["consumers"], grads["producer"]):
+        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the variants' grid below")
 def test_backward_sm90_dropout_small(rng, xp, monkeypatch):
     """Causal dropout: P^T times the factors of the forward's Philox stream, dS^T made from the
@@ -490,18 +507,7 @@ def test_backward_sm90_dropout_small(rng, xp, monkeypatch):
     sharing their calls, Hooks.dropout_bits_t) and by the producer's warps 2 and 3
     (dropout_bits="producer": a thread's two calls for four lanes, Hooks.dropout_bits_t_lanes) are
     the same bits, so the two give the same gradients to the bit."""
-    grads = {}
-    for form in ("consumers", "producer"):
-        planned = configs.sm90_backward_config
-        monkeypatch.setattr(configs, "sm90_backward_config",
-                            lambda *args: dataclasses.replace(planned(*args), dropout_bits=form))
-        backward._kernels.cache_clear()
-        grads[form] = run_sm90_variant(np.random.default_rng(7), xp, "causal-dropout", "float16", 1, 40, 100, 2, 1,
-                                       64)
-        monkeypatch.setattr(configs, "sm90_backward_config", planned)
-    backward._kernels.cache_clear()
-    for a, b in zip(grads["consumers"], grads["producer"]):
-        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+    dropout_forms_agree(xp, monkeypatch, 7, "causal-dropout", "float16", (1, 40, 100, 2, 1, 64))
 
 
 @pytest.mark.gpu
@@ -512,17 +518,7 @@ def test_backward_sm90_dropout_small(rng, xp, monkeypatch):
 def test_backward_sm90_staged_dropout_gpu(xp, monkeypatch, name, dtype, shape):
     """Dropout's keep bits made by the producer's warps 2 and 3 (dropout_bits="producer"): the
     gradients are right, and the same to the bit as with the consumer lanes' own calls."""
-    grads = {}
-    for form in ("consumers", "producer"):
-        planned = configs.sm90_backward_config
-        monkeypatch.setattr(configs, "sm90_backward_config",
-                            lambda *args: dataclasses.replace(planned(*args), dropout_bits=form))
-        backward._kernels.cache_clear()
-        grads[form] = run_sm90_variant(np.random.default_rng(11), xp, name, dtype, *shape)
-        monkeypatch.setattr(configs, "sm90_backward_config", planned)
-    backward._kernels.cache_clear()
-    for a, b in zip(grads["consumers"], grads["producer"]):
-        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+    dropout_forms_agree(xp, monkeypatch, 11, name, dtype, shape)
 
 
 SCORE_VARIANTS = ["softcap", "causal-softcap", "alibi", "causal-alibi", "combined", "window", "dropout",

@@ -836,6 +836,12 @@ class Hooks:
                 return kept(byte_of(word, odd), threshold) | (kept(byte_of(word, 2 + odd), threshold) << uint32(1))
 
             @register_jitable
+            def call_bits(lo, hi, parity, threshold):
+                """Bit 2 j + i: whether a call's score of row + 8 i by key + 8 j is kept, for keys of
+                ``parity``, from its words of keys key (lo) and key + 8 (hi)."""
+                return column_bits(lo, parity, threshold) | (column_bits(hi, parity, threshold) << uint32(2))
+
+            @register_jitable
             def interleave_bits(even_q, odd_q):
                 """dropout_bits_t's bits from bit 2 j + i of the even and the odd query's."""
                 bits = uint32(0)
@@ -863,19 +869,10 @@ class Hooks:
                 # keys key, key + 8 are words 0, 1 or 2, 3 of the call (key % 32 < 16 or not)
                 lo, hi = (w[0], w[1]) if (key // 16) % 2 == 0 else (w[2], w[3])
                 # bit 2 j + i: query + odd' + 8 i by key + 8 j, for key parity odd' = odd (mine) and 1 - odd
-                mine = column_bits(lo, odd, threshold) | (column_bits(hi, odd, threshold) << uint32(2))
-                theirs = column_bits(lo, 1 - odd, threshold) | (column_bits(hi, 1 - odd, threshold) << uint32(2))
+                mine, theirs = call_bits(lo, hi, odd, threshold), call_bits(lo, hi, 1 - odd, threshold)
                 got = shuffle_xor_u32(theirs, uint32(4))  # query + 1 - odd (+8) for my keys
                 even_q, odd_q = (got, mine) if odd else (mine, got)
                 return interleave_bits(even_q, odd_q)
-
-            @register_jitable
-            def lane_bits(even_lo, even_hi, odd_lo, odd_hi, parity, threshold):
-                """dropout_bits_t's bits of a key parity from the even query's call's words for keys
-                key and key + 8 (even_lo, even_hi) and the odd query's (odd_lo, odd_hi)."""
-                return interleave_bits(
-                    column_bits(even_lo, parity, threshold) | (column_bits(even_hi, parity, threshold) << uint32(2)),
-                    column_bits(odd_lo, parity, threshold) | (column_bits(odd_hi, parity, threshold) << uint32(2)))
 
             @register_jitable
             def dropout_bits_t_lanes(query, key, params, head_ctx):
@@ -888,10 +885,11 @@ class Hooks:
                 w_e = dropout_block(query, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
                 w_o = dropout_block(query + 1, key, head_ctx[0], head_ctx[1], params[SEED_LO], params[SEED_HI])
                 t = params[THRESHOLD]
-                return (lane_bits(w_e[0], w_e[1], w_o[0], w_o[1], 0, t),
-                        lane_bits(w_e[0], w_e[1], w_o[0], w_o[1], 1, t),
-                        lane_bits(w_e[2], w_e[3], w_o[2], w_o[3], 0, t),
-                        lane_bits(w_e[2], w_e[3], w_o[2], w_o[3], 1, t))
+                # a lane's bits: the even query's call's, the odd one's, for its key parity and words
+                return (interleave_bits(call_bits(w_e[0], w_e[1], 0, t), call_bits(w_o[0], w_o[1], 0, t)),
+                        interleave_bits(call_bits(w_e[0], w_e[1], 1, t), call_bits(w_o[0], w_o[1], 1, t)),
+                        interleave_bits(call_bits(w_e[2], w_e[3], 0, t), call_bits(w_o[2], w_o[3], 0, t)),
+                        interleave_bits(call_bits(w_e[2], w_e[3], 1, t), call_bits(w_o[2], w_o[3], 1, t)))
 
             @register_jitable
             def dropout_bit(bits, i, params):
