@@ -496,12 +496,23 @@ def sm90_backward_config(dtype, headdim, variant):
     return sm90_backward_table_config(dtype, headdim, variant)
 
 
+# Dropout's keep bits made by the producer's idle warps 2 and 3 (``dropout_bits="producer"``) past
+# this headdim, the kernel padded to 128 columns: measured on the H200 (scripts/sm90_schedules.py
+# --backward --dropout 0.1, docs/perf-notes.md "Hopper backward" step 26), fp16, hd 128, 4k and 16k:
+# +6% causal, +0-1% non-causal against the consumer lanes' own calls; at hd 64, whose step has half
+# the products to hide the producer's Philox calls under, 20-25% slower. Headdims 72-120 run the same
+# padded kernel (when "sm90" is forced): not timed.
+SM90_BACKWARD_PRODUCER_DROPOUT_MIN_HEADDIM = 72
+
+
 @lru_cache(maxsize=None)
 def sm90_backward_table_config(dtype, headdim, variant):
-    """backward_sm90.py's dK/dV kernel with ``SM90_BACKWARD``'s row for ``headdim``."""
+    """backward_sm90.py's dK/dV kernel with ``SM90_BACKWARD``'s row for ``headdim`` (and dropout's
+    keep bits by the producer's warps past ``SM90_BACKWARD_PRODUCER_DROPOUT_MIN_HEADDIM``)."""
     _, stages, dq_split = _row(SM90_BACKWARD, headdim)
+    bits = "producer" if variant.dropout and headdim >= SM90_BACKWARD_PRODUCER_DROPOUT_MIN_HEADDIM else "consumers"
     return Sm90BackwardConfig(dtype=dtype, headdim=headdim, variant=variant, stages=stages, dq_split=dq_split,
-                              heavy_groups=SM90_BACKWARD_HEAVY_GROUPS)
+                              heavy_groups=SM90_BACKWARD_HEAVY_GROUPS, dropout_bits=bits)
 
 
 def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=False):

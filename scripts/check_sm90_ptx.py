@@ -62,9 +62,6 @@ EXPECTED = {
     "forward_fp8": ["k32.f32.e4m3.e4m3", "cvt.rn.satfinite.e4m3x2.f32", "cp.async.bulk.tensor.4d"],
     "copy_operands": ["mov.b32"],
     "backward_sm90": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "red.global.add.v2.f32", "cp.async.bulk.tensor.4d"],
-    # dQ by 16-byte reductions (dq_vector=4: lane pairs trade a column pair first)
-    "backward_sm90_dq4": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "red.global.add.v4.f32",
-                          "shfl.sync.bfly.b32"],
     # the deterministic backward's dK/dV pass (dq_split="none"): no dQ, so no reductions
     "backward_sm90_deterministic": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "cp.async.bulk.tensor.4d"],
 }
@@ -122,8 +119,9 @@ def backward_kernels():
                       Sm90RowsBackwardConfig("float16", 64, variant, persistent=132)))
     # causal dropout (served when "sm90" is forced): P^T from the landed dP^T, shuffled Philox words
     for headdim, *_ in configs.SM90_BACKWARD:
-        found.append((f"backward_sm90_causal_dropout_hd{headdim}",
-                      configs.sm90_backward_table_config("float16", headdim, Variant(window=True, dropout=True))))
+        found.append((f"backward_sm90_causal_dropout_hd{headdim}", dataclasses.replace(
+            configs.sm90_backward_table_config("float16", headdim, Variant(window=True, dropout=True)),
+            dropout_bits="consumers")))
     # ... and with its keep bits made by the producer's warps 2 and 3 (dropout_bits="producer")
     for headdim, *_ in configs.SM90_BACKWARD:
         found.append((f"backward_sm90_staged_dropout_hd{headdim}", dataclasses.replace(
@@ -135,14 +133,10 @@ def backward_kernels():
         for varlen in (False, True):
             found.append((f"backward_sm90_{'varlen_' if varlen else ''}causal_hd{headdim}",
                           configs.sm90_backward_table_config("float16", headdim, Variant(window=True, varlen=varlen))))
-    # dQ by 16-byte reductions: the planned hd 128 kernel and the rows split at hd 64, causal
-    found.append(("backward_sm90_dq4_causal_hd128", dataclasses.replace(
-        configs.sm90_backward_table_config("float16", 128, Variant(window=True)), dq_vector=4)))
-    found.append(("backward_sm90_dq4_r240_causal_hd128", dataclasses.replace(
-        configs.sm90_backward_table_config("float16", 128, Variant(window=True)), dq_vector=4, producer_registers=24,
-        consumer_registers=240)))
-    found.append(("backward_sm90_dq4_rows_causal_hd64", Sm90RowsBackwardConfig("float16", 64, Variant(window=True),
-                                                                              dq_vector=4)))
+    # dQ_i's product first, its reductions under dV's and dK's products (dq_first; "columns", hd 128)
+    for variant in (Variant(), Variant(window=True)):
+        found.append((f"backward_sm90_dq_first_{'causal' if variant.window else 'plain'}_hd128", dataclasses.replace(
+            configs.sm90_backward_table_config("float16", 128, variant), dq_first=True)))
     # the deterministic backward's dK/dV pass (no dQ: dq_split="none"), plain at each planned headdim
     for headdim, *_ in configs.SM90_BACKWARD:
         found.append((f"backward_sm90_deterministic_hd{headdim}", dataclasses.replace(

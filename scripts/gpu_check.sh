@@ -33,9 +33,6 @@
 #                                deterministic=True on both Hopper kernels (not yet run on a GPU): its
 #                                tests (bit-identical reruns), then its backward timed against the
 #                                mma family's deterministic one and the atomic ones, about 5 minutes
-#   scripts/gpu_check.sh dq4     dQ by 16-byte reductions (dq_vector=4, not yet run on a GPU): its
-#                                test grid, then the planned backward with it against without it
-#                                and SDPA, headdims 64 and 128, about 5 minutes
 #   scripts/gpu_check.sh dropout dropout's keep bits made by the producer's idle warps (not yet run on a
 #                                GPU): its test grid (bit-identical to the consumer lanes' bits), then
 #                                the planned dropout backward against it, headdims 64 and 128, about
@@ -191,16 +188,6 @@ deterministic)
         --markdown "$out/deterministic.md" > "$out/deterministic.log" 2>&1
     echo "deterministic backward (exit $?):"; tail -12 "$out/deterministic.log"
     ;;
-dq4)
-    # docs/perf-notes.md, "Hopper backward", step 24: lane pairs trade a column pair, red.add.v4
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 120 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
-        -W ignore tests/test_backward_sm90.py -k quads > "$out/dq4_tests.log" 2>&1
-    echo "tests: exit $?: $(tail -1 "$out/dq4_tests.log")"
-    grep -aE "\] (FAILED|ERROR)" "$out/dq4_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 330 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-dq4 --anchors \
-        > "$out/dq4.log" 2>&1
-    echo "planned backward with dq_vector=4 (exit $?):"; tail -16 "$out/dq4.log"
-    ;;
 dropout)
     # docs/perf-notes.md, "Hopper backward", step 26: dropout's keep bits from the producer's warps
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 150 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
@@ -236,7 +223,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dq4|dropout|stalls|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dropout|stalls|wide" >&2
     exit 2
     ;;
 esac

@@ -25,11 +25,14 @@ Backward, each column a schedule:
   "rows-persistent": a persistent grid of one block per multiprocessor over the planned launch
   order (step 18);
 - with --dropout P, every schedule with dropout of probability P (the rows split, which does not serve
-  dropout, left out) and "dropout-producer": the planned kernel with dropout's keep bits made by the
-  producer warpgroup's warps 2 and 3 ahead of each step (dropout_bits="producer", step 26);
+  dropout, left out), "dropout-producer": the planned kernel with dropout's keep bits made by the
+  producer warpgroup's warps 2 and 3 ahead of each step (dropout_bits="producer", step 26; planned
+  at headdims past 64), and "dropout-consumers": the same with each consumer lane's own calls;
 - "planned": the planner's choice (configs.sm90_backward_config: the rows split at headdim 64,
-  configs.SM90_BACKWARD's row of backward_sm90.py otherwise); "planned-dq4": the same with dQ added
-  by 16-byte reductions (dq_vector=4: lane pairs trade a column pair first, half the reductions).
+  configs.SM90_BACKWARD's row of backward_sm90.py otherwise). (dQ by 16-byte reductions, timed as
+  "planned-dq4" until commit 8ebb6f1, was 2-20% slower: docs/perf-notes.md step 24.)
+  "planned-dqfirst" (where the planned kernel splits dQ by columns: headdim 128): the same with dQ_i's
+  product issued before dV's and dK's and its reductions made while they run (dq_first, step 28).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
 schedule's ratio to SDPA flash after the table. With --isolate S, each (shape, schedule) runs in a
@@ -169,7 +172,8 @@ def backward_schedules(headdim, causal):
     variant = Variant(window=causal, dropout=DROPOUT > 0)
     planned = configs.sm90_backward_config("float16", headdim, variant)  # rows split at hd <= 64 (not dropout)
     table = configs.sm90_backward_table_config("float16", headdim, variant)  # backward_sm90.py
-    base = table.__class__(**{**table.__dict__, "stages": 2, "dq_split": "keys", "heavy_groups": 0})
+    base = table.__class__(**{**table.__dict__, "stages": 2, "dq_split": "keys", "heavy_groups": 0,
+                              "dropout_bits": "consumers"})
     found = {"base": base, "serial": base.__class__(**{**base.__dict__, "overlap": False}),
              "3stages": base.__class__(**{**base.__dict__, "stages": 3}),
              "regs240": base.__class__(**{**base.__dict__, "producer_registers": 24, "consumer_registers": 240})}
@@ -177,12 +181,13 @@ def backward_schedules(headdim, causal):
     found["3st-columns"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "columns"})
     found["steps"] = base.__class__(**{**base.__dict__, "dq_split": "steps"})
     found["3st-steps"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps"})
-    # dQ by 16-byte reductions (lane pairs trade a column pair first): the planned kernel with them
-    found["planned-dq4"] = planned.__class__(**{**planned.__dict__, "dq_vector": 4})
+    if getattr(planned, "dq_split", "") == "columns":  # dQ_i's product first, its reductions under dV's, dK's
+        found["planned-dqfirst"] = planned.__class__(**{**planned.__dict__, "dq_first": True})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
         found[f"heavy-groups{groups}"] = table.__class__(**{**table.__dict__, "heavy_groups": groups})
     if DROPOUT:  # dropout's keep bits made by the producer's warps 2 and 3 instead of the consumer lanes
         found["dropout-producer"] = planned.__class__(**{**planned.__dict__, "dropout_bits": "producer"})
+        found["dropout-consumers"] = planned.__class__(**{**planned.__dict__, "dropout_bits": "consumers"})
     if base.headdim_padded == 64 and not DROPOUT:
         # the query rows split between the consumers (a kernel of its own), the planner's launch order
         found["rows"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, heavy_groups=table.heavy_groups)

@@ -179,32 +179,37 @@ def test_backward_sm90_dq_by_steps_small(rng, xp, sm90_backward_table):
 
 
 @pytest.fixture
-def dq_by_quads(monkeypatch):
-    """Plan the sm90 dK/dV kernels (backward_sm90.py's and the rows split) with dq_vector=4."""
+def dq_first(monkeypatch):
+    """Plan backward_sm90.py's dK/dV kernel with dQ_i's product first (dq_first=True), where it
+    splits dQ by columns."""
     planned = configs.sm90_backward_config
-    monkeypatch.setattr(configs, "sm90_backward_config",
-                        lambda *args: dataclasses.replace(planned(*args), dq_vector=4))
+
+    def with_dq_first(*args):
+        config = planned(*args)
+        return dataclasses.replace(config, dq_first=True) if getattr(config, "dq_split", "") == "columns" else config
+
+    monkeypatch.setattr(configs, "sm90_backward_config", with_dq_first)
     backward._kernels.cache_clear()
     yield
     backward._kernels.cache_clear()
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-@pytest.mark.parametrize("sm90_backward_table", [(2, "columns")], indirect=True, ids=["columns"])
-def test_backward_sm90_dq_by_quads_small(rng, xp, sm90_backward_table, dq_by_quads):
-    """dQ by 16-byte reductions (dq_vector=4): lanes q4 and q4 ^ 1 trade a column pair, each adds
-    four columns of one row. Headdim 96 by columns (consumer 1's last 32 columns past headdim),
-    causal, 70 query rows (the second tile's odd lanes' rows, 8 further down, past seqlen_q first)."""
-    assert configs.plan_backward(Static("float16", 96, True, 0, CAUSAL), False, "sm90")[1].dq_vector == 4
+def test_backward_sm90_dq_first_small(rng, xp, dq_first):
+    """dQ_i's product issued before dV's and dK's, its reductions made while they run: headdim 96
+    by columns (consumer 1's last 32 columns past headdim), causal, 70 query rows (a tail)."""
+    assert configs.plan_backward(Static("float16", 96, True, 0, CAUSAL), False, "sm90")[1].dq_first
     run_sm90(rng, xp, 1, 70, 100, 1, 1, 96, "float16", True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("headdim", [96, 128])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_sm90_dq_by_quads_gpu(rng, xp, dq_by_quads, seqlens, headdim, causal):
-    """dq_vector=4 on the planned kernels: the rows split at headdim 64, "columns" at 128."""
+def test_backward_sm90_dq_first_gpu(rng, xp, dq_first, seqlens, headdim, causal):
+    """dq_first on the planned "columns" kernel, GQA 2:1, fp16 and bf16."""
+    assert configs.plan_backward(Static("float16", headdim, causal, 0, CAUSAL if causal else Variant()), False,
+                                 "sm90")[1].dq_first
     run_sm90(rng, xp, 2, *seqlens, 4, 2, headdim, "bfloat16" if causal else "float16", causal)
 
 
@@ -484,8 +489,10 @@ def test_backward_sm90_wide_score_features_small(rng, xp):
 
 def dropout_forms_agree(xp, monkeypatch, seed, name, dtype, shape):
     """run_sm90_variant (gradients against the reference) with dropout's keep bits made by the
-    consumer lanes and by the producer's warps 2 and 3, on the same draw: the same bits, so the
-    same gradients to the bit."""
+    consumer lanes and by the producer's warps 2 and 3, on the same draw: the same bits, so dk and
+    dv the same to the bit. dq too in the simulator; on a GPU its float32 atomics add the key
+    tiles' parts in an order that changes from run to run, so there it is held to the rounding of
+    that order (the first GPU run of this test failed on a bitwise dq, its dk and dv unchecked)."""
     grads = {}
     planned = configs.sm90_backward_config
     for form in ("consumers", "producer"):
@@ -495,8 +502,13 @@ def dropout_forms_agree(xp, monkeypatch, seed, name, dtype, shape):
         grads[form] = run_sm90_variant(np.random.default_rng(seed), xp, name, dtype, *shape)
     monkeypatch.setattr(configs, "sm90_backward_config", planned)
     backward._kernels.cache_clear()
-    for a, b in zip(grads["consumers"], grads["producer"]):
-        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+    dq, dk, dv = ((to_numpy(a), to_numpy(b)) for a, b in zip(grads["consumers"], grads["producer"]))
+    for a, b in (dk, dv) + ((dq,) if SIMULATOR else ()):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+    a, b = (x.astype(np.float32) for x in dq)
+    # an order's rounding: a unit in the last place of the dtype (at most 2^-7 of the value in bf16), and a
+    # float32 sum's error (a few 2^-24 of the largest) near zero
+    assert np.all(np.abs(a - b) <= 2.0 ** -7 * np.abs(a) + 2.0 ** -20 * np.abs(a).max())
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the variants' grid below")

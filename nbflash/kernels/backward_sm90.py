@@ -116,9 +116,7 @@ from nbflash.primitives import (
     pack_bf16x2,
     pack_f16x2,
     red_add_f32x2,
-    red_add_f32x4,
     shared_address,
-    shuffle_xor_u32,
     static_range,
     u32_as_f32,
     unroll,
@@ -239,10 +237,6 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # too, as ``heavy_first``: -8% to +3%, its blocks reading many heads at once; docs/perf-notes.md
     # step 7, the code in commit 354c94b.)
     heavy_groups: int = 0
-    # Floats a dQ reduction adds: 2 (red.add.v2, from the accumulator's column pairs as they are) or
-    # 4 (red.add.v4: lane pairs trade a column pair first by two shuffles; half the reductions). An
-    # option to time (docs/perf-notes.md, "Hopper backward", step 24)
-    dq_vector: int = 2
     # Dropout's keep bits: "consumers", each consumer lane makes its Philox calls as it makes P^T
     # (one call per eight scores, four bits traded with lane ^ 4); "producer", the producer
     # warpgroup's idle warps 2 and 3 make the same calls for every lane ahead of the step, into the
@@ -250,6 +244,12 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # none of their registers, in the consumers' loop). An option to time (docs/perf-notes.md,
     # "Hopper backward", step 26)
     dropout_bits: str = "consumers"
+    # dQ_i's product issued before dV's and dK's ("columns" only, one dQ product a step): the
+    # consumer waits for it alone and adds it to dq_accum while the tensor cores run dV's and dK's
+    # products, where the reductions otherwise start after all three have landed (the stall counters
+    # of docs/perf-notes.md step 28: the reductions' queue held the consumer for about a fifth of
+    # its step). An option to time (step 28)
+    dq_first: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
     # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
@@ -263,10 +263,10 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
             raise ValueError(f"{self.dq_split=} must be 'keys', 'columns', 'steps' or 'none'")
         if self.dq_split in ("columns", "steps") and self.consumers != 2:
             raise ValueError(f"dq_split={self.dq_split!r} takes two consumers, not {self.consumers=}")
-        if self.dq_vector not in (2, 4):
-            raise ValueError(f"dq_vector={self.dq_vector} must be 2 or 4")
         if self.dropout_bits not in ("consumers", "producer"):
             raise ValueError(f"{self.dropout_bits=} must be 'consumers' or 'producer'")
+        if self.dq_first and self.dq_split != "columns":
+            raise ValueError(f"dq_first=True takes dq_split='columns' (one dQ product a step), not {self.dq_split!r}")
         self.check_block()
 
     @property
@@ -368,41 +368,25 @@ def make_pack_a(dtype, regs):
     return pack_a
 
 
-def make_add_dq(headdim, columns, quads=False):
+def make_add_dq(headdim, columns):
     """``add_dq(dq_accum, acc, b, row0, h, col0, seqlen_q, q4)``: a 64-row product of ``columns``
-    dQ columns into dq_accum by red.add, the thread's two rows and column pairs inside the arrays.
-    With ``quads``, lanes q4 and q4 ^ 1 first trade a pair of each 8-column group (two shuffles), so
-    that each adds four contiguous columns of one row (the even lane's row0, the odd lane's row0 +
-    8) by one red.add.v4: half the reductions, each of 16 bytes."""
+    dQ columns into dq_accum by red.add.v2, the thread's two rows and column pairs inside the arrays.
+    (16-byte reductions, lane pairs trading a column pair first, were 2-5% slower at hd 64 and 20%
+    at hd 128: docs/perf-notes.md step 24, the code in commit 8ebb6f1.)"""
     HD = headdim
 
     @inline_device
     @unroll
     def add_dq(dq_accum, acc, b, row0, h, col0, seqlen_q, q4):
         """dq_accum[b, row0 + (0, 8), h, col0 + 8 c + 2 q4 (+1)] += acc (unscaled), inside the arrays."""
-        if quads:
-            odd = q4 & 1
-            row = row0 + 8 * odd  # the even lane's first row, the odd lane's second
-            row_address = global_address(dq_accum, b, row, h, 0)  # an address only: read below if inside
-            for c in static_range(columns // 8):
-                # Every lane, in step: the pair the partner adds (the even lane's second row, the odd
-                # lane's first) for the partner's, one 8-column group at a time (all at once, the
-                # received values would stay live together)
-                got0 = u32_as_f32(shuffle_xor_u32(f32_as_u32(acc[4 * c] if odd else acc[4 * c + 2]), uint32(1)))
-                got1 = u32_as_f32(shuffle_xor_u32(f32_as_u32(acc[4 * c + 1] if odd else acc[4 * c + 3]), uint32(1)))
-                col = col0 + 8 * c + 4 * (q4 >> 1)
-                if row < seqlen_q and col < HD:  # HD is a multiple of 8: the four columns are inside
-                    red_add_f32x4(row_address + col * 4, got0 if odd else acc[4 * c], got1 if odd else acc[4 * c + 1],
-                                  acc[4 * c + 2] if odd else got0, acc[4 * c + 3] if odd else got1)
-        else:
-            for rh in static_range(2):
-                row = row0 + 8 * rh
-                if row < seqlen_q:
-                    row_address = global_address(dq_accum, b, row, h, 0)
-                    for c in static_range(columns // 8):
-                        col = col0 + 8 * c + 2 * q4
-                        if col < HD:  # HD is a multiple of 8: both columns of the pair are inside
-                            red_add_f32x2(row_address + col * 4, acc[4 * c + 2 * rh], acc[4 * c + 2 * rh + 1])
+        for rh in static_range(2):
+            row = row0 + 8 * rh
+            if row < seqlen_q:
+                row_address = global_address(dq_accum, b, row, h, 0)
+                for c in static_range(columns // 8):
+                    col = col0 + 8 * c + 2 * q4
+                    if col < HD:  # HD is a multiple of 8: both columns of the pair are inside
+                        red_add_f32x2(row_address + col * 4, acc[4 * c + 2 * rh], acc[4 * c + 2 * rh + 1])
 
     return add_dq
 
@@ -778,6 +762,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     NO_DQ = config.dq_split == "none"  # dK and dV only (the deterministic backward)
     KEY_STEPS = (BN if DQ_ALL_KEYS else KEYS) // 16  # k16 steps of dQ: all keys, or the consumer's
     DQ_CHUNKS = 1 if DQ_BY_COLUMNS else CHUNKS  # 64-column chunks of dQ a consumer adds
+    DQ_FIRST = config.dq_first  # dQ_i's product ahead of dV's and dK's, its reductions under them
     # dQ columns per product: a consumer's half of headdim with "columns" (32 at headdim 64, 64 at
     # 128), else a 64-column chunk; the half's first byte in a row of K's tile: 64 bytes into the one
     # chunk at headdim 64 (the 128B swizzle is of the address, so a descriptor may start mid-row),
@@ -826,7 +811,16 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
     init_ring = make_init_ring(STAGES, FULL_ARRIVALS, EMPTY_ARRIVALS)
     pack_a = make_pack_a(config.dtype, P_REGS)  # P^T's and dS^T's A registers
-    add_dq = make_add_dq(HD, DQ_COLS, config.dq_vector == 4)  # a product's dQ columns into dq_accum
+    add_dq = make_add_dq(HD, DQ_COLS)  # a product's dQ columns into dq_accum
+
+    @inline_device
+    def add_dq_columns(dq_accum, dq_acc, b, row0, h, seqlen_q, q4, consumer):
+        """add_dq of the consumer's half of headdim ("columns"): the first column a constant in each
+        copy (a run-time one spilled 208 bytes)."""
+        if consumer == 0:
+            add_dq(dq_accum, dq_acc, b, row0, h, 0, seqlen_q, q4)
+        else:
+            add_dq(dq_accum, dq_acc, b, row0, h, DQ_COLS, seqlen_q, q4)
     store_rows = make_store_rows(config.dtype, HD, HDP)  # dK, dV
     block_rows = make_block_rows(hooks, BN)  # where the block's rows are (packed sequences: its sequence's)
     produce_tiles = make_produce_tiles(config, hooks)  # the producer's warp 0
@@ -1060,9 +1054,27 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     named_barrier_sync(1, CONSUMERS * GROUP)  # both consumers' dS^T is stored
                 elif not NO_DQ:
                     named_barrier_sync(1 + consumer, GROUP)  # the warpgroup's dS^T is stored
-                wgmma_fence()  # P^T's, dS^T's and the accumulators' registers are ordered before wgmma
+                if DQ_FIRST:  # dQ_i = dS K over all block_n keys, the consumer's half of headdim, first
+                    acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
+                    wgmma_fence()  # P^T's, dS^T's and the accumulators' registers are ordered before wgmma
+                    acc_q = issue_dq(acc_q, smem_descriptor(ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES), DS_BYTES,
+                                                            1024, SWIZZLE_128B),
+                                     smem_descriptor(k_tile + uint32(consumer * HALF_OFFSET), KV_CHUNK_BYTES, 1024,
+                                                     SWIZZLE_128B))
+                else:
+                    wgmma_fence()  # P^T's, dS^T's and the accumulators' registers are ordered before wgmma
                 acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
                 acc_dk = issue_keys_acc(acc_dk, ds_regs, smem_descriptor(q_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
+                if DQ_FIRST:  # dQ_i's reductions while the tensor cores run dV's and dK's products
+                    wgmma_wait(2)  # dQ_i has landed (commit groups complete in order)
+                    registers_to(dq_acc, fence_operands(acc_q))
+                    add_dq_columns(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h, q_row0 + seqlen_q,
+                                   q4, consumer)
+                    wgmma_wait(0)  # dV's and dK's products are done with Q_i and dO_i
+                    registers_to(dv_acc, fence_operands(acc_dv))
+                    registers_to(dk_acc, fence_operands(acc_dk))
+                    mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
+                    continue
 
                 # dQ_i += dS K_c, a 64-column chunk at a time
                 desc_ds = smem_descriptor(ds_tile, DS_BYTES, 1024, SWIZZLE_128B)  # dS: queries contiguous
@@ -1089,13 +1101,9 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                         registers_to(dv_acc, fence_operands(acc_dv))
                         registers_to(dk_acc, fence_operands(acc_dk))
                         mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
-                    if DQ_BY_COLUMNS:  # the chunk a constant in each copy (a run-time one spilled 208 bytes)
-                        if consumer == 0:
-                            add_dq(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h, 0, q_row0 + seqlen_q,
-                                   q4)
-                        else:
-                            add_dq(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h, DQ_COLS,
-                                   q_row0 + seqlen_q, q4)
+                    if DQ_BY_COLUMNS:
+                        add_dq_columns(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h,
+                                       q_row0 + seqlen_q, q4, consumer)
                     else:
                         add_dq(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h, chunk * CHUNK,
                                q_row0 + seqlen_q, q4)

@@ -144,7 +144,6 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
     # grid's blocks t, t + blocks, ... in launch order, with K and V double-buffered so that the next
     # tile's load runs under the current tile's steps.
     persistent: int = 0
-    dq_vector: int = 2  # floats a dQ reduction adds: 2, or 4 (lane pairs trade a pair first), as backward_sm90.py's
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
     consumers = 2
@@ -158,8 +157,6 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
                              "(causal) only; backward_sm90.py serves the other features")
         if self.persistent < 0:
             raise ValueError(f"persistent={self.persistent} must be 0 (off) or a block count")
-        if self.dq_vector not in (2, 4):
-            raise ValueError(f"dq_vector={self.dq_vector} must be 2 or 4")
         self.check_block()
 
     @property
@@ -236,7 +233,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     STEP16 = 16 * ROW_BYTES >> 4  # descriptor increment of a k16 step of an MN-major tile: 16 rows
     init_ring = make_init_ring(STAGES, FULL_ARRIVALS, EMPTY_ARRIVALS)
     pack_a = make_pack_a(config.dtype, P_REGS)  # P's and dS's A registers
-    add_dq = make_add_dq(HD, CHUNK, config.dq_vector == 4)  # dQ_c into dq_accum
+    add_dq = make_add_dq(HD, CHUNK)  # dQ_c into dq_accum
     store_rows = make_store_rows(config.dtype, HD, CHUNK)  # dK, dV
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
 
