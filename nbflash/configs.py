@@ -505,14 +505,23 @@ def sm90_backward_config(dtype, headdim, variant):
 SM90_BACKWARD_PRODUCER_DROPOUT_MIN_HEADDIM = 72
 
 
+# With dQ split by columns, dQ_i's product issued before dV's and dK's and its reductions made while
+# they run (``dq_first``): measured on the H200 (scripts/sm90_schedules.py --backward --headdims 128
+# --anchors, docs/perf-notes.md "Hopper backward" step 28), fp16, hd 128, 4k and 16k: +16% / +10%
+# non-causal, +13% / +10% causal over the products' old order; 1.25-1.31x SDPA flash's backward.
+SM90_BACKWARD_DQ_FIRST = True
+
+
 @lru_cache(maxsize=None)
 def sm90_backward_table_config(dtype, headdim, variant):
-    """backward_sm90.py's dK/dV kernel with ``SM90_BACKWARD``'s row for ``headdim`` (and dropout's
-    keep bits by the producer's warps past ``SM90_BACKWARD_PRODUCER_DROPOUT_MIN_HEADDIM``)."""
+    """backward_sm90.py's dK/dV kernel with ``SM90_BACKWARD``'s row for ``headdim`` (dQ's product
+    first with "columns": ``SM90_BACKWARD_DQ_FIRST``; dropout's keep bits by the producer's warps
+    past ``SM90_BACKWARD_PRODUCER_DROPOUT_MIN_HEADDIM``)."""
     _, stages, dq_split = _row(SM90_BACKWARD, headdim)
     bits = "producer" if variant.dropout and headdim >= SM90_BACKWARD_PRODUCER_DROPOUT_MIN_HEADDIM else "consumers"
     return Sm90BackwardConfig(dtype=dtype, headdim=headdim, variant=variant, stages=stages, dq_split=dq_split,
-                              heavy_groups=SM90_BACKWARD_HEAVY_GROUPS, dropout_bits=bits)
+                              heavy_groups=SM90_BACKWARD_HEAVY_GROUPS, dropout_bits=bits,
+                              dq_first=SM90_BACKWARD_DQ_FIRST and dq_split == "columns")
 
 
 def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=False):
@@ -561,7 +570,8 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
     if sm90:
         return preprocess, sm90_backward_config(dtype, headdim, static.variant), convert  # score_mod_grad too
     if sm90_dq:  # both Hopper kernels, neither with atomics: dK, dV, then dQ, each in a fixed order
-        dkdv = dataclasses.replace(sm90_backward_table_config(dtype, headdim, static.variant), dq_split="none")
+        dkdv = dataclasses.replace(sm90_backward_table_config(dtype, headdim, static.variant), dq_split="none",
+                                   dq_first=False)
         return preprocess, dkdv, Sm90DqConfig(dtype, headdim, static.variant._replace(score_mod_grad=""))
     if family == "sm80":
         _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DKDV, headdim)

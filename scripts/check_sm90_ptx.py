@@ -133,14 +133,15 @@ def backward_kernels():
         for varlen in (False, True):
             found.append((f"backward_sm90_{'varlen_' if varlen else ''}causal_hd{headdim}",
                           configs.sm90_backward_table_config("float16", headdim, Variant(window=True, varlen=varlen))))
-    # dQ_i's product first, its reductions under dV's and dK's products (dq_first; "columns", hd 128)
+    # dQ_i's product after dV's and dK's, its reductions once all three have landed (the planned
+    # "columns" kernel before dq_first; hd 128)
     for variant in (Variant(), Variant(window=True)):
-        found.append((f"backward_sm90_dq_first_{'causal' if variant.window else 'plain'}_hd128", dataclasses.replace(
-            configs.sm90_backward_table_config("float16", 128, variant), dq_first=True)))
+        found.append((f"backward_sm90_dq_last_{'causal' if variant.window else 'plain'}_hd128", dataclasses.replace(
+            configs.sm90_backward_table_config("float16", 128, variant), dq_first=False)))
     # the deterministic backward's dK/dV pass (no dQ: dq_split="none"), plain at each planned headdim
     for headdim, *_ in configs.SM90_BACKWARD:
         found.append((f"backward_sm90_deterministic_hd{headdim}", dataclasses.replace(
-            configs.sm90_backward_table_config("float16", headdim, Variant()), dq_split="none")))
+            configs.sm90_backward_table_config("float16", headdim, Variant()), dq_split="none", dq_first=False)))
     # headdims past 128: the consumers split headdim (backward_sm90_wide.py), fp16 and bf16, plain and causal
     from nbflash.kernels.backward_sm90_wide import Sm90WideBackwardConfig
 

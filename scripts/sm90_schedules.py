@@ -31,8 +31,9 @@ Backward, each column a schedule:
 - "planned": the planner's choice (configs.sm90_backward_config: the rows split at headdim 64,
   configs.SM90_BACKWARD's row of backward_sm90.py otherwise). (dQ by 16-byte reductions, timed as
   "planned-dq4" until commit 8ebb6f1, was 2-20% slower: docs/perf-notes.md step 24.)
-  "planned-dqfirst" (where the planned kernel splits dQ by columns: headdim 128): the same with dQ_i's
-  product issued before dV's and dK's and its reductions made while they run (dq_first, step 28).
+  "planned-dqlast" (where the planned kernel splits dQ by columns: headdim 128): the same with dQ_i's
+  product issued after dV's and dK's and its reductions made once all three have landed (the order
+  before dq_first, step 28).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
 schedule's ratio to SDPA flash after the table. With --isolate S, each (shape, schedule) runs in a
@@ -173,7 +174,7 @@ def backward_schedules(headdim, causal):
     planned = configs.sm90_backward_config("float16", headdim, variant)  # rows split at hd <= 64 (not dropout)
     table = configs.sm90_backward_table_config("float16", headdim, variant)  # backward_sm90.py
     base = table.__class__(**{**table.__dict__, "stages": 2, "dq_split": "keys", "heavy_groups": 0,
-                              "dropout_bits": "consumers"})
+                              "dropout_bits": "consumers", "dq_first": False})
     found = {"base": base, "serial": base.__class__(**{**base.__dict__, "overlap": False}),
              "3stages": base.__class__(**{**base.__dict__, "stages": 3}),
              "regs240": base.__class__(**{**base.__dict__, "producer_registers": 24, "consumer_registers": 240})}
@@ -181,8 +182,8 @@ def backward_schedules(headdim, causal):
     found["3st-columns"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "columns"})
     found["steps"] = base.__class__(**{**base.__dict__, "dq_split": "steps"})
     found["3st-steps"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps"})
-    if getattr(planned, "dq_split", "") == "columns":  # dQ_i's product first, its reductions under dV's, dK's
-        found["planned-dqfirst"] = planned.__class__(**{**planned.__dict__, "dq_first": True})
+    if getattr(planned, "dq_split", "") == "columns":  # dQ_i's product after dV's and dK's (before dq_first)
+        found["planned-dqlast"] = planned.__class__(**{**planned.__dict__, "dq_first": False})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
         found[f"heavy-groups{groups}"] = table.__class__(**{**table.__dict__, "heavy_groups": groups})
     if DROPOUT:  # dropout's keep bits made by the producer's warps 2 and 3 instead of the consumer lanes

@@ -179,26 +179,37 @@ def test_backward_sm90_dq_by_steps_small(rng, xp, sm90_backward_table):
 
 
 @pytest.fixture
-def dq_first(monkeypatch):
-    """Plan backward_sm90.py's dK/dV kernel with dQ_i's product first (dq_first=True), where it
-    splits dQ by columns."""
+def dq_last(monkeypatch):
+    """Plan backward_sm90.py's dK/dV kernel with dQ_i's product after dV's and dK's (dq_first=False,
+    the order before step 28), where it splits dQ by columns."""
     planned = configs.sm90_backward_config
 
-    def with_dq_first(*args):
+    def with_dq_last(*args):
         config = planned(*args)
-        return dataclasses.replace(config, dq_first=True) if getattr(config, "dq_split", "") == "columns" else config
+        return dataclasses.replace(config, dq_first=False) if getattr(config, "dq_split", "") == "columns" else config
 
-    monkeypatch.setattr(configs, "sm90_backward_config", with_dq_first)
+    monkeypatch.setattr(configs, "sm90_backward_config", with_dq_last)
     backward._kernels.cache_clear()
     yield
     backward._kernels.cache_clear()
 
 
+def test_backward_sm90_plans_dq_first():
+    """With dQ split by columns (headdims 72-128), dQ_i's product comes first (dq_first), and the
+    deterministic pass, which has no dQ, goes without it."""
+    for headdim in (96, 128):
+        static = Static("float16", headdim, True, 0, CAUSAL)
+        assert configs.sm90_backward_table_config("float16", headdim, CAUSAL).dq_first
+        dkdv = configs.plan_backward(static, True, "sm90")[1]
+        assert dkdv.dq_split == "none" and not dkdv.dq_first
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-def test_backward_sm90_dq_first_small(rng, xp, dq_first):
-    """dQ_i's product issued before dV's and dK's, its reductions made while they run: headdim 96
-    by columns (consumer 1's last 32 columns past headdim), causal, 70 query rows (a tail)."""
-    assert configs.plan_backward(Static("float16", 96, True, 0, CAUSAL), False, "sm90")[1].dq_first
+def test_backward_sm90_dq_last_small(rng, xp, dq_last):
+    """dQ_i's product after dV's and dK's, its reductions once all three have landed: headdim 96
+    by columns (consumer 1's last 32 columns past headdim), causal, 70 query rows (a tail). (The
+    planned order, dQ first, runs in the other simulator cases at headdims 72-128.)"""
+    assert not configs.plan_backward(Static("float16", 96, True, 0, CAUSAL), False, "sm90")[1].dq_first
     run_sm90(rng, xp, 1, 70, 100, 1, 1, 96, "float16", True)
 
 
@@ -206,10 +217,10 @@ def test_backward_sm90_dq_first_small(rng, xp, dq_first):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("headdim", [96, 128])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_sm90_dq_first_gpu(rng, xp, dq_first, seqlens, headdim, causal):
-    """dq_first on the planned "columns" kernel, GQA 2:1, fp16 and bf16."""
-    assert configs.plan_backward(Static("float16", headdim, causal, 0, CAUSAL if causal else Variant()), False,
-                                 "sm90")[1].dq_first
+def test_backward_sm90_dq_last_gpu(rng, xp, dq_last, seqlens, headdim, causal):
+    """dq_first=False on the planned "columns" kernel, GQA 2:1, fp16 and bf16."""
+    assert not configs.plan_backward(Static("float16", headdim, True, 0, CAUSAL if causal else Variant()), False,
+                                     "sm90")[1].dq_first
     run_sm90(rng, xp, 2, *seqlens, 4, 2, headdim, "bfloat16" if causal else "float16", causal)
 
 
