@@ -100,6 +100,10 @@ def backward_kernels():
 
     found = [(f"backward_sm90_hd{headdim}", configs.sm90_backward_table_config("float16", headdim, Variant()))
              for headdim, *_ in configs.SM90_BACKWARD]
+    # the other variants planned at hd 128: a block mask (document masks), causal softcap and ALiBi
+    for name, variant in (("block_mask", Variant(block_mask=True)), ("causal_softcap", Variant(window=True, softcap=True)),
+                          ("causal_alibi", Variant(window=True, alibi=True))):
+        found.append((f"backward_sm90_{name}_hd128", configs.sm90_backward_table_config("float16", 128, variant)))
     hd64 = configs.sm90_backward_table_config("float16", 64, Variant())
     # dQ by 32-column halves (wgmma N = 32)
     found.append(("backward_sm90_columns_hd64", dataclasses.replace(hd64, dq_split="columns")))
@@ -138,6 +142,13 @@ def backward_kernels():
     for variant in (Variant(), Variant(window=True)):
         found.append((f"backward_sm90_dq_last_{'causal' if variant.window else 'plain'}_hd128", dataclasses.replace(
             configs.sm90_backward_table_config("float16", 128, variant), dq_first=False)))
+    # hd 64 by 32-column halves with dQ_i's product first (dq_first; "steps", the default there, would
+    # issue it on alternate steps only, a branch around the wgmmas, which ptxas serializes: C7519),
+    # plain, causal and with dropout (whose hd 64 default is backward_sm90.py's "steps" kernel)
+    for name, variant in (("plain", Variant()), ("causal", Variant(window=True)),
+                          ("causal_dropout", Variant(window=True, dropout=True))):
+        found.append((f"backward_sm90_columns_dq_first_{name}_hd64", dataclasses.replace(
+            configs.sm90_backward_table_config("float16", 64, variant), dq_split="columns", dq_first=True)))
     # the deterministic backward's dK/dV pass (no dQ: dq_split="none"), plain at each planned headdim
     for headdim, *_ in configs.SM90_BACKWARD:
         found.append((f"backward_sm90_deterministic_hd{headdim}", dataclasses.replace(

@@ -33,6 +33,12 @@
 #                                deterministic=True on both Hopper kernels (not yet run on a GPU): its
 #                                tests (bit-identical reruns), then its backward timed against the
 #                                mma family's deterministic one and the atomic ones, about 5 minutes
+#   scripts/gpu_check.sh dqfirst dQ's product first (dq_first, planned at hd 72-128 since 2026-12-05): the
+#                                planned kernel's GPU grids its first run did not cover (non-causal
+#                                tails at hd 96 and 128, the variants at 128), the dQ-last grid, and
+#                                hd 64 by 32-column halves with dQ first (an option), then hd 64's
+#                                timing: plain against the rows split and SDPA, and with dropout
+#                                against the "steps" kernel it would replace, about 8 minutes
 #   scripts/gpu_check.sh dropout dropout's keep bits made by the producer's idle warps (not yet run on a
 #                                GPU): its test grid (bit-identical to the consumer lanes' bits), then
 #                                the planned dropout backward against it, headdims 64 and 128, about
@@ -188,6 +194,20 @@ deterministic)
         --markdown "$out/deterministic.md" > "$out/deterministic.log" 2>&1
     echo "deterministic backward (exit $?):"; tail -12 "$out/deterministic.log"
     ;;
+dqfirst)
+    # docs/perf-notes.md, "Hopper backward", steps 28 and 29
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 240 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+        -W ignore tests/test_backward_sm90.py -k "dq_last_gpu or dq_first_gpu or (test_backward_sm90_gpu and (-128- \
+        or -96-)) or (variants_gpu and x128-)" > "$out/dqfirst_tests.log" 2>&1
+    echo "tests: exit $?: $(tail -1 "$out/dqfirst_tests.log")"
+    grep -aE "\] (FAILED|ERROR)" "$out/dqfirst_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
+    timeout 120 python3 scripts/sm90_schedules.py --backward --headdims 64 --only columns-dqfirst --anchors \
+        > "$out/dqfirst_hd64.log" 2>&1
+    echo "hd 64, 32-column halves with dQ first, against the rows split (exit $?):"; tail -12 "$out/dqfirst_hd64.log"
+    timeout 100 python3 scripts/sm90_schedules.py --backward --headdims 64 --dropout 0.1 --only columns-dqfirst \
+        > "$out/dqfirst_dropout.log" 2>&1
+    echo "hd 64 dropout, the same against \"steps\" (exit $?):"; tail -8 "$out/dqfirst_dropout.log"
+    ;;
 dropout)
     # docs/perf-notes.md, "Hopper backward", step 26: dropout's keep bits from the producer's warps
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 150 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
@@ -223,7 +243,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dropout|stalls|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|dropout|stalls|wide" >&2
     exit 2
     ;;
 esac

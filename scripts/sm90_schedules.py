@@ -33,7 +33,9 @@ Backward, each column a schedule:
   "planned-dq4" until commit 8ebb6f1, was 2-20% slower: docs/perf-notes.md step 24.)
   "planned-dqlast" (where the planned kernel splits dQ by columns: headdim 128): the same with dQ_i's
   product issued after dV's and dK's and its reductions made once all three have landed (the order
-  before dq_first, step 28).
+  before dq_first, step 28); "columns-dqfirst" (headdim 64): backward_sm90.py's kernel from the
+  table (its "steps" the default there for dropout and score_mod) with dQ split by 32-column halves
+  and each consumer's half issued first (an option, step 29).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
 schedule's ratio to SDPA flash after the table. With --isolate S, each (shape, schedule) runs in a
@@ -184,6 +186,8 @@ def backward_schedules(headdim, causal):
     found["3st-steps"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps"})
     if getattr(planned, "dq_split", "") == "columns":  # dQ_i's product after dV's and dK's (before dq_first)
         found["planned-dqlast"] = planned.__class__(**{**planned.__dict__, "dq_first": False})
+    if table.dq_split == "steps":  # hd 64: backward_sm90.py by 32-column halves, dQ_i's product first
+        found["columns-dqfirst"] = table.__class__(**{**table.__dict__, "dq_split": "columns", "dq_first": True})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
         found[f"heavy-groups{groups}"] = table.__class__(**{**table.__dict__, "heavy_groups": groups})
     if DROPOUT:  # dropout's keep bits made by the producer's warps 2 and 3 instead of the consumer lanes

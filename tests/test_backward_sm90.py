@@ -224,6 +224,22 @@ def test_backward_sm90_dq_last_gpu(rng, xp, dq_last, seqlens, headdim, causal):
     run_sm90(rng, xp, 2, *seqlens, 4, 2, headdim, "bfloat16" if causal else "float16", causal)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "dropout"])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_columns_dq_first_gpu(xp, monkeypatch, seqlens, name):
+    """Headdim 64 by 32-column halves with dq_first (an option): causal, and dropout, whose headdim
+    64 default is backward_sm90.py's "steps" kernel; GQA 2:1, tails."""
+    table = configs.sm90_backward_table_config
+    monkeypatch.setattr(configs, "sm90_backward_config", lambda *args: dataclasses.replace(
+        table(*args), dq_split="columns", dq_first=True))
+    backward._kernels.cache_clear()
+    try:
+        run_sm90_variant(np.random.default_rng(5), xp, name, "float16", 2, *seqlens, 4, 2, 64)
+    finally:
+        backward._kernels.cache_clear()
+
+
 @pytest.fixture
 def heavy_groups(request, monkeypatch):
     """Plan the sm90 backward longest-first within groups of (batch, KV head) pairs, as many as
