@@ -41,7 +41,9 @@ headdim's columns over all block_n keys, reading both consumers' dS^T tiles (lai
 after a barrier across both: half the atomics. With ``dq_split="steps"`` (any headdim) the
 consumers take turns by step parity, the one whose turn it is adding the whole dQ_i over all block_n
 keys: half the atomics too. The plan uses "columns" at headdim 128 and "steps" at 64
-(configs.SM90_BACKWARD: 21-32% and 6-11% faster than "keys" on the H200).
+(configs.SM90_BACKWARD: 21-32% and 6-11% faster than "keys" on the H200). With "columns" the plan
+also issues dQ_i's product first (``dq_first``): the consumer adds it to dq_accum while dV's and
+dK's products run, instead of after all three (10-16% faster at headdim 128).
 
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G
 (G ceil(seqlen_k / block_n), ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch,
@@ -241,14 +243,15 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # (one call per eight scores, four bits traded with lane ^ 4); "producer", the producer
     # warpgroup's idle warps 2 and 3 make the same calls for every lane ahead of the step, into the
     # ring slot beside lse and D, and a consumer lane reads one word a step (no Philox rounds, and
-    # none of their registers, in the consumers' loop). An option to time (docs/perf-notes.md,
-    # "Hopper backward", step 26)
+    # none of their registers, in the consumers' loop). Planned past headdim 64 (docs/perf-notes.md,
+    # "Hopper backward", step 26: +6% causal at hd 128; at hd 64, 20-25% slower)
     dropout_bits: str = "consumers"
     # dQ_i's product issued before dV's and dK's ("columns" only, one dQ product a step): the
     # consumer waits for it alone and adds it to dq_accum while the tensor cores run dV's and dK's
     # products, where the reductions otherwise start after all three have landed (the stall counters
     # of docs/perf-notes.md step 28: the reductions' queue held the consumer for about a fifth of
-    # its step). An option to time (step 28)
+    # its step). Planned with "columns" (step 28: +10-16% at hd 128). ("steps" would issue it on a
+    # consumer's turn only, a branch around the wgmmas that ptxas serializes: not offered.)
     dq_first: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
