@@ -228,7 +228,7 @@ stalls)
             python3 scripts/stall_report.py run --headdim 128 --seqlen 4096 $causal > "$out/$name.log" 2>&1
         echo "ncu ${causal:-plain} (exit $?): $(tail -1 "$out/$name.log")"
         timeout 120 ncu --import "$out/$name.ncu-rep" --page source --csv --print-source sass > "$out/$name.csv" 2>&1
-        python3 scripts/stall_report.py summary "$out/$name.csv" --top 30 | tee "$out/$name.txt" | head -50
+        python3 scripts/stall_report.py summary "$out/$name.csv" --top 30 --context 3 | tee "$out/$name.txt" | head -70
         rm -f "$out/$name.ncu-rep"  # large; the CSV and the summary come back
     done
     ;;

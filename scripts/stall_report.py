@@ -50,7 +50,7 @@ def _number(text):
         return 0.0
 
 
-def summary(path, top):
+def summary(path, top, context=0):
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     # ncu's CSV may start with lines of its own before the header: the header names the source
@@ -65,15 +65,34 @@ def summary(path, top):
     # per-reason columns, where ncu gives them (names with 'stall' that hold numbers)
     reasons = [i for i, name in enumerate(header) if "stall" in name.lower() and i != samples_at
                and not name.startswith("Warp Stall Sampling")]
+    executed_at = header.index("Instructions Executed") if "Instructions Executed" in header else None
     total = sum(_number(row[samples_at]) for row in body) or 1.0
     print(f"{len(body)} instructions, {total:.0f} stall samples")
-    ranked = sorted(body, key=lambda row: -_number(row[samples_at]))
-    print(f"\nthe {top} instructions with the most samples (share of all, then the largest reasons):")
-    for row in ranked[:top]:
+
+    def ran(row):  # how many times the instruction ran, over all warps ("" without the column)
+        return f"{_number(row[executed_at]):>10.0f}" if executed_at is not None else ""
+
+    order = sorted(range(len(body)), key=lambda j: -_number(body[j][samples_at]))
+    print(f"\nthe {top} instructions with the most samples (share of all, times run, then the largest reasons):")
+    for rank, j in enumerate(order[:top]):
+        row = body[j]
         share = _number(row[samples_at]) / total
         named = sorted(((_number(row[i]), header[i]) for i in reasons), reverse=True)[:3]
         why = ", ".join(f"{name} {value:.0f}" for value, name in named if value)
-        print(f"  {share:6.1%}  {row[source_at].strip()[:70]:70s}  {why}")
+        print(f"  {share:6.1%} {ran(row)}  {row[source_at].strip()[:70]:70s}  {why}")
+        if rank < 8:  # what comes before the hottest: a wait lands on the instruction after its cause
+            for before in body[max(0, j - context):j]:
+                print(f"  {'':6s} {ran(before)}    | {before[source_at].strip()[:70]}")
+    if executed_at is not None:
+        # Warps of one role run the same instructions the same number of times: the consumers' loop
+        # once per consumer warp and step, the producer's warps' loops fewer times, the prologue once
+        # per warp. So the samples grouped by that count say which role's instructions wait.
+        groups = collections.Counter()
+        for row in body:
+            groups[_number(row[executed_at])] += _number(row[samples_at])
+        print("\nsamples by how many times their instruction ran (one group per warp role and place):")
+        for count, value in groups.most_common(8):
+            print(f"  {value / total:6.1%}  {count:>10.0f}")
     kinds = collections.Counter()
     for row in body:
         opcode = re.match(r"\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", row[source_at])
@@ -93,11 +112,13 @@ def main():
     two = sub.add_parser("summary", help="summarize ncu's source page (CSV)")
     two.add_argument("csv")
     two.add_argument("--top", type=int, default=40)
+    two.add_argument("--context", type=int, default=0,
+                     help="also print this many instructions before each of the 8 hottest")
     args = parser.parse_args()
     if args.what == "run":
         run(args.headdim, args.seqlen, args.causal)
     else:
-        summary(args.csv, args.top)
+        summary(args.csv, args.top, args.context)
 
 
 if __name__ == "__main__":
