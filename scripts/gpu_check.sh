@@ -38,7 +38,9 @@
 #                                tails at hd 96 and 128, the variants at 128), the dQ-last grid, and
 #                                hd 64 by 32-column halves with dQ first (an option), then hd 64's
 #                                timing: plain against the rows split and SDPA, and with dropout
-#                                against the "steps" kernel it would replace, about 8 minutes
+#                                against the "steps" kernel it would replace; then hd 128 dropout,
+#                                the producer's keep bits against the consumers' with dQ first,
+#                                about 9 minutes
 #   scripts/gpu_check.sh dropout dropout's keep bits made by the producer's idle warps (not yet run on a
 #                                GPU): its test grid (bit-identical to the consumer lanes' bits), then
 #                                the planned dropout backward against it, headdims 64 and 128, about
@@ -207,6 +209,12 @@ dqfirst)
     timeout 100 python3 scripts/sm90_schedules.py --backward --headdims 64 --dropout 0.1 --only columns-dqfirst \
         > "$out/dqfirst_dropout.log" 2>&1
     echo "hd 64 dropout, the same against \"steps\" (exit $?):"; tail -8 "$out/dqfirst_dropout.log"
+    # hd 128 dropout: the producer's keep bits were measured faster with dQ last; with dQ first the
+    # consumers' step is shorter, and the producer's Philox calls may become its critical path
+    timeout 100 python3 scripts/sm90_schedules.py --backward --headdims 128 --dropout 0.1 --only dropout-consumers \
+        > "$out/dqfirst_dropout128.log" 2>&1
+    echo "hd 128 dropout, the producer's bits (planned) against the consumers' (exit $?):"
+    tail -6 "$out/dqfirst_dropout128.log"
     ;;
 dropout)
     # docs/perf-notes.md, "Hopper backward", step 26: dropout's keep bits from the producer's warps
