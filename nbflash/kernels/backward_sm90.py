@@ -824,6 +824,16 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             add_dq(dq_accum, dq_acc, b, row0, h, 0, seqlen_q, q4)
         else:
             add_dq(dq_accum, dq_acc, b, row0, h, DQ_COLS, seqlen_q, q4)
+
+    @inline_device
+    def all_keys_ds(ds_tiles, i):
+        """dS over all block_n keys (a split over all keys): from step i's parity's first dS^T tile."""
+        return smem_descriptor(ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES), DS_BYTES, 1024, SWIZZLE_128B)
+
+    @inline_device
+    def half_k(k_tile, consumer):
+        """K's columns of the consumer's half of headdim ("columns"), every key of the tile."""
+        return smem_descriptor(k_tile + uint32(consumer * HALF_OFFSET), KV_CHUNK_BYTES, 1024, SWIZZLE_128B)
     store_rows = make_store_rows(config.dtype, HD, HDP)  # dK, dV
     block_rows = make_block_rows(hooks, BN)  # where the block's rows are (packed sequences: its sequence's)
     produce_tiles = make_produce_tiles(config, hooks)  # the producer's warp 0
@@ -1057,15 +1067,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     named_barrier_sync(1, CONSUMERS * GROUP)  # both consumers' dS^T is stored
                 elif not NO_DQ:
                     named_barrier_sync(1 + consumer, GROUP)  # the warpgroup's dS^T is stored
-                if DQ_FIRST:  # dQ_i = dS K over all block_n keys, the consumer's half of headdim, first
+                if DQ_FIRST:
                     acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
-                    wgmma_fence()  # P^T's, dS^T's and the accumulators' registers are ordered before wgmma
-                    acc_q = issue_dq(acc_q, smem_descriptor(ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES), DS_BYTES,
-                                                            1024, SWIZZLE_128B),
-                                     smem_descriptor(k_tile + uint32(consumer * HALF_OFFSET), KV_CHUNK_BYTES, 1024,
-                                                     SWIZZLE_128B))
-                else:
-                    wgmma_fence()  # P^T's, dS^T's and the accumulators' registers are ordered before wgmma
+                wgmma_fence()  # P^T's, dS^T's and the accumulators' registers are ordered before wgmma
+                if DQ_FIRST:  # dQ_i = dS K over all block_n keys, the consumer's half of headdim, first
+                    acc_q = issue_dq(acc_q, all_keys_ds(ds_tiles, i), half_k(k_tile, consumer))
                 acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
                 acc_dk = issue_keys_acc(acc_dk, ds_regs, smem_descriptor(q_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
                 if DQ_FIRST:  # dQ_i's reductions while the tensor cores run dV's and dK's products
@@ -1081,9 +1087,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 
                 # dQ_i += dS K_c, a 64-column chunk at a time
                 desc_ds = smem_descriptor(ds_tile, DS_BYTES, 1024, SWIZZLE_128B)  # dS: queries contiguous
-                if DQ_ALL_KEYS:  # from the parity's first tile: all block_n keys
-                    desc_ds = smem_descriptor(ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES), DS_BYTES, 1024,
-                                              SWIZZLE_128B)
+                if DQ_ALL_KEYS:
+                    desc_ds = all_keys_ds(ds_tiles, i)
                 if NO_DQ or (DQ_BY_STEPS and i % 2 != consumer):  # no dQ_i here, or the other consumer's
                     wgmma_wait(0)  # dV's and dK's products are done with Q_i and dO_i
                     registers_to(dv_acc, fence_operands(acc_dv))
@@ -1093,9 +1098,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 for chunk in static_range(DQ_CHUNKS):
                     desc_kc = smem_descriptor(k_tile + uint32(chunk * KV_CHUNK_BYTES) + (uint32(0) if DQ_BY_STEPS
                                               else rows_off), KV_CHUNK_BYTES, 1024, SWIZZLE_128B)
-                    if DQ_BY_COLUMNS:  # the consumer's half of headdim, every key of the tile
-                        desc_kc = smem_descriptor(k_tile + uint32(consumer * HALF_OFFSET), KV_CHUNK_BYTES, 1024,
-                                                  SWIZZLE_128B)
+                    if DQ_BY_COLUMNS:
+                        desc_kc = half_k(k_tile, consumer)
                     acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
                     acc_q = issue_dq(acc_q, desc_ds, desc_kc)
                     wgmma_wait(0)
