@@ -582,6 +582,36 @@ if SIMULATOR:
         if inside is not None:
             tensor[target] = box[inside]
 
+    def bulk_reduce_add_f32(dst_address, src, nbytes):
+        """cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [dst], [src], nbytes: add the
+        ``nbytes`` (a positive multiple of 16) of float32 at shared address ``src`` (16-byte aligned)
+        element by element into those at global address ``dst_address`` (16-byte aligned; see
+        primitives.global_address). A contiguous run, no tensor map: one row of a row-major array.
+        Each element's addition is atomic (other blocks may add to the same elements), their order
+        unspecified. Asynchronous, in this thread's bulk group, as tma_store_2d: tma_store_commit
+        closes the group, tma_store_wait(n) waits for its reads of shared memory. Write the source
+        with ordinary stores, then fence_proxy_async, then hand it to the issuing thread (an
+        mbarrier or a barrier). Emulation: an immediate addition."""
+        nbytes = int(nbytes)
+        if nbytes <= 0 or nbytes % 16:
+            raise ValueError(f"bulk reduce-add of {nbytes} bytes: not a positive multiple of 16")
+        src = _check_shared(src, nbytes, 16)
+        dst = int(dst_address)
+        if dst % 16:
+            raise ValueError(f"global address {dst:#x} is not 16-byte aligned")
+        if not _p._global_ranges.contains(dst, nbytes):
+            raise IndexError(f"global address {dst:#x} (+{nbytes}) is outside every array")
+        values = np.frombuffer(_p._shared_bytes(src, nbytes), dtype=np.float32).copy()
+        target = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(dst), dtype=np.float32)
+        with _p._reduction_lock:
+            target += values
+
+    def store_shared_f32x2(addr, a, b):
+        """st.shared.v2.f32 [addr], {a, b}: two float32 to an 8-byte aligned shared address, one
+        store (a warp's 32 lanes, 256 bytes, in two passes of 128 bytes where the banks allow)."""
+        words = (ctypes.c_float * 2).from_address(_check_shared(addr, 8, 8))
+        words[0], words[1] = np.float32(a), np.float32(b)
+
     def tma_store_commit():
         """cp.async.bulk.commit_group: close this thread's group of TMA stores (emulation: nothing)."""
 
@@ -926,6 +956,9 @@ else:
     tma_reduce_add_4d = _ptx("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group "
                              "[$0, {$1, $2, $3, $4}], [$5];",
                              (i64, types.int32, types.int32, types.int32, types.int32, u32))
+    bulk_reduce_add_f32 = _ptx("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+                               (i64, u32, u32))
+    store_shared_f32x2 = _ptx("st.shared.v2.f32 [$0], {$1, $2};", (u32, types.float32, types.float32))
     tma_store_commit = _ptx("cp.async.bulk.commit_group;")
     tma_store_wait = _ptx_literal("cp.async.bulk.wait_group.read {};", _check_pending)
 

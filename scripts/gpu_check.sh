@@ -38,9 +38,15 @@
 #                                tails at hd 96 and 128, the variants at 128), the dQ-last grid, and
 #                                hd 64 by 32-column halves with dQ first (an option), then hd 64's
 #                                timing: plain against the rows split and SDPA, and with dropout
-#                                against the "steps" kernel it would replace; then hd 128 dropout,
-#                                the producer's keep bits against the consumers' with dQ first,
-#                                about 9 minutes
+#                                against the "steps" kernel it would replace (each also with dQ by
+#                                bulk reduce-adds, step 30); then hd 128 dropout, the producer's keep
+#                                bits against the consumers' with dQ first, and with bulk
+#                                reduce-adds, about 9.5 minutes
+#   scripts/gpu_check.sh bulk    dQ_i added by the producer's warp 3 from a staged tile by bulk
+#                                reduce-adds (dq_reduce="bulk", an option; not yet run on a GPU):
+#                                the primitive's test, its kernel's GPU grids (tails, GQA, variants,
+#                                packed sequences), then hd 128 timed against the planned kernel and
+#                                SDPA, about 5 minutes (hd 64 and dropout: in `dqfirst`)
 #   scripts/gpu_check.sh dropout dropout's keep bits made by the producer's idle warps (not yet run on a
 #                                GPU): its test grid (bit-identical to the consumer lanes' bits), then
 #                                the planned dropout backward against it, headdims 64 and 128, about
@@ -203,18 +209,33 @@ dqfirst)
         or -96-)) or (variants_gpu and x128-)" > "$out/dqfirst_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/dqfirst_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/dqfirst_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 120 python3 scripts/sm90_schedules.py --backward --headdims 64 --only columns-dqfirst --anchors \
+    timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 64 --only columns-dqfirst columns-dqfirst-bulk \
+        --anchors \
         > "$out/dqfirst_hd64.log" 2>&1
     echo "hd 64, 32-column halves with dQ first, against the rows split (exit $?):"; tail -12 "$out/dqfirst_hd64.log"
-    timeout 100 python3 scripts/sm90_schedules.py --backward --headdims 64 --dropout 0.1 --only columns-dqfirst \
+    timeout 120 python3 scripts/sm90_schedules.py --backward --headdims 64 --dropout 0.1 --only columns-dqfirst \
+        columns-dqfirst-bulk \
         > "$out/dqfirst_dropout.log" 2>&1
     echo "hd 64 dropout, the same against \"steps\" (exit $?):"; tail -8 "$out/dqfirst_dropout.log"
     # hd 128 dropout: the producer's keep bits were measured faster with dQ last; with dQ first the
     # consumers' step is shorter, and the producer's Philox calls may become its critical path
-    timeout 100 python3 scripts/sm90_schedules.py --backward --headdims 128 --dropout 0.1 --only dropout-consumers \
+    timeout 120 python3 scripts/sm90_schedules.py --backward --headdims 128 --dropout 0.1 --only dropout-consumers \
+        planned-bulk \
         > "$out/dqfirst_dropout128.log" 2>&1
     echo "hd 128 dropout, the producer's bits (planned) against the consumers' (exit $?):"
     tail -6 "$out/dqfirst_dropout128.log"
+    ;;
+bulk)
+    # docs/perf-notes.md, "Hopper backward", step 30
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 200 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+        -W ignore tests/test_primitives_sm90.py tests/test_backward_sm90.py tests/test_varlen.py -k "bulk" \
+        > "$out/bulk_tests.log" 2>&1
+    echo "tests: exit $?: $(tail -1 "$out/bulk_tests.log")"
+    grep -aE "\] (FAILED|ERROR)" "$out/bulk_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
+    timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-bulk --anchors \
+        > "$out/bulk128.log" 2>&1
+    echo "hd 128, dQ by bulk reduce-adds from the producer's warp 3 against the planned kernel (exit $?):"
+    tail -14 "$out/bulk128.log"
     ;;
 dropout)
     # docs/perf-notes.md, "Hopper backward", step 26: dropout's keep bits from the producer's warps
@@ -251,7 +272,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|dropout|stalls|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|bulk|dropout|stalls|wide" >&2
     exit 2
     ;;
 esac

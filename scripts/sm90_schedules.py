@@ -35,7 +35,10 @@ Backward, each column a schedule:
   product issued after dV's and dK's and its reductions made once all three have landed (the order
   before dq_first, step 28); "columns-dqfirst" (headdim 64): backward_sm90.py's kernel from the
   table (its "steps" the default there for dropout and score_mod) with dQ split by 32-column halves
-  and each consumer's half issued first (an option, step 29).
+  and each consumer's half issued first (an option, step 29). "planned-bulk" (where the planned kernel
+  issues dQ first: headdim 128) and "columns-dqfirst-bulk" (headdim 64): the same with dQ_i stored
+  by the consumers into a shared tile and added to dq_accum by the producer's warp 3, a bulk
+  reduce-add per row (dq_reduce="bulk", step 30; with --dropout, the keep bits by warp 2 alone).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
 schedule's ratio to SDPA flash after the table. With --isolate S, each (shape, schedule) runs in a
@@ -188,6 +191,11 @@ def backward_schedules(headdim, causal):
         found["planned-dqlast"] = planned.__class__(**{**planned.__dict__, "dq_first": False})
     if table.dq_split == "steps":  # hd 64: backward_sm90.py by 32-column halves, dQ_i's product first
         found["columns-dqfirst"] = table.__class__(**{**table.__dict__, "dq_split": "columns", "dq_first": True})
+        # ... and dQ_i added by the producer's warp 3 from a staged tile (bulk reduce-adds)
+        found["columns-dqfirst-bulk"] = table.__class__(**{**table.__dict__, "dq_split": "columns", "dq_first": True,
+                                                           "dq_reduce": "bulk"})
+    if getattr(planned, "dq_first", False):  # dQ_i added by the producer's warp 3 from a staged tile
+        found["planned-bulk"] = planned.__class__(**{**planned.__dict__, "dq_reduce": "bulk"})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
         found[f"heavy-groups{groups}"] = table.__class__(**{**table.__dict__, "heavy_groups": groups})
     if DROPOUT:  # dropout's keep bits made by the producer's warps 2 and 3 instead of the consumer lanes

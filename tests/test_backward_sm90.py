@@ -241,6 +241,52 @@ def test_backward_sm90_columns_dq_first_gpu(xp, monkeypatch, seqlens, name):
 
 
 @pytest.fixture
+def dq_bulk(monkeypatch):
+    """Plan backward_sm90.py's dK/dV kernel with dQ_i staged in shared memory and added by the
+    producer's warp 3 by bulk reduce-adds (dq_reduce="bulk", an option), where it issues dQ_i's
+    product first."""
+    planned = configs.sm90_backward_config
+
+    def with_bulk(*args):
+        config = planned(*args)
+        return dataclasses.replace(config, dq_reduce="bulk") if getattr(config, "dq_first", False) else config
+
+    monkeypatch.setattr(configs, "sm90_backward_config", with_bulk)
+    backward._kernels.cache_clear()
+    yield
+    backward._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_backward_sm90_dq_bulk_small(rng, xp, dq_bulk):
+    """dQ_i by bulk reduce-adds from a staged tile: headdim 96 by columns (consumer 1's last 32
+    columns past headdim: each row's reduce-add is 384 bytes), causal over two key tiles, 70 query
+    rows (a tail: rows past seqlen_q are not added), GQA 2:1 (the writer's query heads)."""
+    assert configs.plan_backward(Static("float16", 96, True, 0, CAUSAL), False, "sm90")[1].dq_reduce == "bulk"
+    run_sm90(rng, xp, 1, 70, 100, 2, 1, 96, "float16", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [96, 128])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_dq_bulk_gpu(rng, xp, dq_bulk, seqlens, headdim, causal):
+    """dq_reduce="bulk" on the planned "columns" kernel, GQA 2:1, fp16 and bf16, tails."""
+    assert configs.plan_backward(Static("float16", headdim, True, 0, CAUSAL if causal else Variant()), False,
+                                 "sm90")[1].dq_reduce == "bulk"
+    run_sm90(rng, xp, 2, *seqlens, 4, 2, headdim, "bfloat16" if causal else "float16", causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softcap", "causal-dropout", "document-mask-mod"])
+def test_backward_sm90_dq_bulk_variants_gpu(xp, dq_bulk, name):
+    """dq_reduce="bulk" with the variants that change the producer's warps: dropout (its keep bits
+    by warp 2 alone), a block mask (warp 3 walks the visited pairs as the others do); softcap as a
+    score feature. Headdim 128, GQA 2:1, tails. (Packed sequences: tests/test_varlen.py.)"""
+    run_sm90_variant(np.random.default_rng(7), xp, name, "float16", 2, 300, 517, 4, 2, 128)
+
+
+@pytest.fixture
 def heavy_groups(request, monkeypatch):
     """Plan the sm90 backward longest-first within groups of (batch, KV head) pairs, as many as
     the parameter says."""

@@ -855,6 +855,60 @@ def test_tma_reduce_add_4d(xp, rng):
     check_tma_reduce(xp, rng)
 
 
+BULK_ROWS, BULK_COLS, BULK_STRIDE = 8, 72, 80  # rows of 288 bytes, 320 apart in shared memory
+BULK_TILE = BULK_ROWS * BULK_STRIDE  # a literal for cuda.shared.array
+
+
+@cuda.jit
+def _bulk_reduce_kernel(x, first_rows, values):
+    # Block p writes its (BULK_ROWS, BULK_COLS) float32 values into shared memory pair by pair (8-byte
+    # stores, rows BULK_STRIDE floats apart), then thread r < BULK_ROWS adds row r into
+    # x[p % 2, first_rows[p] + r, 1, :] by one bulk reduce-add and waits until it has been read.
+    # The blocks' rows overlap: their additions meet in global memory.
+    t, p = cuda.threadIdx.x, cuda.blockIdx.x
+    tile = cuda.shared.array(BULK_TILE, float32, alignment=BULK_ALIGNMENT)
+    tile_address = P.shared_address(tile)
+    for pair in range(t, BULK_ROWS * BULK_COLS // 2, 64):
+        r, c = pair // (BULK_COLS // 2), 2 * (pair % (BULK_COLS // 2))
+        H.store_shared_f32x2(tile_address + uint32(4 * (r * BULK_STRIDE + c)), values[p, r, c], values[p, r, c + 1])
+    H.fence_proxy_async()  # the stores are ordered before the bulk copies read them
+    cuda.syncthreads()
+    if t < BULK_ROWS:
+        H.bulk_reduce_add_f32(P.global_address(x, p % 2, first_rows[p] + t, 1, 0),
+                              tile_address + uint32(4 * t * BULK_STRIDE), uint32(4 * BULK_COLS))
+        H.tma_store_commit()
+        H.tma_store_wait(0)
+
+
+def test_bulk_reduce_add_f32(xp, rng):
+    """Rows of float32 staged by 8-byte shared stores and added into a (2, 40, 3, 72) tensor by bulk
+    reduce-adds: four blocks, two on each batch, their rows overlapping (3..10 and 6..13: the
+    overlap gets both), the tensor's other elements untouched."""
+    x = rng.standard_normal((2, 40, 3, BULK_COLS)).astype(np.float32)
+    first_rows = np.asarray([3, 20, 6, 32], dtype=np.int32)
+    values = rng.standard_normal((4, BULK_ROWS, BULK_COLS)).astype(np.float32)
+    x_dev = xp.asarray(x.copy())
+    _bulk_reduce_kernel[4, 64](x_dev, xp.asarray(first_rows), xp.asarray(values))
+    got = x_dev.get() if hasattr(x_dev, "get") else x_dev
+    expected = x.astype(np.float64)
+    for p, first in enumerate(first_rows):
+        expected[p % 2, first:first + BULK_ROWS, 1] += values[p]
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not P.SIMULATOR, reason="the emulation's checks; the GPU faults")
+def test_bulk_reduce_add_refuses_misaligned_sizes():
+    x = np.zeros((1, 4, 1, 8), np.float32)
+
+    @cuda.jit
+    def kernel(x, nbytes):
+        tile = cuda.shared.array(16, float32, alignment=BULK_ALIGNMENT)
+        H.bulk_reduce_add_f32(P.global_address(x, 0, 0, 0, 0), P.shared_address(tile), nbytes[0])
+
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernel[1, 1](x, np.asarray([24], np.uint32))
+
+
 @pytest.mark.skipif(not P.SIMULATOR, reason="the GPU faults (illegal instruction), ending the test process's context")
 @pytest.mark.parametrize("corner", [(0, 0, -16, 0), (-32, 0, 0, 0)], ids=["row", "innermost"])
 def test_tma_reduce_refuses_negative_coordinates(corner):
@@ -978,6 +1032,9 @@ def offline_kernels():
         ("tma_store_corner", _tma_corner_kernel, (types.Array(types.uint64, 1, "C"), types.int32), {}),
         ("tma_reduce_add_4d", _tma_reduce_kernel, (types.Array(types.uint64, 1, "C"), types.Array(types.int32, 2, "C"),
                                                    f32_2d), {}),
+        ("bulk_reduce_add_f32", _bulk_reduce_kernel, (types.Array(types.float32, 4, "C"),
+                                                      types.Array(types.int32, 1, "C"),
+                                                      types.Array(types.float32, 3, "C")), {}),
     ]
     for case in WGMMA_CASES:
         kernel = _make_wgmma_kernel(*case[:4])

@@ -43,7 +43,9 @@ consumers take turns by step parity, the one whose turn it is adding the whole d
 keys: half the atomics too. The plan uses "columns" at headdim 128 and "steps" at 64
 (configs.SM90_BACKWARD: 21-32% and 6-11% faster than "keys" on the H200). With "columns" the plan
 also issues dQ_i's product first (``dq_first``): the consumer adds it to dq_accum while dV's and
-dK's products run, instead of after all three (10-16% faster at headdim 128).
+dK's products run, instead of after all three (10-16% faster at headdim 128). With
+``dq_reduce="bulk"`` (an option, not yet timed) the consumers store dQ_i into a shared tile instead
+and the producer's warp 3 adds its rows into dq_accum by bulk reduce-adds (``make_write_dq``).
 
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G
 (G ceil(seqlen_k / block_n), ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch,
@@ -126,6 +128,7 @@ from nbflash.primitives import (
 from nbflash.primitives_sm90 import (
     SWIZZLE_128B,
     array_address,
+    bulk_reduce_add_f32,
     cached_tensor_maps,
     check_register_split,
     elect_sync,
@@ -147,8 +150,11 @@ from nbflash.primitives_sm90 import (
     setmaxnreg_dec,
     setmaxnreg_inc,
     smem_descriptor,
+    store_shared_f32x2,
     tensor_map_4d_words,
     tma_load_4d,
+    tma_store_commit,
+    tma_store_wait,
     wgmma_commit,
     wgmma_fence,
     wgmma_wait,
@@ -253,6 +259,15 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # its step). Planned with "columns" (step 28: +10-16% at hd 128). ("steps" would issue it on a
     # consumer's turn only, a branch around the wgmmas that ptxas serializes: not offered.)
     dq_first: bool = False
+    # How dQ_i reaches dq_accum (with dq_first): "red", each consumer thread's red.add.v2 of its
+    # registers; "bulk", each consumer stores its half into a shared tile of the step's dQ_i rows
+    # (8-byte stores, rows padded by 32 bytes: no bank conflicts) and arrives on dq_full, and the
+    # producer's warp 3 adds the tile's rows into dq_accum by bulk reduce-adds (one per row, the
+    # copy engine's: no thread waits on the reductions' queue), then frees the tile (dq_empty).
+    # The stall counters of step 28 put about a fifth of the consumers' samples on the reductions;
+    # docs/perf-notes.md step 30. (Step 6 staged dQ for TMA tensor reduce-adds issued and waited
+    # for by a consumer thread: within noise; here no consumer issues or waits for them.)
+    dq_reduce: str = "red"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
     # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
@@ -270,12 +285,39 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
             raise ValueError(f"{self.dropout_bits=} must be 'consumers' or 'producer'")
         if self.dq_first and self.dq_split != "columns":
             raise ValueError(f"dq_first=True takes dq_split='columns' (one dQ product a step), not {self.dq_split!r}")
+        if self.dq_reduce not in ("red", "bulk"):
+            raise ValueError(f"{self.dq_reduce=} must be 'red' or 'bulk'")
+        if self.dq_reduce == "bulk" and not self.dq_first:
+            raise ValueError("dq_reduce='bulk' takes dq_first=True (dQ split by columns, its product first)")
         self.check_block()
 
     @property
     def staged_dropout(self):
         """Dropout's keep bits come from the producer's warps 2 and 3 (``dropout_bits="producer"``)."""
         return self.variant.dropout and self.dropout_bits == "producer"
+
+    @property
+    def dq_bulk(self):
+        """dQ_i staged in shared memory and added by the producer's warp 3 (``dq_reduce="bulk"``)."""
+        return self.dq_reduce == "bulk"
+
+    @property
+    def dropout_threads(self):
+        """The producer's threads that make dropout's keep bits with ``staged_dropout``: warps 2 and
+        3, or warp 2 alone where warp 3 adds dQ (``dq_bulk``)."""
+        return 32 if self.dq_bulk else 64
+
+    @property
+    def dq_stage_row_bytes(self):
+        """Bytes between two rows of the staged dQ_i tile (``dq_bulk``): a float32 row of
+        headdim_padded columns and 32 bytes more, so that a warp's 8-byte stores (8 rows, 4 column
+        pairs) land on distinct banks."""
+        return self.headdim_padded * 4 + 32
+
+    @property
+    def dq_stage_bytes(self):
+        """Bytes of the staged dQ_i tile (``dq_bulk``; none otherwise)."""
+        return self.block_m * self.dq_stage_row_bytes if self.dq_bulk else 0
 
     @property
     def atomic_dq(self):
@@ -317,9 +359,11 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
 
     @property
     def dynamic_shared_bytes(self):
-        """The tiles, the stats, 1 + 2 stages mbarriers, and 1024 bytes of slack to align the tiles."""
+        """The tiles (and the staged dQ_i), the stats, 1 + 2 stages mbarriers (and dq_full, dq_empty),
+        and 1024 bytes of slack to align the tiles."""
         return (1024 + 2 * self.kv_bytes + 2 * self.stages * self.q_bytes + 2 * self.consumers * self.ds_bytes
-                + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages))
+                + self.dq_stage_bytes + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages)
+                + (16 if self.dq_bulk else 0))
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
         tiles = -(-seqlen_k // self.block_n)
@@ -498,8 +542,8 @@ def make_stage_stats(config, hooks):
 
 def make_stage_dropout(config, hooks):
     """``stage_dropout(smem, stats_word0, qd_full, qd_empty, params, b, hk, group, n_block, first_tile,
-    tiles_per_head, steps, n_start, t)``: the producer's warps 2 and 3 (thread t of their 64) with
-    ``staged_dropout``: for each step, once the consumers have released its slot, every consumer
+    tiles_per_head, steps, n_start, t)``: the producer's warps 2 and 3 (thread t of their 64; warp 2
+    alone, t of 32, where warp 3 adds dQ: ``config.dropout_threads``) with ``staged_dropout``: for each step, once the consumers have released its slot, every consumer
     lane's keep bits (``Hooks.dropout_bits_t``'s, byte p for the queries 16 p + 2 q4 on) into the
     slot's words from DROP_WORD on, a word per consumer thread. The lanes of key rows k, k + 1 and of
     k + 16, k + 17 (lane ^ 4, and the same two of the next warp) make the same two Philox calls a
@@ -509,6 +553,7 @@ def make_stage_dropout(config, hooks):
     BM, STAGES, STATS_BYTES, CONSUMERS = config.block_m, config.stages, config.stats_bytes, config.consumers
     DROP_WORD = 2 * BM + (4 if hooks.BLOCK_MASK else 0)  # after lse_log2, D and a block mask's step
     QUADS = CONSUMERS * 32  # lane quads: (consumer, even warp, g // 2, q4)
+    THREADS = config.dropout_threads
     warp_visit_query_step, head_context = hooks.warp_visit_query_step, hooks.head_context
     dropout_bits_t_lanes = hooks.dropout_bits_t_lanes
 
@@ -528,7 +573,7 @@ def make_stage_dropout(config, hooks):
             q_start = (first_tile + position % tiles_per_head) * BM
             head_ctx = head_context(params, b, h)
             words = stats_word0 + uint32(slot * (STATS_BYTES // 4) + DROP_WORD)
-            for quad in range(t, QUADS, 64):  # loops, not unrolled: two calls at a time in 40 registers
+            for quad in range(t, QUADS, THREADS):  # loops, not unrolled: two calls at a time in 40 registers
                 # consumer c, warps 2 w2 and 2 w2 + 1, key rows 16 (2 w2) + 2 gh and + 1, the lanes' q4
                 c, w2, gh, q4 = quad // 32, (quad // 16) % 2, (quad // 4) % 4, quad % 4
                 key = n_start + 64 * c + 32 * w2 + 2 * gh
@@ -548,6 +593,41 @@ def make_stage_dropout(config, hooks):
             mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
 
     return stage_dropout
+
+
+def make_write_dq(config, hooks):
+    """``write_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
+    tiles_per_head, steps, mem_b, q_row0, seqlen_q, lane)``: the producer's warp 3 with ``dq_bulk``:
+    for each step, once both consumers have stored their halves of dQ_i in the staged tile
+    (dq_full), each of the tile's rows inside the sequence is added into dq_accum by one bulk
+    reduce-add (lane l: rows l and l + 32), and once the copy engine has read them all the tile is
+    free again (dq_empty, one arrival a lane). The step's (query head, query tile) pair is walked
+    as the producer's other warps walk it."""
+    BM, HD, ROW = config.block_m, config.headdim, config.dq_stage_row_bytes
+    warp_visit_query_step = hooks.warp_visit_query_step
+
+    @inline_device
+    @unroll
+    def write_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile, tiles_per_head,
+                 steps, mem_b, q_row0, seqlen_q, lane):
+        """Step i's dQ_i rows from the staged tile into dq_accum[mem_b, q_row0 + row, h, :HD]."""
+        position = -1
+        for i in range(steps):
+            position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
+                                             lane)
+            h = hk * group + position // tiles_per_head
+            q_start = (first_tile + position % tiles_per_head) * BM
+            mbarrier_wait(dq_full, i & 1)  # both consumers' halves are stored (and fenced)
+            for r in static_range(BM // 32):
+                row = q_start + 32 * r + lane
+                if row < seqlen_q:  # HD * 4 bytes: a multiple of 32, as bulk copies ask (16)
+                    bulk_reduce_add_f32(global_address(dq_accum, mem_b, q_row0 + row, h, 0),
+                                        dq_stage + uint32((32 * r + lane) * ROW), uint32(HD * 4))
+            tma_store_commit()
+            tma_store_wait(0)  # the copy engine has read this lane's rows
+            mbarrier_arrive(dq_empty)
+
+    return write_dq
 
 
 def make_block_rows(hooks, block_n):
@@ -781,8 +861,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     NT = BM // 8  # 8-column groups of S^T (queries)
     STAGED_DROPOUT = config.staged_dropout  # dropout's keep bits from the producer's warps 2 and 3
     DROP_WORD = 2 * BM + (4 if config.variant.block_mask else 0)  # ... at this word of a slot's stats
-    # the TMA thread's expect_tx and the stats warp's 32 lanes (and the dropout warps' 64)
-    FULL_ARRIVALS = 1 + 32 + (64 if STAGED_DROPOUT else 0)
+    # dQ_i staged in shared memory by the consumers, added by the producer's warp 3 (dq_reduce="bulk")
+    DQ_BULK, DQ_STAGE_BYTES, DQ_ROW = config.dq_bulk, config.dq_stage_bytes, config.dq_stage_row_bytes
+    # the TMA thread's expect_tx and the stats warp's 32 lanes (and the dropout warps': 64, or 32
+    # where warp 3 adds dQ)
+    FULL_ARRIVALS = 1 + 32 + (config.dropout_threads if STAGED_DROPOUT else 0)
     EMPTY_ARRIVALS = CONSUMERS * GROUP
     SPLIT_REGISTERS = CONSUMERS == 2
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
@@ -826,6 +909,22 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             add_dq(dq_accum, dq_acc, b, row0, h, DQ_COLS, seqlen_q, q4)
 
     @inline_device
+    @unroll
+    def stage_dq(dq_stage, dq_acc, dq_full, dq_empty, i, warp, g, q4, consumer):
+        """The consumer's half of dQ_i (DQ_COLS columns) into the staged tile, once warp 3 has
+        read step i - 1's (dq_empty); fenced for the copy engine, then this thread's arrival on
+        dq_full. Row 16 warp + g (+ 8), the column pair 8 c + 2 q4 of the half: 8 bytes a store."""
+        if i > 0:
+            mbarrier_wait(dq_empty, (i - 1) & 1)
+        row_address = dq_stage + uint32((16 * warp + g) * DQ_ROW + 4 * DQ_COLS * consumer + 8 * q4)
+        for c in static_range(DQ_COLS // 8):
+            for rh in static_range(2):
+                store_shared_f32x2(row_address + uint32(8 * rh * DQ_ROW + 32 * c), dq_acc[4 * c + 2 * rh],
+                                   dq_acc[4 * c + 2 * rh + 1])
+        fence_proxy_async()  # the stores are ordered before the bulk reduce-adds read them
+        mbarrier_arrive(dq_full)
+
+    @inline_device
     def all_keys_ds(ds_tiles, i):
         """dS over all block_n keys (a split over all keys): from step i's parity's first dS^T tile."""
         return smem_descriptor(ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES), DS_BYTES, 1024, SWIZZLE_128B)
@@ -840,6 +939,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
     probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT)
     stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
+    write_dq = make_write_dq(config, hooks)  # the producer's warp 3, with DQ_BULK
     consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES)
 
     @inline_device
@@ -942,10 +1042,13 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         q_ring = v_tile + uint32(KV_BYTES)
         do_ring = q_ring + uint32(STAGES * Q_BYTES)
         ds_tiles = do_ring + uint32(STAGES * Q_BYTES)
-        stats_ring = ds_tiles + uint32(2 * CONSUMERS * DS_BYTES)
+        dq_stage = ds_tiles + uint32(2 * CONSUMERS * DS_BYTES)  # with DQ_BULK: BM rows of DQ_ROW bytes
+        stats_ring = dq_stage + uint32(DQ_STAGE_BYTES)
         kv_full = stats_ring + uint32(STAGES * STATS_BYTES)
         qd_full = kv_full + uint32(8)  # + 8 * slot
         qd_empty = qd_full + uint32(8 * STAGES)
+        dq_full = qd_empty + uint32(8 * STAGES)  # with DQ_BULK: both consumers' halves are staged
+        dq_empty = dq_full + uint32(8)  # ... and warp 3 has had them read
         stats_word0 = (stats_ring - smem_start) // uint32(4)  # smem's index of the first slot's stats
 
         # ---- Which query tiles see this key tile (geometry.py): [first_tile, end_tile), of which
@@ -958,7 +1061,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         steps = warp_visited_query_steps(params, b, hk, group, n_block, first_tile, tiles_per_head, tid % 32)
 
         if tid == 0:
-            init_ring(kv_full, qd_full, qd_empty)
+            if DQ_BULK:
+                mbarrier_init(dq_full, CONSUMERS * GROUP)
+                mbarrier_init(dq_empty, 32)
+            init_ring(kv_full, qd_full, qd_empty)  # (its fence covers the two above)
         cuda.syncthreads()  # the barriers are initialised before anyone arrives on or waits for them
 
         if group_id == 0:
@@ -973,7 +1079,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             elif warp == 1:
                 stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
                             tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, 0)
-            elif STAGED_DROPOUT and warp >= 2:  # warps 2 and 3
+            elif DQ_BULK and warp == 3:
+                write_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
+                         tiles_per_head, steps, mem_b, q_row0, seqlen_q, lane)
+            elif STAGED_DROPOUT and warp >= 2:  # warps 2 and 3 (warp 2 alone with DQ_BULK)
                 stage_dropout(smem, stats_word0, qd_full, qd_empty, params, b, hk, group, n_block, first_tile,
                               tiles_per_head, steps, n_start, tid - 64)
         else:
@@ -1077,8 +1186,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 if DQ_FIRST:  # dQ_i's reductions while the tensor cores run dV's and dK's products
                     wgmma_wait(2)  # dQ_i has landed (commit groups complete in order)
                     registers_to(dq_acc, fence_operands(acc_q))
-                    add_dq_columns(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h, q_row0 + seqlen_q,
-                                   q4, consumer)
+                    if DQ_BULK:  # into shared memory, for the producer's warp 3
+                        stage_dq(dq_stage, dq_acc, dq_full, dq_empty, i, warp, g, q4, consumer)
+                    else:
+                        add_dq_columns(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h,
+                                       q_row0 + seqlen_q, q4, consumer)
                     wgmma_wait(0)  # dV's and dK's products are done with Q_i and dO_i
                     registers_to(dv_acc, fence_operands(acc_dv))
                     registers_to(dk_acc, fence_operands(acc_dk))
