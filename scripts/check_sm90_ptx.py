@@ -67,6 +67,8 @@ EXPECTED = {
     # dQ_i staged in shared memory, added by the producer's warp 3 by bulk reduce-adds: no red.add
     "backward_sm90_dq_bulk": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "st.shared.v2.f32",
                               "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "cp.async.bulk.tensor.4d"],
+    "backward_sm90_rows_bulk": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "st.shared.v2.f32",
+                                "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"],
     # the deterministic backward's dK/dV pass (dq_split="none"): no dQ, so no reductions
     "backward_sm90_deterministic": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "cp.async.bulk.tensor.4d"],
 }
@@ -123,6 +125,9 @@ def backward_kernels():
         for variant in (Variant(), Variant(window=True)):
             found.append((f"backward_sm90_rows_stmatrix_{'causal' if variant.window else 'plain'}_{dtype}_hd64",
                           Sm90RowsBackwardConfig(dtype, 64, variant, stmatrix=True)))
+    for variant in (Variant(), Variant(window=True)):  # dQ by bulk reduce-adds from the producer's warp 3
+        found.append((f"backward_sm90_rows_bulk_{'causal' if variant.window else 'plain'}_float16_hd64",
+                      Sm90RowsBackwardConfig("float16", 64, variant, dq_reduce="bulk")))
     for variant in (Variant(), Variant(window=True)):  # a persistent grid, K and V double-buffered
         found.append((f"backward_sm90_rows_persistent_{'causal' if variant.window else 'plain'}_float16_hd64",
                       Sm90RowsBackwardConfig("float16", 64, variant, persistent=132)))

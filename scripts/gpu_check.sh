@@ -44,9 +44,10 @@
 #                                reduce-adds, about 9.5 minutes
 #   scripts/gpu_check.sh bulk    dQ_i added by the producer's warp 3 from a staged tile by bulk
 #                                reduce-adds (dq_reduce="bulk", an option; not yet run on a GPU):
-#                                the primitive's test, its kernel's GPU grids (tails, GQA, variants,
-#                                packed sequences), then hd 128 timed against the planned kernel and
-#                                SDPA, about 5 minutes (hd 64 and dropout: in `dqfirst`)
+#                                the primitive's test, the GPU grids of both kernels that take it
+#                                (tails, GQA, variants, packed sequences; the rows split's forms),
+#                                then hd 128 timed against the planned kernel and SDPA, about 6
+#                                minutes (hd 64, the rows split's too, and dropout: in `dqfirst`)
 #   scripts/gpu_check.sh dropout dropout's keep bits made by the producer's idle warps (not yet run on a
 #                                GPU): its test grid (bit-identical to the consumer lanes' bits), then
 #                                the planned dropout backward against it, headdims 64 and 128, about
@@ -209,8 +210,8 @@ dqfirst)
         or -96-)) or (variants_gpu and x128-)" > "$out/dqfirst_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/dqfirst_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/dqfirst_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 64 --only columns-dqfirst columns-dqfirst-bulk \
-        --anchors \
+    timeout 170 python3 scripts/sm90_schedules.py --backward --headdims 64 --only columns-dqfirst columns-dqfirst-bulk \
+        rows-bulk --anchors \
         > "$out/dqfirst_hd64.log" 2>&1
     echo "hd 64, 32-column halves with dQ first, against the rows split (exit $?):"; tail -12 "$out/dqfirst_hd64.log"
     timeout 120 python3 scripts/sm90_schedules.py --backward --headdims 64 --dropout 0.1 --only columns-dqfirst \
@@ -227,7 +228,7 @@ dqfirst)
     ;;
 bulk)
     # docs/perf-notes.md, "Hopper backward", step 30
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 200 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 240 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
         -W ignore tests/test_primitives_sm90.py tests/test_backward_sm90.py tests/test_varlen.py -k "bulk" \
         > "$out/bulk_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/bulk_tests.log")"

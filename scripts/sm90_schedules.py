@@ -38,7 +38,8 @@ Backward, each column a schedule:
   and each consumer's half issued first (an option, step 29). "planned-bulk" (where the planned kernel
   issues dQ first: headdim 128) and "columns-dqfirst-bulk" (headdim 64): the same with dQ_i stored
   by the consumers into a shared tile and added to dq_accum by the producer's warp 3, a bulk
-  reduce-add per row (dq_reduce="bulk", step 30; with --dropout, the keep bits by warp 2 alone).
+  reduce-add per row (dq_reduce="bulk", step 30; with --dropout, the keep bits by warp 2 alone);
+  "rows-bulk" (headdim 64): the rows split with the same.
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
 schedule's ratio to SDPA flash after the table. With --isolate S, each (shape, schedule) runs in a
@@ -209,6 +210,9 @@ def backward_schedules(headdim, causal):
         # P and dS stored by stmatrix (16 instructions a step instead of 64)
         found["rows-stmatrix"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, stmatrix=True,
                                                         heavy_groups=table.heavy_groups)
+        # dQ's rows added by the producer's warp 3 from a staged tile (bulk reduce-adds)
+        found["rows-bulk"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, dq_reduce="bulk",
+                                                    heavy_groups=table.heavy_groups)
         # a persistent grid, one block per multiprocessor, K and V double-buffered
         from numba import cuda
 

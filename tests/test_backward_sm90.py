@@ -333,6 +333,30 @@ def test_dq_by_columns_configs():
         Sm90BackwardConfig(dtype="float16", headdim=64, variant=Variant(), dq_split="columns", consumers=1)
 
 
+def test_dq_bulk_configs():
+    """dq_reduce="bulk" takes dQ's product first (dq_first, "columns") in backward_sm90.py; its staged
+    tile (a float32 row of headdim_padded columns, 32 bytes more, per query of the step) and two
+    barriers are in shared memory; in the rows split a persistent grid's second K and V leave no
+    room for it."""
+    with pytest.raises(ValueError, match="dq_reduce"):
+        Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="columns", dq_first=True, dq_reduce="tma")
+    with pytest.raises(ValueError, match="takes dq_first=True"):
+        Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="columns", dq_reduce="bulk")
+    red = Sm90BackwardConfig(dtype="float16", headdim=96, dq_split="columns", dq_first=True)
+    bulk = dataclasses.replace(red, dq_reduce="bulk")
+    assert (bulk.dq_stage_row_bytes, bulk.dq_stage_bytes) == (544, 64 * 544) and red.dq_stage_bytes == 0
+    assert bulk.dynamic_shared_bytes == red.dynamic_shared_bytes + 64 * 544 + 16
+    staged = dataclasses.replace(bulk, variant=Variant(dropout=True), dropout_bits="producer")
+    assert (staged.dropout_threads, dataclasses.replace(staged, dq_reduce="red").dropout_threads) == (32, 64)
+    rows = Sm90RowsBackwardConfig("float16", 64, dq_reduce="bulk")
+    assert rows.dq_stage_bytes == 128 * 288
+    assert rows.dynamic_shared_bytes == Sm90RowsBackwardConfig("float16", 64).dynamic_shared_bytes + 128 * 288 + 16
+    with pytest.raises(ValueError, match="shared memory"):
+        Sm90RowsBackwardConfig("float16", 64, dq_reduce="bulk", persistent=132)
+    with pytest.raises(ValueError, match="dq_reduce"):
+        Sm90RowsBackwardConfig("float16", 64, dq_reduce="none")
+
+
 @pytest.mark.skipif(not _offline_toolchain(),
                     reason="needs ptxas and Numba's offline compilers (NVVM, NVRTC: numba-cuda[cu12] or [cu13])")
 def test_columns_hd64_assembles_without_serialized_wgmma():
@@ -418,7 +442,22 @@ def test_backward_sm90_rows_persistent_small(rng, xp, monkeypatch):
         backward._kernels.cache_clear()
 
 
-ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"persistent": 132}}
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_backward_sm90_rows_bulk_small(rng, xp, monkeypatch):
+    """The rows split with dQ staged in shared memory and added by the producer's warp 3
+    (dq_reduce="bulk"): causal, two query tiles of 128 (the second's rows mostly past seqlen_q:
+    not added), seqlen_q > seqlen_k, one key tile with a tail, headdim 40 (each row's reduce-add
+    160 bytes), GQA 2:1."""
+    plan_rows(monkeypatch, dq_reduce="bulk")
+    try:
+        assert configs.sm90_backward_config("float16", 40, CAUSAL).dq_bulk
+        run_rows(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True)
+    finally:
+        backward._kernels.cache_clear()
+
+
+ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"persistent": 132},
+              "bulk": {"dq_reduce": "bulk"}}
 
 
 @pytest.mark.gpu
@@ -428,8 +467,9 @@ ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, stages, form):
-    """The rows split (P and dS by 32-bit stores, by stmatrix, and a persistent grid of 132 blocks)
-    on the GPU, the planner's launch order (the persistent grid's items in it)."""
+    """The rows split (P and dS by 32-bit stores, by stmatrix, a persistent grid of 132 blocks, and
+    dQ by bulk reduce-adds from the producer's warp 3) on the GPU, the planner's launch order (the
+    persistent grid's items in it)."""
     if form == "persistent" and stages > 2:
         pytest.skip("a persistent grid's second K/V leaves shared memory for 2 stages")
     plan_rows(monkeypatch, stages=stages, **ROWS_FORMS[form])

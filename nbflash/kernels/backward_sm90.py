@@ -192,6 +192,28 @@ class Sm90BackwardBlock:
     def launch_bounds(self):
         return (self.threads, 1)
 
+    @property
+    def dq_bulk(self):
+        """dQ staged in shared memory and added by the producer's warp 3 (``dq_reduce="bulk"``, in
+        the configs that have the field)."""
+        return getattr(self, "dq_reduce", "red") == "bulk"
+
+    @property
+    def dq_stage_row_bytes(self):
+        """Bytes between two rows of the staged dQ tile (``dq_bulk``): a float32 row of
+        headdim_padded columns and 32 bytes more, so that a warp's 8-byte stores (8 rows, 4 column
+        pairs) land on distinct banks."""
+        return self.headdim_padded * 4 + 32
+
+    @property
+    def dq_stage_bytes(self):
+        """Bytes of the staged dQ tile, a row per query of the step (``dq_bulk``; none otherwise)."""
+        return self.block_m * self.dq_stage_row_bytes if self.dq_bulk else 0
+
+    def check_dq_reduce(self):
+        if self.dq_reduce not in ("red", "bulk"):
+            raise ValueError(f"{self.dq_reduce=} must be 'red' or 'bulk'")
+
     def check_dtype_headdim(self, low, high):
         if self.dtype not in ("float16", "bfloat16"):
             raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
@@ -285,8 +307,7 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
             raise ValueError(f"{self.dropout_bits=} must be 'consumers' or 'producer'")
         if self.dq_first and self.dq_split != "columns":
             raise ValueError(f"dq_first=True takes dq_split='columns' (one dQ product a step), not {self.dq_split!r}")
-        if self.dq_reduce not in ("red", "bulk"):
-            raise ValueError(f"{self.dq_reduce=} must be 'red' or 'bulk'")
+        self.check_dq_reduce()
         if self.dq_reduce == "bulk" and not self.dq_first:
             raise ValueError("dq_reduce='bulk' takes dq_first=True (dQ split by columns, its product first)")
         self.check_block()
@@ -297,27 +318,10 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         return self.variant.dropout and self.dropout_bits == "producer"
 
     @property
-    def dq_bulk(self):
-        """dQ_i staged in shared memory and added by the producer's warp 3 (``dq_reduce="bulk"``)."""
-        return self.dq_reduce == "bulk"
-
-    @property
     def dropout_threads(self):
         """The producer's threads that make dropout's keep bits with ``staged_dropout``: warps 2 and
         3, or warp 2 alone where warp 3 adds dQ (``dq_bulk``)."""
         return 32 if self.dq_bulk else 64
-
-    @property
-    def dq_stage_row_bytes(self):
-        """Bytes between two rows of the staged dQ_i tile (``dq_bulk``): a float32 row of
-        headdim_padded columns and 32 bytes more, so that a warp's 8-byte stores (8 rows, 4 column
-        pairs) land on distinct banks."""
-        return self.headdim_padded * 4 + 32
-
-    @property
-    def dq_stage_bytes(self):
-        """Bytes of the staged dQ_i tile (``dq_bulk``; none otherwise)."""
-        return self.block_m * self.dq_stage_row_bytes if self.dq_bulk else 0
 
     @property
     def atomic_dq(self):
@@ -597,19 +601,21 @@ def make_stage_dropout(config, hooks):
 
 def make_write_dq(config, hooks):
     """``write_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
-    tiles_per_head, steps, mem_b, q_row0, seqlen_q, lane)``: the producer's warp 3 with ``dq_bulk``:
-    for each step, once both consumers have stored their halves of dQ_i in the staged tile
-    (dq_full), each of the tile's rows inside the sequence is added into dq_accum by one bulk
-    reduce-add (lane l: rows l and l + 32), and once the copy engine has read them all the tile is
-    free again (dq_empty, one arrival a lane). The step's (query head, query tile) pair is walked
-    as the producer's other warps walk it."""
+    tiles_per_head, steps, mem_b, q_row0, seqlen_q, lane, step0)``: the producer's warp 3 with
+    ``dq_bulk`` (this file's kernel and backward_sm90_rows.py's): for each step, once both consumers
+    have stored their parts of dQ_i in the staged tile (dq_full), each of the tile's block_m rows
+    inside the sequence is added into dq_accum by one bulk reduce-add (lane l: rows l, l + 32, ...),
+    and once the copy engine has read them all the tile is free again (dq_empty, one arrival a
+    lane). The step's (query head, query tile) pair is walked as the producer's other warps walk it;
+    step0: the block's steps before this key tile's (a persistent block), which the barriers'
+    phases count on."""
     BM, HD, ROW = config.block_m, config.headdim, config.dq_stage_row_bytes
     warp_visit_query_step = hooks.warp_visit_query_step
 
     @inline_device
     @unroll
     def write_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile, tiles_per_head,
-                 steps, mem_b, q_row0, seqlen_q, lane):
+                 steps, mem_b, q_row0, seqlen_q, lane, step0):
         """Step i's dQ_i rows from the staged tile into dq_accum[mem_b, q_row0 + row, h, :HD]."""
         position = -1
         for i in range(steps):
@@ -617,7 +623,7 @@ def make_write_dq(config, hooks):
                                              lane)
             h = hk * group + position // tiles_per_head
             q_start = (first_tile + position % tiles_per_head) * BM
-            mbarrier_wait(dq_full, i & 1)  # both consumers' halves are stored (and fenced)
+            mbarrier_wait(dq_full, (step0 + i) & 1)  # both consumers' parts are stored (and fenced)
             for r in static_range(BM // 32):
                 row = q_start + 32 * r + lane
                 if row < seqlen_q:  # HD * 4 bytes: a multiple of 32, as bulk copies ask (16)
@@ -628,6 +634,30 @@ def make_write_dq(config, hooks):
             mbarrier_arrive(dq_empty)
 
     return write_dq
+
+
+def make_stage_dq(row_bytes, columns):
+    """``stage_dq(dq_stage, acc, dq_full, dq_empty, use, row, col0, q4)``, a consumer thread's with
+    ``dq_bulk``: its part of a 64-row dQ product of ``columns`` columns (wgmma's layout) into the
+    staged tile (rows ``row_bytes`` apart; the thread's rows ``row`` and ``row`` + 8, its column pairs
+    col0 + 8 c + 2 q4: 8 bytes a store), once the producer's warp 3 has had the tile's last use read
+    (dq_empty; ``use``: the block's step, counted from 0); then fenced for the copy engine, and the
+    thread's arrival on dq_full."""
+
+    @inline_device
+    @unroll
+    def stage_dq(dq_stage, acc, dq_full, dq_empty, use, row, col0, q4):
+        if use > 0:
+            mbarrier_wait(dq_empty, (use - 1) & 1)
+        row_address = dq_stage + uint32(row * row_bytes + 4 * col0 + 8 * q4)
+        for c in static_range(columns // 8):
+            for rh in static_range(2):
+                store_shared_f32x2(row_address + uint32(8 * rh * row_bytes + 32 * c), acc[4 * c + 2 * rh],
+                                   acc[4 * c + 2 * rh + 1])
+        fence_proxy_async()  # the stores are ordered before the bulk reduce-adds read them
+        mbarrier_arrive(dq_full)
+
+    return stage_dq
 
 
 def make_block_rows(hooks, block_n):
@@ -909,22 +939,6 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             add_dq(dq_accum, dq_acc, b, row0, h, DQ_COLS, seqlen_q, q4)
 
     @inline_device
-    @unroll
-    def stage_dq(dq_stage, dq_acc, dq_full, dq_empty, i, warp, g, q4, consumer):
-        """The consumer's half of dQ_i (DQ_COLS columns) into the staged tile, once warp 3 has
-        read step i - 1's (dq_empty); fenced for the copy engine, then this thread's arrival on
-        dq_full. Row 16 warp + g (+ 8), the column pair 8 c + 2 q4 of the half: 8 bytes a store."""
-        if i > 0:
-            mbarrier_wait(dq_empty, (i - 1) & 1)
-        row_address = dq_stage + uint32((16 * warp + g) * DQ_ROW + 4 * DQ_COLS * consumer + 8 * q4)
-        for c in static_range(DQ_COLS // 8):
-            for rh in static_range(2):
-                store_shared_f32x2(row_address + uint32(8 * rh * DQ_ROW + 32 * c), dq_acc[4 * c + 2 * rh],
-                                   dq_acc[4 * c + 2 * rh + 1])
-        fence_proxy_async()  # the stores are ordered before the bulk reduce-adds read them
-        mbarrier_arrive(dq_full)
-
-    @inline_device
     def all_keys_ds(ds_tiles, i):
         """dS over all block_n keys (a split over all keys): from step i's parity's first dS^T tile."""
         return smem_descriptor(ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES), DS_BYTES, 1024, SWIZZLE_128B)
@@ -940,6 +954,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT)
     stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
     write_dq = make_write_dq(config, hooks)  # the producer's warp 3, with DQ_BULK
+    stage_dq = make_stage_dq(DQ_ROW, DQ_COLS)  # ... and the consumers' half of dQ_i for it
     consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES)
 
     @inline_device
@@ -1081,7 +1096,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                             tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, 0)
             elif DQ_BULK and warp == 3:
                 write_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
-                         tiles_per_head, steps, mem_b, q_row0, seqlen_q, lane)
+                         tiles_per_head, steps, mem_b, q_row0, seqlen_q, lane, 0)
             elif STAGED_DROPOUT and warp >= 2:  # warps 2 and 3 (warp 2 alone with DQ_BULK)
                 stage_dropout(smem, stats_word0, qd_full, qd_empty, params, b, hk, group, n_block, first_tile,
                               tiles_per_head, steps, n_start, tid - 64)
@@ -1187,7 +1202,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     wgmma_wait(2)  # dQ_i has landed (commit groups complete in order)
                     registers_to(dq_acc, fence_operands(acc_q))
                     if DQ_BULK:  # into shared memory, for the producer's warp 3
-                        stage_dq(dq_stage, dq_acc, dq_full, dq_empty, i, warp, g, q4, consumer)
+                        stage_dq(dq_stage, dq_acc, dq_full, dq_empty, i, 16 * warp + g, DQ_COLS * consumer, q4)
                     else:
                         add_dq_columns(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h,
                                        q_row0 + seqlen_q, q4, consumer)
