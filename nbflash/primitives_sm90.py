@@ -353,6 +353,18 @@ if SIMULATOR:
 
     # --- Bulk copy, global -> shared, completing on an mbarrier ---------------------------------
 
+    def _check_bulk(what, nbytes, global_address):
+        """A bulk copy's size (a positive multiple of 16) and global address (16-byte aligned, inside
+        an array), as ints."""
+        nbytes, address = int(nbytes), int(global_address)
+        if nbytes <= 0 or nbytes % 16:
+            raise ValueError(f"{what} of {nbytes} bytes: not a positive multiple of 16")
+        if address % 16:
+            raise ValueError(f"global address {address:#x} is not 16-byte aligned")
+        if not _p._global_ranges.contains(address, nbytes):
+            raise IndexError(f"global address {address:#x} (+{nbytes}) is outside every array")
+        return nbytes, address
+
     def bulk_copy_g2s(dst, src_address, nbytes, bar):
         """cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], nbytes,
         [bar]: copy ``nbytes`` (a multiple of 16) from global address ``src_address`` (16-byte
@@ -361,16 +373,8 @@ if SIMULATOR:
         transaction bytes on the mbarrier ``bar``, which must expect them
         (mbarrier_arrive_expect_tx) in the same phase. Issued by one thread. Emulation: an
         immediate copy, then the complete_tx."""
-        nbytes = int(nbytes)
-        if nbytes <= 0 or nbytes % 16:
-            raise ValueError(f"bulk copy of {nbytes} bytes: not a positive multiple of 16")
-        dst = _check_shared(dst, nbytes, 16)
-        src = int(src_address)
-        if src % 16:
-            raise ValueError(f"global address {src:#x} is not 16-byte aligned")
-        if not _p._global_ranges.contains(src, nbytes):
-            raise IndexError(f"global address {src:#x} (+{nbytes}) is outside every array")
-        ctypes.memmove(dst, src, nbytes)
+        nbytes, src = _check_bulk("bulk copy", nbytes, src_address)
+        ctypes.memmove(_check_shared(dst, nbytes, 16), src, nbytes)
         _complete_tx(bar, nbytes)
 
     # --- TMA: 2-D tile loads through a tensor map ----------------------------------------------------
@@ -592,16 +596,8 @@ if SIMULATOR:
         closes the group, tma_store_wait(n) waits for its reads of shared memory. Write the source
         with ordinary stores, then fence_proxy_async, then hand it to the issuing thread (an
         mbarrier or a barrier). Emulation: an immediate addition."""
-        nbytes = int(nbytes)
-        if nbytes <= 0 or nbytes % 16:
-            raise ValueError(f"bulk reduce-add of {nbytes} bytes: not a positive multiple of 16")
-        src = _check_shared(src, nbytes, 16)
-        dst = int(dst_address)
-        if dst % 16:
-            raise ValueError(f"global address {dst:#x} is not 16-byte aligned")
-        if not _p._global_ranges.contains(dst, nbytes):
-            raise IndexError(f"global address {dst:#x} (+{nbytes}) is outside every array")
-        values = np.frombuffer(_p._shared_bytes(src, nbytes), dtype=np.float32).copy()
+        nbytes, dst = _check_bulk("bulk reduce-add", nbytes, dst_address)
+        values = np.frombuffer(_p._shared_bytes(_check_shared(src, nbytes, 16), nbytes), dtype=np.float32).copy()
         target = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(dst), dtype=np.float32)
         with _p._reduction_lock:
             target += values

@@ -601,21 +601,20 @@ def make_stage_dropout(config, hooks):
 
 def make_write_dq(config, hooks):
     """``write_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
-    tiles_per_head, steps, mem_b, q_row0, seqlen_q, lane, step0)``: the producer's warp 3 with
+    tiles_per_head, steps, mem_b, q_row0, seqlen_q, lane)``: the producer's warp 3 with
     ``dq_bulk`` (this file's kernel and backward_sm90_rows.py's): for each step, once both consumers
     have stored their parts of dQ_i in the staged tile (dq_full), each of the tile's block_m rows
     inside the sequence is added into dq_accum by one bulk reduce-add (lane l: rows l, l + 32, ...),
     and once the copy engine has read them all the tile is free again (dq_empty, one arrival a
-    lane). The step's (query head, query tile) pair is walked as the producer's other warps walk it;
-    step0: the block's steps before this key tile's (a persistent block), which the barriers'
-    phases count on."""
+    lane). The step's (query head, query tile) pair is walked as the producer's other warps walk it.
+    (One key tile a block: a persistent grid's second K and V leave no room for the staged tile.)"""
     BM, HD, ROW = config.block_m, config.headdim, config.dq_stage_row_bytes
     warp_visit_query_step = hooks.warp_visit_query_step
 
     @inline_device
     @unroll
     def write_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile, tiles_per_head,
-                 steps, mem_b, q_row0, seqlen_q, lane, step0):
+                 steps, mem_b, q_row0, seqlen_q, lane):
         """Step i's dQ_i rows from the staged tile into dq_accum[mem_b, q_row0 + row, h, :HD]."""
         position = -1
         for i in range(steps):
@@ -623,7 +622,7 @@ def make_write_dq(config, hooks):
                                              lane)
             h = hk * group + position // tiles_per_head
             q_start = (first_tile + position % tiles_per_head) * BM
-            mbarrier_wait(dq_full, (step0 + i) & 1)  # both consumers' parts are stored (and fenced)
+            mbarrier_wait(dq_full, i & 1)  # both consumers' parts are stored (and fenced)
             for r in static_range(BM // 32):
                 row = q_start + 32 * r + lane
                 if row < seqlen_q:  # HD * 4 bytes: a multiple of 32, as bulk copies ask (16)
@@ -1096,7 +1095,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                             tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, 0)
             elif DQ_BULK and warp == 3:
                 write_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
-                         tiles_per_head, steps, mem_b, q_row0, seqlen_q, lane, 0)
+                         tiles_per_head, steps, mem_b, q_row0, seqlen_q, lane)
             elif STAGED_DROPOUT and warp >= 2:  # warps 2 and 3 (warp 2 alone with DQ_BULK)
                 stage_dropout(smem, stats_word0, qd_full, qd_empty, params, b, hk, group, n_block, first_tile,
                               tiles_per_head, steps, n_start, tid - 64)

@@ -539,17 +539,10 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                                 tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full,
                                 step0)
                     step0 += steps
-            elif DQ_BULK and warp == 3:  # dQ's rows from the staged tile into dq_accum
-                for work in range(work0, work_end, work_stride):
-                    if PERSISTENT:
-                        n_block, hk, b, exists = key_tile(work, grid_x, pairs, nheads_k)
-                        if not exists:
-                            continue
-                        visited = visits(n_block, seqlen_q, seqlen_k, params, group)
-                    n_start, first_tile, _, _, _, tiles_per_head, steps = visited
-                    write_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
-                             tiles_per_head, steps, b, 0, seqlen_q, lane, step0)
-                    step0 += steps
+            elif DQ_BULK and warp == 3:  # dQ's rows from the staged tile into dq_accum (never persistent:
+                n_start, first_tile, _, _, _, tiles_per_head, steps = visited  # no room for the tile)
+                write_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
+                         tiles_per_head, steps, b, 0, seqlen_q, lane)
         else:
             # ---- Consumers: 64 query rows of each step, 64 keys of dK and dV each ----
             setmaxnreg_inc(CONSUMER_REGS)
@@ -657,7 +650,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                     wgmma_wait(2)  # dQ_c has landed: added while dV and dK run
                     registers_to(dq_acc, fence_operands(acc_q))
                     if DQ_BULK:  # into shared memory, for the producer's warp 3
-                        stage_dq(dq_stage, dq_acc, dq_full, dq_empty, step0 + i, row0, 0, q4)
+                        stage_dq(dq_stage, dq_acc, dq_full, dq_empty, i, row0, 0, q4)
                     else:
                         add_dq(dq_accum, dq_acc, b, q_start + row0, h, 0, seqlen_q, q4)
                     wgmma_wait(0)  # dV's and dK's products are done with the slot and the P and dS tiles
