@@ -52,9 +52,11 @@
 #                                GPU): its test grid (bit-identical to the consumer lanes' bits), then
 #                                the planned dropout backward against it, headdims 64 and 128, about
 #                                5 minutes
-#   scripts/gpu_check.sh stalls  where the planned hd 128 dK/dV kernel's warps wait, instruction by
+#   scripts/gpu_check.sh stalls [bulk]
+#                                where the planned hd 128 dK/dV kernel's warps wait, instruction by
 #                                instruction (ncu's source counters; scripts/stall_report.py), plain
-#                                and causal at 4k, about 3 minutes; needs ncu with hardware counters
+#                                and causal at 4k, about 3 minutes; needs ncu with hardware counters.
+#                                With "bulk", the kernel with dq_reduce="bulk" (step 30)
 #   scripts/gpu_check.sh wide    issue 13's kernels not yet run on a GPU, their test grids: packed
 #                                sequences on the sm90 dK/dV kernel, and its wide kernel for
 #                                headdims 136-256 with every variant, dense and packed, up to 8 minutes
@@ -252,10 +254,11 @@ dropout)
 stalls)
     # docs/perf-notes.md, "Where issue 13 stands": the stall reasons of the hd 128 kernel's step
     for causal in "" "--causal"; do
-        name="stalls${causal:+_causal}"
+        name="stalls${2:+_$2}${causal:+_causal}"
         timeout 200 ncu --clock-control none --kernel-name regex:backward_dkdv --launch-skip 1 --launch-count 1 \
             --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$out/$name" \
-            python3 scripts/stall_report.py run --headdim 128 --seqlen 4096 $causal > "$out/$name.log" 2>&1
+            python3 scripts/stall_report.py run --headdim 128 --seqlen 4096 $causal --dq-reduce "${2:-red}" \
+            > "$out/$name.log" 2>&1
         echo "ncu ${causal:-plain} (exit $?): $(tail -1 "$out/$name.log")"
         timeout 120 ncu --import "$out/$name.ncu-rep" --page source --csv --print-source sass > "$out/$name.csv" 2>&1
         python3 scripts/stall_report.py summary "$out/$name.csv" --top 30 --context 3 | tee "$out/$name.txt" | head -70
@@ -273,7 +276,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|bulk|dropout|stalls|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|bulk|dropout|stalls [bulk]|wide" >&2
     exit 2
     ;;
 esac
