@@ -48,6 +48,10 @@
 #                                (tails, GQA, variants, packed sequences; the rows split's forms),
 #                                then hd 128 timed against the planned kernel and SDPA, about 6
 #                                minutes (hd 64, the rows split's too, and dropout: in `dqfirst`)
+#   scripts/gpu_check.sh issue13 issue 13's table (its item 3) in one run per pass: the planned sm90
+#                                backward, then forward+backward (a training step's attention), hd 64
+#                                and 128, 4k and 16k, plain and causal, fp16, next to SDPA flash,
+#                                SDPA cuDNN and FlexAttention, about 8 minutes
 #   scripts/gpu_check.sh dropout dropout's keep bits made by the producer's idle warps (not yet run on a
 #                                GPU): its test grid (bit-identical to the consumer lanes' bits), then
 #                                the planned dropout backward against it, headdims 64 and 128, about
@@ -240,6 +244,15 @@ bulk)
     echo "hd 128, dQ by bulk reduce-adds from the producer's warp 3 against the planned kernel (exit $?):"
     tail -14 "$out/bulk128.log"
     ;;
+issue13)
+    # the issue's item 3: bench.py's two passes side by side with the anchors (Flex through --variants)
+    for pass in backward forward+backward; do
+        timeout 270 python3 scripts/bench.py --pass "$pass" --families sm90 --headdims 64 128 --seqlens 4096 16384 \
+            --dtypes float16 --variants plain causal --no-naive --budget 0.3 --markdown "$out/issue13_$pass.md" \
+            > "$out/issue13_$pass.log" 2>&1
+        echo "$pass (exit $?):"; tail -12 "$out/issue13_$pass.log"
+    done
+    ;;
 dropout)
     # docs/perf-notes.md, "Hopper backward", step 26: dropout's keep bits from the producer's warps
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 150 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
@@ -276,7 +289,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|bulk|dropout|stalls [bulk]|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|bulk|issue13|dropout|stalls [bulk]|wide" >&2
     exit 2
     ;;
 esac
