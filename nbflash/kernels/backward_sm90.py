@@ -12,6 +12,8 @@ preprocess::
                 wait until ring slot i % stages is empty, then Q_i, dO_i -> the slot (TMA)
             warp 1: the same steps; lse_i (in base 2) and D_i of the tile's rows -> the slot's
                 stats (plain loads and stores), arriving on the slot's full barrier with the TMA
+            warp 3, with dq_reduce="bulk": the same steps; once both consumers have staged dQ_i,
+                its rows -> dq_accum (one bulk reduce-add a row), then the staged tile is free
         each consumer warpgroup c (64 keys of the tile, rows 64 c .. 64 c + 63):
             dK = dV = 0                                                    (registers)
             for the i-th step (slot i % stages), once the slot is full:
@@ -22,7 +24,8 @@ preprocess::
                 dV  += P^T dO_i,  dK += dS^T Q_i          (wgmma, P^T and dS^T from registers)
                 dS^T -> shared memory (16 bit, the 128-byte swizzle)
                 dQ_i += dS K_c                       (wgmma from shared memory, A transposed: dS^T
-                                                            read as dS; into dq_accum by red.add)
+                                                            read as dS; into dq_accum by red.add,
+                                                            or staged for warp 3)
                 arrive on the slot's empty barrier (the producer may refill it)
             dK *= scale; write dK, dV
 
