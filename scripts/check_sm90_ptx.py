@@ -64,7 +64,7 @@ EXPECTED = {
     "forward_fp8": ["k32.f32.e4m3.e4m3", "cvt.rn.satfinite.e4m3x2.f32", "cp.async.bulk.tensor.4d"],
     "copy_operands": ["mov.b32"],
     "backward_sm90": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "red.global.add.v2.f32", "cp.async.bulk.tensor.4d"],
-    # dQ_i staged in shared memory, added by the producer's warp 3 by bulk reduce-adds: no red.add
+    # dQ_i staged in shared memory, added by the producer's stats warp by bulk reduce-adds: no red.add
     "backward_sm90_dq_bulk": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "st.shared.v2.f32",
                               "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "cp.async.bulk.tensor.4d"],
     "backward_sm90_rows_bulk": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "st.shared.v2.f32",
@@ -125,7 +125,7 @@ def backward_kernels():
         for variant in (Variant(), Variant(window=True)):
             found.append((f"backward_sm90_rows_stmatrix_{'causal' if variant.window else 'plain'}_{dtype}_hd64",
                           Sm90RowsBackwardConfig(dtype, 64, variant, stmatrix=True)))
-    for variant in (Variant(), Variant(window=True)):  # dQ by bulk reduce-adds from the producer's warp 3
+    for variant in (Variant(), Variant(window=True)):  # dQ by bulk reduce-adds from the stats warp
         found.append((f"backward_sm90_rows_bulk_{'causal' if variant.window else 'plain'}_float16_hd64",
                       Sm90RowsBackwardConfig("float16", 64, variant, dq_reduce="bulk")))
     for variant in (Variant(), Variant(window=True)):  # a persistent grid, K and V double-buffered
@@ -159,9 +159,10 @@ def backward_kernels():
                           ("causal_dropout", Variant(window=True, dropout=True))):
         found.append((f"backward_sm90_columns_dq_first_{name}_hd64", dataclasses.replace(
             configs.sm90_backward_table_config("float16", 64, variant), dq_split="columns", dq_first=True)))
-    # dQ_i staged in shared memory and added by the producer's warp 3 by bulk reduce-adds
-    # (dq_reduce="bulk", an option): hd 128 plain, causal, causal dropout (its keep bits by warp 2
-    # alone), a block mask and packed sequences; hd 64 by 32-column halves, plain and causal
+    # dQ_i staged in shared memory and added by the producer's stats warp by bulk reduce-adds
+    # (dq_reduce="bulk", an option): hd 128 plain, causal, causal dropout (its keep bits by the
+    # producer's warps 2 and 3), a block mask and packed sequences; hd 64 by 32-column halves,
+    # plain and causal
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True)),
                           ("causal_dropout", Variant(window=True, dropout=True)), ("block_mask", Variant(block_mask=True)),
                           ("varlen_causal", Variant(window=True, varlen=True))):

@@ -42,7 +42,7 @@
 #                                bulk reduce-adds, step 30); then hd 128 dropout, the producer's keep
 #                                bits against the consumers' with dQ first, and with bulk
 #                                reduce-adds, about 9.5 minutes
-#   scripts/gpu_check.sh bulk    dQ_i added by the producer's warp 3 from a staged tile by bulk
+#   scripts/gpu_check.sh bulk    dQ_i added by the producer's stats warp from a staged tile by bulk
 #                                reduce-adds (dq_reduce="bulk", an option; not yet run on a GPU):
 #                                the primitive's test, the GPU grids of both kernels that take it
 #                                (tails, GQA, variants, packed sequences; the rows split's forms),
@@ -241,7 +241,7 @@ bulk)
     grep -aE "\] (FAILED|ERROR)" "$out/bulk_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
     timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-bulk --anchors \
         > "$out/bulk128.log" 2>&1
-    echo "hd 128, dQ by bulk reduce-adds from the producer's warp 3 against the planned kernel (exit $?):"
+    echo "hd 128, dQ by bulk reduce-adds from the producer's stats warp against the planned kernel (exit $?):"
     tail -14 "$out/bulk128.log"
     ;;
 issue13)

@@ -37,8 +37,8 @@ Backward, each column a schedule:
   table (its "steps" the default there for dropout and score_mod) with dQ split by 32-column halves
   and each consumer's half issued first (an option, step 29). "planned-bulk" (where the planned kernel
   issues dQ first: headdim 128) and "columns-dqfirst-bulk" (headdim 64): the same with dQ_i stored
-  by the consumers into a shared tile and added to dq_accum by the producer's warp 3, a bulk
-  reduce-add per row (dq_reduce="bulk", step 30; with --dropout, the keep bits by warp 2 alone);
+  by the consumers into a shared tile and added to dq_accum by the producer's stats warp, a bulk
+  reduce-add per row (dq_reduce="bulk", step 30);
   "rows-bulk" (headdim 64): the rows split with the same.
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
@@ -192,10 +192,10 @@ def backward_schedules(headdim, causal):
         found["planned-dqlast"] = planned.__class__(**{**planned.__dict__, "dq_first": False})
     if table.dq_split == "steps":  # hd 64: backward_sm90.py by 32-column halves, dQ_i's product first
         found["columns-dqfirst"] = table.__class__(**{**table.__dict__, "dq_split": "columns", "dq_first": True})
-        # ... and dQ_i added by the producer's warp 3 from a staged tile (bulk reduce-adds)
+        # ... and dQ_i added by the producer's stats warp from a staged tile (bulk reduce-adds)
         found["columns-dqfirst-bulk"] = table.__class__(**{**table.__dict__, "dq_split": "columns", "dq_first": True,
                                                            "dq_reduce": "bulk"})
-    if getattr(planned, "dq_first", False):  # dQ_i added by the producer's warp 3 from a staged tile
+    if getattr(planned, "dq_first", False):  # dQ_i added by the producer's stats warp from a staged tile
         found["planned-bulk"] = planned.__class__(**{**planned.__dict__, "dq_reduce": "bulk"})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
         found[f"heavy-groups{groups}"] = table.__class__(**{**table.__dict__, "heavy_groups": groups})
@@ -210,7 +210,7 @@ def backward_schedules(headdim, causal):
         # P and dS stored by stmatrix (16 instructions a step instead of 64)
         found["rows-stmatrix"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, stmatrix=True,
                                                         heavy_groups=table.heavy_groups)
-        # dQ's rows added by the producer's warp 3 from a staged tile (bulk reduce-adds)
+        # dQ's rows added by the producer's stats warp from a staged tile (bulk reduce-adds)
         found["rows-bulk"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, dq_reduce="bulk",
                                                     heavy_groups=table.heavy_groups)
         # a persistent grid, one block per multiprocessor, K and V double-buffered

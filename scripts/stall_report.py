@@ -11,7 +11,7 @@ profile, and a summary of its per-instruction stall samples.
 --launch-skip; the second is profiled): batch 4, 16 heads, float16, flash-attn's grid at hidden
 2048, on the library's default family (the Hopper kernels on compute capability 9.0); with
 ``--dq-reduce bulk`` the planned dK/dV kernel takes ``dq_reduce="bulk"`` (dQ added by the producer's
-warp 3 from a staged tile: docs/perf-notes.md, "Hopper backward", step 30).
+stats warp from a staged tile: docs/perf-notes.md, "Hopper backward", step 30).
 ``summary`` reads ncu's source page (one row per SASS instruction) and prints the instructions
 with the most stall samples, each with its share of the kernel's samples and the stall reasons
 ncu attributes to it, then the samples grouped by instruction kind (HGMMA, BAR, SYNCS, LDS, REDG,

@@ -243,7 +243,7 @@ def test_backward_sm90_columns_dq_first_gpu(xp, monkeypatch, seqlens, name):
 @pytest.fixture
 def dq_bulk(monkeypatch):
     """Plan backward_sm90.py's dK/dV kernel with dQ_i staged in shared memory and added by the
-    producer's warp 3 by bulk reduce-adds (dq_reduce="bulk", an option), where it issues dQ_i's
+    producer's stats warp by bulk reduce-adds (dq_reduce="bulk", an option), where it issues dQ_i's
     product first."""
     planned = configs.sm90_backward_config
 
@@ -281,8 +281,9 @@ def test_backward_sm90_dq_bulk_gpu(rng, xp, dq_bulk, seqlens, headdim, causal):
 @pytest.mark.parametrize("name", ["softcap", "causal-dropout", "document-mask-mod"])
 def test_backward_sm90_dq_bulk_variants_gpu(xp, dq_bulk, name):
     """dq_reduce="bulk" with the variants that change the producer's warps: dropout (its keep bits
-    by warp 2 alone), a block mask (warp 3 walks the visited pairs as the others do); softcap as a
-    score feature. Headdim 128, GQA 2:1, tails. (Packed sequences: tests/test_varlen.py.)"""
+    by warps 2 and 3 beside the stats warp's dQ), a block mask (the stats warp walks the visited
+    pairs, and adds each one's dQ a step later); softcap as a score feature. Headdim 128, GQA 2:1,
+    tails. (Packed sequences: tests/test_varlen.py.)"""
     run_sm90_variant(np.random.default_rng(7), xp, name, "float16", 2, 300, 517, 4, 2, 128)
 
 
@@ -346,8 +347,6 @@ def test_dq_bulk_configs():
     bulk = dataclasses.replace(red, dq_reduce="bulk")
     assert (bulk.dq_stage_row_bytes, bulk.dq_stage_bytes) == (544, 64 * 544) and red.dq_stage_bytes == 0
     assert bulk.dynamic_shared_bytes == red.dynamic_shared_bytes + 64 * 544 + 16
-    staged = dataclasses.replace(bulk, variant=Variant(dropout=True), dropout_bits="producer")
-    assert (staged.dropout_threads, dataclasses.replace(staged, dq_reduce="red").dropout_threads) == (32, 64)
     rows = Sm90RowsBackwardConfig("float16", 64, dq_reduce="bulk")
     assert rows.dq_stage_bytes == 128 * 288
     assert rows.dynamic_shared_bytes == Sm90RowsBackwardConfig("float16", 64).dynamic_shared_bytes + 128 * 288 + 16
@@ -444,7 +443,7 @@ def test_backward_sm90_rows_persistent_small(rng, xp, monkeypatch):
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 def test_backward_sm90_rows_bulk_small(rng, xp, monkeypatch):
-    """The rows split with dQ staged in shared memory and added by the producer's warp 3
+    """The rows split with dQ staged in shared memory and added by the producer's stats warp
     (dq_reduce="bulk"): causal, two query tiles of 128 (the second's rows mostly past seqlen_q:
     not added), seqlen_q > seqlen_k, one key tile with a tail, headdim 40 (each row's reduce-add
     160 bytes), GQA 2:1."""
@@ -468,7 +467,7 @@ ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, stages, form):
     """The rows split (P and dS by 32-bit stores, by stmatrix, a persistent grid of 132 blocks, and
-    dQ by bulk reduce-adds from the producer's warp 3) on the GPU, the planner's launch order (the
+    dQ by bulk reduce-adds from the producer's stats warp) on the GPU, the planner's launch order (the
     persistent grid's items in it)."""
     if form in ("persistent", "bulk") and stages > 2:
         pytest.skip(f"the {form} form's shared memory (a second K/V, the staged dQ) leaves room for 2 stages")

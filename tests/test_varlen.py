@@ -288,10 +288,10 @@ def test_varlen_gpu_variants(rng, xp, family, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_sm90_dq_bulk_gpu(rng, xp, monkeypatch, causal):
-    """dQ_i staged in shared memory and added by the producer's warp 3 by bulk reduce-adds
+    """dQ_i staged in shared memory and added by the producer's stats warp by bulk reduce-adds
     (dq_reduce="bulk", an option) on packed sequences, headdim 128 and 96 (each row's reduce-add
-    384 bytes); the causal case with the window, softcap, ALiBi and dropout (its keep bits by warp 2
-    alone): each sequence's dq rows from its own first."""
+    384 bytes); the causal case with the window, softcap, ALiBi and dropout (its keep bits by the
+    producer's warps 2 and 3): each sequence's dq rows from its own first."""
     import dataclasses
 
     from nbflash import backward, configs

@@ -11,9 +11,9 @@ preprocess::
                 the i-th step (a query head of the GQA group and a query tile Q_i that sees K_j):
                 wait until ring slot i % stages is empty, then Q_i, dO_i -> the slot (TMA)
             warp 1: the same steps; lse_i (in base 2) and D_i of the tile's rows -> the slot's
-                stats (plain loads and stores), arriving on the slot's full barrier with the TMA
-            warp 3, with dq_reduce="bulk": the same steps; once both consumers have staged dQ_i,
-                its rows -> dq_accum (one bulk reduce-add a row), then the staged tile is free
+                stats (plain loads and stores), arriving on the slot's full barrier with the TMA;
+                with dq_reduce="bulk", then, once both consumers have staged dQ_{i-1}, its rows ->
+                dq_accum (one bulk reduce-add a row), and the staged tile is free again
         each consumer warpgroup c (64 keys of the tile, rows 64 c .. 64 c + 63):
             dK = dV = 0                                                    (registers)
             for the i-th step (slot i % stages), once the slot is full:
@@ -25,7 +25,7 @@ preprocess::
                 dS^T -> shared memory (16 bit, the 128-byte swizzle)
                 dQ_i += dS K_c                       (wgmma from shared memory, A transposed: dS^T
                                                             read as dS; into dq_accum by red.add,
-                                                            or staged for warp 3)
+                                                            or staged for warp 1)
                 arrive on the slot's empty barrier (the producer may refill it)
             dK *= scale; write dK, dV
 
@@ -48,7 +48,8 @@ keys: half the atomics too. The plan uses "columns" at headdim 128 and "steps" a
 also issues dQ_i's product first (``dq_first``): the consumer adds it to dq_accum while dV's and
 dK's products run, instead of after all three (10-16% faster at headdim 128). With
 ``dq_reduce="bulk"`` (an option, not yet timed) the consumers store dQ_i into a shared tile instead
-and the producer's warp 3 adds its rows into dq_accum by bulk reduce-adds (``make_write_dq``).
+and the producer's stats warp adds its rows into dq_accum by bulk reduce-adds
+(``make_add_staged_dq``).
 
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G
 (G ceil(seqlen_k / block_n), ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch,
@@ -197,7 +198,7 @@ class Sm90BackwardBlock:
 
     @property
     def dq_bulk(self):
-        """dQ staged in shared memory and added by the producer's warp 3 (``dq_reduce="bulk"``, in
+        """dQ staged in shared memory and added by the producer's stats warp (``dq_reduce="bulk"``, in
         the configs that have the field)."""
         return getattr(self, "dq_reduce", "red") == "bulk"
 
@@ -287,7 +288,7 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # How dQ_i reaches dq_accum (with dq_first): "red", each consumer thread's red.add.v2 of its
     # registers; "bulk", each consumer stores its half into a shared tile of the step's dQ_i rows
     # (8-byte stores, rows padded by 32 bytes: no bank conflicts) and arrives on dq_full, and the
-    # producer's warp 3 adds the tile's rows into dq_accum by bulk reduce-adds (one per row, the
+    # producer's stats warp adds the tile's rows into dq_accum by bulk reduce-adds (one per row, the
     # copy engine's: no thread waits on the reductions' queue), then frees the tile (dq_empty).
     # The stall counters of step 28 put about a fifth of the consumers' samples on the reductions;
     # docs/perf-notes.md step 30. (Step 6 staged dQ for TMA tensor reduce-adds issued and waited
@@ -319,12 +320,6 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     def staged_dropout(self):
         """Dropout's keep bits come from the producer's warps 2 and 3 (``dropout_bits="producer"``)."""
         return self.variant.dropout and self.dropout_bits == "producer"
-
-    @property
-    def dropout_threads(self):
-        """The producer's threads that make dropout's keep bits with ``staged_dropout``: warps 2 and
-        3, or warp 2 alone where warp 3 adds dQ (``dq_bulk``)."""
-        return 32 if self.dq_bulk else 64
 
     @property
     def atomic_dq(self):
@@ -485,9 +480,10 @@ def make_init_ring(stages, full_arrivals, empty_arrivals):
 
 def make_stage_stats(config, hooks):
     """``stage_stats``, the producer's warp 1 in a dK/dV block (one key tile; backward_sm90_rows.py's
-    as well): walking the block's steps (the visited (query head, query tile) pairs) through the
-    ring with warp 0's copies, each step's lse in base 2 and D (with a block mask, the step itself
-    for the consumers) into the slot's stats."""
+    and backward_sm90_wide.py's as well): walking the block's steps (the visited (query head, query
+    tile) pairs) through the ring with warp 0's copies, each step's lse in base 2 and D (with a block
+    mask, the step itself for the consumers) into the slot's stats; with ``dq_bulk``, after staging
+    step i's stats, step i - 1's dQ from the staged tile into dq_accum (``make_add_staged_dq``)."""
     BM, STAGES, STATS_BYTES = config.block_m, config.stages, config.stats_bytes
     ROWS_PER_LANE = BM // 32  # the stats rows of each lane
     BLOCK_MASK, STEP_WORD, SCORE = hooks.BLOCK_MASK, 2 * BM, hooks.SCORE
@@ -495,22 +491,29 @@ def make_stage_stats(config, hooks):
     score_units = hooks.tensor_core_score(False)[0]
     VARLEN, sequence = hooks.VARLEN, hooks.sequence
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
+    DQ_BULK = config.dq_bulk
+    add_staged_dq = make_add_staged_dq(config)
 
     @inline_device
     @unroll
     def stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
-                    tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, step0):
+                    tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, step0,
+                    dq_accum, dq_stage, dq_full, dq_empty):
         """Warp 1's: step i's lse_log2 and D of its BM query rows into ring slot (step0 + i) % STAGES's
         stats (at smem index stats_word0 on; step0: the block's steps before this key tile's, in a
         persistent block), once the consumers have released the slot; the arrival on its full
         barrier releases the stores. With a block mask, lane 0 adds the step (pair, query head,
         query tile, masked) at word STEP_WORD. Packed sequences: lse and delta hold the packed rows
-        (a batch of one), the sequence's from its first."""
+        (a batch of one), the sequence's from its first. With DQ_BULK (never a persistent block),
+        step i - 1's dQ goes out once step i's stats are in: step i's slot is free once the
+        consumers are past step i - 2, which is before step i - 1's dQ is staged, so neither waits
+        on the other (dq_accum, dq_stage and its barriers are unused otherwise)."""
         mem_b, row0 = b, 0
         if VARLEN:
             row0 = sequence(params, b, lse.shape[2], lse.shape[2])[0]  # the query rows' first
             mem_b = 0
         position = -1
+        last_h, last_q_start = 0, 0  # with DQ_BULK: step i - 1's query head and tile
         for i in range(steps):
             position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
                                              lane)
@@ -543,14 +546,22 @@ def make_stage_stats(config, hooks):
                     tail or tile < first_full or tile >= end_full
                     or tile_class(params, b, h, tile, n_block) != variants.FULL)
             mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
+            if DQ_BULK:
+                if i > 0:
+                    add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i - 1, last_h, last_q_start, mem_b, row0,
+                                  seqlen_q, lane)
+                last_h, last_q_start = h, q_start
+        if DQ_BULK and steps > 0:
+            add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, steps - 1, last_h, last_q_start, mem_b, row0,
+                          seqlen_q, lane)
 
     return stage_stats
 
 
 def make_stage_dropout(config, hooks):
     """``stage_dropout(smem, stats_word0, qd_full, qd_empty, params, b, hk, group, n_block, first_tile,
-    tiles_per_head, steps, n_start, t)``: the producer's warps 2 and 3 (thread t of their 64; warp 2
-    alone, t of 32, where warp 3 adds dQ: ``config.dropout_threads``) with ``staged_dropout``: for each step, once the consumers have released its slot, every consumer
+    tiles_per_head, steps, n_start, t)``: the producer's warps 2 and 3 (thread t of their 64) with
+    ``staged_dropout``: for each step, once the consumers have released its slot, every consumer
     lane's keep bits (``Hooks.dropout_bits_t``'s, byte p for the queries 16 p + 2 q4 on) into the
     slot's words from DROP_WORD on, a word per consumer thread. The lanes of key rows k, k + 1 and of
     k + 16, k + 17 (lane ^ 4, and the same two of the next warp) make the same two Philox calls a
@@ -560,7 +571,6 @@ def make_stage_dropout(config, hooks):
     BM, STAGES, STATS_BYTES, CONSUMERS = config.block_m, config.stages, config.stats_bytes, config.consumers
     DROP_WORD = 2 * BM + (4 if hooks.BLOCK_MASK else 0)  # after lse_log2, D and a block mask's step
     QUADS = CONSUMERS * 32  # lane quads: (consumer, even warp, g // 2, q4)
-    THREADS = config.dropout_threads
     warp_visit_query_step, head_context = hooks.warp_visit_query_step, hooks.head_context
     dropout_bits_t_lanes = hooks.dropout_bits_t_lanes
 
@@ -580,7 +590,7 @@ def make_stage_dropout(config, hooks):
             q_start = (first_tile + position % tiles_per_head) * BM
             head_ctx = head_context(params, b, h)
             words = stats_word0 + uint32(slot * (STATS_BYTES // 4) + DROP_WORD)
-            for quad in range(t, QUADS, THREADS):  # loops, not unrolled: two calls at a time in 40 registers
+            for quad in range(t, QUADS, 64):  # loops, not unrolled: two calls at a time in 40 registers
                 # consumer c, warps 2 w2 and 2 w2 + 1, key rows 16 (2 w2) + 2 gh and + 1, the lanes' q4
                 c, w2, gh, q4 = quad // 32, (quad // 16) % 2, (quad // 4) % 4, quad % 4
                 key = n_start + 64 * c + 32 * w2 + 2 * gh
@@ -602,47 +612,38 @@ def make_stage_dropout(config, hooks):
     return stage_dropout
 
 
-def make_write_dq(config, hooks):
-    """``write_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
-    tiles_per_head, steps, mem_b, q_row0, seqlen_q, lane)``: the producer's warp 3 with
-    ``dq_bulk`` (this file's kernel and backward_sm90_rows.py's): for each step, once both consumers
-    have stored their parts of dQ_i in the staged tile (dq_full), each of the tile's block_m rows
-    inside the sequence is added into dq_accum by one bulk reduce-add (lane l: rows l, l + 32, ...),
-    and once the copy engine has read them all the tile is free again (dq_empty, one arrival a
-    lane). The step's (query head, query tile) pair is walked as the producer's other warps walk it.
-    (One key tile a block: a persistent grid's second K and V leave no room for the staged tile.)"""
+def make_add_staged_dq(config):
+    """``add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, q_start, mem_b, q_row0, seqlen_q,
+    lane)``, the stats warp's with ``dq_bulk`` (make_stage_stats; this file's kernel and
+    backward_sm90_rows.py's): once both consumers have stored their parts of step i's dQ in the
+    staged tile (dq_full), each of its block_m rows inside the sequence goes into
+    dq_accum[mem_b, q_row0 + q_start + row, h, :headdim] by one bulk reduce-add (lane l: rows l,
+    l + 32, ...), and once the copy engine has read them all the tile is free again (dq_empty, one
+    arrival a lane). (One key tile a block: a persistent grid's second K and V leave no room for the
+    staged tile.)"""
     BM, HD, ROW = config.block_m, config.headdim, config.dq_stage_row_bytes
-    warp_visit_query_step = hooks.warp_visit_query_step
 
     @inline_device
     @unroll
-    def write_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile, tiles_per_head,
-                 steps, mem_b, q_row0, seqlen_q, lane):
-        """Step i's dQ_i rows from the staged tile into dq_accum[mem_b, q_row0 + row, h, :HD]."""
-        position = -1
-        for i in range(steps):
-            position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
-                                             lane)
-            h = hk * group + position // tiles_per_head
-            q_start = (first_tile + position % tiles_per_head) * BM
-            mbarrier_wait(dq_full, i & 1)  # both consumers' parts are stored (and fenced)
-            for r in static_range(BM // 32):
-                row = q_start + 32 * r + lane
-                if row < seqlen_q:  # HD * 4 bytes: a multiple of 32, as bulk copies ask (16)
-                    bulk_reduce_add_f32(global_address(dq_accum, mem_b, q_row0 + row, h, 0),
-                                        dq_stage + uint32((32 * r + lane) * ROW), uint32(HD * 4))
-            tma_store_commit()
-            tma_store_wait(0)  # the copy engine has read this lane's rows
-            mbarrier_arrive(dq_empty)
+    def add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, q_start, mem_b, q_row0, seqlen_q, lane):
+        mbarrier_wait(dq_full, i & 1)  # both consumers' parts are stored (and fenced)
+        for r in static_range(BM // 32):
+            row = q_start + 32 * r + lane
+            if row < seqlen_q:  # HD * 4 bytes: a multiple of 32, as bulk copies ask (16)
+                bulk_reduce_add_f32(global_address(dq_accum, mem_b, q_row0 + row, h, 0),
+                                    dq_stage + uint32((32 * r + lane) * ROW), uint32(HD * 4))
+        tma_store_commit()
+        tma_store_wait(0)  # the copy engine has read this lane's rows
+        mbarrier_arrive(dq_empty)
 
-    return write_dq
+    return add_staged_dq
 
 
 def make_stage_dq(row_bytes, columns):
     """``stage_dq(dq_stage, acc, dq_full, dq_empty, use, row, col0, q4)``, a consumer thread's with
     ``dq_bulk``: its part of a 64-row dQ product of ``columns`` columns (wgmma's layout) into the
     staged tile (rows ``row_bytes`` apart; the thread's rows ``row`` and ``row`` + 8, its column pairs
-    col0 + 8 c + 2 q4: 8 bytes a store), once the producer's warp 3 has had the tile's last use read
+    col0 + 8 c + 2 q4: 8 bytes a store), once the stats warp has had the tile's last use read
     (dq_empty; ``use``: the block's step, counted from 0); then fenced for the copy engine, and the
     thread's arrival on dq_full."""
 
@@ -893,11 +894,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     NT = BM // 8  # 8-column groups of S^T (queries)
     STAGED_DROPOUT = config.staged_dropout  # dropout's keep bits from the producer's warps 2 and 3
     DROP_WORD = 2 * BM + (4 if config.variant.block_mask else 0)  # ... at this word of a slot's stats
-    # dQ_i staged in shared memory by the consumers, added by the producer's warp 3 (dq_reduce="bulk")
+    # dQ_i staged in shared memory by the consumers, added by the producer's stats warp (dq_reduce="bulk")
     DQ_BULK, DQ_STAGE_BYTES, DQ_ROW = config.dq_bulk, config.dq_stage_bytes, config.dq_stage_row_bytes
-    # the TMA thread's expect_tx and the stats warp's 32 lanes (and the dropout warps': 64, or 32
-    # where warp 3 adds dQ)
-    FULL_ARRIVALS = 1 + 32 + (config.dropout_threads if STAGED_DROPOUT else 0)
+    # the TMA thread's expect_tx and the stats warp's 32 lanes (and the dropout warps' 64)
+    FULL_ARRIVALS = 1 + 32 + (64 if STAGED_DROPOUT else 0)
     EMPTY_ARRIVALS = CONSUMERS * GROUP
     SPLIT_REGISTERS = CONSUMERS == 2
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
@@ -955,8 +955,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
     probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT)
     stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
-    write_dq = make_write_dq(config, hooks)  # the producer's warp 3, with DQ_BULK
-    stage_dq = make_stage_dq(DQ_ROW, DQ_COLS)  # ... and the consumers' half of dQ_i for it
+    stage_dq = make_stage_dq(DQ_ROW, DQ_COLS)  # with DQ_BULK, the consumers' half of dQ_i for the stats warp
     consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES)
 
     @inline_device
@@ -1065,7 +1064,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         qd_full = kv_full + uint32(8)  # + 8 * slot
         qd_empty = qd_full + uint32(8 * STAGES)
         dq_full = qd_empty + uint32(8 * STAGES)  # with DQ_BULK: both consumers' halves are staged
-        dq_empty = dq_full + uint32(8)  # ... and warp 3 has had them read
+        dq_empty = dq_full + uint32(8)  # ... and the stats warp has had them read
         stats_word0 = (stats_ring - smem_start) // uint32(4)  # smem's index of the first slot's stats
 
         # ---- Which query tiles see this key tile (geometry.py): [first_tile, end_tile), of which
@@ -1093,13 +1092,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             if warp == 0 and steps > 0:
                 produce_tiles(maps, k_tile, v_tile, q_ring, do_ring, kv_full, qd_full, qd_empty, params, b, hk, group,
                               n_block, first_tile, tiles_per_head, steps, q_row0, k_row0, mem_b, lane)
-            elif warp == 1:
+            elif warp == 1:  # (with DQ_BULK, dQ's rows from the staged tile into dq_accum too)
                 stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
-                            tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, 0)
-            elif DQ_BULK and warp == 3:
-                write_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
-                         tiles_per_head, steps, mem_b, q_row0, seqlen_q, lane)
-            elif STAGED_DROPOUT and warp >= 2:  # warps 2 and 3 (warp 2 alone with DQ_BULK)
+                            tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, 0,
+                            dq_accum, dq_stage, dq_full, dq_empty)
+            elif STAGED_DROPOUT and warp >= 2:  # warps 2 and 3
                 stage_dropout(smem, stats_word0, qd_full, qd_empty, params, b, hk, group, n_block, first_tile,
                               tiles_per_head, steps, n_start, tid - 64)
         else:
@@ -1203,7 +1200,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 if DQ_FIRST:  # dQ_i's reductions while the tensor cores run dV's and dK's products
                     wgmma_wait(2)  # dQ_i has landed (commit groups complete in order)
                     registers_to(dq_acc, fence_operands(acc_q))
-                    if DQ_BULK:  # into shared memory, for the producer's warp 3
+                    if DQ_BULK:  # into shared memory, for the producer's stats warp
                         stage_dq(dq_stage, dq_acc, dq_full, dq_empty, i, 16 * warp + g, DQ_COLS * consumer, q4)
                     else:
                         add_dq_columns(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h,

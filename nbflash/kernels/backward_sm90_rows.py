@@ -21,7 +21,7 @@ D = rowsum(dO * O) from the preprocess::
                 P, dS -> shared memory (16 bit, all 128 rows x 128 keys between the two consumers)
                 dQ_c  = dS K_j          (wgmma, dS from registers; into dq_accum by red.add, or with
                                           dq_reduce="bulk" into a shared tile whose rows the
-                                          producer's warp 3 adds by bulk reduce-adds)
+                                          stats warp adds by bulk reduce-adds)
                 dV_c += P^T dO_i,  dK_c += dS^T Q_i   (wgmma, P^T and dS^T: key chunk c of the tiles)
                 arrive on the slot's empty barrier
             dK *= scale; write dK_c, dV_c
@@ -113,7 +113,6 @@ from .backward_sm90 import (
     make_stage_dq,
     make_stage_stats,
     make_store_rows,
-    make_write_dq,
 )
 from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
 from .geometry import grouped_block, grouped_grid
@@ -150,7 +149,7 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
     persistent: int = 0
     # How dQ_c reaches dq_accum: "red", each consumer thread's red.add.v2 of its registers; "bulk",
     # the consumers store their rows into a shared tile of the step's 128 rows and the producer's
-    # warp 3 adds them by bulk reduce-adds (backward_sm90.py's ``dq_reduce``; docs/perf-notes.md,
+    # stats warp adds them by bulk reduce-adds (backward_sm90.py's ``dq_reduce``; docs/perf-notes.md,
     # "Hopper backward", step 30: an option, not yet timed)
     dq_reduce: str = "red"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
@@ -226,7 +225,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     S_REGS, ACC_REGS, P_REGS = BN // 2, CHUNK // 2, BN // 4  # per thread: S (dP), dK (dV, dQ), packed P (dS)
     NT = BN // 8  # 8-key column groups of S
     FULL_ARRIVALS = 1 + 32  # the TMA thread's expect_tx and the stats warp's 32 lanes
-    # dQ_c staged in shared memory by the consumers, added by the producer's warp 3 (dq_reduce="bulk")
+    # dQ_c staged in shared memory by the consumers, added by the producer's stats warp (dq_reduce="bulk")
     DQ_BULK, DQ_STAGE_BYTES = config.dq_bulk, config.dq_stage_bytes
     EMPTY_ARRIVALS = CONSUMERS * GROUP
     BOTH = CONSUMERS * GROUP  # threads of the named barriers across the consumers
@@ -250,8 +249,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     add_dq = make_add_dq(HD, CHUNK)  # dQ_c into dq_accum
     store_rows = make_store_rows(config.dtype, HD, CHUNK)  # dK, dV
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
-    write_dq = make_write_dq(config, hooks)  # the producer's warp 3, with DQ_BULK
-    stage_dq = make_stage_dq(config.dq_stage_row_bytes, CHUNK)  # ... and the consumers' rows of dQ for it
+    stage_dq = make_stage_dq(config.dq_stage_row_bytes, CHUNK)  # with DQ_BULK, the consumers' rows of dQ
 
     @inline_device
     @unroll
@@ -470,7 +468,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
         qd_empty = qd_full + uint32(8 * STAGES)
         kv_empty = qd_empty + uint32(8 * STAGES + 8)  # persistent only: after the second K/V's full barrier
         dq_full = qd_empty + uint32(8 * STAGES + (24 if PERSISTENT else 0))  # with DQ_BULK: the rows are staged
-        dq_empty = dq_full + uint32(8)  # ... and warp 3 has had them read
+        dq_empty = dq_full + uint32(8)  # ... and the stats warp has had them read
         stats_word0 = (stats_ring - smem_start) // uint32(4)  # smem's index of the first slot's stats
 
         if tid == 0:
@@ -486,7 +484,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
         cuda.syncthreads()  # the barriers are initialised before anyone arrives on or waits for them
 
         if group_id == 0:
-            # ---- Producer: warp 0 issues the copies, warp 1 stages lse and D (warp 3 adds dQ) ----
+            # ---- Producer: warp 0 issues the copies, warp 1 stages lse and D (and adds dQ: DQ_BULK) ----
             setmaxnreg_dec(PRODUCER_REGS)
             warp = tid // 32
             lane = tid % 32
@@ -537,12 +535,8 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                     n_start, first_tile, first_full, end_full, tail, tiles_per_head, steps = visited
                     stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
                                 tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full,
-                                step0)
+                                step0, dq_accum, dq_stage, dq_full, dq_empty)
                     step0 += steps
-            elif DQ_BULK and warp == 3:  # dQ's rows from the staged tile into dq_accum (never persistent:
-                n_start, first_tile, _, _, _, tiles_per_head, steps = visited  # no room for the tile)
-                write_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
-                         tiles_per_head, steps, b, 0, seqlen_q, lane)
         else:
             # ---- Consumers: 64 query rows of each step, 64 keys of dK and dV each ----
             setmaxnreg_inc(CONSUMER_REGS)
@@ -649,7 +643,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                                             mn_descriptor(q_slot, Q_BYTES))
                     wgmma_wait(2)  # dQ_c has landed: added while dV and dK run
                     registers_to(dq_acc, fence_operands(acc_q))
-                    if DQ_BULK:  # into shared memory, for the producer's warp 3
+                    if DQ_BULK:  # into shared memory, for the producer's stats warp
                         stage_dq(dq_stage, dq_acc, dq_full, dq_empty, i, row0, 0, q4)
                     else:
                         add_dq(dq_accum, dq_acc, b, q_start + row0, h, 0, seqlen_q, q4)

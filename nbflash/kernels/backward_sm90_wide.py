@@ -326,7 +326,8 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                               n_block, first_tile, tiles_per_head, steps, q_row0, k_row0, mem_b, lane)
             elif warp == 1:
                 stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
-                            tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, 0)
+                            tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, 0,
+                            dq_accum, uint32(0), uint32(0), uint32(0))  # (no staged dQ here)
         else:
             # ---- Consumers: columns HALF c .. HALF c + HALF - 1 of dK, dV and dQ each ----
             setmaxnreg_inc(CONSUMER_REGS)
