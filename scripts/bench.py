@@ -697,7 +697,8 @@ def copy_bandwidth(budget_s):
     streams its inputs once can approach."""
     source = cupy.ones(COPY_BYTES // 2, np.float16)
     target = cupy.empty_like(source)
-    ms = back_to_back_ms(lambda: cupy.copyto(target, source), DECODE_BACK_TO_BACK, repeats=20, budget_s=budget_s)
+    ms = back_to_back_ms(functools.partial(cupy.copyto, target, source), DECODE_BACK_TO_BACK, repeats=20,
+                         budget_s=budget_s)
     del source, target
     cupy.get_default_memory_pool().free_all_blocks()
     return 2 * COPY_BYTES / (ms * 1e-3)

@@ -36,7 +36,7 @@ if __name__ == "__main__":
 import numpy as np  # noqa: E402
 
 import nbflash  # noqa: E402
-from nbflash import configs, kvcache, launch, runtime, validation  # noqa: E402
+from nbflash import kvcache, launch, runtime, validation  # noqa: E402
 
 MULTIPROCESSORS = 132  # the H200's
 
