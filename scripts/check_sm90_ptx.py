@@ -168,6 +168,13 @@ def backward_kernels():
                           ("varlen_causal", Variant(window=True, varlen=True))):
         found.append((f"backward_sm90_dq_bulk_{name}_hd128", dataclasses.replace(
             configs.sm90_backward_table_config("float16", 128, variant), dq_reduce="bulk")))
+    found.append(("backward_sm90_keys_plain_hd128", dataclasses.replace(  # by keys with red.add (step 1's)
+        configs.sm90_backward_table_config("float16", 128, Variant()), dq_split="keys", dq_first=False)))
+    for name, variant in (("plain", Variant()), ("causal", Variant(window=True)),
+                          ("causal_dropout", Variant(window=True, dropout=True))):  # dQ by keys, a tile a consumer
+        found.append((f"backward_sm90_dq_bulk_keys_{name}_hd128", dataclasses.replace(
+            configs.sm90_backward_table_config("float16", 128, variant), dq_split="keys", dq_first=False,
+            dq_reduce="bulk")))
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
         found.append((f"backward_sm90_dq_bulk_columns_{name}_hd64", dataclasses.replace(
             configs.sm90_backward_table_config("float16", 64, variant), dq_split="columns", dq_first=True,

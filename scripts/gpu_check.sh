@@ -216,8 +216,8 @@ dqfirst)
         or -96-)) or (variants_gpu and x128-)" > "$out/dqfirst_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/dqfirst_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/dqfirst_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 170 python3 scripts/sm90_schedules.py --backward --headdims 64 --only columns-dqfirst columns-dqfirst-bulk \
-        rows-bulk --anchors \
+    timeout 200 python3 scripts/sm90_schedules.py --backward --headdims 64 --only columns-dqfirst columns-dqfirst-bulk \
+        rows-bulk keys-bulk --anchors \
         > "$out/dqfirst_hd64.log" 2>&1
     echo "hd 64, 32-column halves with dQ first, against the rows split (exit $?):"; tail -12 "$out/dqfirst_hd64.log"
     timeout 120 python3 scripts/sm90_schedules.py --backward --headdims 64 --dropout 0.1 --only columns-dqfirst \
@@ -239,9 +239,9 @@ bulk)
         > "$out/bulk_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/bulk_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/bulk_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-bulk --anchors \
+    timeout 170 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-bulk keys-bulk --anchors \
         > "$out/bulk128.log" 2>&1
-    echo "hd 128, dQ by bulk reduce-adds from the producer's stats warp against the planned kernel (exit $?):"
+    echo "hd 128, dQ by bulk reduce-adds from the producer's stats warp (by columns, by keys) against the planned kernel (exit $?):"
     tail -14 "$out/bulk128.log"
     ;;
 issue13)

@@ -39,7 +39,9 @@ Backward, each column a schedule:
   issues dQ first: headdim 128) and "columns-dqfirst-bulk" (headdim 64): the same with dQ_i stored
   by the consumers into a shared tile and added to dq_accum by the producer's stats warp, a bulk
   reduce-add per row (dq_reduce="bulk", step 30);
-  "rows-bulk" (headdim 64): the rows split with the same.
+  "rows-bulk" (headdim 64): the rows split with the same. "keys-bulk": backward_sm90.py's kernel
+  with dQ split by keys (each consumer's dS K_c over all of headdim: no barrier across the
+  consumers a step) into a staged tile a consumer, both added by the stats warp (step 31).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
 schedule's ratio to SDPA flash after the table. With --isolate S, each (shape, schedule) runs in a
@@ -195,6 +197,9 @@ def backward_schedules(headdim, causal):
         # ... and dQ_i added by the producer's stats warp from a staged tile (bulk reduce-adds)
         found["columns-dqfirst-bulk"] = table.__class__(**{**table.__dict__, "dq_split": "columns", "dq_first": True,
                                                            "dq_reduce": "bulk"})
+    # dQ by keys (no barrier across the consumers), a staged tile a consumer, both added by the stats warp
+    found["keys-bulk"] = table.__class__(**{**table.__dict__, "dq_split": "keys", "dq_first": False,
+                                             "dq_reduce": "bulk"})
     if getattr(planned, "dq_first", False):  # dQ_i added by the producer's stats warp from a staged tile
         found["planned-bulk"] = planned.__class__(**{**planned.__dict__, "dq_reduce": "bulk"})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs

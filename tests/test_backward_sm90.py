@@ -257,6 +257,47 @@ def dq_bulk(monkeypatch):
     backward._kernels.cache_clear()
 
 
+@pytest.fixture
+def dq_bulk_keys(monkeypatch):
+    """Plan backward_sm90.py's dK/dV kernel with dQ split by keys and staged, a tile a consumer, for
+    the stats warp's bulk reduce-adds (dq_split="keys", dq_reduce="bulk": an option), wherever it
+    serves the call."""
+    planned = configs.sm90_backward_config
+
+    def with_keys(*args):
+        config = planned(*args)
+        if not isinstance(config, Sm90BackwardConfig) or config.dq_split == "none":
+            return config
+        return dataclasses.replace(config, dq_split="keys", dq_first=False, dq_reduce="bulk")
+
+    monkeypatch.setattr(configs, "sm90_backward_config", with_keys)
+    backward._kernels.cache_clear()
+    yield
+    backward._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_backward_sm90_dq_bulk_keys_small(rng, xp, dq_bulk_keys):
+    """dQ by keys into two staged tiles (each consumer's 64 keys over all of headdim, in two 64-column
+    chunks), both added into the same dq_accum rows by the stats warp; one dS^T tile a consumer:
+    headdim 96 (the second chunk's last 32 columns past headdim), causal over two key tiles, 70 query
+    rows (a tail), GQA 2:1."""
+    config = configs.plan_backward(Static("float16", 96, True, 0, CAUSAL), False, "sm90")[1]
+    assert (config.dq_split, config.dq_reduce, config.dq_tiles, config.ds_buffers) == ("keys", "bulk", 2, 1)
+    run_sm90(rng, xp, 1, 70, 100, 2, 1, 96, "float16", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_dq_bulk_keys_gpu(rng, xp, dq_bulk_keys, monkeypatch, seqlens, headdim, causal):
+    """dq_split="keys" with dq_reduce="bulk", GQA 2:1, fp16 and bf16, tails (at headdim 64 in place of
+    the rows split, which does not take it)."""
+    monkeypatch.setattr(configs, "SM90_BACKWARD_ROWS_MAX_HEADDIM", 0)
+    run_sm90(rng, xp, 2, *seqlens, 4, 2, headdim, "bfloat16" if causal else "float16", causal)
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 def test_backward_sm90_dq_bulk_small(rng, xp, dq_bulk):
     """dQ_i by bulk reduce-adds from a staged tile: headdim 96 by columns (consumer 1's last 32
@@ -343,6 +384,13 @@ def test_dq_bulk_configs():
         Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="columns", dq_first=True, dq_reduce="tma")
     with pytest.raises(ValueError, match="takes dq_first=True"):
         Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="columns", dq_reduce="bulk")
+    with pytest.raises(ValueError, match="or dq_split='keys'"):
+        Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="steps", dq_reduce="bulk")
+    # by keys: a tile a consumer, one dS^T tile each (219 KB at headdim 128)
+    keys = Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="keys", dq_reduce="bulk")
+    assert (keys.dq_tiles, keys.ds_buffers, keys.dq_stage_bytes) == (2, 1, 2 * 64 * 544)
+    assert keys.dynamic_shared_bytes == (Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="keys")
+                                         .dynamic_shared_bytes - 2 * 8192 + 2 * 64 * 544 + 32)
     red = Sm90BackwardConfig(dtype="float16", headdim=96, dq_split="columns", dq_first=True)
     bulk = dataclasses.replace(red, dq_reduce="bulk")
     assert (bulk.dq_stage_row_bytes, bulk.dq_stage_bytes) == (544, 64 * 544) and red.dq_stage_bytes == 0

@@ -49,7 +49,7 @@ also issues dQ_i's product first (``dq_first``): the consumer adds it to dq_accu
 dK's products run, instead of after all three (10-16% faster at headdim 128). With
 ``dq_reduce="bulk"`` (an option, not yet timed) the consumers store dQ_i into a shared tile instead
 and the producer's stats warp adds its rows into dq_accum by bulk reduce-adds
-(``make_add_staged_dq``).
+(``make_add_staged_dq``); with "keys" too, a tile a consumer (no barrier across the consumers).
 
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G
 (G ceil(seqlen_k / block_n), ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch,
@@ -210,9 +210,15 @@ class Sm90BackwardBlock:
         return self.headdim_padded * 4 + 32
 
     @property
+    def dq_tiles(self):
+        """Staged dQ tiles (``dq_bulk``): one a consumer where each adds dQ over its own keys and all of
+        headdim (``dq_split="keys"``), else one the consumers share (their columns or rows of it)."""
+        return self.consumers if getattr(self, "dq_split", "") == "keys" else 1
+
+    @property
     def dq_stage_bytes(self):
-        """Bytes of the staged dQ tile, a row per query of the step (``dq_bulk``; none otherwise)."""
-        return self.block_m * self.dq_stage_row_bytes if self.dq_bulk else 0
+        """Bytes of the staged dQ tiles, a row per query of the step (``dq_bulk``; none otherwise)."""
+        return self.dq_tiles * self.block_m * self.dq_stage_row_bytes if self.dq_bulk else 0
 
     def check_dq_reduce(self):
         if self.dq_reduce not in ("red", "bulk"):
@@ -292,7 +298,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # copy engine's: no thread waits on the reductions' queue), then frees the tile (dq_empty).
     # The stall counters of step 28 put about a fifth of the consumers' samples on the reductions;
     # docs/perf-notes.md step 30. (Step 6 staged dQ for TMA tensor reduce-adds issued and waited
-    # for by a consumer thread: within noise; here no consumer issues or waits for them.)
+    # for by a consumer thread: within noise; here no consumer issues or waits for them.) Also with
+    # dq_split="keys": each consumer stages its own tile (all of headdim over its 64 keys; the stats
+    # warp adds both into the same rows), and no barrier across the consumers is left in the step.
     dq_reduce: str = "red"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
@@ -312,8 +320,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         if self.dq_first and self.dq_split != "columns":
             raise ValueError(f"dq_first=True takes dq_split='columns' (one dQ product a step), not {self.dq_split!r}")
         self.check_dq_reduce()
-        if self.dq_reduce == "bulk" and not self.dq_first:
-            raise ValueError("dq_reduce='bulk' takes dq_first=True (dQ split by columns, its product first)")
+        if self.dq_reduce == "bulk" and not (self.dq_first or self.dq_split == "keys"):
+            raise ValueError("dq_reduce='bulk' takes dq_first=True (dQ split by columns, its product first) or "
+                             f"dq_split='keys', not dq_split={self.dq_split!r} with dq_first={self.dq_first}")
         self.check_block()
 
     @property
@@ -346,6 +355,13 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         return self.block_n * self.headdim_padded * 2
 
     @property
+    def ds_buffers(self):
+        """dS^T tiles a consumer keeps: two (even and odd steps: with a split over all keys, the other
+        consumer's dQ product may still read the last one), or one where dQ's product reads only the
+        consumer's own and the staged dQ tiles need the room (``dq_split="keys"`` with ``dq_bulk``)."""
+        return 1 if self.dq_bulk and self.dq_split == "keys" else 2
+
+    @property
     def ds_bytes(self):
         """Bytes of one consumer's dS^T tile (64 keys x 64 queries, 16 bit: 64 rows of 128 bytes);
         none without dQ."""
@@ -363,9 +379,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     def dynamic_shared_bytes(self):
         """The tiles (and the staged dQ_i), the stats, 1 + 2 stages mbarriers (and dq_full, dq_empty),
         and 1024 bytes of slack to align the tiles."""
-        return (1024 + 2 * self.kv_bytes + 2 * self.stages * self.q_bytes + 2 * self.consumers * self.ds_bytes
-                + self.dq_stage_bytes + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages)
-                + (16 if self.dq_bulk else 0))
+        return (1024 + 2 * self.kv_bytes + 2 * self.stages * self.q_bytes
+                + self.ds_buffers * self.consumers * self.ds_bytes + self.dq_stage_bytes
+                + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages) + (16 * self.dq_tiles if self.dq_bulk else 0))
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
         tiles = -(-seqlen_k // self.block_n)
@@ -615,28 +631,46 @@ def make_stage_dropout(config, hooks):
 def make_add_staged_dq(config):
     """``add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, q_start, mem_b, q_row0, seqlen_q,
     lane)``, the stats warp's with ``dq_bulk`` (make_stage_stats; this file's kernel and
-    backward_sm90_rows.py's): once both consumers have stored their parts of step i's dQ in the
-    staged tile (dq_full), each of its block_m rows inside the sequence goes into
-    dq_accum[mem_b, q_row0 + q_start + row, h, :headdim] by one bulk reduce-add (lane l: rows l,
-    l + 32, ...), and once the copy engine has read them all the tile is free again (dq_empty, one
-    arrival a lane). (One key tile a block: a persistent grid's second K and V leave no room for the
-    staged tile.)"""
-    BM, HD, ROW = config.block_m, config.headdim, config.dq_stage_row_bytes
+    backward_sm90_rows.py's): for each staged tile t (``config.dq_tiles``: its barriers 8 t bytes on
+    from dq_full and dq_empty), once the consumers have stored their parts of step i's dQ in it
+    (dq_full), each of its block_m rows inside the sequence goes into dq_accum[mem_b, q_row0 +
+    q_start + row, h, :headdim] by one bulk reduce-add (lane l: rows l, l + 32, ...), and once the
+    copy engine has read them all the tile is free again (dq_empty, one arrival a lane). (One key
+    tile a block: a persistent grid's second K and V leave no room for the staged tiles.)"""
+    BM, HD, ROW, TILES = config.block_m, config.headdim, config.dq_stage_row_bytes, config.dq_tiles
 
     @inline_device
     @unroll
     def add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, q_start, mem_b, q_row0, seqlen_q, lane):
-        mbarrier_wait(dq_full, i & 1)  # both consumers' parts are stored (and fenced)
-        for r in static_range(BM // 32):
-            row = q_start + 32 * r + lane
-            if row < seqlen_q:  # HD * 4 bytes: a multiple of 32, as bulk copies ask (16)
-                bulk_reduce_add_f32(global_address(dq_accum, mem_b, q_row0 + row, h, 0),
-                                    dq_stage + uint32((32 * r + lane) * ROW), uint32(HD * 4))
-        tma_store_commit()
-        tma_store_wait(0)  # the copy engine has read this lane's rows
-        mbarrier_arrive(dq_empty)
+        for t in static_range(TILES):
+            mbarrier_wait(dq_full + uint32(8 * t), i & 1)  # the consumers' parts are stored (and fenced)
+            for r in static_range(BM // 32):
+                row = q_start + 32 * r + lane
+                if row < seqlen_q:  # HD * 4 bytes: a multiple of 32, as bulk copies ask (16)
+                    bulk_reduce_add_f32(global_address(dq_accum, mem_b, q_row0 + row, h, 0),
+                                        dq_stage + uint32((t * BM + 32 * r + lane) * ROW), uint32(HD * 4))
+            tma_store_commit()
+            tma_store_wait(0)  # the copy engine has read this lane's rows
+            mbarrier_arrive(dq_empty + uint32(8 * t))
 
     return add_staged_dq
+
+
+def make_store_dq_rows(row_bytes, columns):
+    """``store_dq_rows(tile, acc, row, col0, q4)``: a consumer thread's part of a 64-row dQ product of
+    ``columns`` columns (wgmma's layout) into a staged tile (rows ``row_bytes`` apart; the thread's
+    rows ``row`` and ``row`` + 8, its column pairs col0 + 8 c + 2 q4: 8 bytes a store)."""
+
+    @inline_device
+    @unroll
+    def store_dq_rows(tile, acc, row, col0, q4):
+        row_address = tile + uint32(row * row_bytes + 4 * col0 + 8 * q4)
+        for c in static_range(columns // 8):
+            for rh in static_range(2):
+                store_shared_f32x2(row_address + uint32(8 * rh * row_bytes + 32 * c), acc[4 * c + 2 * rh],
+                                   acc[4 * c + 2 * rh + 1])
+
+    return store_dq_rows
 
 
 def make_stage_dq(row_bytes, columns):
@@ -647,16 +681,13 @@ def make_stage_dq(row_bytes, columns):
     (dq_empty; ``use``: the block's step, counted from 0); then fenced for the copy engine, and the
     thread's arrival on dq_full."""
 
+    store_dq_rows = make_store_dq_rows(row_bytes, columns)
+
     @inline_device
-    @unroll
     def stage_dq(dq_stage, acc, dq_full, dq_empty, use, row, col0, q4):
         if use > 0:
             mbarrier_wait(dq_empty, (use - 1) & 1)
-        row_address = dq_stage + uint32(row * row_bytes + 4 * col0 + 8 * q4)
-        for c in static_range(columns // 8):
-            for rh in static_range(2):
-                store_shared_f32x2(row_address + uint32(8 * rh * row_bytes + 32 * c), acc[4 * c + 2 * rh],
-                                   acc[4 * c + 2 * rh + 1])
+        store_dq_rows(dq_stage, acc, row, col0, q4)
         fence_proxy_async()  # the stores are ordered before the bulk reduce-adds read them
         mbarrier_arrive(dq_full)
 
@@ -896,6 +927,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     DROP_WORD = 2 * BM + (4 if config.variant.block_mask else 0)  # ... at this word of a slot's stats
     # dQ_i staged in shared memory by the consumers, added by the producer's stats warp (dq_reduce="bulk")
     DQ_BULK, DQ_STAGE_BYTES, DQ_ROW = config.dq_bulk, config.dq_stage_bytes, config.dq_stage_row_bytes
+    DQ_TILES, DS_BUFFERS = config.dq_tiles, config.ds_buffers  # "keys" with DQ_BULK: a tile a consumer, one dS^T
+    DQ_TILE_BYTES = BM * DQ_ROW
     # the TMA thread's expect_tx and the stats warp's 32 lanes (and the dropout warps' 64)
     FULL_ARRIVALS = 1 + 32 + (64 if STAGED_DROPOUT else 0)
     EMPTY_ARRIVALS = CONSUMERS * GROUP
@@ -956,6 +989,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT)
     stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
     stage_dq = make_stage_dq(DQ_ROW, DQ_COLS)  # with DQ_BULK, the consumers' half of dQ_i for the stats warp
+    store_dq_rows = make_store_dq_rows(DQ_ROW, DQ_COLS)  # ... or ("keys") a 64-column chunk of its own tile
     consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES)
 
     @inline_device
@@ -1058,13 +1092,13 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         q_ring = v_tile + uint32(KV_BYTES)
         do_ring = q_ring + uint32(STAGES * Q_BYTES)
         ds_tiles = do_ring + uint32(STAGES * Q_BYTES)
-        dq_stage = ds_tiles + uint32(2 * CONSUMERS * DS_BYTES)  # with DQ_BULK: BM rows of DQ_ROW bytes
+        dq_stage = ds_tiles + uint32(DS_BUFFERS * CONSUMERS * DS_BYTES)  # with DQ_BULK: BM rows of DQ_ROW bytes
         stats_ring = dq_stage + uint32(DQ_STAGE_BYTES)
         kv_full = stats_ring + uint32(STAGES * STATS_BYTES)
         qd_full = kv_full + uint32(8)  # + 8 * slot
         qd_empty = qd_full + uint32(8 * STAGES)
-        dq_full = qd_empty + uint32(8 * STAGES)  # with DQ_BULK: both consumers' halves are staged
-        dq_empty = dq_full + uint32(8)  # ... and the stats warp has had them read
+        dq_full = qd_empty + uint32(8 * STAGES)  # with DQ_BULK, + 8 t: staged tile t is stored
+        dq_empty = dq_full + uint32(8 * DQ_TILES)  # ... and the stats warp has had it read
         stats_word0 = (stats_ring - smem_start) // uint32(4)  # smem's index of the first slot's stats
 
         # ---- Which query tiles see this key tile (geometry.py): [first_tile, end_tile), of which
@@ -1078,9 +1112,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 
         if tid == 0:
             if DQ_BULK:
-                mbarrier_init(dq_full, CONSUMERS * GROUP)
-                mbarrier_init(dq_empty, 32)
-            init_ring(kv_full, qd_full, qd_empty)  # (its fence covers the two above)
+                for t in range(DQ_TILES):
+                    mbarrier_init(dq_full + uint32(8 * t), (CONSUMERS // DQ_TILES) * GROUP)
+                    mbarrier_init(dq_empty + uint32(8 * t), 32)
+            init_ring(kv_full, qd_full, qd_empty)  # (its fence covers the ones above)
         cuda.syncthreads()  # the barriers are initialised before anyone arrives on or waits for them
 
         if group_id == 0:
@@ -1112,7 +1147,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             rows_off = uint32(KEYS * consumer * ROW_BYTES)  # the consumer's rows in a K or V chunk
             desc_k = smem_descriptor(k_tile + rows_off, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
             desc_v = smem_descriptor(v_tile + rows_off, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
-            ds_pair = ds_tiles + uint32(2 * consumer * DS_BYTES)  # the consumer's two dS^T tiles
+            ds_pair = ds_tiles + uint32(DS_BUFFERS * consumer * DS_BYTES)  # the consumer's dS^T tiles (two, or one)
 
             s = cuda.local.array(S_REGS, float32)
             dp = cuda.local.array(S_REGS, float32)
@@ -1174,7 +1209,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 pack_a(dp, ds)
                 # dS^T into the tile of this step's parity: the other may still be read by the last
                 # step's dQ in another warp; every warp is past that once the barrier below is passed
-                ds_tile = ds_pair + uint32((i % 2) * DS_BYTES)
+                ds_tile = ds_pair + uint32((i % DS_BUFFERS) * DS_BYTES)
+                if DS_BUFFERS == 1:  # made opaque each step (its offset: the simulator's addresses are
+                    # 64-bit): else LLVM makes its descriptors once before the loop, and ptxas spills them
+                    ds_tile = smem_start + fence_operands((uint32(ds_tile - smem_start), uint32(0)))[0]
                 if DQ_ALL_KEYS:  # a parity's tiles hold dS^T of all block_n keys, rows in order
                     ds_tile = ds_tiles + uint32(((i % 2) * CONSUMERS + consumer) * DS_TILE)
                 if not NO_DQ:
@@ -1237,6 +1275,14 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     if DQ_BY_COLUMNS:
                         add_dq_columns(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h,
                                        q_row0 + seqlen_q, q4, consumer)
+                    elif DQ_BULK:  # "keys": the chunk into the consumer's own staged tile, for the stats warp
+                        if chunk == 0 and i > 0:  # the stats warp has had the tile's last step read
+                            mbarrier_wait(dq_empty + uint32(8 * consumer), (i - 1) & 1)
+                        store_dq_rows(dq_stage + uint32(consumer * DQ_TILE_BYTES), dq_acc, 16 * warp + g,
+                                      chunk * CHUNK, q4)
+                        if chunk == DQ_CHUNKS - 1:
+                            fence_proxy_async()  # the stores are ordered before the bulk reduce-adds read them
+                            mbarrier_arrive(dq_full + uint32(8 * consumer))
                     else:
                         add_dq(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h, chunk * CHUNK,
                                q_row0 + seqlen_q, q4)
