@@ -117,7 +117,11 @@ TOPICS = [
         of dQ_i over all 128 keys ("columns"); at 64 the consumers take turns by step ("steps"),
         each adding the whole dQ_i over all keys on its steps. Both read the two consumers' dS^T
         side by side, so a step's barrier now spans both warpgroups: 21-32% faster at headdim 128
-        on the H200 all the same. (At headdims up to 64, for plain and windowed attention, the plan
+        on the H200 all the same. With "columns" a consumer also issues dQ_i's product before dV's
+        and dK's (dq_first) and makes its reductions while those run: 10-16% more. (An option not
+        yet timed, dq_reduce="bulk", stores dQ_i into shared memory instead and has the producer's
+        stats warp add it, one bulk reduce-add a row: no consumer waits on a reduction.) (At
+        headdims up to 64, for plain and windowed attention, the plan
         takes a sibling kernel, backward_sm90_rows.py, that splits a step's query rows between
         the consumers instead of its keys: 11-17% faster there.) With deterministic=True the
         plan swaps in the forward's shape for dQ: one block per query tile loops over the key
@@ -125,6 +129,8 @@ TOPICS = [
         forward's P does, and dq is written once (backward_dq_sm90.py); dK and dV then come from the
         mma family's kernel without atomics.""",
      [(KERNEL, "add_dq", "red_add_f32x2(", 0, "two columns of dq_accum per reduction"),
+      (KERNEL, BODY, "wgmma_wait(2)  # dQ_i has landed", 0, "dq_first: dQ_i's reductions under dV, dK"),
+      (KERNEL, "add_staged_dq", "bulk_reduce_add_f32(", 0, "dq_reduce='bulk': the stats warp's reduce-adds"),
       (KERNEL, BODY, "(DQ_BY_STEPS and i % 2 != consumer)", 0, "'steps': the other consumer's turn"),
       (CONFIGS, "plan_backward", "sm90_dq = (", 0, "deterministic=True under 'sm90': the dQ kernel"),
       (DQ_KERNEL, None, "def backward_dq_sm90(", 0, "the deterministic dQ kernel")]),
