@@ -156,3 +156,18 @@ def is_sm90():
     from numba import cuda
 
     return cuda.is_available() and cuda.get_current_device().compute_capability == (9, 0)
+
+
+@contextlib.contextmanager
+def replanned(monkeypatch, change):
+    """Plan the sm90 backward's dK/dV kernel as the planner does, then through ``change`` (a config
+    to a config), inside the ``with``; the compiled kernels' cache cleared on entry and on exit."""
+    from nbflash import backward, configs
+
+    planned = configs.sm90_backward_config
+    monkeypatch.setattr(configs, "sm90_backward_config", lambda *args: change(planned(*args)))
+    backward._kernels.cache_clear()
+    try:
+        yield
+    finally:
+        backward._kernels.cache_clear()

@@ -27,7 +27,7 @@ from nbflash.kernels.backward_sm90_wide import Sm90WideBackwardConfig
 from nbflash.problem import Static, Variant
 
 from .conftest import SIMULATOR
-from .helpers import is_sm90, random_qkv, to_numpy
+from .helpers import is_sm90, random_qkv, replanned, to_numpy
 from .test_backward import poisoned_outputs  # noqa: F401  (autouse: every library buffer starts as NaN)
 from .test_backward import SEQLENS, assert_gradients_close, forward, random_like, run_case
 from .test_primitives_sm90 import _offline_toolchain
@@ -178,22 +178,13 @@ def test_backward_sm90_dq_by_steps_small(rng, xp, sm90_backward_table):
     run_sm90(rng, xp, 1, 70, 100, 1, 1, 64, "float16", True)
 
 
-def replanned(monkeypatch, change):
-    """Plan the sm90 backward's dK/dV kernel as the planner does, then through ``change`` (a config
-    to a config); the compiled kernels' cache cleared, and again when the caller's fixture ends."""
-    planned = configs.sm90_backward_config
-    monkeypatch.setattr(configs, "sm90_backward_config", lambda *args: change(planned(*args)))
-    backward._kernels.cache_clear()
-    yield
-    backward._kernels.cache_clear()
-
-
 @pytest.fixture
 def dq_last(monkeypatch):
     """Plan backward_sm90.py's dK/dV kernel with dQ_i's product after dV's and dK's (dq_first=False,
     the order before step 28), where it splits dQ by columns."""
-    yield from replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_first=False)
-                         if getattr(config, "dq_split", "") == "columns" else config)
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_first=False)
+                   if getattr(config, "dq_split", "") == "columns" else config):
+        yield
 
 
 def test_backward_sm90_plans_dq_first():
@@ -247,8 +238,9 @@ def dq_bulk(monkeypatch):
     """Plan backward_sm90.py's dK/dV kernel with dQ_i staged in shared memory and added by the
     producer's stats warp by bulk reduce-adds (dq_reduce="bulk", an option), where it issues dQ_i's
     product first."""
-    yield from replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_reduce="bulk")
-                         if getattr(config, "dq_first", False) else config)
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_reduce="bulk")
+                   if getattr(config, "dq_first", False) else config):
+        yield
 
 
 @pytest.fixture
@@ -256,8 +248,10 @@ def dq_bulk_keys(monkeypatch):
     """Plan backward_sm90.py's dK/dV kernel with dQ split by keys and staged, a tile a consumer, for
     the stats warp's bulk reduce-adds (dq_split="keys", dq_reduce="bulk": an option), wherever it
     serves the call."""
-    yield from replanned(monkeypatch, lambda config: dataclasses.replace(
-        config, dq_split="keys", dq_first=False, dq_reduce="bulk") if isinstance(config, Sm90BackwardConfig) else config)
+    with replanned(monkeypatch, lambda config: dataclasses.replace(
+            config, dq_split="keys", dq_first=False, dq_reduce="bulk") if isinstance(config, Sm90BackwardConfig)
+            else config):
+        yield
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")

@@ -294,19 +294,11 @@ def test_varlen_sm90_dq_bulk_gpu(rng, xp, monkeypatch, causal):
     producer's warps 2 and 3): each sequence's dq rows from its own first."""
     import dataclasses
 
-    from nbflash import backward, configs
-
-    planned = configs.sm90_backward_config
-    monkeypatch.setattr(configs, "sm90_backward_config",
-                        lambda *args: dataclasses.replace(planned(*args), dq_reduce="bulk"))
-    backward._kernels.cache_clear()
-    try:
-        lengths_q, lengths_k = GPU_LENGTHS[0]
+    lengths_q, lengths_k = GPU_LENGTHS[0]
+    with helpers.replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_reduce="bulk")):
         for headdim in (96, 128):
             extra = combined(xp, len(lengths_q)) if causal else {}
             run(rng, xp, "sm90", "float16", causal, False, lengths_q, lengths_k, headdim, **extra)
-    finally:
-        backward._kernels.cache_clear()
 
 
 @pytest.mark.gpu
@@ -317,17 +309,9 @@ def test_varlen_sm90_staged_dropout_gpu(rng, xp, monkeypatch, dtype, headdim):
     packed sequences, with the window, softcap and ALiBi: the bits of each sequence's own rows."""
     import dataclasses
 
-    from nbflash import backward, configs
-
-    planned = configs.sm90_backward_config
-    monkeypatch.setattr(configs, "sm90_backward_config",
-                        lambda *args: dataclasses.replace(planned(*args), dropout_bits="producer"))
-    backward._kernels.cache_clear()
-    try:
-        lengths_q, lengths_k = GPU_LENGTHS[0]
+    lengths_q, lengths_k = GPU_LENGTHS[0]
+    with helpers.replanned(monkeypatch, lambda config: dataclasses.replace(config, dropout_bits="producer")):
         run(rng, xp, "sm90", dtype, True, False, lengths_q, lengths_k, headdim, **combined(xp, len(lengths_q)))
-    finally:
-        backward._kernels.cache_clear()
 
 
 @pytest.mark.gpu

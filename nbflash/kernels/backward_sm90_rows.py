@@ -199,7 +199,7 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
         kv_buffers = 2 if self.persistent else 1
         return (1024 + 2 * kv_buffers * self.kv_bytes + 2 * self.stages * self.q_bytes + 2 * self.p_bytes
                 + self.dq_stage_bytes + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages)
-                + (24 if self.persistent else 0) + (16 if self.dq_bulk else 0))
+                + (24 if self.persistent else 0) + (16 * self.dq_tiles if self.dq_bulk else 0))
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
         tiles = -(-seqlen_k // BLOCK_N)
@@ -467,7 +467,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
         qd_full = kv_full + uint32(8)  # + 8 * slot
         qd_empty = qd_full + uint32(8 * STAGES)
         kv_empty = qd_empty + uint32(8 * STAGES + 8)  # persistent only: after the second K/V's full barrier
-        dq_full = qd_empty + uint32(8 * STAGES + (24 if PERSISTENT else 0))  # with DQ_BULK: the rows are staged
+        dq_full = qd_empty + uint32(8 * STAGES)  # with DQ_BULK (never persistent): the rows are staged
         dq_empty = dq_full + uint32(8)  # ... and the stats warp has had them read
         stats_word0 = (stats_ring - smem_start) // uint32(4)  # smem's index of the first slot's stats
 
