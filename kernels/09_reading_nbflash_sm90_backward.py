@@ -118,9 +118,10 @@ TOPICS = [
         each adding the whole dQ_i over all keys on its steps. Both read the two consumers' dS^T
         side by side, so a step's barrier now spans both warpgroups: 21-32% faster at headdim 128
         on the H200 all the same. With "columns" a consumer also issues dQ_i's product before dV's
-        and dK's (dq_first) and makes its reductions while those run: 10-16% more. (An option not
-        yet timed, dq_reduce="bulk", stores dQ_i into shared memory instead and has the producer's
-        stats warp add it, one bulk reduce-add a row: no consumer waits on a reduction.) (At
+        and dK's (dq_first) and makes its reductions while those run: 10-16% more. (An option,
+        dq_reduce="bulk", stores dQ_i into shared memory instead and has the producer's stats warp
+        add it, one bulk reduce-add a row: no consumer issues a reduction, yet it measured 13-22%
+        slower, the copy engine taking the tile's 64 row operations one after another.) (At
         headdims up to 64, for plain and windowed attention, the plan
         takes a sibling kernel, backward_sm90_rows.py, that splits a step's query rows between
         the consumers instead of its keys: 11-17% faster there.) With deterministic=True the

@@ -38,16 +38,16 @@
 #                                tails at hd 96 and 128, the variants at 128), the dQ-last grid, and
 #                                hd 64 by 32-column halves with dQ first (an option), then hd 64's
 #                                timing: plain against the rows split and SDPA, and with dropout
-#                                against the "steps" kernel it would replace (each also with dQ by
-#                                bulk reduce-adds, step 30); then hd 128 dropout, the producer's keep
-#                                bits against the consumers' with dQ first, and with bulk
-#                                reduce-adds, about 9.5 minutes
+#                                against the "steps" kernel it would replace; then hd 128 dropout,
+#                                the producer's keep bits against the consumers' with dQ first,
+#                                about 8 minutes
 #   scripts/gpu_check.sh bulk    dQ_i added by the producer's stats warp from a staged tile by bulk
-#                                reduce-adds (dq_reduce="bulk", an option; not yet run on a GPU):
+#                                reduce-adds (dq_reduce="bulk", an option; run on 2026-12-05: its
+#                                tests passed, and it was 13-47% slower than the planned kernels):
 #                                the primitive's test, the GPU grids of both kernels that take it
 #                                (tails, GQA, variants, packed sequences; the rows split's forms),
-#                                then hd 128 timed against the planned kernel and SDPA, about 6
-#                                minutes (hd 64, the rows split's too, and dropout: in `dqfirst`)
+#                                then hd 128 timed against the planned kernel and SDPA, about 5
+#                                minutes
 #   scripts/gpu_check.sh issue13 issue 13's table (its item 3) in one run per pass: the planned sm90
 #                                backward, then forward+backward (a training step's attention), hd 64
 #                                and 128, 4k and 16k, plain and causal, fp16, next to SDPA flash,
@@ -216,18 +216,15 @@ dqfirst)
         or -96-)) or (variants_gpu and x128-)" > "$out/dqfirst_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/dqfirst_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/dqfirst_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 200 python3 scripts/sm90_schedules.py --backward --headdims 64 --only columns-dqfirst columns-dqfirst-bulk \
-        rows-bulk keys-bulk --anchors \
+    timeout 200 python3 scripts/sm90_schedules.py --backward --headdims 64 --only columns-dqfirst --anchors \
         > "$out/dqfirst_hd64.log" 2>&1
     echo "hd 64, 32-column halves with dQ first, against the rows split (exit $?):"; tail -12 "$out/dqfirst_hd64.log"
     timeout 120 python3 scripts/sm90_schedules.py --backward --headdims 64 --dropout 0.1 --only columns-dqfirst \
-        columns-dqfirst-bulk \
         > "$out/dqfirst_dropout.log" 2>&1
     echo "hd 64 dropout, the same against \"steps\" (exit $?):"; tail -8 "$out/dqfirst_dropout.log"
     # hd 128 dropout: the producer's keep bits were measured faster with dQ last; with dQ first the
     # consumers' step is shorter, and the producer's Philox calls may become its critical path
     timeout 120 python3 scripts/sm90_schedules.py --backward --headdims 128 --dropout 0.1 --only dropout-consumers \
-        planned-bulk \
         > "$out/dqfirst_dropout128.log" 2>&1
     echo "hd 128 dropout, the producer's bits (planned) against the consumers' (exit $?):"
     tail -6 "$out/dqfirst_dropout128.log"
