@@ -249,8 +249,8 @@ def dq_bulk_keys(monkeypatch):
     the stats warp's bulk reduce-adds (dq_split="keys", dq_reduce="bulk": an option), wherever it
     serves the call."""
     with replanned(monkeypatch, lambda config: dataclasses.replace(
-            config, dq_split="keys", dq_first=False, dq_reduce="bulk") if isinstance(config, Sm90BackwardConfig)
-            else config):
+            config, dq_split="keys", dq_first=False, dq_reduce="bulk")
+            if isinstance(config, Sm90BackwardConfig) and config.dq_split != "none" else config):
         yield
 
 
