@@ -15,6 +15,7 @@ from .block_mask import kernel_params
 from .configs import forced_family, plan_backward
 from .dtypes import FLOAT32
 from .interface import user_functions_compile
+from .kernels.backward_sm90 import dq_accum_shape, untile_dq
 
 LOG2_E = math.log2(math.e)
 
@@ -88,21 +89,28 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     dv = launch.empty(v.shape, v.dtype)
     delta = launch.empty((problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
     # dq_accum is only used with atomics; delta stands in for it otherwise (one signature per config).
-    dq_accum = delta if deterministic else launch.empty(q.shape, FLOAT32)
+    # Held tile-major (the sm90 kernel's dq_reduce="tiles"), it is zeroed here, and the preprocess
+    # (planned without atomic_dq) leaves it alone.
+    tiles = not deterministic and getattr(dkdv.config, "dq_tile_major", False)
+    if tiles:
+        dq_accum = launch.zeros(dq_accum_shape(dkdv.config, p.batch, p.nheads, p.seqlen_q), FLOAT32)
+    else:
+        dq_accum = delta if deterministic else launch.empty(q.shape, FLOAT32)
 
     scale = np.float32(problem.softmax_scale)
     scale_log2 = np.float32(problem.softmax_scale * LOG2_E)
     shape = (problem.batch, problem.nheads, problem.nheads_k, problem.seqlen_q, problem.seqlen_k)
 
     # D = rowsum(dO * O); with atomics, dq_accum zeroed too.
-    preprocess.launch(preprocess.config.grid(*shape), (out, dout, delta, dq_accum), ())
+    preprocess.launch(preprocess.config.grid(*shape), (out, dout, delta, delta if tiles else dq_accum), ())
     dkdv.launch(dkdv.config.grid(*shape), (q, k, v, dout, lse, delta, dk, dv, dq_accum), (scale_log2, scale),
                 kernel_params(p, dkdv.config))
     if deterministic:
         dq_kernel.launch(dq_kernel.config.grid(*shape), (q, k, v, dout, lse, delta, dq), (scale_log2, scale),
                          kernel_params(p, dq_kernel.config))
     else:
-        dq_kernel.launch(dq_kernel.config.grid(*shape), (dq_accum, dq), (scale,))
+        rows = untile_dq(dkdv.config, dq_accum, p.seqlen_q) if tiles else dq_accum
+        dq_kernel.launch(dq_kernel.config.grid(*shape), (rows, dq), (scale,))
     return dq, dk, dv
 
 

@@ -45,6 +45,13 @@ def empty(shape, dtype):
     return runtime.cupy().empty(shape, dtype)
 
 
+def zeros(shape, dtype):
+    """A zeroed output array on the backend."""
+    if runtime.SIMULATOR:
+        return np.zeros(shape, dtype)
+    return runtime.cupy().zeros(shape, dtype)
+
+
 def empty_pair(shape_a, dtype_a, shape_b, dtype_b):
     """Two uninitialized C-contiguous arrays of NumPy dtypes ``dtype_a``, ``dtype_b``. On a GPU they
     are carved from one allocation: one call into CuPy's memory pool instead of two (two allocations

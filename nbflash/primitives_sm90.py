@@ -608,6 +608,13 @@ if SIMULATOR:
         words = (ctypes.c_float * 2).from_address(_check_shared(addr, 8, 8))
         words[0], words[1] = np.float32(a), np.float32(b)
 
+    def store_shared_f32x4(addr, a, b, c, d):
+        """st.shared.v4.f32 [addr], {a, b, c, d}: four float32 to a 16-byte aligned shared address,
+        one store (a warp's 32 lanes, 512 bytes, in the minimum four passes where they are
+        contiguous)."""
+        words = (ctypes.c_float * 4).from_address(_check_shared(addr, 16, 16))
+        words[0], words[1], words[2], words[3] = np.float32(a), np.float32(b), np.float32(c), np.float32(d)
+
     def tma_store_commit():
         """cp.async.bulk.commit_group: close this thread's group of TMA stores (emulation: nothing)."""
 
@@ -955,6 +962,8 @@ else:
     bulk_reduce_add_f32 = _ptx("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
                                (i64, u32, u32))
     store_shared_f32x2 = _ptx("st.shared.v2.f32 [$0], {$1, $2};", (u32, types.float32, types.float32))
+    store_shared_f32x4 = _ptx("st.shared.v4.f32 [$0], {$1, $2, $3, $4};",
+                              (u32, types.float32, types.float32, types.float32, types.float32))
     tma_store_commit = _ptx("cp.async.bulk.commit_group;")
     tma_store_wait = _ptx_literal("cp.async.bulk.wait_group.read {};", _check_pending)
 

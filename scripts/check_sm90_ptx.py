@@ -53,6 +53,7 @@ EXPECTED = {
     "tma_reduce_add_4d": ["cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group",
                           "cp.async.bulk.commit_group", "cp.async.bulk.wait_group.read 0"],
     "bulk_reduce_add_f32": ["cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "st.shared.v2.f32",
+                            "st.shared.v4.f32",
                             "cp.async.bulk.commit_group", "cp.async.bulk.wait_group.read 0"],
     "tma_load_2d": ["cp.async.bulk.tensor.2d.shared::cluster.global.tile", "fence.proxy.tensormap::generic.acquire"],
     "wgmma": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "wgmma.commit_group.sync.aligned",
@@ -67,6 +68,9 @@ EXPECTED = {
     # dQ_i staged in shared memory, added by the producer's stats warp by bulk reduce-adds: no red.add
     "backward_sm90_dq_bulk": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "st.shared.v2.f32",
                               "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "cp.async.bulk.tensor.4d"],
+    # ... tile-major (dq_reduce="tiles"): 16-byte staging stores in fragment order, one reduce-add a step
+    "backward_sm90_dq_tiles": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "st.shared.v4.f32",
+                               "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "cp.async.bulk.tensor.4d"],
     "backward_sm90_rows_bulk": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "st.shared.v2.f32",
                                 "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"],
     # the deterministic backward's dK/dV pass (dq_split="none"): no dQ, so no reductions
@@ -168,6 +172,12 @@ def backward_kernels():
                           ("varlen_causal", Variant(window=True, varlen=True))):
         found.append((f"backward_sm90_dq_bulk_{name}_hd128", dataclasses.replace(
             configs.sm90_backward_table_config("float16", 128, variant), dq_reduce="bulk")))
+    # ... tile-major, one bulk reduce-add a step (dq_reduce="tiles"): hd 128 plain, causal, causal
+    # dropout, a block mask
+    for name, variant in (("plain", Variant()), ("causal", Variant(window=True)),
+                          ("causal_dropout", Variant(window=True, dropout=True)), ("block_mask", Variant(block_mask=True))):
+        found.append((f"backward_sm90_dq_tiles_{name}_hd128", dataclasses.replace(
+            configs.sm90_backward_table_config("float16", 128, variant), dq_reduce="tiles")))
     found.append(("backward_sm90_keys_plain_hd128", dataclasses.replace(  # by keys with red.add (step 1's)
         configs.sm90_backward_table_config("float16", 128, Variant()), dq_split="keys", dq_first=False)))
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True)),

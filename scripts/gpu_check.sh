@@ -48,6 +48,10 @@
 #                                (tails, GQA, variants, packed sequences; the rows split's forms),
 #                                then hd 128 timed against the planned kernel and SDPA, about 5
 #                                minutes
+#   scripts/gpu_check.sh tiles   dQ_i by one bulk reduce-add a step into a tile-major dq_accum
+#                                (dq_reduce="tiles", an option, FlashAttention-3's form; not yet run on a
+#                                GPU): its GPU grids and the primitive's test, then hd 128 timed against
+#                                the planned kernel, the per-row bulk form and SDPA, about 5 minutes
 #   scripts/gpu_check.sh issue13 issue 13's table (its item 3) in one run per pass: the planned sm90
 #                                backward, then forward+backward (a training step's attention), hd 64
 #                                and 128, 4k and 16k, plain and causal, fp16, next to SDPA flash,
@@ -240,6 +244,18 @@ bulk)
         > "$out/bulk128.log" 2>&1
     echo "hd 128, dQ by bulk reduce-adds from the producer's stats warp (by columns, by keys) against the planned kernel (exit $?):"
     tail -14 "$out/bulk128.log"
+    ;;
+tiles)
+    # docs/perf-notes.md, "Hopper backward", step 32
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 200 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+        -W ignore tests/test_primitives_sm90.py tests/test_backward_sm90.py -k "dq_tiles or bulk_reduce" \
+        > "$out/tiles_tests.log" 2>&1
+    echo "tests: exit $?: $(tail -1 "$out/tiles_tests.log")"
+    grep -aE "\] (FAILED|ERROR)" "$out/tiles_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
+    timeout 200 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-tiles planned-bulk --anchors \
+        > "$out/tiles128.log" 2>&1
+    echo "hd 128, dQ by one bulk reduce-add a step (tile-major) against the planned kernel and the per-row form (exit $?):"
+    tail -14 "$out/tiles128.log"
     ;;
 issue13)
     # the issue's item 3: bench.py's two passes side by side with the anchors (Flex through --variants)

@@ -38,7 +38,8 @@ Backward, each column a schedule:
   and each consumer's half issued first (an option, step 29). "planned-bulk" (where the planned kernel
   issues dQ first: headdim 128) and "columns-dqfirst-bulk" (headdim 64): the same with dQ_i stored
   by the consumers into a shared tile and added to dq_accum by the producer's stats warp, a bulk
-  reduce-add per row (dq_reduce="bulk", step 30);
+  reduce-add per row (dq_reduce="bulk", step 30); "planned-tiles": the same tile in wgmma's fragment
+  order and dq_accum held tile-major, one bulk reduce-add a step (dq_reduce="tiles", step 32);
   "rows-bulk" (headdim 64): the rows split with the same. "keys-bulk": backward_sm90.py's kernel
   with dQ split by keys (each consumer's dS K_c over all of headdim: no barrier across the
   consumers a step) into a staged tile a consumer, both added by the stats warp (step 31).
@@ -202,6 +203,8 @@ def backward_schedules(headdim, causal):
                                              "dq_reduce": "bulk"})
     if getattr(planned, "dq_first", False):  # dQ_i added by the producer's stats warp from a staged tile
         found["planned-bulk"] = planned.__class__(**{**planned.__dict__, "dq_reduce": "bulk"})
+        # ... tile-major: the tile in fragment order, one bulk reduce-add a step
+        found["planned-tiles"] = planned.__class__(**{**planned.__dict__, "dq_reduce": "tiles"})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
         found[f"heavy-groups{groups}"] = table.__class__(**{**table.__dict__, "heavy_groups": groups})
     if DROPOUT:  # dropout's keep bits made by the producer's warps 2 and 3 instead of the consumer lanes

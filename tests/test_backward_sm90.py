@@ -21,7 +21,7 @@ from nbflash.backward import flash_attn_backward
 from nbflash.catalogue import forward_arguments, variant_arguments
 from nbflash.kernels.backward_mma import MmaBackwardConfig
 from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
-from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
+from nbflash.kernels.backward_sm90 import Sm90BackwardConfig, dq_accum_shape, untile_dq
 from nbflash.kernels.backward_sm90_rows import Sm90RowsBackwardConfig
 from nbflash.kernels.backward_sm90_wide import Sm90WideBackwardConfig
 from nbflash.problem import Static, Variant
@@ -303,6 +303,88 @@ def test_backward_sm90_dq_bulk_variants_gpu(xp, dq_bulk, name):
     by warps 2 and 3 beside the stats warp's dQ), a block mask (the stats warp walks the visited
     pairs, and adds each one's dQ a step later); softcap as a score feature. Headdim 128, GQA 2:1,
     tails. (Packed sequences: tests/test_varlen.py.)"""
+    run_sm90_variant(np.random.default_rng(7), xp, name, "float16", 2, 300, 517, 4, 2, 128)
+
+
+@pytest.fixture
+def dq_tiles(monkeypatch):
+    """Plan backward_sm90.py's dK/dV kernel with dq_accum tile-major and dQ_i added by the stats warp
+    as one bulk reduce-add a step (dq_reduce="tiles", an option), where it issues dQ_i's product
+    first and the batch is dense."""
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_reduce="tiles")
+                   if getattr(config, "dq_first", False) and not config.variant.varlen else config):
+        yield
+
+
+def test_untile_dq_inverts_the_fragment_order():
+    """untile_dq reads each element where make_store_dq_fragments puts it: thread t (32 w + lane) of
+    consumer c, register 4 v + e4, at float c 64 C + 512 v + 4 t + e4 of its query tile, for rows
+    16 w + lane // 4 (+ 8 for e4 >= 2) and columns c C + 8 v + 2 (lane % 4) + e4 % 2 (wgmma's
+    accumulator layout); two query tiles, the second cut by seqlen_q, headdim 96 of 128 columns."""
+    config = Sm90BackwardConfig(dtype="float16", headdim=96, dq_split="columns", dq_first=True, dq_reduce="tiles")
+    batch, nheads, seqlen_q = 2, 3, 70
+    shape = dq_accum_shape(config, batch, nheads, seqlen_q)
+    assert shape == (2, 3, 128, 128)
+    rows = np.random.default_rng(0).standard_normal((batch, 128, nheads, 128)).astype(np.float32)
+    tiles = np.full(shape, np.nan, np.float32).reshape(batch, nheads, 2, -1)
+    columns = 64
+    for c in range(2):
+        for t in range(128):
+            w, lane = divmod(t, 32)
+            for reg in range(columns // 2):
+                v, e4 = divmod(reg, 4)
+                row = 16 * w + lane // 4 + 8 * (e4 // 2)
+                col = c * columns + 8 * v + 2 * (lane % 4) + e4 % 2
+                tiles[:, :, :, c * 64 * columns + 512 * v + 4 * t + e4] = \
+                    rows[:, row::64, :, col].transpose(0, 2, 1)
+    got = untile_dq(config, tiles.reshape(shape), seqlen_q)
+    assert got.flags.c_contiguous and got.shape == (batch, seqlen_q, nheads, 96)
+    np.testing.assert_array_equal(got, rows[:, :seqlen_q, :, :96])
+
+
+def test_dq_tiles_configs():
+    """dq_reduce="tiles" takes dQ's product first and dense batches; its staged tile is block_m x
+    headdim_padded float32, unpadded; the planned preprocess then leaves dq_accum alone."""
+    with pytest.raises(ValueError, match="dq_first"):
+        Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="columns", dq_reduce="tiles")
+    with pytest.raises(ValueError, match="packed sequences"):
+        Sm90BackwardConfig(dtype="float16", headdim=128, variant=Variant(varlen=True), dq_split="columns",
+                           dq_first=True, dq_reduce="tiles")
+    with pytest.raises(ValueError, match="dq_reduce"):
+        Sm90RowsBackwardConfig("float16", 64, dq_reduce="tiles")
+    red = Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="columns", dq_first=True)
+    tiles = dataclasses.replace(red, dq_reduce="tiles")
+    assert tiles.dq_bulk and tiles.dq_tile_major and not red.dq_tile_major
+    assert tiles.dq_stage_bytes == 64 * 128 * 4
+    assert tiles.dynamic_shared_bytes == red.dynamic_shared_bytes + 64 * 128 * 4 + 16
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_backward_sm90_dq_tiles_small(rng, xp, dq_tiles):
+    """dQ_i by one bulk reduce-add a step into a tile-major dq_accum: headdim 96 by columns (consumer
+    1's last 32 columns past headdim), causal over two key tiles, 70 query rows (the second query
+    tile mostly past seqlen_q), GQA 2:1 (the writer's query heads)."""
+    dkdv = configs.plan_backward(Static("float16", 96, True, 0, CAUSAL), False, "sm90")[1]
+    assert dkdv.dq_reduce == "tiles"
+    run_sm90(rng, xp, 1, 70, 100, 2, 1, 96, "float16", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [96, 128])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_dq_tiles_gpu(rng, xp, dq_tiles, seqlens, headdim, causal):
+    """dq_reduce="tiles" on the planned "columns" kernel, GQA 2:1, fp16 and bf16, tails."""
+    assert configs.plan_backward(Static("float16", headdim, True, 0, CAUSAL if causal else Variant()), False,
+                                 "sm90")[1].dq_reduce == "tiles"
+    run_sm90(rng, xp, 2, *seqlens, 4, 2, headdim, "bfloat16" if causal else "float16", causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softcap", "causal-dropout", "document-mask-mod"])
+def test_backward_sm90_dq_tiles_variants_gpu(xp, dq_tiles, name):
+    """dq_reduce="tiles" with the variants that change the producer's warps (dropout's keep bits, a
+    block mask's walk) and softcap; headdim 128, GQA 2:1, tails."""
     run_sm90_variant(np.random.default_rng(7), xp, name, "float16", 2, 300, 517, 4, 2, 128)
 
 

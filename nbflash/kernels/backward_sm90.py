@@ -155,6 +155,7 @@ from nbflash.primitives_sm90 import (
     setmaxnreg_inc,
     smem_descriptor,
     store_shared_f32x2,
+    store_shared_f32x4,
     tensor_map_4d_words,
     tma_load_4d,
     tma_store_commit,
@@ -198,9 +199,15 @@ class Sm90BackwardBlock:
 
     @property
     def dq_bulk(self):
-        """dQ staged in shared memory and added by the producer's stats warp (``dq_reduce="bulk"``, in
-        the configs that have the field)."""
-        return getattr(self, "dq_reduce", "red") == "bulk"
+        """dQ staged in shared memory and added by the producer's stats warp (``dq_reduce="bulk"`` or
+        ``"tiles"``, in the configs that have the field)."""
+        return getattr(self, "dq_reduce", "red") in ("bulk", "tiles")
+
+    @property
+    def dq_tile_major(self):
+        """``dq_reduce="tiles"``: dq_accum held tile by tile in wgmma's fragment order (``dq_accum_shape``,
+        ``untile_dq``), the staged tile in the same order, so that a step's dQ_i is one bulk reduce-add."""
+        return getattr(self, "dq_reduce", "red") == "tiles"
 
     @property
     def dq_stage_row_bytes(self):
@@ -217,12 +224,16 @@ class Sm90BackwardBlock:
 
     @property
     def dq_stage_bytes(self):
-        """Bytes of the staged dQ tiles, a row per query of the step (``dq_bulk``; none otherwise)."""
+        """Bytes of the staged dQ tiles, a row per query of the step (``dq_bulk``; none otherwise);
+        tile-major, block_m x headdim_padded float32 without padding (16-byte stores of consecutive
+        threads: no bank conflicts)."""
+        if self.dq_tile_major:
+            return self.block_m * self.headdim_padded * 4
         return self.dq_tiles * self.block_m * self.dq_stage_row_bytes if self.dq_bulk else 0
 
-    def check_dq_reduce(self):
-        if self.dq_reduce not in ("red", "bulk"):
-            raise ValueError(f"{self.dq_reduce=} must be 'red' or 'bulk'")
+    def check_dq_reduce(self, allowed=("red", "bulk")):
+        if self.dq_reduce not in allowed:
+            raise ValueError(f"{self.dq_reduce=} must be one of {allowed}")
 
     def check_dtype_headdim(self, low, high):
         if self.dtype not in ("float16", "bfloat16"):
@@ -301,6 +312,10 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # for by a consumer thread: within noise; here no consumer issues or waits for them.) Also with
     # dq_split="keys": each consumer stages its own tile (all of headdim over its 64 keys; the stats
     # warp adds both into the same rows), and no barrier across the consumers is left in the step.
+    # "tiles" (with dq_first; dense batches): FlashAttention-3's form of "bulk", one bulk reduce-add a
+    # step instead of one a row: the consumers store dQ_i in wgmma's fragment order (16-byte stores
+    # of consecutive threads) and dq_accum holds each query tile in that order (``dq_accum_shape``;
+    # ``untile_dq`` restores the rows before the conversion); docs/perf-notes.md step 32.
     dq_reduce: str = "red"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
@@ -319,10 +334,16 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
             raise ValueError(f"{self.dropout_bits=} must be 'consumers' or 'producer'")
         if self.dq_first and self.dq_split != "columns":
             raise ValueError(f"dq_first=True takes dq_split='columns' (one dQ product a step), not {self.dq_split!r}")
-        self.check_dq_reduce()
+        self.check_dq_reduce(("red", "bulk", "tiles"))
         if self.dq_reduce == "bulk" and not (self.dq_first or self.dq_split == "keys"):
             raise ValueError("dq_reduce='bulk' takes dq_first=True (dQ split by columns, its product first) or "
                              f"dq_split='keys', not dq_split={self.dq_split!r} with dq_first={self.dq_first}")
+        if self.dq_reduce == "tiles" and not self.dq_first:
+            raise ValueError("dq_reduce='tiles' takes dq_first=True (dQ split by columns, its product first), "
+                             f"not dq_split={self.dq_split!r} with dq_first={self.dq_first}")
+        if self.dq_reduce == "tiles" and self.variant.varlen:
+            raise ValueError("dq_reduce='tiles' takes dense batches, not packed sequences (variant.varlen): "
+                             "their query tiles do not start on whole tiles of dq_accum")
         self.check_block()
 
     @property
@@ -405,6 +426,31 @@ def tensor_maps(config, q, k, v, dout):
         q, k, v, dout = (x[:1] for x in (q, k, v, dout))
     key = (type(config).__name__, config.block_m, config.block_n)
     return cached_tensor_maps(key, (q, k, v, dout), lambda *xs: _words(config, *xs))
+
+
+def dq_accum_shape(config, batch, nheads, seqlen_q):
+    """With ``dq_tile_major``: dq_accum's shape, (batch, nheads, query tiles x block_m, headdim_padded)
+    float32, zeroed by the caller. Each query tile's block_m x headdim_padded floats are contiguous,
+    in the order the consumers stage them (make_store_dq_fragments), so the stats warp adds a step's
+    dQ_i by one bulk reduce-add; rows past seqlen_q and columns past headdim are in it too (their
+    dQ is 0)."""
+    return (batch, nheads, -(-seqlen_q // config.block_m) * config.block_m, config.headdim_padded)
+
+
+def untile_dq(config, accum, seqlen_q):
+    """dq_accum held tile-major (``dq_accum_shape``) as the row-major (batch, seqlen_q, nheads,
+    headdim) float32 array the dq conversion reads. In a tile, element (row, column) of the product
+    of consumer c (columns c C .. c C + C - 1, C = the consumers' columns) is float c 64 C + 512 v +
+    4 t + 2 rh + e, where row = 16 w + 8 rh + g, column = c C + 8 v + 2 q4 + e, thread t = 32 w + 4 g
+    + q4 (wgmma's accumulator layout): a reshape and a transpose."""
+    assert config.block_m == 64 and config.dq_split == "columns"
+    batch, nheads, rows, hdp = accum.shape
+    c = hdp // 2  # each consumer's columns
+    # dims: batch, head, tile, c, v, w, g, q4, rh, e
+    split = accum.reshape(batch, nheads, rows // 64, 2, c // 8, 4, 8, 4, 2, 2)
+    # to batch, tile, w, rh, g (the row), head, c, v, q4, e (the column)
+    rows_first = split.transpose(0, 2, 5, 8, 6, 1, 3, 4, 7, 9).reshape(batch, rows, nheads, hdp)
+    return rows_first[:, :seqlen_q, :, :config.headdim].copy()  # C-contiguous (NumPy's and CuPy's)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -636,12 +682,23 @@ def make_add_staged_dq(config):
     (dq_full), each of its block_m rows inside the sequence goes into dq_accum[mem_b, q_row0 +
     q_start + row, h, :headdim] by one bulk reduce-add (lane l: rows l, l + 32, ...), and once the
     copy engine has read them all the tile is free again (dq_empty, one arrival a lane). (One key
-    tile a block: a persistent grid's second K and V leave no room for the staged tiles.)"""
+    tile a block: a persistent grid's second K and V leave no room for the staged tiles.) Tile-major
+    (``dq_tile_major``): lane 0 adds the whole staged tile into query tile q_start / block_m of
+    dq_accum[mem_b, h] (``dq_accum_shape``) by one bulk reduce-add."""
     BM, HD, ROW, TILES = config.block_m, config.headdim, config.dq_stage_row_bytes, config.dq_tiles
+    TILE_MAJOR, TILE_BYTES = config.dq_tile_major, config.dq_stage_bytes
 
     @inline_device
     @unroll
     def add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, q_start, mem_b, q_row0, seqlen_q, lane):
+        if TILE_MAJOR:  # the whole tile (rows past seqlen_q too: their dQ is 0) by lane 0, one operation
+            mbarrier_wait(dq_full, i & 1)
+            if lane == 0:
+                bulk_reduce_add_f32(global_address(dq_accum, mem_b, h, q_start, 0), dq_stage, uint32(TILE_BYTES))
+                tma_store_commit()
+                tma_store_wait(0)
+            mbarrier_arrive(dq_empty)  # the phase completes with lane 0's arrival, after the read
+            return
         for t in static_range(TILES):
             mbarrier_wait(dq_full + uint32(8 * t), i & 1)  # the consumers' parts are stored (and fenced)
             for r in static_range(BM // 32):
@@ -673,15 +730,39 @@ def make_store_dq_rows(row_bytes, columns):
     return store_dq_rows
 
 
-def make_stage_dq(row_bytes, columns):
+def make_store_dq_fragments(block_m, columns):
+    """``store_dq_fragments(tile, acc, row, col0, q4)``: a consumer thread's part of a 64-row dQ
+    product of ``columns`` columns (wgmma's layout; its rows ``row`` and ``row`` + 8, columns col0 +
+    8 c + 2 q4 + e) into a tile-major staged tile in fragment order: the product of columns col0 ..
+    col0 + columns - 1 is block_m x columns floats from byte 4 block_m col0 on, in which thread t
+    (32 w + lane of its warpgroup) keeps its registers 4 v .. 4 v + 3 at bytes 16 t + 2048 v, one
+    16-byte store each (a warp's 512 contiguous bytes: the minimum four passes). ``untile_dq`` says
+    where each element of a row lands."""
+
+    @inline_device
+    @unroll
+    def store_dq_fragments(tile, acc, row, col0, q4):
+        thread = 32 * (row // 16) + 4 * (row % 16) + q4  # row = 16 w + lane // 4
+        base = tile + uint32(4 * block_m * col0 + 16 * thread)
+        for v in static_range(columns // 8):
+            store_shared_f32x4(base + uint32(16 * GROUP * v), acc[4 * v], acc[4 * v + 1], acc[4 * v + 2],
+                               acc[4 * v + 3])
+
+    return store_dq_fragments
+
+
+def make_stage_dq(row_bytes, columns, tile_major=False, block_m=64):
     """``stage_dq(dq_stage, acc, dq_full, dq_empty, use, row, col0, q4)``, a consumer thread's with
     ``dq_bulk``: its part of a 64-row dQ product of ``columns`` columns (wgmma's layout) into the
     staged tile (rows ``row_bytes`` apart; the thread's rows ``row`` and ``row`` + 8, its column pairs
-    col0 + 8 c + 2 q4: 8 bytes a store), once the stats warp has had the tile's last use read
-    (dq_empty; ``use``: the block's step, counted from 0); then fenced for the copy engine, and the
-    thread's arrival on dq_full."""
+    col0 + 8 c + 2 q4: 8 bytes a store; ``tile_major``: in fragment order, make_store_dq_fragments),
+    once the stats warp has had the tile's last use read (dq_empty; ``use``: the block's step,
+    counted from 0); then fenced for the copy engine, and the thread's arrival on dq_full."""
 
-    store_dq_rows = make_store_dq_rows(row_bytes, columns)
+    if tile_major:
+        store_dq_rows = make_store_dq_fragments(block_m, columns)
+    else:
+        store_dq_rows = make_store_dq_rows(row_bytes, columns)
 
     @inline_device
     def stage_dq(dq_stage, acc, dq_full, dq_empty, use, row, col0, q4):
@@ -988,7 +1069,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
     probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT)
     stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
-    stage_dq = make_stage_dq(DQ_ROW, DQ_COLS)  # with DQ_BULK, the consumers' half of dQ_i for the stats warp
+    stage_dq = make_stage_dq(DQ_ROW, DQ_COLS, config.dq_tile_major, BM)  # with DQ_BULK, the consumers' half of dQ_i
     store_dq_rows = make_store_dq_rows(DQ_ROW, DQ_COLS)  # ... or ("keys") a 64-column chunk of its own tile
     consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES)
 
