@@ -119,9 +119,11 @@ TOPICS = [
         side by side, so a step's barrier now spans both warpgroups: 21-32% faster at headdim 128
         on the H200 all the same. With "columns" a consumer also issues dQ_i's product before dV's
         and dK's (dq_first) and makes its reductions while those run: 10-16% more. (An option,
-        dq_reduce="bulk", stores dQ_i into shared memory instead and has the producer's stats warp
-        add it, one bulk reduce-add a row: no consumer issues a reduction, yet it measured 13-22%
-        slower, the copy engine taking the tile's 64 row operations one after another.) (At
+        dq_reduce="tiles", stores dQ_i into shared memory instead, in the order the accumulator's
+        registers are in, and has the producer's stats warp add the whole tile by one bulk
+        reduce-add into a dq_accum kept in that same order: no consumer issues a reduction. The
+        same with one reduce-add a row measured 13-22% slower, the copy engine taking the tile's
+        64 row operations one after another.) (At
         headdims up to 64, for plain and windowed attention, the plan
         takes a sibling kernel, backward_sm90_rows.py, that splits a step's query rows between
         the consumers instead of its keys: 11-17% faster there.) With deterministic=True the
@@ -131,7 +133,7 @@ TOPICS = [
         mma family's kernel without atomics.""",
      [(KERNEL, "add_dq", "red_add_f32x2(", 0, "two columns of dq_accum per reduction"),
       (KERNEL, BODY, "wgmma_wait(2)  # dQ_i has landed", 0, "dq_first: dQ_i's reductions under dV, dK"),
-      (KERNEL, "add_staged_dq", "bulk_reduce_add_f32(", 0, "dq_reduce='bulk': the stats warp's reduce-adds"),
+      (KERNEL, "add_staged_dq", "bulk_reduce_add_f32(", 0, "dq_reduce='tiles': the stats warp's reduce-add"),
       (KERNEL, BODY, "(DQ_BY_STEPS and i % 2 != consumer)", 0, "'steps': the other consumer's turn"),
       (CONFIGS, "plan_backward", "sm90_dq = (", 0, "deterministic=True under 'sm90': the dQ kernel"),
       (DQ_KERNEL, None, "def backward_dq_sm90(", 0, "the deterministic dQ kernel")]),

@@ -602,12 +602,6 @@ if SIMULATOR:
         with _p._reduction_lock:
             target += values
 
-    def store_shared_f32x2(addr, a, b):
-        """st.shared.v2.f32 [addr], {a, b}: two float32 to an 8-byte aligned shared address, one
-        store (a warp's 32 lanes, 256 bytes, in two passes of 128 bytes where the banks allow)."""
-        words = (ctypes.c_float * 2).from_address(_check_shared(addr, 8, 8))
-        words[0], words[1] = np.float32(a), np.float32(b)
-
     def store_shared_f32x4(addr, a, b, c, d):
         """st.shared.v4.f32 [addr], {a, b, c, d}: four float32 to a 16-byte aligned shared address,
         one store (a warp's 32 lanes, 512 bytes, in the minimum four passes where they are
@@ -961,7 +955,6 @@ else:
                              (i64, types.int32, types.int32, types.int32, types.int32, u32))
     bulk_reduce_add_f32 = _ptx("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
                                (i64, u32, u32))
-    store_shared_f32x2 = _ptx("st.shared.v2.f32 [$0], {$1, $2};", (u32, types.float32, types.float32))
     store_shared_f32x4 = _ptx("st.shared.v4.f32 [$0], {$1, $2, $3, $4};",
                               (u32, types.float32, types.float32, types.float32, types.float32))
     tma_store_commit = _ptx("cp.async.bulk.commit_group;")

@@ -52,8 +52,7 @@ EXPECTED = {
     "tma_store_corner": ["cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group"],
     "tma_reduce_add_4d": ["cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group",
                           "cp.async.bulk.commit_group", "cp.async.bulk.wait_group.read 0"],
-    "bulk_reduce_add_f32": ["cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "st.shared.v2.f32",
-                            "st.shared.v4.f32",
+    "bulk_reduce_add_f32": ["cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "st.shared.v4.f32",
                             "cp.async.bulk.commit_group", "cp.async.bulk.wait_group.read 0"],
     "tma_load_2d": ["cp.async.bulk.tensor.2d.shared::cluster.global.tile", "fence.proxy.tensormap::generic.acquire"],
     "wgmma": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "wgmma.commit_group.sync.aligned",
@@ -65,14 +64,10 @@ EXPECTED = {
     "forward_fp8": ["k32.f32.e4m3.e4m3", "cvt.rn.satfinite.e4m3x2.f32", "cp.async.bulk.tensor.4d"],
     "copy_operands": ["mov.b32"],
     "backward_sm90": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "red.global.add.v2.f32", "cp.async.bulk.tensor.4d"],
-    # dQ_i staged in shared memory, added by the producer's stats warp by bulk reduce-adds: no red.add
-    "backward_sm90_dq_bulk": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "st.shared.v2.f32",
-                              "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "cp.async.bulk.tensor.4d"],
-    # ... tile-major (dq_reduce="tiles"): 16-byte staging stores in fragment order, one reduce-add a step
+    # dQ_i staged in shared memory in fragment order (16-byte stores), added by the producer's stats
+    # warp by one bulk reduce-add a step (dq_reduce="tiles"): no red.add
     "backward_sm90_dq_tiles": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "st.shared.v4.f32",
                                "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "cp.async.bulk.tensor.4d"],
-    "backward_sm90_rows_bulk": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "st.shared.v2.f32",
-                                "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"],
     # the deterministic backward's dK/dV pass (dq_split="none"): no dQ, so no reductions
     "backward_sm90_deterministic": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "cp.async.bulk.tensor.4d"],
 }
@@ -129,9 +124,6 @@ def backward_kernels():
         for variant in (Variant(), Variant(window=True)):
             found.append((f"backward_sm90_rows_stmatrix_{'causal' if variant.window else 'plain'}_{dtype}_hd64",
                           Sm90RowsBackwardConfig(dtype, 64, variant, stmatrix=True)))
-    for variant in (Variant(), Variant(window=True)):  # dQ by bulk reduce-adds from the stats warp
-        found.append((f"backward_sm90_rows_bulk_{'causal' if variant.window else 'plain'}_float16_hd64",
-                      Sm90RowsBackwardConfig("float16", 64, variant, dq_reduce="bulk")))
     for variant in (Variant(), Variant(window=True)):  # a persistent grid, K and V double-buffered
         found.append((f"backward_sm90_rows_persistent_{'causal' if variant.window else 'plain'}_float16_hd64",
                       Sm90RowsBackwardConfig("float16", 64, variant, persistent=132)))
@@ -163,32 +155,15 @@ def backward_kernels():
                           ("causal_dropout", Variant(window=True, dropout=True))):
         found.append((f"backward_sm90_columns_dq_first_{name}_hd64", dataclasses.replace(
             configs.sm90_backward_table_config("float16", 64, variant), dq_split="columns", dq_first=True)))
-    # dQ_i staged in shared memory and added by the producer's stats warp by bulk reduce-adds
-    # (dq_reduce="bulk", an option): hd 128 plain, causal, causal dropout (its keep bits by the
-    # producer's warps 2 and 3), a block mask and packed sequences; hd 64 by 32-column halves,
-    # plain and causal
-    for name, variant in (("plain", Variant()), ("causal", Variant(window=True)),
-                          ("causal_dropout", Variant(window=True, dropout=True)), ("block_mask", Variant(block_mask=True)),
-                          ("varlen_causal", Variant(window=True, varlen=True))):
-        found.append((f"backward_sm90_dq_bulk_{name}_hd128", dataclasses.replace(
-            configs.sm90_backward_table_config("float16", 128, variant), dq_reduce="bulk")))
-    # ... tile-major, one bulk reduce-add a step (dq_reduce="tiles"): hd 128 plain, causal, causal
-    # dropout, a block mask
+    # dQ_i staged in shared memory and added by the producer's stats warp, one bulk reduce-add a step
+    # into a tile-major dq_accum (dq_reduce="tiles", an option): hd 128 plain, causal, causal dropout,
+    # a block mask
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True)),
                           ("causal_dropout", Variant(window=True, dropout=True)), ("block_mask", Variant(block_mask=True))):
         found.append((f"backward_sm90_dq_tiles_{name}_hd128", dataclasses.replace(
             configs.sm90_backward_table_config("float16", 128, variant), dq_reduce="tiles")))
     found.append(("backward_sm90_keys_plain_hd128", dataclasses.replace(  # by keys with red.add (step 1's)
         configs.sm90_backward_table_config("float16", 128, Variant()), dq_split="keys", dq_first=False)))
-    for name, variant in (("plain", Variant()), ("causal", Variant(window=True)),
-                          ("causal_dropout", Variant(window=True, dropout=True))):  # dQ by keys, a tile a consumer
-        found.append((f"backward_sm90_dq_bulk_keys_{name}_hd128", dataclasses.replace(
-            configs.sm90_backward_table_config("float16", 128, variant), dq_split="keys", dq_first=False,
-            dq_reduce="bulk")))
-    for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
-        found.append((f"backward_sm90_dq_bulk_columns_{name}_hd64", dataclasses.replace(
-            configs.sm90_backward_table_config("float16", 64, variant), dq_split="columns", dq_first=True,
-            dq_reduce="bulk")))
     # the deterministic backward's dK/dV pass (no dQ: dq_split="none"), plain at each planned headdim
     for headdim, *_ in configs.SM90_BACKWARD:
         found.append((f"backward_sm90_deterministic_hd{headdim}", dataclasses.replace(

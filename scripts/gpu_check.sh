@@ -41,17 +41,10 @@
 #                                against the "steps" kernel it would replace; then hd 128 dropout,
 #                                the producer's keep bits against the consumers' with dQ first,
 #                                about 8 minutes
-#   scripts/gpu_check.sh bulk    dQ_i added by the producer's stats warp from a staged tile by bulk
-#                                reduce-adds (dq_reduce="bulk", an option; run on 2026-12-05: its
-#                                tests passed, and it was 13-47% slower than the planned kernels):
-#                                the primitive's test, the GPU grids of both kernels that take it
-#                                (tails, GQA, variants, packed sequences; the rows split's forms),
-#                                then hd 128 timed against the planned kernel and SDPA, about 5
-#                                minutes
 #   scripts/gpu_check.sh tiles   dQ_i by one bulk reduce-add a step into a tile-major dq_accum
 #                                (dq_reduce="tiles", an option, FlashAttention-3's form; not yet run on a
 #                                GPU): its GPU grids and the primitive's test, then hd 128 timed against
-#                                the planned kernel, the per-row bulk form and SDPA, about 5 minutes
+#                                the planned kernel and SDPA, about 5 minutes
 #   scripts/gpu_check.sh issue13 issue 13's table (its item 3) in one run per pass: the planned sm90
 #                                backward, then forward+backward (a training step's attention), hd 64
 #                                and 128, 4k and 16k, plain and causal, fp16, next to SDPA flash,
@@ -60,11 +53,11 @@
 #                                GPU): its test grid (bit-identical to the consumer lanes' bits), then
 #                                the planned dropout backward against it, headdims 64 and 128, about
 #                                5 minutes
-#   scripts/gpu_check.sh stalls [bulk]
+#   scripts/gpu_check.sh stalls [tiles]
 #                                where the planned hd 128 dK/dV kernel's warps wait, instruction by
 #                                instruction (ncu's source counters; scripts/stall_report.py), plain
 #                                and causal at 4k, about 3 minutes; needs ncu with hardware counters.
-#                                With "bulk", the kernel with dq_reduce="bulk" (step 30)
+#                                With "tiles", the kernel with dq_reduce="tiles" (step 32)
 #   scripts/gpu_check.sh wide    issue 13's kernels not yet run on a GPU, their test grids: packed
 #                                sequences on the sm90 dK/dV kernel, and its wide kernel for
 #                                headdims 136-256 with every variant, dense and packed, up to 8 minutes
@@ -233,18 +226,6 @@ dqfirst)
     echo "hd 128 dropout, the producer's bits (planned) against the consumers' (exit $?):"
     tail -6 "$out/dqfirst_dropout128.log"
     ;;
-bulk)
-    # docs/perf-notes.md, "Hopper backward", step 30
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 240 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
-        -W ignore tests/test_primitives_sm90.py tests/test_backward_sm90.py tests/test_varlen.py -k "bulk" \
-        > "$out/bulk_tests.log" 2>&1
-    echo "tests: exit $?: $(tail -1 "$out/bulk_tests.log")"
-    grep -aE "\] (FAILED|ERROR)" "$out/bulk_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 170 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-bulk keys-bulk --anchors \
-        > "$out/bulk128.log" 2>&1
-    echo "hd 128, dQ by bulk reduce-adds from the producer's stats warp (by columns, by keys) against the planned kernel (exit $?):"
-    tail -14 "$out/bulk128.log"
-    ;;
 tiles)
     # docs/perf-notes.md, "Hopper backward", step 32
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 200 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
@@ -252,9 +233,9 @@ tiles)
         > "$out/tiles_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/tiles_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/tiles_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 200 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-tiles planned-bulk --anchors \
+    timeout 200 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-tiles --anchors \
         > "$out/tiles128.log" 2>&1
-    echo "hd 128, dQ by one bulk reduce-add a step (tile-major) against the planned kernel and the per-row form (exit $?):"
+    echo "hd 128, dQ by one bulk reduce-add a step (tile-major) against the planned kernel (exit $?):"
     tail -14 "$out/tiles128.log"
     ;;
 issue13)
@@ -302,7 +283,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|bulk|issue13|dropout|stalls [bulk]|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|tiles|issue13|dropout|stalls [tiles]|wide" >&2
     exit 2
     ;;
 esac

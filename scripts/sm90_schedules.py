@@ -35,14 +35,11 @@ Backward, each column a schedule:
   product issued after dV's and dK's and its reductions made once all three have landed (the order
   before dq_first, step 28); "columns-dqfirst" (headdim 64): backward_sm90.py's kernel from the
   table (its "steps" the default there for dropout and score_mod) with dQ split by 32-column halves
-  and each consumer's half issued first (an option, step 29). "planned-bulk" (where the planned kernel
-  issues dQ first: headdim 128) and "columns-dqfirst-bulk" (headdim 64): the same with dQ_i stored
-  by the consumers into a shared tile and added to dq_accum by the producer's stats warp, a bulk
-  reduce-add per row (dq_reduce="bulk", step 30); "planned-tiles": the same tile in wgmma's fragment
-  order and dq_accum held tile-major, one bulk reduce-add a step (dq_reduce="tiles", step 32);
-  "rows-bulk" (headdim 64): the rows split with the same. "keys-bulk": backward_sm90.py's kernel
-  with dQ split by keys (each consumer's dS K_c over all of headdim: no barrier across the
-  consumers a step) into a staged tile a consumer, both added by the stats warp (step 31).
+  and each consumer's half issued first (an option, step 29). "planned-tiles" (where the planned
+  kernel issues dQ first: headdim 128): the same with dQ_i stored by the consumers into a shared
+  tile in wgmma's fragment order and added to a tile-major dq_accum by the producer's stats warp,
+  one bulk reduce-add a step (dq_reduce="tiles", step 32; steps 30 and 31's bulk reduce-adds a row,
+  "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left with commit 5b92983).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
 schedule's ratio to SDPA flash after the table. With --isolate S, each (shape, schedule) runs in a
@@ -195,15 +192,7 @@ def backward_schedules(headdim, causal):
         found["planned-dqlast"] = planned.__class__(**{**planned.__dict__, "dq_first": False})
     if table.dq_split == "steps":  # hd 64: backward_sm90.py by 32-column halves, dQ_i's product first
         found["columns-dqfirst"] = table.__class__(**{**table.__dict__, "dq_split": "columns", "dq_first": True})
-        # ... and dQ_i added by the producer's stats warp from a staged tile (bulk reduce-adds)
-        found["columns-dqfirst-bulk"] = table.__class__(**{**table.__dict__, "dq_split": "columns", "dq_first": True,
-                                                           "dq_reduce": "bulk"})
-    # dQ by keys (no barrier across the consumers), a staged tile a consumer, both added by the stats warp
-    found["keys-bulk"] = table.__class__(**{**table.__dict__, "dq_split": "keys", "dq_first": False,
-                                             "dq_reduce": "bulk"})
-    if getattr(planned, "dq_first", False):  # dQ_i added by the producer's stats warp from a staged tile
-        found["planned-bulk"] = planned.__class__(**{**planned.__dict__, "dq_reduce": "bulk"})
-        # ... tile-major: the tile in fragment order, one bulk reduce-add a step
+    if getattr(planned, "dq_first", False):  # dQ_i added by the producer's stats warp, a reduce-add a step
         found["planned-tiles"] = planned.__class__(**{**planned.__dict__, "dq_reduce": "tiles"})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
         found[f"heavy-groups{groups}"] = table.__class__(**{**table.__dict__, "heavy_groups": groups})
@@ -218,9 +207,6 @@ def backward_schedules(headdim, causal):
         # P and dS stored by stmatrix (16 instructions a step instead of 64)
         found["rows-stmatrix"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, stmatrix=True,
                                                         heavy_groups=table.heavy_groups)
-        # dQ's rows added by the producer's stats warp from a staged tile (bulk reduce-adds)
-        found["rows-bulk"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, dq_reduce="bulk",
-                                                    heavy_groups=table.heavy_groups)
         # a persistent grid, one block per multiprocessor, K and V double-buffered
         from numba import cuda
 

@@ -3,15 +3,15 @@ profile, and a summary of its per-instruction stall samples.
 
     ncu --clock-control none --kernel-name regex:backward_dkdv --launch-skip 1 --launch-count 1 \\
         --section SourceCounters --section WarpStateStats -f -o stalls \\
-        python3 scripts/stall_report.py run [--headdim 128] [--seqlen 4096] [--causal] [--dq-reduce bulk]
+        python3 scripts/stall_report.py run [--headdim 128] [--seqlen 4096] [--causal] [--dq-reduce tiles]
     ncu --import stalls.ncu-rep --page source --csv --print-source sass > stalls.csv
     python3 scripts/stall_report.py summary stalls.csv [--top 40]
 
 ``run`` makes the planned backward's calls (the first one compiles and is skipped by
 --launch-skip; the second is profiled): batch 4, 16 heads, float16, flash-attn's grid at hidden
 2048, on the library's default family (the Hopper kernels on compute capability 9.0); with
-``--dq-reduce bulk`` the planned dK/dV kernel takes ``dq_reduce="bulk"`` (dQ added by the producer's
-stats warp from a staged tile: docs/perf-notes.md, "Hopper backward", step 30).
+``--dq-reduce tiles`` the planned dK/dV kernel (hd 72-128) takes ``dq_reduce="tiles"`` (dQ added by
+the producer's stats warp from a staged tile: docs/perf-notes.md, "Hopper backward", step 32).
 ``summary`` reads ncu's source page (one row per SASS instruction) and prints the instructions
 with the most stall samples, each with its share of the kernel's samples and the stall reasons
 ncu attributes to it, then the samples grouped by instruction kind (HGMMA, BAR, SYNCS, LDS, REDG,
@@ -38,7 +38,7 @@ def run(headdim, seqlen, causal, dq_reduce="red"):
     import nbflash
     from nbflash import configs
 
-    if dq_reduce != "red":  # both Hopper dK/dV configs have the field (backward_sm90.py's with dq_first)
+    if dq_reduce != "red":  # backward_sm90.py's config, with dq_first
         planned = configs.sm90_backward_config
         configs.sm90_backward_config = lambda *args: dataclasses.replace(planned(*args), dq_reduce=dq_reduce)
 
@@ -118,7 +118,7 @@ def main():
     one.add_argument("--headdim", type=int, default=128)
     one.add_argument("--seqlen", type=int, default=4096)
     one.add_argument("--causal", action="store_true")
-    one.add_argument("--dq-reduce", choices=["red", "bulk"], default="red",
+    one.add_argument("--dq-reduce", choices=["red", "tiles"], default="red",
                      help="how the planned dK/dV kernel adds dQ (its dq_reduce)")
     two = sub.add_parser("summary", help="summarize ncu's source page (CSV)")
     two.add_argument("csv")

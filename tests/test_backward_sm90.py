@@ -234,79 +234,6 @@ def test_backward_sm90_columns_dq_first_gpu(xp, monkeypatch, seqlens, name):
 
 
 @pytest.fixture
-def dq_bulk(monkeypatch):
-    """Plan backward_sm90.py's dK/dV kernel with dQ_i staged in shared memory and added by the
-    producer's stats warp by bulk reduce-adds (dq_reduce="bulk", an option), where it issues dQ_i's
-    product first."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_reduce="bulk")
-                   if getattr(config, "dq_first", False) else config):
-        yield
-
-
-@pytest.fixture
-def dq_bulk_keys(monkeypatch):
-    """Plan backward_sm90.py's dK/dV kernel with dQ split by keys and staged, a tile a consumer, for
-    the stats warp's bulk reduce-adds (dq_split="keys", dq_reduce="bulk": an option), wherever it
-    serves the call."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(
-            config, dq_split="keys", dq_first=False, dq_reduce="bulk")
-            if isinstance(config, Sm90BackwardConfig) and config.dq_split != "none" else config):
-        yield
-
-
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-def test_backward_sm90_dq_bulk_keys_small(rng, xp, dq_bulk_keys):
-    """dQ by keys into two staged tiles (each consumer's 64 keys over all of headdim, in two 64-column
-    chunks), both added into the same dq_accum rows by the stats warp; one dS^T tile a consumer:
-    headdim 96 (the second chunk's last 32 columns past headdim), causal over two key tiles, 70 query
-    rows (a tail), GQA 2:1."""
-    config = configs.plan_backward(Static("float16", 96, True, 0, CAUSAL), False, "sm90")[1]
-    assert (config.dq_split, config.dq_reduce, config.dq_tiles, config.ds_buffers) == ("keys", "bulk", 2, 1)
-    run_sm90(rng, xp, 1, 70, 100, 2, 1, 96, "float16", True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("headdim", [64, 128])
-@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_sm90_dq_bulk_keys_gpu(rng, xp, dq_bulk_keys, monkeypatch, seqlens, headdim, causal):
-    """dq_split="keys" with dq_reduce="bulk", GQA 2:1, fp16 and bf16, tails (at headdim 64 in place of
-    the rows split, which does not take it)."""
-    monkeypatch.setattr(configs, "SM90_BACKWARD_ROWS_MAX_HEADDIM", 0)
-    run_sm90(rng, xp, 2, *seqlens, 4, 2, headdim, "bfloat16" if causal else "float16", causal)
-
-
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-def test_backward_sm90_dq_bulk_small(rng, xp, dq_bulk):
-    """dQ_i by bulk reduce-adds from a staged tile: headdim 96 by columns (consumer 1's last 32
-    columns past headdim: each row's reduce-add is 384 bytes), causal over two key tiles, 70 query
-    rows (a tail: rows past seqlen_q are not added), GQA 2:1 (the writer's query heads)."""
-    assert configs.plan_backward(Static("float16", 96, True, 0, CAUSAL), False, "sm90")[1].dq_reduce == "bulk"
-    run_sm90(rng, xp, 1, 70, 100, 2, 1, 96, "float16", True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("headdim", [96, 128])
-@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_sm90_dq_bulk_gpu(rng, xp, dq_bulk, seqlens, headdim, causal):
-    """dq_reduce="bulk" on the planned "columns" kernel, GQA 2:1, fp16 and bf16, tails."""
-    assert configs.plan_backward(Static("float16", headdim, True, 0, CAUSAL if causal else Variant()), False,
-                                 "sm90")[1].dq_reduce == "bulk"
-    run_sm90(rng, xp, 2, *seqlens, 4, 2, headdim, "bfloat16" if causal else "float16", causal)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["softcap", "causal-dropout", "document-mask-mod"])
-def test_backward_sm90_dq_bulk_variants_gpu(xp, dq_bulk, name):
-    """dq_reduce="bulk" with the variants that change the producer's warps: dropout (its keep bits
-    by warps 2 and 3 beside the stats warp's dQ), a block mask (the stats warp walks the visited
-    pairs, and adds each one's dQ a step later); softcap as a score feature. Headdim 128, GQA 2:1,
-    tails. (Packed sequences: tests/test_varlen.py.)"""
-    run_sm90_variant(np.random.default_rng(7), xp, name, "float16", 2, 300, 517, 4, 2, 128)
-
-
-@pytest.fixture
 def dq_tiles(monkeypatch):
     """Plan backward_sm90.py's dK/dV kernel with dq_accum tile-major and dQ_i added by the stats warp
     as one bulk reduce-add a step (dq_reduce="tiles", an option), where it issues dQ_i's product
@@ -351,10 +278,12 @@ def test_dq_tiles_configs():
         Sm90BackwardConfig(dtype="float16", headdim=128, variant=Variant(varlen=True), dq_split="columns",
                            dq_first=True, dq_reduce="tiles")
     with pytest.raises(ValueError, match="dq_reduce"):
+        Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="columns", dq_first=True, dq_reduce="bulk")
+    with pytest.raises(TypeError, match="dq_reduce"):  # the rows split has no such field
         Sm90RowsBackwardConfig("float16", 64, dq_reduce="tiles")
     red = Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="columns", dq_first=True)
     tiles = dataclasses.replace(red, dq_reduce="tiles")
-    assert tiles.dq_bulk and tiles.dq_tile_major and not red.dq_tile_major
+    assert tiles.dq_tile_major and not red.dq_tile_major and red.dq_stage_bytes == 0
     assert tiles.dq_stage_bytes == 64 * 128 * 4
     assert tiles.dynamic_shared_bytes == red.dynamic_shared_bytes + 64 * 128 * 4 + 16
 
@@ -435,33 +364,7 @@ def test_dq_by_columns_configs():
         Sm90BackwardConfig(dtype="float16", headdim=64, variant=Variant(), dq_split="columns", consumers=1)
 
 
-def test_dq_bulk_configs():
-    """dq_reduce="bulk" takes dQ's product first (dq_first, "columns") in backward_sm90.py; its staged
-    tile (a float32 row of headdim_padded columns, 32 bytes more, per query of the step) and two
-    barriers are in shared memory; in the rows split a persistent grid's second K and V leave no
-    room for it."""
-    with pytest.raises(ValueError, match="dq_reduce"):
-        Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="columns", dq_first=True, dq_reduce="tma")
-    with pytest.raises(ValueError, match="takes dq_first=True"):
-        Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="columns", dq_reduce="bulk")
-    with pytest.raises(ValueError, match="or dq_split='keys'"):
-        Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="steps", dq_reduce="bulk")
-    # by keys: a tile a consumer, one dS^T tile each (219 KB at headdim 128)
-    keys = Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="keys", dq_reduce="bulk")
-    assert (keys.dq_tiles, keys.ds_buffers, keys.dq_stage_bytes) == (2, 1, 2 * 64 * 544)
-    assert keys.dynamic_shared_bytes == (Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="keys")
-                                         .dynamic_shared_bytes - 2 * 8192 + 2 * 64 * 544 + 32)
-    red = Sm90BackwardConfig(dtype="float16", headdim=96, dq_split="columns", dq_first=True)
-    bulk = dataclasses.replace(red, dq_reduce="bulk")
-    assert (bulk.dq_stage_row_bytes, bulk.dq_stage_bytes) == (544, 64 * 544) and red.dq_stage_bytes == 0
-    assert bulk.dynamic_shared_bytes == red.dynamic_shared_bytes + 64 * 544 + 16
-    rows = Sm90RowsBackwardConfig("float16", 64, dq_reduce="bulk")
-    assert rows.dq_stage_bytes == 128 * 288
-    assert rows.dynamic_shared_bytes == Sm90RowsBackwardConfig("float16", 64).dynamic_shared_bytes + 128 * 288 + 16
-    with pytest.raises(ValueError, match="shared memory"):
-        Sm90RowsBackwardConfig("float16", 64, dq_reduce="bulk", persistent=132)
-    with pytest.raises(ValueError, match="dq_reduce"):
-        Sm90RowsBackwardConfig("float16", 64, dq_reduce="none")
+
 
 
 @pytest.mark.skipif(not _offline_toolchain(),
@@ -549,22 +452,7 @@ def test_backward_sm90_rows_persistent_small(rng, xp, monkeypatch):
         backward._kernels.cache_clear()
 
 
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-def test_backward_sm90_rows_bulk_small(rng, xp, monkeypatch):
-    """The rows split with dQ staged in shared memory and added by the producer's stats warp
-    (dq_reduce="bulk"): causal, two query tiles of 128 (the second's rows mostly past seqlen_q:
-    not added), seqlen_q > seqlen_k, one key tile with a tail, headdim 40 (each row's reduce-add
-    160 bytes), GQA 2:1."""
-    plan_rows(monkeypatch, dq_reduce="bulk")
-    try:
-        assert configs.sm90_backward_config("float16", 40, CAUSAL).dq_bulk
-        run_rows(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True)
-    finally:
-        backward._kernels.cache_clear()
-
-
-ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"persistent": 132},
-              "bulk": {"dq_reduce": "bulk"}}
+ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"persistent": 132}}
 
 
 @pytest.mark.gpu
@@ -574,11 +462,10 @@ ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, stages, form):
-    """The rows split (P and dS by 32-bit stores, by stmatrix, a persistent grid of 132 blocks, and
-    dQ by bulk reduce-adds from the producer's stats warp) on the GPU, the planner's launch order (the
-    persistent grid's items in it)."""
-    if form in ("persistent", "bulk") and stages > 2:
-        pytest.skip(f"the {form} form's shared memory (a second K/V, the staged dQ) leaves room for 2 stages")
+    """The rows split (P and dS by 32-bit stores, by stmatrix, and a persistent grid of 132 blocks)
+    on the GPU, the planner's launch order (the persistent grid's items in it)."""
+    if form == "persistent" and stages > 2:
+        pytest.skip("a persistent grid's second K/V leaves shared memory for 2 stages")
     plan_rows(monkeypatch, stages=stages, **ROWS_FORMS[form])
     try:
         run_rows(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal,

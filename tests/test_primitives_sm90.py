@@ -861,23 +861,17 @@ BULK_TILE = BULK_ROWS * BULK_STRIDE  # a literal for cuda.shared.array
 
 @cuda.jit
 def _bulk_reduce_kernel(x, first_rows, values):
-    # Block p writes its (BULK_ROWS, BULK_COLS) float32 values into shared memory pair by pair (8-byte
-    # stores; blocks 1 and 3 four by four, 16-byte stores), rows BULK_STRIDE floats apart, then thread
-    # r < BULK_ROWS adds row r into x[p % 2, first_rows[p] + r, 1, :] by one bulk reduce-add and waits
-    # until it has been read. The blocks' rows overlap: their additions meet in global memory.
+    # Block p writes its (BULK_ROWS, BULK_COLS) float32 values into shared memory four by four
+    # (16-byte stores), rows BULK_STRIDE floats apart, then thread r < BULK_ROWS adds row r into
+    # x[p % 2, first_rows[p] + r, 1, :] by one bulk reduce-add and waits until it has been read.
+    # The blocks' rows overlap: their additions meet in global memory.
     t, p = cuda.threadIdx.x, cuda.blockIdx.x
     tile = cuda.shared.array(BULK_TILE, float32, alignment=BULK_ALIGNMENT)
     tile_address = P.shared_address(tile)
-    if p % 2 == 0:
-        for pair in range(t, BULK_ROWS * BULK_COLS // 2, 64):
-            r, c = pair // (BULK_COLS // 2), 2 * (pair % (BULK_COLS // 2))
-            H.store_shared_f32x2(tile_address + uint32(4 * (r * BULK_STRIDE + c)), values[p, r, c],
-                                 values[p, r, c + 1])
-    else:
-        for quad in range(t, BULK_ROWS * BULK_COLS // 4, 64):
-            r, c = quad // (BULK_COLS // 4), 4 * (quad % (BULK_COLS // 4))
-            H.store_shared_f32x4(tile_address + uint32(4 * (r * BULK_STRIDE + c)), values[p, r, c],
-                                 values[p, r, c + 1], values[p, r, c + 2], values[p, r, c + 3])
+    for quad in range(t, BULK_ROWS * BULK_COLS // 4, 64):
+        r, c = quad // (BULK_COLS // 4), 4 * (quad % (BULK_COLS // 4))
+        H.store_shared_f32x4(tile_address + uint32(4 * (r * BULK_STRIDE + c)), values[p, r, c],
+                             values[p, r, c + 1], values[p, r, c + 2], values[p, r, c + 3])
     H.fence_proxy_async()  # the stores are ordered before the bulk copies read them
     cuda.syncthreads()
     if t < BULK_ROWS:
@@ -888,7 +882,7 @@ def _bulk_reduce_kernel(x, first_rows, values):
 
 
 def test_bulk_reduce_add_f32(xp, rng):
-    """Rows of float32 staged by 8- and 16-byte shared stores and added into a (2, 40, 3, 72) tensor by bulk
+    """Rows of float32 staged by 16-byte shared stores and added into a (2, 40, 3, 72) tensor by bulk
     reduce-adds: four blocks, two on each batch, their rows overlapping (3..10 and 6..13: the
     overlap gets both), the tensor's other elements untouched."""
     x = rng.standard_normal((2, 40, 3, BULK_COLS)).astype(np.float32)

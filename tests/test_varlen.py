@@ -306,22 +306,6 @@ def test_varlen_gpu_variants(rng, xp, family, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True])
-def test_varlen_sm90_dq_bulk_gpu(rng, xp, monkeypatch, causal):
-    """dQ_i staged in shared memory and added by the producer's stats warp by bulk reduce-adds
-    (dq_reduce="bulk", an option) on packed sequences, headdim 128 and 96 (each row's reduce-add
-    384 bytes); the causal case with the window, softcap, ALiBi and dropout (its keep bits by the
-    producer's warps 2 and 3): each sequence's dq rows from its own first."""
-    import dataclasses
-
-    lengths_q, lengths_k = GPU_LENGTHS[0]
-    with helpers.replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_reduce="bulk")):
-        for headdim in (96, 128):
-            extra = combined(xp, len(lengths_q)) if causal else {}
-            run(rng, xp, "sm90", "float16", causal, False, lengths_q, lengths_k, headdim, **extra)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("headdim", [64, 128])
 def test_varlen_sm90_staged_dropout_gpu(rng, xp, monkeypatch, dtype, headdim):

@@ -12,8 +12,8 @@ preprocess::
                 wait until ring slot i % stages is empty, then Q_i, dO_i -> the slot (TMA)
             warp 1: the same steps; lse_i (in base 2) and D_i of the tile's rows -> the slot's
                 stats (plain loads and stores), arriving on the slot's full barrier with the TMA;
-                with dq_reduce="bulk", then, once both consumers have staged dQ_{i-1}, its rows ->
-                dq_accum (one bulk reduce-add a row), and the staged tile is free again
+                with dq_reduce="tiles", then, once both consumers have staged dQ_{i-1}, the tile ->
+                dq_accum (one bulk reduce-add), and the staged tile is free again
         each consumer warpgroup c (64 keys of the tile, rows 64 c .. 64 c + 63):
             dK = dV = 0                                                    (registers)
             for the i-th step (slot i % stages), once the slot is full:
@@ -47,9 +47,9 @@ keys: half the atomics too. The plan uses "columns" at headdim 128 and "steps" a
 (configs.SM90_BACKWARD: 21-32% and 6-11% faster than "keys" on the H200). With "columns" the plan
 also issues dQ_i's product first (``dq_first``): the consumer adds it to dq_accum while dV's and
 dK's products run, instead of after all three (10-16% faster at headdim 128). With
-``dq_reduce="bulk"`` (an option, not yet timed) the consumers store dQ_i into a shared tile instead
-and the producer's stats warp adds its rows into dq_accum by bulk reduce-adds
-(``make_add_staged_dq``); with "keys" too, a tile a consumer (no barrier across the consumers).
+``dq_reduce="tiles"`` (an option, FlashAttention-3's form) the consumers store dQ_i into a shared
+tile in wgmma's fragment order instead, and the producer's stats warp adds it into a tile-major
+dq_accum by one bulk reduce-add a step (``make_stage_dq``, ``make_add_staged_dq``, ``untile_dq``).
 
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G
 (G ceil(seqlen_k / block_n), ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch,
@@ -91,7 +91,9 @@ Schedules measured on the H200 and taken out again for being slower (docs/perf-n
 backward", steps 6, 7, 9 and 11; the code is in commit 354c94b): dQ_i staged in shared memory and
 added by TMA reduce-adds (``dq_reduce="tma"``: within noise), the key tiles as the grid's slowest
 index (``heavy_first``: -8% to +3%), dQ_i's atomics deferred under the next step's products
-(``defer_dq``: 3-9% slower) and 128 query rows per step (``block_m=128``: 12-13% slower).
+(``defer_dq``: 3-9% slower) and 128 query rows per step (``block_m=128``: 12-13% slower). Steps 30
+and 31 (the code is in commit 5b92983): dQ_i staged as rows and added by one bulk reduce-add a row
+(``dq_reduce="bulk"``, by columns and by keys, and on backward_sm90_rows.py: 13-47% slower).
 
 Packed sequences (``variant.varlen``): q, k, v, dout are stride-0 views over batch of the packed
 arrays (as in backward_mma.py), lse, delta, dk, dv and dq_accum the packed arrays as a batch of one
@@ -154,7 +156,6 @@ from nbflash.primitives_sm90 import (
     setmaxnreg_dec,
     setmaxnreg_inc,
     smem_descriptor,
-    store_shared_f32x2,
     store_shared_f32x4,
     tensor_map_4d_words,
     tma_load_4d,
@@ -198,42 +199,17 @@ class Sm90BackwardBlock:
         return (self.threads, 1)
 
     @property
-    def dq_bulk(self):
-        """dQ staged in shared memory and added by the producer's stats warp (``dq_reduce="bulk"`` or
-        ``"tiles"``, in the configs that have the field)."""
-        return getattr(self, "dq_reduce", "red") in ("bulk", "tiles")
-
-    @property
     def dq_tile_major(self):
-        """``dq_reduce="tiles"``: dq_accum held tile by tile in wgmma's fragment order (``dq_accum_shape``,
-        ``untile_dq``), the staged tile in the same order, so that a step's dQ_i is one bulk reduce-add."""
+        """``dq_reduce="tiles"`` (in the configs that have the field): dq_accum held tile by tile in
+        wgmma's fragment order (``dq_accum_shape``, ``untile_dq``), dQ_i staged in shared memory in the
+        same order by the consumers and added by the producer's stats warp, one bulk reduce-add a step."""
         return getattr(self, "dq_reduce", "red") == "tiles"
 
     @property
-    def dq_stage_row_bytes(self):
-        """Bytes between two rows of the staged dQ tile (``dq_bulk``): a float32 row of
-        headdim_padded columns and 32 bytes more, so that a warp's 8-byte stores (8 rows, 4 column
-        pairs) land on distinct banks."""
-        return self.headdim_padded * 4 + 32
-
-    @property
-    def dq_tiles(self):
-        """Staged dQ tiles (``dq_bulk``): one a consumer where each adds dQ over its own keys and all of
-        headdim (``dq_split="keys"``), else one the consumers share (their columns or rows of it)."""
-        return self.consumers if getattr(self, "dq_split", "") == "keys" else 1
-
-    @property
     def dq_stage_bytes(self):
-        """Bytes of the staged dQ tiles, a row per query of the step (``dq_bulk``; none otherwise);
-        tile-major, block_m x headdim_padded float32 without padding (16-byte stores of consecutive
-        threads: no bank conflicts)."""
-        if self.dq_tile_major:
-            return self.block_m * self.headdim_padded * 4
-        return self.dq_tiles * self.block_m * self.dq_stage_row_bytes if self.dq_bulk else 0
-
-    def check_dq_reduce(self, allowed=("red", "bulk")):
-        if self.dq_reduce not in allowed:
-            raise ValueError(f"{self.dq_reduce=} must be one of {allowed}")
+        """Bytes of the staged dQ tile (``dq_tile_major``; none otherwise): block_m x headdim_padded
+        float32, unpadded (16-byte stores of consecutive threads: no bank conflicts)."""
+        return self.block_m * self.headdim_padded * 4 if self.dq_tile_major else 0
 
     def check_dtype_headdim(self, low, high):
         if self.dtype not in ("float16", "bfloat16"):
@@ -302,20 +278,16 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # its step). Planned with "columns" (step 28: +10-16% at hd 128). ("steps" would issue it on a
     # consumer's turn only, a branch around the wgmmas that ptxas serializes: not offered.)
     dq_first: bool = False
-    # How dQ_i reaches dq_accum (with dq_first): "red", each consumer thread's red.add.v2 of its
-    # registers; "bulk", each consumer stores its half into a shared tile of the step's dQ_i rows
-    # (8-byte stores, rows padded by 32 bytes: no bank conflicts) and arrives on dq_full, and the
-    # producer's stats warp adds the tile's rows into dq_accum by bulk reduce-adds (one per row, the
-    # copy engine's: no thread waits on the reductions' queue), then frees the tile (dq_empty).
-    # The stall counters of step 28 put about a fifth of the consumers' samples on the reductions;
-    # docs/perf-notes.md step 30. (Step 6 staged dQ for TMA tensor reduce-adds issued and waited
-    # for by a consumer thread: within noise; here no consumer issues or waits for them.) Also with
-    # dq_split="keys": each consumer stages its own tile (all of headdim over its 64 keys; the stats
-    # warp adds both into the same rows), and no barrier across the consumers is left in the step.
-    # "tiles" (with dq_first; dense batches): FlashAttention-3's form of "bulk", one bulk reduce-add a
-    # step instead of one a row: the consumers store dQ_i in wgmma's fragment order (16-byte stores
-    # of consecutive threads) and dq_accum holds each query tile in that order (``dq_accum_shape``;
-    # ``untile_dq`` restores the rows before the conversion); docs/perf-notes.md step 32.
+    # How dQ_i reaches dq_accum: "red", each consumer thread's red.add.v2 of its registers; "tiles"
+    # (with dq_first, dense batches; FlashAttention-3's form), each consumer stores its half in
+    # wgmma's fragment order into a shared tile (16-byte stores of consecutive threads) and arrives
+    # on dq_full, and the producer's stats warp adds the whole tile by one bulk reduce-add (the copy
+    # engine's: no consumer issues or waits for a reduction), then frees it (dq_empty). dq_accum
+    # holds each query tile in that order (``dq_accum_shape``; ``untile_dq`` restores the rows before
+    # the conversion). Step 28's stall counters put about a fifth of the consumers' samples on the
+    # reductions; docs/perf-notes.md step 32. (Steps 30 and 31 staged rows, one bulk reduce-add a
+    # row: 13-47% slower, taken out; step 6, TMA tensor reduce-adds issued and waited for by a
+    # consumer thread: within noise, taken out; their code is in history, perf-notes says where.)
     dq_reduce: str = "red"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
@@ -334,10 +306,8 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
             raise ValueError(f"{self.dropout_bits=} must be 'consumers' or 'producer'")
         if self.dq_first and self.dq_split != "columns":
             raise ValueError(f"dq_first=True takes dq_split='columns' (one dQ product a step), not {self.dq_split!r}")
-        self.check_dq_reduce(("red", "bulk", "tiles"))
-        if self.dq_reduce == "bulk" and not (self.dq_first or self.dq_split == "keys"):
-            raise ValueError("dq_reduce='bulk' takes dq_first=True (dQ split by columns, its product first) or "
-                             f"dq_split='keys', not dq_split={self.dq_split!r} with dq_first={self.dq_first}")
+        if self.dq_reduce not in ("red", "tiles"):
+            raise ValueError(f"{self.dq_reduce=} must be 'red' or 'tiles'")
         if self.dq_reduce == "tiles" and not self.dq_first:
             raise ValueError("dq_reduce='tiles' takes dq_first=True (dQ split by columns, its product first), "
                              f"not dq_split={self.dq_split!r} with dq_first={self.dq_first}")
@@ -376,13 +346,6 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         return self.block_n * self.headdim_padded * 2
 
     @property
-    def ds_buffers(self):
-        """dS^T tiles a consumer keeps: two (even and odd steps: with a split over all keys, the other
-        consumer's dQ product may still read the last one), or one where dQ's product reads only the
-        consumer's own and the staged dQ tiles need the room (``dq_split="keys"`` with ``dq_bulk``)."""
-        return 1 if self.dq_bulk and self.dq_split == "keys" else 2
-
-    @property
     def ds_bytes(self):
         """Bytes of one consumer's dS^T tile (64 keys x 64 queries, 16 bit: 64 rows of 128 bytes);
         none without dQ."""
@@ -401,8 +364,8 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         """The tiles (and the staged dQ_i), the stats, 1 + 2 stages mbarriers (and dq_full, dq_empty),
         and 1024 bytes of slack to align the tiles."""
         return (1024 + 2 * self.kv_bytes + 2 * self.stages * self.q_bytes
-                + self.ds_buffers * self.consumers * self.ds_bytes + self.dq_stage_bytes
-                + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages) + (16 * self.dq_tiles if self.dq_bulk else 0))
+                + 2 * self.consumers * self.ds_bytes + self.dq_stage_bytes
+                + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages) + (16 if self.dq_tile_major else 0))
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
         tiles = -(-seqlen_k // self.block_n)
@@ -544,8 +507,8 @@ def make_stage_stats(config, hooks):
     """``stage_stats``, the producer's warp 1 in a dK/dV block (one key tile; backward_sm90_rows.py's
     and backward_sm90_wide.py's as well): walking the block's steps (the visited (query head, query
     tile) pairs) through the ring with warp 0's copies, each step's lse in base 2 and D (with a block
-    mask, the step itself for the consumers) into the slot's stats; with ``dq_bulk``, after staging
-    step i's stats, step i - 1's dQ from the staged tile into dq_accum (``make_add_staged_dq``)."""
+    mask, the step itself for the consumers) into the slot's stats; with ``dq_tile_major``, after
+    staging step i's stats, step i - 1's dQ from the staged tile into dq_accum (``make_add_staged_dq``)."""
     BM, STAGES, STATS_BYTES = config.block_m, config.stages, config.stats_bytes
     ROWS_PER_LANE = BM // 32  # the stats rows of each lane
     BLOCK_MASK, STEP_WORD, SCORE = hooks.BLOCK_MASK, 2 * BM, hooks.SCORE
@@ -553,7 +516,7 @@ def make_stage_stats(config, hooks):
     score_units = hooks.tensor_core_score(False)[0]
     VARLEN, sequence = hooks.VARLEN, hooks.sequence
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
-    DQ_BULK = config.dq_bulk
+    STAGED_DQ = config.dq_tile_major
     add_staged_dq = make_add_staged_dq(config)
 
     @inline_device
@@ -566,7 +529,7 @@ def make_stage_stats(config, hooks):
         persistent block), once the consumers have released the slot; the arrival on its full
         barrier releases the stores. With a block mask, lane 0 adds the step (pair, query head,
         query tile, masked) at word STEP_WORD. Packed sequences: lse and delta hold the packed rows
-        (a batch of one), the sequence's from its first. With DQ_BULK (never a persistent block),
+        (a batch of one), the sequence's from its first. With STAGED_DQ (one key tile a block),
         step i - 1's dQ goes out once step i's stats are in: step i's slot is free once the
         consumers are past step i - 2, which is before step i - 1's dQ is staged, so neither waits
         on the other (dq_accum, dq_stage and its barriers are unused otherwise)."""
@@ -575,7 +538,7 @@ def make_stage_stats(config, hooks):
             row0 = sequence(params, b, lse.shape[2], lse.shape[2])[0]  # the query rows' first
             mem_b = 0
         position = -1
-        last_h, last_q_start = 0, 0  # with DQ_BULK: step i - 1's query head and tile
+        last_h, last_q_start = 0, 0  # with STAGED_DQ: step i - 1's query head and tile
         for i in range(steps):
             position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
                                              lane)
@@ -608,14 +571,12 @@ def make_stage_stats(config, hooks):
                     tail or tile < first_full or tile >= end_full
                     or tile_class(params, b, h, tile, n_block) != variants.FULL)
             mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
-            if DQ_BULK:
+            if STAGED_DQ:
                 if i > 0:
-                    add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i - 1, last_h, last_q_start, mem_b, row0,
-                                  seqlen_q, lane)
+                    add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i - 1, last_h, last_q_start, mem_b, lane)
                 last_h, last_q_start = h, q_start
-        if DQ_BULK and steps > 0:
-            add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, steps - 1, last_h, last_q_start, mem_b, row0,
-                          seqlen_q, lane)
+        if STAGED_DQ and steps > 0:
+            add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, steps - 1, last_h, last_q_start, mem_b, lane)
 
     return stage_stats
 
@@ -675,101 +636,48 @@ def make_stage_dropout(config, hooks):
 
 
 def make_add_staged_dq(config):
-    """``add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, q_start, mem_b, q_row0, seqlen_q,
-    lane)``, the stats warp's with ``dq_bulk`` (make_stage_stats; this file's kernel and
-    backward_sm90_rows.py's): for each staged tile t (``config.dq_tiles``: its barriers 8 t bytes on
-    from dq_full and dq_empty), once the consumers have stored their parts of step i's dQ in it
-    (dq_full), each of its block_m rows inside the sequence goes into dq_accum[mem_b, q_row0 +
-    q_start + row, h, :headdim] by one bulk reduce-add (lane l: rows l, l + 32, ...), and once the
-    copy engine has read them all the tile is free again (dq_empty, one arrival a lane). (One key
-    tile a block: a persistent grid's second K and V leave no room for the staged tiles.) Tile-major
-    (``dq_tile_major``): lane 0 adds the whole staged tile into query tile q_start / block_m of
-    dq_accum[mem_b, h] (``dq_accum_shape``) by one bulk reduce-add."""
-    BM, HD, ROW, TILES = config.block_m, config.headdim, config.dq_stage_row_bytes, config.dq_tiles
-    TILE_MAJOR, TILE_BYTES = config.dq_tile_major, config.dq_stage_bytes
+    """``add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, q_start, mem_b, lane)``, the stats
+    warp's with ``dq_tile_major`` (make_stage_stats): once the consumers have stored their parts of
+    step i's dQ in the staged tile (dq_full), lane 0 adds the whole tile into query tile q_start /
+    block_m of dq_accum[mem_b, h] (``dq_accum_shape``: the same fragment order) by one bulk
+    reduce-add, and once the copy engine has read it the tile is free again (dq_empty, one arrival a
+    lane). Rows past seqlen_q go in too: their dQ is 0, and dq_accum holds whole tiles."""
+    TILE_BYTES = config.dq_stage_bytes
 
     @inline_device
-    @unroll
-    def add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, q_start, mem_b, q_row0, seqlen_q, lane):
-        if TILE_MAJOR:  # the whole tile (rows past seqlen_q too: their dQ is 0) by lane 0, one operation
-            mbarrier_wait(dq_full, i & 1)
-            if lane == 0:
-                bulk_reduce_add_f32(global_address(dq_accum, mem_b, h, q_start, 0), dq_stage, uint32(TILE_BYTES))
-                tma_store_commit()
-                tma_store_wait(0)
-            mbarrier_arrive(dq_empty)  # the phase completes with lane 0's arrival, after the read
-            return
-        for t in static_range(TILES):
-            mbarrier_wait(dq_full + uint32(8 * t), i & 1)  # the consumers' parts are stored (and fenced)
-            for r in static_range(BM // 32):
-                row = q_start + 32 * r + lane
-                if row < seqlen_q:  # HD * 4 bytes: a multiple of 32, as bulk copies ask (16)
-                    bulk_reduce_add_f32(global_address(dq_accum, mem_b, q_row0 + row, h, 0),
-                                        dq_stage + uint32((t * BM + 32 * r + lane) * ROW), uint32(HD * 4))
+    def add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, q_start, mem_b, lane):
+        mbarrier_wait(dq_full, i & 1)  # the consumers' parts are stored (and fenced)
+        if lane == 0:
+            bulk_reduce_add_f32(global_address(dq_accum, mem_b, h, q_start, 0), dq_stage, uint32(TILE_BYTES))
             tma_store_commit()
-            tma_store_wait(0)  # the copy engine has read this lane's rows
-            mbarrier_arrive(dq_empty + uint32(8 * t))
+            tma_store_wait(0)  # the copy engine has read the tile
+        mbarrier_arrive(dq_empty)  # the phase completes with lane 0's arrival, after the read
 
     return add_staged_dq
 
 
-def make_store_dq_rows(row_bytes, columns):
-    """``store_dq_rows(tile, acc, row, col0, q4)``: a consumer thread's part of a 64-row dQ product of
-    ``columns`` columns (wgmma's layout) into a staged tile (rows ``row_bytes`` apart; the thread's
-    rows ``row`` and ``row`` + 8, its column pairs col0 + 8 c + 2 q4: 8 bytes a store)."""
-
-    @inline_device
-    @unroll
-    def store_dq_rows(tile, acc, row, col0, q4):
-        row_address = tile + uint32(row * row_bytes + 4 * col0 + 8 * q4)
-        for c in static_range(columns // 8):
-            for rh in static_range(2):
-                store_shared_f32x2(row_address + uint32(8 * rh * row_bytes + 32 * c), acc[4 * c + 2 * rh],
-                                   acc[4 * c + 2 * rh + 1])
-
-    return store_dq_rows
-
-
-def make_store_dq_fragments(block_m, columns):
-    """``store_dq_fragments(tile, acc, row, col0, q4)``: a consumer thread's part of a 64-row dQ
-    product of ``columns`` columns (wgmma's layout; its rows ``row`` and ``row`` + 8, columns col0 +
-    8 c + 2 q4 + e) into a tile-major staged tile in fragment order: the product of columns col0 ..
-    col0 + columns - 1 is block_m x columns floats from byte 4 block_m col0 on, in which thread t
-    (32 w + lane of its warpgroup) keeps its registers 4 v .. 4 v + 3 at bytes 16 t + 2048 v, one
-    16-byte store each (a warp's 512 contiguous bytes: the minimum four passes). ``untile_dq`` says
-    where each element of a row lands."""
-
-    @inline_device
-    @unroll
-    def store_dq_fragments(tile, acc, row, col0, q4):
-        thread = 32 * (row // 16) + 4 * (row % 16) + q4  # row = 16 w + lane // 4
-        base = tile + uint32(4 * block_m * col0 + 16 * thread)
-        for v in static_range(columns // 8):
-            store_shared_f32x4(base + uint32(16 * GROUP * v), acc[4 * v], acc[4 * v + 1], acc[4 * v + 2],
-                               acc[4 * v + 3])
-
-    return store_dq_fragments
-
-
-def make_stage_dq(row_bytes, columns, tile_major=False, block_m=64):
+def make_stage_dq(block_m, columns):
     """``stage_dq(dq_stage, acc, dq_full, dq_empty, use, row, col0, q4)``, a consumer thread's with
-    ``dq_bulk``: its part of a 64-row dQ product of ``columns`` columns (wgmma's layout) into the
-    staged tile (rows ``row_bytes`` apart; the thread's rows ``row`` and ``row`` + 8, its column pairs
-    col0 + 8 c + 2 q4: 8 bytes a store; ``tile_major``: in fragment order, make_store_dq_fragments),
-    once the stats warp has had the tile's last use read (dq_empty; ``use``: the block's step,
-    counted from 0); then fenced for the copy engine, and the thread's arrival on dq_full."""
-
-    if tile_major:
-        store_dq_rows = make_store_dq_fragments(block_m, columns)
-    else:
-        store_dq_rows = make_store_dq_rows(row_bytes, columns)
+    ``dq_tile_major``: its part of a 64-row dQ product of ``columns`` columns (wgmma's layout: its
+    rows ``row`` and ``row`` + 8, columns col0 + 8 c + 2 q4 + e) into the staged tile in fragment
+    order, once the stats warp has had the tile's last use read (dq_empty; ``use``: the block's step,
+    counted from 0); then fenced for the copy engine, and the thread's arrival on dq_full. The
+    product of columns col0 .. col0 + columns - 1 is block_m x columns floats from byte 4 block_m col0
+    on, in which thread t (32 w + lane of its warpgroup) keeps its registers 4 v .. 4 v + 3 at bytes
+    16 t + 2048 v, one 16-byte store each (a warp's 512 contiguous bytes: the minimum four passes).
+    ``untile_dq`` says where each element of a row lands."""
 
     @inline_device
+    @unroll
     def stage_dq(dq_stage, acc, dq_full, dq_empty, use, row, col0, q4):
         if use > 0:
             mbarrier_wait(dq_empty, (use - 1) & 1)
-        store_dq_rows(dq_stage, acc, row, col0, q4)
-        fence_proxy_async()  # the stores are ordered before the bulk reduce-adds read them
+        thread = 32 * (row // 16) + 4 * (row % 16) + q4  # row = 16 w + lane // 4
+        base = dq_stage + uint32(4 * block_m * col0 + 16 * thread)
+        for v in static_range(columns // 8):
+            store_shared_f32x4(base + uint32(16 * GROUP * v), acc[4 * v], acc[4 * v + 1], acc[4 * v + 2],
+                               acc[4 * v + 3])
+        fence_proxy_async()  # the stores are ordered before the bulk reduce-add reads them
         mbarrier_arrive(dq_full)
 
     return stage_dq
@@ -1006,10 +914,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     NT = BM // 8  # 8-column groups of S^T (queries)
     STAGED_DROPOUT = config.staged_dropout  # dropout's keep bits from the producer's warps 2 and 3
     DROP_WORD = 2 * BM + (4 if config.variant.block_mask else 0)  # ... at this word of a slot's stats
-    # dQ_i staged in shared memory by the consumers, added by the producer's stats warp (dq_reduce="bulk")
-    DQ_BULK, DQ_STAGE_BYTES, DQ_ROW = config.dq_bulk, config.dq_stage_bytes, config.dq_stage_row_bytes
-    DQ_TILES, DS_BUFFERS = config.dq_tiles, config.ds_buffers  # "keys" with DQ_BULK: a tile a consumer, one dS^T
-    DQ_TILE_BYTES = BM * DQ_ROW
+    # dQ_i staged in shared memory by the consumers, added by the producer's stats warp (dq_reduce="tiles")
+    STAGED_DQ, DQ_STAGE_BYTES = config.dq_tile_major, config.dq_stage_bytes
     # the TMA thread's expect_tx and the stats warp's 32 lanes (and the dropout warps' 64)
     FULL_ARRIVALS = 1 + 32 + (64 if STAGED_DROPOUT else 0)
     EMPTY_ARRIVALS = CONSUMERS * GROUP
@@ -1069,8 +975,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
     probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT)
     stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
-    stage_dq = make_stage_dq(DQ_ROW, DQ_COLS, config.dq_tile_major, BM)  # with DQ_BULK, the consumers' half of dQ_i
-    store_dq_rows = make_store_dq_rows(DQ_ROW, DQ_COLS)  # ... or ("keys") a 64-column chunk of its own tile
+    stage_dq = make_stage_dq(BM, DQ_COLS)  # with STAGED_DQ, the consumers' half of dQ_i for the stats warp
     consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES)
 
     @inline_device
@@ -1173,13 +1078,13 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         q_ring = v_tile + uint32(KV_BYTES)
         do_ring = q_ring + uint32(STAGES * Q_BYTES)
         ds_tiles = do_ring + uint32(STAGES * Q_BYTES)
-        dq_stage = ds_tiles + uint32(DS_BUFFERS * CONSUMERS * DS_BYTES)  # with DQ_BULK: BM rows of DQ_ROW bytes
+        dq_stage = ds_tiles + uint32(2 * CONSUMERS * DS_BYTES)  # with STAGED_DQ: BM x HDP float32
         stats_ring = dq_stage + uint32(DQ_STAGE_BYTES)
         kv_full = stats_ring + uint32(STAGES * STATS_BYTES)
         qd_full = kv_full + uint32(8)  # + 8 * slot
         qd_empty = qd_full + uint32(8 * STAGES)
-        dq_full = qd_empty + uint32(8 * STAGES)  # with DQ_BULK, + 8 t: staged tile t is stored
-        dq_empty = dq_full + uint32(8 * DQ_TILES)  # ... and the stats warp has had it read
+        dq_full = qd_empty + uint32(8 * STAGES)  # with STAGED_DQ: the staged tile is stored
+        dq_empty = dq_full + uint32(8)  # ... and the stats warp has had it read
         stats_word0 = (stats_ring - smem_start) // uint32(4)  # smem's index of the first slot's stats
 
         # ---- Which query tiles see this key tile (geometry.py): [first_tile, end_tile), of which
@@ -1192,10 +1097,9 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         steps = warp_visited_query_steps(params, b, hk, group, n_block, first_tile, tiles_per_head, tid % 32)
 
         if tid == 0:
-            if DQ_BULK:
-                for t in range(DQ_TILES):
-                    mbarrier_init(dq_full + uint32(8 * t), (CONSUMERS // DQ_TILES) * GROUP)
-                    mbarrier_init(dq_empty + uint32(8 * t), 32)
+            if STAGED_DQ:
+                mbarrier_init(dq_full, CONSUMERS * GROUP)
+                mbarrier_init(dq_empty, 32)
             init_ring(kv_full, qd_full, qd_empty)  # (its fence covers the ones above)
         cuda.syncthreads()  # the barriers are initialised before anyone arrives on or waits for them
 
@@ -1208,7 +1112,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             if warp == 0 and steps > 0:
                 produce_tiles(maps, k_tile, v_tile, q_ring, do_ring, kv_full, qd_full, qd_empty, params, b, hk, group,
                               n_block, first_tile, tiles_per_head, steps, q_row0, k_row0, mem_b, lane)
-            elif warp == 1:  # (with DQ_BULK, dQ's rows from the staged tile into dq_accum too)
+            elif warp == 1:  # (with STAGED_DQ, dQ from the staged tile into dq_accum too)
                 stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
                             tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full, 0,
                             dq_accum, dq_stage, dq_full, dq_empty)
@@ -1228,7 +1132,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             rows_off = uint32(KEYS * consumer * ROW_BYTES)  # the consumer's rows in a K or V chunk
             desc_k = smem_descriptor(k_tile + rows_off, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
             desc_v = smem_descriptor(v_tile + rows_off, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
-            ds_pair = ds_tiles + uint32(DS_BUFFERS * consumer * DS_BYTES)  # the consumer's dS^T tiles (two, or one)
+            ds_pair = ds_tiles + uint32(2 * consumer * DS_BYTES)  # the consumer's two dS^T tiles
 
             s = cuda.local.array(S_REGS, float32)
             dp = cuda.local.array(S_REGS, float32)
@@ -1290,10 +1194,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 pack_a(dp, ds)
                 # dS^T into the tile of this step's parity: the other may still be read by the last
                 # step's dQ in another warp; every warp is past that once the barrier below is passed
-                ds_tile = ds_pair + uint32((i % DS_BUFFERS) * DS_BYTES)
-                if DS_BUFFERS == 1:  # made opaque each step (its offset: the simulator's addresses are
-                    # 64-bit): else LLVM makes its descriptors once before the loop, and ptxas spills them
-                    ds_tile = smem_start + fence_operands((uint32(ds_tile - smem_start), uint32(0)))[0]
+                ds_tile = ds_pair + uint32((i % 2) * DS_BYTES)
                 if DQ_ALL_KEYS:  # a parity's tiles hold dS^T of all block_n keys, rows in order
                     ds_tile = ds_tiles + uint32(((i % 2) * CONSUMERS + consumer) * DS_TILE)
                 if not NO_DQ:
@@ -1319,7 +1220,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 if DQ_FIRST:  # dQ_i's reductions while the tensor cores run dV's and dK's products
                     wgmma_wait(2)  # dQ_i has landed (commit groups complete in order)
                     registers_to(dq_acc, fence_operands(acc_q))
-                    if DQ_BULK:  # into shared memory, for the producer's stats warp
+                    if STAGED_DQ:  # into shared memory, for the producer's stats warp
                         stage_dq(dq_stage, dq_acc, dq_full, dq_empty, i, 16 * warp + g, DQ_COLS * consumer, q4)
                     else:
                         add_dq_columns(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h,
@@ -1356,14 +1257,6 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     if DQ_BY_COLUMNS:
                         add_dq_columns(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h,
                                        q_row0 + seqlen_q, q4, consumer)
-                    elif DQ_BULK:  # "keys": the chunk into the consumer's own staged tile, for the stats warp
-                        if chunk == 0 and i > 0:  # the stats warp has had the tile's last step read
-                            mbarrier_wait(dq_empty + uint32(8 * consumer), (i - 1) & 1)
-                        store_dq_rows(dq_stage + uint32(consumer * DQ_TILE_BYTES), dq_acc, 16 * warp + g,
-                                      chunk * CHUNK, q4)
-                        if chunk == DQ_CHUNKS - 1:
-                            fence_proxy_async()  # the stores are ordered before the bulk reduce-adds read them
-                            mbarrier_arrive(dq_full + uint32(8 * consumer))
                     else:
                         add_dq(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h, chunk * CHUNK,
                                q_row0 + seqlen_q, q4)
