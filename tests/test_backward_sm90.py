@@ -576,7 +576,9 @@ def run_sm90_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen_k, nheads, nh
     causal, arguments = split(variant_arguments(name, batch, nheads, seqlen_k, xp, seqlen_q))
     q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
     problem = validation.check_forward(q, k, v, None, causal, **arguments)[0]
-    kernel = Sm90WideBackwardConfig if headdim > 128 else Sm90BackwardConfig
+    # a Hopper dK/dV kernel serves the call: the rows split for plain and windowed attention at
+    # headdims up to 64 on a GPU (configs.SM90_BACKWARD_ROWS_MAX_HEADDIM), the wide one past 128
+    kernel = Sm90WideBackwardConfig if headdim > 128 else (Sm90BackwardConfig, Sm90RowsBackwardConfig)
     assert isinstance(configs.plan_backward(problem.static, False, "sm90")[1], kernel)
     out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **forward_arguments(arguments))
     dout = random_like(rng, xp, q)
