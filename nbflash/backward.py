@@ -15,7 +15,7 @@ from .block_mask import kernel_params
 from .configs import forced_family, plan_backward
 from .dtypes import FLOAT32
 from .interface import user_functions_compile
-from .kernels.backward_sm90 import dq_accum_shape, untile_dq
+from .kernels.backward_sm90 import dq_accum_shape
 
 LOG2_E = math.log2(math.e)
 
@@ -89,8 +89,8 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     dv = launch.empty(v.shape, v.dtype)
     delta = launch.empty((problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
     # dq_accum is only used with atomics; delta stands in for it otherwise (one signature per config).
-    # Held tile-major (the sm90 kernel's dq_reduce="tiles"), it is zeroed here, and the preprocess
-    # (planned without atomic_dq) leaves it alone.
+    # Held tile-major (the sm90 kernel's dq_reduce="tiles"), it is zeroed here, the preprocess
+    # (planned without atomic_dq) leaves it alone and the planned conversion reads that order.
     tiles = not deterministic and getattr(dkdv.config, "dq_tile_major", False)
     if tiles:
         dq_accum = launch.zeros(dq_accum_shape(dkdv.config, p.batch, p.nheads, p.seqlen_q), FLOAT32)
@@ -109,8 +109,7 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
         dq_kernel.launch(dq_kernel.config.grid(*shape), (q, k, v, dout, lse, delta, dq), (scale_log2, scale),
                          kernel_params(p, dq_kernel.config))
     else:
-        rows = untile_dq(dkdv.config, dq_accum, p.seqlen_q) if tiles else dq_accum
-        dq_kernel.launch(dq_kernel.config.grid(*shape), (rows, dq), (scale,))
+        dq_kernel.launch(dq_kernel.config.grid(*shape), (dq_accum, dq), (scale,))
     return dq, dk, dv
 
 

@@ -40,7 +40,7 @@ from . import runtime
 from .problem import Variant
 from .kernels.backward_mma import MmaBackwardConfig
 from .kernels.backward_sm90 import MAX_HEADDIM as SM90_BACKWARD_MAX_HEADDIM
-from .kernels.backward_sm90 import Sm90BackwardConfig
+from .kernels.backward_sm90 import Sm90BackwardConfig, Sm90ConvertDqConfig
 from .kernels.backward_sm90_rows import Sm90RowsBackwardConfig
 from .kernels.backward_sm90_wide import MAX_HEADDIM as SM90_WIDE_BACKWARD_MAX_HEADDIM
 from .kernels.backward_sm90_wide import Sm90WideBackwardConfig
@@ -571,6 +571,7 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
         dkdv = sm90_backward_config(dtype, headdim, static.variant)  # score_mod_grad too
         if getattr(dkdv, "dq_tile_major", False):  # dq_accum tile-major: the caller zeroes it
             preprocess = dataclasses.replace(preprocess, atomic_dq=False)
+            convert = Sm90ConvertDqConfig(dtype, headdim)
         return preprocess, dkdv, convert
     if sm90_dq:  # both Hopper kernels, neither with atomics: dK, dV, then dQ, each in a fixed order
         dkdv = dataclasses.replace(sm90_backward_table_config(dtype, headdim, static.variant), dq_split="none",

@@ -172,6 +172,7 @@ KINDS = {
     "Sm90BackwardConfig": ("Hopper backward", 5, 20),  # 6.6-11.2 s on the H200's host, under load
     "Sm90RowsBackwardConfig": ("Hopper rows-split backward", 5, 20),  # 13.4-17.4 s on the H200's host, 4 at once
     "Sm90DqConfig": ("Hopper backward", 5, 20),  # as the dK/dV kernel (not yet timed)
+    "Sm90ConvertDqConfig": ("Hopper backward", 1, 5),  # a row-wise kernel's size (not yet timed)
     "Sm90WideBackwardConfig": ("Hopper wide backward", 5, 30),  # not yet timed
     "MmaDecodeConfig": ("tensor-core decode", 10, 40),
     "PortableForwardConfig": ("portable forward", 1, 5),

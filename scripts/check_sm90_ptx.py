@@ -68,6 +68,8 @@ EXPECTED = {
     # warp by one bulk reduce-add a step (dq_reduce="tiles"): no red.add
     "backward_sm90_dq_tiles": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "st.shared.v4.f32",
                                "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "cp.async.bulk.tensor.4d"],
+    # the dq conversion from a tile-major dq_accum: 16-byte loads of consecutive threads
+    "backward_sm90_convert_dq_tiles": ["ld.global.nc.v4.u32"],
     # the deterministic backward's dK/dV pass (dq_split="none"): no dQ, so no reductions
     "backward_sm90_deterministic": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "cp.async.bulk.tensor.4d"],
 }
@@ -162,6 +164,10 @@ def backward_kernels():
                           ("causal_dropout", Variant(window=True, dropout=True)), ("block_mask", Variant(block_mask=True))):
         found.append((f"backward_sm90_dq_tiles_{name}_hd128", dataclasses.replace(
             configs.sm90_backward_table_config("float16", 128, variant), dq_reduce="tiles")))
+    from nbflash.kernels.backward_sm90 import Sm90ConvertDqConfig
+
+    for dtype, headdim in (("float16", 128), ("bfloat16", 96)):  # ... and its dq conversion
+        found.append((f"backward_sm90_convert_dq_tiles_{dtype}_hd{headdim}", Sm90ConvertDqConfig(dtype, headdim)))
     found.append(("backward_sm90_keys_plain_hd128", dataclasses.replace(  # by keys with red.add (step 1's)
         configs.sm90_backward_table_config("float16", 128, Variant()), dq_split="keys", dq_first=False)))
     # the deterministic backward's dK/dV pass (no dQ: dq_split="none"), plain at each planned headdim

@@ -21,7 +21,7 @@ from nbflash.backward import flash_attn_backward
 from nbflash.catalogue import forward_arguments, variant_arguments
 from nbflash.kernels.backward_mma import MmaBackwardConfig
 from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
-from nbflash.kernels.backward_sm90 import Sm90BackwardConfig, dq_accum_shape, untile_dq
+from nbflash.kernels.backward_sm90 import Sm90BackwardConfig, Sm90ConvertDqConfig, dq_accum_shape, untile_dq
 from nbflash.kernels.backward_sm90_rows import Sm90RowsBackwardConfig
 from nbflash.kernels.backward_sm90_wide import Sm90WideBackwardConfig
 from nbflash.problem import Static, Variant
@@ -290,11 +290,12 @@ def test_dq_tiles_configs():
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 def test_backward_sm90_dq_tiles_small(rng, xp, dq_tiles):
-    """dQ_i by one bulk reduce-add a step into a tile-major dq_accum: headdim 96 by columns (consumer
-    1's last 32 columns past headdim), causal over two key tiles, 70 query rows (the second query
-    tile mostly past seqlen_q), GQA 2:1 (the writer's query heads)."""
-    dkdv = configs.plan_backward(Static("float16", 96, True, 0, CAUSAL), False, "sm90")[1]
-    assert dkdv.dq_reduce == "tiles"
+    """dQ_i by one bulk reduce-add a step into a tile-major dq_accum, which the tile-major conversion
+    reads: headdim 96 by columns (consumer 1's last 32 columns past headdim), causal over two key
+    tiles, 70 query rows (the second query tile mostly past seqlen_q), GQA 2:1 (the writer's query
+    heads)."""
+    preprocess, dkdv, convert = configs.plan_backward(Static("float16", 96, True, 0, CAUSAL), False, "sm90")
+    assert dkdv.dq_reduce == "tiles" and isinstance(convert, Sm90ConvertDqConfig) and not preprocess.atomic_dq
     run_sm90(rng, xp, 1, 70, 100, 2, 1, 96, "float16", True)
 
 

@@ -49,7 +49,8 @@ also issues dQ_i's product first (``dq_first``): the consumer adds it to dq_accu
 dK's products run, instead of after all three (10-16% faster at headdim 128). With
 ``dq_reduce="tiles"`` (an option, FlashAttention-3's form) the consumers store dQ_i into a shared
 tile in wgmma's fragment order instead, and the producer's stats warp adds it into a tile-major
-dq_accum by one bulk reduce-add a step (``make_stage_dq``, ``make_add_staged_dq``, ``untile_dq``).
+dq_accum by one bulk reduce-add a step (``make_stage_dq``, ``make_add_staged_dq``), which the
+conversion reads in that order (``Sm90ConvertDqConfig``).
 
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G
 (G ceil(seqlen_k / block_n), ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch,
@@ -123,6 +124,7 @@ from nbflash.primitives import (
     f32_as_u32,
     global_address,
     inline_device,
+    load_u32x4_nc,
     pack_bf16x2,
     pack_f16x2,
     red_add_f32x2,
@@ -283,11 +285,12 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # wgmma's fragment order into a shared tile (16-byte stores of consecutive threads) and arrives
     # on dq_full, and the producer's stats warp adds the whole tile by one bulk reduce-add (the copy
     # engine's: no consumer issues or waits for a reduction), then frees it (dq_empty). dq_accum
-    # holds each query tile in that order (``dq_accum_shape``; ``untile_dq`` restores the rows before
-    # the conversion). Step 28's stall counters put about a fifth of the consumers' samples on the
-    # reductions; docs/perf-notes.md step 32. (Steps 30 and 31 staged rows, one bulk reduce-add a
-    # row: 13-47% slower, taken out; step 6, TMA tensor reduce-adds issued and waited for by a
-    # consumer thread: within noise, taken out; their code is in history, perf-notes says where.)
+    # holds each query tile in that order (``dq_accum_shape``), which the conversion reads
+    # (``Sm90ConvertDqConfig``). Step 28's stall counters put about a fifth of the consumers'
+    # samples on the reductions; docs/perf-notes.md steps 32 and 33. (Steps 30 and 31 staged rows,
+    # one bulk reduce-add a row: 13-47% slower, taken out; step 6, TMA tensor reduce-adds issued
+    # and waited for by a consumer thread: within noise, taken out; their code is in history,
+    # perf-notes says where.)
     dq_reduce: str = "red"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
@@ -401,11 +404,13 @@ def dq_accum_shape(config, batch, nheads, seqlen_q):
 
 
 def untile_dq(config, accum, seqlen_q):
-    """dq_accum held tile-major (``dq_accum_shape``) as the row-major (batch, seqlen_q, nheads,
-    headdim) float32 array the dq conversion reads. In a tile, element (row, column) of the product
-    of consumer c (columns c C .. c C + C - 1, C = the consumers' columns) is float c 64 C + 512 v +
-    4 t + 2 rh + e, where row = 16 w + 8 rh + g, column = c C + 8 v + 2 q4 + e, thread t = 32 w + 4 g
-    + q4 (wgmma's accumulator layout): a reshape and a transpose."""
+    """dq_accum held tile-major (``dq_accum_shape``) as a row-major (batch, seqlen_q, nheads,
+    headdim) float32 array: the tile-major order stated on the host, for tests and for reading a
+    dq_accum (the backward's conversion kernel, ``Sm90ConvertDqConfig``, reads the order itself).
+    In a tile, element (row, column) of the product of consumer c (columns c C .. c C + C - 1, C =
+    the consumers' columns) is float c 64 C + 512 v + 4 t + 2 rh + e, where row = 16 w + 8 rh + g,
+    column = c C + 8 v + 2 q4 + e, thread t = 32 w + 4 g + q4 (wgmma's accumulator layout): a
+    reshape and a transpose."""
     assert config.block_m == 64 and config.dq_split == "columns"
     batch, nheads, rows, hdp = accum.shape
     c = hdp // 2  # each consumer's columns
@@ -1269,3 +1274,68 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             store_rows(dv, dv_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, float32(1), q4)
 
     return backward_dkdv_sm90
+
+
+# -------------------------------------------------------------------------------------------------
+# The dq conversion from a tile-major dq_accum (dq_reduce="tiles")
+# -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sm90ConvertDqConfig:
+    """dq = dq_accum * scale, in the input dtype, from dq_accum held tile-major (``dq_accum_shape``,
+    the dK/dV kernel's ``dq_reduce="tiles"``): one block of 128 threads a 64-row query tile, thread t
+    reading the registers that thread t of each consumer staged (16-byte loads of consecutive
+    threads), then writing them as the dK/dV kernel writes dK (``make_store_rows``). One pass over
+    dq_accum, as the row-major conversion's; ``untile_dq`` is the same order undone on the host."""
+
+    dtype: str  # 'float16' or 'bfloat16'
+    headdim: int
+    kernel = "convert_dq"  # the backward's plan reads it (one kernel of the three)
+    block_m = 64
+    threads = GROUP
+    atomic_dq = True
+    dynamic_shared_bytes = 0
+    launch_bounds = (GROUP, 1)
+
+    def __post_init__(self):
+        if self.dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
+        if self.headdim % 8 or not 8 <= self.headdim <= MAX_HEADDIM:
+            raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..{MAX_HEADDIM}")
+
+    @property
+    def headdim_padded(self):
+        return -(-self.headdim // CHUNK) * CHUNK
+
+    def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
+        return (-(-seqlen_q // self.block_m), nheads, batch)
+
+
+@lru_cache(maxsize=None)
+def build_convert_dq_tiles(config: Sm90ConvertDqConfig):
+    BM, HDP = config.block_m, config.headdim_padded
+    COLUMNS = HDP // 2  # each consumer's columns (dq_split="columns")
+    VECTORS = COLUMNS // 8  # a staging thread's 16-byte stores per consumer
+    PART = 4 * BM * COLUMNS  # bytes of one consumer's part of a tile
+    ACC_REGS = HDP // 2  # a thread's registers over all HDP columns
+    store_rows = make_store_rows(config.dtype, config.headdim, HDP)
+
+    @launch_bounded(GROUP, 1)
+    @unroll
+    def backward_convert_dq_tiles(dq_accum, dq, scale):
+        t = cuda.threadIdx.x
+        warp, lane = t // 32, t % 32
+        q_start = cuda.blockIdx.x * BM
+        h, b = cuda.blockIdx.y, cuda.blockIdx.z
+        tile = global_address(dq_accum, b, h, q_start, 0)
+        # acc in the accumulator's layout over all HDP columns: part p's register r is acc[p COLUMNS / 2 + r]
+        acc = cuda.local.array(ACC_REGS, float32)
+        for p in static_range(2):
+            for v in static_range(VECTORS):
+                words = load_u32x4_nc(tile + p * PART + 16 * (GROUP * v + t))
+                for e in static_range(4):
+                    acc[p * (COLUMNS // 2) + 4 * v + e] = u32_as_f32(words[e])
+        store_rows(dq, acc, b, q_start + 16 * warp + lane // 4, h, dq.shape[1], scale, lane % 4)
+
+    return backward_convert_dq_tiles

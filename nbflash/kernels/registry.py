@@ -19,7 +19,7 @@ from . import variants
 from .backward_mma import MmaBackwardConfig, build_backward_mma
 from .backward_portable import PortableBackwardConfig, build_backward_portable
 from .backward_dq_sm90 import Sm90DqConfig, build_backward_dq_sm90
-from .backward_sm90 import Sm90BackwardConfig, build_backward_sm90
+from .backward_sm90 import Sm90BackwardConfig, Sm90ConvertDqConfig, build_backward_sm90, build_convert_dq_tiles
 from .backward_sm90_rows import Sm90RowsBackwardConfig, build_backward_sm90_rows
 from .backward_sm90_wide import Sm90WideBackwardConfig, build_backward_sm90_wide
 from .backward_sm90 import tensor_maps as backward_tensor_maps
@@ -85,6 +85,11 @@ def _backward_sm90(config):
             f"{accum}, uint64[:,::1], float32, float32, {_params(config)})")
 
 
+def _convert_dq_sm90(config):
+    """The tile-major dq conversion's arguments: dq_accum (``dq_accum_shape``), dq, the softmax scale."""
+    return f"void(float32[:,:,:,::1], {KERNEL_DTYPE[config.dtype].name}[:,:,:,::1], float32)"
+
+
 def _backward_dq_sm90(config):
     """The deterministic dQ kernel's arguments (as the mma family's), then the tensor maps of q, k,
     v, dout (``HOST_ARGUMENTS``)."""
@@ -127,6 +132,7 @@ KERNELS = {
     Sm90RowsBackwardConfig: (build_backward_sm90_rows, _backward_sm90),  # the same arguments
     Sm90WideBackwardConfig: (build_backward_sm90_wide, _backward_sm90),  # the same arguments
     Sm90DqConfig: (build_backward_dq_sm90, _backward_dq_sm90),
+    Sm90ConvertDqConfig: (build_convert_dq_tiles, _convert_dq_sm90),
     MmaDecodeConfig: (build_decode_mma, _decode),
     AppendConfig: (build_append, _append),
     CombineConfig: (build_combine, _combine),
