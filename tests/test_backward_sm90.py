@@ -244,7 +244,7 @@ def dq_tiles(monkeypatch):
 
 
 def test_untile_dq_inverts_the_fragment_order():
-    """untile_dq reads each element where make_store_dq_fragments puts it: thread t (32 w + lane) of
+    """untile_dq reads each element where make_stage_dq puts it: thread t (32 w + lane) of
     consumer c, register 4 v + e4, at float c 64 C + 512 v + 4 t + e4 of its query tile, for rows
     16 w + lane // 4 (+ 8 for e4 >= 2) and columns c C + 8 v + 2 (lane % 4) + e4 % 2 (wgmma's
     accumulator layout); two query tiles, the second cut by seqlen_q, headdim 96 of 128 columns."""

@@ -397,7 +397,7 @@ def tensor_maps(config, q, k, v, dout):
 def dq_accum_shape(config, batch, nheads, seqlen_q):
     """With ``dq_tile_major``: dq_accum's shape, (batch, nheads, query tiles x block_m, headdim_padded)
     float32, zeroed by the caller. Each query tile's block_m x headdim_padded floats are contiguous,
-    in the order the consumers stage them (make_store_dq_fragments), so the stats warp adds a step's
+    in the order the consumers stage them (make_stage_dq), so the stats warp adds a step's
     dQ_i by one bulk reduce-add; rows past seqlen_q and columns past headdim are in it too (their
     dQ is 0)."""
     return (batch, nheads, -(-seqlen_q // config.block_m) * config.block_m, config.headdim_padded)
