@@ -42,9 +42,11 @@
 #                                the producer's keep bits against the consumers' with dQ first,
 #                                about 8 minutes
 #   scripts/gpu_check.sh tiles   dQ_i by one bulk reduce-add a step into a tile-major dq_accum
-#                                (dq_reduce="tiles", an option, FlashAttention-3's form; not yet run on a
-#                                GPU): its GPU grids and the primitive's test, then hd 128 timed against
-#                                the planned kernel and SDPA, about 5 minutes
+#                                (dq_reduce="tiles", an option, FlashAttention-3's form; run on an H100
+#                                on 2026-12-05 with an untiling pass, since replaced by its own
+#                                conversion kernel, not yet run): its GPU grids and the primitive's
+#                                test, then hd 128 timed against the planned kernel and SDPA, about 2-5
+#                                minutes
 #   scripts/gpu_check.sh issue13 issue 13's table (its item 3) in one run per pass: the planned sm90
 #                                backward, then forward+backward (a training step's attention), hd 64
 #                                and 128, 4k and 16k, plain and causal, fp16, next to SDPA flash,
