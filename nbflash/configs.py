@@ -571,7 +571,7 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
         dkdv = sm90_backward_config(dtype, headdim, static.variant)  # score_mod_grad too
         if getattr(dkdv, "dq_tile_major", False):  # dq_accum tile-major: the caller zeroes it
             preprocess = dataclasses.replace(preprocess, atomic_dq=False)
-            convert = Sm90ConvertDqConfig(dtype, headdim)
+            convert = Sm90ConvertDqConfig(dtype, headdim, dkdv.dq_part_columns)
         return preprocess, dkdv, convert
     if sm90_dq:  # both Hopper kernels, neither with atomics: dK, dV, then dQ, each in a fixed order
         dkdv = dataclasses.replace(sm90_backward_table_config(dtype, headdim, static.variant), dq_split="none",

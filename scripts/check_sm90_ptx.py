@@ -68,6 +68,8 @@ EXPECTED = {
     # warp by one bulk reduce-add a step (dq_reduce="tiles"): no red.add
     "backward_sm90_dq_tiles": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "st.shared.v4.f32",
                                "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "cp.async.bulk.tensor.4d"],
+    "backward_sm90_rows_dq_tiles": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "st.shared.v4.f32",
+                                    "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"],
     # the dq conversion from a tile-major dq_accum: 16-byte loads of consecutive threads
     "backward_sm90_convert_dq_tiles": ["ld.global.nc.v4.u32"],
     # the deterministic backward's dK/dV pass (dq_split="none"): no dQ, so no reductions
@@ -126,6 +128,9 @@ def backward_kernels():
         for variant in (Variant(), Variant(window=True)):
             found.append((f"backward_sm90_rows_stmatrix_{'causal' if variant.window else 'plain'}_{dtype}_hd64",
                           Sm90RowsBackwardConfig(dtype, 64, variant, stmatrix=True)))
+    for variant in (Variant(), Variant(window=True)):  # dQ staged, one bulk reduce-add a step (an option)
+        found.append((f"backward_sm90_rows_dq_tiles_{'causal' if variant.window else 'plain'}_float16_hd64",
+                      Sm90RowsBackwardConfig("float16", 64, variant, dq_reduce="tiles")))
     for variant in (Variant(), Variant(window=True)):  # a persistent grid, K and V double-buffered
         found.append((f"backward_sm90_rows_persistent_{'causal' if variant.window else 'plain'}_float16_hd64",
                       Sm90RowsBackwardConfig("float16", 64, variant, persistent=132)))
@@ -166,8 +171,9 @@ def backward_kernels():
             configs.sm90_backward_table_config("float16", 128, variant), dq_reduce="tiles")))
     from nbflash.kernels.backward_sm90 import Sm90ConvertDqConfig
 
-    for dtype, headdim in (("float16", 128), ("bfloat16", 96)):  # ... and its dq conversion
-        found.append((f"backward_sm90_convert_dq_tiles_{dtype}_hd{headdim}", Sm90ConvertDqConfig(dtype, headdim)))
+    for dtype, headdim, columns in (("float16", 128, 64), ("bfloat16", 96, 64), ("float16", 64, 64)):  # ... its dq
+        found.append((f"backward_sm90_convert_dq_tiles_{dtype}_hd{headdim}",  # conversion (hd 64: the rows split's)
+                      Sm90ConvertDqConfig(dtype, headdim, columns)))
     found.append(("backward_sm90_keys_plain_hd128", dataclasses.replace(  # by keys with red.add (step 1's)
         configs.sm90_backward_table_config("float16", 128, Variant()), dq_split="keys", dq_first=False)))
     # the deterministic backward's dK/dV pass (no dQ: dq_split="none"), plain at each planned headdim

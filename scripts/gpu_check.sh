@@ -45,8 +45,9 @@
 #                                (dq_reduce="tiles", an option, FlashAttention-3's form; run on an H100
 #                                on 2026-12-05 with an untiling pass, since replaced by its own
 #                                conversion kernel, not yet run): its GPU grids and the primitive's
-#                                test, then hd 128 timed against the planned kernel and SDPA, about 2-5
-#                                minutes
+#                                test (both kernels that take it: hd 72-128 by columns, the rows split at
+#                                hd 64), then hd 64 and 128 timed against the planned kernels and SDPA,
+#                                about 3-6 minutes
 #   scripts/gpu_check.sh issue13 issue 13's table (its item 3) in one run per pass: the planned sm90
 #                                backward, then forward+backward (a training step's attention), hd 64
 #                                and 128, 4k and 16k, plain and causal, fp16, next to SDPA flash,
@@ -229,16 +230,17 @@ dqfirst)
     tail -6 "$out/dqfirst_dropout128.log"
     ;;
 tiles)
-    # docs/perf-notes.md, "Hopper backward", step 32
+    # docs/perf-notes.md, "Hopper backward", steps 32-34
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 200 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
-        -W ignore tests/test_primitives_sm90.py tests/test_backward_sm90.py -k "dq_tiles or bulk_reduce" \
+        -W ignore tests/test_primitives_sm90.py tests/test_backward_sm90.py \
+        -k "dq_tiles or bulk_reduce or untile or (rows_gpu and tiles)" \
         > "$out/tiles_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/tiles_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/tiles_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 200 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-tiles --anchors \
-        > "$out/tiles128.log" 2>&1
-    echo "hd 128, dQ by one bulk reduce-add a step (tile-major) against the planned kernel (exit $?):"
-    tail -14 "$out/tiles128.log"
+    timeout 300 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-tiles rows-tiles \
+        --anchors > "$out/tiles.log" 2>&1
+    echo "dQ by one bulk reduce-add a step (tile-major) against the planned kernel, hd 64 and 128 (exit $?):"
+    tail -22 "$out/tiles.log"
     ;;
 issue13)
     # the issue's item 3: bench.py's two passes side by side with the anchors (Flex through --variants)

@@ -40,6 +40,7 @@ Backward, each column a schedule:
   tile in wgmma's fragment order and added to a tile-major dq_accum by the producer's stats warp,
   one bulk reduce-add a step (dq_reduce="tiles", step 32; steps 30 and 31's bulk reduce-adds a row,
   "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left with commit 5b92983).
+  "rows-tiles" (headdim 64): the rows split with the same (step 34).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
 schedule's ratio to SDPA flash after the table. With --isolate S, each (shape, schedule) runs in a
@@ -204,6 +205,9 @@ def backward_schedules(headdim, causal):
         found["rows"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, heavy_groups=table.heavy_groups)
         found["rows-3st"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, stages=3,
                                                    heavy_groups=table.heavy_groups)
+        # dQ staged in fragment order, one bulk reduce-add a step by the stats warp (dq_reduce="tiles")
+        found["rows-tiles"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, dq_reduce="tiles",
+                                                     heavy_groups=table.heavy_groups)
         # P and dS stored by stmatrix (16 instructions a step instead of 64)
         found["rows-stmatrix"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, stmatrix=True,
                                                         heavy_groups=table.heavy_groups)

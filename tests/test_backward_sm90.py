@@ -243,35 +243,41 @@ def dq_tiles(monkeypatch):
         yield
 
 
-def test_untile_dq_inverts_the_fragment_order():
-    """untile_dq reads each element where make_stage_dq puts it: thread t (32 w + lane) of
-    consumer c, register 4 v + e4, at float c 64 C + 512 v + 4 t + e4 of its query tile, for rows
-    16 w + lane // 4 (+ 8 for e4 >= 2) and columns c C + 8 v + 2 (lane % 4) + e4 % 2 (wgmma's
-    accumulator layout); two query tiles, the second cut by seqlen_q, headdim 96 of 128 columns."""
-    config = Sm90BackwardConfig(dtype="float16", headdim=96, dq_split="columns", dq_first=True, dq_reduce="tiles")
-    batch, nheads, seqlen_q = 2, 3, 70
+@pytest.mark.parametrize("kernel", ["columns", "rows"])
+def test_untile_dq_inverts_the_fragment_order(kernel):
+    """untile_dq reads each element where make_stage_dq puts it: in every 64-row unit, thread t
+    (32 w + lane) of the consumer staging part c, register 4 v + e4, at float c 64 C + 512 v + 4 t
+    + e4, for rows 16 w + lane // 4 (+ 8 for e4 >= 2) and columns c C + 8 v + 2 (lane % 4) + e4 % 2
+    (wgmma's accumulator layout). By columns (backward_sm90.py): headdim 96 of 128 columns, two
+    parts of 64 a unit, a unit a query tile; the rows split: headdim 40 of 64, one part a unit, two
+    units a query tile of 128. seqlen_q 70 cuts the last tile."""
+    if kernel == "columns":
+        config = Sm90BackwardConfig(dtype="float16", headdim=96, dq_split="columns", dq_first=True,
+                                    dq_reduce="tiles")
+    else:
+        config = Sm90RowsBackwardConfig("float16", 40, dq_reduce="tiles")
+    batch, nheads, seqlen_q, hdp, columns = 2, 3, 70, config.headdim_padded, config.dq_part_columns
     shape = dq_accum_shape(config, batch, nheads, seqlen_q)
-    assert shape == (2, 3, 128, 128)
-    rows = np.random.default_rng(0).standard_normal((batch, 128, nheads, 128)).astype(np.float32)
-    tiles = np.full(shape, np.nan, np.float32).reshape(batch, nheads, 2, -1)
-    columns = 64
-    for c in range(2):
+    assert shape == (2, 3, 128, hdp)
+    rows = np.random.default_rng(0).standard_normal((batch, 128, nheads, hdp)).astype(np.float32)
+    units = np.full(shape, np.nan, np.float32).reshape(batch, nheads, 2, -1)
+    for c in range(hdp // columns):
         for t in range(128):
             w, lane = divmod(t, 32)
             for reg in range(columns // 2):
                 v, e4 = divmod(reg, 4)
                 row = 16 * w + lane // 4 + 8 * (e4 // 2)
                 col = c * columns + 8 * v + 2 * (lane % 4) + e4 % 2
-                tiles[:, :, :, c * 64 * columns + 512 * v + 4 * t + e4] = \
+                units[:, :, :, c * 64 * columns + 512 * v + 4 * t + e4] = \
                     rows[:, row::64, :, col].transpose(0, 2, 1)
-    got = untile_dq(config, tiles.reshape(shape), seqlen_q)
-    assert got.flags.c_contiguous and got.shape == (batch, seqlen_q, nheads, 96)
-    np.testing.assert_array_equal(got, rows[:, :seqlen_q, :, :96])
+    got = untile_dq(config, units.reshape(shape), seqlen_q)
+    assert got.flags.c_contiguous and got.shape == (batch, seqlen_q, nheads, config.headdim)
+    np.testing.assert_array_equal(got, rows[:, :seqlen_q, :, :config.headdim])
 
 
 def test_dq_tiles_configs():
     """dq_reduce="tiles" takes dQ's product first and dense batches; its staged tile is block_m x
-    headdim_padded float32, unpadded; the planned preprocess then leaves dq_accum alone."""
+    headdim_padded float32, unpadded (both kernels that take it)."""
     with pytest.raises(ValueError, match="dq_first"):
         Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="columns", dq_reduce="tiles")
     with pytest.raises(ValueError, match="packed sequences"):
@@ -279,12 +285,18 @@ def test_dq_tiles_configs():
                            dq_first=True, dq_reduce="tiles")
     with pytest.raises(ValueError, match="dq_reduce"):
         Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="columns", dq_first=True, dq_reduce="bulk")
-    with pytest.raises(TypeError, match="dq_reduce"):  # the rows split has no such field
-        Sm90RowsBackwardConfig("float16", 64, dq_reduce="tiles")
+    # the rows split: a 128-row staged tile of 64 columns (the consumers' 64 rows each), not with a
+    # persistent grid or 3 stages (no room)
+    rows = Sm90RowsBackwardConfig("float16", 64, dq_reduce="tiles")
+    assert (rows.dq_stage_bytes, rows.dq_part_columns) == (128 * 64 * 4, 64)
+    assert rows.dynamic_shared_bytes == Sm90RowsBackwardConfig("float16", 64).dynamic_shared_bytes + 128 * 64 * 4 + 16
+    for kwargs in (dict(persistent=132), dict(stages=3), dict(dq_reduce="bulk")):
+        with pytest.raises(ValueError):
+            Sm90RowsBackwardConfig("float16", 64, **{"dq_reduce": "tiles", **kwargs})
     red = Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="columns", dq_first=True)
     tiles = dataclasses.replace(red, dq_reduce="tiles")
     assert tiles.dq_tile_major and not red.dq_tile_major and red.dq_stage_bytes == 0
-    assert tiles.dq_stage_bytes == 64 * 128 * 4
+    assert (tiles.dq_stage_bytes, tiles.dq_part_columns) == (64 * 128 * 4, 64)
     assert tiles.dynamic_shared_bytes == red.dynamic_shared_bytes + 64 * 128 * 4 + 16
 
 
@@ -453,7 +465,24 @@ def test_backward_sm90_rows_persistent_small(rng, xp, monkeypatch):
         backward._kernels.cache_clear()
 
 
-ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"persistent": 132}}
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_backward_sm90_rows_tiles_small(rng, xp, monkeypatch):
+    """The rows split with dQ staged in fragment order and added by the producer's stats warp into a
+    tile-major dq_accum, one bulk reduce-add a step (dq_reduce="tiles"), converted by the tile-major
+    conversion: causal, two query tiles of 128 (the second's rows mostly past seqlen_q), seqlen_q >
+    seqlen_k, one key tile with a tail, headdim 40 (24 of the 64 columns past headdim), GQA 2:1."""
+    plan_rows(monkeypatch, dq_reduce="tiles")
+    try:
+        preprocess, dkdv, convert = configs.plan_backward(Static("float16", 40, False, 0, CAUSAL), False, "sm90",
+                                                          True)
+        assert dkdv.dq_tile_major and not preprocess.atomic_dq and convert == Sm90ConvertDqConfig("float16", 40, 64)
+        run_rows(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True)
+    finally:
+        backward._kernels.cache_clear()
+
+
+ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"persistent": 132},
+              "tiles": {"dq_reduce": "tiles"}}
 
 
 @pytest.mark.gpu
@@ -463,10 +492,11 @@ ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, stages, form):
-    """The rows split (P and dS by 32-bit stores, by stmatrix, and a persistent grid of 132 blocks)
-    on the GPU, the planner's launch order (the persistent grid's items in it)."""
-    if form == "persistent" and stages > 2:
-        pytest.skip("a persistent grid's second K/V leaves shared memory for 2 stages")
+    """The rows split (P and dS by 32-bit stores, by stmatrix, a persistent grid of 132 blocks, and
+    dQ by one bulk reduce-add a step into a tile-major dq_accum) on the GPU, the planner's launch
+    order (the persistent grid's items in it)."""
+    if form in ("persistent", "tiles") and stages > 2:
+        pytest.skip(f"the {form} form's shared memory (a second K/V, the staged dQ) leaves room for 2 stages")
     plan_rows(monkeypatch, stages=stages, **ROWS_FORMS[form])
     try:
         run_rows(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal,

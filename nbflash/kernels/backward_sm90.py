@@ -325,6 +325,12 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         return self.variant.dropout and self.dropout_bits == "producer"
 
     @property
+    def dq_part_columns(self):
+        """With ``dq_tile_major``: the columns of one consumer's dQ product, a part of each 64-row unit
+        of dq_accum (``dq_accum_shape``): half of headdim_padded (dQ split by columns)."""
+        return self.headdim_padded // 2
+
+    @property
     def atomic_dq(self):
         """dQ goes to dq_accum by atomics; with dq_split="none" there is no dQ here (the
         deterministic backward: dq_accum is then a stand-in the kernel never reads)."""
@@ -399,7 +405,10 @@ def dq_accum_shape(config, batch, nheads, seqlen_q):
     float32, zeroed by the caller. Each query tile's block_m x headdim_padded floats are contiguous,
     in the order the consumers stage them (make_stage_dq), so the stats warp adds a step's
     dQ_i by one bulk reduce-add; rows past seqlen_q and columns past headdim are in it too (their
-    dQ is 0)."""
+    dQ is 0). Inside, every 64 rows are a unit of 64 x headdim_padded floats, in parts of
+    ``config.dq_part_columns`` columns (a consumer's product), each in fragment order: this file's
+    kernel stages a unit a step (the consumers' column halves), backward_sm90_rows.py two (each
+    consumer's 64 rows, all 64 columns)."""
     return (batch, nheads, -(-seqlen_q // config.block_m) * config.block_m, config.headdim_padded)
 
 
@@ -407,15 +416,14 @@ def untile_dq(config, accum, seqlen_q):
     """dq_accum held tile-major (``dq_accum_shape``) as a row-major (batch, seqlen_q, nheads,
     headdim) float32 array: the tile-major order stated on the host, for tests and for reading a
     dq_accum (the backward's conversion kernel, ``Sm90ConvertDqConfig``, reads the order itself).
-    In a tile, element (row, column) of the product of consumer c (columns c C .. c C + C - 1, C =
-    the consumers' columns) is float c 64 C + 512 v + 4 t + 2 rh + e, where row = 16 w + 8 rh + g,
+    In a 64-row unit, element (row, column) of part c (columns c C .. c C + C - 1, C =
+    ``config.dq_part_columns``) is float c 64 C + 512 v + 4 t + 2 rh + e, where row = 16 w + 8 rh + g,
     column = c C + 8 v + 2 q4 + e, thread t = 32 w + 4 g + q4 (wgmma's accumulator layout): a
     reshape and a transpose."""
-    assert config.block_m == 64 and config.dq_split == "columns"
     batch, nheads, rows, hdp = accum.shape
-    c = hdp // 2  # each consumer's columns
-    # dims: batch, head, tile, c, v, w, g, q4, rh, e
-    split = accum.reshape(batch, nheads, rows // 64, 2, c // 8, 4, 8, 4, 2, 2)
+    c = config.dq_part_columns  # a part's columns
+    # dims: batch, head, 64-row unit, part, v, w, g, q4, rh, e
+    split = accum.reshape(batch, nheads, rows // 64, hdp // c, c // 8, 4, 8, 4, 2, 2)
     # to batch, tile, w, rh, g (the row), head, c, v, q4, e (the column)
     rows_first = split.transpose(0, 2, 5, 8, 6, 1, 3, 4, 7, 9).reshape(batch, rows, nheads, hdp)
     return rows_first[:, :seqlen_q, :, :config.headdim].copy()  # C-contiguous (NumPy's and CuPy's)
@@ -1284,15 +1292,17 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 @dataclass(frozen=True)
 class Sm90ConvertDqConfig:
     """dq = dq_accum * scale, in the input dtype, from dq_accum held tile-major (``dq_accum_shape``,
-    the dK/dV kernel's ``dq_reduce="tiles"``): one block of 128 threads a 64-row query tile, thread t
-    reading the registers that thread t of each consumer staged (16-byte loads of consecutive
-    threads), then writing them as the dK/dV kernel writes dK (``make_store_rows``). One pass over
-    dq_accum, as the row-major conversion's; ``untile_dq`` is the same order undone on the host."""
+    the dK/dV kernel's ``dq_reduce="tiles"``): one block of 128 threads a 64-row unit, thread t
+    reading the registers that thread t of a consumer staged in each part (16-byte loads of
+    consecutive threads), then writing them as the dK/dV kernel writes dK (``make_store_rows``). One
+    pass over dq_accum, as the row-major conversion's; ``untile_dq`` is the same order undone on the
+    host."""
 
     dtype: str  # 'float16' or 'bfloat16'
     headdim: int
+    part_columns: int  # the dK/dV config's dq_part_columns: a staged product's columns
     kernel = "convert_dq"  # the backward's plan reads it (one kernel of the three)
-    block_m = 64
+    block_m = 64  # rows of a unit (dq_accum_shape)
     threads = GROUP
     atomic_dq = True
     dynamic_shared_bytes = 0
@@ -1303,6 +1313,8 @@ class Sm90ConvertDqConfig:
             raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
         if self.headdim % 8 or not 8 <= self.headdim <= MAX_HEADDIM:
             raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..{MAX_HEADDIM}")
+        if self.part_columns % 8 or self.headdim_padded % self.part_columns:
+            raise ValueError(f"{self.part_columns=} must be a multiple of 8 dividing {self.headdim_padded}")
 
     @property
     def headdim_padded(self):
@@ -1314,10 +1326,10 @@ class Sm90ConvertDqConfig:
 
 @lru_cache(maxsize=None)
 def build_convert_dq_tiles(config: Sm90ConvertDqConfig):
-    BM, HDP = config.block_m, config.headdim_padded
-    COLUMNS = HDP // 2  # each consumer's columns (dq_split="columns")
-    VECTORS = COLUMNS // 8  # a staging thread's 16-byte stores per consumer
-    PART = 4 * BM * COLUMNS  # bytes of one consumer's part of a tile
+    BM, HDP, COLUMNS = config.block_m, config.headdim_padded, config.part_columns
+    PARTS = HDP // COLUMNS  # the staged products of a unit
+    VECTORS = COLUMNS // 8  # a staging thread's 16-byte stores a part
+    PART = 4 * BM * COLUMNS  # bytes of a part
     ACC_REGS = HDP // 2  # a thread's registers over all HDP columns
     store_rows = make_store_rows(config.dtype, config.headdim, HDP)
 
@@ -1331,7 +1343,7 @@ def build_convert_dq_tiles(config: Sm90ConvertDqConfig):
         tile = global_address(dq_accum, b, h, q_start, 0)
         # acc in the accumulator's layout over all HDP columns: part p's register r is acc[p COLUMNS / 2 + r]
         acc = cuda.local.array(ACC_REGS, float32)
-        for p in static_range(2):
+        for p in static_range(PARTS):
             for v in static_range(VECTORS):
                 words = load_u32x4_nc(tile + p * PART + 16 * (GROUP * v + t))
                 for e in static_range(4):

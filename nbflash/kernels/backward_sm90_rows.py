@@ -19,7 +19,9 @@ D = rowsum(dO * O) from the preprocess::
                 P  = exp2(S * scale_log2 - lse_log2[row])  (0 where masked; while dP is in flight)
                 dS = P * (dP - D[row])
                 P, dS -> shared memory (16 bit, all 128 rows x 128 keys between the two consumers)
-                dQ_c  = dS K_j          (wgmma, dS from registers; into dq_accum by red.add)
+                dQ_c  = dS K_j          (wgmma, dS from registers; into dq_accum by red.add, or
+                                          with dq_reduce="tiles" staged in fragment order for the
+                                          stats warp's one bulk reduce-add a step)
                 dV_c += P^T dO_i,  dK_c += dS^T Q_i   (wgmma, P^T and dS^T: key chunk c of the tiles)
                 arrive on the slot's empty barrier
             dK *= scale; write dK_c, dV_c
@@ -108,6 +110,7 @@ from .backward_sm90 import (
     make_add_dq,
     make_init_ring,
     make_pack_a,
+    make_stage_dq,
     make_stage_stats,
     make_store_rows,
 )
@@ -144,6 +147,13 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
     # grid's blocks t, t + blocks, ... in launch order, with K and V double-buffered so that the next
     # tile's load runs under the current tile's steps.
     persistent: int = 0
+    # How dQ_c reaches dq_accum: "red", each consumer thread's red.add.v2 of its registers; "tiles",
+    # each consumer stores its 64 rows in wgmma's fragment order into a shared tile of the step's
+    # 128 rows, which the producer's stats warp adds into a tile-major dq_accum by one bulk
+    # reduce-add a step (backward_sm90.py's ``dq_reduce``; docs/perf-notes.md, "Hopper backward",
+    # step 34: an option, not yet timed). Not with a persistent grid, whose second K and V leave no
+    # room for the tile.
+    dq_reduce: str = "red"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
     consumers = 2
@@ -157,10 +167,19 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
                              "(causal) only; backward_sm90.py serves the other features")
         if self.persistent < 0:
             raise ValueError(f"persistent={self.persistent} must be 0 (off) or a block count")
+        if self.dq_reduce not in ("red", "tiles"):
+            raise ValueError(f"{self.dq_reduce=} must be 'red' or 'tiles'")
+        if self.dq_reduce == "tiles" and self.persistent:
+            raise ValueError(f"dq_reduce='tiles' takes one key tile a block, not persistent={self.persistent}")
         self.check_block()
 
     @property
     def headdim_padded(self):
+        return CHUNK
+
+    @property
+    def dq_part_columns(self):
+        """With ``dq_tile_major``: a consumer's dQ product covers all 64 columns of its 64 rows."""
         return CHUNK
 
     @property
@@ -184,11 +203,13 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
 
     @property
     def dynamic_shared_bytes(self):
-        """The tiles, the stats, 1 + 2 stages mbarriers, and 1024 bytes of slack to align the tiles;
-        persistent: a second K and V and three more mbarriers (the second K/V's full, both empties)."""
+        """The tiles (and the staged dQ), the stats, 1 + 2 stages mbarriers, and 1024 bytes of slack
+        to align the tiles; persistent: a second K and V and three more mbarriers (the second K/V's
+        full, both empties); ``dq_tile_major``: two more (dq_full, dq_empty)."""
         kv_buffers = 2 if self.persistent else 1
         return (1024 + 2 * kv_buffers * self.kv_bytes + 2 * self.stages * self.q_bytes + 2 * self.p_bytes
-                + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages) + (24 if self.persistent else 0))
+                + self.dq_stage_bytes + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages)
+                + (24 if self.persistent else 0) + (16 if self.dq_tile_major else 0))
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
         tiles = -(-seqlen_k // BLOCK_N)
@@ -214,6 +235,9 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     S_REGS, ACC_REGS, P_REGS = BN // 2, CHUNK // 2, BN // 4  # per thread: S (dP), dK (dV, dQ), packed P (dS)
     NT = BN // 8  # 8-key column groups of S
     FULL_ARRIVALS = 1 + 32  # the TMA thread's expect_tx and the stats warp's 32 lanes
+    # dQ_c staged in shared memory by the consumers, added by the producer's stats warp (dq_reduce="tiles")
+    STAGED_DQ, DQ_STAGE_BYTES = config.dq_tile_major, config.dq_stage_bytes
+    DQ_PART_BYTES = DQ_STAGE_BYTES // CONSUMERS  # a consumer's 64 rows
     EMPTY_ARRIVALS = CONSUMERS * GROUP
     BOTH = CONSUMERS * GROUP  # threads of the named barriers across the consumers
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
@@ -236,6 +260,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     add_dq = make_add_dq(HD, CHUNK)  # dQ_c into dq_accum
     store_rows = make_store_rows(config.dtype, HD, CHUNK)  # dK, dV
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
+    stage_dq = make_stage_dq(64, CHUNK)  # with STAGED_DQ, a consumer's 64 rows of dQ for the stats warp
 
     @inline_device
     @unroll
@@ -447,15 +472,21 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
         do_ring = q_ring + uint32(STAGES * Q_BYTES)
         p_tile = do_ring + uint32(STAGES * Q_BYTES)
         ds_tile = p_tile + uint32(P_BYTES)
-        stats_ring = ds_tile + uint32(P_BYTES)
+        dq_stage = ds_tile + uint32(P_BYTES)  # with STAGED_DQ: the step's 128 rows of dQ, float32
+        stats_ring = dq_stage + uint32(DQ_STAGE_BYTES)
         kv_full = stats_ring + uint32(STAGES * STATS_BYTES)
         qd_full = kv_full + uint32(8)  # + 8 * slot
         qd_empty = qd_full + uint32(8 * STAGES)
         kv_empty = qd_empty + uint32(8 * STAGES + 8)  # persistent only: after the second K/V's full barrier
+        dq_full = qd_empty + uint32(8 * STAGES)  # with STAGED_DQ (never persistent): the rows are staged
+        dq_empty = dq_full + uint32(8)  # ... and the stats warp has had them read
         stats_word0 = (stats_ring - smem_start) // uint32(4)  # smem's index of the first slot's stats
 
         if tid == 0:
-            init_ring(kv_full, qd_full, qd_empty)
+            if STAGED_DQ:
+                mbarrier_init(dq_full, CONSUMERS * GROUP)
+                mbarrier_init(dq_empty, 32)
+            init_ring(kv_full, qd_full, qd_empty)  # (its fence covers the two above)
             if PERSISTENT:
                 mbarrier_init(kv_full + uint32(KV_FULL_STEP), 1)
                 mbarrier_init(kv_empty, EMPTY_ARRIVALS)
@@ -515,7 +546,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                     n_start, first_tile, first_full, end_full, tail, tiles_per_head, steps = visited
                     stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
                                 tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full,
-                                step0, dq_accum, uint32(0), uint32(0), uint32(0))  # (no staged dQ here)
+                                step0, dq_accum, dq_stage, dq_full, dq_empty)
                     step0 += steps
         else:
             # ---- Consumers: 64 query rows of each step, 64 keys of dK and dV each ----
@@ -623,7 +654,11 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                                             mn_descriptor(q_slot, Q_BYTES))
                     wgmma_wait(2)  # dQ_c has landed: added while dV and dK run
                     registers_to(dq_acc, fence_operands(acc_q))
-                    add_dq(dq_accum, dq_acc, b, q_start + row0, h, 0, seqlen_q, q4)
+                    if STAGED_DQ:  # into shared memory, for the producer's stats warp
+                        stage_dq(dq_stage + uint32(consumer * DQ_PART_BYTES), dq_acc, dq_full, dq_empty, i,
+                                 16 * warp + g, 0, q4)
+                    else:
+                        add_dq(dq_accum, dq_acc, b, q_start + row0, h, 0, seqlen_q, q4)
                     wgmma_wait(0)  # dV's and dK's products are done with the slot and the P and dS tiles
                     registers_to(dv_acc, fence_operands(acc_dv))
                     registers_to(dk_acc, fence_operands(acc_dk))
