@@ -233,7 +233,7 @@ tiles)
     # docs/perf-notes.md, "Hopper backward", steps 32-34
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 200 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
         -W ignore tests/test_primitives_sm90.py tests/test_backward_sm90.py \
-        -k "dq_tiles or bulk_reduce or untile or (rows_gpu and tiles)" \
+        -k "dq_tiles or bulk_reduce or convert_dq_tiles or (rows_gpu and tiles)" \
         > "$out/tiles_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/tiles_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/tiles_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20

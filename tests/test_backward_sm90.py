@@ -21,7 +21,7 @@ from nbflash.backward import flash_attn_backward
 from nbflash.catalogue import forward_arguments, variant_arguments
 from nbflash.kernels.backward_mma import MmaBackwardConfig
 from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
-from nbflash.kernels.backward_sm90 import Sm90BackwardConfig, Sm90ConvertDqConfig, dq_accum_shape, untile_dq
+from nbflash.kernels.backward_sm90 import Sm90BackwardConfig, Sm90ConvertDqConfig, dq_accum_shape
 from nbflash.kernels.backward_sm90_rows import Sm90RowsBackwardConfig
 from nbflash.kernels.backward_sm90_wide import Sm90WideBackwardConfig
 from nbflash.problem import Static, Variant
@@ -244,8 +244,9 @@ def dq_tiles(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", ["columns", "rows"])
-def test_untile_dq_inverts_the_fragment_order(kernel):
-    """untile_dq reads each element where make_stage_dq puts it: in every 64-row unit, thread t
+def test_convert_dq_tiles_reads_the_fragment_order(xp, kernel):
+    """The tile-major dq conversion (Sm90ConvertDqConfig) reads each element where make_stage_dq
+    puts it: in every 64-row unit, thread t
     (32 w + lane) of the consumer staging part c, register 4 v + e4, at float c 64 C + 512 v + 4 t
     + e4, for rows 16 w + lane // 4 (+ 8 for e4 >= 2) and columns c C + 8 v + 2 (lane % 4) + e4 % 2
     (wgmma's accumulator layout). By columns (backward_sm90.py): headdim 96 of 128 columns, two
@@ -270,9 +271,12 @@ def test_untile_dq_inverts_the_fragment_order(kernel):
                 col = c * columns + 8 * v + 2 * (lane % 4) + e4 % 2
                 units[:, :, :, c * 64 * columns + 512 * v + 4 * t + e4] = \
                     rows[:, row::64, :, col].transpose(0, 2, 1)
-    got = untile_dq(config, units.reshape(shape), seqlen_q)
-    assert got.flags.c_contiguous and got.shape == (batch, seqlen_q, nheads, config.headdim)
-    np.testing.assert_array_equal(got, rows[:, :seqlen_q, :, :config.headdim])
+    convert = Sm90ConvertDqConfig("float16", config.headdim, columns)
+    dq = xp.full((batch, seqlen_q, nheads, config.headdim), np.nan, np.float16)
+    launch.compiled(convert).launch(convert.grid(batch, nheads, nheads, seqlen_q, seqlen_q),
+                                    (xp.asarray(units.reshape(shape)), dq), (np.float32(0.5),))
+    expected = (rows[:, :seqlen_q, :, :config.headdim] * np.float32(0.5)).astype(np.float16)
+    np.testing.assert_array_equal(to_numpy(dq), expected)  # every row and column written, none past
 
 
 def test_dq_tiles_configs():

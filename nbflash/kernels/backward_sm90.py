@@ -203,7 +203,7 @@ class Sm90BackwardBlock:
     @property
     def dq_tile_major(self):
         """``dq_reduce="tiles"`` (in the configs that have the field): dq_accum held tile by tile in
-        wgmma's fragment order (``dq_accum_shape``, ``untile_dq``), dQ_i staged in shared memory in the
+        wgmma's fragment order (``dq_accum_shape``, ``Sm90ConvertDqConfig``), dQ_i staged in shared memory in the
         same order by the consumers and added by the producer's stats warp, one bulk reduce-add a step."""
         return getattr(self, "dq_reduce", "red") == "tiles"
 
@@ -236,7 +236,7 @@ class Sm90BackwardBlock:
 @dataclass(frozen=True)
 class Sm90BackwardConfig(Sm90BackwardBlock):
     """One compiled variant of the Hopper dK/dV kernel (the backward's preprocess and dq conversion
-    are the portable family's)."""
+    are the portable family's; with ``dq_reduce="tiles"`` the conversion is ``Sm90ConvertDqConfig``)."""
 
     dtype: str  # 'float16' or 'bfloat16'
     headdim: int  # a multiple of 8, at most 128
@@ -410,23 +410,6 @@ def dq_accum_shape(config, batch, nheads, seqlen_q):
     kernel stages a unit a step (the consumers' column halves), backward_sm90_rows.py two (each
     consumer's 64 rows, all 64 columns)."""
     return (batch, nheads, -(-seqlen_q // config.block_m) * config.block_m, config.headdim_padded)
-
-
-def untile_dq(config, accum, seqlen_q):
-    """dq_accum held tile-major (``dq_accum_shape``) as a row-major (batch, seqlen_q, nheads,
-    headdim) float32 array: the tile-major order stated on the host, for tests and for reading a
-    dq_accum (the backward's conversion kernel, ``Sm90ConvertDqConfig``, reads the order itself).
-    In a 64-row unit, element (row, column) of part c (columns c C .. c C + C - 1, C =
-    ``config.dq_part_columns``) is float c 64 C + 512 v + 4 t + 2 rh + e, where row = 16 w + 8 rh + g,
-    column = c C + 8 v + 2 q4 + e, thread t = 32 w + 4 g + q4 (wgmma's accumulator layout): a
-    reshape and a transpose."""
-    batch, nheads, rows, hdp = accum.shape
-    c = config.dq_part_columns  # a part's columns
-    # dims: batch, head, 64-row unit, part, v, w, g, q4, rh, e
-    split = accum.reshape(batch, nheads, rows // 64, hdp // c, c // 8, 4, 8, 4, 2, 2)
-    # to batch, tile, w, rh, g (the row), head, c, v, q4, e (the column)
-    rows_first = split.transpose(0, 2, 5, 8, 6, 1, 3, 4, 7, 9).reshape(batch, rows, nheads, hdp)
-    return rows_first[:, :seqlen_q, :, :config.headdim].copy()  # C-contiguous (NumPy's and CuPy's)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -678,7 +661,7 @@ def make_stage_dq(block_m, columns):
     product of columns col0 .. col0 + columns - 1 is block_m x columns floats from byte 4 block_m col0
     on, in which thread t (32 w + lane of its warpgroup) keeps its registers 4 v .. 4 v + 3 at bytes
     16 t + 2048 v, one 16-byte store each (a warp's 512 contiguous bytes: the minimum four passes).
-    ``untile_dq`` says where each element of a row lands."""
+    ``Sm90ConvertDqConfig`` reads the same order back."""
 
     @inline_device
     @unroll
@@ -1295,8 +1278,7 @@ class Sm90ConvertDqConfig:
     the dK/dV kernel's ``dq_reduce="tiles"``): one block of 128 threads a 64-row unit, thread t
     reading the registers that thread t of a consumer staged in each part (16-byte loads of
     consecutive threads), then writing them as the dK/dV kernel writes dK (``make_store_rows``). One
-    pass over dq_accum, as the row-major conversion's; ``untile_dq`` is the same order undone on the
-    host."""
+    pass over dq_accum, as the row-major conversion's."""
 
     dtype: str  # 'float16' or 'bfloat16'
     headdim: int
@@ -1316,9 +1298,7 @@ class Sm90ConvertDqConfig:
         if self.part_columns % 8 or self.headdim_padded % self.part_columns:
             raise ValueError(f"{self.part_columns=} must be a multiple of 8 dividing {self.headdim_padded}")
 
-    @property
-    def headdim_padded(self):
-        return -(-self.headdim // CHUNK) * CHUNK
+    headdim_padded = Sm90BackwardConfig.headdim_padded
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
         return (-(-seqlen_q // self.block_m), nheads, batch)

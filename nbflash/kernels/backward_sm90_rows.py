@@ -133,7 +133,8 @@ def served(variant):
 @dataclass(frozen=True)
 class Sm90RowsBackwardConfig(Sm90BackwardBlock):
     """One compiled variant of the Hopper dK/dV kernel with the query rows split between the two
-    consumers (the backward's preprocess and dq conversion are the portable family's)."""
+    consumers (the backward's preprocess and dq conversion are the portable family's; with
+    ``dq_reduce="tiles"`` the conversion is backward_sm90.py's ``Sm90ConvertDqConfig``)."""
 
     dtype: str  # 'float16' or 'bfloat16'
     headdim: int  # a multiple of 8, at most 64
