@@ -213,6 +213,10 @@ class Sm90BackwardBlock:
         float32, unpadded (16-byte stores of consecutive threads: no bank conflicts)."""
         return self.block_m * self.headdim_padded * 4 if self.dq_tile_major else 0
 
+    def check_dq_reduce(self):
+        if self.dq_reduce not in ("red", "tiles"):
+            raise ValueError(f"{self.dq_reduce=} must be 'red' or 'tiles'")
+
     def check_dtype_headdim(self, low, high):
         if self.dtype not in ("float16", "bfloat16"):
             raise ValueError(f"{self.dtype=} must be 'float16' or 'bfloat16'")
@@ -309,8 +313,7 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
             raise ValueError(f"{self.dropout_bits=} must be 'consumers' or 'producer'")
         if self.dq_first and self.dq_split != "columns":
             raise ValueError(f"dq_first=True takes dq_split='columns' (one dQ product a step), not {self.dq_split!r}")
-        if self.dq_reduce not in ("red", "tiles"):
-            raise ValueError(f"{self.dq_reduce=} must be 'red' or 'tiles'")
+        self.check_dq_reduce()
         if self.dq_reduce == "tiles" and not self.dq_first:
             raise ValueError("dq_reduce='tiles' takes dq_first=True (dQ split by columns, its product first), "
                              f"not dq_split={self.dq_split!r} with dq_first={self.dq_first}")

@@ -168,8 +168,7 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
                              "(causal) only; backward_sm90.py serves the other features")
         if self.persistent < 0:
             raise ValueError(f"persistent={self.persistent} must be 0 (off) or a block count")
-        if self.dq_reduce not in ("red", "tiles"):
-            raise ValueError(f"{self.dq_reduce=} must be 'red' or 'tiles'")
+        self.check_dq_reduce()
         if self.dq_reduce == "tiles" and self.persistent:
             raise ValueError(f"dq_reduce='tiles' takes one key tile a block, not persistent={self.persistent}")
         self.check_block()
