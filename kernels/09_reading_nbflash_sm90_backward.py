@@ -118,12 +118,14 @@ TOPICS = [
         each adding the whole dQ_i over all keys on its steps. Both read the two consumers' dS^T
         side by side, so a step's barrier now spans both warpgroups: 21-32% faster at headdim 128
         on the H200 all the same. With "columns" a consumer also issues dQ_i's product before dV's
-        and dK's (dq_first) and makes its reductions while those run: 10-16% more. (An option,
-        dq_reduce="tiles", stores dQ_i into shared memory instead, in the order the accumulator's
-        registers are in, and has the producer's stats warp add the whole tile by one bulk
-        reduce-add into a dq_accum kept in that same order: no consumer issues a reduction. The
-        same with one reduce-add a row measured 13-22% slower, the copy engine taking the tile's
-        64 row operations one after another.) (At
+        and dK's (dq_first) and makes its reductions while those run: 10-16% more. For dense
+        batches the plan then drops the consumers' reductions altogether (dq_reduce="tiles",
+        FlashAttention-3's form): each consumer stores its half of dQ_i into shared memory, in the
+        order the accumulator's registers are in, and the producer's stats warp adds the whole tile
+        by one bulk reduce-add into a dq_accum kept in that same order, which the tile-major
+        conversion reads: 6-10% more on an H100. (The same with one reduce-add a row measured 13-22%
+        slower, the copy engine taking the tile's 64 row operations one after another; packed
+        sequences keep the atomics.) (At
         headdims up to 64, for plain and windowed attention, the plan
         takes a sibling kernel, backward_sm90_rows.py, that splits a step's query rows between
         the consumers instead of its keys: 11-17% faster there.) With deterministic=True the
@@ -134,6 +136,7 @@ TOPICS = [
      [(KERNEL, "add_dq", "red_add_f32x2(", 0, "two columns of dq_accum per reduction"),
       (KERNEL, BODY, "wgmma_wait(2)  # dQ_i has landed", 0, "dq_first: dQ_i's reductions under dV, dK"),
       (KERNEL, "add_staged_dq", "bulk_reduce_add_f32(", 0, "dq_reduce='tiles': the stats warp's reduce-add"),
+      (CONFIGS, "planned_backward_sm90_config", 'dq_reduce="tiles"', 0, "planned for dense batches"),
       (KERNEL, BODY, "(DQ_BY_STEPS and i % 2 != consumer)", 0, "'steps': the other consumer's turn"),
       (CONFIGS, "plan_backward", "sm90_dq = (", 0, "deterministic=True under 'sm90': the dQ kernel"),
       (DQ_KERNEL, None, "def backward_dq_sm90(", 0, "the deterministic dQ kernel")]),
@@ -149,10 +152,15 @@ def config_facts(config, problem):
           f" ({sum(per_thread.values())} of the {config.consumer_registers} registers setmaxnreg gives it)")
     print(f"  shared memory: K, V {2 * config.kv_bytes} B, Q/dO ring {2 * config.stages * config.q_bytes} B"
           f" ({config.stages} stages), dS^T tiles {2 * config.consumers * config.ds_bytes} B, stats"
-          f" {config.stages * config.stats_bytes} B: {config.dynamic_shared_bytes} B with the alignment slack")
+          f" {config.stages * config.stats_bytes} B"
+          + (f", staged dQ {config.dq_stage_bytes} B" if config.dq_tile_major else "")
+          + f": {config.dynamic_shared_bytes} B with the alignment slack")
     tiles = -(-problem.seqlen_q // config.block_m)
+    dq_bytes = config.block_m * hdp * 4 * {"keys": config.consumers, "none": 0}.get(config.dq_split, 1)
+    how = ("one bulk reduce-add of the staged tile" if config.dq_tile_major
+           else f"atomics ({config.dq_split!r})")
     print(f"  this problem: {-(-problem.seqlen_k // config.block_n)} key-tile blocks per head, each up to"
-          f" {tiles} steps; dq_accum takes {config.block_m * hdp * 4 * config.consumers} B of atomics per step")
+          f" {tiles} steps; dq_accum takes {dq_bytes} B per step by {how}")
 
 
 def store_and_read_meet():
@@ -222,13 +230,14 @@ def main(seqlen_q=None, seqlen_k=None, headdim=None, causal=False):
     result = dict(missing=[], layout=None, error=None, allowed=None)
     why_not = sm90_runs_here()
     problem = BackwardProblem(seqlen_q, seqlen_k, headdim, causal)
-    config = configs.sm90_backward_table_config("float16", headdim, Variant(window=causal))
+    config = configs.planned_backward_sm90_config("float16", headdim, Variant(window=causal))
 
     print("lesson 09: reading nbflash's Hopper backward (nbflash/kernels/backward_sm90.py)")
     print("  Open the kernel file beside this printout; its docstring has the loop, the grid and the layouts.")
     print(f"\nThe problem: q {problem.shapes[0]}, k and v {problem.shapes[1]}, float16, causal={causal}")
     print(f"  its dK/dV config (configs.SM90_BACKWARD's row): block_n {config.block_n} keys ({config.consumers} consumers of 64),"
-          f" block_m {config.block_m} queries a step, stages {config.stages}, dq_split {config.dq_split!r}")
+          f" block_m {config.block_m} queries a step, stages {config.stages}, dq_split {config.dq_split!r},"
+          f" dq_reduce {config.dq_reduce!r}")
     config_facts(config, problem)
     for title, text, anchors in TOPICS:
         print(f"\n{title}")

@@ -485,15 +485,37 @@ SM90_BACKWARD_HEAVY_GROUPS = 4
 SM90_BACKWARD_ROWS_MAX_HEADDIM = 64
 
 
+# dQ_i staged in shared memory and added by the producer's stats warp, one bulk reduce-add a step
+# into a tile-major dq_accum (``dq_reduce="tiles"``, FlashAttention-3's form), where the kernel issues
+# dQ_i's product first (dq_first: headdims 72-128) and the batch is dense: measured on an H100
+# (scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-tiles rows-tiles --anchors,
+# docs/perf-notes.md "Hopper backward" steps 32-34), fp16, hd 128, 4k and 16k, two runs: +9-10% /
+# +7-8% non-causal, +6% / +10% causal over the atomic reductions ("red"). The rows split's form (hd
+# 64) measured 1-4% slower and is not planned; packed sequences keep "red" (the tiles form refuses
+# them).
+SM90_BACKWARD_DQ_TILES = True
+
+
 def sm90_backward_config(dtype, headdim, variant):
     """The sm90 backward's dK/dV kernel: the rows split where it serves the call and was measured
     faster (``SM90_BACKWARD_ROWS_MAX_HEADDIM``), the wide one past headdim 128 (not yet timed: only
-    when "sm90" is forced), backward_sm90.py's from the table otherwise."""
+    when "sm90" is forced), backward_sm90.py's from the table otherwise, its dQ tile-major where it
+    issues dQ_i's product first (``SM90_BACKWARD_DQ_TILES``)."""
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
         return Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS)
     if not runtime.SIMULATOR and headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM and sm90_rows_serves(variant):
         return Sm90RowsBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS)
-    return sm90_backward_table_config(dtype, headdim, variant)
+    return planned_backward_sm90_config(dtype, headdim, variant)
+
+
+def planned_backward_sm90_config(dtype, headdim, variant):
+    """backward_sm90.py's dK/dV kernel as planned: ``SM90_BACKWARD``'s row for ``headdim``
+    (``sm90_backward_table_config``), its dQ tile-major where it issues dQ_i's product first and the
+    batch is dense (``SM90_BACKWARD_DQ_TILES``)."""
+    table = sm90_backward_table_config(dtype, headdim, variant)
+    if SM90_BACKWARD_DQ_TILES and table.dq_first and not variant.varlen:
+        return dataclasses.replace(table, dq_reduce="tiles")
+    return table
 
 
 # Dropout's keep bits made by the producer's idle warps 2 and 3 (``dropout_bits="producer"``) past

@@ -42,12 +42,12 @@
 #                                the producer's keep bits against the consumers' with dQ first,
 #                                about 8 minutes
 #   scripts/gpu_check.sh tiles   dQ_i by one bulk reduce-add a step into a tile-major dq_accum
-#                                (dq_reduce="tiles", an option, FlashAttention-3's form; run on an H100
-#                                on 2026-12-05 with an untiling pass, since replaced by its own
-#                                conversion kernel, not yet run): its GPU grids and the primitive's
-#                                test (both kernels that take it: hd 72-128 by columns, the rows split at
-#                                hd 64), then hd 64 and 128 timed against the planned kernels and SDPA,
-#                                about 3-6 minutes
+#                                (dq_reduce="tiles", FlashAttention-3's form, planned at hd 72-128 for
+#                                dense batches since step 35): the grids of the forms the planner
+#                                does not take (the consumers' atomics on dense batches, the rows
+#                                split's tiles at hd 64), the conversion's and the primitive's tests,
+#                                then hd 128 timed against the atomic form and hd 64 against the rows
+#                                split's tiles, with SDPA, about 3-6 minutes
 #   scripts/gpu_check.sh issue13 issue 13's table (its item 3) in one run per pass: the planned sm90
 #                                backward, then forward+backward (a training step's attention), hd 64
 #                                and 128, 4k and 16k, plain and causal, fp16, next to SDPA flash,
@@ -233,13 +233,13 @@ tiles)
     # docs/perf-notes.md, "Hopper backward", steps 32-34
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 200 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
         -W ignore tests/test_primitives_sm90.py tests/test_backward_sm90.py \
-        -k "dq_tiles or bulk_reduce or convert_dq_tiles or (rows_gpu and tiles)" \
+        -k "dq_red or bulk_reduce or convert_dq_tiles or (rows_gpu and tiles)" \
         > "$out/tiles_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/tiles_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/tiles_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 300 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-tiles rows-tiles \
+    timeout 300 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-red rows-tiles \
         --anchors > "$out/tiles.log" 2>&1
-    echo "dQ by one bulk reduce-add a step (tile-major) against the planned kernel, hd 64 and 128 (exit $?):"
+    echo "the planned kernels against dQ by atomics (hd 128) and the rows split's tiles (hd 64) (exit $?):"
     tail -22 "$out/tiles.log"
     ;;
 issue13)
@@ -268,7 +268,7 @@ stalls)
         name="stalls${2:+_$2}${causal:+_causal}"
         timeout 200 ncu --clock-control none --kernel-name regex:backward_dkdv --launch-skip 1 --launch-count 1 \
             --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$out/$name" \
-            python3 scripts/stall_report.py run --headdim 128 --seqlen 4096 $causal --dq-reduce "${2:-red}" \
+            python3 scripts/stall_report.py run --headdim 128 --seqlen 4096 $causal ${2:+--dq-reduce "$2"} \
             > "$out/$name.log" 2>&1
         echo "ncu ${causal:-plain} (exit $?): $(tail -1 "$out/$name.log")"
         timeout 120 ncu --import "$out/$name.ncu-rep" --page source --csv --print-source sass > "$out/$name.csv" 2>&1

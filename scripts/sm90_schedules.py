@@ -35,12 +35,13 @@ Backward, each column a schedule:
   product issued after dV's and dK's and its reductions made once all three have landed (the order
   before dq_first, step 28); "columns-dqfirst" (headdim 64): backward_sm90.py's kernel from the
   table (its "steps" the default there for dropout and score_mod) with dQ split by 32-column halves
-  and each consumer's half issued first (an option, step 29). "planned-tiles" (where the planned
-  kernel issues dQ first: headdim 128): the same with dQ_i stored by the consumers into a shared
-  tile in wgmma's fragment order and added to a tile-major dq_accum by the producer's stats warp,
-  one bulk reduce-add a step (dq_reduce="tiles", step 32; steps 30 and 31's bulk reduce-adds a row,
-  "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left with commit 5b92983).
-  "rows-tiles" (headdim 64): the rows split with the same (step 34).
+  and each consumer's half issued first (an option, step 29). The planned kernel at headdim 128
+  stores dQ_i into a shared tile in wgmma's fragment order and its producer's stats warp adds it to
+  a tile-major dq_accum, one bulk reduce-add a step (dq_reduce="tiles", steps 32-33, planned in
+  step 35); "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
+  (the form before; timed as "planned" against "planned-tiles" until step 35). (Steps 30 and 31's
+  bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
+  with commit 5b92983.) "rows-tiles" (headdim 64): the rows split with tiles (step 34, 1-4% slower).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
 schedule's ratio to SDPA flash after the table. With --isolate S, each (shape, schedule) runs in a
@@ -190,11 +191,11 @@ def backward_schedules(headdim, causal):
     found["steps"] = base.__class__(**{**base.__dict__, "dq_split": "steps"})
     found["3st-steps"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps"})
     if getattr(planned, "dq_split", "") == "columns":  # dQ_i's product after dV's and dK's (before dq_first)
-        found["planned-dqlast"] = planned.__class__(**{**planned.__dict__, "dq_first": False})
+        found["planned-dqlast"] = planned.__class__(**{**planned.__dict__, "dq_first": False, "dq_reduce": "red"})
     if table.dq_split == "steps":  # hd 64: backward_sm90.py by 32-column halves, dQ_i's product first
         found["columns-dqfirst"] = table.__class__(**{**table.__dict__, "dq_split": "columns", "dq_first": True})
-    if getattr(planned, "dq_first", False):  # dQ_i added by the producer's stats warp, a reduce-add a step
-        found["planned-tiles"] = planned.__class__(**{**planned.__dict__, "dq_reduce": "tiles"})
+    if getattr(planned, "dq_reduce", "") == "tiles":  # dQ_i added by the consumers' atomics (before step 35)
+        found["planned-red"] = planned.__class__(**{**planned.__dict__, "dq_reduce": "red"})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
         found[f"heavy-groups{groups}"] = table.__class__(**{**table.__dict__, "heavy_groups": groups})
     if DROPOUT:  # dropout's keep bits made by the producer's warps 2 and 3 instead of the consumer lanes

@@ -3,15 +3,16 @@ profile, and a summary of its per-instruction stall samples.
 
     ncu --clock-control none --kernel-name regex:backward_dkdv --launch-skip 1 --launch-count 1 \\
         --section SourceCounters --section WarpStateStats -f -o stalls \\
-        python3 scripts/stall_report.py run [--headdim 128] [--seqlen 4096] [--causal] [--dq-reduce tiles]
+        python3 scripts/stall_report.py run [--headdim 128] [--seqlen 4096] [--causal] [--dq-reduce red]
     ncu --import stalls.ncu-rep --page source --csv --print-source sass > stalls.csv
     python3 scripts/stall_report.py summary stalls.csv [--top 40]
 
 ``run`` makes the planned backward's calls (the first one compiles and is skipped by
 --launch-skip; the second is profiled): batch 4, 16 heads, float16, flash-attn's grid at hidden
-2048, on the library's default family (the Hopper kernels on compute capability 9.0); with
-``--dq-reduce tiles`` the planned dK/dV kernel (hd 72-128) takes ``dq_reduce="tiles"`` (dQ added by
-the producer's stats warp from a staged tile: docs/perf-notes.md, "Hopper backward", step 32).
+2048, on the library's default family (the Hopper kernels on compute capability 9.0), whose dK/dV
+kernel at hd 72-128 adds dQ tile-major (``dq_reduce="tiles"``: by the producer's stats warp from a
+staged tile, docs/perf-notes.md, "Hopper backward", step 32); with ``--dq-reduce red`` it takes the
+consumers' atomics instead (the form before, which packed sequences keep).
 ``summary`` reads ncu's source page (one row per SASS instruction) and prints the instructions
 with the most stall samples, each with its share of the kernel's samples and the stall reasons
 ncu attributes to it, then the samples grouped by instruction kind (HGMMA, BAR, SYNCS, LDS, REDG,
@@ -29,7 +30,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def run(headdim, seqlen, causal, dq_reduce="red"):
+def run(headdim, seqlen, causal, dq_reduce=None):
     import dataclasses
 
     import cupy
@@ -38,7 +39,7 @@ def run(headdim, seqlen, causal, dq_reduce="red"):
     import nbflash
     from nbflash import configs
 
-    if dq_reduce != "red":  # backward_sm90.py's config, with dq_first
+    if dq_reduce:  # backward_sm90.py's config (hd 72-128), with dq_first
         planned = configs.sm90_backward_config
         configs.sm90_backward_config = lambda *args: dataclasses.replace(planned(*args), dq_reduce=dq_reduce)
 
@@ -118,8 +119,8 @@ def main():
     one.add_argument("--headdim", type=int, default=128)
     one.add_argument("--seqlen", type=int, default=4096)
     one.add_argument("--causal", action="store_true")
-    one.add_argument("--dq-reduce", choices=["red", "tiles"], default="red",
-                     help="how the planned dK/dV kernel adds dQ (its dq_reduce)")
+    one.add_argument("--dq-reduce", choices=["red", "tiles"], default=None,
+                     help="how the planned dK/dV kernel adds dQ (its dq_reduce; default: the planner's)")
     two = sub.add_parser("summary", help="summarize ncu's source page (CSV)")
     two.add_argument("csv")
     two.add_argument("--top", type=int, default=40)

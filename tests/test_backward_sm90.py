@@ -182,19 +182,26 @@ def test_backward_sm90_dq_by_steps_small(rng, xp, sm90_backward_table):
 def dq_last(monkeypatch):
     """Plan backward_sm90.py's dK/dV kernel with dQ_i's product after dV's and dK's (dq_first=False,
     the order before step 28), where it splits dQ by columns."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_first=False)
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_first=False, dq_reduce="red")
                    if getattr(config, "dq_split", "") == "columns" else config):
         yield
 
 
 def test_backward_sm90_plans_dq_first():
-    """With dQ split by columns (headdims 72-128), dQ_i's product comes first (dq_first), and the
-    deterministic pass, which has no dQ, goes without it."""
+    """With dQ split by columns (headdims 72-128), dQ_i's product comes first (dq_first) and, for
+    dense batches, dQ_i goes tile-major by the stats warp's bulk reduce-adds (dq_reduce="tiles",
+    with the tile-major conversion and no zeroing in the preprocess); packed sequences keep the
+    atomics; the deterministic pass, which has no dQ, goes without either."""
     for headdim in (96, 128):
         static = Static("float16", headdim, True, 0, CAUSAL)
         assert configs.sm90_backward_table_config("float16", headdim, CAUSAL).dq_first
+        preprocess, dkdv, convert = configs.plan_backward(static, False, "sm90")
+        assert dkdv.dq_first and dkdv.dq_reduce == "tiles" and not preprocess.atomic_dq
+        assert convert == Sm90ConvertDqConfig("float16", headdim, 64)
+        packed = configs.plan_backward(static._replace(variant=CAUSAL._replace(varlen=True)), False, "sm90")
+        assert packed[1].dq_first and packed[1].dq_reduce == "red" and packed[0].atomic_dq
         dkdv = configs.plan_backward(static, True, "sm90")[1]
-        assert dkdv.dq_split == "none" and not dkdv.dq_first
+        assert dkdv.dq_split == "none" and not dkdv.dq_first and dkdv.dq_reduce == "red"
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
@@ -234,12 +241,12 @@ def test_backward_sm90_columns_dq_first_gpu(xp, monkeypatch, seqlens, name):
 
 
 @pytest.fixture
-def dq_tiles(monkeypatch):
-    """Plan backward_sm90.py's dK/dV kernel with dq_accum tile-major and dQ_i added by the stats warp
-    as one bulk reduce-add a step (dq_reduce="tiles", an option), where it issues dQ_i's product
-    first and the batch is dense."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_reduce="tiles")
-                   if getattr(config, "dq_first", False) and not config.variant.varlen else config):
+def dq_red(monkeypatch):
+    """Plan backward_sm90.py's dK/dV kernel with dQ_i added to a row-major dq_accum by the consumers'
+    atomics (dq_reduce="red", the form packed sequences take), where dense batches are planned with
+    dq_reduce="tiles"."""
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_reduce="red")
+                   if getattr(config, "dq_reduce", "red") == "tiles" else config):
         yield
 
 
@@ -305,13 +312,13 @@ def test_dq_tiles_configs():
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-def test_backward_sm90_dq_tiles_small(rng, xp, dq_tiles):
-    """dQ_i by one bulk reduce-add a step into a tile-major dq_accum, which the tile-major conversion
-    reads: headdim 96 by columns (consumer 1's last 32 columns past headdim), causal over two key
-    tiles, 70 query rows (the second query tile mostly past seqlen_q), GQA 2:1 (the writer's query
-    heads)."""
+def test_backward_sm90_dq_red_small(rng, xp, dq_red):
+    """Dense batches with dQ_i added by the consumers' atomics into a row-major dq_accum (the planned
+    kernel adds it tile-major: the other simulator cases at headdims 72-128 run that), converted by
+    the row-wise conversion: headdim 96 by columns (consumer 1's last 32 columns past headdim), causal
+    over two key tiles, 70 query rows (the second query tile mostly past seqlen_q), GQA 2:1."""
     preprocess, dkdv, convert = configs.plan_backward(Static("float16", 96, True, 0, CAUSAL), False, "sm90")
-    assert dkdv.dq_reduce == "tiles" and isinstance(convert, Sm90ConvertDqConfig) and not preprocess.atomic_dq
+    assert dkdv.dq_reduce == "red" and not isinstance(convert, Sm90ConvertDqConfig) and preprocess.atomic_dq
     run_sm90(rng, xp, 1, 70, 100, 2, 1, 96, "float16", True)
 
 
@@ -319,19 +326,12 @@ def test_backward_sm90_dq_tiles_small(rng, xp, dq_tiles):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("headdim", [96, 128])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_sm90_dq_tiles_gpu(rng, xp, dq_tiles, seqlens, headdim, causal):
-    """dq_reduce="tiles" on the planned "columns" kernel, GQA 2:1, fp16 and bf16, tails."""
+def test_backward_sm90_dq_red_gpu(rng, xp, dq_red, seqlens, headdim, causal):
+    """dq_reduce="red" on the planned "columns" kernel of dense batches, GQA 2:1, fp16 and bf16,
+    tails."""
     assert configs.plan_backward(Static("float16", headdim, True, 0, CAUSAL if causal else Variant()), False,
-                                 "sm90")[1].dq_reduce == "tiles"
+                                 "sm90")[1].dq_reduce == "red"
     run_sm90(rng, xp, 2, *seqlens, 4, 2, headdim, "bfloat16" if causal else "float16", causal)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["softcap", "causal-dropout", "document-mask-mod"])
-def test_backward_sm90_dq_tiles_variants_gpu(xp, dq_tiles, name):
-    """dq_reduce="tiles" with the variants that change the producer's warps (dropout's keep bits, a
-    block mask's walk) and softcap; headdim 128, GQA 2:1, tails."""
-    run_sm90_variant(np.random.default_rng(7), xp, name, "float16", 2, 300, 517, 4, 2, 128)
 
 
 @pytest.fixture
