@@ -46,11 +46,12 @@ consumers take turns by step parity, the one whose turn it is adding the whole d
 keys: half the atomics too. The plan uses "columns" at headdim 128 and "steps" at 64
 (configs.SM90_BACKWARD: 21-32% and 6-11% faster than "keys" on the H200). With "columns" the plan
 also issues dQ_i's product first (``dq_first``): the consumer adds it to dq_accum while dV's and
-dK's products run, instead of after all three (10-16% faster at headdim 128). With
-``dq_reduce="tiles"`` (an option, FlashAttention-3's form) the consumers store dQ_i into a shared
-tile in wgmma's fragment order instead, and the producer's stats warp adds it into a tile-major
-dq_accum by one bulk reduce-add a step (``make_stage_dq``, ``make_add_staged_dq``), which the
-conversion reads in that order (``Sm90ConvertDqConfig``).
+dK's products run, instead of after all three (10-16% faster at headdim 128). For dense batches
+the plan then takes ``dq_reduce="tiles"`` (FlashAttention-3's form; configs.SM90_BACKWARD_DQ_TILES,
+6-10% faster again at headdim 128): the consumers store dQ_i into a shared tile in wgmma's fragment
+order instead, and the producer's stats warp adds it into a tile-major dq_accum by one bulk
+reduce-add a step (``make_stage_dq``, ``make_add_staged_dq``), which the conversion reads in that
+order (``Sm90ConvertDqConfig``). Packed sequences keep the atomics.
 
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G
 (G ceil(seqlen_k / block_n), ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch,
@@ -294,7 +295,8 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # samples on the reductions; docs/perf-notes.md steps 32 and 33. (Steps 30 and 31 staged rows,
     # one bulk reduce-add a row: 13-47% slower, taken out; step 6, TMA tensor reduce-adds issued
     # and waited for by a consumer thread: within noise, taken out; their code is in history,
-    # perf-notes says where.)
+    # perf-notes says where.) Planned: "tiles" for dense batches at headdims 72-128 (step 35, +6-10%
+    # at 128), "red" for packed sequences (configs.planned_backward_sm90_config).
     dq_reduce: str = "red"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),

@@ -152,8 +152,8 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
     # each consumer stores its 64 rows in wgmma's fragment order into a shared tile of the step's
     # 128 rows, which the producer's stats warp adds into a tile-major dq_accum by one bulk
     # reduce-add a step (backward_sm90.py's ``dq_reduce``; docs/perf-notes.md, "Hopper backward",
-    # step 34: an option, not yet timed). Not with a persistent grid, whose second K and V leave no
-    # room for the tile.
+    # step 34: an option, 1-4% slower than "red" on an H100). Not with a persistent grid, whose
+    # second K and V leave no room for the tile.
     dq_reduce: str = "red"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
