@@ -56,11 +56,12 @@
 #                                GPU): its test grid (bit-identical to the consumer lanes' bits), then
 #                                the planned dropout backward against it, headdims 64 and 128, about
 #                                5 minutes
-#   scripts/gpu_check.sh stalls [tiles]
-#                                where the planned hd 128 dK/dV kernel's warps wait, instruction by
-#                                instruction (ncu's source counters; scripts/stall_report.py), plain
-#                                and causal at 4k, about 3 minutes; needs ncu with hardware counters.
-#                                With "tiles", the kernel with dq_reduce="tiles" (step 32)
+#   scripts/gpu_check.sh stalls [HEADDIM [red|tiles]]
+#                                where the planned dK/dV kernel's warps wait at HEADDIM (default 128;
+#                                64: the rows split), instruction by instruction (ncu's source
+#                                counters; scripts/stall_report.py), plain and causal at 4k, about 3
+#                                minutes; needs ncu with hardware counters. With "red" or "tiles", the
+#                                planned kernel with that dq_reduce (tiles is planned at hd 72-128)
 #   scripts/gpu_check.sh wide    issue 13's kernels not yet run on a GPU, their test grids: packed
 #                                sequences on the sm90 dK/dV kernel, and its wide kernel for
 #                                headdims 136-256 with every variant, dense and packed, up to 8 minutes
@@ -263,12 +264,13 @@ dropout)
     tail -16 "$out/dropout.log"
     ;;
 stalls)
-    # docs/perf-notes.md, "Where issue 13 stands": the stall reasons of the hd 128 kernel's step
+    # docs/perf-notes.md, "Where issue 13 stands": the stall reasons of the planned kernel's step
+    headdim=${2:-128}
     for causal in "" "--causal"; do
-        name="stalls${2:+_$2}${causal:+_causal}"
+        name="stalls_hd$headdim${3:+_$3}${causal:+_causal}"
         timeout 200 ncu --clock-control none --kernel-name regex:backward_dkdv --launch-skip 1 --launch-count 1 \
             --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$out/$name" \
-            python3 scripts/stall_report.py run --headdim 128 --seqlen 4096 $causal ${2:+--dq-reduce "$2"} \
+            python3 scripts/stall_report.py run --headdim "$headdim" --seqlen 4096 $causal ${3:+--dq-reduce "$3"} \
             > "$out/$name.log" 2>&1
         echo "ncu ${causal:-plain} (exit $?): $(tail -1 "$out/$name.log")"
         timeout 120 ncu --import "$out/$name.ncu-rep" --page source --csv --print-source sass > "$out/$name.csv" 2>&1
@@ -287,7 +289,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|tiles|issue13|dropout|stalls [tiles]|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|tiles|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
     exit 2
     ;;
 esac
