@@ -169,10 +169,17 @@ def backward_kernels():
                           ("causal_dropout", Variant(window=True, dropout=True)), ("block_mask", Variant(block_mask=True))):
         found.append((f"backward_sm90_dq_tiles_{name}_hd128", dataclasses.replace(
             configs.sm90_backward_table_config("float16", 128, variant), dq_reduce="tiles")))
+    # the same at hd 64 by 32-column halves with dQ_i's product first (an option, step 36)
+    for name, variant in (("plain", Variant()), ("causal", Variant(window=True)),
+                          ("causal_dropout", Variant(window=True, dropout=True))):
+        found.append((f"backward_sm90_dq_tiles_columns_{name}_hd64", dataclasses.replace(
+            configs.sm90_backward_table_config("float16", 64, variant), dq_split="columns", dq_first=True,
+            dq_reduce="tiles")))
     from nbflash.kernels.backward_sm90 import Sm90ConvertDqConfig
 
-    for dtype, headdim, columns in (("float16", 128, 64), ("bfloat16", 96, 64), ("float16", 64, 64)):  # ... its dq
-        found.append((f"backward_sm90_convert_dq_tiles_{dtype}_hd{headdim}",  # conversion (hd 64: the rows split's)
+    for dtype, headdim, columns in (("float16", 128, 64), ("bfloat16", 96, 64), ("float16", 64, 64),
+                                    ("float16", 64, 32)):  # ... its dq conversion (hd 64: the rows split's
+        found.append((f"backward_sm90_convert_dq_tiles_{dtype}_hd{headdim}_part{columns}",  # and the halves')
                       Sm90ConvertDqConfig(dtype, headdim, columns)))
     found.append(("backward_sm90_keys_plain_hd128", dataclasses.replace(  # by keys with red.add (step 1's)
         configs.sm90_backward_table_config("float16", 128, Variant()), dq_split="keys", dq_first=False)))

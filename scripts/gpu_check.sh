@@ -45,9 +45,11 @@
 #                                (dq_reduce="tiles", FlashAttention-3's form, planned at hd 72-128 for
 #                                dense batches since step 35): the grids of the forms the planner
 #                                does not take (the consumers' atomics on dense batches, the rows
-#                                split's tiles at hd 64), the conversion's and the primitive's tests,
-#                                then hd 128 timed against the atomic form and hd 64 against the rows
-#                                split's tiles, with SDPA, about 3-6 minutes
+#                                split's tiles at hd 64, hd 64 by 32-column halves with dQ first by
+#                                atomics and tile-major), the conversion's and the primitive's tests,
+#                                then hd 128 timed against the atomic form and hd 64's rows split
+#                                against those three (step 36), with SDPA; hd 64 dropout's "steps"
+#                                against the halves; about 5-8 minutes
 #   scripts/gpu_check.sh issue13 issue 13's table (its item 3) in one run per pass: the planned sm90
 #                                backward, then forward+backward (a training step's attention), hd 64
 #                                and 128, 4k and 16k, plain and causal, fp16, next to SDPA flash,
@@ -231,17 +233,23 @@ dqfirst)
     tail -6 "$out/dqfirst_dropout128.log"
     ;;
 tiles)
-    # docs/perf-notes.md, "Hopper backward", steps 32-34
+    # docs/perf-notes.md, "Hopper backward", steps 32-36
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 200 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
         -W ignore tests/test_primitives_sm90.py tests/test_backward_sm90.py \
-        -k "dq_red or bulk_reduce or convert_dq_tiles or (rows_gpu and tiles)" \
+        -k "dq_red or bulk_reduce or convert_dq_tiles or (rows_gpu and tiles) or columns_dq_first_gpu" \
         > "$out/tiles_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/tiles_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/tiles_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 300 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-red rows-tiles \
-        --anchors > "$out/tiles.log" 2>&1
-    echo "the planned kernels against dQ by atomics (hd 128) and the rows split's tiles (hd 64) (exit $?):"
+    timeout 300 python3 scripts/sm90_schedules.py --backward --headdims 64 128 \
+        --only planned-red rows-tiles columns-dqfirst columns-tiles --anchors > "$out/tiles.log" 2>&1
+    echo "the planned kernels against dQ by atomics (hd 128), the rows split's tiles and backward_sm90.py by"
+    echo "32-column halves, dQ first, by atomics and tile-major (hd 64) (exit $?):"
     tail -22 "$out/tiles.log"
+    # hd 64 dropout (planned: "steps", dQ last) against the halves with dQ first, by atomics and tile-major
+    timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 64 --dropout 0.1 \
+        --only columns-dqfirst columns-tiles > "$out/tiles_dropout64.log" 2>&1
+    echo "hd 64 dropout (exit $?):"
+    tail -8 "$out/tiles_dropout64.log"
     ;;
 issue13)
     # the issue's item 3: bench.py's two passes side by side with the anchors (Flex through --variants)

@@ -41,7 +41,8 @@ Backward, each column a schedule:
   step 35); "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
   (the form before; timed as "planned" against "planned-tiles" until step 35). (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
-  with commit 5b92983.) "rows-tiles" (headdim 64): the rows split with tiles (step 34, 1-4% slower).
+  with commit 5b92983.) "rows-tiles" (headdim 64): the rows split with tiles (step 34, 1-4% slower);
+  "columns-tiles" (headdim 64): "columns-dqfirst" with tiles, in 32-column parts (step 36).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
 schedule's ratio to SDPA flash after the table. With --isolate S, each (shape, schedule) runs in a
@@ -194,6 +195,8 @@ def backward_schedules(headdim, causal):
         found["planned-dqlast"] = planned.__class__(**{**planned.__dict__, "dq_first": False, "dq_reduce": "red"})
     if table.dq_split == "steps":  # hd 64: backward_sm90.py by 32-column halves, dQ_i's product first
         found["columns-dqfirst"] = table.__class__(**{**table.__dict__, "dq_split": "columns", "dq_first": True})
+        # ... and dQ_i tile-major, 32-column parts (step 36)
+        found["columns-tiles"] = table.__class__(**{**found["columns-dqfirst"].__dict__, "dq_reduce": "tiles"})
     if getattr(planned, "dq_reduce", "") == "tiles":  # dQ_i added by the consumers' atomics (before step 35)
         found["planned-red"] = planned.__class__(**{**planned.__dict__, "dq_reduce": "red"})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs

@@ -164,8 +164,10 @@ def test_backward_sm90_dq_by_columns_small(rng, xp, sm90_backward_table, headdim
     """dQ split by columns between the consumers over all 128 keys (both consumers' dS^T read by
     each), a 3-stage ring; causal with tails. Headdim 96 padded to 128: a 64-column chunk each;
     40 padded to 64: halves of 32 columns (wgmma N = 32, the second's descriptor starting 64 bytes
-    into K's swizzled rows), the second half mostly past headdim."""
-    assert configs.plan_backward(Static("float16", headdim, True, 0, CAUSAL), False, "sm90")[1].dq_split == "columns"
+    into K's swizzled rows), the second half mostly past headdim. With "columns" the planner issues
+    dQ_i's product first and stages it tile-major (dq_reduce="tiles"): at 40, 32-column parts."""
+    dkdv = configs.plan_backward(Static("float16", headdim, True, 0, CAUSAL), False, "sm90")[1]
+    assert dkdv.dq_split == "columns" and dkdv.dq_reduce == "tiles"
     run_sm90(rng, xp, 1, 70, 100, 1, 1, headdim, "float16", True)
 
 
@@ -225,14 +227,16 @@ def test_backward_sm90_dq_last_gpu(rng, xp, dq_last, seqlens, headdim, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dq_reduce", ["red", "tiles"])
 @pytest.mark.parametrize("name", ["causal", "dropout"])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_sm90_columns_dq_first_gpu(xp, monkeypatch, seqlens, name):
-    """Headdim 64 by 32-column halves with dq_first (an option): causal, and dropout, whose headdim
-    64 default is backward_sm90.py's "steps" kernel; GQA 2:1, tails."""
+def test_backward_sm90_columns_dq_first_gpu(xp, monkeypatch, seqlens, name, dq_reduce):
+    """Headdim 64 by 32-column halves with dq_first (an option), dQ by the consumers' atomics or
+    tile-major (32-column parts): causal, and dropout, whose headdim 64 default is backward_sm90.py's
+    "steps" kernel; GQA 2:1, tails."""
     table = configs.sm90_backward_table_config
     monkeypatch.setattr(configs, "sm90_backward_config", lambda *args: dataclasses.replace(
-        table(*args), dq_split="columns", dq_first=True))
+        table(*args), dq_split="columns", dq_first=True, dq_reduce=dq_reduce))
     backward._kernels.cache_clear()
     try:
         run_sm90_variant(np.random.default_rng(5), xp, name, "float16", 2, *seqlens, 4, 2, 64)
@@ -250,18 +254,19 @@ def dq_red(monkeypatch):
         yield
 
 
-@pytest.mark.parametrize("kernel", ["columns", "rows"])
+@pytest.mark.parametrize("kernel", ["columns", "halves", "rows"])
 def test_convert_dq_tiles_reads_the_fragment_order(xp, kernel):
     """The tile-major dq conversion (Sm90ConvertDqConfig) reads each element where make_stage_dq
     puts it: in every 64-row unit, thread t
     (32 w + lane) of the consumer staging part c, register 4 v + e4, at float c 64 C + 512 v + 4 t
     + e4, for rows 16 w + lane // 4 (+ 8 for e4 >= 2) and columns c C + 8 v + 2 (lane % 4) + e4 % 2
     (wgmma's accumulator layout). By columns (backward_sm90.py): headdim 96 of 128 columns, two
-    parts of 64 a unit, a unit a query tile; the rows split: headdim 40 of 64, one part a unit, two
-    units a query tile of 128. seqlen_q 70 cuts the last tile."""
-    if kernel == "columns":
-        config = Sm90BackwardConfig(dtype="float16", headdim=96, dq_split="columns", dq_first=True,
-                                    dq_reduce="tiles")
+    parts of 64 a unit, a unit a query tile; by 32-column halves (backward_sm90.py at headdim 40 of
+    64): two parts of 32; the rows split: headdim 40 of 64, one part a unit, two units a query tile
+    of 128. seqlen_q 70 cuts the last tile."""
+    if kernel in ("columns", "halves"):
+        config = Sm90BackwardConfig(dtype="float16", headdim=96 if kernel == "columns" else 40, dq_split="columns",
+                                    dq_first=True, dq_reduce="tiles")
     else:
         config = Sm90RowsBackwardConfig("float16", 40, dq_reduce="tiles")
     batch, nheads, seqlen_q, hdp, columns = 2, 3, 70, config.headdim_padded, config.dq_part_columns
