@@ -491,9 +491,11 @@ SM90_BACKWARD_ROWS_MAX_HEADDIM = 64
 # (scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-tiles rows-tiles --anchors,
 # docs/perf-notes.md "Hopper backward" steps 32-34), fp16, hd 128, 4k and 16k, two runs: +9-10% /
 # +7-8% non-causal, +6% / +10% causal over the atomic reductions ("red"). The rows split's form (hd
-# 64) measured 1-4% slower and is not planned; packed sequences keep "red" (the tiles form refuses
-# them).
+# 64) measured 1-4% slower and is not planned.
 SM90_BACKWARD_DQ_TILES = True
+# The same for packed sequences (each sequence's tiles from a whole tile of dq_accum: dq_accum_shape,
+# step 37): not yet timed, so not planned (tests/test_varlen.py turns it on).
+SM90_BACKWARD_VARLEN_DQ_TILES = False
 
 
 def sm90_backward_config(dtype, headdim, variant):
@@ -511,9 +513,10 @@ def sm90_backward_config(dtype, headdim, variant):
 def planned_backward_sm90_config(dtype, headdim, variant):
     """backward_sm90.py's dK/dV kernel as planned: ``SM90_BACKWARD``'s row for ``headdim``
     (``sm90_backward_table_config``), its dQ tile-major where it issues dQ_i's product first and the
-    batch is dense (``SM90_BACKWARD_DQ_TILES``)."""
+    batch is dense (``SM90_BACKWARD_DQ_TILES``; packed sequences too with
+    ``SM90_BACKWARD_VARLEN_DQ_TILES``)."""
     table = sm90_backward_table_config(dtype, headdim, variant)
-    if SM90_BACKWARD_DQ_TILES and table.dq_first and not variant.varlen:
+    if SM90_BACKWARD_DQ_TILES and table.dq_first and (SM90_BACKWARD_VARLEN_DQ_TILES or not variant.varlen):
         return dataclasses.replace(table, dq_reduce="tiles")
     return table
 
@@ -593,7 +596,7 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
         dkdv = sm90_backward_config(dtype, headdim, static.variant)  # score_mod_grad too
         if getattr(dkdv, "dq_tile_major", False):  # dq_accum tile-major: the caller zeroes it
             preprocess = dataclasses.replace(preprocess, atomic_dq=False)
-            convert = Sm90ConvertDqConfig(dtype, headdim, dkdv.dq_part_columns)
+            convert = Sm90ConvertDqConfig(dtype, headdim, dkdv.dq_part_columns, static.variant.varlen)
         return preprocess, dkdv, convert
     if sm90_dq:  # both Hopper kernels, neither with atomics: dK, dV, then dQ, each in a fixed order
         dkdv = dataclasses.replace(sm90_backward_table_config(dtype, headdim, static.variant), dq_split="none",

@@ -26,6 +26,7 @@ import numpy as np
 from . import backward, interface, launch, runtime, validation
 from .configs import forced_family
 from .dtypes import FLOAT32
+from .kernels.backward_sm90 import dq_accum_shape
 from .reference import attention_probabilities
 
 LOG2_E = math.log2(math.e)
@@ -166,14 +167,20 @@ def _varlen_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     dk = launch.empty(k.shape, k.dtype)
     dv = launch.empty(v.shape, v.dtype)
     delta = launch.empty((1, p.nheads, total_q), FLOAT32)
-    dq_accum = delta if deterministic else launch.empty((1, *q.shape), FLOAT32)  # delta: a stand-in
+    # Held tile-major (the sm90 kernel's dq_reduce="tiles"), dq_accum has each sequence's tiles from
+    # a whole tile on (dq_accum_shape), zeroed here; the preprocess leaves it alone.
+    tiles = not deterministic and getattr(dkdv.config, "dq_tile_major", False)
+    if tiles:
+        dq_accum = launch.zeros(dq_accum_shape(dkdv.config, p.batch, p.nheads, total_q), FLOAT32)
+    else:
+        dq_accum = delta if deterministic else launch.empty((1, *q.shape), FLOAT32)  # delta: a stand-in
     scale = np.float32(p.softmax_scale)
     scale_log2 = np.float32(p.softmax_scale * LOG2_E)
 
     # The row-wise kernels need no sequence bounds: D = rowsum(dO * O) (and dq_accum = 0) for every
     # packed row, as a batch of one.
     rows = (1, p.nheads, p.nheads_k, total_q, total_k)
-    preprocess.launch(preprocess.config.grid(*rows), (out[None], dout[None], delta, dq_accum), ())
+    preprocess.launch(preprocess.config.grid(*rows), (out[None], dout[None], delta, delta if tiles else dq_accum), ())
     # The tile kernels: one grid row per sequence, on stride-0 views narrowed in the kernel.
     shape = (p.batch, p.nheads, p.nheads_k, p.seqlen_q, p.seqlen_k)  # seqlen_*: the max_seqlen values
     views = [_batch_view(x, p.batch) for x in (q, k, v, dout, lse, delta[0], dk, dv, dq_accum[0], dq[0])]
@@ -184,6 +191,8 @@ def _varlen_backward(problem, dout, q, k, v, out, lse, deterministic=False):
         dkdv.launch(dkdv.config.grid(*shape), views[:9], (scale_log2, scale), p.params)
     if deterministic:
         dq_kernel.launch(dq_kernel.config.grid(*shape), views[:6] + views[9:], (scale_log2, scale), p.params)
+    elif tiles:  # a block row per sequence, each reading its tiles
+        dq_kernel.launch(dq_kernel.config.grid(*shape), (dq_accum, dq, p.cu_seqlens_q), (scale,))
     else:
         dq_kernel.launch(dq_kernel.config.grid(*rows), (dq_accum, dq), (scale,))
     return dq[0], dk, dv

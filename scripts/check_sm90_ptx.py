@@ -169,6 +169,9 @@ def backward_kernels():
                           ("causal_dropout", Variant(window=True, dropout=True)), ("block_mask", Variant(block_mask=True))):
         found.append((f"backward_sm90_dq_tiles_{name}_hd128", dataclasses.replace(
             configs.sm90_backward_table_config("float16", 128, variant), dq_reduce="tiles")))
+    # ... on packed sequences (an option, step 37), causal at hd 128
+    found.append(("backward_sm90_dq_tiles_varlen_causal_hd128", dataclasses.replace(
+        configs.sm90_backward_table_config("float16", 128, Variant(window=True, varlen=True)), dq_reduce="tiles")))
     # the same at hd 64 by 32-column halves with dQ_i's product first (an option, step 36)
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True)),
                           ("causal_dropout", Variant(window=True, dropout=True))):
@@ -181,6 +184,8 @@ def backward_kernels():
                                     ("float16", 64, 32)):  # ... its dq conversion (hd 64: the rows split's
         found.append((f"backward_sm90_convert_dq_tiles_{dtype}_hd{headdim}_part{columns}",  # and the halves')
                       Sm90ConvertDqConfig(dtype, headdim, columns)))
+    found.append(("backward_sm90_convert_dq_tiles_varlen_float16_hd128",  # packed sequences' (step 37)
+                  Sm90ConvertDqConfig("float16", 128, 64, varlen=True)))
     found.append(("backward_sm90_keys_plain_hd128", dataclasses.replace(  # by keys with red.add (step 1's)
         configs.sm90_backward_table_config("float16", 128, Variant()), dq_split="keys", dq_first=False)))
     # the deterministic backward's dK/dV pass (no dQ: dq_split="none"), plain at each planned headdim

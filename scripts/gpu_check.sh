@@ -49,7 +49,8 @@
 #                                atomics and tile-major), the conversion's and the primitive's tests,
 #                                then hd 128 timed against the atomic form and hd 64's rows split
 #                                against those three (step 36), with SDPA; hd 64 dropout's "steps"
-#                                against the halves; about 5-8 minutes
+#                                against the halves; packed sequences' backward at hd 128 with the
+#                                atomics and tile-major (step 37); about 6-9 minutes
 #   scripts/gpu_check.sh issue13 issue 13's table (its item 3) in one run per pass: the planned sm90
 #                                backward, then forward+backward (a training step's attention), hd 64
 #                                and 128, 4k and 16k, plain and causal, fp16, next to SDPA flash,
@@ -233,10 +234,10 @@ dqfirst)
     tail -6 "$out/dqfirst_dropout128.log"
     ;;
 tiles)
-    # docs/perf-notes.md, "Hopper backward", steps 32-36
+    # docs/perf-notes.md, "Hopper backward", steps 32-37
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 200 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
-        -W ignore tests/test_primitives_sm90.py tests/test_backward_sm90.py \
-        -k "dq_red or bulk_reduce or convert_dq_tiles or (rows_gpu and tiles) or columns_dq_first_gpu" \
+        -W ignore tests/test_primitives_sm90.py tests/test_backward_sm90.py tests/test_varlen.py \
+        -k "dq_red or bulk_reduce or convert_dq_tiles or (rows_gpu and tiles) or columns_dq_first_gpu or dq_tiles_gpu" \
         > "$out/tiles_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/tiles_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/tiles_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
@@ -250,6 +251,15 @@ tiles)
         --only columns-dqfirst columns-tiles > "$out/tiles_dropout64.log" 2>&1
     echo "hd 64 dropout (exit $?):"
     tail -8 "$out/tiles_dropout64.log"
+    # packed sequences at hd 128 (step 37): the planned atomics, then the tile-major dQ (an option)
+    for form in red tiles; do
+        timeout 100 python3 -c "import runpy, sys; from nbflash import configs
+configs.SM90_BACKWARD_VARLEN_DQ_TILES = sys.argv[1] == 'tiles'
+sys.argv = ['scripts/bench.py'] + sys.argv[2:]
+runpy.run_path('scripts/bench.py', run_name='__main__')" "$form" --pass varlen --varlen-backward --headdims 128 \
+            --causal both --varlen-lengths uniform:16384:2048 --no-torch --budget 0.3 > "$out/varlen_$form.log" 2>&1
+        echo "varlen backward, dq_reduce=$form (exit $?):"; tail -6 "$out/varlen_$form.log"
+    done
     ;;
 issue13)
     # the issue's item 3: bench.py's two passes side by side with the anchors (Flex through --variants)

@@ -254,26 +254,14 @@ def dq_red(monkeypatch):
         yield
 
 
-@pytest.mark.parametrize("kernel", ["columns", "halves", "rows"])
-def test_convert_dq_tiles_reads_the_fragment_order(xp, kernel):
-    """The tile-major dq conversion (Sm90ConvertDqConfig) reads each element where make_stage_dq
-    puts it: in every 64-row unit, thread t
-    (32 w + lane) of the consumer staging part c, register 4 v + e4, at float c 64 C + 512 v + 4 t
-    + e4, for rows 16 w + lane // 4 (+ 8 for e4 >= 2) and columns c C + 8 v + 2 (lane % 4) + e4 % 2
-    (wgmma's accumulator layout). By columns (backward_sm90.py): headdim 96 of 128 columns, two
-    parts of 64 a unit, a unit a query tile; by 32-column halves (backward_sm90.py at headdim 40 of
-    64): two parts of 32; the rows split: headdim 40 of 64, one part a unit, two units a query tile
-    of 128. seqlen_q 70 cuts the last tile."""
-    if kernel in ("columns", "halves"):
-        config = Sm90BackwardConfig(dtype="float16", headdim=96 if kernel == "columns" else 40, dq_split="columns",
-                                    dq_first=True, dq_reduce="tiles")
-    else:
-        config = Sm90RowsBackwardConfig("float16", 40, dq_reduce="tiles")
-    batch, nheads, seqlen_q, hdp, columns = 2, 3, 70, config.headdim_padded, config.dq_part_columns
-    shape = dq_accum_shape(config, batch, nheads, seqlen_q)
-    assert shape == (2, 3, 128, hdp)
-    rows = np.random.default_rng(0).standard_normal((batch, 128, nheads, hdp)).astype(np.float32)
-    units = np.full(shape, np.nan, np.float32).reshape(batch, nheads, 2, -1)
+def fragment_units(tile_rows, columns):
+    """A tile-major dq_accum (``dq_accum_shape``) holding ``tile_rows`` ((batch, rows, nheads,
+    headdim_padded), rows a multiple of 64) where make_stage_dq puts each element: in every 64-row
+    unit, thread t (32 w + lane) of the consumer staging part c, register 4 v + e4, at float
+    c 64 C + 512 v + 4 t + e4, for rows 16 w + lane // 4 (+ 8 for e4 >= 2) and columns
+    c C + 8 v + 2 (lane % 4) + e4 % 2 (wgmma's accumulator layout; C: ``columns``, a part's)."""
+    batch, rows, nheads, hdp = tile_rows.shape
+    units = np.full((batch, nheads, rows // 64, 64 * hdp), np.nan, np.float32)
     for c in range(hdp // columns):
         for t in range(128):
             w, lane = divmod(t, 32)
@@ -282,23 +270,64 @@ def test_convert_dq_tiles_reads_the_fragment_order(xp, kernel):
                 row = 16 * w + lane // 4 + 8 * (e4 // 2)
                 col = c * columns + 8 * v + 2 * (lane % 4) + e4 % 2
                 units[:, :, :, c * 64 * columns + 512 * v + 4 * t + e4] = \
-                    rows[:, row::64, :, col].transpose(0, 2, 1)
-    convert = Sm90ConvertDqConfig("float16", config.headdim, columns)
-    dq = xp.full((batch, seqlen_q, nheads, config.headdim), np.nan, np.float16)
-    launch.compiled(convert).launch(convert.grid(batch, nheads, nheads, seqlen_q, seqlen_q),
-                                    (xp.asarray(units.reshape(shape)), dq), (np.float32(0.5),))
-    expected = (rows[:, :seqlen_q, :, :config.headdim] * np.float32(0.5)).astype(np.float16)
+                    tile_rows[:, row::64, :, col].transpose(0, 2, 1)
+    return units.reshape(batch, nheads, rows, hdp)
+
+
+@pytest.mark.parametrize("kernel", ["columns", "halves", "rows", "packed"])
+def test_convert_dq_tiles_reads_the_fragment_order(xp, kernel):
+    """The tile-major dq conversion (Sm90ConvertDqConfig) reads each element where make_stage_dq
+    puts it (``fragment_units``). By columns (backward_sm90.py): headdim 96 of 128 columns, two
+    parts of 64 a unit, a unit a query tile; by 32-column halves (backward_sm90.py at headdim 40 of
+    64): two parts of 32; the rows split: headdim 40 of 64, one part a unit, two units a query tile
+    of 128. seqlen_q 70 cuts the last tile. Packed sequences (by columns, headdim 96): lengths 70, 0,
+    40, each sequence's tiles from its padded first row (rows 0, 128 and 192)."""
+    if kernel in ("columns", "halves", "packed"):
+        config = Sm90BackwardConfig(dtype="float16", headdim=40 if kernel == "halves" else 96,
+                                    variant=Variant(varlen=kernel == "packed"), dq_split="columns", dq_first=True,
+                                    dq_reduce="tiles")
+    else:
+        config = Sm90RowsBackwardConfig("float16", 40, dq_reduce="tiles")
+    nheads, hdp, columns = 3, config.headdim_padded, config.dq_part_columns
+    convert = Sm90ConvertDqConfig("float16", config.headdim, columns, kernel == "packed")
+    generator = np.random.default_rng(0)
+    if kernel == "packed":
+        lengths = [70, 0, 40]
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        shape = dq_accum_shape(config, len(lengths), nheads, int(cu[-1]))
+        assert shape == (1, nheads, 5 * 64, hdp)  # ceil((110 + 3 x 64) / 64) tiles
+        rows = generator.standard_normal((1, int(cu[-1]), nheads, hdp)).astype(np.float32)
+        tile_rows = np.full((1, shape[2], nheads, hdp), 1e30, np.float32)  # rows of no sequence: never read
+        for b, (first, length) in enumerate(zip(cu[:-1], lengths)):
+            start = (first + 64 * b) // 64 * 64  # padded_first_row
+            tile_rows[0, start:start + length] = rows[0, first:first + length]
+        assert [(first + 64 * b) // 64 * 64 for b, first in enumerate(cu[:-1])] == [0, 128, 192]
+        dq = xp.full((1, int(cu[-1]), nheads, config.headdim), np.nan, np.float16)
+        launch.compiled(convert).launch(convert.grid(len(lengths), nheads, nheads, max(lengths), 0),
+                                        (xp.asarray(fragment_units(tile_rows, columns)), dq, xp.asarray(cu)),
+                                        (np.float32(0.5),))
+    else:
+        batch, seqlen_q = 2, 70
+        shape = dq_accum_shape(config, batch, nheads, seqlen_q)
+        assert shape == (2, 3, 128, hdp)
+        rows = generator.standard_normal((batch, 128, nheads, hdp)).astype(np.float32)
+        dq = xp.full((batch, seqlen_q, nheads, config.headdim), np.nan, np.float16)
+        launch.compiled(convert).launch(convert.grid(batch, nheads, nheads, seqlen_q, seqlen_q),
+                                        (xp.asarray(fragment_units(rows, columns)), dq), (np.float32(0.5),))
+    expected = (rows[:, :dq.shape[1], :, :config.headdim] * np.float32(0.5)).astype(np.float16)
     np.testing.assert_array_equal(to_numpy(dq), expected)  # every row and column written, none past
 
 
 def test_dq_tiles_configs():
-    """dq_reduce="tiles" takes dQ's product first and dense batches; its staged tile is block_m x
-    headdim_padded float32, unpadded (both kernels that take it)."""
+    """dq_reduce="tiles" takes dQ's product first; its staged tile is block_m x headdim_padded
+    float32, unpadded (both kernels that take it). Packed sequences hold dq_accum in one batch row
+    with a tile of slack per sequence (dq_accum_shape)."""
     with pytest.raises(ValueError, match="dq_first"):
         Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="columns", dq_reduce="tiles")
-    with pytest.raises(ValueError, match="packed sequences"):
-        Sm90BackwardConfig(dtype="float16", headdim=128, variant=Variant(varlen=True), dq_split="columns",
-                           dq_first=True, dq_reduce="tiles")
+    packed = Sm90BackwardConfig(dtype="float16", headdim=96, variant=Variant(varlen=True), dq_split="columns",
+                                dq_first=True, dq_reduce="tiles")
+    assert dq_accum_shape(packed, 3, 4, 130) == (1, 4, 64 * 6, 128)  # ceil((130 + 3 x 64) / 64) tiles
+    assert dq_accum_shape(dataclasses.replace(packed, variant=Variant()), 3, 4, 130) == (3, 4, 192, 128)
     with pytest.raises(ValueError, match="dq_reduce"):
         Sm90BackwardConfig(dtype="float16", headdim=128, dq_split="columns", dq_first=True, dq_reduce="bulk")
     # the rows split: a 128-row staged tile of 64 columns (the consumers' 64 rows each), not with a

@@ -51,7 +51,9 @@ the plan then takes ``dq_reduce="tiles"`` (FlashAttention-3's form; configs.SM90
 6-10% faster again at headdim 128): the consumers store dQ_i into a shared tile in wgmma's fragment
 order instead, and the producer's stats warp adds it into a tile-major dq_accum by one bulk
 reduce-add a step (``make_stage_dq``, ``make_add_staged_dq``), which the conversion reads in that
-order (``Sm90ConvertDqConfig``). Packed sequences keep the atomics.
+order (``Sm90ConvertDqConfig``). Packed sequences keep the atomics unless
+configs.SM90_BACKWARD_VARLEN_DQ_TILES is on (an option: each sequence's tiles then start on a whole
+tile of dq_accum, ``padded_first_row``).
 
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G
 (G ceil(seqlen_k / block_n), ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch,
@@ -118,6 +120,7 @@ from functools import lru_cache
 
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
+from numba.extending import register_jitable
 
 from nbflash.primitives import (
     SIMULATOR,
@@ -171,7 +174,7 @@ from nbflash.primitives_sm90 import (
 from nbflash.problem import Variant
 
 from . import variants
-from .geometry import grouped_block, grouped_grid
+from .geometry import grouped_block, grouped_grid, packed_sequence
 from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
 from .tiles import output_store
 
@@ -296,7 +299,8 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # one bulk reduce-add a row: 13-47% slower, taken out; step 6, TMA tensor reduce-adds issued
     # and waited for by a consumer thread: within noise, taken out; their code is in history,
     # perf-notes says where.) Planned: "tiles" for dense batches at headdims 72-128 (step 35, +6-10%
-    # at 128), "red" for packed sequences (configs.planned_backward_sm90_config).
+    # at 128), "red" for packed sequences (configs.planned_backward_sm90_config; "tiles" there is an
+    # option, step 37: each sequence's tiles from its ``padded_first_row`` of dq_accum).
     dq_reduce: str = "red"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
@@ -319,9 +323,6 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         if self.dq_reduce == "tiles" and not self.dq_first:
             raise ValueError("dq_reduce='tiles' takes dq_first=True (dQ split by columns, its product first), "
                              f"not dq_split={self.dq_split!r} with dq_first={self.dq_first}")
-        if self.dq_reduce == "tiles" and self.variant.varlen:
-            raise ValueError("dq_reduce='tiles' takes dense batches, not packed sequences (variant.varlen): "
-                             "their query tiles do not start on whole tiles of dq_accum")
         self.check_block()
 
     @property
@@ -413,8 +414,25 @@ def dq_accum_shape(config, batch, nheads, seqlen_q):
     dQ is 0). Inside, every 64 rows are a unit of 64 x headdim_padded floats, in parts of
     ``config.dq_part_columns`` columns (a consumer's product), each in fragment order: this file's
     kernel stages a unit a step (the consumers' column halves), backward_sm90_rows.py two (each
-    consumer's 64 rows, all 64 columns)."""
-    return (batch, nheads, -(-seqlen_q // config.block_m) * config.block_m, config.headdim_padded)
+    consumer's 64 rows, all 64 columns).
+
+    Packed sequences (``variant.varlen``; ``seqlen_q``: the packed rows, total_q): one batch row,
+    sequence b's tiles from row ``padded_first_row(q_first, b, block_m)`` on, so that each starts
+    on a whole tile: (1, nheads, ceil((total_q + batch block_m) / block_m) block_m, headdim_padded)."""
+    rows = seqlen_q + (batch * config.block_m if config.variant.varlen else 0)
+    return (1 if config.variant.varlen else batch, nheads, -(-rows // config.block_m) * config.block_m,
+            config.headdim_padded)
+
+
+@register_jitable
+def padded_first_row(q_first, b, block_m):
+    """Packed sequences with a tile-major dq_accum (``dq_accum_shape``): the row of dq_accum where
+    sequence b's query tiles start, its first packed row q_first moved up to a multiple of block_m
+    past b tiles of slack. Sequence b + 1's start is then at least ceil(seqlen_b / block_m) tiles
+    later, and every tile ends inside dq_accum: with the clamped offsets of
+    ``geometry.packed_sequence``, (q_first + b block_m) + seqlen_b + block_m - 1 < total_q + batch
+    block_m, whatever cu_seqlens_q holds."""
+    return (q_first + b * block_m) // block_m * block_m
 
 
 # -------------------------------------------------------------------------------------------------
@@ -534,10 +552,12 @@ def make_stage_stats(config, hooks):
         step i - 1's dQ goes out once step i's stats are in: step i's slot is free once the
         consumers are past step i - 2, which is before step i - 1's dQ is staged, so neither waits
         on the other (dq_accum, dq_stage and its barriers are unused otherwise)."""
-        mem_b, row0 = b, 0
+        mem_b, row0, dq_row0 = b, 0, 0
         if VARLEN:
             row0 = sequence(params, b, lse.shape[2], lse.shape[2])[0]  # the query rows' first
             mem_b = 0
+            if STAGED_DQ:  # the sequence's first whole tile of dq_accum (dq_accum_shape)
+                dq_row0 = padded_first_row(row0, b, BM)
         position = -1
         last_h, last_q_start = 0, 0  # with STAGED_DQ: step i - 1's query head and tile
         for i in range(steps):
@@ -574,10 +594,12 @@ def make_stage_stats(config, hooks):
             mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
             if STAGED_DQ:
                 if i > 0:
-                    add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i - 1, last_h, last_q_start, mem_b, lane)
+                    add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i - 1, last_h, dq_row0 + last_q_start, mem_b,
+                                  lane)
                 last_h, last_q_start = h, q_start
         if STAGED_DQ and steps > 0:
-            add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, steps - 1, last_h, last_q_start, mem_b, lane)
+            add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, steps - 1, last_h, dq_row0 + last_q_start, mem_b,
+                          lane)
 
     return stage_stats
 
@@ -639,8 +661,9 @@ def make_stage_dropout(config, hooks):
 def make_add_staged_dq(config):
     """``add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, q_start, mem_b, lane)``, the stats
     warp's with ``dq_tile_major`` (make_stage_stats): once the consumers have stored their parts of
-    step i's dQ in the staged tile (dq_full), lane 0 adds the whole tile into query tile q_start /
-    block_m of dq_accum[mem_b, h] (``dq_accum_shape``: the same fragment order) by one bulk
+    step i's dQ in the staged tile (dq_full), lane 0 adds the whole tile into the block_m rows of
+    dq_accum[mem_b, h] from row q_start on (``dq_accum_shape``: the same fragment order; a packed
+    sequence's rows from its ``padded_first_row``) by one bulk
     reduce-add, and once the copy engine has read it the tile is free again (dq_empty, one arrival a
     lane). Rows past seqlen_q go in too: their dQ is 0, and dq_accum holds whole tiles."""
     TILE_BYTES = config.dq_stage_bytes
@@ -1288,6 +1311,10 @@ class Sm90ConvertDqConfig:
     dtype: str  # 'float16' or 'bfloat16'
     headdim: int
     part_columns: int  # the dK/dV config's dq_part_columns: a staged product's columns
+    # packed sequences: dq_accum as dq_accum_shape lays them out (a batch row, each sequence from its
+    # padded_first_row), dq the packed rows (a batch of one); the kernel takes cu_seqlens_q after dq
+    # and its grid a block row per sequence (batch: the sequences, seqlen_q: the longest)
+    varlen: bool = False
     kernel = "convert_dq"  # the backward's plan reads it (one kernel of the three)
     block_m = 64  # rows of a unit (dq_accum_shape)
     threads = GROUP
@@ -1318,14 +1345,14 @@ def build_convert_dq_tiles(config: Sm90ConvertDqConfig):
     ACC_REGS = HDP // 2  # a thread's registers over all HDP columns
     store_rows = make_store_rows(config.dtype, config.headdim, HDP)
 
-    @launch_bounded(GROUP, 1)
+    @inline_device
     @unroll
-    def backward_convert_dq_tiles(dq_accum, dq, scale):
+    def convert_unit(dq_accum, dq, mem_b, h, unit_row, dq_row, rows_end, scale):
+        """The 64-row unit at row unit_row of dq_accum[mem_b, h] -> dq[mem_b, dq_row + ..., h] (rows
+        before rows_end)."""
         t = cuda.threadIdx.x
         warp, lane = t // 32, t % 32
-        q_start = cuda.blockIdx.x * BM
-        h, b = cuda.blockIdx.y, cuda.blockIdx.z
-        tile = global_address(dq_accum, b, h, q_start, 0)
+        tile = global_address(dq_accum, mem_b, h, unit_row, 0)
         # acc in the accumulator's layout over all HDP columns: part p's register r is acc[p COLUMNS / 2 + r]
         acc = cuda.local.array(ACC_REGS, float32)
         for p in static_range(PARTS):
@@ -1333,6 +1360,24 @@ def build_convert_dq_tiles(config: Sm90ConvertDqConfig):
                 words = load_u32x4_nc(tile + p * PART + 16 * (GROUP * v + t))
                 for e in static_range(4):
                     acc[p * (COLUMNS // 2) + 4 * v + e] = u32_as_f32(words[e])
-        store_rows(dq, acc, b, q_start + 16 * warp + lane // 4, h, dq.shape[1], scale, lane % 4)
+        store_rows(dq, acc, mem_b, dq_row + 16 * warp + lane // 4, h, rows_end, scale, lane % 4)
+
+    if config.varlen:
+
+        @launch_bounded(GROUP, 1)
+        def backward_convert_dq_tiles_varlen(dq_accum, dq, cu_seqlens_q, scale):
+            q_start = cuda.blockIdx.x * BM
+            h, b = cuda.blockIdx.y, cuda.blockIdx.z
+            q_first, q_rows, _, _ = packed_sequence(cu_seqlens_q, cu_seqlens_q, b, dq.shape[1], dq.shape[1])
+            if q_start < q_rows:  # the sequence's tile q_start / BM, from its first whole tile of dq_accum
+                convert_unit(dq_accum, dq, 0, h, padded_first_row(q_first, b, BM) + q_start, q_first + q_start,
+                             q_first + q_rows, scale)
+
+        return backward_convert_dq_tiles_varlen
+
+    @launch_bounded(GROUP, 1)
+    def backward_convert_dq_tiles(dq_accum, dq, scale):
+        q_start = cuda.blockIdx.x * BM
+        convert_unit(dq_accum, dq, cuda.blockIdx.z, cuda.blockIdx.y, q_start, q_start, dq.shape[1], scale)
 
     return backward_convert_dq_tiles

@@ -86,8 +86,10 @@ def _backward_sm90(config):
 
 
 def _convert_dq_sm90(config):
-    """The tile-major dq conversion's arguments: dq_accum (``dq_accum_shape``), dq, the softmax scale."""
-    return f"void(float32[:,:,:,::1], {KERNEL_DTYPE[config.dtype].name}[:,:,:,::1], float32)"
+    """The tile-major dq conversion's arguments: dq_accum (``dq_accum_shape``), dq, (packed sequences:
+    cu_seqlens_q,) the softmax scale."""
+    sequences = "int32[:], " if config.varlen else ""
+    return f"void(float32[:,:,:,::1], {KERNEL_DTYPE[config.dtype].name}[:,:,:,::1], {sequences}float32)"
 
 
 def _backward_dq_sm90(config):
