@@ -491,7 +491,9 @@ SM90_BACKWARD_ROWS_MAX_HEADDIM = 64
 # (scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-tiles rows-tiles --anchors,
 # docs/perf-notes.md "Hopper backward" steps 32-34), fp16, hd 128, 4k and 16k, two runs: +9-10% /
 # +7-8% non-causal, +6% / +10% causal over the atomic reductions ("red"). The rows split's form (hd
-# 64) measured 1-4% slower and is not planned.
+# 64) measured 1-4% slower and is not planned. The other variants at hd 72-128 (dropout, softcap,
+# ALiBi, masks, score_mod) take it too: their GPU grids pass with it, their speed is not yet timed
+# apart (scripts/gpu_check.sh tiles times dropout).
 SM90_BACKWARD_DQ_TILES = True
 # The same for packed sequences (each sequence's tiles from a whole tile of dq_accum: dq_accum_shape,
 # step 37): not yet timed, so not planned (tests/test_varlen.py turns it on).

@@ -255,11 +255,12 @@ tiles)
     echo "the planned kernels against dQ by atomics (hd 128), the rows split's tiles and backward_sm90.py by"
     echo "32-column halves, dQ first, by atomics and tile-major (hd 64) (exit $?):"
     tail -22 "$out/tiles.log"
-    # hd 64 dropout (planned: "steps", dQ last) against the halves with dQ first, by atomics and tile-major
-    timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 64 --dropout 0.1 \
-        --only columns-dqfirst columns-tiles > "$out/tiles_dropout64.log" 2>&1
-    echo "hd 64 dropout (exit $?):"
-    tail -8 "$out/tiles_dropout64.log"
+    # dropout: hd 64 (planned: "steps", dQ last) against the halves with dQ first, by atomics and
+    # tile-major; hd 128 (planned: tiles, with the producer's keep bits) against the atomics
+    timeout 200 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --dropout 0.1 \
+        --only columns-dqfirst columns-tiles planned-red > "$out/tiles_dropout.log" 2>&1
+    echo "dropout 0.1 (exit $?):"
+    tail -12 "$out/tiles_dropout.log"
     # packed sequences at hd 128 (step 37): the planned atomics, then the tile-major dQ (an option)
     for form in red tiles; do
         timeout 100 python3 -c "import runpy, sys; from nbflash import configs
