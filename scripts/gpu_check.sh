@@ -51,11 +51,14 @@
 #                                dense batches since step 35): the grids of the forms the planner
 #                                does not take (the consumers' atomics on dense batches, the rows
 #                                split's tiles at hd 64, hd 64 by 32-column halves with dQ first by
-#                                atomics and tile-major), the conversion's and the primitive's tests,
-#                                then hd 128 timed against the atomic form and hd 64's rows split
-#                                against those three (step 36), with SDPA; hd 64 dropout's "steps"
-#                                against the halves; packed sequences' backward at hd 128 with the
-#                                atomics and tile-major (step 37); about 6-9 minutes
+#                                atomics and tile-major, packed sequences tile-major), the
+#                                conversion's and the primitive's tests, then hd 128 timed against
+#                                the atomic form and hd 64's rows split against those three (step
+#                                36), with SDPA; about 5-9 minutes
+#   scripts/gpu_check.sh tiles2  the rest of those timings: dropout (hd 64's "steps" against the
+#                                halves, hd 128's tiles against the atomics), then packed sequences'
+#                                backward at hd 128 with the atomics and tile-major (step 37), about
+#                                4-9 minutes
 #   scripts/gpu_check.sh issue13 issue 13's table (its item 3) in one run per pass: the planned sm90
 #                                backward, then forward+backward (a training step's attention), hd 64
 #                                and 128, 4k and 16k, plain and causal, fp16, next to SDPA flash,
@@ -244,26 +247,29 @@ dqfirst)
     ;;
 tiles)
     # docs/perf-notes.md, "Hopper backward", steps 32-37
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 200 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 220 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
         -W ignore tests/test_primitives_sm90.py tests/test_backward_sm90.py tests/test_varlen.py \
         -k "dq_red or bulk_reduce or convert_dq_tiles or (rows_gpu and tiles) or columns_dq_first_gpu or dq_tiles_gpu" \
         > "$out/tiles_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/tiles_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/tiles_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 300 python3 scripts/sm90_schedules.py --backward --headdims 64 128 \
+    timeout 330 python3 scripts/sm90_schedules.py --backward --headdims 64 128 \
         --only planned-red rows-tiles columns-dqfirst columns-tiles --anchors > "$out/tiles.log" 2>&1
+    rc=$?
     echo "the planned kernels against dQ by atomics (hd 128), the rows split's tiles and backward_sm90.py by"
-    echo "32-column halves, dQ first, by atomics and tile-major (hd 64) (exit $?):"
+    echo "32-column halves, dQ first, by atomics and tile-major (hd 64) (exit $rc):"
     tail -22 "$out/tiles.log"
+    ;;
+tiles2)
     # dropout: hd 64 (planned: "steps", dQ last) against the halves with dQ first, by atomics and
     # tile-major; hd 128 (planned: tiles, with the producer's keep bits) against the atomics
-    timeout 200 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --dropout 0.1 \
+    timeout 260 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --dropout 0.1 \
         --only columns-dqfirst columns-tiles planned-red > "$out/tiles_dropout.log" 2>&1
     echo "dropout 0.1 (exit $?):"
     tail -12 "$out/tiles_dropout.log"
     # packed sequences at hd 128 (step 37): the planned atomics, then the tile-major dQ (an option)
     for form in red tiles; do
-        timeout 100 python3 -c "import runpy, sys; from nbflash import configs
+        timeout 140 python3 -c "import runpy, sys; from nbflash import configs
 configs.SM90_BACKWARD_VARLEN_DQ_TILES = sys.argv[1] == 'tiles'
 sys.argv = ['scripts/bench.py'] + sys.argv[2:]
 runpy.run_path('scripts/bench.py', run_name='__main__')" "$form" --pass varlen --varlen-backward --headdims 128 \
@@ -317,7 +323,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|tiles|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
     exit 2
     ;;
 esac
