@@ -70,6 +70,17 @@ def _kernels(static, deterministic, family, aligned, out_aligned=False):
                      for config in plan_backward(static, deterministic, family, aligned, out_aligned))
 
 
+def dq_accumulator(dkdv_config, batch, nheads, rows, row_major_shape):
+    """(dq_accum, tile_major) for a call with atomics: held tile-major where the dK/dV kernel stages
+    dQ (the sm90 kernel's dq_reduce="tiles": ``dq_accum_shape``, ``rows`` the query rows: seqlen_q,
+    or total_q for packed sequences), zeroed here, the preprocess (planned without atomic_dq)
+    leaving it alone and the planned conversion reading that order; else row-major
+    (``row_major_shape``), zeroed by the preprocess."""
+    if getattr(dkdv_config, "dq_tile_major", False):
+        return launch.zeros(dq_accum_shape(dkdv_config, batch, nheads, rows), FLOAT32), True
+    return launch.empty(row_major_shape, FLOAT32), False
+
+
 # ---------------------------------------------------------------------------------------------------
 # The backward pass
 # ---------------------------------------------------------------------------------------------------
@@ -89,13 +100,8 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     dv = launch.empty(v.shape, v.dtype)
     delta = launch.empty((problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
     # dq_accum is only used with atomics; delta stands in for it otherwise (one signature per config).
-    # Held tile-major (the sm90 kernel's dq_reduce="tiles"), it is zeroed here, the preprocess
-    # (planned without atomic_dq) leaves it alone and the planned conversion reads that order.
-    tiles = not deterministic and getattr(dkdv.config, "dq_tile_major", False)
-    if tiles:
-        dq_accum = launch.zeros(dq_accum_shape(dkdv.config, p.batch, p.nheads, p.seqlen_q), FLOAT32)
-    else:
-        dq_accum = delta if deterministic else launch.empty(q.shape, FLOAT32)
+    dq_accum, tiles = (delta, False) if deterministic else dq_accumulator(dkdv.config, p.batch, p.nheads,
+                                                                          p.seqlen_q, q.shape)
 
     scale = np.float32(problem.softmax_scale)
     scale_log2 = np.float32(problem.softmax_scale * LOG2_E)

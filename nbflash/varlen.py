@@ -26,7 +26,6 @@ import numpy as np
 from . import backward, interface, launch, runtime, validation
 from .configs import forced_family
 from .dtypes import FLOAT32
-from .kernels.backward_sm90 import dq_accum_shape
 from .reference import attention_probabilities
 
 LOG2_E = math.log2(math.e)
@@ -167,13 +166,10 @@ def _varlen_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     dk = launch.empty(k.shape, k.dtype)
     dv = launch.empty(v.shape, v.dtype)
     delta = launch.empty((1, p.nheads, total_q), FLOAT32)
-    # Held tile-major (the sm90 kernel's dq_reduce="tiles"), dq_accum has each sequence's tiles from
-    # a whole tile on (dq_accum_shape), zeroed here; the preprocess leaves it alone.
-    tiles = not deterministic and getattr(dkdv.config, "dq_tile_major", False)
-    if tiles:
-        dq_accum = launch.zeros(dq_accum_shape(dkdv.config, p.batch, p.nheads, total_q), FLOAT32)
-    else:
-        dq_accum = delta if deterministic else launch.empty((1, *q.shape), FLOAT32)  # delta: a stand-in
+    # delta stands in for dq_accum without atomics; tile-major, each sequence's tiles start on a whole
+    # tile (dq_accum_shape)
+    dq_accum, tiles = (delta, False) if deterministic else backward.dq_accumulator(dkdv.config, p.batch, p.nheads,
+                                                                                   total_q, (1, *q.shape))
     scale = np.float32(p.softmax_scale)
     scale_log2 = np.float32(p.softmax_scale * LOG2_E)
 

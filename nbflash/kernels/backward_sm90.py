@@ -659,20 +659,20 @@ def make_stage_dropout(config, hooks):
 
 
 def make_add_staged_dq(config):
-    """``add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, q_start, mem_b, lane)``, the stats
+    """``add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, row, mem_b, lane)``, the stats
     warp's with ``dq_tile_major`` (make_stage_stats): once the consumers have stored their parts of
     step i's dQ in the staged tile (dq_full), lane 0 adds the whole tile into the block_m rows of
-    dq_accum[mem_b, h] from row q_start on (``dq_accum_shape``: the same fragment order; a packed
-    sequence's rows from its ``padded_first_row``) by one bulk
-    reduce-add, and once the copy engine has read it the tile is free again (dq_empty, one arrival a
-    lane). Rows past seqlen_q go in too: their dQ is 0, and dq_accum holds whole tiles."""
+    dq_accum[mem_b, h] from ``row`` on (``dq_accum_shape``: the same fragment order; the query
+    tile's start, for a packed sequence past its ``padded_first_row``) by one bulk reduce-add, and
+    once the copy engine has read it the tile is free again (dq_empty, one arrival a lane). Rows
+    past seqlen_q go in too: their dQ is 0, and dq_accum holds whole tiles."""
     TILE_BYTES = config.dq_stage_bytes
 
     @inline_device
-    def add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, q_start, mem_b, lane):
+    def add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, row, mem_b, lane):
         mbarrier_wait(dq_full, i & 1)  # the consumers' parts are stored (and fenced)
         if lane == 0:
-            bulk_reduce_add_f32(global_address(dq_accum, mem_b, h, q_start, 0), dq_stage, uint32(TILE_BYTES))
+            bulk_reduce_add_f32(global_address(dq_accum, mem_b, h, row, 0), dq_stage, uint32(TILE_BYTES))
             tma_store_commit()
             tma_store_wait(0)  # the copy engine has read the tile
         mbarrier_arrive(dq_empty)  # the phase completes with lane 0's arrival, after the read
