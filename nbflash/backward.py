@@ -70,7 +70,7 @@ def _kernels(static, deterministic, family, aligned, out_aligned=False):
                      for config in plan_backward(static, deterministic, family, aligned, out_aligned))
 
 
-def dq_accumulator(dkdv_config, batch, nheads, rows, row_major_shape):
+def _dq_accumulator(dkdv_config, batch, nheads, rows, row_major_shape):
     """(dq_accum, tile_major) for a call with atomics: held tile-major where the dK/dV kernel stages
     dQ (the sm90 kernel's dq_reduce="tiles": ``dq_accum_shape``, ``rows`` the query rows: seqlen_q,
     or total_q for packed sequences), zeroed here, the preprocess (planned without atomic_dq)
@@ -100,8 +100,8 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     dv = launch.empty(v.shape, v.dtype)
     delta = launch.empty((problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
     # dq_accum is only used with atomics; delta stands in for it otherwise (one signature per config).
-    dq_accum, tiles = (delta, False) if deterministic else dq_accumulator(dkdv.config, p.batch, p.nheads,
-                                                                          p.seqlen_q, q.shape)
+    dq_accum, tiles = (delta, False) if deterministic else _dq_accumulator(dkdv.config, p.batch, p.nheads,
+                                                                           p.seqlen_q, q.shape)
 
     scale = np.float32(problem.softmax_scale)
     scale_log2 = np.float32(problem.softmax_scale * LOG2_E)
