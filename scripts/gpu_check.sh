@@ -249,7 +249,7 @@ tiles)
     # docs/perf-notes.md, "Hopper backward", steps 32-37
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 220 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
         -W ignore tests/test_primitives_sm90.py tests/test_backward_sm90.py tests/test_varlen.py \
-        -k "dq_red or bulk_reduce or convert_dq_tiles or (rows_gpu and tiles) or columns_dq_first_gpu or dq_tiles_gpu" \
+        -k "dq_red or bulk_reduce or convert_dq_tiles or (rows_gpu and tiles) or columns_dq_first_gpu or dq_tiles_gpu or dq_reduce_gpu" \
         > "$out/tiles_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/tiles_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/tiles_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
@@ -267,7 +267,7 @@ tiles2)
         --only columns-dqfirst columns-tiles planned-red > "$out/tiles_dropout.log" 2>&1
     echo "dropout 0.1 (exit $?):"
     tail -12 "$out/tiles_dropout.log"
-    # packed sequences at hd 128 (step 37): the planned atomics, then the tile-major dQ (an option)
+    # packed sequences at hd 128 (step 37): the atomics (an option), then the planned tile-major dQ
     for form in red tiles; do
         timeout 140 python3 -c "import runpy, sys; from nbflash import configs
 configs.SM90_BACKWARD_VARLEN_DQ_TILES = sys.argv[1] == 'tiles'

@@ -190,10 +190,10 @@ def dq_last(monkeypatch):
 
 
 def test_backward_sm90_plans_dq_first():
-    """With dQ split by columns (headdims 72-128), dQ_i's product comes first (dq_first) and, for
-    dense batches, dQ_i goes tile-major by the stats warp's bulk reduce-adds (dq_reduce="tiles",
-    with the tile-major conversion and no zeroing in the preprocess); packed sequences keep the
-    atomics; the deterministic pass, which has no dQ, goes without either."""
+    """With dQ split by columns (headdims 72-128), dQ_i's product comes first (dq_first) and dQ_i
+    goes tile-major by the stats warp's bulk reduce-adds (dq_reduce="tiles", with the tile-major
+    conversion and no zeroing in the preprocess), for packed sequences too (their conversion takes
+    cu_seqlens_q); the deterministic pass, which has no dQ, goes without either."""
     for headdim in (96, 128):
         static = Static("float16", headdim, True, 0, CAUSAL)
         assert configs.sm90_backward_table_config("float16", headdim, CAUSAL).dq_first
@@ -201,7 +201,8 @@ def test_backward_sm90_plans_dq_first():
         assert dkdv.dq_first and dkdv.dq_reduce == "tiles" and not preprocess.atomic_dq
         assert convert == Sm90ConvertDqConfig("float16", headdim, 64)
         packed = configs.plan_backward(static._replace(variant=CAUSAL._replace(varlen=True)), False, "sm90")
-        assert packed[1].dq_first and packed[1].dq_reduce == "red" and packed[0].atomic_dq
+        assert packed[1].dq_first and packed[1].dq_reduce == "tiles" and not packed[0].atomic_dq
+        assert packed[2] == Sm90ConvertDqConfig("float16", headdim, 64, True)
         dkdv = configs.plan_backward(static, True, "sm90")[1]
         assert dkdv.dq_split == "none" and not dkdv.dq_first and dkdv.dq_reduce == "red"
 
@@ -247,8 +248,7 @@ def test_backward_sm90_columns_dq_first_gpu(xp, monkeypatch, seqlens, name, dq_r
 @pytest.fixture
 def dq_red(monkeypatch):
     """Plan backward_sm90.py's dK/dV kernel with dQ_i added to a row-major dq_accum by the consumers'
-    atomics (dq_reduce="red", the form packed sequences take), where dense batches are planned with
-    dq_reduce="tiles"."""
+    atomics (dq_reduce="red"), where it is planned with dq_reduce="tiles"."""
     with replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_reduce="red")
                    if getattr(config, "dq_reduce", "red") == "tiles" else config):
         yield

@@ -270,37 +270,39 @@ def test_varlen_sm90_backward_columns(rng, xp):
     run(rng, xp, "sm90", "bfloat16", False, False, [70, 5], [100, 20], 128, forward="reference")
 
 
-@pytest.fixture
-def varlen_dq_tiles(monkeypatch):
-    """Plan the tile-major dQ (dq_reduce="tiles") for packed sequences too (configs.
-    SM90_BACKWARD_VARLEN_DQ_TILES, not yet planned): each sequence's tiles from a whole tile of
-    dq_accum, converted a block row per sequence."""
+@pytest.fixture(params=["tiles", "red"])
+def varlen_dq_reduce(request, monkeypatch):
+    """Packed sequences' dQ by the planned tile-major form (dq_reduce="tiles", configs.
+    SM90_BACKWARD_VARLEN_DQ_TILES: each sequence's tiles from a whole tile of dq_accum, converted a
+    block row per sequence), or by the consumers' atomics into a row-major dq_accum ("red")."""
     from nbflash import backward, configs
 
-    monkeypatch.setattr(configs, "SM90_BACKWARD_VARLEN_DQ_TILES", True)
+    monkeypatch.setattr(configs, "SM90_BACKWARD_VARLEN_DQ_TILES", request.param == "tiles")
     backward._kernels.cache_clear()
-    yield
+    yield request.param
     backward._kernels.cache_clear()
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-def test_varlen_sm90_dq_tiles(rng, xp, monkeypatch, varlen_dq_tiles):
-    """The Hopper dK/dV kernel's tile-major dQ on packed sequences: headdim 40 by 32-column halves
+def test_varlen_sm90_dq_tiles(rng, xp, monkeypatch):
+    """The Hopper dK/dV kernel's tile-major dQ on packed sequences (planned): headdim 40 by 32-column halves
     (the table patched to "columns", so that dQ's product comes first), causal; sequence 0 spans two
     query tiles (dq_accum's rows 0-127), sequence 1 has no query, sequence 2's 9 rows start at packed
     row 70 and at dq_accum's row 192 (70 + 2 x 64, down to a whole tile); its key tile crosses into
     the packed arrays' end."""
-    from nbflash import configs, launch
+    from nbflash import backward, configs, launch
     from nbflash.kernels.backward_sm90 import Sm90ConvertDqConfig
 
     monkeypatch.setattr(configs, "SM90_BACKWARD", [(128, 2, "columns")])
     configs.sm90_backward_table_config.cache_clear()
+    backward._kernels.cache_clear()
     built, compiled = [], launch.compiled
     monkeypatch.setattr(launch, "compiled", lambda config, *args: built.append(config) or compiled(config, *args))
     try:
         run(rng, xp, "sm90", "float16", True, False, [70, 0, 9], [100, 5, 20], 40, forward="reference")
     finally:
         configs.sm90_backward_table_config.cache_clear()
+        backward._kernels.cache_clear()
     assert any(getattr(c, "dq_reduce", "") == "tiles" and c.variant.varlen for c in built)
     assert Sm90ConvertDqConfig("float16", 40, 32, True) in built
 
@@ -336,9 +338,10 @@ def test_varlen_sm90_backward_gpu(rng, xp, dtype, causal, headdim):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("headdim", [96, 128])
-def test_varlen_sm90_dq_tiles_gpu(rng, xp, varlen_dq_tiles, dtype, causal, headdim):
-    """The tile-major dQ on packed sequences (an option): the kernel by columns, dQ first, at 96
-    and 128; then with the window, softcap, ALiBi and dropout at 128."""
+def test_varlen_sm90_dq_reduce_gpu(rng, xp, varlen_dq_reduce, dtype, causal, headdim):
+    """Both dQ forms on packed sequences (the tile-major one planned, the atomics an option): the
+    kernel by columns, dQ first, at 96 and 128; then with the window, softcap, ALiBi and dropout
+    at 128."""
     lengths_q, lengths_k = GPU_LENGTHS[0]
     run(rng, xp, "sm90", dtype, causal, False, lengths_q, lengths_k, headdim)
     if headdim == 128 and causal:

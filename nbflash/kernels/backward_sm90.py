@@ -51,9 +51,9 @@ the plan then takes ``dq_reduce="tiles"`` (FlashAttention-3's form; configs.SM90
 6-10% faster again at headdim 128): the consumers store dQ_i into a shared tile in wgmma's fragment
 order instead, and the producer's stats warp adds it into a tile-major dq_accum by one bulk
 reduce-add a step (``make_stage_dq``, ``make_add_staged_dq``), which the conversion reads in that
-order (``Sm90ConvertDqConfig``). Packed sequences keep the atomics unless
-configs.SM90_BACKWARD_VARLEN_DQ_TILES is on (an option: each sequence's tiles then start on a whole
-tile of dq_accum, ``padded_first_row``).
+order (``Sm90ConvertDqConfig``). Packed sequences take it too (configs.
+SM90_BACKWARD_VARLEN_DQ_TILES: each sequence's tiles start on a whole tile of dq_accum,
+``padded_first_row``).
 
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G
 (G ceil(seqlen_k / block_n), ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch,
