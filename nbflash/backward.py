@@ -62,12 +62,12 @@ def _check_backward(problem, q, dout, out, lse, deterministic):
 
 
 @lru_cache(maxsize=None)
-def _kernels(static, deterministic, family, aligned, out_aligned=False):
+def _kernels(static, deterministic, family, aligned, out_aligned=False, dq_tiles=True):
     """The three compiled kernels of a call (preprocess, dkdv, dq or convert_dq); one cache lookup
     per call. The tensor-core kernels take the portable ones' arguments."""
     with user_functions_compile(static.variant):
         return tuple(launch.compiled(config, static.device)
-                     for config in plan_backward(static, deterministic, family, aligned, out_aligned))
+                     for config in plan_backward(static, deterministic, family, aligned, out_aligned, dq_tiles))
 
 
 def _dq_accumulator(dkdv_config, batch, nheads, rows, row_major_shape):

@@ -502,6 +502,18 @@ SM90_BACKWARD_DQ_TILES = True
 # sequences of up to 2048 tokens, 16384 in all, fp16, hd 128), the sm90 backward +11.5% non-causal
 # and +5.8% causal over the atomics.
 SM90_BACKWARD_VARLEN_DQ_TILES = True
+# ... where the padding (up to a tile of block_m rows a sequence, dq_accum_shape) adds at most this
+# share to the packed query rows: with many short sequences the tile-major dq_accum would be several
+# times the atomics' row-major one (mean length 16: 5x), all of it zeroed every call, for kernels
+# whose loops are a step or two long. The measured batch (mean length 1170) was padded by 5.5%;
+# batches in between are not timed, so the line is drawn by memory: mean length >= 128 at 0.5.
+SM90_VARLEN_DQ_TILES_MAX_PADDING = 0.5
+
+
+def packed_dq_tiles_fit(batch, total_q):
+    """Whether ``batch`` packed sequences of ``total_q`` query rows in all take the tile-major dQ
+    (``SM90_VARLEN_DQ_TILES_MAX_PADDING``); else their backward keeps the atomics."""
+    return batch * Sm90BackwardConfig.block_m <= SM90_VARLEN_DQ_TILES_MAX_PADDING * total_q
 
 
 def sm90_backward_config(dtype, headdim, variant):
@@ -554,12 +566,14 @@ def sm90_backward_table_config(dtype, headdim, variant):
                               dq_first=SM90_BACKWARD_DQ_FIRST and dq_split == "columns")
 
 
-def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=False):
+def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=False, dq_tiles=True):
     """The kernel configs of a backward call: (preprocess, dkdv, dq or convert_dq), for a problem's
     static part (``Problem.static``). ``aligned``: every row of q, k, v and dout starts on a 16-byte
     boundary (the tensor-core kernels then copy tiles with cp.async); default ``static.aligned``.
     ``out_aligned``: so do out's rows (with ``aligned`` and ``ROWWISE_VECTOR``, the row-wise kernels
-    take their 16-byte forms where the dtype and headdim allow).
+    take their 16-byte forms where the dtype and headdim allow). ``dq_tiles=False``: the sm90 dK/dV
+    kernel keeps dQ's atomics where it would hold dQ tile-major (packed sequences too short for its
+    padding: ``packed_dq_tiles_fit``).
 
     ``family`` "sm90" (the Hopper dK/dV kernel with atomic dq, where it serves the call:
     ``sm90_backward_unsupported_reason``; with deterministic=True the Hopper dK/dV kernel without
@@ -599,6 +613,8 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
 
     if sm90:
         dkdv = sm90_backward_config(dtype, headdim, static.variant)  # score_mod_grad too
+        if not dq_tiles and getattr(dkdv, "dq_tile_major", False):
+            dkdv = dataclasses.replace(dkdv, dq_reduce="red")
         if getattr(dkdv, "dq_tile_major", False):  # dq_accum tile-major: the caller zeroes it
             preprocess = dataclasses.replace(preprocess, atomic_dq=False)
             convert = Sm90ConvertDqConfig(dtype, headdim, dkdv.dq_part_columns, static.variant.varlen)

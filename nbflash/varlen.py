@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from . import backward, interface, launch, runtime, validation
-from .configs import forced_family
+from .configs import forced_family, packed_dq_tiles_fit
 from .dtypes import FLOAT32
 from .reference import attention_probabilities
 
@@ -160,8 +160,10 @@ def _varlen_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     """The backward on validated packed inputs: (dq, dk, dv) shaped like q, k, v."""
     p = problem
     aligned = p.aligned and validation.rows_aligned(dout[None])
-    preprocess, dkdv, dq_kernel = backward._kernels(p.static, deterministic, forced_family(), aligned)
     total_q, total_k = q.shape[0], k.shape[0]
+    # dQ tile-major (the sm90 kernel's plan) unless the sequences are too short for its padding
+    dq_tiles = packed_dq_tiles_fit(p.batch, total_q)
+    preprocess, dkdv, dq_kernel = backward._kernels(p.static, deterministic, forced_family(), aligned, False, dq_tiles)
     dq = launch.empty((1, *q.shape), q.dtype)  # the row-wise convert_dq writes it as a batch of one
     dk = launch.empty(k.shape, k.dtype)
     dv = launch.empty(v.shape, v.dtype)

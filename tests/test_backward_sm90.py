@@ -203,6 +203,10 @@ def test_backward_sm90_plans_dq_first():
         packed = configs.plan_backward(static._replace(variant=CAUSAL._replace(varlen=True)), False, "sm90")
         assert packed[1].dq_first and packed[1].dq_reduce == "tiles" and not packed[0].atomic_dq
         assert packed[2] == Sm90ConvertDqConfig("float16", headdim, 64, True)
+        short = configs.plan_backward(static._replace(variant=CAUSAL._replace(varlen=True)), False, "sm90",
+                                      dq_tiles=False)  # sequences too short for the padding
+        assert short[1] == dataclasses.replace(packed[1], dq_reduce="red") and short[0].atomic_dq
+        assert short[2].kernel == "convert_dq"
         dkdv = configs.plan_backward(static, True, "sm90")[1]
         assert dkdv.dq_split == "none" and not dkdv.dq_first and dkdv.dq_reduce == "red"
 

@@ -274,10 +274,13 @@ def test_varlen_sm90_backward_columns(rng, xp):
 def varlen_dq_reduce(request, monkeypatch):
     """Packed sequences' dQ by the planned tile-major form (dq_reduce="tiles", configs.
     SM90_BACKWARD_VARLEN_DQ_TILES: each sequence's tiles from a whole tile of dq_accum, converted a
-    block row per sequence), or by the consumers' atomics into a row-major dq_accum ("red")."""
+    block row per sequence), or by the consumers' atomics into a row-major dq_accum ("red"). The
+    tests' sequences are shorter than the plan takes the tile-major form for (configs.
+    packed_dq_tiles_fit), so "tiles" lifts that limit."""
     from nbflash import backward, configs
 
     monkeypatch.setattr(configs, "SM90_BACKWARD_VARLEN_DQ_TILES", request.param == "tiles")
+    monkeypatch.setattr(configs, "SM90_VARLEN_DQ_TILES_MAX_PADDING", 1e9)
     backward._kernels.cache_clear()
     yield request.param
     backward._kernels.cache_clear()
@@ -294,6 +297,7 @@ def test_varlen_sm90_dq_tiles(rng, xp, monkeypatch):
     from nbflash.kernels.backward_sm90 import Sm90ConvertDqConfig
 
     monkeypatch.setattr(configs, "SM90_BACKWARD", [(128, 2, "columns")])
+    monkeypatch.setattr(configs, "SM90_VARLEN_DQ_TILES_MAX_PADDING", 3.0)  # 3 x 64 rows of padding for 79
     configs.sm90_backward_table_config.cache_clear()
     backward._kernels.cache_clear()
     built, compiled = [], launch.compiled
@@ -305,6 +309,37 @@ def test_varlen_sm90_dq_tiles(rng, xp, monkeypatch):
         backward._kernels.cache_clear()
     assert any(getattr(c, "dq_reduce", "") == "tiles" and c.variant.varlen for c in built)
     assert Sm90ConvertDqConfig("float16", 40, 32, True) in built
+
+
+def test_packed_dq_tiles_fit():
+    """The tile-major dQ's padding (a 64-row tile a sequence at most) against the packed rows: taken
+    up to half of them (mean length 128), else the atomics."""
+    from nbflash.configs import packed_dq_tiles_fit
+
+    assert packed_dq_tiles_fit(14, 16384) and packed_dq_tiles_fit(2, 256) and packed_dq_tiles_fit(1, 128)
+    assert not packed_dq_tiles_fit(2, 255) and not packed_dq_tiles_fit(6, 571) and not packed_dq_tiles_fit(1, 1)
+
+
+@pytest.mark.parametrize("lengths,tiles", [([128, 200], True), ([1, 300, 0, 129, 64, 77], False)])
+def test_varlen_backward_plans_dq_tiles_by_length(xp, monkeypatch, lengths, tiles):
+    """flash_attn_varlen_backward asks for the tile-major dQ only where the sequences are long
+    enough for its padding (configs.packed_dq_tiles_fit); stopped at the kernels' lookup."""
+    from nbflash import backward
+
+    asked = []
+
+    def stop(static, deterministic, family, aligned, out_aligned=False, dq_tiles=True):
+        asked.append(dq_tiles)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(backward, "_kernels", stop)
+    rng = np.random.default_rng(0)
+    q, k, v, dout, out = (packed(rng, xp, lengths, 2, 64, "float16") for _ in range(5))
+    lse = xp.zeros((2, sum(lengths)), np.float32)
+    cu = offsets(lengths, xp)
+    with pytest.raises(RuntimeError, match="stop"):
+        nbflash.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, max(lengths), max(lengths))
+    assert asked == [tiles]
 
 
 # ---- GPU: real tile sizes ------------------------------------------------------------------------

@@ -53,7 +53,7 @@ order instead, and the producer's stats warp adds it into a tile-major dq_accum 
 reduce-add a step (``make_stage_dq``, ``make_add_staged_dq``), which the conversion reads in that
 order (``Sm90ConvertDqConfig``). Packed sequences take it too (configs.
 SM90_BACKWARD_VARLEN_DQ_TILES: each sequence's tiles start on a whole tile of dq_accum,
-``padded_first_row``).
+``padded_first_row``), unless they are too short for that padding (configs.packed_dq_tiles_fit).
 
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G
 (G ceil(seqlen_k / block_n), ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch,
