@@ -19,8 +19,8 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
   nbflash/kernels/backward_sm90_wide.py, which splits headdim: ``sm90_backward_config``) is the
   default at ``SM90_BACKWARD_DEFAULT_HEADDIMS`` for plain and causal attention, with dropout or a
   score_mod (``_measured_on_sm90``), and at headdim 128 for causal attention with softcap or ALiBi
-  (``SM90_BACKWARD_HD128_VARIANTS``); the sm80 family's
-  backward elsewhere. Its fp8 (e4m3) forward is reached only through flash_attn_func's fp8 inputs
+  (``SM90_BACKWARD_HD128_VARIANTS``), and for packed sequences at headdim 128
+  (``SM90_BACKWARD_VARLEN_HEADDIMS``); the sm80 family's backward elsewhere. Its fp8 (e4m3) forward is reached only through flash_attn_func's fp8 inputs
   (``SM90_FP8_FORWARD``).
 - ``"sm80"`` (alias ``"mma"``): tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py);
   float16 and bfloat16 on GPUs of compute capability 8.0 and newer (Ampere, Ada, and Hopper where
@@ -447,6 +447,13 @@ SM90_BACKWARD_DEFAULT_VARIANTS = (Variant(), Variant(window=True))
 # against the mma backward's 167 / 170 (the same shape in commit 50e4cd7's run). Not measured: these
 # without the window, together, or at other headdims.
 SM90_BACKWARD_HD128_VARIANTS = (Variant(window=True, softcap=True), Variant(window=True, alibi=True))
+# ... and packed sequences (flash_attn_varlen_backward) at these headdims, plain and causal: measured
+# on an H100 (scripts/gpu_check.sh tiles2: scripts/bench.py --pass varlen --varlen-backward
+# --headdims 128, 14 sequences of up to 2048 tokens, 16384 in all, fp16, two runs), the sm90
+# backward at 270 / 301 TFLOP/s non-causal (atomics / tile-major) and 201 / 213 causal against the
+# mma backward's 139 and 113: 1.9-2.2x. Not measured: other headdims, the window or other variants
+# on packed sequences, batches of short sequences.
+SM90_BACKWARD_VARLEN_HEADDIMS = (128,)
 
 
 def sm90_backward_unsupported_reason(static, deterministic, aligned):
@@ -586,10 +593,11 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
     family = canonical_family(family)
     dtype, headdim, device = static.dtype, static.headdim, static.device
     aligned = static.aligned if aligned is None else aligned
+    variant = static.variant._replace(score_mod_grad="")
     sm90 = family == "sm90" or (family is None and not runtime.SIMULATOR and headdim in SM90_BACKWARD_DEFAULT_HEADDIMS
                                 and (_measured_on_sm90(static.variant, headdim, SM90_BACKWARD_DEFAULT_VARIANTS)
-                                     or (headdim == 128 and static.variant._replace(score_mod_grad="")
-                                         in SM90_BACKWARD_HD128_VARIANTS)))
+                                     or (headdim == 128 and variant in SM90_BACKWARD_HD128_VARIANTS)
+                                     or (headdim in SM90_BACKWARD_VARLEN_HEADDIMS and variant == Variant(varlen=True))))
     # deterministic=True under "sm90": the sm90 dK/dV kernel without dQ (dq_split="none") and the sm90
     # dQ kernel (which takes headdims up to 128, as backward_sm90.py, and plain or windowed attention)
     sm90_dq = (family == "sm90" and deterministic and headdim <= SM90_BACKWARD_MAX_HEADDIM

@@ -550,8 +550,8 @@ def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, 
 def test_rows_split_is_planned_where_measured(monkeypatch):
     """On compute capability 9.0 the planner takes the rows split for plain and windowed attention
     at headdims up to 64 (configs.SM90_BACKWARD_ROWS_MAX_HEADDIM), in its launch order;
-    backward_sm90.py for the features the rows split does not serve and past headdim 64; the
-    simulator keeps backward_sm90.py."""
+    backward_sm90.py for the features the rows split does not serve and past headdim 64 (by
+    default for packed sequences at headdim 128 too); the simulator keeps backward_sm90.py."""
     sim = configs.plan_backward(Static("float16", 64, False, 0, CAUSAL), False, "sm90", True)[1]
     assert isinstance(sim, Sm90BackwardConfig) == SIMULATOR
     monkeypatch.setattr(configs.runtime, "SIMULATOR", False)
@@ -575,8 +575,12 @@ def test_rows_split_is_planned_where_measured(monkeypatch):
         for variant in (Variant(), CAUSAL):
             dkdv = configs.plan_backward(Static("bfloat16", headdim, False, 0, variant), False, None, True)[1]
             assert isinstance(dkdv, Sm90BackwardConfig) and dkdv.headdim_padded == 128, (headdim, variant)
+    # packed sequences at headdim 128 (configs.SM90_BACKWARD_VARLEN_HEADDIMS)
+    dkdv = configs.plan_backward(Static("bfloat16", 128, False, 0, Variant(varlen=True)), False, None, True)[1]
+    assert isinstance(dkdv, Sm90BackwardConfig) and dkdv.variant.varlen
     for headdim, variant, aligned in [(96, Variant(dropout=True), True), (96, Variant(softcap=True), True),
-                                      (128, Variant(varlen=True), True),
+                                      (96, Variant(varlen=True), True), (128, Variant(varlen=True, window=True), True),
+                                      (128, Variant(varlen=True), False),
                                       (48, Variant(), True), (96, Variant(), False), (136, Variant(), True)]:
         dkdv = configs.plan_backward(Static("float16", headdim, False, 0, variant), False, None, aligned)[1]
         assert isinstance(dkdv, MmaBackwardConfig), (headdim, variant, aligned)
