@@ -59,6 +59,10 @@
 #                                halves, hd 128's tiles against the atomics), then packed sequences'
 #                                backward at hd 128 with the atomics and tile-major (step 37), about
 #                                4-9 minutes
+#   scripts/gpu_check.sh packed  packed sequences' backward at mean lengths 32-256 (steps 38-39: where the
+#                                tile-major dQ's padding stops paying, and the sm90 backward against
+#                                the mma one on short sequences), hd 128 with both dQ forms, then hd 64,
+#                                about 8 minutes
 #   scripts/gpu_check.sh issue13 issue 13's table (its item 3) in one run per pass: the planned sm90
 #                                backward, then forward+backward (a training step's attention), hd 64
 #                                and 128, 4k and 16k, plain and causal, fp16, next to SDPA flash,
@@ -276,6 +280,24 @@ runpy.run_path('scripts/bench.py', run_name='__main__')" "$form" --pass varlen -
             --causal both --varlen-lengths uniform:16384:2048 --no-torch --budget 0.3 > "$out/varlen_$form.log" 2>&1
         echo "varlen backward, dq_reduce=$form (exit $?):"; tail -6 "$out/varlen_$form.log"
     done
+    ;;
+packed)
+    # packed sequences of mean length 32-256 (perf-notes steps 38-39): hd 128 with the atomics and
+    # with the tile-major dQ (the padding's limit lifted), each beside the mma backward; then hd 64
+    # as planned (backward_sm90.py's "steps": not the default on packed sequences) beside the mma one
+    for form in red tiles; do
+        timeout 200 python3 -c "import runpy, sys; from nbflash import configs
+configs.SM90_BACKWARD_VARLEN_DQ_TILES = sys.argv[1] == 'tiles'
+configs.SM90_VARLEN_DQ_TILES_MAX_PADDING = 1e9
+sys.argv = ['scripts/bench.py'] + sys.argv[2:]
+runpy.run_path('scripts/bench.py', run_name='__main__')" "$form" --pass varlen --varlen-backward --headdims 128 \
+            --causal both --varlen-lengths uniform:16384:64 uniform:16384:128 uniform:16384:256 uniform:16384:512 \
+            --no-torch --budget 0.2 > "$out/packed_$form.log" 2>&1
+        echo "packed backward, hd 128, dq_reduce=$form (exit $?):"; tail -10 "$out/packed_$form.log"
+    done
+    timeout 150 python3 scripts/bench.py --pass varlen --varlen-backward --headdims 64 --causal both \
+        --varlen-lengths uniform:16384:256 uniform:16384:2048 --no-torch --budget 0.2 > "$out/packed_64.log" 2>&1
+    echo "packed backward, hd 64 (exit $?):"; tail -6 "$out/packed_64.log"
     ;;
 issue13)
     # the issue's item 3: bench.py's two passes side by side with the anchors (Flex through --variants)
