@@ -20,8 +20,8 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
   default at ``SM90_BACKWARD_DEFAULT_HEADDIMS`` for plain and causal attention, with dropout or a
   score_mod (``_measured_on_sm90``), and at headdim 128 for causal attention with softcap or ALiBi
   (``SM90_BACKWARD_HD128_VARIANTS``), and for packed sequences at headdim 128
-  (``SM90_BACKWARD_VARLEN_HEADDIMS``); the sm80 family's backward elsewhere. Its fp8 (e4m3) forward is reached only through flash_attn_func's fp8 inputs
-  (``SM90_FP8_FORWARD``).
+  (``SM90_BACKWARD_VARLEN_HEADDIMS``); the sm80 family's backward elsewhere. Its fp8 (e4m3)
+  forward is reached only through flash_attn_func's fp8 inputs (``SM90_FP8_FORWARD``).
 - ``"sm80"`` (alias ``"mma"``): tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py);
   float16 and bfloat16 on GPUs of compute capability 8.0 and newer (Ampere, Ada, and Hopper where
   sm90 does not serve a call). Chosen wherever it applies and sm90 is not.
