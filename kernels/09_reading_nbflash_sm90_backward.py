@@ -136,7 +136,7 @@ TOPICS = [
      [(KERNEL, "add_dq", "red_add_f32x2(", 0, "two columns of dq_accum per reduction"),
       (KERNEL, BODY, "wgmma_wait(2)  # dQ_i has landed", 0, "dq_first: dQ_i's reductions under dV, dK"),
       (KERNEL, "add_staged_dq", "bulk_reduce_add_f32(", 0, "dq_reduce='tiles': the stats warp's reduce-add"),
-      (CONFIGS, "planned_backward_sm90_config", 'dq_reduce="tiles"', 0, "planned for dense batches"),
+      (CONFIGS, "planned_backward_sm90_config", 'dq_reduce="tiles"', 0, "planned where dQ's product comes first"),
       (KERNEL, BODY, "(DQ_BY_STEPS and i % 2 != consumer)", 0, "'steps': the other consumer's turn"),
       (CONFIGS, "plan_backward", "sm90_dq = (", 0, "deterministic=True under 'sm90': the dQ kernel"),
       (DQ_KERNEL, None, "def backward_dq_sm90(", 0, "the deterministic dQ kernel")]),

@@ -169,7 +169,7 @@ def backward_kernels():
                           ("causal_dropout", Variant(window=True, dropout=True)), ("block_mask", Variant(block_mask=True))):
         found.append((f"backward_sm90_dq_tiles_{name}_hd128", dataclasses.replace(
             configs.sm90_backward_table_config("float16", 128, variant), dq_reduce="tiles")))
-    # ... on packed sequences (an option, step 37), causal at hd 128
+    # ... on packed sequences (planned since step 37), causal at hd 128
     found.append(("backward_sm90_dq_tiles_varlen_causal_hd128", dataclasses.replace(
         configs.sm90_backward_table_config("float16", 128, Variant(window=True, varlen=True)), dq_reduce="tiles")))
     # the same at hd 64 by 32-column halves with dQ_i's product first (an option, step 36)

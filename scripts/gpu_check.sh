@@ -47,11 +47,11 @@
 #                                the producer's keep bits against the consumers' with dQ first,
 #                                about 8 minutes
 #   scripts/gpu_check.sh tiles   dQ_i by one bulk reduce-add a step into a tile-major dq_accum
-#                                (dq_reduce="tiles", FlashAttention-3's form, planned at hd 72-128 for
-#                                dense batches since step 35): the grids of the forms the planner
-#                                does not take (the consumers' atomics on dense batches, the rows
+#                                (dq_reduce="tiles", FlashAttention-3's form, planned at hd 72-128
+#                                since steps 35 and 37): the grids of the forms the planner mostly
+#                                does not take (the consumers' atomics, the rows
 #                                split's tiles at hd 64, hd 64 by 32-column halves with dQ first by
-#                                atomics and tile-major, packed sequences tile-major), the
+#                                atomics and tile-major, packed sequences by both), the
 #                                conversion's and the primitive's tests, then hd 128 timed against
 #                                the atomic form and hd 64's rows split against those three (step
 #                                36), with SDPA; about 5-9 minutes

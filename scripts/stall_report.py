@@ -12,7 +12,7 @@ profile, and a summary of its per-instruction stall samples.
 2048, on the library's default family (the Hopper kernels on compute capability 9.0), whose dK/dV
 kernel at hd 72-128 adds dQ tile-major (``dq_reduce="tiles"``: by the producer's stats warp from a
 staged tile, docs/perf-notes.md, "Hopper backward", step 32); with ``--dq-reduce red`` it takes the
-consumers' atomics instead (the form before, which packed sequences keep).
+consumers' atomics instead (the form before, which short packed sequences keep).
 ``summary`` reads ncu's source page (one row per SASS instruction) and prints the instructions
 with the most stall samples, each with its share of the kernel's samples and the stall reasons
 ncu attributes to it, then the samples grouped by instruction kind (HGMMA, BAR, SYNCS, LDS, REDG,

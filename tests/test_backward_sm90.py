@@ -365,7 +365,7 @@ def test_backward_sm90_dq_red_small(rng, xp, dq_red):
 @pytest.mark.parametrize("headdim", [96, 128])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_sm90_dq_red_gpu(rng, xp, dq_red, seqlens, headdim, causal):
-    """dq_reduce="red" on the planned "columns" kernel of dense batches, GQA 2:1, fp16 and bf16,
+    """dq_reduce="red" on the planned "columns" kernel, dense batches, GQA 2:1, fp16 and bf16,
     tails."""
     assert configs.plan_backward(Static("float16", headdim, True, 0, CAUSAL if causal else Variant()), False,
                                  "sm90")[1].dq_reduce == "red"

@@ -46,7 +46,7 @@ consumers take turns by step parity, the one whose turn it is adding the whole d
 keys: half the atomics too. The plan uses "columns" at headdim 128 and "steps" at 64
 (configs.SM90_BACKWARD: 21-32% and 6-11% faster than "keys" on the H200). With "columns" the plan
 also issues dQ_i's product first (``dq_first``): the consumer adds it to dq_accum while dV's and
-dK's products run, instead of after all three (10-16% faster at headdim 128). For dense batches
+dK's products run, instead of after all three (10-16% faster at headdim 128). With it
 the plan then takes ``dq_reduce="tiles"`` (FlashAttention-3's form; configs.SM90_BACKWARD_DQ_TILES,
 6-10% faster again at headdim 128): the consumers store dQ_i into a shared tile in wgmma's fragment
 order instead, and the producer's stats warp adds it into a tile-major dq_accum by one bulk
@@ -289,7 +289,7 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # consumer's turn only, a branch around the wgmmas that ptxas serializes: not offered.)
     dq_first: bool = False
     # How dQ_i reaches dq_accum: "red", each consumer thread's red.add.v2 of its registers; "tiles"
-    # (with dq_first, dense batches; FlashAttention-3's form), each consumer stores its half in
+    # (with dq_first; FlashAttention-3's form), each consumer stores its half in
     # wgmma's fragment order into a shared tile (16-byte stores of consecutive threads) and arrives
     # on dq_full, and the producer's stats warp adds the whole tile by one bulk reduce-add (the copy
     # engine's: no consumer issues or waits for a reduction), then frees it (dq_empty). dq_accum
@@ -298,9 +298,10 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # samples on the reductions; docs/perf-notes.md steps 32 and 33. (Steps 30 and 31 staged rows,
     # one bulk reduce-add a row: 13-47% slower, taken out; step 6, TMA tensor reduce-adds issued
     # and waited for by a consumer thread: within noise, taken out; their code is in history,
-    # perf-notes says where.) Planned: "tiles" for dense batches at headdims 72-128 (step 35, +6-10%
-    # at 128), "red" for packed sequences (configs.planned_backward_sm90_config; "tiles" there is an
-    # option, step 37: each sequence's tiles from its ``padded_first_row`` of dq_accum).
+    # perf-notes says where.) Planned: "tiles" at headdims 72-128 (configs.planned_backward_sm90_config;
+    # step 35, +6-10% at 128), for packed sequences too (step 37, +6-12%: each sequence's tiles from
+    # its ``padded_first_row`` of dq_accum) unless they are too short for that padding (step 38,
+    # configs.packed_dq_tiles_fit: "red" then).
     dq_reduce: str = "red"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
