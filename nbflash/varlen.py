@@ -170,10 +170,8 @@ def _varlen_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     delta = launch.empty((1, p.nheads, total_q), FLOAT32)
     # delta stands in for dq_accum without atomics; tile-major, each sequence's tiles start on a whole
     # tile (dq_accum_shape)
-    if deterministic:
-        dq_accum, tiles = delta, False
-    else:
-        dq_accum, tiles = backward._dq_accumulator(dkdv.config, p.batch, p.nheads, total_q, (1, *q.shape))
+    dq_accum, tiles = (delta, False) if deterministic else backward._dq_accumulator(dkdv.config, p.batch, p.nheads,
+                                                                                    total_q, (1, *q.shape))
     scale = np.float32(p.softmax_scale)
     scale_log2 = np.float32(p.softmax_scale * LOG2_E)
 
