@@ -19,7 +19,7 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
   nbflash/kernels/backward_sm90_wide.py, which splits headdim: ``sm90_backward_config``) is the
   default at ``SM90_BACKWARD_DEFAULT_HEADDIMS`` for plain and causal attention, with dropout or a
   score_mod (``_measured_on_sm90``), and at headdim 128 for causal attention with softcap or ALiBi
-  (``SM90_BACKWARD_HD128_VARIANTS``), and for packed sequences at headdim 128
+  (``SM90_BACKWARD_HD128_VARIANTS``), and for packed sequences at headdims 64 and 128
   (``SM90_BACKWARD_VARLEN_HEADDIMS``); the sm80 family's backward elsewhere. Its fp8 (e4m3)
   forward is reached only through flash_attn_func's fp8 inputs (``SM90_FP8_FORWARD``).
 - ``"sm80"`` (alias ``"mma"``): tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py);
@@ -447,14 +447,18 @@ SM90_BACKWARD_DEFAULT_VARIANTS = (Variant(), Variant(window=True))
 # against the mma backward's 167 / 170 (the same shape in commit 50e4cd7's run). Not measured: these
 # without the window, together, or at other headdims.
 SM90_BACKWARD_HD128_VARIANTS = (Variant(window=True, softcap=True), Variant(window=True, alibi=True))
-# ... and packed sequences (flash_attn_varlen_backward) at these headdims, plain and causal: measured
-# on an H100 (scripts/gpu_check.sh tiles2: scripts/bench.py --pass varlen --varlen-backward
-# --headdims 128, 14 sequences of up to 2048 tokens, 16384 in all, fp16, two runs), the sm90
-# backward at 270 / 301 TFLOP/s non-causal (atomics / tile-major) and 201 / 213 causal against the
-# mma backward's 139 and 113: 1.9-2.2x tile-major, 1.8-1.9x with the atomics (which short packed
-# sequences keep, ``packed_dq_tiles_fit``). Not measured: other headdims, the window or other variants
-# on packed sequences, batches of short sequences.
-SM90_BACKWARD_VARLEN_HEADDIMS = (128,)
+# ... and packed sequences (flash_attn_varlen_backward) at these headdims, plain and causal. Headdim
+# 128 measured on an H100 (scripts/gpu_check.sh tiles2: scripts/bench.py --pass varlen
+# --varlen-backward --headdims 128, 14 sequences of up to 2048 tokens, 16384 in all, fp16, two runs),
+# the sm90 backward at 270 / 301 TFLOP/s non-causal (atomics / tile-major) and 201 / 213 causal
+# against the mma backward's 139 and 113: 1.9-2.2x tile-major, 1.8-1.9x with the atomics (which
+# shorter packed sequences keep, ``packed_dq_tiles_fit``); on the H200 (gpu_check.sh packed) 1.2-1.6x
+# at mean lengths 83-303, but 0.93x / 0.92x (non-causal / causal) at mean length 41, batches of
+# sequences a tile or less long, left on it. Headdim 64 (backward_sm90.py's "steps" kernel; the rows
+# split takes no packed sequences) on the H200, one run: 1.26x / 1.21x the mma backward at mean
+# length 160, 1.65x / 1.54x at 1170. Not measured: other headdims, the window or other variants on
+# packed sequences.
+SM90_BACKWARD_VARLEN_HEADDIMS = (64, 128)
 
 
 def sm90_backward_unsupported_reason(static, deterministic, aligned):
@@ -511,11 +515,13 @@ SM90_BACKWARD_DQ_TILES = True
 # and +5.8% causal over the atomics.
 SM90_BACKWARD_VARLEN_DQ_TILES = True
 # ... where the padding (up to a tile of block_m rows a sequence, dq_accum_shape) adds at most this
-# share to the packed query rows: with many short sequences the tile-major dq_accum would be several
-# times the atomics' row-major one (mean length 16: 5x), all of it zeroed every call, for kernels
-# whose loops are a step or two long. The measured batch (mean length 1170) was padded by 5.5%;
-# batches in between are not timed, so the line is drawn by memory: mean length >= 128 at 0.5.
-SM90_VARLEN_DQ_TILES_MAX_PADDING = 0.5
+# share to the packed query rows, i.e. mean length >= 512 (a 64-row tile a sequence at most). Measured
+# on the H200 (scripts/gpu_check.sh packed and tiles2: bench.py --varlen-backward, hd 128, fp16, 16384
+# tokens of uniformly drawn lengths, one run), tile-major over atomics, non-causal / causal: mean
+# length 41 -14% / -14%, 83 -10% / -11%, 160 -5% / -8%, 303 +0.4% / -3.6%, 1170 +13.5% / +7.0%. Short
+# sequences' kernels run a step or two, and the tile-major dq_accum (several times the row-major one
+# below mean 64) is zeroed every call. Between 303 and 1170 nothing is timed: the line is drawn halfway.
+SM90_VARLEN_DQ_TILES_MAX_PADDING = 0.125
 
 
 def packed_dq_tiles_fit(batch, total_q):

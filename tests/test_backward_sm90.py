@@ -575,11 +575,14 @@ def test_rows_split_is_planned_where_measured(monkeypatch):
         for variant in (Variant(), CAUSAL):
             dkdv = configs.plan_backward(Static("bfloat16", headdim, False, 0, variant), False, None, True)[1]
             assert isinstance(dkdv, Sm90BackwardConfig) and dkdv.headdim_padded == 128, (headdim, variant)
-    # packed sequences at headdim 128 (configs.SM90_BACKWARD_VARLEN_HEADDIMS)
-    dkdv = configs.plan_backward(Static("bfloat16", 128, False, 0, Variant(varlen=True)), False, None, True)[1]
-    assert isinstance(dkdv, Sm90BackwardConfig) and dkdv.variant.varlen
+    # packed sequences at headdims 64 and 128 (configs.SM90_BACKWARD_VARLEN_HEADDIMS; at 64 backward_sm90.py's
+    # kernel: the rows split takes no packed sequences)
+    for headdim in (64, 128):
+        dkdv = configs.plan_backward(Static("bfloat16", headdim, False, 0, Variant(varlen=True)), False, None, True)[1]
+        assert type(dkdv) is Sm90BackwardConfig and dkdv.variant.varlen, headdim
     for headdim, variant, aligned in [(96, Variant(dropout=True), True), (96, Variant(softcap=True), True),
                                       (96, Variant(varlen=True), True), (128, Variant(varlen=True, window=True), True),
+                                      (64, Variant(varlen=True, dropout=True), True),
                                       (128, Variant(varlen=True), False),
                                       (48, Variant(), True), (96, Variant(), False), (136, Variant(), True)]:
         dkdv = configs.plan_backward(Static("float16", headdim, False, 0, variant), False, None, aligned)[1]
