@@ -59,10 +59,10 @@
 #                                halves, hd 128's tiles against the atomics), then packed sequences'
 #                                backward at hd 128 with the atomics and tile-major (step 37), about
 #                                4-9 minutes
-#   scripts/gpu_check.sh packed  packed sequences' backward at mean lengths 32-256 (steps 38-39: where the
+#   scripts/gpu_check.sh packed  packed sequences' backward at mean lengths 41-303 (steps 38-39: where the
 #                                tile-major dQ's padding stops paying, and the sm90 backward against
 #                                the mma one on short sequences), hd 128 with both dQ forms, then hd 64,
-#                                about 8 minutes
+#                                about 1.5 minutes on a warm cache
 #   scripts/gpu_check.sh issue13 issue 13's table (its item 3) in one run per pass: the planned sm90
 #                                backward, then forward+backward (a training step's attention), hd 64
 #                                and 128, 4k and 16k, plain and causal, fp16, next to SDPA flash,
@@ -282,9 +282,9 @@ runpy.run_path('scripts/bench.py', run_name='__main__')" "$form" --pass varlen -
     done
     ;;
 packed)
-    # packed sequences of mean length 32-256 (perf-notes steps 38-39): hd 128 with the atomics and
+    # packed sequences of mean length 41-303 (perf-notes steps 38-39): hd 128 with the atomics and
     # with the tile-major dQ (the padding's limit lifted), each beside the mma backward; then hd 64
-    # as planned (backward_sm90.py's "steps": not the default on packed sequences) beside the mma one
+    # as planned (backward_sm90.py's "steps") beside the mma one
     for form in red tiles; do
         timeout 200 python3 -c "import runpy, sys; from nbflash import configs
 configs.SM90_BACKWARD_VARLEN_DQ_TILES = sys.argv[1] == 'tiles'
