@@ -307,7 +307,8 @@ def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
     ``(dq, dk, dv)`` holding input-dtype values. Not chunked: for test sizes only.
 
     ``numerics="flash"``: FlashAttention's own rounding instead. Scores stay float32; its forward rounds the unnormalized
-    exponentials for the product with v and divides by their float32 sum at the end; its backward
+    exponentials for the product with v (dropout zeroes the dropped ones) and divides by their float32
+    sum at the end, then multiplies by dropout's keep scale; its backward
     recomputes P and dP in float32 registers: dS = P * (dP - rowsum(dout * out)) from the float32 P
     and dP (only dS, and P for dV, rounded to the input dtype), against ``out`` as that forward stored
     it (one key tile's worth: a kernel's rescaling between tiles is not modelled). Its P then differs
@@ -347,9 +348,13 @@ def attention_naive_backward(dout, q, k, v, softmax_scale=None, causal=False,
             p = rounded(p_exact)
             factor = scores.dropout_factor(b, h, rows)
             kept = p if factor is None else rounded(p * factor.astype(xp.float32))
-            if flash:  # its forward: the unnormalized exponentials rounded, the sum divided out at the end
-                kept_exps = rounded(exps if factor is None else exps * factor.astype(xp.float32))
-                out = rounded((kept_exps @ v_h) / row_sum)
+            if flash:  # its forward: the unnormalized exponentials rounded, the dropped ones zeroed, and
+                # the sum divided out at the end with dropout's scale (the kernels' inv_l *= scale)
+                if factor is None:
+                    out = rounded((rounded(exps) @ v_h) / row_sum)
+                else:
+                    kept_exps = rounded(exps) * (factor != 0)
+                    out = rounded((kept_exps @ v_h) / row_sum * xp.float32(keep_scale(dropout_p)))
             else:
                 out = rounded(kept @ v_h)
             dv[b, :, h // group] += rounded(kept.T @ do)
