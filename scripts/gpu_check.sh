@@ -8,7 +8,8 @@
 #                                prebuilt (scripts/prebuild_cache.py, NBFLASH_CACHE_DIR pointing at it)
 #   scripts/gpu_check.sh suite [SECONDS]
 #                                only the test suite, stopped after SECONDS (default 145; about 120 s
-#                                with a prebuilt cache on 16 cores)
+#                                with a prebuilt cache on 16 cores); TESTS (pytest's paths, default
+#                                tests/) narrows it to some files or node ids
 #   scripts/gpu_check.sh prebuild [SECONDS]
 #                                the planned kernels into the kernel cache on all 16 cores
 #                                (scripts/prebuild_cache.py --jobs 16; 465 configurations in 170 s on a
@@ -102,7 +103,7 @@ run_tests() {  # $1: time limit in seconds
     # by its limit still says where the time went; the slowest are printed after the tallies.
     export NBFLASH_DURATIONS_LOG=${NBFLASH_DURATIONS_LOG:-$out/durations.log}
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 setsid timeout "$1" python3 -m pytest -n "${WORKERS:-15}" \
-        --dist loadgroup -v -p no:cacheprovider -W ignore --tb=short -rf tests/ > "$out/pytest.log" 2>&1 &
+        --dist loadgroup -v -p no:cacheprovider -W ignore --tb=short -rf ${TESTS:-tests/} > "$out/pytest.log" 2>&1 &
     local group=$!
     wait "$group"
     echo "pytest exit $?"
