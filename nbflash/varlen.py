@@ -161,7 +161,7 @@ def _varlen_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     p = problem
     aligned = p.aligned and validation.rows_aligned(dout[None])
     total_q, total_k = q.shape[0], k.shape[0]
-    # dQ tile-major (the sm90 kernel's plan) unless the sequences are too short for its padding
+    # dQ tile-major (the sm90 kernel's plan) unless the sequences are too short for it to pay (configs.py)
     dq_tiles = packed_dq_tiles_fit(p.batch, total_q)
     preprocess, dkdv, dq_kernel = backward._kernels(p.static, deterministic, forced_family(), aligned, False, dq_tiles)
     dq = launch.empty((1, *q.shape), q.dtype)  # the row-wise convert_dq writes it as a batch of one
