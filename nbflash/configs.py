@@ -452,7 +452,7 @@ SM90_BACKWARD_HD128_VARIANTS = (Variant(window=True, softcap=True), Variant(wind
 # --varlen-backward --headdims 128, 14 sequences of up to 2048 tokens, 16384 in all, fp16, two runs),
 # the sm90 backward at 270 / 301 TFLOP/s non-causal (atomics / tile-major) and 201 / 213 causal
 # against the mma backward's 139 and 113: 1.9-2.2x tile-major, 1.8-1.9x with the atomics (which
-# shorter packed sequences keep, ``packed_dq_tiles_fit``); on the H200 (gpu_check.sh packed) 1.2-1.6x
+# shorter packed sequences keep, ``packed_dq_tiles_fit``); on the H200 (gpu_check.sh packed) 1.1-1.6x
 # at mean lengths 83-303, but 0.93x / 0.92x (non-causal / causal) at mean length 41, batches of
 # sequences a tile or less long, left on it. Headdim 64 (backward_sm90.py's "steps" kernel; the rows
 # split takes no packed sequences) on the H200, one run: 1.26x / 1.21x the mma backward at mean
