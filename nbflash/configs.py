@@ -568,12 +568,24 @@ SM90_BACKWARD_PRODUCER_DROPOUT_MIN_HEADDIM = 72
 SM90_BACKWARD_DQ_FIRST = True
 
 
+# Dropout where the table's row is "steps" (headdims up to 64) by 32-column halves instead, dQ's
+# product first (so tile-major: ``SM90_BACKWARD_DQ_TILES``), the form step 36 built: measured at hd 64
+# (scripts/gpu_check.sh tiles2: sm90_schedules.py --backward --headdims 64 --dropout 0.1, fp16, 4k
+# and 16k; docs/perf-notes.md "Hopper backward", steps 36-39), against "steps": +1.1% / +1.6%
+# non-causal, +5.8% / +8.7% causal on the H200; +0.0% / +2.3%, +4.8% / +8.3% on an H100. Its GPU grid:
+# test_backward_sm90_columns_dq_first_gpu. Below 64 (only when "sm90" is forced) not timed.
+SM90_BACKWARD_DROPOUT_COLUMNS = True
+
+
 @lru_cache(maxsize=None)
 def sm90_backward_table_config(dtype, headdim, variant):
     """backward_sm90.py's dK/dV kernel with ``SM90_BACKWARD``'s row for ``headdim`` (dQ's product
     first with "columns": ``SM90_BACKWARD_DQ_FIRST``; dropout's keep bits by the producer's warps
-    past ``SM90_BACKWARD_PRODUCER_DROPOUT_MIN_HEADDIM``)."""
+    past ``SM90_BACKWARD_PRODUCER_DROPOUT_MIN_HEADDIM``; dropout by columns where the row says
+    "steps": ``SM90_BACKWARD_DROPOUT_COLUMNS``)."""
     _, stages, dq_split = _row(SM90_BACKWARD, headdim)
+    if variant.dropout and dq_split == "steps" and SM90_BACKWARD_DROPOUT_COLUMNS:
+        dq_split = "columns"
     bits = "producer" if variant.dropout and headdim >= SM90_BACKWARD_PRODUCER_DROPOUT_MIN_HEADDIM else "consumers"
     return Sm90BackwardConfig(dtype=dtype, headdim=headdim, variant=variant, stages=stages, dq_split=dq_split,
                               heavy_groups=SM90_BACKWARD_HEAVY_GROUPS, dropout_bits=bits,

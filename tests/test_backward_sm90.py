@@ -565,6 +565,15 @@ def test_rows_split_is_planned_where_measured(monkeypatch):
                              (64, Variant(mask_mod="g:0", block_mask=True)), (72, CAUSAL), (128, Variant())]:
         dkdv = configs.plan_backward(Static("float16", headdim, False, 0, variant), False, "sm90", True)[1]
         assert isinstance(dkdv, Sm90BackwardConfig), (headdim, variant)
+        # at 64 by "steps", but dropout by 32-column halves, dQ first and tile-major (configs.
+        # SM90_BACKWARD_DROPOUT_COLUMNS), by default too
+        if headdim == 64 and variant.dropout:
+            for family in ("sm90", None):
+                dkdv = configs.plan_backward(Static("bfloat16", 64, False, 0, variant), False, family, True)[1]
+                assert (dkdv.dq_split, dkdv.dq_first, dkdv.dq_reduce, dkdv.dropout_bits) == \
+                    ("columns", True, "tiles", "consumers"), family
+        elif headdim == 64:
+            assert dkdv.dq_split == "steps" and not dkdv.dq_first and dkdv.dq_reduce == "red", variant
     # deterministic: no atomics, so not the rows split: backward_sm90.py's kernel without dQ
     dkdv = configs.plan_backward(Static("float16", 64, False, 0, CAUSAL), True, "sm90", True)[1]
     assert isinstance(dkdv, Sm90BackwardConfig) and dkdv.dq_split == "none"
