@@ -503,11 +503,12 @@ SM90_BACKWARD_ROWS_MAX_HEADDIM = 64
 # (scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-tiles rows-tiles --anchors,
 # docs/perf-notes.md "Hopper backward" steps 32-34), fp16, hd 128, 4k and 16k, two runs: +9-10% /
 # +7-8% non-causal, +6% / +10% causal over the atomic reductions ("red"); a third run +5% to +13%.
-# At hd 64 neither form is planned: the rows split's (step 34) measured -4% to +5%, then 2-7%
-# slower, and backward_sm90.py by 32-column halves with it (step 36) 0.79-0.89x the rows split.
+# At hd 64 plain and causal attention keep the rows split's atomics: its tiles (step 34) measured
+# -4% to +5%, then 2-7% slower, and backward_sm90.py by 32-column halves with it (step 36) 0.79-0.89x
+# the rows split; dropout at hd 64 takes it by halves (``SM90_BACKWARD_DROPOUT_COLUMNS``).
 # The other variants at hd 72-128 (dropout, softcap, ALiBi, masks, score_mod) take it too: their
-# GPU grids pass with it; dropout 0.1 timed (gpu_check.sh tiles2, H100): +10% / +0% non-causal,
-# +4% / +10% causal (4k / 16k).
+# GPU grids pass with it; dropout 0.1 timed (gpu_check.sh tiles2), H100: +10% / +0% non-causal,
+# +4% / +10% causal (4k / 16k); H200: +9.6% / +12.4%, +7.2% / +11.5%.
 SM90_BACKWARD_DQ_TILES = True
 # The same for packed sequences (each sequence's tiles from a whole tile of dq_accum: dq_accum_shape,
 # step 37): measured on an H100 (scripts/gpu_check.sh tiles2: scripts/bench.py --varlen, 14

@@ -42,7 +42,9 @@ Backward, each column a schedule:
   (the form before; timed as "planned" against "planned-tiles" until step 35). (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
   with commit 5b92983.) "rows-tiles" (headdim 64): the rows split with tiles (step 34, 1-4% slower);
-  "columns-tiles" (headdim 64): "columns-dqfirst" with tiles, in 32-column parts (step 36).
+  "columns-tiles" (headdim 64): "columns-dqfirst" with tiles, in 32-column parts (step 36; planned
+  for dropout in step 41, where these two become "planned" and "planned-red", and "planned-steps"
+  is the "steps" kernel dropout had before).
 With --anchors, PyTorch SDPA's flash and cuDNN backwards on the same inputs in the same loop (timed
 as scripts/bench.py times them: the backward alone, a fresh forward before each), and each
 schedule's ratio to SDPA flash after the table. With --isolate S, each (shape, schedule) runs in a
@@ -199,6 +201,8 @@ def backward_schedules(headdim, causal):
         found["columns-tiles"] = table.__class__(**{**found["columns-dqfirst"].__dict__, "dq_reduce": "tiles"})
     if getattr(planned, "dq_reduce", "") == "tiles":  # dQ_i added by the consumers' atomics (before step 35)
         found["planned-red"] = planned.__class__(**{**planned.__dict__, "dq_reduce": "red"})
+    if DROPOUT and table.headdim_padded == 64 and table.dq_split == "columns":  # hd 64 dropout's plan before step 41
+        found["planned-steps"] = table.__class__(**{**table.__dict__, "dq_split": "steps", "dq_first": False, "dq_reduce": "red"})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
         found[f"heavy-groups{groups}"] = table.__class__(**{**table.__dict__, "heavy_groups": groups})
     if DROPOUT:  # dropout's keep bits made by the producer's warps 2 and 3 instead of the consumer lanes
