@@ -622,7 +622,7 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
     # dQ kernel (which takes headdims up to 128, as backward_sm90.py, and plain or windowed attention)
     sm90_dq = (family == "sm90" and deterministic and headdim <= SM90_BACKWARD_MAX_HEADDIM
                and sm90_backward_unsupported_reason(static, False, aligned) is None
-               and static.variant._replace(score_mod_grad="") in SM90_DQ_VARIANTS)
+               and variant in SM90_DQ_VARIANTS)
     sm90 = sm90 and sm90_backward_unsupported_reason(static, deterministic, aligned) is None
     family = _resolve_family(dtype, device, "sm80" if family == "sm90" else family)
     atomic = not deterministic
