@@ -131,6 +131,11 @@ def backward_kernels():
     for variant in (Variant(), Variant(window=True)):  # dQ staged, one bulk reduce-add a step (an option)
         found.append((f"backward_sm90_rows_dq_tiles_{'causal' if variant.window else 'plain'}_float16_hd64",
                       Sm90RowsBackwardConfig("float16", 64, variant, dq_reduce="tiles")))
+    for overlap in ("dq", "dq-dv"):  # dQ's product (and dV's) issued under the dS stores
+        for variant in (Variant(), Variant(window=True)):
+            found.append((f"backward_sm90_rows_overlap_{overlap.replace('-', '_')}_"
+                          f"{'causal' if variant.window else 'plain'}_float16_hd64",
+                          Sm90RowsBackwardConfig("float16", 64, variant, overlap=overlap)))
     for variant in (Variant(), Variant(window=True)):  # a persistent grid, K and V double-buffered
         found.append((f"backward_sm90_rows_persistent_{'causal' if variant.window else 'plain'}_float16_hd64",
                       Sm90RowsBackwardConfig("float16", 64, variant, persistent=132)))

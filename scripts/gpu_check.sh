@@ -60,6 +60,9 @@
 #                                halves, hd 128's tiles against the atomics), then packed sequences'
 #                                backward at hd 128 with the atomics and tile-major (step 37), about
 #                                4-9 minutes
+#   scripts/gpu_check.sh overlap hd 64's rows split with dQ's product (and dV's) issued under dS's stores
+#                                (step 42): its GPU grid, then "rows", "rows-dq" and "rows-dq-dv" next
+#                                to SDPA, plain and causal, 4k and 16k, about 4 minutes
 #   scripts/gpu_check.sh packed  packed sequences' backward at mean lengths 41-303 (steps 38-39: where the
 #                                tile-major dQ's padding stops paying, and the sm90 backward against
 #                                the mma one on short sequences), hd 128 with both dQ forms, then hd 64,
@@ -264,6 +267,16 @@ tiles)
     echo "the planned kernels against dQ by atomics (hd 128), the rows split's tiles and backward_sm90.py by"
     echo "32-column halves, dQ first, by atomics and tile-major (hd 64) (exit $rc):"
     tail -22 "$out/tiles.log"
+    ;;
+overlap)
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 150 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+        -W ignore tests/test_backward_sm90.py -k "rows_gpu and overlap" > "$out/overlap_tests.log" 2>&1
+    echo "tests: exit $?: $(tail -1 "$out/overlap_tests.log")"
+    grep -aE "\] (FAILED|ERROR)" "$out/overlap_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
+    timeout "${2:-240}" python3 scripts/sm90_schedules.py --backward --headdims 64 --anchors \
+        --only rows rows-dq rows-dq-dv > "$out/overlap.log" 2>&1
+    echo "schedules (exit $?):"
+    tail -14 "$out/overlap.log"
     ;;
 tiles2)
     # dropout: hd 64 (planned since step 41: by halves, dQ first, tile-major) against "planned-steps" (dQ last,

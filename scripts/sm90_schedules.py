@@ -22,6 +22,7 @@ Backward, each column a schedule:
   the consumers (nbflash/kernels/backward_sm90_rows.py, 128 x 128 tiles), 2 and 3 stages, the
   planner's launch order; "rows-stmatrix": P and dS stored by stmatrix (the pipelined loop timed
   on 2026-12-04 as "rows-pipe" is in git history, commit 1aba50e; docs/perf-notes.md step 15);
+  "rows-dq" / "rows-dq-dv": dQ_c's product (and dV_c's) issued under dS's stores (step 42);
   "rows-persistent": a persistent grid of one block per multiprocessor over the planned launch
   order (step 18);
 - with --dropout P, every schedule with dropout of probability P (the rows split, which does not serve
@@ -219,6 +220,11 @@ def backward_schedules(headdim, causal):
         # P and dS stored by stmatrix (16 instructions a step instead of 64)
         found["rows-stmatrix"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, stmatrix=True,
                                                         heavy_groups=table.heavy_groups)
+        # dQ's product issued once P is stored, under dS's stores ("dq"), and dV's too, behind a third
+        # barrier ("dq-dv"; step 42)
+        for overlap in ("dq", "dq-dv"):
+            found[f"rows-{overlap}"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, overlap=overlap,
+                                                              heavy_groups=table.heavy_groups)
         # a persistent grid, one block per multiprocessor, K and V double-buffered
         from numba import cuda
 

@@ -523,8 +523,24 @@ def test_backward_sm90_rows_tiles_small(rng, xp, monkeypatch):
         backward._kernels.cache_clear()
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+@pytest.mark.parametrize("overlap", ["dq-dv"])
+def test_backward_sm90_rows_overlap_small(rng, xp, monkeypatch, overlap):
+    """The rows split with dQ's product issued once P is stored, and dV's behind a barrier of its own
+    under dS's stores (``overlap="dq-dv"``; "dq" runs the same code but the third barrier and dV's
+    early issue, and runs on the GPU grid): one query tile (rows past seqlen_q), two key tiles, the
+    second a tail, headdim 64, fp16, GQA 2:1. The emulation completes each wgmma as it is issued,
+    so this checks the tiles and operands of the reordered step, not the order between the
+    consumers (the barriers): the GPU grid's "overlap" forms do."""
+    plan_rows(monkeypatch, overlap=overlap)
+    try:
+        run_rows(rng, xp, 1, 70, 200, 2, 1, 64, "float16", False)
+    finally:
+        backward._kernels.cache_clear()
+
+
 ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"persistent": 132},
-              "tiles": {"dq_reduce": "tiles"}}
+              "tiles": {"dq_reduce": "tiles"}, "overlap-dq": {"overlap": "dq"}, "overlap-dq-dv": {"overlap": "dq-dv"}}
 
 
 @pytest.mark.gpu
@@ -603,7 +619,7 @@ def test_rows_configs():
     for kwargs in (dict(headdim=72), dict(headdim=60), dict(variant=Variant(softcap=True)),
                    dict(variant=Variant(window=True, dropout=True)), dict(variant=Variant(varlen=True)),
                    dict(dtype="float32"), dict(stages=1), dict(producer_registers=32, consumer_registers=240),
-                   dict(persistent=-1), dict(persistent=132, stages=3)):
+                   dict(persistent=-1), dict(persistent=132, stages=3), dict(overlap="dv")):
         with pytest.raises(ValueError):
             Sm90RowsBackwardConfig(**{"dtype": "float16", "headdim": 64, **kwargs})
     config = Sm90RowsBackwardConfig("bfloat16", 64, Variant(window=True), stages=3)

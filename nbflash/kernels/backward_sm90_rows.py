@@ -155,6 +155,12 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
     # step 34: an option, 1-4% slower than "red" on an H100). Not with a persistent grid, whose
     # second K and V leave no room for the tile.
     dq_reduce: str = "red"
+    # Which products run under the step's stores (docs/perf-notes.md, "Hopper backward", step 42):
+    # "none", dQ_c, dV_c and dK_c issued together once both consumers' P and dS are stored; "dq",
+    # dQ_c (its A is dS_c's registers) issued as soon as dS is packed, so it runs under the barrier
+    # and the stores; "dq-dv", that, and P stored first behind a barrier of its own so that dV_c runs
+    # under dS's stores too (three barriers a step instead of two).
+    overlap: str = "none"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
     consumers = 2
@@ -169,6 +175,8 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
         if self.persistent < 0:
             raise ValueError(f"persistent={self.persistent} must be 0 (off) or a block count")
         self.check_dq_reduce()
+        if self.overlap not in ("none", "dq", "dq-dv"):
+            raise ValueError(f"overlap={self.overlap!r} must be 'none', 'dq' or 'dq-dv'")
         if self.dq_reduce == "tiles" and self.persistent:
             raise ValueError(f"dq_reduce='tiles' takes one key tile a block, not persistent={self.persistent}")
         self.check_block()
@@ -242,6 +250,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     BOTH = CONSUMERS * GROUP  # threads of the named barriers across the consumers
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
     HEAVY_GROUPS, STMATRIX, PERSISTENT = config.heavy_groups, config.stmatrix, config.persistent > 0
+    DQ_EARLY, DV_EARLY = config.overlap != "none", config.overlap == "dq-dv"
     KV_BUFFERS = 2 if PERSISTENT else 1  # K/V tiles in flight
     KV_PAIR = 2 * KV_BYTES  # a buffer's K and V
     KV_FULL_STEP = 8 * (1 + 2 * STAGES)  # the second buffer's full barrier: after the ring's barriers
@@ -359,20 +368,18 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                         packed[4 * k], packed[4 * k + 1], packed[4 * k + 2], packed[4 * k + 3])
 
     @inline_device
-    def store_tiles(smem, p_tile, p_row_word, lane_row, g, lane, p, ds):
-        """P and dS of the thread's two rows into the P and dS tiles (``stmatrix``: lane_row is the
-        P tile's offset of the lane's stmatrix row; else p_row_word, the word of its first row). The
-        row and lane words are made opaque each step: else LLVM makes every store address once
-        before the loop, and ptxas spills them (the 32-bit stores' 64: 320 bytes, 74 local accesses
-        in the loop)."""
+    def store_tile(smem, p_tile, p_row_word, lane_row, g, lane, packed, which):
+        """P (``which`` 0) or dS (1) of the thread's two rows into its tile, P_BYTES apart
+        (``stmatrix``: lane_row is the P tile's offset of the lane's stmatrix row; else p_row_word, the
+        word of its first row). The row and lane words are made opaque each step: else LLVM makes
+        every store address once before the loop, and ptxas spills them (the 32-bit stores' 64: 320
+        bytes, 74 local accesses in the loop)."""
         if STMATRIX:
             row, lane_j, lane_r = fence_operands((lane_row, uint32(lane >> 4), uint32(lane & 7)))
-            store_tile_stmatrix(p_tile + row, lane_j, lane_r, p)
-            store_tile_stmatrix(p_tile + row + uint32(P_BYTES), lane_j, lane_r, ds)
+            store_tile_stmatrix(p_tile + row + uint32(which * P_BYTES), lane_j, lane_r, packed)
         else:
             row_word, swizzle = fence_operands((p_row_word, uint32(4 * g)))
-            store_rows_tile(smem, row_word, swizzle, p)
-            store_rows_tile(smem, row_word + uint32(P_BYTES // 4), swizzle, ds)
+            store_rows_tile(smem, row_word + uint32(which * (P_BYTES // 4)), swizzle, packed)
 
     @inline_device
     @unroll
@@ -634,22 +641,40 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
 
                     # P and dS of all 128 rows into shared memory, once the last step's dV and dK
                     # products (both consumers', each waited for before its next step) have read the
-                    # tiles
+                    # tiles; with DV_EARLY dV_c is issued once both consumers' P is in, under dS's stores
                     named_barrier_sync(1, BOTH)
-                    store_tiles(smem, p_tile, p_row_word, lane_row, g, lane, p, ds)
+                    store_tile(smem, p_tile, p_row_word, lane_row, g, lane, p, 0)
+                    if DV_EARLY:
+                        fence_proxy_async()  # the stores are ordered before wgmma reads them
+                        acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
+                        named_barrier_sync(3, BOTH)  # both consumers' P is stored
+                    if DQ_EARLY:  # dQ_c = dS_c K_j (A from registers) under dS's stores (P's registers are free)
+                        ds_regs = fence_operands(registers_from(ds, P_REGS))
+                        acc_q = fence_operands(registers_from(zeros, ACC_REGS))
+                        wgmma_fence()
+                        acc_q = issue_dq(acc_q, ds_regs, desc_k_cols)
+                    if DV_EARLY:
+                        acc_dv = issue_keys_acc(acc_dv, mn_descriptor(p_tile + chunk_off, P_CHUNK_BYTES),
+                                                mn_descriptor(do_slot, Q_BYTES))
+                    store_tile(smem, p_tile, p_row_word, lane_row, g, lane, ds, 1)
                     fence_proxy_async()  # the stores are ordered before wgmma reads them
-                    ds_regs = fence_operands(registers_from(ds, P_REGS))
-                    acc_q = fence_operands(registers_from(zeros, ACC_REGS))
-                    acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
+                    if not DQ_EARLY:
+                        ds_regs = fence_operands(registers_from(ds, P_REGS))
+                        acc_q = fence_operands(registers_from(zeros, ACC_REGS))
+                    if not DV_EARLY:
+                        acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
                     acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
                     named_barrier_sync(2, BOTH)  # both consumers' rows are stored
 
                     # dQ_c = dS_c K_j (A from registers), then dV_c += P^T dO_i and dK_c += dS^T Q_i
                     # (key chunk c of the tiles): three commit groups, dQ's first so it lands first
+                    # (with DQ_EARLY and DV_EARLY issued above, in the same order)
                     wgmma_fence()  # dS's, dQ's and the accumulators' registers are ordered before wgmma
-                    acc_q = issue_dq(acc_q, ds_regs, desc_k_cols)
-                    acc_dv = issue_keys_acc(acc_dv, mn_descriptor(p_tile + chunk_off, P_CHUNK_BYTES),
-                                            mn_descriptor(do_slot, Q_BYTES))
+                    if not DQ_EARLY:
+                        acc_q = issue_dq(acc_q, ds_regs, desc_k_cols)
+                    if not DV_EARLY:
+                        acc_dv = issue_keys_acc(acc_dv, mn_descriptor(p_tile + chunk_off, P_CHUNK_BYTES),
+                                                mn_descriptor(do_slot, Q_BYTES))
                     acc_dk = issue_keys_acc(acc_dk, mn_descriptor(ds_tile + chunk_off, P_CHUNK_BYTES),
                                             mn_descriptor(q_slot, Q_BYTES))
                     wgmma_wait(2)  # dQ_c has landed: added while dV and dK run
