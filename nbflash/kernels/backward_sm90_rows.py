@@ -46,6 +46,11 @@ P and dS go to their tiles by 32-bit stores, or with ``stmatrix=True`` by stmatr
 a step instead of 64; measured within -6% to +2% of the stores on the H200, so not planned:
 docs/perf-notes.md, "Hopper backward", step 16).
 
+``overlap`` (an option, not planned; docs/perf-notes.md, "Hopper backward", step 42): "dq" issues
+dQ_c's product once the consumer's P is stored, so that it runs under dS's stores and the second
+barrier; "dq-dv" also fences P's stores behind a third barrier and issues dV_c with it. The commit
+groups keep the order dQ, dV, dK either way.
+
 ``persistent=n`` (an option, not planned; docs/perf-notes.md, "Hopper backward", step 18): a grid
 of at most n blocks, each taking work items t, t + n, ... of the plain grid's blocks in their launch
 order (``heavy_groups`` included), so that the blocks running together read the same few heads'
