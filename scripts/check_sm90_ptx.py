@@ -136,6 +136,9 @@ def backward_kernels():
             found.append((f"backward_sm90_rows_overlap_{overlap.replace('-', '_')}_"
                           f"{'causal' if variant.window else 'plain'}_float16_hd64",
                           Sm90RowsBackwardConfig("float16", 64, variant, overlap=overlap)))
+    for variant in (Variant(), Variant(window=True)):  # each block's walk over the query tiles rotated
+        found.append((f"backward_sm90_rows_rotate_{'causal' if variant.window else 'plain'}_float16_hd64",
+                      Sm90RowsBackwardConfig("float16", 64, variant, rotate=True)))
     for variant in (Variant(), Variant(window=True)):  # a persistent grid, K and V double-buffered
         found.append((f"backward_sm90_rows_persistent_{'causal' if variant.window else 'plain'}_float16_hd64",
                       Sm90RowsBackwardConfig("float16", 64, variant, persistent=132)))

@@ -61,8 +61,9 @@
 #                                backward at hd 128 with the atomics and tile-major (step 37), about
 #                                4-9 minutes
 #   scripts/gpu_check.sh overlap hd 64's rows split with dQ's product (and dV's) issued under dS's stores
-#                                (step 42): its GPU grid, then "rows", "rows-dq" and "rows-dq-dv" next
-#                                to SDPA, plain and causal, 4k and 16k, about 4 minutes
+#                                (step 42), and with each block's query tiles rotated (step 43): their
+#                                GPU grids, then "rows", "rows-dq", "rows-dq-dv" and "rows-rotate" next
+#                                to SDPA, plain and causal, 4k and 16k, about 5 minutes
 #   scripts/gpu_check.sh packed  packed sequences' backward at mean lengths 41-303 (steps 38-39: where the
 #                                tile-major dQ's padding stops paying, and the sm90 backward against
 #                                the mma one on short sequences), hd 128 with both dQ forms, then hd 64,
@@ -270,11 +271,11 @@ tiles)
     ;;
 overlap)
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 150 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
-        -W ignore tests/test_backward_sm90.py -k "rows_gpu and overlap" > "$out/overlap_tests.log" 2>&1
+        -W ignore tests/test_backward_sm90.py -k "rows_gpu and (overlap or rotate)" > "$out/overlap_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/overlap_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/overlap_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
     timeout "${2:-240}" python3 scripts/sm90_schedules.py --backward --headdims 64 --anchors \
-        --only rows rows-dq rows-dq-dv > "$out/overlap.log" 2>&1
+        --only rows rows-dq rows-dq-dv rows-rotate > "$out/overlap.log" 2>&1
     echo "schedules (exit $?):"
     tail -14 "$out/overlap.log"
     ;;

@@ -23,6 +23,7 @@ Backward, each column a schedule:
   planner's launch order; "rows-stmatrix": P and dS stored by stmatrix (the pipelined loop timed
   on 2026-12-04 as "rows-pipe" is in git history, commit 1aba50e; docs/perf-notes.md step 15);
   "rows-dq" / "rows-dq-dv": dQ_c's product (and dV_c's) issued under dS's stores (step 42);
+  "rows-rotate": each block's walk over the query tiles starts at its key tile's index (step 43);
   "rows-persistent": a persistent grid of one block per multiprocessor over the planned launch
   order (step 18);
 - with --dropout P, every schedule with dropout of probability P (the rows split, which does not serve
@@ -225,6 +226,9 @@ def backward_schedules(headdim, causal):
         for overlap in ("dq", "dq-dv"):
             found[f"rows-{overlap}"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, overlap=overlap,
                                                               heavy_groups=table.heavy_groups)
+        # each block's walk over the query tiles rotated by its key tile (step 43)
+        found["rows-rotate"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, rotate=True,
+                                                      heavy_groups=table.heavy_groups)
         # a persistent grid, one block per multiprocessor, K and V double-buffered
         from numba import cuda
 

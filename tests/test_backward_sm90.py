@@ -524,23 +524,25 @@ def test_backward_sm90_rows_tiles_small(rng, xp, monkeypatch):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-@pytest.mark.parametrize("overlap", ["dq-dv"])
-def test_backward_sm90_rows_overlap_small(rng, xp, monkeypatch, overlap):
-    """The rows split with dQ's product issued once P is stored, and dV's behind a barrier of its own
-    under dS's stores (``overlap="dq-dv"``; "dq" runs the same code but the third barrier and dV's
-    early issue, and runs on the GPU grid): one query tile (rows past seqlen_q), two key tiles, the
-    second a tail, headdim 64, fp16, GQA 2:1. The emulation completes each wgmma as it is issued,
-    so this checks the tiles and operands of the reordered step, not the order between the
-    consumers (the barriers): the GPU grid's "overlap" forms do."""
-    plan_rows(monkeypatch, overlap=overlap)
+def test_backward_sm90_rows_overlap_rotate_small(rng, xp, monkeypatch):
+    """The rows split with two options at once (each on the GPU grid alone): dQ's product issued once
+    P is stored and dV's behind a barrier of its own under dS's stores (``overlap="dq-dv"``; "dq"
+    is the same code less the third barrier and dV's early issue), and each block's walk over the
+    query tiles rotated (``rotate``: key tile 1 takes query tile 1 first, then 0, for each query
+    head; the producer's copies, the stats warp's lse and D, and the consumers' rows must agree).
+    Two query tiles and two key tiles, both second ones tails, headdim 64, fp16, one head. The
+    emulation completes each wgmma as it is issued, so this checks the reordered step's tiles and
+    operands, not the order between the consumers (the barriers): the GPU grid does."""
+    plan_rows(monkeypatch, overlap="dq-dv", rotate=True)
     try:
-        run_rows(rng, xp, 1, 70, 200, 2, 1, 64, "float16", False)
+        run_rows(rng, xp, 1, 200, 200, 1, 1, 64, "float16", False)
     finally:
         backward._kernels.cache_clear()
 
 
 ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"persistent": 132},
-              "tiles": {"dq_reduce": "tiles"}, "overlap-dq": {"overlap": "dq"}, "overlap-dq-dv": {"overlap": "dq-dv"}}
+              "tiles": {"dq_reduce": "tiles"}, "overlap-dq": {"overlap": "dq"}, "overlap-dq-dv": {"overlap": "dq-dv"},
+              "rotate": {"rotate": True}}
 
 
 @pytest.mark.gpu

@@ -523,6 +523,24 @@ def make_init_ring(stages, full_arrivals, empty_arrivals):
     return init_ring
 
 
+def make_step_tile(config):
+    """``step_tile(position, first_tile, tiles_per_head, n_block)``: the query tile of a dK/dV block's
+    step at ``position`` of its walk (the query head's is position // tiles_per_head): the visited
+    tiles in order from ``first_tile``, or with ``config.rotate`` (an option of
+    backward_sm90_rows.py) from tile n_block mod tiles_per_head of them on, so that the blocks of one
+    head that run together add into different rows of dq_accum rather than all into the same."""
+    ROTATE = getattr(config, "rotate", False)
+
+    @inline_device
+    def step_tile(position, first_tile, tiles_per_head, n_block):
+        t = position % tiles_per_head
+        if ROTATE:
+            t = (t + n_block) % tiles_per_head
+        return first_tile + t
+
+    return step_tile
+
+
 def make_stage_stats(config, hooks):
     """``stage_stats``, the producer's warp 1 in a dK/dV block (one key tile; backward_sm90_rows.py's
     and backward_sm90_wide.py's as well): walking the block's steps (the visited (query head, query
@@ -538,6 +556,7 @@ def make_stage_stats(config, hooks):
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
     STAGED_DQ = config.dq_tile_major
     add_staged_dq = make_add_staged_dq(config)
+    step_tile = make_step_tile(config)
 
     @inline_device
     @unroll
@@ -568,7 +587,7 @@ def make_stage_stats(config, hooks):
             if use > 0:
                 mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
             h = hk * group + position // tiles_per_head
-            q_start = (first_tile + position % tiles_per_head) * BM
+            q_start = step_tile(position, first_tile, tiles_per_head, n_block) * BM
             stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
             # the score features' offset (variants.OFFSET) out of lse, as out of their scores
             offset = float32(0)
@@ -585,7 +604,7 @@ def make_stage_stats(config, hooks):
                 smem[stats + 32 * r + lane] = f32_as_u32(lse_log2)
                 smem[stats + BM + 32 * r + lane] = f32_as_u32(d)
             if BLOCK_MASK and lane == 0:  # the step for the consumers: pair, head, tile, masked
-                tile = first_tile + position % tiles_per_head
+                tile = step_tile(position, first_tile, tiles_per_head, n_block)
                 smem[stats + STEP_WORD] = uint32(position)
                 smem[stats + STEP_WORD + 1] = uint32(h)
                 smem[stats + STEP_WORD + 2] = uint32(tile)

@@ -51,6 +51,9 @@ dQ_c's product once the consumer's P is stored, so that it runs under dS's store
 barrier; "dq-dv" also fences P's stores behind a third barrier and issues dV_c with it. The commit
 groups keep the order dQ, dV, dK either way.
 
+``rotate`` (an option, not planned; step 43): block n walks its query tiles from the n-th on (mod
+their number), so that the blocks of a head running together add into different rows of dq_accum.
+
 ``persistent=n`` (an option, not planned; docs/perf-notes.md, "Hopper backward", step 18): a grid
 of at most n blocks, each taking work items t, t + n, ... of the plain grid's blocks in their launch
 order (``heavy_groups`` included), so that the blocks running together read the same few heads'
@@ -117,6 +120,7 @@ from .backward_sm90 import (
     make_pack_a,
     make_stage_dq,
     make_stage_stats,
+    make_step_tile,
     make_store_rows,
 )
 from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
@@ -166,6 +170,10 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
     # and the stores; "dq-dv", that, and P stored first behind a barrier of its own so that dV_c runs
     # under dS's stores too (three barriers a step instead of two).
     overlap: str = "none"
+    # Block n's walk over its query tiles starts n tiles on (mod the tiles it visits), so that the
+    # blocks of a head running together add into different rows of dq_accum (backward_sm90.py's
+    # ``make_step_tile``; step 43)
+    rotate: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
     consumers = 2
@@ -275,6 +283,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     store_rows = make_store_rows(config.dtype, HD, CHUNK)  # dK, dV
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
     stage_dq = make_stage_dq(64, CHUNK)  # with STAGED_DQ, a consumer's 64 rows of dQ for the stats warp
+    step_tile = make_step_tile(config)  # step i's query tile (``rotate``)
 
     @inline_device
     @unroll
@@ -542,7 +551,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                             if use > 0:  # the consumers have released the slot's previous tiles
                                 mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
                             h = hk * group + i // tiles_per_head
-                            q_start = (first_tile + i % tiles_per_head) * BM
+                            q_start = step_tile(i, first_tile, tiles_per_head, n_block) * BM
                             full = qd_full + uint32(8 * slot)
                             mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
                             tma_load_4d(q_ring + uint32(slot * Q_BYTES), q_map, 0, h, q_start, b, full)
@@ -617,7 +626,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                 for i in range(steps):
                     slot, use = (step0 + i) % STAGES, (step0 + i) // STAGES
                     h = hk * group + i // tiles_per_head
-                    tile = first_tile + i % tiles_per_head
+                    tile = step_tile(i, first_tile, tiles_per_head, n_block)
                     head_ctx = head_context(params, b, h)
                     q_start = tile * BM
                     q_slot = q_ring + uint32(slot * Q_BYTES)
