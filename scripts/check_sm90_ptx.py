@@ -131,12 +131,14 @@ def backward_kernels():
     for variant in (Variant(), Variant(window=True)):  # dQ staged, one bulk reduce-add a step (an option)
         found.append((f"backward_sm90_rows_dq_tiles_{'causal' if variant.window else 'plain'}_float16_hd64",
                       Sm90RowsBackwardConfig("float16", 64, variant, dq_reduce="tiles")))
-    for overlap in ("dq", "dq-dv"):  # dQ's product (and dV's) issued under the dS stores
+    for early in ("dq", "dq-dv"):  # dQ's product (and dV's) issued under the dS stores
         for variant in (Variant(), Variant(window=True)):
-            found.append((f"backward_sm90_rows_overlap_{overlap.replace('-', '_')}_"
+            found.append((f"backward_sm90_rows_early_{early.replace('-', '_')}_"
                           f"{'causal' if variant.window else 'plain'}_float16_hd64",
-                          Sm90RowsBackwardConfig("float16", 64, variant, overlap=overlap)))
+                          Sm90RowsBackwardConfig("float16", 64, variant, issue_early=early)))
     for variant in (Variant(), Variant(window=True)):  # each block's walk over the query tiles rotated
+        found.append((f"backward_sm90_rotate_{'causal' if variant.window else 'plain'}_hd128", dataclasses.replace(
+            configs.sm90_backward_table_config("float16", 128, variant), rotate=True)))
         found.append((f"backward_sm90_rows_rotate_{'causal' if variant.window else 'plain'}_float16_hd64",
                       Sm90RowsBackwardConfig("float16", 64, variant, rotate=True)))
     for variant in (Variant(), Variant(window=True)):  # a persistent grid, K and V double-buffered

@@ -60,10 +60,10 @@
 #                                halves, hd 128's tiles against the atomics), then packed sequences'
 #                                backward at hd 128 with the atomics and tile-major (step 37), about
 #                                4-9 minutes
-#   scripts/gpu_check.sh overlap hd 64's rows split with dQ's product (and dV's) issued under dS's stores
-#                                (step 42), and with each block's query tiles rotated (step 43): their
-#                                GPU grids, then "rows", "rows-dq", "rows-dq-dv" and "rows-rotate" next
-#                                to SDPA, plain and causal, 4k and 16k, about 5 minutes
+#   scripts/gpu_check.sh early   hd 64's rows split with dQ's product (and dV's) issued under dS's stores
+#                                (step 42), and the planned kernels with each block's query tiles
+#                                rotated (step 43): their GPU grids, then the schedules next to SDPA at
+#                                hd 64 and 128, plain and causal, 4k and 16k, about 6 minutes
 #   scripts/gpu_check.sh packed  packed sequences' backward at mean lengths 41-303 (steps 38-39: where the
 #                                tile-major dQ's padding stops paying, and the sm90 backward against
 #                                the mma one on short sequences), hd 128 with both dQ forms, then hd 64,
@@ -269,15 +269,16 @@ tiles)
     echo "32-column halves, dQ first, by atomics and tile-major (hd 64) (exit $rc):"
     tail -22 "$out/tiles.log"
     ;;
-overlap)
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 150 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
-        -W ignore tests/test_backward_sm90.py -k "rows_gpu and (overlap or rotate)" > "$out/overlap_tests.log" 2>&1
-    echo "tests: exit $?: $(tail -1 "$out/overlap_tests.log")"
-    grep -aE "\] (FAILED|ERROR)" "$out/overlap_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout "${2:-240}" python3 scripts/sm90_schedules.py --backward --headdims 64 --anchors \
-        --only rows rows-dq rows-dq-dv rows-rotate > "$out/overlap.log" 2>&1
+early)
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 170 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+        -W ignore tests/test_backward_sm90.py -k "(rows_gpu and (early or rotate)) or rotate_gpu" \
+        > "$out/early_tests.log" 2>&1
+    echo "tests: exit $?: $(tail -1 "$out/early_tests.log")"
+    grep -aE "\] (FAILED|ERROR)" "$out/early_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
+    timeout "${2:-300}" python3 scripts/sm90_schedules.py --backward --headdims 64 128 --anchors \
+        --only rows-dq rows-dq-dv planned-rotate > "$out/early.log" 2>&1
     echo "schedules (exit $?):"
-    tail -14 "$out/overlap.log"
+    tail -22 "$out/early.log"
     ;;
 tiles2)
     # dropout: hd 64 (planned since step 41: by halves, dQ first, tile-major) against "planned-steps" (dQ last,

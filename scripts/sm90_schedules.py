@@ -23,7 +23,6 @@ Backward, each column a schedule:
   planner's launch order; "rows-stmatrix": P and dS stored by stmatrix (the pipelined loop timed
   on 2026-12-04 as "rows-pipe" is in git history, commit 1aba50e; docs/perf-notes.md step 15);
   "rows-dq" / "rows-dq-dv": dQ_c's product (and dV_c's) issued under dS's stores (step 42);
-  "rows-rotate": each block's walk over the query tiles starts at its key tile's index (step 43);
   "rows-persistent": a persistent grid of one block per multiprocessor over the planned launch
   order (step 18);
 - with --dropout P, every schedule with dropout of probability P (the rows split, which does not serve
@@ -40,7 +39,8 @@ Backward, each column a schedule:
   and each consumer's half issued first (an option, step 29). The planned kernel at headdim 128
   stores dQ_i into a shared tile in wgmma's fragment order and its producer's stats warp adds it to
   a tile-major dq_accum, one bulk reduce-add a step (dq_reduce="tiles", steps 32-33, planned in
-  step 35); "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
+  step 35); "planned-rotate": the planned kernel with each block's walk over the query tiles starting
+  at its key tile's index (step 43); "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
   (the form before; timed as "planned" against "planned-tiles" until step 35). (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
   with commit 5b92983.) "rows-tiles" (headdim 64): the rows split with tiles (step 34, 1-4% slower);
@@ -223,18 +223,17 @@ def backward_schedules(headdim, causal):
                                                         heavy_groups=table.heavy_groups)
         # dQ's product issued once P is stored, under dS's stores ("dq"), and dV's too, behind a third
         # barrier ("dq-dv"; step 42)
-        for overlap in ("dq", "dq-dv"):
-            found[f"rows-{overlap}"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, overlap=overlap,
+        for early in ("dq", "dq-dv"):
+            found[f"rows-{early}"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, issue_early=early,
                                                               heavy_groups=table.heavy_groups)
-        # each block's walk over the query tiles rotated by its key tile (step 43)
-        found["rows-rotate"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, rotate=True,
-                                                      heavy_groups=table.heavy_groups)
         # a persistent grid, one block per multiprocessor, K and V double-buffered
         from numba import cuda
 
         found["rows-persistent"] = Sm90RowsBackwardConfig(
             "float16", headdim, table.variant, heavy_groups=table.heavy_groups,
             persistent=cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    if not planned.variant.block_mask:  # each block's walk over the query tiles rotated by its key tile (step 43)
+        found["planned-rotate"] = planned.__class__(**{**planned.__dict__, "rotate": True})
     found["planned"] = planned
     return {name: config for name, config in found.items() if ONLY is None or name in ONLY}
 

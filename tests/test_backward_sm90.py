@@ -249,6 +249,28 @@ def test_backward_sm90_columns_dq_first_gpu(xp, monkeypatch, seqlens, name, dq_r
         backward._kernels.cache_clear()
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_backward_sm90_rotate_small(rng, xp, monkeypatch):
+    """backward_sm90.py's planned kernel (headdim 96: by columns, dQ first, tile-major) with each
+    block's query tiles rotated (``rotate``): key tile 1 takes query tile 1 first, then 0; the
+    producer's copies, the stats warp's lse and D and the consumers' rows must agree. Two query
+    tiles and two key tiles, both second ones tails, one head, fp16."""
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, rotate=True)):
+        run_sm90(rng, xp, 1, 100, 200, 1, 1, 96, "float16", False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "dropout", "softcap"])
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_rotate_gpu(xp, monkeypatch, seqlens, headdim, name):
+    """backward_sm90.py's planned kernels with each block's query tiles rotated (``rotate``, an
+    option; the rows split's "rotate" form runs in its own grid): causal, dropout and softcap (their
+    hd 64 kernel is "steps", or by halves with dropout), GQA 2:1, tails."""
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, rotate=True)):
+        run_sm90_variant(np.random.default_rng(7), xp, name, "float16", 2, *seqlens, 4, 2, headdim)
+
+
 @pytest.fixture
 def dq_red(monkeypatch):
     """Plan backward_sm90.py's dK/dV kernel with dQ_i added to a row-major dq_accum by the consumers'
@@ -411,6 +433,13 @@ def test_heavy_groups_config():
     assert config.grid(4, 32, 8, 4096, 4096) == (4 * 32, 8, 1)
 
 
+def test_rotate_config():
+    """Rotating the query tiles walks every tile of a key tile: not with a block mask's visited pairs."""
+    with pytest.raises(ValueError, match="block mask"):
+        Sm90BackwardConfig("float16", 64, Variant(mask_mod="g:0", block_mask=True), rotate=True)
+    assert Sm90BackwardConfig("float16", 64, Variant(window=True, dropout=True), rotate=True).rotate
+
+
 def test_dq_by_columns_configs():
     """"columns" halves headdim padded to 64 (32 columns each) or 128; two consumers."""
     for headdim in (8, 40, 64, 72, 128):
@@ -524,16 +553,16 @@ def test_backward_sm90_rows_tiles_small(rng, xp, monkeypatch):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-def test_backward_sm90_rows_overlap_rotate_small(rng, xp, monkeypatch):
+def test_backward_sm90_rows_early_rotate_small(rng, xp, monkeypatch):
     """The rows split with two options at once (each on the GPU grid alone): dQ's product issued once
-    P is stored and dV's behind a barrier of its own under dS's stores (``overlap="dq-dv"``; "dq"
+    P is stored and dV's behind a barrier of its own under dS's stores (``issue_early="dq-dv"``; "dq"
     is the same code less the third barrier and dV's early issue), and each block's walk over the
     query tiles rotated (``rotate``: key tile 1 takes query tile 1 first, then 0, for each query
     head; the producer's copies, the stats warp's lse and D, and the consumers' rows must agree).
     Two query tiles and two key tiles, both second ones tails, headdim 64, fp16, one head. The
     emulation completes each wgmma as it is issued, so this checks the reordered step's tiles and
     operands, not the order between the consumers (the barriers): the GPU grid does."""
-    plan_rows(monkeypatch, overlap="dq-dv", rotate=True)
+    plan_rows(monkeypatch, issue_early="dq-dv", rotate=True)
     try:
         run_rows(rng, xp, 1, 200, 200, 1, 1, 64, "float16", False)
     finally:
@@ -541,7 +570,7 @@ def test_backward_sm90_rows_overlap_rotate_small(rng, xp, monkeypatch):
 
 
 ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"persistent": 132},
-              "tiles": {"dq_reduce": "tiles"}, "overlap-dq": {"overlap": "dq"}, "overlap-dq-dv": {"overlap": "dq-dv"},
+              "tiles": {"dq_reduce": "tiles"}, "early-dq": {"issue_early": "dq"}, "early-dq-dv": {"issue_early": "dq-dv"},
               "rotate": {"rotate": True}}
 
 
@@ -621,7 +650,7 @@ def test_rows_configs():
     for kwargs in (dict(headdim=72), dict(headdim=60), dict(variant=Variant(softcap=True)),
                    dict(variant=Variant(window=True, dropout=True)), dict(variant=Variant(varlen=True)),
                    dict(dtype="float32"), dict(stages=1), dict(producer_registers=32, consumer_registers=240),
-                   dict(persistent=-1), dict(persistent=132, stages=3), dict(overlap="dv")):
+                   dict(persistent=-1), dict(persistent=132, stages=3), dict(issue_early="dv")):
         with pytest.raises(ValueError):
             Sm90RowsBackwardConfig(**{"dtype": "float16", "headdim": 64, **kwargs})
     config = Sm90RowsBackwardConfig("bfloat16", 64, Variant(window=True), stages=3)

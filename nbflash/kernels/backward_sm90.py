@@ -303,6 +303,10 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # its ``padded_first_row`` of dq_accum) unless they are too short for that padding (step 38,
     # configs.packed_dq_tiles_fit: "red" then).
     dq_reduce: str = "red"
+    # Block n's walk over its query tiles starts n tiles on (mod the tiles it visits), so that the
+    # blocks of a head running together add into different rows of dq_accum (``make_step_tile``;
+    # docs/perf-notes.md step 43). Not with a block mask, whose visited pairs are walked in order
+    rotate: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
     # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
@@ -324,6 +328,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         if self.dq_reduce == "tiles" and not self.dq_first:
             raise ValueError("dq_reduce='tiles' takes dq_first=True (dQ split by columns, its product first), "
                              f"not dq_split={self.dq_split!r} with dq_first={self.dq_first}")
+        if self.rotate and self.variant.block_mask:
+            raise ValueError("rotate=True walks every query tile of a key tile; a block mask's visited pairs are "
+                             "walked in order")
         self.check_block()
 
     @property
@@ -768,7 +775,7 @@ def make_issue_keys_by_queries(wgmma, headdim_padded, kv_chunk_bytes, q_chunk_by
     return issue_keys_by_queries
 
 
-def make_consumer_step(hooks, block_m, stages, stats_bytes):
+def make_consumer_step(hooks, block_m, stages, stats_bytes, step_tile):
     """``consumer_step(smem, qd_full, stats_word0, params, b, hk, group, n_block, first_tile,
     tiles_per_head, i, position) -> (position, h, tile, masked)``: a consumer's i-th step, the
     (query head, query tile) pair it works on. Without a block mask step i is pair i (masked is
@@ -795,7 +802,8 @@ def make_consumer_step(hooks, block_m, stages, stats_bytes):
                           position):
             """Step i's (pair, query head, query tile, -): pair i."""
             position = i
-            return position, hk * group + position // tiles_per_head, first_tile + position % tiles_per_head, False
+            return (position, hk * group + position // tiles_per_head,
+                    step_tile(position, first_tile, tiles_per_head, n_block), False)
 
     return consumer_step
 
@@ -815,6 +823,7 @@ def make_produce_tiles(config, hooks):
     Q_BYTES, KV_BYTES = config.q_bytes, config.kv_bytes
     Q_CHUNK_BYTES, KV_CHUNK_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
     BLOCK_MASK, warp_visit_query_step = hooks.BLOCK_MASK, hooks.warp_visit_query_step
+    step_tile = make_step_tile(config)
 
     @inline_device
     @unroll
@@ -844,7 +853,7 @@ def make_produce_tiles(config, hooks):
                     mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
                 if leader:
                     h = hk * group + position // tiles_per_head
-                    q_start = (first_tile + position % tiles_per_head) * BM
+                    q_start = step_tile(position, first_tile, tiles_per_head, n_block) * BM
                     full = qd_full + uint32(8 * slot)
                     q_slot = q_ring + uint32(slot * Q_BYTES)
                     do_slot = do_ring + uint32(slot * Q_BYTES)
@@ -1020,7 +1029,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT)
     stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
     stage_dq = make_stage_dq(BM, DQ_COLS)  # with STAGED_DQ, the consumers' half of dQ_i for the stats warp
-    consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES)
+    consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES, make_step_tile(config))
 
     @inline_device
     def issue_scores(s, dp, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use):

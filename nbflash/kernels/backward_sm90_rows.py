@@ -46,7 +46,7 @@ P and dS go to their tiles by 32-bit stores, or with ``stmatrix=True`` by stmatr
 a step instead of 64; measured within -6% to +2% of the stores on the H200, so not planned:
 docs/perf-notes.md, "Hopper backward", step 16).
 
-``overlap`` (an option, not planned; docs/perf-notes.md, "Hopper backward", step 42): "dq" issues
+``issue_early`` (an option, not planned; docs/perf-notes.md, "Hopper backward", step 42): "dq" issues
 dQ_c's product once the consumer's P is stored, so that it runs under dS's stores and the second
 barrier; "dq-dv" also fences P's stores behind a third barrier and issues dV_c with it. The commit
 groups keep the order dQ, dV, dK either way.
@@ -169,7 +169,7 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
     # dQ_c (its A is dS_c's registers) issued as soon as dS is packed, so it runs under the barrier
     # and the stores; "dq-dv", that, and P stored first behind a barrier of its own so that dV_c runs
     # under dS's stores too (three barriers a step instead of two).
-    overlap: str = "none"
+    issue_early: str = "none"
     # Block n's walk over its query tiles starts n tiles on (mod the tiles it visits), so that the
     # blocks of a head running together add into different rows of dq_accum (backward_sm90.py's
     # ``make_step_tile``; step 43)
@@ -188,8 +188,8 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
         if self.persistent < 0:
             raise ValueError(f"persistent={self.persistent} must be 0 (off) or a block count")
         self.check_dq_reduce()
-        if self.overlap not in ("none", "dq", "dq-dv"):
-            raise ValueError(f"overlap={self.overlap!r} must be 'none', 'dq' or 'dq-dv'")
+        if self.issue_early not in ("none", "dq", "dq-dv"):
+            raise ValueError(f"issue_early={self.issue_early!r} must be 'none', 'dq' or 'dq-dv'")
         if self.dq_reduce == "tiles" and self.persistent:
             raise ValueError(f"dq_reduce='tiles' takes one key tile a block, not persistent={self.persistent}")
         self.check_block()
@@ -263,7 +263,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     BOTH = CONSUMERS * GROUP  # threads of the named barriers across the consumers
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
     HEAVY_GROUPS, STMATRIX, PERSISTENT = config.heavy_groups, config.stmatrix, config.persistent > 0
-    DQ_EARLY, DV_EARLY = config.overlap != "none", config.overlap == "dq-dv"
+    DQ_EARLY, DV_EARLY = config.issue_early != "none", config.issue_early == "dq-dv"
     KV_BUFFERS = 2 if PERSISTENT else 1  # K/V tiles in flight
     KV_PAIR = 2 * KV_BYTES  # a buffer's K and V
     KV_FULL_STEP = 8 * (1 + 2 * STAGES)  # the second buffer's full barrier: after the ring's barriers

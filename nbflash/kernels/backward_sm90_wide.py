@@ -95,6 +95,7 @@ from .backward_sm90 import (
     make_probabilities_t,
     make_produce_tiles,
     make_stage_stats,
+    make_step_tile,
     make_store_rows,
 )
 from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
@@ -211,7 +212,7 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
     block_rows = make_block_rows(hooks, BN)  # where the block's rows are (packed sequences: its sequence's)
     produce_tiles = make_produce_tiles(config, hooks)  # the producer's warp 0
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
-    consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES)
+    consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES, make_step_tile(config))
     probabilities_t = make_probabilities_t(hooks, BM, handover=True)  # consumer 0's P^T (and fused dS^T)
 
     @inline_device
