@@ -276,7 +276,7 @@ early)
     echo "tests: exit $?: $(tail -1 "$out/early_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/early_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
     timeout "${2:-300}" python3 scripts/sm90_schedules.py --backward --headdims 64 128 --anchors \
-        --only rows-dq rows-dq-dv planned-rotate > "$out/early.log" 2>&1
+        --only rows-dq rows-dq-dv planned-rotate rows-dq-rotate > "$out/early.log" 2>&1
     echo "schedules (exit $?):"
     tail -22 "$out/early.log"
     ;;

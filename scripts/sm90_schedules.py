@@ -23,6 +23,7 @@ Backward, each column a schedule:
   planner's launch order; "rows-stmatrix": P and dS stored by stmatrix (the pipelined loop timed
   on 2026-12-04 as "rows-pipe" is in git history, commit 1aba50e; docs/perf-notes.md step 15);
   "rows-dq" / "rows-dq-dv": dQ_c's product (and dV_c's) issued under dS's stores (step 42);
+  "rows-dq-rotate": "rows-dq" with step 43's rotated query tiles;
   "rows-persistent": a persistent grid of one block per multiprocessor over the planned launch
   order (step 18);
 - with --dropout P, every schedule with dropout of probability P (the rows split, which does not serve
@@ -226,6 +227,8 @@ def backward_schedules(headdim, causal):
         for early in ("dq", "dq-dv"):
             found[f"rows-{early}"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, issue_early=early,
                                                               heavy_groups=table.heavy_groups)
+        found["rows-dq-rotate"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, issue_early="dq",
+                                                         rotate=True, heavy_groups=table.heavy_groups)
         # a persistent grid, one block per multiprocessor, K and V double-buffered
         from numba import cuda
 
