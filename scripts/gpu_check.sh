@@ -63,7 +63,8 @@
 #   scripts/gpu_check.sh early   hd 64's rows split with dQ's product (and dV's) issued under dS's stores
 #                                (step 42), and the planned kernels with each block's query tiles
 #                                rotated (step 43): their GPU grids, then the schedules next to SDPA at
-#                                hd 64 and 128, plain and causal, 4k and 16k, about 6 minutes
+#                                hd 64 and 128 (HEADDIMS=...), plain and causal, 4k and 16k, about 6
+#                                minutes
 #   scripts/gpu_check.sh packed  packed sequences' backward at mean lengths 41-303 (steps 38-39: where the
 #                                tile-major dQ's padding stops paying, and the sm90 backward against
 #                                the mma one on short sequences), hd 128 with both dQ forms, then hd 64,
@@ -275,7 +276,7 @@ early)
         > "$out/early_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/early_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/early_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout "${2:-300}" python3 scripts/sm90_schedules.py --backward --headdims 64 128 --anchors \
+    timeout "${2:-300}" python3 scripts/sm90_schedules.py --backward --headdims ${HEADDIMS:-64 128} --anchors \
         --only rows-dq rows-dq-dv planned-rotate rows-dq-rotate > "$out/early.log" 2>&1
     echo "schedules (exit $?):"
     tail -22 "$out/early.log"
