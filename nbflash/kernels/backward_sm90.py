@@ -533,9 +533,10 @@ def make_init_ring(stages, full_arrivals, empty_arrivals):
 def make_step_tile(config):
     """``step_tile(position, first_tile, tiles_per_head, n_block)``: the query tile of a dK/dV block's
     step at ``position`` of its walk (the query head's is position // tiles_per_head): the visited
-    tiles in order from ``first_tile``, or with ``config.rotate`` (an option of
+    tiles in order from ``first_tile``, or with ``config.rotate`` (an option of this kernel and of
     backward_sm90_rows.py) from tile n_block mod tiles_per_head of them on, so that the blocks of one
-    head that run together add into different rows of dq_accum rather than all into the same."""
+    head that run together add into different rows of dq_accum rather than all into the same. The
+    producer's copies, the stats warp and the consumers all take their step's tile from here."""
     ROTATE = getattr(config, "rotate", False)
 
     @inline_device

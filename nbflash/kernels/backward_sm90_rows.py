@@ -166,9 +166,10 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
     dq_reduce: str = "red"
     # Which products run under the step's stores (docs/perf-notes.md, "Hopper backward", step 42):
     # "none", dQ_c, dV_c and dK_c issued together once both consumers' P and dS are stored; "dq",
-    # dQ_c (its A is dS_c's registers) issued as soon as dS is packed, so it runs under the barrier
-    # and the stores; "dq-dv", that, and P stored first behind a barrier of its own so that dV_c runs
-    # under dS's stores too (three barriers a step instead of two).
+    # dQ_c (its A is dS_c's registers) issued once the consumer's P is stored (issued before, P's
+    # registers outlived it and ptxas spilled), so it runs under dS's stores and the second barrier;
+    # "dq-dv", that, with P's stores fenced behind a barrier of their own first, so that dV_c is
+    # issued with it and runs under dS's stores too (three barriers a step instead of two).
     issue_early: str = "none"
     # Block n's walk over its query tiles starts n tiles on (mod the tiles it visits), so that the
     # blocks of a head running together add into different rows of dq_accum (backward_sm90.py's
