@@ -264,9 +264,10 @@ def test_backward_sm90_rotate_small(rng, xp, monkeypatch):
 @pytest.mark.parametrize("headdim", [64, 128])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_sm90_rotate_gpu(xp, monkeypatch, seqlens, headdim, name):
-    """backward_sm90.py's planned kernels with each block's query tiles rotated (``rotate``, an
-    option; the rows split's "rotate" form runs in its own grid): causal, dropout and softcap (their
-    hd 64 kernel is "steps", or by halves with dropout), GQA 2:1, tails."""
+    """The planned sm90 dK/dV kernels with each block's query tiles rotated (``rotate``, an option):
+    dropout and softcap on backward_sm90.py at both headdims (at 64 by halves and by "steps"),
+    causal on it at 128 and on the rows split at 64 (whose plain form runs in its own grid); GQA
+    2:1, tails."""
     with replanned(monkeypatch, lambda config: dataclasses.replace(config, rotate=True)):
         run_sm90_variant(np.random.default_rng(7), xp, name, "float16", 2, *seqlens, 4, 2, headdim)
 
