@@ -195,6 +195,7 @@ class Sm90BackwardBlock:
     sm_90a code, and the checks of the fields they all have."""
 
     arch_suffix = "a"  # wgmma, TMA and setmaxnreg assemble for sm_90a only
+    rotate = False  # query tiles in order (``make_step_tile``); a field where a kernel offers rotating them
 
     @property
     def threads(self):
@@ -537,7 +538,7 @@ def make_step_tile(config):
     backward_sm90_rows.py) from tile n_block mod tiles_per_head of them on, so that the blocks of one
     head that run together add into different rows of dq_accum rather than all into the same. The
     producer's copies, the stats warp and the consumers all take their step's tile from here."""
-    ROTATE = getattr(config, "rotate", False)
+    ROTATE = config.rotate
 
     @inline_device
     def step_tile(position, first_tile, tiles_per_head, n_block):
