@@ -104,6 +104,21 @@ def k_step(chunk_bytes, kk):
     within a chunk, the next chunk every four steps."""
     return uint64(((kk // 4) * chunk_bytes + (kk % 4) * 32) >> 4)
 
+
+if SIMULATOR:
+    def tile_base(window_address):
+        """Where the tiles start: the emulated shared window needs no alignment (its wgmma and TMA
+        emulations address the array as it is), so the array's own address."""
+        return window_address
+else:
+    @cuda.jit(device=True, inline=True)
+    def tile_base(window_address):
+        """The first 1024-byte boundary at or past ``window_address`` (a 32-bit shared-window
+        address): where a kernel's swizzled tiles start in its dynamic shared memory, which the
+        launch sizes with 1024 bytes of slack for this (TILE_ALIGNMENT's reason)."""
+        return window_address + ((uint32(1024) - (window_address & uint32(1023))) & uint32(1023))
+
+
 if SIMULATOR:
     import ctypes
 

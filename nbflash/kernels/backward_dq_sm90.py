@@ -68,7 +68,6 @@ from functools import lru_cache
 from numba import cuda, float32, uint32, uint64
 
 from nbflash.primitives import (
-    SIMULATOR,
     exp2_approx,
     inline_device,
     shared_address,
@@ -95,6 +94,7 @@ from nbflash.primitives_sm90 import (
     setmaxnreg_dec,
     setmaxnreg_inc,
     smem_descriptor,
+    tile_base,
     tma_load_4d,
     wgmma_commit,
     wgmma_fence,
@@ -140,21 +140,6 @@ class Sm90DqConfig(Sm90BackwardBlock):
     @property
     def block_m(self):
         return 64 * self.consumers
-
-    @property
-    def headdim_padded(self):
-        """headdim rounded up to whole 64-column chunks (TMA fills the rest with zeros)."""
-        return -(-self.headdim // CHUNK) * CHUNK
-
-    @property
-    def q_bytes(self):
-        """Bytes of the Q (or dO) tile."""
-        return self.block_m * self.headdim_padded * 2
-
-    @property
-    def kv_bytes(self):
-        """Bytes of one K (or V) tile."""
-        return self.block_n * self.headdim_padded * 2
 
     @property
     def dynamic_shared_bytes(self):
@@ -288,12 +273,9 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
         hk = h // (q.shape[2] // k.shape[2])  # GQA: the key/value head this query head reads
         m_start = m_block * BM
 
-        # Shared memory: tiles from the first 1024-byte boundary (the simulator's emulated shared
-        # window places the array itself on one), then the barriers.
+        # Shared memory: tiles from the first 1024-byte boundary (tile_base), then the barriers.
         smem = cuda.shared.array(0, uint32)
-        base = shared_address(smem)
-        if not SIMULATOR:
-            base = base + ((uint32(1024) - (base & uint32(1023))) & uint32(1023))
+        base = tile_base(shared_address(smem))
         q_tile = base
         do_tile = q_tile + uint32(Q_BYTES)
         k_ring = do_tile + uint32(Q_BYTES)

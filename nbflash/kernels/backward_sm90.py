@@ -123,7 +123,6 @@ from numba import cuda, float32, int32, uint32, uint64
 from numba.extending import register_jitable
 
 from nbflash.primitives import (
-    SIMULATOR,
     exp2_approx,
     f32_as_u32,
     global_address,
@@ -164,6 +163,7 @@ from nbflash.primitives_sm90 import (
     smem_descriptor,
     store_shared_f32x4,
     tensor_map_4d_words,
+    tile_base,
     tma_load_4d,
     tma_store_commit,
     tma_store_wait,
@@ -204,6 +204,21 @@ class Sm90BackwardBlock:
     @property
     def launch_bounds(self):
         return (self.threads, 1)
+
+    @property
+    def headdim_padded(self):
+        """headdim rounded up to whole 64-column chunks (TMA fills the rest with zeros)."""
+        return -(-self.headdim // CHUNK) * CHUNK
+
+    @property
+    def q_bytes(self):
+        """Bytes of one Q (or dO) tile: block_m rows of headdim_padded 16-bit elements."""
+        return self.block_m * self.headdim_padded * 2
+
+    @property
+    def kv_bytes(self):
+        """Bytes of one K (or V) tile: block_n rows."""
+        return self.block_n * self.headdim_padded * 2
 
     @property
     def dq_tile_major(self):
@@ -354,20 +369,6 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     @property
     def block_n(self):
         return KEYS * self.consumers
-
-    @property
-    def headdim_padded(self):
-        """headdim rounded up to whole 64-column chunks (TMA fills the rest with zeros)."""
-        return -(-self.headdim // CHUNK) * CHUNK
-
-    @property
-    def q_bytes(self):
-        """Bytes of one Q (or dO) tile."""
-        return self.block_m * self.headdim_padded * 2
-
-    @property
-    def kv_bytes(self):
-        return self.block_n * self.headdim_padded * 2
 
     @property
     def ds_bytes(self):
@@ -1125,10 +1126,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         # Shared memory: tiles from the first 1024-byte boundary, then the stats and the barriers.
         smem = cuda.shared.array(0, uint32)
         smem_start = shared_address(smem)
-        base = smem_start
-        if not SIMULATOR:
-            base = base + ((uint32(1024) - (base & uint32(1023))) & uint32(1023))
-        k_tile = base
+        k_tile = tile_base(smem_start)
         v_tile = k_tile + uint32(KV_BYTES)
         q_ring = v_tile + uint32(KV_BYTES)
         do_ring = q_ring + uint32(STAGES * Q_BYTES)

@@ -74,7 +74,6 @@ from functools import lru_cache
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from nbflash.primitives import (
-    SIMULATOR,
     exp2_approx,
     inline_device,
     shared_address,
@@ -105,6 +104,7 @@ from nbflash.primitives_sm90 import (
     setmaxnreg_inc,
     smem_descriptor,
     stmatrix_x4,
+    tile_base,
     tma_load_4d,
     wgmma_commit,
     wgmma_fence,
@@ -196,22 +196,9 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
         self.check_block()
 
     @property
-    def headdim_padded(self):
-        return CHUNK
-
-    @property
     def dq_part_columns(self):
         """With ``dq_tile_major``: a consumer's dQ product covers all 64 columns of its 64 rows."""
         return CHUNK
-
-    @property
-    def q_bytes(self):
-        """Bytes of one Q (or dO) tile: 128 rows of 128 bytes."""
-        return BLOCK_M * ROW_BYTES
-
-    @property
-    def kv_bytes(self):
-        return BLOCK_N * ROW_BYTES
 
     @property
     def p_bytes(self):
@@ -485,10 +472,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
         # barriers at kv_full + j KV_FULL_STEP and kv_empty + 8 j.
         smem = cuda.shared.array(0, uint32)
         smem_start = shared_address(smem)
-        base = smem_start
-        if not SIMULATOR:
-            base = base + ((uint32(1024) - (base & uint32(1023))) & uint32(1023))
-        k_tile = base
+        k_tile = tile_base(smem_start)
         v_tile = k_tile + uint32(KV_BYTES)
         q_ring = k_tile + uint32(KV_BUFFERS * KV_PAIR)
         do_ring = q_ring + uint32(STAGES * Q_BYTES)

@@ -53,7 +53,6 @@ from functools import lru_cache
 from numba import cuda, float32, int32, uint32, uint64
 
 from nbflash.primitives import (
-    SIMULATOR,
     f32_as_u32,
     inline_device,
     pack_bf16x2,
@@ -78,6 +77,7 @@ from nbflash.primitives_sm90 import (
     setmaxnreg_dec,
     setmaxnreg_inc,
     smem_descriptor,
+    tile_base,
     wgmma_commit,
     wgmma_fence,
     wgmma_wait,
@@ -133,16 +133,8 @@ class Sm90WideBackwardConfig(Sm90BackwardBlock):
 
     @property
     def headdim_padded(self):
+        """Four 64-column chunks whatever the headdim (136-256): the tiles' shapes are fixed."""
         return HEADDIM_PADDED
-
-    @property
-    def q_bytes(self):
-        """Bytes of one Q (or dO) tile: four 64-column chunks of 64 rows of 128 bytes."""
-        return (HEADDIM_PADDED // CHUNK) * BLOCK_M * ROW_BYTES
-
-    @property
-    def kv_bytes(self):
-        return (HEADDIM_PADDED // CHUNK) * BLOCK_N * ROW_BYTES
 
     @property
     def pt_bytes(self):
@@ -288,10 +280,7 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
         # Shared memory: tiles from the first 1024-byte boundary, then the stats and the barriers.
         smem = cuda.shared.array(0, uint32)
         smem_start = shared_address(smem)
-        base = smem_start
-        if not SIMULATOR:
-            base = base + ((uint32(1024) - (base & uint32(1023))) & uint32(1023))
-        k_tile = base
+        k_tile = tile_base(smem_start)
         v_tile = k_tile + uint32(KV_BYTES)
         q_ring = v_tile + uint32(KV_BYTES)
         do_ring = q_ring + uint32(STAGES * Q_BYTES)

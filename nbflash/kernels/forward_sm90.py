@@ -103,7 +103,6 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from nbflash.primitives import (
-    SIMULATOR,
     exp2_approx,
     inline_device,
     pack_bf16x2,
@@ -141,6 +140,7 @@ from nbflash.primitives_sm90 import (
     setmaxnreg_inc,
     smem_descriptor,
     tensor_map_4d_words,
+    tile_base,
     tma_load_4d,
     wgmma_commit,
     wgmma_fence,
@@ -626,12 +626,9 @@ def build_forward_sm90(config: Sm90ForwardConfig):
         hk = h // (q.shape[2] // k.shape[2])  # GQA: the key/value head this query head reads
         m_start = m_block * BM
 
-        # Shared memory: tiles from the first 1024-byte boundary (the simulator's emulated shared
-        # window places the array itself on one), then the barriers.
+        # Shared memory: tiles from the first 1024-byte boundary (tile_base), then the barriers.
         smem = cuda.shared.array(0, uint32)
-        base = shared_address(smem)
-        if not SIMULATOR:
-            base = base + ((uint32(1024) - (base & uint32(1023))) & uint32(1023))
+        base = tile_base(shared_address(smem))
         q_tile = base
         k_ring = base + uint32(Q_BYTES)
         v_ring = k_ring + uint32(STAGES * KV_BYTES)
