@@ -10,6 +10,15 @@
 #                                only the test suite, stopped after SECONDS (default 145; about 120 s
 #                                with a prebuilt cache on 16 cores); TESTS (pytest's paths, default
 #                                tests/) narrows it to some files or node ids
+#   scripts/gpu_check.sh finish [SECONDS]
+#                                the GPU tests the suite's saved parts (docs/runs/) do not cover on the
+#                                current plan, in one pytest run stopped after SECONDS (default 560):
+#                                every test whose id names dropout, packed sequences (varlen, packed) or
+#                                fuzzing (the plans and budgets of those changed after the parts ran:
+#                                steps 37-41), and the grids of steps 42-43's options (rows_gpu's early
+#                                and rotate forms, rotate_gpu). 227 GPU tests at the time of writing;
+#                                `NBFLASH_RESUME_LOGS=$(ls docs/runs/gpu-suite-*.txt | paste -sd:)
+#                                pytest --collect-only -m gpu tests/` lists what the parts leave
 #   scripts/gpu_check.sh prebuild [SECONDS]
 #                                the planned kernels into the kernel cache on all 16 cores
 #                                (scripts/prebuild_cache.py --jobs 16; 465 configurations in 170 s on a
@@ -154,6 +163,10 @@ all)
     ;;
 suite)
     run_tests "${2:-145}"
+    ;;
+finish)
+    PYTEST_ADDOPTS="-k 'dropout or varlen or packed or fuzz or (rows_gpu and (early or rotate)) or rotate_gpu'" \
+        run_tests "${2:-560}"
     ;;
 prebuild)
     timeout "${2:-240}" python3 scripts/prebuild_cache.py --jobs 16 > "$out/prebuild.log" 2>&1
