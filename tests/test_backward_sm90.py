@@ -251,12 +251,16 @@ def test_backward_sm90_columns_dq_first_gpu(xp, monkeypatch, seqlens, name, dq_r
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 def test_backward_sm90_rotate_small(rng, xp, monkeypatch):
-    """backward_sm90.py's planned kernel (headdim 96: by columns, dQ first, tile-major) with each
-    block's query tiles rotated (``rotate``): key tile 1 takes query tile 1 first, then 0; the
-    producer's copies, the stats warp's lse and D and the consumers' rows must agree. Two query
-    tiles and two key tiles, both second ones tails, one head, fp16."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(config, rotate=True)):
-        run_sm90(rng, xp, 1, 100, 200, 1, 1, 96, "float16", False)
+    """backward_sm90.py's planned dropout kernel at headdim 64 (by columns, dQ first, tile-major) with
+    each block's query tiles rotated (``rotate``), its keep bits made by the producer's warps 2 and 3
+    (``dropout_bits="producer"``, hd 128's plan): key tile 1 takes query tile 1 first, then 0;
+    the producer's copies, the stats warp's lse and D, the keep-bits warps' bits and the consumers'
+    rows must agree (the first GPU run of the rotate grid failed at hd 128 with dropout, whose keep
+    bits were made for the unrotated tile). Two query tiles and two key tiles, both second ones
+    tails, one head, fp16."""
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, rotate=True, dropout_bits="producer")):
+        with nbflash.kernel_family("portable"):  # the forward (a third of the time on the sm90 one); the backward's is sm90
+            run_sm90_variant(rng, xp, "dropout", "float16", 1, 65, 129, 1, 1, 64)
 
 
 @pytest.mark.gpu

@@ -538,7 +538,8 @@ def make_step_tile(config):
     tiles in order from ``first_tile``, or with ``config.rotate`` (an option of this kernel and of
     backward_sm90_rows.py) from tile n_block mod tiles_per_head of them on, so that the blocks of one
     head that run together add into different rows of dq_accum rather than all into the same. The
-    producer's copies, the stats warp and the consumers all take their step's tile from here."""
+    producer's copies, the stats warp, its keep-bits warps (``dropout_bits="producer"``) and the
+    consumers all take their step's tile from here."""
     ROTATE = config.rotate
 
     @inline_device
@@ -649,6 +650,7 @@ def make_stage_dropout(config, hooks):
     QUADS = CONSUMERS * 32  # lane quads: (consumer, even warp, g // 2, q4)
     warp_visit_query_step, head_context = hooks.warp_visit_query_step, hooks.head_context
     dropout_bits_t_lanes = hooks.dropout_bits_t_lanes
+    step_tile = make_step_tile(config)
 
     @inline_device
     @unroll
@@ -663,7 +665,7 @@ def make_stage_dropout(config, hooks):
             if use > 0:
                 mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
             h = hk * group + position // tiles_per_head
-            q_start = (first_tile + position % tiles_per_head) * BM
+            q_start = step_tile(position, first_tile, tiles_per_head, n_block) * BM
             head_ctx = head_context(params, b, h)
             words = stats_word0 + uint32(slot * (STATS_BYTES // 4) + DROP_WORD)
             for quad in range(t, QUADS, 64):  # loops, not unrolled: two calls at a time in 40 registers
