@@ -496,6 +496,17 @@ SM90_BACKWARD_HEAVY_GROUPS = 4
 # 50 s a case: tests/test_backward_sm90.py runs it through a fixture).
 SM90_BACKWARD_ROWS_MAX_HEADDIM = 64
 
+# Whether the rows split without a window issues dQ_c's product under dS's stores
+# (``issue_early="dq"``, docs/perf-notes.md "Hopper backward" step 42). Measured on an H100
+# (2026-12-06, scripts/sm90_schedules.py --backward --headdims 64 --anchors, each form alone in its
+# process, two runs each, fp16) against the planned kernel, which issues all three products after the
+# second barrier: 4k +0.2%, 16k +2.4-3.0% (354.0-355.9 TFLOP/s against 345.6-345.7; 359.4 in a third
+# run). Causal 0.1-1.1% slower at 4k (three runs) and +0.5% at 16k, inside the runs' spread, so the
+# window would keep "none". Its GPU grid passes (tests/test_backward_sm90.py rows_gpu, "early-dq").
+# Off until the rest of the GPU suite's dense backward tests at headdims up to 64 have run on it:
+# the suite has passed on the plan without it (docs/benchmarks.md, 2026-12-06).
+SM90_BACKWARD_ROWS_DQ_EARLY = False
+
 
 # dQ_i staged in shared memory and added by the producer's stats warp, one bulk reduce-add a step
 # into a tile-major dq_accum (``dq_reduce="tiles"``, FlashAttention-3's form), where the kernel issues
@@ -533,13 +544,16 @@ def packed_dq_tiles_fit(batch, total_q):
 
 def sm90_backward_config(dtype, headdim, variant):
     """The sm90 backward's dK/dV kernel: the rows split where it serves the call and was measured
-    faster (``SM90_BACKWARD_ROWS_MAX_HEADDIM``), the wide one past headdim 128 (not yet timed: only
+    faster (``SM90_BACKWARD_ROWS_MAX_HEADDIM``; with ``SM90_BACKWARD_ROWS_DQ_EARLY``, dQ's product
+    issued early without a window), the wide one past headdim 128 (not yet timed: only
     when "sm90" is forced), backward_sm90.py's from the table otherwise, its dQ tile-major where it
     issues dQ_i's product first (``SM90_BACKWARD_DQ_TILES``)."""
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
         return Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS)
     if not runtime.SIMULATOR and headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM and sm90_rows_serves(variant):
-        return Sm90RowsBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS)
+        early = "dq" if SM90_BACKWARD_ROWS_DQ_EARLY and not variant.window else "none"
+        return Sm90RowsBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS,
+                                      issue_early=early)
     return planned_backward_sm90_config(dtype, headdim, variant)
 
 

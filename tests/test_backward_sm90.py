@@ -601,7 +601,8 @@ def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, 
 
 def test_rows_split_is_planned_where_measured(monkeypatch):
     """On compute capability 9.0 the planner takes the rows split for plain and windowed attention
-    at headdims up to 64 (configs.SM90_BACKWARD_ROWS_MAX_HEADDIM), in its launch order;
+    at headdims up to 64 (configs.SM90_BACKWARD_ROWS_MAX_HEADDIM), in its launch order (dQ's
+    product issued early without a window where configs.SM90_BACKWARD_ROWS_DQ_EARLY);
     backward_sm90.py for the features the rows split does not serve and past headdim 64 (by
     default for packed sequences at headdim 128 too); the simulator keeps backward_sm90.py."""
     sim = configs.plan_backward(Static("float16", 64, False, 0, CAUSAL), False, "sm90", True)[1]
@@ -613,6 +614,9 @@ def test_rows_split_is_planned_where_measured(monkeypatch):
             dkdv = configs.plan_backward(Static(dtype, headdim, False, 0, variant), False, family, True)[1]
             assert isinstance(dkdv, Sm90RowsBackwardConfig) and dkdv.heavy_groups == configs.SM90_BACKWARD_HEAVY_GROUPS
             assert (dkdv.dtype, dkdv.headdim, dkdv.variant, dkdv.stages) == (dtype, headdim, variant, 2)
+            # dQ's product under dS's stores without a window, where configs.SM90_BACKWARD_ROWS_DQ_EARLY
+            early = configs.SM90_BACKWARD_ROWS_DQ_EARLY and not variant.window
+            assert dkdv.issue_early == ("dq" if early else "none") and not dkdv.rotate
     for headdim, variant in [(64, Variant(window=True, softcap=True)), (64, Variant(dropout=True)),
                              (64, Variant(mask_mod="g:0", block_mask=True)), (72, CAUSAL), (128, Variant())]:
         dkdv = configs.plan_backward(Static("float16", headdim, False, 0, variant), False, "sm90", True)[1]
