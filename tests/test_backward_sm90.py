@@ -609,14 +609,19 @@ def test_rows_split_is_planned_where_measured(monkeypatch):
     assert isinstance(sim, Sm90BackwardConfig) == SIMULATOR
     monkeypatch.setattr(configs.runtime, "SIMULATOR", False)
     monkeypatch.setattr(configs, "_compute_capability", lambda device=0: (9, 0))
-    for dtype, headdim, variant in [("float16", 64, Variant()), ("bfloat16", 64, CAUSAL), ("float16", 40, CAUSAL)]:
-        for family in ("sm90", None if headdim == 64 else "sm90"):
-            dkdv = configs.plan_backward(Static(dtype, headdim, False, 0, variant), False, family, True)[1]
-            assert isinstance(dkdv, Sm90RowsBackwardConfig) and dkdv.heavy_groups == configs.SM90_BACKWARD_HEAVY_GROUPS
-            assert (dkdv.dtype, dkdv.headdim, dkdv.variant, dkdv.stages) == (dtype, headdim, variant, 2)
-            # dQ's product under dS's stores without a window, where configs.SM90_BACKWARD_ROWS_DQ_EARLY
-            early = configs.SM90_BACKWARD_ROWS_DQ_EARLY and not variant.window
-            assert dkdv.issue_early == ("dq" if early else "none") and not dkdv.rotate
+    planned_early = configs.SM90_BACKWARD_ROWS_DQ_EARLY
+    for dq_early in (not planned_early, planned_early):  # the switch's other setting, then its own
+        monkeypatch.setattr(configs, "SM90_BACKWARD_ROWS_DQ_EARLY", dq_early)
+        for dtype, headdim, variant in [("float16", 64, Variant()), ("bfloat16", 64, CAUSAL), ("float16", 40, CAUSAL),
+                                        ("bfloat16", 40, Variant())]:
+            for family in ("sm90", None if headdim == 64 else "sm90"):
+                dkdv = configs.plan_backward(Static(dtype, headdim, False, 0, variant), False, family, True)[1]
+                assert isinstance(dkdv, Sm90RowsBackwardConfig)
+                assert dkdv.heavy_groups == configs.SM90_BACKWARD_HEAVY_GROUPS
+                assert (dkdv.dtype, dkdv.headdim, dkdv.variant, dkdv.stages) == (dtype, headdim, variant, 2)
+                # dQ's product under dS's stores without a window, where the switch says so
+                early = dq_early and not variant.window
+                assert dkdv.issue_early == ("dq" if early else "none") and not dkdv.rotate
     for headdim, variant in [(64, Variant(window=True, softcap=True)), (64, Variant(dropout=True)),
                              (64, Variant(mask_mod="g:0", block_mask=True)), (72, CAUSAL), (128, Variant())]:
         dkdv = configs.plan_backward(Static("float16", headdim, False, 0, variant), False, "sm90", True)[1]
