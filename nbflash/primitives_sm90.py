@@ -106,20 +106,6 @@ def k_step(chunk_bytes, kk):
 
 
 if SIMULATOR:
-    def tile_base(window_address):
-        """Where the tiles start: the emulated shared window needs no alignment (its wgmma and TMA
-        emulations address the array as it is), so the array's own address."""
-        return window_address
-else:
-    @cuda.jit(device=True, inline=True)
-    def tile_base(window_address):
-        """The first 1024-byte boundary at or past ``window_address`` (a 32-bit shared-window
-        address): where a kernel's swizzled tiles start in its dynamic shared memory, which the
-        launch sizes with 1024 bytes of slack for this (TILE_ALIGNMENT's reason)."""
-        return window_address + ((uint32(1024) - (window_address & uint32(1023))) & uint32(1023))
-
-
-if SIMULATOR:
     import ctypes
 
     def _block():
@@ -678,6 +664,11 @@ if SIMULATOR:
     def _window():
         return _block_state("_nbflash_window", _Window)
 
+    def tile_base(window_address):
+        """Where a kernel's swizzled tiles start: the array's own address, which the emulated shared
+        window (``_Window``) already places on a 1024-byte boundary."""
+        return window_address
+
     def smem_descriptor(address, leading_bytes, stride_bytes, swizzle):
         """The wgmma descriptor (see descriptor_bits) of the tile at shared address ``address``.
         Emulation: the address is first placed in the block's emulated shared window (see above)."""
@@ -872,6 +863,13 @@ else:
 
     _CONSTRAINT = {types.uint32: "r", types.int32: "r", types.uint64: "l", types.int64: "l",
                    types.float32: "f"}
+
+    @cuda.jit(device=True, inline=True)
+    def tile_base(window_address):
+        """The first 1024-byte boundary at or past ``window_address`` (a 32-bit shared-window
+        address): where a kernel's swizzled tiles start in its dynamic shared memory, which the
+        launch sizes with 1024 bytes of slack for this (TILE_ALIGNMENT's reason)."""
+        return window_address + ((uint32(1024) - (window_address & uint32(1023))) & uint32(1023))
 
     def _with_arity(n, typer):
         """``typer(typingctx, args)`` as a typer of n named arguments: Numba lowers an intrinsic
