@@ -502,10 +502,11 @@ SM90_BACKWARD_ROWS_MAX_HEADDIM = 64
 # process, two runs each, fp16) against the planned kernel, which issues all three products after the
 # second barrier: 4k +0.2%, 16k +2.4-3.0% (354.0-355.9 TFLOP/s against 345.6-345.7; 359.4 in a third
 # run). Causal 0.1-1.1% slower at 4k (three runs) and +0.5% at 16k, inside the runs' spread, so the
-# window would keep "none". Its GPU grid passes (tests/test_backward_sm90.py rows_gpu, "early-dq").
-# Off until the rest of the GPU suite's dense backward tests at headdims up to 64 have run on it:
-# the suite has passed on the plan without it (docs/benchmarks.md, 2026-12-06).
-SM90_BACKWARD_ROWS_DQ_EARLY = False
+# window would keep "none". Its GPU grid passes (tests/test_backward_sm90.py rows_gpu, "early-dq"),
+# and so do the GPU suite's backward tests on the plan with it (H200, 2026-12-06: test_backward.py,
+# test_backward_sm90.py, the torch bridge's and the fuzzer's gradients, docs/runs/). On the H200,
+# issue 13's table with it: hd 64 16k 1.21x SDPA flash's backward, where it read 1.19x without it.
+SM90_BACKWARD_ROWS_DQ_EARLY = True
 
 
 # dQ_i staged in shared memory and added by the producer's stats warp, one bulk reduce-add a step
