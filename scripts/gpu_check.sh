@@ -40,6 +40,12 @@
 #                                it passes (without the prebuild, 540 s stopped one process's backward
 #                                test and another's statistics: 11 of 12 tests done), and each failing
 #                                one's report as it fails (xdist prints them only at the session's end)
+#   scripts/gpu_check.sh headdims
+#                                issue 13's item 2 past the headdims timed so far: the sm90 backward
+#                                (the rows split padded to 64 below 64, the wide kernel past 128)
+#                                against the mma one, the default there, at hd 32, 48, 192 and 256,
+#                                fp16, 4k and 16k, causal and not, after a prebuild of both on 16
+#                                cores; about 8 minutes
 #   scripts/gpu_check.sh levers  issue 13's work not yet timed on a GPU: the persistent grid's two
 #                                cases the last run did not reach, the varlen backward on both
 #                                families, and the sm90 backward at headdim 256 (not its default)
@@ -329,6 +335,17 @@ runpy.run_path('scripts/bench.py', run_name='__main__')" "$form" --pass varlen -
     timeout 150 python3 scripts/bench.py --pass varlen --varlen-backward --headdims 64 --causal both \
         --varlen-lengths uniform:16384:256 uniform:16384:2048 --no-torch --budget 0.2 > "$out/packed_64.log" 2>&1
     echo "packed backward, hd 64 (exit $?):"; tail -6 "$out/packed_64.log"
+    ;;
+headdims)
+    # The sm90 backward is the default at headdims 64-128 only (configs.SM90_BACKWARD_DEFAULT_HEADDIMS),
+    # where it was timed; below and past them the mma backward is, untimed against it.
+    timeout 230 python3 scripts/prebuild_cache.py --cc 9.0 --jobs 16 --headdims 32 48 192 256 --dtypes float16 \
+        --families sm90 mma --variants plain causal > "$out/headdims_prebuild.log" 2>&1
+    echo "prebuild (exit $?): $(tail -1 "$out/headdims_prebuild.log")"
+    timeout 300 python3 scripts/bench.py --pass backward --families sm90 mma --headdims 32 48 192 256 \
+        --seqlens 4096 16384 --causal both --dtypes float16 --no-naive --budget 0.2 \
+        --markdown "$out/headdims_backward.md" > "$out/headdims_backward.log" 2>&1
+    echo "backward by headdim (exit $?):"; tail -20 "$out/headdims_backward.log"
     ;;
 issue13)
     # the issue's item 3: bench.py's two passes side by side with the anchors (Flex through --variants)
