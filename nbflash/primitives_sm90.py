@@ -1,7 +1,6 @@
 """Hopper (sm_90a) primitives: fences, elect, setmaxnreg, named barriers, stmatrix, mbarriers, the
-1-D bulk copy, 2-D TMA loads and stores, 4-D TMA loads, and wgmma (f16, bf16, and fp8: e4m3 / e5m2,
-whose intrinsics have been compiled and assembled but not yet run on a GPU), each as an inline-PTX
-intrinsic beside a plain-Python emulation.
+1-D bulk copy, 2-D TMA loads and stores, 4-D TMA loads, and wgmma (f16, bf16, and fp8: e4m3 / e5m2),
+each as an inline-PTX intrinsic beside a plain-Python emulation.
 
 As in ``nbflash.primitives`` (whose ``shared_address`` and ``global_address`` these take), the choice
 between the two is made once, at import time, from ``numba.config.ENABLE_CUDASIM``; kernels import
@@ -1184,7 +1183,8 @@ def make_wgmma_ss(n, ab="f16", trans_b=0, trans_a=0):
     ``desc_b``. With ``ab`` 'e4m3' or 'e5m2' (fp8) it is m64n{n}k32:
     A 64x32 and B 32 x n, both K-major (``trans_b`` 0; the PTX has no transpose operands for
     8-bit types), in the K-major images above descriptor_bits with 1-byte elements; the k32 step
-    moves the descriptor by the f16 k16 step's bytes. The fp8 form has not run on a GPU yet. ``acc`` is this thread's n/2 float32 accumulator
+    moves the descriptor by the f16 k16 step's bytes (both fp8 forms checked against NumPy on an H200,
+    tests/test_primitives_sm90.py). ``acc`` is this thread's n/2 float32 accumulator
     registers (a UniTuple), updated in place: D = A B + D, or D = A B when ``scale_d`` is 0.
     Register r of thread t (w = t // 32, g = lane // 4, q = lane % 4) holds D[16 w + g +
     8 ((r // 2) % 2), 8 (r // 4) + 2 q + r % 2]. Warpgroup-wide (128 threads), asynchronous:

@@ -41,8 +41,9 @@ rows offset by the sequence's first, the bounds read again each step). With a sc
 dropout, consumer 0 makes dS^T with P^T: it waits for the hand-over first, and dS^T (float32)
 replaces dP^T in the hand-over's words (``make_probabilities_t`` with ``handover``), from where
 ``store_tiles_t`` packs it. Headdims a multiple of 8 in 136..256, padded to 256 by TMA's zero
-fill. An option not yet run on a GPU: the planner takes it when "sm90" is forced at those headdims
-(the mma family's backward by default).
+fill. Its GPU tests pass (tests/test_backward_sm90.py's wide grids, H200 and H100); not yet timed,
+so the planner takes it only when "sm90" is forced at those headdims (the mma family's backward by
+default).
 
 Memory and arguments: backward_sm90.py's (the same signature and tensor maps).
 """

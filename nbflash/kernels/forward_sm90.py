@@ -180,7 +180,7 @@ FP8_KEY_ORDER = tuple(8 * ((p % 4) // 2) + 2 * (p // 4) + p % 2 for p in range(1
 class Sm90ForwardConfig:
     """One compiled variant of the Hopper forward kernel."""
 
-    dtype: str  # 'float16', 'bfloat16' or FP8 ('float8_e4m3fn': not yet run on a GPU)
+    dtype: str  # 'float16', 'bfloat16' or FP8 ('float8_e4m3fn': run on an H200 through uint8 storage)
     headdim: int  # a multiple of 8, at most 256
     variant: Variant = Variant()
     block_n: int = 128  # keys per K/V tile
