@@ -47,8 +47,33 @@ def _one_shared_array_per_line():
     kernelapi.FakeCUDAShared.array = array
 
 
+def _let_woken_threads_run():
+    """Keep the simulator's block manager from holding the GIL while a block's threads wait for it.
+
+    The simulator runs a block's CUDA threads as Python threads under a manager thread that polls
+    every one of them (``is_alive()``, which never blocks) in a loop that never waits, so it keeps
+    the GIL until the interpreter's switch interval (5 ms) takes it away. A thread woken at a
+    barrier (each warp collective, named barrier and mbarrier wait of nbflash's emulations, each
+    ``syncthreads``) then waits up to that long for the GIL, at every hand-off. Here each poll
+    yields the GIL first, so a woken thread runs at once. The poll's answers are unchanged: the
+    kernels see nothing different. Measured on 2 cores: the test suite in the simulator 854 s ->
+    551 s, the sm90 rows split's hd 64 test 56 s -> 19 s.
+    """
+    import threading
+    import time
+
+    from numba.cuda.simulator import kernel
+
+    def is_alive(thread):
+        time.sleep(0)  # releases the GIL: a simulated thread that can run takes it now
+        return threading.Thread.is_alive(thread)
+
+    kernel.BlockThread.is_alive = is_alive
+
+
 if SIMULATOR:  # for every kernel run in the simulator: nbflash's, the lessons', the tests'
     _one_shared_array_per_line()
+    _let_woken_threads_run()
 
 
 # DLPack device types (dlpack.h): where an exported tensor's memory lives.
