@@ -120,10 +120,10 @@ def backward_kernels():
     # the query rows split between the consumers (backward_sm90_rows.py), fp16 and bf16, plain and causal
     from nbflash.kernels.backward_sm90_rows import Sm90RowsBackwardConfig
 
-    for dtype in ("float16", "bfloat16"):
+    for dtype in ("float16", "bfloat16"):  # as planned (configs.SM90_BACKWARD_ROWS_DQ_EARLY included)
         for variant in (Variant(), Variant(window=True)):
             found.append((f"backward_sm90_rows_{'causal' if variant.window else 'plain'}_{dtype}_hd64",
-                          Sm90RowsBackwardConfig(dtype, 64, variant)))
+                          configs.sm90_backward_config(dtype, 64, variant)))
     for dtype in ("float16", "bfloat16"):  # P and dS stored by stmatrix
         for variant in (Variant(), Variant(window=True)):
             found.append((f"backward_sm90_rows_stmatrix_{'causal' if variant.window else 'plain'}_{dtype}_hd64",
@@ -131,7 +131,7 @@ def backward_kernels():
     for variant in (Variant(), Variant(window=True)):  # dQ staged, one bulk reduce-add a step (an option)
         found.append((f"backward_sm90_rows_dq_tiles_{'causal' if variant.window else 'plain'}_float16_hd64",
                       Sm90RowsBackwardConfig("float16", 64, variant, dq_reduce="tiles")))
-    for early in ("dq", "dq-dv"):  # dQ's product (and dV's) issued under the dS stores
+    for early in ("none", "dq", "dq-dv"):  # all three products after dS's stores, or dQ's (and dV's) under them
         for variant in (Variant(), Variant(window=True)):
             found.append((f"backward_sm90_rows_early_{early.replace('-', '_')}_"
                           f"{'causal' if variant.window else 'plain'}_float16_hd64",
