@@ -353,3 +353,33 @@ def test_intrinsics_match_layouts_on_gpu():
             check_red(rng, 4)
         check_pointwise(rng)
         check_vote(rng)
+
+
+@pytest.mark.skipif(not P.SIMULATOR, reason="the simulator's block manager")
+def test_simulator_poll_yields_and_answers_as_before():
+    """nbflash.runtime makes the simulator's poll of a block's threads yield the GIL: each answer is
+    still threading.Thread's, for a running thread and for one that has ended; and a block whose
+    threads meet at many barriers still runs them all to the end."""
+    import threading
+
+    from numba.cuda.simulator import kernel as simulated
+
+    assert simulated.BlockThread.is_alive is not threading.Thread.is_alive
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait)
+    thread.start()
+    assert simulated.BlockThread.is_alive(thread) and thread.is_alive()
+    release.set()
+    thread.join()
+    assert not simulated.BlockThread.is_alive(thread) and not thread.is_alive()
+
+    @cuda.jit
+    def count_rounds(out):
+        for _ in range(20):
+            cuda.syncthreads()
+            if cuda.threadIdx.x == 0:
+                out[cuda.blockIdx.x] += 1
+
+    out = np.zeros(2, np.int32)
+    count_rounds[2, 64](out)
+    assert out.tolist() == [20, 20]
