@@ -20,7 +20,9 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
   default at ``SM90_BACKWARD_DEFAULT_HEADDIMS`` for plain and causal attention, with dropout or a
   score_mod (``_measured_on_sm90``), and at headdim 128 for causal attention with softcap or ALiBi
   (``SM90_BACKWARD_HD128_VARIANTS``), and for packed sequences at headdims 64 and 128
-  (``SM90_BACKWARD_VARLEN_HEADDIMS``); the sm80 family's backward elsewhere. Its fp8 (e4m3)
+  (``SM90_BACKWARD_VARLEN_HEADDIMS``), with deterministic=True (its dK/dV kernel without dQ, then
+  nbflash/kernels/backward_dq_sm90.py) at ``SM90_DETERMINISTIC_DEFAULT_HEADDIMS``; the sm80 family's
+  backward elsewhere. Its fp8 (e4m3)
   forward is reached only through flash_attn_func's fp8 inputs (``SM90_FP8_FORWARD``).
 - ``"sm80"`` (alias ``"mma"``): tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py);
   float16 and bfloat16 on GPUs of compute capability 8.0 and newer (Ampere, Ada, and Hopper where
@@ -438,7 +440,22 @@ SM90_BACKWARD = [
 # 2026-12-04, fifth session"): 1.42-1.97x the mma backward, 1.02-1.34x SDPA flash's. 72, 88, 104
 # and 120 take the same padded kernel, whose time hardly depends on the true headdim (hd 80 ran at
 # 259-274 TFLOP/s, hd 112 at 323-337): not timed, expected between their neighbours.
-SM90_BACKWARD_DEFAULT_HEADDIMS = (64, 72, 80, 88, 96, 104, 112, 120, 128)
+# Below 64 and past 128 (2026-12-06, eighteenth session, an H100: scripts/gpu_check.sh headdims and
+# the same bench.py --pass backward --families sm90 mma at hd 16, 24, 136 and 160; fp16, 4k and 16k,
+# causal and not, one run each), the sm90 backward against the mma one: hd 16 1.30-1.48x (1.07-1.18x
+# SDPA flash's), hd 24 1.51-1.69x (1.06-1.17x), hd 32 1.52-1.70x (0.94-1.02x), hd 48 1.67-1.97x
+# (1.36-1.47x); hd 136 1.20-1.28x (1.04-1.09x), hd 160 1.39-1.49x (0.97-1.00x), hd 192 1.52-1.61x
+# (0.82-0.88x), hd 256 2.07-2.47x (0.97-1.00x). Below 64 the rows split runs padded to 64 columns,
+# past 128 the wide kernel padded to 256, so the headdims between those timed run the same kernels
+# (expected between their neighbours'). Headdim 8 (eight times padded) is not timed: mma.
+SM90_BACKWARD_DEFAULT_HEADDIMS = tuple(range(16, 264, 8))
+# deterministic=True takes the sm90 dK/dV kernel without dQ and the sm90 dQ kernel by default at these
+# headdims (plain attention and the window): measured on an H100 (2026-12-06, bench.py --pass backward
+# --families sm90 mma --deterministic, fp16, hd 64 and 128, 4k and 16k, causal and not, one run),
+# 1.91-2.47x the mma family's deterministic backward (hd 64 278.9-330.4 TFLOP/s against 130.5-165.5;
+# hd 128 389.8-442.6 against 166.0-184.2), and 0.89-1.09x the atomic sm90 backward. 72-120 run the
+# kernels padded to 128 columns, as the atomic backward does.
+SM90_DETERMINISTIC_DEFAULT_HEADDIMS = tuple(range(64, 136, 8))
 # ... for these variants, and with dropout or a score_mod (``_measured_on_sm90``); the others it
 # serves run on it when "sm90" is forced
 SM90_BACKWARD_DEFAULT_VARIANTS = (Variant(), Variant(window=True))
@@ -546,8 +563,7 @@ def packed_dq_tiles_fit(batch, total_q):
 def sm90_backward_config(dtype, headdim, variant):
     """The sm90 backward's dK/dV kernel: the rows split where it serves the call and was measured
     faster (``SM90_BACKWARD_ROWS_MAX_HEADDIM``; with ``SM90_BACKWARD_ROWS_DQ_EARLY``, dQ's product
-    issued early without a window), the wide one past headdim 128 (not yet timed: only
-    when "sm90" is forced), backward_sm90.py's from the table otherwise, its dQ tile-major where it
+    issued early without a window), the wide one past headdim 128, backward_sm90.py's from the table otherwise, its dQ tile-major where it
     issues dQ_i's product first (``SM90_BACKWARD_DQ_TILES``)."""
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
         return Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS)
@@ -620,7 +636,8 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
     ``family`` "sm90" (the Hopper dK/dV kernel with atomic dq, where it serves the call:
     ``sm90_backward_unsupported_reason``; with deterministic=True the Hopper dK/dV kernel without
     dQ and the Hopper dQ kernel, plain or windowed attention; the sm80 family's kernels
-    otherwise; the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``, not deterministic), "sm80" (alias
+    otherwise; the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``, with deterministic=True at
+    ``SM90_DETERMINISTIC_DEFAULT_HEADDIMS``), "sm80" (alias
     "mma": tensor-core dK/dV and dQ kernels, float16/bfloat16 on compute capability >= 8.0; the
     default wherever it applies) or "portable" (any dtype and GPU; the default elsewhere). All use the
     portable preprocess and dq-conversion kernels.
@@ -629,13 +646,16 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
     dtype, headdim, device = static.dtype, static.headdim, static.device
     aligned = static.aligned if aligned is None else aligned
     variant = static.variant._replace(score_mod_grad="")
-    sm90 = family == "sm90" or (family is None and not runtime.SIMULATOR and headdim in SM90_BACKWARD_DEFAULT_HEADDIMS
-                                and (_measured_on_sm90(static.variant, headdim, SM90_BACKWARD_DEFAULT_VARIANTS)
-                                     or (headdim == 128 and variant in SM90_BACKWARD_HD128_VARIANTS)
-                                     or (headdim in SM90_BACKWARD_VARLEN_HEADDIMS and variant == Variant(varlen=True))))
-    # deterministic=True under "sm90": the sm90 dK/dV kernel without dQ (dq_split="none") and the sm90
-    # dQ kernel (which takes headdims up to 128, as backward_sm90.py, and plain or windowed attention)
-    sm90_dq = (family == "sm90" and deterministic and headdim <= SM90_BACKWARD_MAX_HEADDIM
+    default = (family is None and not runtime.SIMULATOR and headdim in SM90_BACKWARD_DEFAULT_HEADDIMS
+               and (_measured_on_sm90(static.variant, headdim, SM90_BACKWARD_DEFAULT_VARIANTS)
+                    or (headdim == 128 and variant in SM90_BACKWARD_HD128_VARIANTS)
+                    or (headdim in SM90_BACKWARD_VARLEN_HEADDIMS and variant == Variant(varlen=True))))
+    sm90 = family == "sm90" or default
+    # deterministic=True under "sm90" (by default at SM90_DETERMINISTIC_DEFAULT_HEADDIMS): the sm90 dK/dV
+    # kernel without dQ (dq_split="none") and the sm90 dQ kernel (which takes headdims up to 128, as
+    # backward_sm90.py, and plain or windowed attention)
+    sm90_dq = ((family == "sm90" or (default and headdim in SM90_DETERMINISTIC_DEFAULT_HEADDIMS))
+               and deterministic and headdim <= SM90_BACKWARD_MAX_HEADDIM
                and sm90_backward_unsupported_reason(static, False, aligned) is None
                and variant in SM90_DQ_VARIANTS)
     sm90 = sm90 and sm90_backward_unsupported_reason(static, deterministic, aligned) is None

@@ -79,7 +79,7 @@ def test_backward_sm90_planning():
     varlen = Static("float16", 96, False, 0, Variant(varlen=True, window=True))
     plan = configs.plan_backward(varlen, False, "sm90", True)
     assert isinstance(plan[1], Sm90BackwardConfig) and plan[1].variant.varlen
-    # headdims past 128: the wide kernel, every variant (not by default: not yet timed)
+    # headdims past 128: the wide kernel, every variant (by default only plain and causal attention)
     for variant in (Variant(softcap=True), Variant(window=True, varlen=True), Variant(dropout=True, alibi=True),
                     Variant(mask_mod="g:0", block_mask=True)):
         plan = configs.plan_backward(Static("bfloat16", 256, False, 0, variant), False, "sm90", True)
@@ -654,9 +654,41 @@ def test_rows_split_is_planned_where_measured(monkeypatch):
                                       (96, Variant(varlen=True), True), (128, Variant(varlen=True, window=True), True),
                                       (64, Variant(varlen=True, dropout=True), True),
                                       (128, Variant(varlen=True), False),
-                                      (48, Variant(), True), (96, Variant(), False), (136, Variant(), True)]:
+                                      (8, Variant(), True), (96, Variant(), False), (136, Variant(softcap=True), True)]:
         dkdv = configs.plan_backward(Static("float16", headdim, False, 0, variant), False, None, aligned)[1]
         assert isinstance(dkdv, MmaBackwardConfig), (headdim, variant, aligned)
+
+
+def test_sm90_backward_default_headdims(monkeypatch):
+    """On compute capability 9.0 the sm90 backward is the default at headdims 16-256 for plain and
+    causal attention (configs.SM90_BACKWARD_DEFAULT_HEADDIMS: the rows split below 64, the wide kernel
+    past 128), and with deterministic=True at 64-128 (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS:
+    the dK/dV kernel without dQ, then the sm90 dQ kernel); the mma family elsewhere (headdim 8, not
+    timed; deterministic below 64 and past 128; features not measured at those headdims)."""
+    monkeypatch.setattr(configs.runtime, "SIMULATOR", False)
+    monkeypatch.setattr(configs, "_compute_capability", lambda device=0: (9, 0))
+    expected = {8: MmaBackwardConfig, 16: Sm90RowsBackwardConfig, 32: Sm90RowsBackwardConfig,
+                56: Sm90RowsBackwardConfig, 64: Sm90RowsBackwardConfig, 96: Sm90BackwardConfig,
+                128: Sm90BackwardConfig, 136: Sm90WideBackwardConfig, 160: Sm90WideBackwardConfig,
+                192: Sm90WideBackwardConfig, 256: Sm90WideBackwardConfig}
+    for headdim, kind in expected.items():
+        for dtype, variant in (("float16", Variant()), ("bfloat16", CAUSAL)):
+            plan = configs.plan_backward(Static(dtype, headdim, False, 0, variant), False, None, True)
+            assert type(plan[1]) is kind, (headdim, variant)
+            deterministic = configs.plan_backward(Static(dtype, headdim, False, 0, variant), True, None, True)
+            if 64 <= headdim <= 128:
+                assert type(deterministic[1]) is Sm90BackwardConfig and deterministic[1].dq_split == "none"
+                assert type(deterministic[2]) is Sm90DqConfig, headdim
+            else:
+                assert type(deterministic[1]) is MmaBackwardConfig and deterministic[2].kernel == "dq", headdim
+    # features measured only at headdims 64 and 128 keep the mma family elsewhere by default
+    for headdim in (32, 192):
+        for variant in (Variant(dropout=True), Variant(softcap=True), Variant(varlen=True)):
+            assert type(configs.plan_backward(Static("float16", headdim, False, 0, variant), False, None, True)[1]) \
+                is MmaBackwardConfig, (headdim, variant)
+    # a deterministic call whose variant the sm90 dQ kernel does not serve keeps the mma family
+    plan = configs.plan_backward(Static("float16", 128, False, 0, Variant(dropout=True)), True, None, True)
+    assert type(plan[1]) is MmaBackwardConfig
 
 
 def test_rows_configs():
