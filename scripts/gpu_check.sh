@@ -46,6 +46,13 @@
 #                                against the mma one, the default there, at hd 32, 48, 192 and 256,
 #                                fp16, 4k and 16k, causal and not, after a prebuild of both on 16
 #                                cores; about 8 minutes
+#   scripts/gpu_check.sh defaults [SECONDS]
+#                                the GPU tests that take a gradient and have not run since the sm90
+#                                backward became the default at headdims 16-256 (deterministic: 64-128),
+#                                after a prebuild of the planned kernels: the files past the backward's
+#                                own, less what docs/runs/gpu-suite-2026-12-06-headdims.txt reports
+#                                (NBFLASH_RESUME_LOGS; TESTS overrides the files), stopped after SECONDS
+#                                (default 400)
 #   scripts/gpu_check.sh levers  issue 13's work not yet timed on a GPU: the persistent grid's two
 #                                cases the last run did not reach, the varlen backward on both
 #                                families, and the sm90 backward at headdim 256 (not its default)
@@ -53,7 +60,9 @@
 #   scripts/gpu_check.sh deterministic
 #                                deterministic=True on both Hopper kernels (not yet run on a GPU): its
 #                                tests (bit-identical reruns), then its backward timed against the
-#                                mma family's deterministic one and the atomic ones, about 5 minutes
+#                                mma family's deterministic one and the atomic ones, after a prebuild
+#                                of both families' kernels; HEADDIMS (default "64 128") for others,
+#                                about 5 minutes
 #   scripts/gpu_check.sh dqfirst dQ's product first (dq_first, planned at hd 72-128 since 2026-12-05): the
 #                                planned kernel's GPU grids its first run did not cover (non-causal
 #                                tails at hd 96 and 128, the variants at 128), the dQ-last grid, and
@@ -243,16 +252,34 @@ levers)
     ;;
 deterministic)
     # docs/perf-notes.md, "Hopper backward", step 23: the sm90 dK/dV kernel without dQ, then the sm90
-    # dQ kernel
+    # dQ kernel. Both families' kernels (atomic and deterministic) compiled first on all cores: on a
+    # cold cache the bench alone compiled past its 200 s (2026-12-06).
+    timeout 150 python3 scripts/prebuild_cache.py --jobs 16 --headdims ${HEADDIMS:-64 128} --dtypes float16 \
+        --families sm90 mma --variants plain causal > "$out/deterministic_prebuild.log" 2>&1
+    echo "prebuild (exit $?): $(tail -1 "$out/deterministic_prebuild.log")"
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 150 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
         -W ignore tests/test_backward_sm90.py tests/test_backward_dq_sm90.py -k deterministic \
         > "$out/deterministic_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/deterministic_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/deterministic_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
-    timeout 200 python3 scripts/bench.py --pass backward --families sm90 mma --deterministic --headdims 64 128 \
+    timeout 200 python3 scripts/bench.py --pass backward --families sm90 mma --deterministic --headdims ${HEADDIMS:-64 128} \
         --seqlens 4096 16384 --causal both --dtypes float16 --no-naive --budget 0.25 \
         --markdown "$out/deterministic.md" > "$out/deterministic.log" 2>&1
     echo "deterministic backward (exit $?):"; tail -12 "$out/deterministic.log"
+    ;;
+defaults)
+    # The GPU tests not yet run since the sm90 backward became the default at headdims 16-256 and, with
+    # deterministic=True, at 64-128 (2026-12-06): the files whose tests take a gradient, less those
+    # docs/runs/gpu-suite-2026-12-06-headdims.txt reports passed on that plan. After a prebuild of the
+    # planned kernels on all cores.
+    timeout 170 python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 bfloat16 > "$out/prebuild.log" 2>&1
+    echo "prebuild (exit $?): $(tail -1 "$out/prebuild.log")"
+    NBFLASH_RESUME_LOGS=${NBFLASH_RESUME_LOGS:-docs/runs/gpu-suite-2026-12-06-headdims.txt} \
+    TESTS=${TESTS:-"tests/test_fuzz.py tests/test_variants_attention.py tests/test_backward_mma.py tests/test_hf.py \
+        tests/test_dropout.py tests/test_block_mask.py tests/test_user_functions.py tests/test_concurrency.py \
+        tests/test_lessons.py tests/test_first_run.py tests/test_faults.py tests/test_bad_inputs.py \
+        tests/test_sanitize.py tests/test_bench.py tests/test_claims.py tests/test_compile_speed.py"} \
+        run_tests "${2:-400}"
     ;;
 dqfirst)
     # docs/perf-notes.md, "Hopper backward", steps 28 and 29
@@ -393,7 +420,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
     exit 2
     ;;
 esac
