@@ -478,6 +478,31 @@ SM90_BACKWARD_HD128_VARIANTS = (Variant(window=True, softcap=True), Variant(wind
 SM90_BACKWARD_VARLEN_HEADDIMS = (64, 128)
 
 
+# The sm90 dQ kernel (deterministic=True): (largest headdim, keys per K/V tile), two consumers of 64
+# query rows. Past headdim 128 its tiles shrink so that S, dP, dS and dQ keep fitting a consumer's
+# registers (backward_dq_sm90.MAX_ACCUMULATOR_WORDS) and its tiles shared memory: ptxas 13.5 (sm_90a)
+# assembles both without spills. Only when "sm90" is forced there (not yet timed; the mma family's
+# deterministic backward by default).
+SM90_DQ = [
+    (128, 128),
+    (192, 64),
+    (256, 32),
+]
+
+
+def sm90_deterministic_configs(dtype, headdim, variant):
+    """The deterministic sm90 backward's kernels (dK/dV, dQ): the dK/dV kernel without dQ
+    (backward_sm90.py's from the table, the wide one past headdim 128), then the dQ kernel with
+    ``SM90_DQ``'s key tiles."""
+    if headdim > SM90_BACKWARD_MAX_HEADDIM:
+        dkdv = Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS, dq_split="none")
+    else:
+        dkdv = dataclasses.replace(sm90_backward_table_config(dtype, headdim, variant), dq_split="none",
+                                   dq_first=False)
+    _, block_n = _row(SM90_DQ, headdim)
+    return dkdv, Sm90DqConfig(dtype, headdim, variant._replace(score_mod_grad=""), block_n=block_n)
+
+
 def sm90_backward_unsupported_reason(static, deterministic, aligned):
     """Why the sm90 backward (its dK/dV kernel) cannot run this call, or None when it can."""
     reason = mma_unsupported_reason(static.dtype, static.device)
@@ -635,7 +660,8 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
 
     ``family`` "sm90" (the Hopper dK/dV kernel with atomic dq, where it serves the call:
     ``sm90_backward_unsupported_reason``; with deterministic=True the Hopper dK/dV kernel without
-    dQ and the Hopper dQ kernel, plain or windowed attention; the sm80 family's kernels
+    dQ and the Hopper dQ kernel, plain or windowed attention (``sm90_deterministic_configs``); the
+    sm80 family's kernels
     otherwise; the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``, with deterministic=True at
     ``SM90_DETERMINISTIC_DEFAULT_HEADDIMS``), "sm80" (alias
     "mma": tensor-core dK/dV and dQ kernels, float16/bfloat16 on compute capability >= 8.0; the
@@ -652,10 +678,10 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
                     or (headdim in SM90_BACKWARD_VARLEN_HEADDIMS and variant == Variant(varlen=True))))
     sm90 = family == "sm90" or default
     # deterministic=True under "sm90" (by default at SM90_DETERMINISTIC_DEFAULT_HEADDIMS): the sm90 dK/dV
-    # kernel without dQ (dq_split="none") and the sm90 dQ kernel (which takes headdims up to 128, as
-    # backward_sm90.py, and plain or windowed attention)
+    # kernel without dQ (dq_split="none"; the wide one past headdim 128) and the sm90 dQ kernel (plain
+    # or windowed attention)
     sm90_dq = ((family == "sm90" or (default and headdim in SM90_DETERMINISTIC_DEFAULT_HEADDIMS))
-               and deterministic and headdim <= SM90_BACKWARD_MAX_HEADDIM
+               and deterministic
                and sm90_backward_unsupported_reason(static, False, aligned) is None
                and variant in SM90_DQ_VARIANTS)
     sm90 = sm90 and sm90_backward_unsupported_reason(static, deterministic, aligned) is None
@@ -683,9 +709,7 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
             convert = Sm90ConvertDqConfig(dtype, headdim, dkdv.dq_part_columns, static.variant.varlen)
         return preprocess, dkdv, convert
     if sm90_dq:  # both Hopper kernels, neither with atomics: dK, dV, then dQ, each in a fixed order
-        dkdv = dataclasses.replace(sm90_backward_table_config(dtype, headdim, static.variant), dq_split="none",
-                                   dq_first=False)
-        return preprocess, dkdv, Sm90DqConfig(dtype, headdim, static.variant._replace(score_mod_grad=""))
+        return (preprocess, *sm90_deterministic_configs(dtype, headdim, static.variant))
     if family == "sm80":
         _, block_m, block_n, num_warps = _row(MMA_BACKWARD_DKDV, headdim)
         vector = dict(common, aligned=aligned and headdim % 8 == 0)

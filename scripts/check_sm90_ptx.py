@@ -74,6 +74,13 @@ EXPECTED = {
     "backward_sm90_convert_dq_tiles": ["ld.global.nc.v4.u32"],
     # the deterministic backward's dK/dV pass (dq_split="none"): no dQ, so no reductions
     "backward_sm90_deterministic": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "cp.async.bulk.tensor.4d"],
+    "backward_sm90_wide_deterministic": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "cp.async.bulk.tensor.4d"],
+    # the dQ kernel past headdim 128: dQ (64 x headdim padded) += dS (registers) K_j
+    "backward_dq_sm90": ["wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.tensor.4d"],
+    "backward_dq_sm90_plain_hd192": ["wgmma.mma_async.sync.aligned.m64n192k16.f32.f16.f16", "cp.async.bulk.tensor.4d"],
+    "backward_dq_sm90_causal_hd192": ["wgmma.mma_async.sync.aligned.m64n192k16.f32.f16.f16", "cp.async.bulk.tensor.4d"],
+    "backward_dq_sm90_plain_hd256": ["wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", "cp.async.bulk.tensor.4d"],
+    "backward_dq_sm90_causal_hd256": ["wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", "cp.async.bulk.tensor.4d"],
 }
 
 
@@ -202,6 +209,14 @@ def backward_kernels():
     for headdim, *_ in configs.SM90_BACKWARD:
         found.append((f"backward_sm90_deterministic_hd{headdim}", dataclasses.replace(
             configs.sm90_backward_table_config("float16", headdim, Variant()), dq_split="none", dq_first=False)))
+    # ... past headdim 128: the wide dK/dV kernel without dQ, then the dQ kernel with smaller key
+    # tiles (configs.SM90_DQ), plain and causal, at each row's largest headdim, as planned
+    for headdim in (192, 256):
+        for variant in (Variant(), Variant(window=True)):
+            name = "causal" if variant.window else "plain"
+            dkdv, dq = configs.sm90_deterministic_configs("float16", headdim, variant)
+            found.append((f"backward_sm90_wide_deterministic_{name}_hd{headdim}", dkdv))
+            found.append((f"backward_dq_sm90_{name}_hd{headdim}_keys{dq.block_n}", dq))
     # headdims past 128: the consumers split headdim (backward_sm90_wide.py), fp16 and bf16, plain and causal
     from nbflash.kernels.backward_sm90_wide import Sm90WideBackwardConfig
 

@@ -58,8 +58,9 @@
 #                                families, and the sm90 backward at headdim 256 (not its default)
 #                                against the mma one, about 7 minutes
 #   scripts/gpu_check.sh deterministic
-#                                deterministic=True on both Hopper kernels (not yet run on a GPU): its
-#                                tests (bit-identical reruns), then its backward timed against the
+#                                deterministic=True on both Hopper kernels: its tests (bit-identical
+#                                reruns; the dQ kernel's grid, past headdim 128 too), then its
+#                                backward timed against the
 #                                mma family's deterministic one and the atomic ones, after a prebuild
 #                                of both families' kernels; HEADDIMS (default "64 128") for others,
 #                                about 5 minutes
@@ -257,8 +258,8 @@ deterministic)
     timeout 150 python3 scripts/prebuild_cache.py --jobs 16 --headdims ${HEADDIMS:-64 128} --dtypes float16 \
         --families sm90 mma --variants plain causal > "$out/deterministic_prebuild.log" 2>&1
     echo "prebuild (exit $?): $(tail -1 "$out/deterministic_prebuild.log")"
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 150 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
-        -W ignore tests/test_backward_sm90.py tests/test_backward_dq_sm90.py -k deterministic \
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 200 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+        -W ignore tests/test_backward_sm90.py tests/test_backward_dq_sm90.py -k "deterministic or dq_sm90_gpu" \
         > "$out/deterministic_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/deterministic_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/deterministic_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20

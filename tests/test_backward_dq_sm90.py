@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 
-from nbflash import launch
+from nbflash import configs, launch
 from nbflash.dtypes import KERNEL_DTYPE
 from nbflash.kernels import registry, variants
 from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig, build_backward_dq_sm90
@@ -116,6 +116,14 @@ def test_config():
                 dict(variant=Variant(softcap=True)), dict(stages=3)):  # stages=3: 256 KiB of tiles at headdim 128
         with pytest.raises(ValueError):
             Sm90DqConfig(**{"dtype": "float16", "headdim": 128, **bad})
+    # past headdim 128 with smaller key tiles: S, dP, dS and dQ within a consumer's registers
+    assert Sm90DqConfig("float16", 256, block_n=32).dynamic_shared_bytes <= 227 * 1024
+    assert Sm90DqConfig("float16", 192, block_n=64).dynamic_shared_bytes <= 227 * 1024
+    for bad in (dict(headdim=264, block_n=32), dict(headdim=256, block_n=128), dict(headdim=200, block_n=96)):
+        with pytest.raises(ValueError):
+            Sm90DqConfig(**{"dtype": "float16", **bad})
+    with pytest.raises(ValueError, match="shared memory"):  # the registers fit, the tiles do not
+        Sm90DqConfig("float16", 256, block_n=64)
 
 
 # ---- Simulator: tiny shapes ------------------------------------------------------------------
@@ -145,7 +153,14 @@ def test_dq_sm90_causal_two_consumers(rng, xp, monkeypatch):
     check(rng, xp, monkeypatch, 1, 90, 230, 1, 1, 64, "float16", True, block_n=64)
 
 
-# ---- GPU (not yet run there) -----------------------------------------------------------------
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_dq_sm90_wide_small(rng, xp, monkeypatch):
+    """Past headdim 128: headdim 200 padded to 256 (dQ's wgmma N = 256), 32-key tiles (three through
+    a ring of two), causal with a tail, two consumers (the second's rows past seqlen_q)."""
+    check(rng, xp, monkeypatch, 1, 70, 80, 1, 1, 200, "float16", True, block_n=32)
+
+
+# ---- GPU -----------------------------------------------------------------------------------
 
 GPU_SHAPES = [(2, 113, 203, 4, 2), (1, 1023, 1024, 4, 1), (2, 300, 257, 2, 2), (1, 2048, 2048, 2, 2)]
 
@@ -153,7 +168,8 @@ GPU_SHAPES = [(2, 113, 203, 4, 2), (1, 1023, 1024, 4, 1), (2, 300, 257, 2, 2), (
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("headdim", [64, 72, 96, 128])
+@pytest.mark.parametrize("headdim", [64, 72, 96, 128, 136, 192, 256])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_dq_sm90_gpu(rng, xp, monkeypatch, shape, headdim, causal, dtype):
-    check(rng, xp, monkeypatch, *shape, headdim, dtype, causal)
+    """Past headdim 128 with the planner's key tiles (configs.SM90_DQ)."""
+    check(rng, xp, monkeypatch, *shape, headdim, dtype, causal, block_n=configs._row(configs.SM90_DQ, headdim)[1])

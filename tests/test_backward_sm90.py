@@ -120,10 +120,34 @@ def test_backward_sm90_wide_small(rng, xp):
     second a tail) and two query tiles (the second mostly past seqlen_q)."""
     config = configs.plan_backward(Static("float16", 200, False, 0, CAUSAL), False, "sm90", True)[1]
     assert isinstance(config, Sm90WideBackwardConfig) and config.dynamic_shared_bytes <= 232_448
-    # deterministic: the mma kernels (the sm90 dQ kernel stops at headdim 128)
+    # deterministic: the wide kernel without dQ, then the sm90 dQ kernel with smaller key tiles
+    # (configs.SM90_DQ: S, dP, dS and dQ fit a consumer's registers); the mma kernels for a variant
+    # the dQ kernel does not serve
     plan = configs.plan_backward(Static("float16", 256, False, 0, CAUSAL), True, "sm90", True)
-    assert isinstance(plan[1], MmaBackwardConfig) and not isinstance(plan[2], Sm90DqConfig)
+    assert isinstance(plan[1], Sm90WideBackwardConfig) and plan[1].dq_split == "none" and not plan[1].atomic_dq
+    assert isinstance(plan[2], Sm90DqConfig) and plan[2].block_n == 32 and plan[2].dynamic_shared_bytes <= 232_448
+    assert launch.describe(plan[1]).endswith("deterministic)")
+    assert configs.plan_backward(Static("bfloat16", 136, False, 0), True, "sm90", True)[2].block_n == 64
+    plan = configs.plan_backward(Static("float16", 256, False, 0, Variant(softcap=True)), True, "sm90", True)
+    assert isinstance(plan[1], MmaBackwardConfig)
+    with pytest.raises(ValueError, match="dq_split"):
+        Sm90WideBackwardConfig("float16", 256, dq_split="steps")
     run_sm90(rng, xp, 1, 70, 100, 2, 1, 200, "float16", True)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_wide_deterministic_gpu")
+def test_backward_sm90_wide_deterministic_small(rng, xp):
+    """deterministic=True under "sm90" past headdim 128, through the public call: the wide dK/dV
+    kernel without dQ, then the dQ kernel (headdim 136, padded to 256 and 192: 64-key tiles),
+    causal with a tail, GQA 2:1."""
+    _, dkdv, dq = configs.plan_backward(Static("bfloat16", 136, False, 0, CAUSAL), True, "sm90", True)
+    assert isinstance(dkdv, Sm90WideBackwardConfig) and dkdv.dq_split == "none" and isinstance(dq, Sm90DqConfig)
+    q, k, v = random_qkv(rng, xp, 1, 40, 70, 2, 1, 136, "bfloat16")
+    dout = random_like(rng, xp, q)
+    out, lse = forward(q, k, v, None, True)
+    with nbflash.kernel_family("sm90"):
+        grads = flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    assert_gradients_close(grads, dout, q, k, v, True)
 
 
 def test_backward_sm90_deterministic_small(rng, xp):
@@ -875,6 +899,25 @@ def test_backward_sm90_wide_gpu(rng, xp, seqlens, headdim, causal, dtype):
     """Headdims past 128 on backward_sm90_wide.py (taken when "sm90" is forced)."""
     nheads, nheads_k = HEADS[(WIDE_SEQLENS.index(seqlens) + headdim // 8) % len(HEADS)]
     run_sm90(rng, xp, 2, *seqlens, nheads, nheads_k, headdim, dtype, causal, heads_first=headdim == 192)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [136, 192, 256])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_wide_deterministic_gpu(rng, xp, seqlens, headdim, causal, dtype):
+    """deterministic=True under "sm90" past headdim 128 (the wide kernel without dQ, then the dQ
+    kernel with smaller key tiles): the reference's rule, and bit-identical on a rerun."""
+    nheads, nheads_k = HEADS[(headdim // 8 + causal) % len(HEADS)]
+    q, k, v = random_qkv(rng, xp, 2, *seqlens, nheads, nheads_k, headdim, dtype)
+    dout = random_like(rng, xp, q)
+    out, lse = forward(q, k, v, None, causal)
+    with nbflash.kernel_family("sm90"):
+        runs = [flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True) for _ in range(2)]
+    assert_gradients_close(runs[0], dout, q, k, v, causal)
+    for a, b in zip(*runs):
+        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
 
 
 @pytest.mark.gpu

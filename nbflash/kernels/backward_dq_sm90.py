@@ -107,7 +107,12 @@ from .backward_sm90 import Sm90BackwardBlock, make_pack_a, make_store_rows
 from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
 
 LOG2E = math.log2(math.e)
-MAX_HEADDIM = 128  # S, dP and dQ of 64 rows live in a consumer's registers together
+MAX_HEADDIM = 256
+# S, dP (block_n / 2 registers a thread each), the packed dS (block_n / 4) and dQ (headdim_padded / 2)
+# of 64 rows live in a consumer's registers together: at most this many words of them (ptxas 13.5,
+# sm_90a, no spills: headdim 128 with 128-key tiles under the 232 cap, 224 words; headdim 256 with
+# 32-key tiles and two consumers, 168; with 64-key tiles and one consumer, 208, in 224-242 registers)
+MAX_ACCUMULATOR_WORDS = 224
 SERVED_VARIANTS = (Variant(), Variant(window=True))  # the plain kernel and the window (causal included)
 
 
@@ -117,7 +122,7 @@ class Sm90DqConfig(Sm90BackwardBlock):
     portable family's; dK/dV come from a kernel without atomics)."""
 
     dtype: str  # 'float16' or 'bfloat16'
-    headdim: int  # a multiple of 8, at most 128
+    headdim: int  # a multiple of 8, at most 256 (past 128 with smaller key tiles: MAX_ACCUMULATOR_WORDS)
     variant: Variant = Variant()
     block_n: int = 128  # keys per K/V tile
     stages: int = 2  # K/V tiles in flight (the ring)
@@ -135,6 +140,10 @@ class Sm90DqConfig(Sm90BackwardBlock):
             raise ValueError(f"{self.block_n=} must be a multiple of 16 in 16..256 (a TMA box and a wgmma n)")
         if self.consumers not in (1, 2):
             raise ValueError(f"{self.consumers=} must be 1 or 2")
+        words = self.headdim_padded // 2 + self.block_n + self.block_n // 4
+        if words > MAX_ACCUMULATOR_WORDS:
+            raise ValueError(f"{self.block_n=} at headdim {self.headdim}: S, dP, dS and dQ would take {words} "
+                             f"registers a thread, more than {MAX_ACCUMULATOR_WORDS}: smaller key tiles")
         self.check_block()
 
     @property

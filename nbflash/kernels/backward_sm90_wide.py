@@ -41,9 +41,13 @@ rows offset by the sequence's first, the bounds read again each step). With a sc
 dropout, consumer 0 makes dS^T with P^T: it waits for the hand-over first, and dS^T (float32)
 replaces dP^T in the hand-over's words (``make_probabilities_t`` with ``handover``), from where
 ``store_tiles_t`` packs it. Headdims a multiple of 8 in 136..256, padded to 256 by TMA's zero
-fill. Its GPU tests pass (tests/test_backward_sm90.py's wide grids, H200 and H100); not yet timed,
-so the planner takes it only when "sm90" is forced at those headdims (the mma family's backward by
-default).
+fill. Its GPU tests pass (tests/test_backward_sm90.py's wide grids, H200 and H100); the planner
+takes it by default for plain and causal attention (1.2-2.5x the mma backward on an H100,
+configs.SM90_BACKWARD_DEFAULT_HEADDIMS), for the other variants when "sm90" is forced.
+
+With ``dq_split="none"`` (the deterministic backward) the consumers skip dQ's products and
+reductions: the kernel writes dK and dV only, and backward_dq_sm90.py's pass makes dQ after it, each
+in a fixed order. That form is checked by ptxas and the simulator, not yet run on a GPU.
 
 Memory and arguments: backward_sm90.py's (the same signature and tensor maps).
 """
@@ -121,8 +125,10 @@ class Sm90WideBackwardConfig(Sm90BackwardBlock):
     producer_registers: int = 40  # setmaxnreg caps (the block holds 384 x 168 registers at entry)
     consumer_registers: int = 232
     heavy_groups: int = 0  # longest-first within groups of (batch, KV head) pairs, as backward_sm90.py's
+    # "columns": each consumer adds its half of dQ_i's columns into dq_accum by atomics; "none": no dQ
+    # at all (dK and dV only: the deterministic backward, whose dQ is backward_dq_sm90.py's pass)
+    dq_split: str = "columns"
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
-    atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
     varlen_batch_of_one = True  # packed sequences: as backward_sm90.py's (nbflash/varlen.py)
     consumers = 2
     block_m = BLOCK_M
@@ -130,7 +136,14 @@ class Sm90WideBackwardConfig(Sm90BackwardBlock):
 
     def __post_init__(self):
         self.check_dtype_headdim(MIN_HEADDIM, MAX_HEADDIM)
+        if self.dq_split not in ("columns", "none"):
+            raise ValueError(f"{self.dq_split=} must be 'columns' (dQ by atomics) or 'none' (no dQ)")
         self.check_block()
+
+    @property
+    def atomic_dq(self):
+        """dQ goes to dq_accum by atomics; with dq_split="none" there is no dQ here."""
+        return self.dq_split != "none"
 
     @property
     def headdim_padded(self):
@@ -182,6 +195,7 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
     EMPTY_ARRIVALS = BOTH = 2 * GROUP  # both consumers' threads
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
     HEAVY_GROUPS = config.heavy_groups
+    NO_DQ = config.dq_split == "none"  # dK and dV only (the deterministic backward)
     hooks = variants.hooks(config.variant)
     query_tiles, head_context = hooks.query_tiles, hooks.head_context
     # a block mask: the steps walk the visited pairs (backward_sm90.py's make_consumer_step)
@@ -409,29 +423,34 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                 # dV_c += P^T dO_i[:, c], dK_c += dS^T Q_i[:, c], and dQ_i's first 64 columns of c
                 acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
                 acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
-                acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
+                if not NO_DQ:
+                    acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
                 wgmma_fence()
                 acc_dv = issue_keys_acc(acc_dv, desc_pt, smem_descriptor(
                     do_slot + col_chunk * uint32(Q_CHUNK_BYTES), Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
                 acc_dk = issue_keys_acc(acc_dk, desc_dst, smem_descriptor(
                     q_slot + col_chunk * uint32(Q_CHUNK_BYTES), Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
-                acc_q = issue_dq(acc_q, desc_ds, smem_descriptor(
-                    k_tile + col_chunk * uint32(KV_CHUNK_BYTES), KV_CHUNK_BYTES, 1024, SWIZZLE_128B))
+                if not NO_DQ:
+                    acc_q = issue_dq(acc_q, desc_ds, smem_descriptor(
+                        k_tile + col_chunk * uint32(KV_CHUNK_BYTES), KV_CHUNK_BYTES, 1024, SWIZZLE_128B))
                 wgmma_wait(0)
                 registers_to(dv_acc, fence_operands(acc_dv))
                 registers_to(dk_acc, fence_operands(acc_dk))
-                registers_to(dq_acc, fence_operands(acc_q))
+                if not NO_DQ:
+                    registers_to(dq_acc, fence_operands(acc_q))
                 mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
-                row = q_row0 + q_start + 16 * warp + g
-                add_dq(dq_accum, dq_acc, mem_b, row, h, HALF * consumer, q_row0 + seqlen_q, q4)
-                # ... and its second 64 columns
-                acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
-                wgmma_fence()
-                acc_q = issue_dq(acc_q, desc_ds, smem_descriptor(
-                    k_tile + (col_chunk + uint32(1)) * uint32(KV_CHUNK_BYTES), KV_CHUNK_BYTES, 1024, SWIZZLE_128B))
-                wgmma_wait(0)
-                registers_to(dq_acc, fence_operands(acc_q))
-                add_dq(dq_accum, dq_acc, mem_b, row, h, HALF * consumer + CHUNK, q_row0 + seqlen_q, q4)
+                if not NO_DQ:  # (the deterministic backward's dQ is the dQ kernel's, after this one)
+                    row = q_row0 + q_start + 16 * warp + g
+                    add_dq(dq_accum, dq_acc, mem_b, row, h, HALF * consumer, q_row0 + seqlen_q, q4)
+                    # ... and its second 64 columns
+                    acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
+                    wgmma_fence()
+                    acc_q = issue_dq(acc_q, desc_ds, smem_descriptor(
+                        k_tile + (col_chunk + uint32(1)) * uint32(KV_CHUNK_BYTES), KV_CHUNK_BYTES, 1024,
+                        SWIZZLE_128B))
+                    wgmma_wait(0)
+                    registers_to(dq_acc, fence_operands(acc_q))
+                    add_dq(dq_accum, dq_acc, mem_b, row, h, HALF * consumer + CHUNK, q_row0 + seqlen_q, q4)
 
             # ---- Write dK_c = dS^T Q * scale and dV_c (keys no query sees get 0) ----
             if VARLEN:  # the key rows again: not held across the loop
