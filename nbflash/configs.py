@@ -47,7 +47,7 @@ from .kernels.backward_sm90_rows import Sm90RowsBackwardConfig
 from .kernels.backward_sm90_wide import MAX_HEADDIM as SM90_WIDE_BACKWARD_MAX_HEADDIM
 from .kernels.backward_sm90_wide import Sm90WideBackwardConfig
 from .kernels.backward_sm90_rows import served as sm90_rows_serves
-from .kernels.backward_dq_sm90 import SERVED_VARIANTS as SM90_DQ_VARIANTS
+from .kernels.backward_dq_sm90 import served as sm90_dq_serves
 from .kernels.backward_dq_sm90 import Sm90DqConfig
 from .kernels.forward_mma import MmaForwardConfig
 from .kernels.forward_sm90 import UNSERVED_FEATURES as SM90_UNSERVED_FEATURES
@@ -450,7 +450,8 @@ SM90_BACKWARD = [
 # (expected between their neighbours'). Headdim 8 (eight times padded) is not timed: mma.
 SM90_BACKWARD_DEFAULT_HEADDIMS = tuple(range(16, 264, 8))
 # deterministic=True takes the sm90 dK/dV kernel without dQ and the sm90 dQ kernel by default at these
-# headdims (plain attention and the window): measured on an H100 (2026-12-06, bench.py --pass backward
+# headdims (plain attention and the window: SM90_BACKWARD_DEFAULT_VARIANTS; the others it serves
+# when "sm90" is forced): measured on an H100 (2026-12-06, bench.py --pass backward
 # --families sm90 mma --deterministic, fp16, hd 64 and 128, 4k and 16k, causal and not, one run),
 # 1.91-2.47x the mma family's deterministic backward (hd 64 278.9-330.4 TFLOP/s against 130.5-165.5;
 # hd 128 389.8-442.6 against 166.0-184.2), and 0.89-1.09x the atomic sm90 backward. 72-120 run the
@@ -488,6 +489,10 @@ SM90_DQ = [
     (192, 64),
     (256, 32),
 ]
+# ... at most this many keys a tile with dropout or an element mask: at hd 128 with 128-key tiles
+# ptxas (13.5) spilled 280 bytes (dropout, 133 local accesses in the loop) and 112 (mask tensor); with
+# 64-key tiles none (softcap and ALiBi do not spill at 128)
+SM90_DQ_MASKED_KEYS = 64
 
 
 def sm90_deterministic_configs(dtype, headdim, variant):
@@ -500,6 +505,8 @@ def sm90_deterministic_configs(dtype, headdim, variant):
         dkdv = dataclasses.replace(sm90_backward_table_config(dtype, headdim, variant), dq_split="none",
                                    dq_first=False)
     _, block_n = _row(SM90_DQ, headdim)
+    if variant.dropout or variant.mask or variant.mask_mod:
+        block_n = min(block_n, SM90_DQ_MASKED_KEYS)
     return dkdv, Sm90DqConfig(dtype, headdim, variant._replace(score_mod_grad=""), block_n=block_n)
 
 
@@ -660,8 +667,8 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
 
     ``family`` "sm90" (the Hopper dK/dV kernel with atomic dq, where it serves the call:
     ``sm90_backward_unsupported_reason``; with deterministic=True the Hopper dK/dV kernel without
-    dQ and the Hopper dQ kernel, plain or windowed attention (``sm90_deterministic_configs``); the
-    sm80 family's kernels
+    dQ and the Hopper dQ kernel (``sm90_deterministic_configs``; every variant but a score_mod, block
+    masks and packed sequences); the sm80 family's kernels
     otherwise; the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``, with deterministic=True at
     ``SM90_DETERMINISTIC_DEFAULT_HEADDIMS``), "sm80" (alias
     "mma": tensor-core dK/dV and dQ kernels, float16/bfloat16 on compute capability >= 8.0; the
@@ -677,13 +684,13 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
                     or (headdim == 128 and variant in SM90_BACKWARD_HD128_VARIANTS)
                     or (headdim in SM90_BACKWARD_VARLEN_HEADDIMS and variant == Variant(varlen=True))))
     sm90 = family == "sm90" or default
-    # deterministic=True under "sm90" (by default at SM90_DETERMINISTIC_DEFAULT_HEADDIMS): the sm90 dK/dV
-    # kernel without dQ (dq_split="none"; the wide one past headdim 128) and the sm90 dQ kernel (plain
-    # or windowed attention)
-    sm90_dq = ((family == "sm90" or (default and headdim in SM90_DETERMINISTIC_DEFAULT_HEADDIMS))
-               and deterministic
+    # deterministic=True under "sm90": the sm90 dK/dV kernel without dQ (dq_split="none"; the wide one
+    # past headdim 128) and the sm90 dQ kernel, for the variants it serves (backward_dq_sm90.served);
+    # by default at SM90_DETERMINISTIC_DEFAULT_HEADDIMS for plain and windowed attention
+    sm90_dq = (deterministic and sm90_dq_serves(variant)
                and sm90_backward_unsupported_reason(static, False, aligned) is None
-               and variant in SM90_DQ_VARIANTS)
+               and (family == "sm90" or (default and headdim in SM90_DETERMINISTIC_DEFAULT_HEADDIMS
+                                         and variant in SM90_BACKWARD_DEFAULT_VARIANTS)))
     sm90 = sm90 and sm90_backward_unsupported_reason(static, deterministic, aligned) is None
     family = _resolve_family(dtype, device, "sm80" if family == "sm90" else family)
     atomic = not deterministic

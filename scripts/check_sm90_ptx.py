@@ -217,6 +217,12 @@ def backward_kernels():
             dkdv, dq = configs.sm90_deterministic_configs("float16", headdim, variant)
             found.append((f"backward_sm90_wide_deterministic_{name}_hd{headdim}", dkdv))
             found.append((f"backward_dq_sm90_{name}_hd{headdim}_keys{dq.block_n}", dq))
+    # ... and the dQ kernel's variants at hd 128 (causal): softcap, dropout (the dK/dV kernel without dQ
+    # is backward_sm90.py's, whose variants are listed above)
+    for feature in ("softcap", "dropout"):
+        dkdv, dq = configs.sm90_deterministic_configs("float16", 128, Variant(window=True, **{feature: True}))
+        found.append((f"backward_sm90_deterministic_causal_{feature}_hd128", dkdv))
+        found.append((f"backward_dq_sm90_causal_{feature}_hd128_keys{dq.block_n}", dq))
     # headdims past 128: the consumers split headdim (backward_sm90_wide.py), fp16 and bf16, plain and causal
     from nbflash.kernels.backward_sm90_wide import Sm90WideBackwardConfig
 

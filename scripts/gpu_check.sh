@@ -59,7 +59,8 @@
 #                                against the mma one, about 7 minutes
 #   scripts/gpu_check.sh deterministic
 #                                deterministic=True on both Hopper kernels: its tests (bit-identical
-#                                reruns; the dQ kernel's grid, past headdim 128 too), then its
+#                                reruns; the dQ kernel's grid past headdim 128 too, and its variants),
+#                                then its
 #                                backward timed against the
 #                                mma family's deterministic one and the atomic ones, after a prebuild
 #                                of both families' kernels; HEADDIMS (default "64 128") for others,
@@ -255,10 +256,10 @@ deterministic)
     # docs/perf-notes.md, "Hopper backward", step 23: the sm90 dK/dV kernel without dQ, then the sm90
     # dQ kernel. Both families' kernels (atomic and deterministic) compiled first on all cores: on a
     # cold cache the bench alone compiled past its 200 s (2026-12-06).
-    timeout 150 python3 scripts/prebuild_cache.py --jobs 16 --headdims ${HEADDIMS:-64 128} --dtypes float16 \
+    timeout 120 python3 scripts/prebuild_cache.py --jobs 16 --headdims ${HEADDIMS:-64 128} --dtypes float16 \
         --families sm90 mma --variants plain causal > "$out/deterministic_prebuild.log" 2>&1
     echo "prebuild (exit $?): $(tail -1 "$out/deterministic_prebuild.log")"
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 200 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 250 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
         -W ignore tests/test_backward_sm90.py tests/test_backward_dq_sm90.py -k "deterministic or dq_sm90_gpu" \
         > "$out/deterministic_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/deterministic_tests.log")"

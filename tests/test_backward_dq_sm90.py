@@ -112,8 +112,14 @@ def test_config():
     assert (cfg.kernel, cfg.atomic_dq, cfg.block_m, cfg.block_n, cfg.threads) == ("dq", False, 128, 128, 384)
     assert cfg.grid(2, 8, 2, 1000, 3000) == (8, 8, 2)
     assert cfg.dynamic_shared_bytes <= 227 * 1024
+    # the score features, the element masks and dropout (with the window or not)
+    for variant in (Variant(softcap=True, alibi=True), Variant(window=True, bias="float16"), Variant(mask=True),
+                    Variant(window=True, mask_mod="g:0"), Variant(dropout=True)):
+        assert Sm90DqConfig("bfloat16", 96, variant).variant == variant
     for bad in (dict(headdim=60), dict(headdim=256), dict(dtype="float32"), dict(stages=1),
-                dict(variant=Variant(softcap=True)), dict(stages=3)):  # stages=3: 256 KiB of tiles at headdim 128
+                dict(variant=Variant(score_mod="f:0")), dict(variant=Variant(varlen=True)),
+                dict(variant=Variant(mask_mod="g:0", block_mask=True)),
+                dict(stages=3)):  # stages=3: 256 KiB of tiles at headdim 128
         with pytest.raises(ValueError):
             Sm90DqConfig(**{"dtype": "float16", "headdim": 128, **bad})
     # past headdim 128 with smaller key tiles: S, dP, dS and dQ within a consumer's registers

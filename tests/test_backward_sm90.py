@@ -66,11 +66,11 @@ def test_backward_sm90_planning():
     assert launch.describe(dkdv) == "Hopper backward dK/dV (float16, headdim 128, causal/window, deterministic)"
     assert launch.describe(dq) == "Hopper backward dQ (float16, headdim 128, causal/window, deterministic)"
     for static, deterministic, aligned in [
-        (Static("float16", 128, False, 0, Variant(softcap=True)), True, True),  # sm90's dQ: plain and window
+        (Static("float16", 128, False, 0, Variant(score_mod="f:0")), True, True),  # sm90's dQ: no score_mod
         (Static("float16", 60, False, 0), False, True),  # not a multiple of 8 (TMA's 16-byte rows)
         (Static("float16", 64, False, 0), False, False),  # rows off 16 bytes
         (Static("float16", 64, False, 0, Variant(varlen=True)), True, True),  # deterministic: the mma order
-        (Static("float16", 64, False, 0, Variant(dropout=True)), True, True),  # deterministic: the mma order
+        (Static("float16", 64, False, 0, Variant(mask_mod="g:0", block_mask=True)), True, True),  # no block mask
     ]:
         plan = configs.plan_backward(static, deterministic, "sm90", aligned)
         assert not any(isinstance(c, Sm90BackwardConfig) for c in plan)
@@ -121,14 +121,17 @@ def test_backward_sm90_wide_small(rng, xp):
     config = configs.plan_backward(Static("float16", 200, False, 0, CAUSAL), False, "sm90", True)[1]
     assert isinstance(config, Sm90WideBackwardConfig) and config.dynamic_shared_bytes <= 232_448
     # deterministic: the wide kernel without dQ, then the sm90 dQ kernel with smaller key tiles
-    # (configs.SM90_DQ: S, dP, dS and dQ fit a consumer's registers); the mma kernels for a variant
-    # the dQ kernel does not serve
+    # (configs.SM90_DQ: S, dP, dS and dQ fit a consumer's registers), its score features too; the mma
+    # kernels for a variant the dQ kernel does not serve
     plan = configs.plan_backward(Static("float16", 256, False, 0, CAUSAL), True, "sm90", True)
     assert isinstance(plan[1], Sm90WideBackwardConfig) and plan[1].dq_split == "none" and not plan[1].atomic_dq
     assert isinstance(plan[2], Sm90DqConfig) and plan[2].block_n == 32 and plan[2].dynamic_shared_bytes <= 232_448
     assert launch.describe(plan[1]).endswith("deterministic)")
     assert configs.plan_backward(Static("bfloat16", 136, False, 0), True, "sm90", True)[2].block_n == 64
     plan = configs.plan_backward(Static("float16", 256, False, 0, Variant(softcap=True)), True, "sm90", True)
+    assert isinstance(plan[1], Sm90WideBackwardConfig) and isinstance(plan[2], Sm90DqConfig)
+    plan = configs.plan_backward(Static("float16", 256, False, 0, Variant(window=True, varlen=True)), True, "sm90",
+                                 True)
     assert isinstance(plan[1], MmaBackwardConfig)
     with pytest.raises(ValueError, match="dq_split"):
         Sm90WideBackwardConfig("float16", 256, dq_split="steps")
@@ -846,6 +849,51 @@ def test_backward_sm90_staged_dropout_gpu(xp, monkeypatch, name, dtype, shape):
     """Dropout's keep bits made by the producer's warps 2 and 3 (dropout_bits="producer"): the
     gradients are right, and the same to the bit as with the consumer lanes' own calls."""
     dropout_forms_agree(xp, monkeypatch, 11, name, dtype, shape)
+
+
+def run_sm90_deterministic_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim):
+    """deterministic=True under "sm90" with a catalogue variant: the sm90 dK/dV kernel without dQ,
+    then the sm90 dQ kernel (its score features, element masks and dropout), against the
+    reference's rule; on a GPU bit-identical on a rerun."""
+    causal, arguments = split(variant_arguments(name, batch, nheads, seqlen_k, xp, seqlen_q))
+    q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
+    problem = validation.check_forward(q, k, v, None, causal, **arguments)[0]
+    _, dkdv, dq = configs.plan_backward(problem.static, True, "sm90")
+    assert isinstance(dkdv, (Sm90BackwardConfig, Sm90WideBackwardConfig)) and not dkdv.atomic_dq, name
+    assert isinstance(dq, Sm90DqConfig), name
+    out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **forward_arguments(arguments))
+    dout = random_like(rng, xp, q)
+    with nbflash.kernel_family("sm90"):
+        runs = [flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, **arguments)
+                for _ in range(1 if SIMULATOR else 2)]
+    assert_gradients_close(runs[0], dout, q, k, v, causal, **arguments)
+    for a, b in zip(runs[0], runs[-1]):
+        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the deterministic variants' grid below")
+@pytest.mark.parametrize("name, shape", [("combined", (2, 40, 60, 2, 1, 64)),
+                                         ("causal-dropout", (1, 40, 100, 2, 1, 64)),
+                                         ("document-mask", (1, 50, 70, 2, 2, 64))], ids=lambda x: str(x))
+def test_backward_sm90_deterministic_variants_small(rng, xp, name, shape):
+    """The sm90 dQ kernel's variants (deterministic=True under "sm90"): window + softcap + per-batch
+    ALiBi (P from the score point of the raw S, dS times the softcap's derivative, the lse less the
+    features' offset); causal dropout (the forward's Philox words, 40 rows and 100 keys: both
+    consumers, a 32-key group past the end); a mask tensor (every tile masked)."""
+    run_sm90_deterministic_variant(rng, xp, name, "float16" if name != "document-mask" else "bfloat16", *shape)
+
+
+DETERMINISTIC_VARIANTS = ["softcap", "causal-softcap", "alibi", "combined", "window-both", "bias", "causal-bias",
+                          "document-mask", "document-mask-mod", "dropout", "causal-dropout"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", DETERMINISTIC_VARIANTS)
+@pytest.mark.parametrize("shape", [(2, 113, 203, 4, 2, 64), (1, 1023, 1024, 4, 1, 128), (2, 300, 257, 2, 2, 256)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_backward_sm90_deterministic_variants_gpu(rng, xp, shape, name, dtype):
+    run_sm90_deterministic_variant(rng, xp, name, dtype, *shape)
 
 
 SCORE_VARIANTS = ["softcap", "causal-softcap", "alibi", "causal-alibi", "combined", "window", "dropout",

@@ -49,16 +49,26 @@ as in forward_sm90.py.
 
 Memory: q, dout (batch, seqlen_q, nheads, headdim), k, v (batch, seqlen_k, nheads_k, headdim), any
 strides that are multiples of 16 bytes with the last dimension contiguous, headdim a multiple of 8
-up to 128; float16 arrays, or uint16 arrays holding bfloat16 bits. lse (natural log), delta
+up to 256 (past 128 with key tiles small enough that S, dP, dS and dQ keep fitting the registers:
+``MAX_ACCUMULATOR_WORDS``, configs.SM90_DQ); float16 arrays, or uint16 arrays holding bfloat16 bits. lse (natural log), delta
 float32 (batch, nheads, seqlen_q); dq like q (C-contiguous), written in q's dtype. ``maps`` holds
 the four 4-D tensor maps of q, k, v and dout (backward_sm90.tensor_maps), built by the launcher;
 rows past a sequence's end and columns past headdim arrive as zeros. Query head h reads key/value head
 h // (nheads // nheads_k). A row with lse = -inf (it sees no key) and rows past seqlen_q get
 lse_log2 = +inf, so their P is exactly 0 and a row that sees no key gets dq = 0.
 
-Variants: the plain kernel and the window (causal included). Score features (softcap, ALiBi),
-masks, dropout, block masks and packed sequences stay with the mma family's dq kernel
-(nbflash/kernels/backward_mma.py). Not yet run on a GPU.
+Variants: the window (causal included) through the hooks' tile ranges and mask test, as the
+forward's. The score features (softcap, ALiBi, bias), the element masks (mask tensor, mask_mod: no
+tile is then seen whole, so every tile is masked) and dropout (the forward's Philox words, as
+backward_mma.py's dq kernel reads them: the same elements a lane in both layouts) make P and dS in
+one pass once dP has landed (``feature_gradients``: P from the score point of the raw S, dS times
+the score's derivative and dP times dropout's factor, lse less the features' offset). A score_mod,
+block masks and packed sequences stay with the mma family's dq kernel (``UNSERVED_FEATURES``).
+
+Its GPU tests pass for plain and windowed attention at headdims up to 128 (bit-identical reruns
+included), where it is planned by default (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS). Past 128
+and with the other variants (only when "sm90" is forced) it is checked by ptxas and the simulator,
+not yet run on a GPU.
 """
 
 import math
@@ -113,7 +123,15 @@ MAX_HEADDIM = 256
 # sm_90a, no spills: headdim 128 with 128-key tiles under the 232 cap, 224 words; headdim 256 with
 # 32-key tiles and two consumers, 168; with 64-key tiles and one consumer, 208, in 224-242 registers)
 MAX_ACCUMULATOR_WORDS = 224
-SERVED_VARIANTS = (Variant(), Variant(window=True))  # the plain kernel and the window (causal included)
+# The variants' features it does not serve (the mma family's dq kernel does): a score_mod (its
+# gradient function), block masks (the producer would walk the visited tiles) and packed sequences
+UNSERVED_FEATURES = ("score_mod", "block_mask", "varlen")
+
+
+def served(variant):
+    """Whether the kernel serves ``variant``: the plain kernel, the window (causal included), the
+    score features softcap, ALiBi and bias, the element masks (mask tensor, mask_mod) and dropout."""
+    return not any(getattr(variant, feature) for feature in UNSERVED_FEATURES)
 
 
 @dataclass(frozen=True)
@@ -134,8 +152,8 @@ class Sm90DqConfig(Sm90BackwardBlock):
 
     def __post_init__(self):
         self.check_dtype_headdim(8, MAX_HEADDIM)
-        if self.variant not in SERVED_VARIANTS:
-            raise ValueError(f"{self.variant=}: the sm90 dQ kernel serves the plain kernel and the window only")
+        if not served(self.variant):
+            raise ValueError(f"{self.variant=}: the sm90 dQ kernel serves no {' and no '.join(UNSERVED_FEATURES)}")
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise ValueError(f"{self.block_n=} must be a multiple of 16 in 16..256 (a TMA box and a wgmma n)")
         if self.consumers not in (1, 2):
@@ -177,6 +195,12 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
     hooks = variants.hooks(config.variant)
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
     head_context = hooks.head_context
+    # the score features (softcap, ALiBi, bias) and dropout: P and dS made in one pass once dP has
+    # landed, as backward_mma.py's dq kernel makes them (``FEATURES``); the others overlap P with dP
+    SCORE, DROPOUT = hooks.SCORE, hooks.DROPOUT
+    FEATURES = SCORE or DROPOUT
+    score_units, score_row, _, score_at_grad = hooks.tensor_core_score(False)
+    dropout_words, byte_factor = hooks.dropout_words, hooks.byte_factor
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
     IS_F16 = config.dtype == "float16"
     AB = "f16" if IS_F16 else "bf16"
@@ -265,6 +289,41 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
                 for e in static_range(2):
                     r = 4 * c + 2 * rh + e
                     dp[r] = p[r] * (dp[r] - d_row[rh])
+
+    @inline_device
+    @unroll
+    def feature_gradients(s, dp, lse_row, d_row, row0, n_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
+                          units, q4, masked):
+        """With score features or dropout: dP -> dS = P (dP * factor - D[row]) * d score / d S in place,
+        P = exp2(score(S) - lse_log2[row]) (0 where masked, ``masked`` a constant at each call site),
+        factor dropout's keep_scale or 0, for the thread's rows row0 and row0 + 8 and key columns
+        n_start + 8 c + 2 q4 + e (backward_mma.py's ``softmax_grad`` in wgmma's layout, the same
+        elements a lane: rows g and g + 8 of its warp's 16, columns 2 q4 + e of each 8)."""
+        ctx = (score_row(row0, n_start + 2 * q4, seqlen_q, seqlen_k, params, head_ctx, units),
+               score_row(row0 + 8, n_start + 2 * q4, seqlen_q, seqlen_k, params, head_ctx, units))
+        for c in static_range(NT):
+            if c % 4 == 0:  # dropout's words of both rows by keys 2 q4, 2 q4 + 1 of this group of 8
+                # columns and the next three: one Philox call (constants without dropout)
+                drop = dropout_words(row0, n_start + 8 * c + 2 * q4, params, head_ctx)
+            for rh in static_range(2):
+                row = row0 + 8 * rh
+                lo, hi = row_keys(row, seqlen_q, seqlen_k, params)  # used by the masked copy
+                for e in static_range(2):
+                    r = 4 * c + 2 * rh + e
+                    grad = float32(1)
+                    if SCORE:
+                        y, grad = score_at_grad(s[r], ctx[rh], 0, 8 * c + e, seqlen_q, seqlen_k, params, head_ctx,
+                                                units)
+                        p = exp2_approx(y * units[variants.EXP] - lse_row[rh])
+                    else:
+                        p = exp2_approx(s[r] * scale_log2 - lse_row[rh])
+                    if masked:
+                        if hidden(n_start + 8 * c + 2 * q4 + e, lo, hi, row, seqlen_q, params, head_ctx):
+                            p = float32(0)
+                    factor = float32(1)
+                    if DROPOUT:
+                        factor = byte_factor(drop[c % 4], 2 * rh + e, params)
+                    dp[r] = p * (dp[r] * factor - d_row[rh]) * grad
 
     # -----------------------------------------------------------------------------------------------
     # The kernel
@@ -357,11 +416,15 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
             desc_q = smem_descriptor(q_tile + rows_off, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
             desc_do = smem_descriptor(do_tile + rows_off, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
 
+            units = score_units(params, scale, head_ctx)  # the score features' constants for this head
+
             # lse_log2 and D of the thread's two rows, read once
             lse_row = cuda.local.array(2, float32)
             d_row = cuda.local.array(2, float32)
             for rh in static_range(2):
                 lse_log2, d = row_stats(lse, delta, b, h, row0 + 8 * rh, seqlen_q)
+                if SCORE:  # the score features' offset (variants.OFFSET) out of lse, as out of their scores
+                    lse_log2 -= units[variants.OFFSET]
                 lse_row[rh] = lse_log2
                 d_row[rh] = d
 
@@ -390,22 +453,33 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
                 wgmma_fence()  # the accumulators' registers are ordered before wgmma uses them
                 acc_s = issue_scores(acc_s, desc_q, key_major_descriptor(k_ring, slot))
                 acc_dp = issue_scores(acc_dp, desc_do, key_major_descriptor(v_ring, slot))
-                wgmma_wait(1)  # S has landed; dP may still run
-                registers_to(s, fence_operands(acc_s))
-
-                # P, the mask only on tiles that some row of the block does not see whole
-                if j < first_full or j >= end_full:
-                    probabilities(s, lse_row, row0, n_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, q4,
-                                  True)
+                if FEATURES:  # P and dS in one pass, once both have landed (the mask as below)
+                    wgmma_wait(0)
+                    registers_to(s, fence_operands(acc_s))
+                    registers_to(dp, fence_operands(acc_dp))
+                    if j < first_full or j >= end_full:
+                        feature_gradients(s, dp, lse_row, d_row, row0, n_start, seqlen_q, seqlen_k, params, head_ctx,
+                                          scale_log2, units, q4, True)
+                    else:
+                        feature_gradients(s, dp, lse_row, d_row, row0, n_start, seqlen_q, seqlen_k, params, head_ctx,
+                                          scale_log2, units, q4, False)
                 else:
-                    probabilities(s, lse_row, row0, n_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, q4,
-                                  False)
+                    wgmma_wait(1)  # S has landed; dP may still run
+                    registers_to(s, fence_operands(acc_s))
 
-                # dS = P (dP - D), packed to 16 bits
-                wgmma_wait(0)  # dP has landed
-                registers_to(dp, fence_operands(acc_dp))
-                score_gradients(s, dp, d_row)
-                pack_ds(dp, ds)
+                    # P, the mask only on tiles that some row of the block does not see whole
+                    if j < first_full or j >= end_full:
+                        probabilities(s, lse_row, row0, n_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, q4,
+                                      True)
+                    else:
+                        probabilities(s, lse_row, row0, n_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, q4,
+                                      False)
+
+                    # dS = P (dP - D)
+                    wgmma_wait(0)  # dP has landed
+                    registers_to(dp, fence_operands(acc_dp))
+                    score_gradients(s, dp, d_row)
+                pack_ds(dp, ds)  # dS packed to 16 bits
 
                 # dQ_i += dS K_j
                 ds_regs = fence_operands(registers_from(ds, DS_REGS))
