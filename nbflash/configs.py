@@ -507,7 +507,7 @@ def sm90_deterministic_configs(dtype, headdim, variant):
     _, block_n = _row(SM90_DQ, headdim)
     if variant.dropout or variant.mask or variant.mask_mod:
         block_n = min(block_n, SM90_DQ_MASKED_KEYS)
-    return dkdv, Sm90DqConfig(dtype, headdim, variant._replace(score_mod_grad=""), block_n=block_n)
+    return dkdv, Sm90DqConfig(dtype, headdim, variant, block_n=block_n)  # score_mod_grad too
 
 
 def sm90_backward_unsupported_reason(static, deterministic, aligned):
@@ -667,8 +667,8 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
 
     ``family`` "sm90" (the Hopper dK/dV kernel with atomic dq, where it serves the call:
     ``sm90_backward_unsupported_reason``; with deterministic=True the Hopper dK/dV kernel without
-    dQ and the Hopper dQ kernel (``sm90_deterministic_configs``; every variant but a score_mod, block
-    masks and packed sequences); the sm80 family's kernels
+    dQ and the Hopper dQ kernel (``sm90_deterministic_configs``; every variant but block masks and
+    packed sequences); the sm80 family's kernels
     otherwise; the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``, with deterministic=True at
     ``SM90_DETERMINISTIC_DEFAULT_HEADDIMS``), "sm80" (alias
     "mma": tensor-core dK/dV and dQ kernels, float16/bfloat16 on compute capability >= 8.0; the

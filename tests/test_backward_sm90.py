@@ -66,7 +66,7 @@ def test_backward_sm90_planning():
     assert launch.describe(dkdv) == "Hopper backward dK/dV (float16, headdim 128, causal/window, deterministic)"
     assert launch.describe(dq) == "Hopper backward dQ (float16, headdim 128, causal/window, deterministic)"
     for static, deterministic, aligned in [
-        (Static("float16", 128, False, 0, Variant(score_mod="f:0")), True, True),  # sm90's dQ: no score_mod
+        (Static("float16", 128, False, 0, Variant(varlen=True, window=True)), True, True),  # sm90's dQ: no varlen
         (Static("float16", 60, False, 0), False, True),  # not a multiple of 8 (TMA's 16-byte rows)
         (Static("float16", 64, False, 0), False, False),  # rows off 16 bytes
         (Static("float16", 64, False, 0, Variant(varlen=True)), True, True),  # deterministic: the mma order
@@ -874,17 +874,19 @@ def run_sm90_deterministic_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the deterministic variants' grid below")
 @pytest.mark.parametrize("name, shape", [("combined", (2, 40, 60, 2, 1, 64)),
                                          ("causal-dropout", (1, 40, 100, 2, 1, 64)),
-                                         ("document-mask", (1, 50, 70, 2, 2, 64))], ids=lambda x: str(x))
+                                         ("document-mask", (1, 50, 70, 2, 2, 64)),
+                                         ("causal-score-mod", (1, 30, 40, 2, 1, 64))], ids=lambda x: str(x))
 def test_backward_sm90_deterministic_variants_small(rng, xp, name, shape):
     """The sm90 dQ kernel's variants (deterministic=True under "sm90"): window + softcap + per-batch
     ALiBi (P from the score point of the raw S, dS times the softcap's derivative, the lse less the
     features' offset); causal dropout (the forward's Philox words, 40 rows and 100 keys: both
-    consumers, a 32-key group past the end); a mask tensor (every tile masked)."""
+    consumers, a 32-key group past the end); a mask tensor (every tile masked); a score_mod with its
+    gradient (the catalogue's identity: the wiring of score_mod_grad)."""
     run_sm90_deterministic_variant(rng, xp, name, "float16" if name != "document-mask" else "bfloat16", *shape)
 
 
 DETERMINISTIC_VARIANTS = ["softcap", "causal-softcap", "alibi", "combined", "window-both", "bias", "causal-bias",
-                          "document-mask", "document-mask-mod", "dropout", "causal-dropout"]
+                          "document-mask", "document-mask-mod", "dropout", "causal-dropout", "causal-score-mod"]
 
 
 @pytest.mark.gpu

@@ -59,11 +59,12 @@ lse_log2 = +inf, so their P is exactly 0 and a row that sees no key gets dq = 0.
 
 Variants: the window (causal included) through the hooks' tile ranges and mask test, as the
 forward's. The score features (softcap, ALiBi, bias), the element masks (mask tensor, mask_mod: no
-tile is then seen whole, so every tile is masked) and dropout (the forward's Philox words, as
+tile is then seen whole, so every tile is masked), a score_mod (with its score_mod_grad, as the
+score point's derivative) and dropout (the forward's Philox words, as
 backward_mma.py's dq kernel reads them: the same elements a lane in both layouts) make P and dS in
 one pass once dP has landed (``feature_gradients``: P from the score point of the raw S, dS times
-the score's derivative and dP times dropout's factor, lse less the features' offset). A score_mod,
-block masks and packed sequences stay with the mma family's dq kernel (``UNSERVED_FEATURES``).
+the score's derivative and dP times dropout's factor, lse less the features' offset). Block masks
+and packed sequences stay with the mma family's dq kernel (``UNSERVED_FEATURES``).
 
 Its GPU tests pass for plain and windowed attention at headdims up to 128 (bit-identical reruns
 included), where it is planned by default (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS). Past 128
@@ -123,14 +124,15 @@ MAX_HEADDIM = 256
 # sm_90a, no spills: headdim 128 with 128-key tiles under the 232 cap, 224 words; headdim 256 with
 # 32-key tiles and two consumers, 168; with 64-key tiles and one consumer, 208, in 224-242 registers)
 MAX_ACCUMULATOR_WORDS = 224
-# The variants' features it does not serve (the mma family's dq kernel does): a score_mod (its
-# gradient function), block masks (the producer would walk the visited tiles) and packed sequences
-UNSERVED_FEATURES = ("score_mod", "block_mask", "varlen")
+# The variants' features it does not serve (the mma family's dq kernel does): block masks (the
+# producer would walk the visited tiles) and packed sequences (TMA's rows by sequence)
+UNSERVED_FEATURES = ("block_mask", "varlen")
 
 
 def served(variant):
     """Whether the kernel serves ``variant``: the plain kernel, the window (causal included), the
-    score features softcap, ALiBi and bias, the element masks (mask tensor, mask_mod) and dropout."""
+    score features (softcap, ALiBi, bias, a score_mod with its gradient), the element masks (mask
+    tensor, mask_mod) and dropout."""
     return not any(getattr(variant, feature) for feature in UNSERVED_FEATURES)
 
 
