@@ -123,9 +123,10 @@ def kernel_family(family):
 
     A name that is not a family raises ValueError here, at the call (not only on entering the
     block). A call the forced family cannot serve (float32 on ``"sm80"``, say) raises ValueError.
-    A backward under ``"sm90"`` runs the Hopper dK/dV kernel where it serves the call (atomic dq,
-    every variant but packed sequences, headdim up to 128:
-    ``sm90_backward_unsupported_reason``) and the sm80 family's kernels otherwise.
+    A backward under ``"sm90"`` runs the Hopper dK/dV kernel where it serves the call (every
+    variant, headdim a multiple of 8 up to 256: ``sm90_backward_unsupported_reason``; with
+    deterministic=True, its form without dQ and the Hopper dQ kernel, every variant but block masks
+    and packed sequences) and the sm80 family's kernels otherwise.
     """
     _check_family(family)
     return _forcing(canonical_family(family))

@@ -49,8 +49,10 @@
 #   scripts/gpu_check.sh defaults [SECONDS]
 #                                the GPU tests that take a gradient and have not run since the sm90
 #                                backward became the default at headdims 16-256 (deterministic: 64-128),
-#                                after a prebuild of the planned kernels: the files past the backward's
-#                                own, less what docs/runs/gpu-suite-2026-12-06-headdims.txt reports
+#                                after a prebuild of the planned kernels: the default backward at the
+#                                headdims no grid covered (test_backward_default_headdims_gpu), the
+#                                files past the backward's own, less what
+#                                docs/runs/gpu-suite-2026-12-06-headdims.txt reports
 #                                (NBFLASH_RESUME_LOGS; TESTS overrides the files), stopped after SECONDS
 #                                (default 400)
 #   scripts/gpu_check.sh levers  issue 13's work not yet timed on a GPU: the persistent grid's two
@@ -277,7 +279,8 @@ defaults)
     timeout 170 python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 bfloat16 > "$out/prebuild.log" 2>&1
     echo "prebuild (exit $?): $(tail -1 "$out/prebuild.log")"
     NBFLASH_RESUME_LOGS=${NBFLASH_RESUME_LOGS:-docs/runs/gpu-suite-2026-12-06-headdims.txt} \
-    TESTS=${TESTS:-"tests/test_fuzz.py tests/test_variants_attention.py tests/test_backward_mma.py tests/test_hf.py \
+    TESTS=${TESTS:-"tests/test_backward_sm90.py::test_backward_default_headdims_gpu tests/test_fuzz.py \
+        tests/test_variants_attention.py tests/test_backward_mma.py tests/test_hf.py \
         tests/test_dropout.py tests/test_block_mask.py tests/test_user_functions.py tests/test_concurrency.py \
         tests/test_lessons.py tests/test_first_run.py tests/test_faults.py tests/test_bad_inputs.py \
         tests/test_sanitize.py tests/test_bench.py tests/test_claims.py tests/test_compile_speed.py"} \

@@ -970,6 +970,32 @@ def test_backward_sm90_wide_deterministic_gpu(rng, xp, seqlens, headdim, causal,
         assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
 
 
+# The headdims the sm90 backward took from the mma one by default on timings (2026-12-06) that
+# neither its kernels' own grids (the rows split at 40 and 64, the wide kernel at 136, 192 and 256)
+# nor the torch bridge's default-family gradients (40, 64, 128, 256) run
+DEFAULT_HEADDIMS_GPU = [16, 24, 32, 48, 56, 144, 160, 176, 200, 248]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", DEFAULT_HEADDIMS_GPU)
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_default_headdims_gpu(rng, xp, seqlens, headdim, causal):
+    """The default backward (no family forced) at those headdims: on compute capability 9.0 the rows
+    split padded to 64 columns below 64, the wide kernel padded to 256 past 128."""
+    dtype = "bfloat16" if causal else "float16"
+    nheads, nheads_k = HEADS[(headdim // 8 + causal) % len(HEADS)]
+    if is_sm90():
+        kind = Sm90RowsBackwardConfig if headdim < 64 else Sm90WideBackwardConfig
+        static = Static(dtype, headdim, False, 0, CAUSAL if causal else Variant())
+        assert isinstance(configs.plan_backward(static, False, None, True)[1], kind)
+    q, k, v = random_qkv(rng, xp, 2, *seqlens, nheads, nheads_k, headdim, dtype)
+    dout = random_like(rng, xp, q)
+    out, lse = forward(q, k, v, None, causal)
+    grads = flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
+    assert_gradients_close(grads, dout, q, k, v, causal)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_sm90_gpu_matches_mma(rng, xp, causal):
