@@ -187,7 +187,10 @@ def _varlen_backward(problem, dout, q, k, v, out, lse, deterministic=False):
                     (scale_log2, scale), p.params)
     else:
         dkdv.launch(dkdv.config.grid(*shape), views[:9], (scale_log2, scale), p.params)
-    if deterministic:
+    if deterministic and getattr(dq_kernel.config, "varlen_batch_of_one", False):  # the Hopper dQ kernel's rows
+        dq_kernel.launch(dq_kernel.config.grid(*shape), (q[None], k[None], v[None], dout[None], lse[None], delta, dq),
+                         (scale_log2, scale), p.params)
+    elif deterministic:
         dq_kernel.launch(dq_kernel.config.grid(*shape), views[:6] + views[9:], (scale_log2, scale), p.params)
     elif tiles:  # a block row per sequence, each reading its tiles
         dq_kernel.launch(dq_kernel.config.grid(*shape), (dq_accum, dq, p.cu_seqlens_q), (scale,))

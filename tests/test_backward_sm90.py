@@ -66,10 +66,9 @@ def test_backward_sm90_planning():
     assert launch.describe(dkdv) == "Hopper backward dK/dV (float16, headdim 128, causal/window, deterministic)"
     assert launch.describe(dq) == "Hopper backward dQ (float16, headdim 128, causal/window, deterministic)"
     for static, deterministic, aligned in [
-        (Static("float16", 128, False, 0, Variant(varlen=True, window=True)), True, True),  # sm90's dQ: no varlen
+        (Static("float16", 128, False, 0, Variant(mask_mod="g:0", block_mask=True)), True, True),  # no block mask
         (Static("float16", 60, False, 0), False, True),  # not a multiple of 8 (TMA's 16-byte rows)
         (Static("float16", 64, False, 0), False, False),  # rows off 16 bytes
-        (Static("float16", 64, False, 0, Variant(varlen=True)), True, True),  # deterministic: the mma order
         (Static("float16", 64, False, 0, Variant(mask_mod="g:0", block_mask=True)), True, True),  # no block mask
     ]:
         plan = configs.plan_backward(static, deterministic, "sm90", aligned)
@@ -132,6 +131,9 @@ def test_backward_sm90_wide_small(rng, xp):
     assert isinstance(plan[1], Sm90WideBackwardConfig) and isinstance(plan[2], Sm90DqConfig)
     plan = configs.plan_backward(Static("float16", 256, False, 0, Variant(window=True, varlen=True)), True, "sm90",
                                  True)
+    assert isinstance(plan[1], Sm90WideBackwardConfig) and plan[2].variant.varlen
+    plan = configs.plan_backward(Static("float16", 256, False, 0, Variant(mask_mod="g:0", block_mask=True)), True,
+                                 "sm90", True)
     assert isinstance(plan[1], MmaBackwardConfig)
     with pytest.raises(ValueError, match="dq_split"):
         Sm90WideBackwardConfig("float16", 256, dq_split="steps")

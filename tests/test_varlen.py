@@ -261,6 +261,25 @@ def test_varlen_sm90_backward_causal(rng, xp, monkeypatch):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+def test_varlen_sm90_backward_deterministic(rng, xp, monkeypatch):
+    """deterministic=True on packed sequences under "sm90": the Hopper dK/dV kernel without dQ, then
+    the Hopper dQ kernel, each sequence's rows read by TMA from its first (sequence 2's second query
+    tile and its key tiles read into sequence 3's rows), sequence 1 with no query (its blocks exit),
+    sequence 3 with no key (its dq rows 0)."""
+    from nbflash import backward, launch
+    from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
+
+    built, compiled = [], launch.compiled
+    monkeypatch.setattr(launch, "compiled", lambda config, *args: built.append(config) or compiled(config, *args))
+    backward._kernels.cache_clear()
+    try:
+        run(rng, xp, "sm90", "float16", True, True, [9, 0, 70, 3], [12, 5, 130, 0], forward="reference")
+    finally:
+        backward._kernels.cache_clear()
+    assert any(isinstance(c, Sm90DqConfig) and c.variant.varlen for c in built)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
 def test_varlen_sm90_backward_columns(rng, xp):
     """The same kernel's headdim-128 form ("columns": each consumer adds half of dQ's columns over
     both consumers' keys, dQ's product first), not causal: sequence 0 spans two query tiles (both
@@ -361,12 +380,13 @@ def test_varlen_gpu(rng, xp, family, dtype, causal, deterministic):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("headdim", [64, 96, 128, 136, 256])
-def test_varlen_sm90_backward_gpu(rng, xp, dtype, causal, headdim):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_varlen_sm90_backward_gpu(rng, xp, deterministic, dtype, causal, headdim):
     """The sm90 dK/dV kernel's planned forms on packed sequences: "steps" at headdim 64, "columns"
     (both consumers' dS^T, half the columns each) at 96 and 128, and past 128 the wide kernel
-    (backward_sm90_wide.py)."""
+    (backward_sm90_wide.py); deterministic, each without dQ, then the sm90 dQ kernel."""
     lengths_q, lengths_k = GPU_LENGTHS[0]
-    run(rng, xp, "sm90", dtype, causal, False, lengths_q, lengths_k, headdim)
+    run(rng, xp, "sm90", dtype, causal, deterministic, lengths_q, lengths_k, headdim)
 
 
 @pytest.mark.gpu

@@ -63,8 +63,13 @@ tile is then seen whole, so every tile is masked), a score_mod (with its score_m
 score point's derivative) and dropout (the forward's Philox words, as
 backward_mma.py's dq kernel reads them: the same elements a lane in both layouts) make P and dS in
 one pass once dP has landed (``feature_gradients``: P from the score point of the raw S, dS times
-the score's derivative and dP times dropout's factor, lse less the features' offset). Block masks
-and packed sequences stay with the mma family's dq kernel (``UNSERVED_FEATURES``).
+the score's derivative and dP times dropout's factor, lse less the features' offset). Packed
+sequences: the packed q, k, v, dout (and lse, delta, dq) come as a batch of one, and each block row
+b finds sequence b's first rows and lengths (``Hooks.sequence``): TMA reads from those rows (a tile
+past the sequence's end reads the next sequence's rows, or zeros past the arrays' end, which the
+row and key masks keep out of dq), lse, delta and dq are narrowed to the sequence, and a block
+whose query tile lies past the sequence's end exits at once. Block masks stay with the mma family's
+dq kernel (``UNSERVED_FEATURES``).
 
 Its GPU tests pass for plain and windowed attention at headdims up to 128 (bit-identical reruns
 included), where it is planned by default (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS). Past 128
@@ -76,7 +81,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from nbflash.primitives import (
     exp2_approx,
@@ -125,14 +130,14 @@ MAX_HEADDIM = 256
 # 32-key tiles and two consumers, 168; with 64-key tiles and one consumer, 208, in 224-242 registers)
 MAX_ACCUMULATOR_WORDS = 224
 # The variants' features it does not serve (the mma family's dq kernel does): block masks (the
-# producer would walk the visited tiles) and packed sequences (TMA's rows by sequence)
-UNSERVED_FEATURES = ("block_mask", "varlen")
+# producer would walk the visited tiles)
+UNSERVED_FEATURES = ("block_mask",)
 
 
 def served(variant):
     """Whether the kernel serves ``variant``: the plain kernel, the window (causal included), the
     score features (softcap, ALiBi, bias, a score_mod with its gradient), the element masks (mask
-    tensor, mask_mod) and dropout."""
+    tensor, mask_mod), dropout and packed sequences."""
     return not any(getattr(variant, feature) for feature in UNSERVED_FEATURES)
 
 
@@ -151,6 +156,7 @@ class Sm90DqConfig(Sm90BackwardBlock):
     consumer_registers: int = 232
     kernel = "dq"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = False  # dQ is written once per query tile: a fixed order, no atomics
+    varlen_batch_of_one = True  # packed sequences: the packed arrays as a batch of one (nbflash/varlen.py)
 
     def __post_init__(self):
         self.check_dtype_headdim(8, MAX_HEADDIM)
@@ -197,6 +203,7 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
     hooks = variants.hooks(config.variant)
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
     head_context = hooks.head_context
+    VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
     # the score features (softcap, ALiBi, bias) and dropout: P and dS made in one pass once dP has
     # landed, as backward_mma.py's dq kernel makes them (``FEATURES``); the others overlap P with dP
     SCORE, DROPOUT = hooks.SCORE, hooks.DROPOUT
@@ -342,6 +349,16 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         hk = h // (q.shape[2] // k.shape[2])  # GQA: the key/value head this query head reads
         m_start = m_block * BM
+        mem_b, q_row0, k_row0 = b, 0, 0  # where the rows of Q_i, K_j in memory start (TMA's coordinates)
+        if VARLEN:  # packed sequences: sequence b's rows of the packed arrays, a batch of one
+            q_first, q_rows, k_first, k_rows = sequence(params, b, seqlen_q, seqlen_k)
+            q_row0, seqlen_q, k_row0, seqlen_k = int32(q_first), int32(q_rows), int32(k_first), int32(k_rows)
+            mem_b = 0
+            if m_start >= seqlen_q:
+                return  # the whole block (before any barrier): its query tile lies past the sequence's end
+            lse = lse[:, :, q_row0:q_row0 + seqlen_q]  # the rows read and written by index: this sequence's
+            delta = delta[:, :, q_row0:q_row0 + seqlen_q]
+            dq = dq[:, q_row0:q_row0 + seqlen_q]
 
         # Shared memory: tiles from the first 1024-byte boundary (tile_base), then the barriers.
         smem = cuda.shared.array(0, uint32)
@@ -386,10 +403,10 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
                     fence_proxy_tensormap_acquire(do_map)
                     mbarrier_arrive_expect_tx(q_full, 2 * Q_BYTES)
                     for chunk in static_range(CHUNKS):
-                        tma_load_4d(q_tile + uint32(chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK, h, m_start, b,
-                                    q_full)
-                        tma_load_4d(do_tile + uint32(chunk * Q_CHUNK_BYTES), do_map, chunk * CHUNK, h, m_start, b,
-                                    q_full)
+                        tma_load_4d(q_tile + uint32(chunk * Q_CHUNK_BYTES), q_map, chunk * CHUNK, h,
+                                    q_row0 + m_start, mem_b, q_full)
+                        tma_load_4d(do_tile + uint32(chunk * Q_CHUNK_BYTES), do_map, chunk * CHUNK, h,
+                                    q_row0 + m_start, mem_b, q_full)
                     for i in range(n_tiles):
                         slot, use = i % STAGES, i // STAGES
                         if use > 0:  # the consumers have released the slot's previous tiles
@@ -399,12 +416,12 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
                         v_tile = v_ring + uint32(slot * KV_BYTES)
                         mbarrier_arrive_expect_tx(k_full + uint32(8 * slot), KV_BYTES)
                         for chunk in static_range(CHUNKS):
-                            tma_load_4d(k_tile + uint32(chunk * KV_CHUNK_BYTES), k_map, chunk * CHUNK, hk, n_start,
-                                        b, k_full + uint32(8 * slot))
+                            tma_load_4d(k_tile + uint32(chunk * KV_CHUNK_BYTES), k_map, chunk * CHUNK, hk,
+                                        k_row0 + n_start, mem_b, k_full + uint32(8 * slot))
                         mbarrier_arrive_expect_tx(v_full + uint32(8 * slot), KV_BYTES)
                         for chunk in static_range(CHUNKS):
-                            tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk, n_start,
-                                        b, v_full + uint32(8 * slot))
+                            tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk,
+                                        k_row0 + n_start, mem_b, v_full + uint32(8 * slot))
         else:
             # ---- Consumers: 64 query rows each ----
             if SPLIT_REGISTERS:
@@ -424,7 +441,7 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
             lse_row = cuda.local.array(2, float32)
             d_row = cuda.local.array(2, float32)
             for rh in static_range(2):
-                lse_log2, d = row_stats(lse, delta, b, h, row0 + 8 * rh, seqlen_q)
+                lse_log2, d = row_stats(lse, delta, mem_b, h, row0 + 8 * rh, seqlen_q)
                 if SCORE:  # the score features' offset (variants.OFFSET) out of lse, as out of their scores
                     lse_log2 -= units[variants.OFFSET]
                 lse_row[rh] = lse_log2
@@ -493,6 +510,6 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
                 mbarrier_arrive(kv_empty + uint32(8 * slot))  # this thread is done with the slot's K and V
 
             # ---- Write dQ_i * scale (rows that see no key get 0) ----
-            store_rows(dq, dq_acc, b, row0, h, seqlen_q, scale, q4)
+            store_rows(dq, dq_acc, mem_b, row0, h, seqlen_q, scale, q4)
 
     return backward_dq_sm90
