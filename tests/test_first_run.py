@@ -191,14 +191,15 @@ def test_prebuild_unaligned_with_every_family_on_hopper():
 
 def test_prebuild_plans_the_wide_hopper_backward():
     """At headdims past 128 on compute capability 9.0 the prebuild has the wide sm90 dK/dV kernel
-    (what "sm90" forced takes there) and, for deterministic=True, the mma kernels: the sm90 dQ kernel
-    stops at headdim 128."""
+    (the default there, and what "sm90" forced takes), and for deterministic=True under "sm90" its
+    form without dQ and the sm90 dQ kernel with 32-key tiles (configs.SM90_DQ)."""
     from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
     from nbflash.kernels.backward_sm90_wide import Sm90WideBackwardConfig
 
     wanted = prebuild.configurations(["bfloat16"], [256], list(prebuild.FAMILIES), (9, 0))
-    assert any(isinstance(c, Sm90WideBackwardConfig) for c in wanted)
-    assert not any(isinstance(c, Sm90DqConfig) for c in wanted)
+    assert any(isinstance(c, Sm90WideBackwardConfig) and c.atomic_dq for c in wanted)
+    assert any(isinstance(c, Sm90WideBackwardConfig) and not c.atomic_dq for c in wanted)
+    assert any(isinstance(c, Sm90DqConfig) and c.block_n == 32 for c in wanted)
 
 
 def test_prebuild_has_the_rowwise_vector_forms_when_planned(monkeypatch):
