@@ -596,8 +596,9 @@ def packed_dq_tiles_fit(batch, total_q):
 def sm90_backward_config(dtype, headdim, variant):
     """The sm90 backward's dK/dV kernel: the rows split where it serves the call and was measured
     faster (``SM90_BACKWARD_ROWS_MAX_HEADDIM``; with ``SM90_BACKWARD_ROWS_DQ_EARLY``, dQ's product
-    issued early without a window), the wide one past headdim 128, backward_sm90.py's from the table otherwise, its dQ tile-major where it
-    issues dQ_i's product first (``SM90_BACKWARD_DQ_TILES``)."""
+    issued early without a window), the wide one past headdim 128, backward_sm90.py's from the
+    table otherwise, its dQ tile-major where it issues dQ_i's product first
+    (``SM90_BACKWARD_DQ_TILES``)."""
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
         return Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS)
     if not runtime.SIMULATOR and headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM and sm90_rows_serves(variant):
@@ -669,9 +670,8 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
     ``family`` "sm90" (the Hopper dK/dV kernel with atomic dq, where it serves the call:
     ``sm90_backward_unsupported_reason``; with deterministic=True the Hopper dK/dV kernel without
     dQ and the Hopper dQ kernel (``sm90_deterministic_configs``; every variant but block masks);
-    the sm80 family's kernels
-    otherwise; the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``, with deterministic=True at
-    ``SM90_DETERMINISTIC_DEFAULT_HEADDIMS``), "sm80" (alias
+    the sm80 family's kernels otherwise; the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``, with
+    deterministic=True at ``SM90_DETERMINISTIC_DEFAULT_HEADDIMS``), "sm80" (alias
     "mma": tensor-core dK/dV and dQ kernels, float16/bfloat16 on compute capability >= 8.0; the
     default wherever it applies) or "portable" (any dtype and GPU; the default elsewhere). All use the
     portable preprocess and dq-conversion kernels.

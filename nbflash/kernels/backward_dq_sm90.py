@@ -50,26 +50,27 @@ as in forward_sm90.py.
 Memory: q, dout (batch, seqlen_q, nheads, headdim), k, v (batch, seqlen_k, nheads_k, headdim), any
 strides that are multiples of 16 bytes with the last dimension contiguous, headdim a multiple of 8
 up to 256 (past 128 with key tiles small enough that S, dP, dS and dQ keep fitting the registers:
-``MAX_ACCUMULATOR_WORDS``, configs.SM90_DQ); float16 arrays, or uint16 arrays holding bfloat16 bits. lse (natural log), delta
-float32 (batch, nheads, seqlen_q); dq like q (C-contiguous), written in q's dtype. ``maps`` holds
-the four 4-D tensor maps of q, k, v and dout (backward_sm90.tensor_maps), built by the launcher;
-rows past a sequence's end and columns past headdim arrive as zeros. Query head h reads key/value head
-h // (nheads // nheads_k). A row with lse = -inf (it sees no key) and rows past seqlen_q get
-lse_log2 = +inf, so their P is exactly 0 and a row that sees no key gets dq = 0.
+``MAX_ACCUMULATOR_WORDS``, configs.SM90_DQ); float16 arrays, or uint16 arrays holding bfloat16 bits.
+lse (natural log), delta float32 (batch, nheads, seqlen_q); dq like q (C-contiguous), written in q's
+dtype. ``maps`` holds the four 4-D tensor maps of q, k, v and dout (backward_sm90.tensor_maps),
+built by the launcher; rows past a sequence's end and columns past headdim arrive as zeros. Query
+head h reads key/value head h // (nheads // nheads_k). A row with lse = -inf (it sees no key) and
+rows past seqlen_q get lse_log2 = +inf, so their P is exactly 0 and a row that sees no key gets
+dq = 0.
 
 Variants: the window (causal included) through the hooks' tile ranges and mask test, as the
 forward's. The score features (softcap, ALiBi, bias), the element masks (mask tensor, mask_mod: no
 tile is then seen whole, so every tile is masked), a score_mod (with its score_mod_grad, as the
-score point's derivative) and dropout (the forward's Philox words, as
-backward_mma.py's dq kernel reads them: the same elements a lane in both layouts) make P and dS in
-one pass once dP has landed (``feature_gradients``: P from the score point of the raw S, dS times
-the score's derivative and dP times dropout's factor, lse less the features' offset). Packed
-sequences: the packed q, k, v, dout (and lse, delta, dq) come as a batch of one, and each block row
-b finds sequence b's first rows and lengths (``Hooks.sequence``): TMA reads from those rows (a tile
-past the sequence's end reads the next sequence's rows, or zeros past the arrays' end, which the
-row and key masks keep out of dq), lse, delta and dq are narrowed to the sequence, and a block
-whose query tile lies past the sequence's end exits at once. Block masks stay with the mma family's
-dq kernel (``UNSERVED_FEATURES``).
+score point's derivative) and dropout (the forward's Philox words, as backward_mma.py's dq kernel
+reads them: the same elements a lane in both layouts) make P and dS in one pass once dP has landed
+(``feature_gradients``: P from the score point of the raw S, dS times the score's derivative and dP
+times dropout's factor, lse less the features' offset). Packed sequences: the packed q, k, v, dout
+(and lse, delta, dq) come as a batch of one, and each block row b finds sequence b's first rows and
+lengths (``Hooks.sequence``): TMA reads from those rows (a tile past the sequence's end reads the
+next sequence's rows, or zeros past the arrays' end, which the row and key masks keep out of dq),
+lse, delta and dq are narrowed to the sequence, and a block whose query tile lies past the
+sequence's end exits at once. Block masks stay with the mma family's dq kernel
+(``UNSERVED_FEATURES``).
 
 Its GPU tests pass for plain and windowed attention at headdims up to 128 (bit-identical reruns
 included), where it is planned by default (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS). Past 128
@@ -204,7 +205,7 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
     head_context = hooks.head_context
     VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
-    # the score features (softcap, ALiBi, bias) and dropout: P and dS made in one pass once dP has
+    # the score features (softcap, ALiBi, bias, score_mod) and dropout: P and dS in one pass once dP has
     # landed, as backward_mma.py's dq kernel makes them (``FEATURES``); the others overlap P with dP
     SCORE, DROPOUT = hooks.SCORE, hooks.DROPOUT
     FEATURES = SCORE or DROPOUT
