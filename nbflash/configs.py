@@ -125,8 +125,8 @@ def kernel_family(family):
     block). A call the forced family cannot serve (float32 on ``"sm80"``, say) raises ValueError.
     A backward under ``"sm90"`` runs the Hopper dK/dV kernel where it serves the call (every
     variant, headdim a multiple of 8 up to 256: ``sm90_backward_unsupported_reason``; with
-    deterministic=True, its form without dQ and the Hopper dQ kernel, every variant but block
-    masks) and the sm80 family's kernels otherwise.
+    deterministic=True, its form without dQ and the Hopper dQ kernel) and the sm80 family's kernels
+    otherwise.
     """
     _check_family(family)
     return _forcing(canonical_family(family))
@@ -669,8 +669,8 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
 
     ``family`` "sm90" (the Hopper dK/dV kernel with atomic dq, where it serves the call:
     ``sm90_backward_unsupported_reason``; with deterministic=True the Hopper dK/dV kernel without
-    dQ and the Hopper dQ kernel (``sm90_deterministic_configs``; every variant but block masks);
-    the sm80 family's kernels otherwise; the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``, with
+    dQ and the Hopper dQ kernel (``sm90_deterministic_configs``, every variant); the sm80 family's
+    kernels otherwise; the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``, with
     deterministic=True at ``SM90_DETERMINISTIC_DEFAULT_HEADDIMS``), "sm80" (alias
     "mma": tensor-core dK/dV and dQ kernels, float16/bfloat16 on compute capability >= 8.0; the
     default wherever it applies) or "portable" (any dtype and GPU; the default elsewhere). All use the

@@ -115,10 +115,9 @@ def test_config():
     # the score features, the element masks and dropout (with the window or not)
     for variant in (Variant(softcap=True, alibi=True), Variant(window=True, bias="float16"), Variant(mask=True),
                     Variant(window=True, mask_mod="g:0"), Variant(dropout=True), Variant(score_mod="f:0"),
-                    Variant(varlen=True, window=True)):
+                    Variant(varlen=True, window=True), Variant(mask_mod="g:0", block_mask=True)):
         assert Sm90DqConfig("bfloat16", 96, variant).variant == variant
     for bad in (dict(headdim=60), dict(headdim=256), dict(dtype="float32"), dict(stages=1),
-                dict(variant=Variant(mask_mod="g:0", block_mask=True)),
                 dict(stages=3)):  # stages=3: 256 KiB of tiles at headdim 128
         with pytest.raises(ValueError):
             Sm90DqConfig(**{"dtype": "float16", "headdim": 128, **bad})

@@ -66,10 +66,10 @@ def test_backward_sm90_planning():
     assert launch.describe(dkdv) == "Hopper backward dK/dV (float16, headdim 128, causal/window, deterministic)"
     assert launch.describe(dq) == "Hopper backward dQ (float16, headdim 128, causal/window, deterministic)"
     for static, deterministic, aligned in [
-        (Static("float16", 128, False, 0, Variant(mask_mod="g:0", block_mask=True)), True, True),  # no block mask
         (Static("float16", 60, False, 0), False, True),  # not a multiple of 8 (TMA's 16-byte rows)
         (Static("float16", 64, False, 0), False, False),  # rows off 16 bytes
-        (Static("float16", 64, False, 0, Variant(mask_mod="g:0", block_mask=True)), True, True),  # no block mask
+        (Static("float16", 64, False, 0, Variant(dropout=True)), True, False),  # ... deterministic too
+        (Static("float16", 36, False, 0, CAUSAL), True, True),  # not a multiple of 8, deterministic
     ]:
         plan = configs.plan_backward(static, deterministic, "sm90", aligned)
         assert not any(isinstance(c, Sm90BackwardConfig) for c in plan)
@@ -120,8 +120,8 @@ def test_backward_sm90_wide_small(rng, xp):
     config = configs.plan_backward(Static("float16", 200, False, 0, CAUSAL), False, "sm90", True)[1]
     assert isinstance(config, Sm90WideBackwardConfig) and config.dynamic_shared_bytes <= 232_448
     # deterministic: the wide kernel without dQ, then the sm90 dQ kernel with smaller key tiles
-    # (configs.SM90_DQ: S, dP, dS and dQ fit a consumer's registers), its score features too; the mma
-    # kernels for a variant the dQ kernel does not serve
+    # (configs.SM90_DQ: S, dP, dS and dQ fit a consumer's registers), every variant; the mma kernels
+    # where TMA cannot read the rows
     plan = configs.plan_backward(Static("float16", 256, False, 0, CAUSAL), True, "sm90", True)
     assert isinstance(plan[1], Sm90WideBackwardConfig) and plan[1].dq_split == "none" and not plan[1].atomic_dq
     assert isinstance(plan[2], Sm90DqConfig) and plan[2].block_n == 32 and plan[2].dynamic_shared_bytes <= 232_448
@@ -134,7 +134,9 @@ def test_backward_sm90_wide_small(rng, xp):
     assert isinstance(plan[1], Sm90WideBackwardConfig) and plan[2].variant.varlen
     plan = configs.plan_backward(Static("float16", 256, False, 0, Variant(mask_mod="g:0", block_mask=True)), True,
                                  "sm90", True)
-    assert isinstance(plan[1], MmaBackwardConfig)
+    assert isinstance(plan[2], Sm90DqConfig) and plan[2].variant.block_mask
+    plan = configs.plan_backward(Static("float16", 256, False, 0, Variant(softcap=True)), True, "sm90", False)
+    assert isinstance(plan[1], MmaBackwardConfig)  # rows off 16 bytes: no TMA
     with pytest.raises(ValueError, match="dq_split"):
         Sm90WideBackwardConfig("float16", 256, dq_split="steps")
     run_sm90(rng, xp, 1, 70, 100, 2, 1, 200, "float16", True)

@@ -285,6 +285,26 @@ def test_sm90_backward_obeys_the_table(rng, xp):
     assert_gradients_close(grads, dout, q, k, v, False, mask_mod=as_the_tables_say)
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below (sm90, deterministic)")
+def test_sm90_deterministic_dq_walks_the_visited_tiles(rng, xp):
+    """deterministic=True under "sm90" with a block mask: the Hopper dQ kernel (128 queries by 64
+    keys a tile) walks the key tiles its query tile visits, its producer and consumers alike. Causal
+    documents of 24 tokens over 192: query tile 0 skips key tile 2, query tile 1 skips key tile 0,
+    its first, and starts at the second."""
+    from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
+
+    shape = (1, 192, 192, 2, 1, 16)
+    q, k, v = random_qkv(rng, xp, *shape, "float16")
+    block_mask = nbflash.create_block_mask(causal_documents, None, None, 192, 192)
+    problem = nbflash.validation.check_forward(q, k, v, None, False, block_mask=block_mask)[0]
+    _, dkdv, dq = nbflash.configs.plan_backward(problem.static, True, "sm90")
+    assert isinstance(dq, Sm90DqConfig) and (dq.block_m, dq.block_n) == (128, 64) and not dkdv.atomic_dq
+    classes = to_numpy(block_mask.classes(128, 64))
+    assert classes[0, 0, 0, 2] == EMPTY and classes[0, 0, 1, 0] == EMPTY and classes[0, 0, 1, 1] != EMPTY
+    attend(rng, xp, "sm90", "float16", shape, block_mask, backward=True, deterministic=True,
+           forward_family="portable")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family, dtype", [("mma", "float16"), ("mma", "bfloat16"), ("portable", "float32"),
                                            ("sm90", "float16"), ("sm90", "bfloat16")])

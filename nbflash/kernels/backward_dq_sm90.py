@@ -69,8 +69,9 @@ times dropout's factor, lse less the features' offset). Packed sequences: the pa
 lengths (``Hooks.sequence``): TMA reads from those rows (a tile past the sequence's end reads the
 next sequence's rows, or zeros past the arrays' end, which the row and key masks keep out of dq),
 lse, delta and dq are narrowed to the sequence, and a block whose query tile lies past the
-sequence's end exits at once. Block masks stay with the mma family's dq kernel
-(``UNSERVED_FEATURES``).
+sequence's end exits at once. A block mask: the producer and the consumers walk the key tiles the
+query tile visits (``Hooks.visit_key_tile``, as the forwards do), EMPTY ones skipped, and FULL ones
+not masked; its table is classified for this kernel's tiles (block_mask.kernel_params).
 
 Its GPU tests pass for plain and windowed attention at headdims up to 128 (bit-identical reruns
 included), where it is planned by default (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS). Past 128
@@ -130,15 +131,15 @@ MAX_HEADDIM = 256
 # sm_90a, no spills: headdim 128 with 128-key tiles under the 232 cap, 224 words; headdim 256 with
 # 32-key tiles and two consumers, 168; with 64-key tiles and one consumer, 208, in 224-242 registers)
 MAX_ACCUMULATOR_WORDS = 224
-# The variants' features it does not serve (the mma family's dq kernel does): block masks (the
-# producer would walk the visited tiles)
-UNSERVED_FEATURES = ("block_mask",)
+# The variants' features it does not serve (the mma family's dq kernel does): none since block masks
+# (2026-12-06); kept so that the planner and the config ask one question
+UNSERVED_FEATURES = ()
 
 
 def served(variant):
     """Whether the kernel serves ``variant``: the plain kernel, the window (causal included), the
     score features (softcap, ALiBi, bias, a score_mod with its gradient), the element masks (mask
-    tensor, mask_mod), dropout and packed sequences."""
+    tensor, mask_mod, a block mask's EMPTY tiles skipped), dropout and packed sequences."""
     return not any(getattr(variant, feature) for feature in UNSERVED_FEATURES)
 
 
@@ -205,6 +206,8 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
     head_context = hooks.head_context
     VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
+    # a block mask: the producer and the consumers walk the same visited key tiles (the forwards')
+    tile_class, visit_key_tile, visited_key_tiles = hooks.tile_class, hooks.visit_key_tile, hooks.visited_key_tiles
     # the score features (softcap, ALiBi, bias, score_mod) and dropout: P and dS in one pass once dP has
     # landed, as backward_mma.py's dq kernel makes them (``FEATURES``); the others overlap P with dP
     SCORE, DROPOUT = hooks.SCORE, hooks.DROPOUT
@@ -377,7 +380,7 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
         # [first_tile, end_tile), of which [first_full, end_full) every row sees whole ----
         first_tile, first_full, end_full, end_tile = key_tiles(
             m_start, min(m_start + BM, seqlen_q), seqlen_q, seqlen_k, params, BN)
-        n_tiles = end_tile - first_tile
+        n_tiles = visited_key_tiles(params, b, h, m_block, first_tile, end_tile)  # end - first without a block mask
 
         if tid == 0:
             mbarrier_init(q_full, 1)
@@ -408,11 +411,13 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
                                     q_row0 + m_start, mem_b, q_full)
                         tma_load_4d(do_tile + uint32(chunk * Q_CHUNK_BYTES), do_map, chunk * CHUNK, h,
                                     q_row0 + m_start, mem_b, q_full)
+                    j = first_tile - 1
                     for i in range(n_tiles):
                         slot, use = i % STAGES, i // STAGES
                         if use > 0:  # the consumers have released the slot's previous tiles
                             mbarrier_wait(kv_empty + uint32(8 * slot), (use - 1) & 1)
-                        n_start = (first_tile + i) * BN
+                        j = visit_key_tile(params, b, h, m_block, first_tile, i, j, end_tile)  # first + i unmasked
+                        n_start = j * BN
                         k_tile = k_ring + uint32(slot * KV_BYTES)
                         v_tile = v_ring + uint32(slot * KV_BYTES)
                         mbarrier_arrive_expect_tx(k_full + uint32(8 * slot), KV_BYTES)
@@ -460,8 +465,9 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
 
             if n_tiles > 0:
                 mbarrier_wait(q_full, 0)
+            j = first_tile - 1
             for i in range(n_tiles):
-                j = first_tile + i
+                j = visit_key_tile(params, b, h, m_block, first_tile, i, j, end_tile)  # first + i unmasked
                 n_start = j * BN
                 slot, use = i % STAGES, i // STAGES
 
@@ -477,7 +483,7 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
                     wgmma_wait(0)
                     registers_to(s, fence_operands(acc_s))
                     registers_to(dp, fence_operands(acc_dp))
-                    if j < first_full or j >= end_full:
+                    if j < first_full or j >= end_full or tile_class(params, b, h, m_block, j) != variants.FULL:
                         feature_gradients(s, dp, lse_row, d_row, row0, n_start, seqlen_q, seqlen_k, params, head_ctx,
                                           scale_log2, units, q4, True)
                     else:
@@ -487,8 +493,9 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
                     wgmma_wait(1)  # S has landed; dP may still run
                     registers_to(s, fence_operands(acc_s))
 
-                    # P, the mask only on tiles that some row of the block does not see whole
-                    if j < first_full or j >= end_full:
+                    # P, the mask only on tiles that some row of the block does not see whole (and a
+                    # block mask's PARTIAL ones)
+                    if j < first_full or j >= end_full or tile_class(params, b, h, m_block, j) != variants.FULL:
                         probabilities(s, lse_row, row0, n_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2, q4,
                                       True)
                     else:
