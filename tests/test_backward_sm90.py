@@ -717,9 +717,12 @@ def test_sm90_backward_default_headdims(monkeypatch):
         for variant in (Variant(dropout=True), Variant(softcap=True), Variant(varlen=True)):
             assert type(configs.plan_backward(Static("float16", headdim, False, 0, variant), False, None, True)[1]) \
                 is MmaBackwardConfig, (headdim, variant)
-    # a deterministic call whose variant the sm90 dQ kernel does not serve keeps the mma family
+    # deterministic with a variant the Hopper pair serves but was not timed with keeps the mma family
+    # by default ("sm90" forced takes the pair)
     plan = configs.plan_backward(Static("float16", 128, False, 0, Variant(dropout=True)), True, None, True)
     assert type(plan[1]) is MmaBackwardConfig
+    plan = configs.plan_backward(Static("float16", 128, False, 0, Variant(dropout=True)), True, "sm90", True)
+    assert type(plan[2]) is Sm90DqConfig
 
 
 def test_rows_configs():
@@ -857,7 +860,7 @@ def test_backward_sm90_staged_dropout_gpu(xp, monkeypatch, name, dtype, shape):
 
 def run_sm90_deterministic_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim):
     """deterministic=True under "sm90" with a catalogue variant: the sm90 dK/dV kernel without dQ,
-    then the sm90 dQ kernel (its score features, element masks and dropout), against the
+    then the sm90 dQ kernel (its score features, score_mod, element masks and dropout), against the
     reference's rule; on a GPU bit-identical on a rerun."""
     causal, arguments = split(variant_arguments(name, batch, nheads, seqlen_k, xp, seqlen_q))
     q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
