@@ -61,12 +61,15 @@
 #                                against the mma one, about 7 minutes
 #   scripts/gpu_check.sh deterministic
 #                                deterministic=True on both Hopper kernels: its tests (bit-identical
-#                                reruns; the dQ kernel's grid past headdim 128 too, and its variants),
-#                                then its
+#                                reruns; the dQ kernel's grid past headdim 128 too), then its
 #                                backward timed against the
 #                                mma family's deterministic one and the atomic ones, after a prebuild
 #                                of both families' kernels; HEADDIMS (default "64 128") for others,
 #                                about 5 minutes
+#   scripts/gpu_check.sh deterministic-variants [SECONDS]
+#                                the deterministic Hopper pair (forced) with every variant, on packed
+#                                sequences and with block masks (steps 45-47): their GPU grids,
+#                                bit-identical reruns, stopped after SECONDS (default 540)
 #   scripts/gpu_check.sh dqfirst dQ's product first (dq_first, planned at hd 72-128 since 2026-12-05): the
 #                                planned kernel's GPU grids its first run did not cover (non-causal
 #                                tails at hd 96 and 128, the variants at 128), the dQ-last grid, and
@@ -262,8 +265,8 @@ deterministic)
         --families sm90 mma --variants plain causal > "$out/deterministic_prebuild.log" 2>&1
     echo "prebuild (exit $?): $(tail -1 "$out/deterministic_prebuild.log")"
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 250 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
-        -W ignore tests/test_backward_sm90.py tests/test_backward_dq_sm90.py tests/test_varlen.py \
-        -k "deterministic or dq_sm90_gpu" \
+        -W ignore tests/test_backward_sm90.py tests/test_backward_dq_sm90.py \
+        -k "(deterministic and not variants) or dq_sm90_gpu" \
         > "$out/deterministic_tests.log" 2>&1
     echo "tests: exit $?: $(tail -1 "$out/deterministic_tests.log")"
     grep -aE "\] (FAILED|ERROR)" "$out/deterministic_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -20
@@ -286,6 +289,13 @@ defaults)
         tests/test_lessons.py tests/test_first_run.py tests/test_faults.py tests/test_bad_inputs.py \
         tests/test_sanitize.py tests/test_bench.py tests/test_claims.py tests/test_compile_speed.py"} \
         run_tests "${2:-400}"
+    ;;
+deterministic-variants)
+    # docs/perf-notes.md, "Hopper backward", steps 45-47: the deterministic Hopper pair (forced) with
+    # every variant, on packed sequences and with block masks, bit-identical reruns
+    TESTS=${TESTS:-"tests/test_backward_sm90.py::test_backward_sm90_deterministic_variants_gpu \
+        tests/test_varlen.py::test_varlen_sm90_backward_gpu tests/test_block_mask.py::test_block_mask_gpu"} \
+        run_tests "${2:-540}"
     ;;
 dqfirst)
     # docs/perf-notes.md, "Hopper backward", steps 28 and 29
@@ -426,7 +436,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
     exit 2
     ;;
 esac
