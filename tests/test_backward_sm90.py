@@ -147,14 +147,7 @@ def test_backward_sm90_wide_deterministic_small(rng, xp):
     """deterministic=True under "sm90" past headdim 128, through the public call: the wide dK/dV
     kernel without dQ, then the dQ kernel (headdim 136, padded to 256 and 192: 64-key tiles),
     causal with a tail, GQA 2:1."""
-    _, dkdv, dq = configs.plan_backward(Static("bfloat16", 136, False, 0, CAUSAL), True, "sm90", True)
-    assert isinstance(dkdv, Sm90WideBackwardConfig) and dkdv.dq_split == "none" and isinstance(dq, Sm90DqConfig)
-    q, k, v = random_qkv(rng, xp, 1, 40, 70, 2, 1, 136, "bfloat16")
-    dout = random_like(rng, xp, q)
-    out, lse = forward(q, k, v, None, True)
-    with nbflash.kernel_family("sm90"):
-        grads = flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
-    assert_gradients_close(grads, dout, q, k, v, True)
+    run_sm90_variant(rng, xp, "causal", "bfloat16", 1, 40, 70, 2, 1, 136, deterministic=True)
 
 
 def test_backward_sm90_deterministic_small(rng, xp):
@@ -788,20 +781,31 @@ def test_backward_sm90_score_features_small(rng, xp):
 
 
 
-def run_sm90_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim):
+def run_sm90_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim,
+                     deterministic=False):
+    """The catalogue variant ``name`` through the sm90 backward against the reference's rule. With
+    ``deterministic``: the sm90 dK/dV kernel without dQ, then the sm90 dQ kernel, and on a GPU
+    bit-identical on a rerun."""
     causal, arguments = split(variant_arguments(name, batch, nheads, seqlen_k, xp, seqlen_q))
     q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
     problem = validation.check_forward(q, k, v, None, causal, **arguments)[0]
-    # a Hopper dK/dV kernel serves the call: the rows split for plain and windowed attention at
-    # headdims up to 64 on a GPU (configs.SM90_BACKWARD_ROWS_MAX_HEADDIM), the wide one past 128
-    kernel = Sm90WideBackwardConfig if headdim > 128 else (Sm90BackwardConfig, Sm90RowsBackwardConfig)
-    assert isinstance(configs.plan_backward(problem.static, False, "sm90")[1], kernel)
+    _, dkdv, dq = configs.plan_backward(problem.static, deterministic, "sm90")
+    if deterministic:
+        assert isinstance(dkdv, (Sm90BackwardConfig, Sm90WideBackwardConfig)) and not dkdv.atomic_dq, name
+        assert isinstance(dq, Sm90DqConfig), name
+    else:  # the rows split for plain and windowed attention at headdims up to 64 on a GPU
+        # (configs.SM90_BACKWARD_ROWS_MAX_HEADDIM), the wide kernel past 128
+        assert isinstance(dkdv, Sm90WideBackwardConfig if headdim > 128 else (Sm90BackwardConfig,
+                                                                                Sm90RowsBackwardConfig))
     out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **forward_arguments(arguments))
     dout = random_like(rng, xp, q)
     with nbflash.kernel_family("sm90"):
-        grads = flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **arguments)
-    assert_gradients_close(grads, dout, q, k, v, causal, **arguments)
-    return grads
+        runs = [flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic, **arguments)
+                for _ in range(2 if deterministic and not SIMULATOR else 1)]
+    assert_gradients_close(runs[0], dout, q, k, v, causal, **arguments)
+    for a, b in zip(runs[0], runs[-1]):
+        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+    return runs[0]
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the variants' grid below")
@@ -858,26 +862,6 @@ def test_backward_sm90_staged_dropout_gpu(xp, monkeypatch, name, dtype, shape):
     dropout_forms_agree(xp, monkeypatch, 11, name, dtype, shape)
 
 
-def run_sm90_deterministic_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim):
-    """deterministic=True under "sm90" with a catalogue variant: the sm90 dK/dV kernel without dQ,
-    then the sm90 dQ kernel (its score features, score_mod, element masks and dropout), against the
-    reference's rule; on a GPU bit-identical on a rerun."""
-    causal, arguments = split(variant_arguments(name, batch, nheads, seqlen_k, xp, seqlen_q))
-    q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
-    problem = validation.check_forward(q, k, v, None, causal, **arguments)[0]
-    _, dkdv, dq = configs.plan_backward(problem.static, True, "sm90")
-    assert isinstance(dkdv, (Sm90BackwardConfig, Sm90WideBackwardConfig)) and not dkdv.atomic_dq, name
-    assert isinstance(dq, Sm90DqConfig), name
-    out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **forward_arguments(arguments))
-    dout = random_like(rng, xp, q)
-    with nbflash.kernel_family("sm90"):
-        runs = [flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, **arguments)
-                for _ in range(1 if SIMULATOR else 2)]
-    assert_gradients_close(runs[0], dout, q, k, v, causal, **arguments)
-    for a, b in zip(runs[0], runs[-1]):
-        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
-
-
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the deterministic variants' grid below")
 @pytest.mark.parametrize("name, shape", [("combined", (2, 40, 60, 2, 1, 64)),
                                          ("causal-dropout", (1, 40, 100, 2, 1, 64)),
@@ -889,7 +873,7 @@ def test_backward_sm90_deterministic_variants_small(rng, xp, name, shape):
     features' offset); causal dropout (the forward's Philox words, 40 rows and 100 keys: both
     consumers, a 32-key group past the end); a mask tensor (every tile masked); a score_mod with its
     gradient (the catalogue's identity: the wiring of score_mod_grad)."""
-    run_sm90_deterministic_variant(rng, xp, name, "float16" if name != "document-mask" else "bfloat16", *shape)
+    run_sm90_variant(rng, xp, name, "float16" if name != "document-mask" else "bfloat16", *shape, deterministic=True)
 
 
 DETERMINISTIC_VARIANTS = ["softcap", "causal-softcap", "alibi", "combined", "window-both", "bias", "causal-bias",
@@ -902,7 +886,7 @@ DETERMINISTIC_VARIANTS = ["softcap", "causal-softcap", "alibi", "combined", "win
 @pytest.mark.parametrize("shape", [(2, 113, 203, 4, 2, 64), (1, 1023, 1024, 4, 1, 128), (2, 300, 257, 2, 2, 256)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_backward_sm90_deterministic_variants_gpu(rng, xp, shape, name, dtype):
-    run_sm90_deterministic_variant(rng, xp, name, dtype, *shape)
+    run_sm90_variant(rng, xp, name, dtype, *shape, deterministic=True)
 
 
 SCORE_VARIANTS = ["softcap", "causal-softcap", "alibi", "causal-alibi", "combined", "window", "dropout",
@@ -967,14 +951,8 @@ def test_backward_sm90_wide_deterministic_gpu(rng, xp, seqlens, headdim, causal,
     """deterministic=True under "sm90" past headdim 128 (the wide kernel without dQ, then the dQ
     kernel with smaller key tiles): the reference's rule, and bit-identical on a rerun."""
     nheads, nheads_k = HEADS[(headdim // 8 + causal) % len(HEADS)]
-    q, k, v = random_qkv(rng, xp, 2, *seqlens, nheads, nheads_k, headdim, dtype)
-    dout = random_like(rng, xp, q)
-    out, lse = forward(q, k, v, None, causal)
-    with nbflash.kernel_family("sm90"):
-        runs = [flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True) for _ in range(2)]
-    assert_gradients_close(runs[0], dout, q, k, v, causal)
-    for a, b in zip(*runs):
-        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+    run_sm90_variant(rng, xp, "causal" if causal else "plain", dtype, 2, *seqlens, nheads, nheads_k, headdim,
+                     deterministic=True)
 
 
 # The headdims the sm90 backward took from the mma one by default on timings (2026-12-06) that
