@@ -121,6 +121,7 @@ from nbflash.primitives_sm90 import (
 from nbflash.problem import Variant
 
 from . import variants
+from .backward_mma import make_score_gradient
 from .backward_sm90 import Sm90BackwardBlock, make_pack_a, make_store_rows
 from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
 
@@ -212,8 +213,9 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
     # landed, as backward_mma.py's dq kernel makes them (``FEATURES``); the others overlap P with dP
     SCORE, DROPOUT = hooks.SCORE, hooks.DROPOUT
     FEATURES = SCORE or DROPOUT
-    score_units, score_row, _, score_at_grad = hooks.tensor_core_score(False)
-    dropout_words, byte_factor = hooks.dropout_words, hooks.byte_factor
+    score_units, score_row = hooks.tensor_core_score(False)[:2]
+    dropout_words = hooks.dropout_words
+    score_gradient = make_score_gradient(hooks)  # one element of dS, as backward_mma.py's dq kernel
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
     IS_F16 = config.dtype == "float16"
     AB = "f16" if IS_F16 else "bf16"
@@ -323,20 +325,9 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
                 lo, hi = row_keys(row, seqlen_q, seqlen_k, params)  # used by the masked copy
                 for e in static_range(2):
                     r = 4 * c + 2 * rh + e
-                    grad = float32(1)
-                    if SCORE:
-                        y, grad = score_at_grad(s[r], ctx[rh], 0, 8 * c + e, seqlen_q, seqlen_k, params, head_ctx,
-                                                units)
-                        p = exp2_approx(y * units[variants.EXP] - lse_row[rh])
-                    else:
-                        p = exp2_approx(s[r] * scale_log2 - lse_row[rh])
-                    if masked:
-                        if hidden(n_start + 8 * c + 2 * q4 + e, lo, hi, row, seqlen_q, params, head_ctx):
-                            p = float32(0)
-                    factor = float32(1)
-                    if DROPOUT:
-                        factor = byte_factor(drop[c % 4], 2 * rh + e, params)
-                    dp[r] = p * (dp[r] * factor - d_row[rh]) * grad
+                    dp[r] = score_gradient(s[r], dp[r], ctx[rh], 8 * c + e, lse_row[rh], d_row[rh],
+                                           n_start + 8 * c + 2 * q4 + e, lo, hi, row, seqlen_q, seqlen_k, params,
+                                           head_ctx, scale_log2, units, drop[c % 4], 2 * rh + e, masked)
 
     # -----------------------------------------------------------------------------------------------
     # The kernel

@@ -253,6 +253,38 @@ def make_mma_ab(N_TILES, K_STEPS, B_ROW_BYTES, mma, pack):
     return mma_ab
 
 
+def make_score_gradient(hooks):
+    """``score_gradient(s, dp, ctx, key_off, lse_log2, d, key, lo, hi, row, seqlen_q, seqlen_k, params,
+    head_ctx, scale_log2, units, word, byte, masked) -> dS``: one element of the dq kernels' dS = P (dP
+    * factor - D) * d score / d S, with P = exp2(score(S) - lse_log2) from the raw S (the score point
+    ``hooks.tensor_core_score(False)``, ``ctx`` its row base and ``key_off`` the element's key offset
+    from it; S * scale_log2 without score features), 0 where ``masked`` (a constant at each call site)
+    and the key is hidden from the row (which sees keys lo <= key < hi), and factor dropout's (byte
+    ``byte`` of ``word``, of ``hooks.dropout_words``). Shared by this file's dq kernel and
+    backward_dq_sm90.py's: a lane holds the same elements in mma.sync's and wgmma's layouts."""
+    SCORE, DROPOUT, hidden, byte_factor = hooks.SCORE, hooks.DROPOUT, hooks.hidden, hooks.byte_factor
+    score_at_grad = hooks.tensor_core_score(False)[3]
+
+    @inline_device
+    def score_gradient(s, dp, ctx, key_off, lse_log2, d, key, lo, hi, row, seqlen_q, seqlen_k, params, head_ctx,
+                       scale_log2, units, word, byte, masked):
+        grad = float32(1)
+        if SCORE:
+            y, grad = score_at_grad(s, ctx, 0, key_off, seqlen_q, seqlen_k, params, head_ctx, units)
+            p = exp2_approx(y * units[variants.EXP] - lse_log2)
+        else:
+            p = exp2_approx(s * scale_log2 - lse_log2)
+        if masked:
+            if hidden(key, lo, hi, row, seqlen_q, params, head_ctx):
+                p = float32(0)
+        factor = float32(1)
+        if DROPOUT:
+            factor = byte_factor(word, byte, params)
+        return p * (dp * factor - d) * grad
+
+    return score_gradient
+
+
 @lru_cache(maxsize=None)
 def build_backward_mma(config: MmaBackwardConfig):
     """Compile-time constants of ``config`` captured in a fresh ``@cuda.jit`` kernel."""
@@ -266,7 +298,7 @@ def build_backward_mma(config: MmaBackwardConfig):
     SCORE, head_context = hooks.SCORE, hooks.head_context
     # No max here: any scale works, but ALiBi's slope per unit of a zero scale would not.
     score_units, score_row, _, score_at_grad = hooks.tensor_core_score(False)
-    DROPOUT, dropout_words, byte_factor = hooks.DROPOUT, hooks.dropout_words, hooks.byte_factor
+    DROPOUT, dropout_words = hooks.DROPOUT, hooks.dropout_words
     dropout_bits_t, dropout_bit = hooks.dropout_bits_t, hooks.dropout_bit
     tile_class = hooks.tile_class  # the block mask's class of a tile pair (FULL without one)
     VARLEN, sequence = hooks.VARLEN, hooks.sequence  # packed sequences: where this block's rows are
@@ -684,6 +716,7 @@ def build_backward_mma(config: MmaBackwardConfig):
     K_TILE_Q, V_TILE_Q = 2 * Q_ELEMS, 2 * Q_ELEMS + KV_ELEMS
 
     mma_queries_by_keys = make_mma_abt(KNT, KT, ROW_BYTES, mma)  # S = Q K^T, dP = dO V^T
+    score_gradient = make_score_gradient(hooks)
     mma_queries_acc = make_mma_ab(DT, KNT // 2, ROW_BYTES, mma, pack)  # dQ += dS K
 
     @inline_device
@@ -701,21 +734,10 @@ def build_backward_mma(config: MmaBackwardConfig):
                 drop = dropout_words(first_row + g, n_start + nt * 8 + 2 * t, params, head_ctx)
             for r in static_range(2):
                 for e in static_range(2):
-                    key = n_start + nt * 8 + 2 * t + e
-                    grad = float32(1)
-                    if SCORE:
-                        y, grad = score_at_grad(s[nt, 2 * r + e], ctx[r], 0, nt * 8 + e, seqlen_q, seqlen_k, params,
-                                                head_ctx, units)
-                        p = exp2_approx(y * units[variants.EXP] - lse_row[r])
-                    else:
-                        p = exp2_approx(s[nt, 2 * r + e] * scale_log2 - lse_row[r])
-                    if masked:
-                        if hidden(key, key_lo[r], key_hi[r], first_row + g + 8 * r, seqlen_q, params, head_ctx):
-                            p = float32(0)
-                    factor = float32(1)
-                    if DROPOUT:
-                        factor = byte_factor(drop[nt % 4], 2 * r + e, params)
-                    dp[nt, 2 * r + e] = p * (dp[nt, 2 * r + e] * factor - d_row[r]) * grad
+                    dp[nt, 2 * r + e] = score_gradient(
+                        s[nt, 2 * r + e], dp[nt, 2 * r + e], ctx[r], nt * 8 + e, lse_row[r], d_row[r],
+                        n_start + nt * 8 + 2 * t + e, key_lo[r], key_hi[r], first_row + g + 8 * r, seqlen_q, seqlen_k,
+                        params, head_ctx, scale_log2, units, drop[nt % 4], 2 * r + e, masked)
 
     @cuda.jit
     @unroll
