@@ -47,7 +47,6 @@ from .kernels.backward_sm90_rows import Sm90RowsBackwardConfig
 from .kernels.backward_sm90_wide import MAX_HEADDIM as SM90_WIDE_BACKWARD_MAX_HEADDIM
 from .kernels.backward_sm90_wide import Sm90WideBackwardConfig
 from .kernels.backward_sm90_rows import served as sm90_rows_serves
-from .kernels.backward_dq_sm90 import served as sm90_dq_serves
 from .kernels.backward_dq_sm90 import Sm90DqConfig
 from .kernels.forward_mma import MmaForwardConfig
 from .kernels.forward_sm90 import UNSERVED_FEATURES as SM90_UNSERVED_FEATURES
@@ -686,9 +685,9 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
                     or (headdim in SM90_BACKWARD_VARLEN_HEADDIMS and variant == Variant(varlen=True))))
     sm90 = family == "sm90" or default
     # deterministic=True under "sm90": the sm90 dK/dV kernel without dQ (dq_split="none"; the wide one
-    # past headdim 128) and the sm90 dQ kernel, for the variants it serves (backward_dq_sm90.served);
+    # past headdim 128) and the sm90 dQ kernel, every variant;
     # by default at SM90_DETERMINISTIC_DEFAULT_HEADDIMS for plain and windowed attention
-    sm90_dq = (deterministic and sm90_dq_serves(variant)
+    sm90_dq = (deterministic
                and sm90_backward_unsupported_reason(static, False, aligned) is None
                and (family == "sm90" or (default and headdim in SM90_DETERMINISTIC_DEFAULT_HEADDIMS
                                          and variant in SM90_BACKWARD_DEFAULT_VARIANTS)))

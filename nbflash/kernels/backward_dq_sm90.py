@@ -132,18 +132,6 @@ MAX_HEADDIM = 256
 # sm_90a, no spills: headdim 128 with 128-key tiles under the 232 cap, 224 words; headdim 256 with
 # 32-key tiles and two consumers, 168; with 64-key tiles and one consumer, 208, in 224-242 registers)
 MAX_ACCUMULATOR_WORDS = 224
-# The variants' features it does not serve (the mma family's dq kernel does): none since block masks
-# (2026-12-06); kept so that the planner and the config ask one question
-UNSERVED_FEATURES = ()
-
-
-def served(variant):
-    """Whether the kernel serves ``variant``: the plain kernel, the window (causal included), the
-    score features (softcap, ALiBi, bias, a score_mod with its gradient), the element masks (mask
-    tensor, mask_mod, a block mask's EMPTY tiles skipped), dropout and packed sequences."""
-    return not any(getattr(variant, feature) for feature in UNSERVED_FEATURES)
-
-
 @dataclass(frozen=True)
 class Sm90DqConfig(Sm90BackwardBlock):
     """One compiled variant of the Hopper deterministic dQ kernel (the backward's preprocess is the
@@ -163,8 +151,6 @@ class Sm90DqConfig(Sm90BackwardBlock):
 
     def __post_init__(self):
         self.check_dtype_headdim(8, MAX_HEADDIM)
-        if not served(self.variant):
-            raise ValueError(f"{self.variant=}: the sm90 dQ kernel serves no {' and no '.join(UNSERVED_FEATURES)}")
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise ValueError(f"{self.block_n=} must be a multiple of 16 in 16..256 (a TMA box and a wgmma n)")
         if self.consumers not in (1, 2):
