@@ -34,6 +34,7 @@ padded batch and on nested (jagged) tensors; with ``--varlen-backward`` also
 """
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -73,10 +74,20 @@ def checked(q, k, v, causal, variant):
     return check_forward(q, k, v, None, causal, **variant)
 
 
+def forcing(family):
+    """Run on ``family`` (nbflash.kernel_family), or on the planner's choice for "default"."""
+    return contextlib.nullcontext() if family == "default" else nbflash.kernel_family(family)
+
+
+def forced(family):
+    """``family`` as _flash_attn_forward takes it: None for "default"."""
+    return None if family == "default" else family
+
+
 def nbflash_runner(family):
     def run(q, k, v, causal, **variant):
         problem, q_, k_, v_ = checked(q, k, v, causal, variant)
-        return lambda: _flash_attn_forward(problem, q_, k_, v_, family=family)
+        return lambda: _flash_attn_forward(problem, q_, k_, v_, family=forced(family))
 
     return run
 
@@ -108,8 +119,8 @@ def nbflash_step_runner(family, deterministic=False):
         dout = cupy.random.standard_normal(q.shape, dtype=np.float32).astype(q.dtype)
 
         def call():
-            with nbflash.kernel_family(family):
-                out, lse = _flash_attn_forward(problem, q_, k_, v_, family=family)
+            with forcing(family):
+                out, lse = _flash_attn_forward(problem, q_, k_, v_, family=forced(family))
                 return _flash_attn_backward(problem, dout, q_, k_, v_, out, lse, deterministic)
 
         return call
@@ -140,7 +151,7 @@ def nbflash_backward_runner(family, dkdv_blocks=None, deterministic=False):
         dout = cupy.random.standard_normal(q.shape, dtype=np.float32).astype(q.dtype)
 
         def call():
-            with nbflash.kernel_family(family):
+            with forcing(family):
                 return _flash_attn_backward(problem, dout, q_, k_, v_, out, lse, deterministic)
 
         call.before = lambda: _flash_attn_forward(problem, q_, k_, v_)
@@ -413,7 +424,8 @@ def build_parser():
         help=f"attention variants from nbflash.catalogue ({', '.join(VARIANTS)}), each a row, instead of "
         "--causal; adds FlexAttention (torch.compile) as an anchor; FLOPs count the visible scores only",
     )
-    parser.add_argument("--families", nargs="+", default=None, help=f"default {' '.join(configs.FAMILIES)}")
+    parser.add_argument("--families", nargs="+", default=None, help=f"default {' '.join(configs.FAMILIES)}; "
+                        "'default' times the planner's choice (no family forced)")
     parser.add_argument("--no-naive", action="store_true", default=None)
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per entry")
@@ -980,7 +992,7 @@ def nbflash_varlen_backward_runner(q, k, v, cu_seqlens, longest, causal, family)
     dout = random_device(q.shape, q.dtype)
 
     def call():
-        with nbflash.kernel_family(family):
+        with forcing(family):
             return nbflash.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, longest, longest,
                                                       causal=causal)
 
