@@ -95,12 +95,14 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     # out's rows too, where the row-wise kernels' 16-byte forms are planned (they read them)
     out_aligned = configs.ROWWISE_VECTOR and validation.rows_aligned(out)
     preprocess, dkdv, dq_kernel = _kernels(p.static, deterministic, family, aligned, out_aligned)
+    # dQ by a pass of its own (deterministic=True, or where the plan prefers it: configs.py) or atomics
+    separate_dq = not dkdv.config.atomic_dq
     dq = launch.empty(q.shape, q.dtype)
     dk = launch.empty(k.shape, k.dtype)
     dv = launch.empty(v.shape, v.dtype)
     delta = launch.empty((problem.batch, problem.nheads, problem.seqlen_q), FLOAT32)
     # dq_accum is only used with atomics; delta stands in for it otherwise (one signature per config).
-    dq_accum, tiles = (delta, False) if deterministic else _dq_accumulator(dkdv.config, p.batch, p.nheads,
+    dq_accum, tiles = (delta, False) if separate_dq else _dq_accumulator(dkdv.config, p.batch, p.nheads,
                                                                            p.seqlen_q, q.shape)
 
     scale = np.float32(problem.softmax_scale)
@@ -111,7 +113,7 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     preprocess.launch(preprocess.config.grid(*shape), (out, dout, delta, delta if tiles else dq_accum), ())
     dkdv.launch(dkdv.config.grid(*shape), (q, k, v, dout, lse, delta, dk, dv, dq_accum), (scale_log2, scale),
                 kernel_params(p, dkdv.config))
-    if deterministic:
+    if separate_dq:
         dq_kernel.launch(dq_kernel.config.grid(*shape), (q, k, v, dout, lse, delta, dq), (scale_log2, scale),
                          kernel_params(p, dq_kernel.config))
     else:
@@ -144,6 +146,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, dropout_p=0.0, softmax_scale=No
         deterministic: bool. By default dq is accumulated with float32 atomics, whose order varies
             from run to run (so do the last bits of dq). With True, dq comes from a separate pass
             in a fixed order and every gradient is bit-identical run to run, at some extra cost.
+            (On Hopper GPUs, at headdims past 128, the default already takes that separate pass:
+            it is faster there than the atomics.)
 
     Returns:
         dq, dk, dv: shaped and typed like q, k, v (fresh contiguous arrays). Under grouped-query

@@ -21,8 +21,9 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
   score_mod (``_measured_on_sm90``), and at headdim 128 for causal attention with softcap or ALiBi
   (``SM90_BACKWARD_HD128_VARIANTS``), and for packed sequences at headdims 64 and 128
   (``SM90_BACKWARD_VARLEN_HEADDIMS``), with deterministic=True (its dK/dV kernel without dQ, then
-  nbflash/kernels/backward_dq_sm90.py) at ``SM90_DETERMINISTIC_DEFAULT_HEADDIMS``; the sm80 family's
-  backward elsewhere. Its fp8 (e4m3)
+  nbflash/kernels/backward_dq_sm90.py) at ``SM90_DETERMINISTIC_DEFAULT_HEADDIMS``, and that pair
+  without deterministic=True too at ``SM90_PAIR_DEFAULT_HEADDIMS`` (past headdim 128, where it beats
+  the wide kernel's dQ atomics); the sm80 family's backward elsewhere. Its fp8 (e4m3)
   forward is reached only through flash_attn_func's fp8 inputs (``SM90_FP8_FORWARD``).
 - ``"sm80"`` (alias ``"mma"``): tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py);
   float16 and bfloat16 on GPUs of compute capability 8.0 and newer (Ampere, Ada, and Hopper where
@@ -455,8 +456,19 @@ SM90_BACKWARD_DEFAULT_HEADDIMS = tuple(range(16, 264, 8))
 # --families sm90 mma --deterministic, fp16, hd 64 and 128, 4k and 16k, causal and not, one run),
 # 1.91-2.47x the mma family's deterministic backward (hd 64 278.9-330.4 TFLOP/s against 130.5-165.5;
 # hd 128 389.8-442.6 against 166.0-184.2), and 0.89-1.09x the atomic sm90 backward. 72-120 run the
-# kernels padded to 128 columns, as the atomic backward does.
-SM90_DETERMINISTIC_DEFAULT_HEADDIMS = tuple(range(64, 136, 8))
+# kernels padded to 128 columns, as the atomic backward does. Below 64 and past 128 (2026-12-06,
+# nineteenth session, an H100: scripts/gpu_check.sh deterministic at hd 16, 24, 32, 48, 136, 160,
+# 192 and 256, the same shapes, one run each), against the mma family's deterministic backward:
+# hd 16 0.99-1.01x non-causal and 1.22-1.28x causal, hd 24 1.43-1.54x, hd 32 1.26-1.61x, hd 48
+# 1.67-1.80x, hd 136 1.43-1.60x, hd 160 1.69-1.86x, hd 192 2.00-2.24x, hd 256 2.47-2.79x. Both
+# kernels pad headdim to a multiple of 64 (the wide one past 128 to 256), so the headdims between
+# those timed run kernels of the same shape as their neighbours'. Headdim 8: mma.
+SM90_DETERMINISTIC_DEFAULT_HEADDIMS = tuple(range(16, 264, 8))
+# ... and past headdim 128 the same pair is the default without deterministic=True too, for the same
+# variants: in the runs above it beat the wide kernel with dQ's atomics at every shape, hd 136
+# 1.10-1.23x, hd 160 1.22-1.34x, hd 192 1.26-1.39x, hd 256 1.22-1.39x (the wide kernel's dQ atomics
+# cost more than a second pass over K and V). Its results are then bit-identical run to run as well.
+SM90_PAIR_DEFAULT_HEADDIMS = tuple(range(136, 264, 8))
 # ... for these variants, and with dropout or a score_mod (``_measured_on_sm90``); the others it
 # serves run on it when "sm90" is forced
 SM90_BACKWARD_DEFAULT_VARIANTS = (Variant(), Variant(window=True))
@@ -686,14 +698,16 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
     sm90 = family == "sm90" or default
     # deterministic=True under "sm90": the sm90 dK/dV kernel without dQ (dq_split="none"; the wide one
     # past headdim 128) and the sm90 dQ kernel, every variant;
-    # by default at SM90_DETERMINISTIC_DEFAULT_HEADDIMS for plain and windowed attention
-    sm90_dq = (deterministic
-               and sm90_backward_unsupported_reason(static, False, aligned) is None
-               and (family == "sm90" or (default and headdim in SM90_DETERMINISTIC_DEFAULT_HEADDIMS
-                                         and variant in SM90_BACKWARD_DEFAULT_VARIANTS)))
-    sm90 = sm90 and sm90_backward_unsupported_reason(static, deterministic, aligned) is None
+    # by default at SM90_DETERMINISTIC_DEFAULT_HEADDIMS for plain and windowed attention, and at
+    # SM90_PAIR_DEFAULT_HEADDIMS without deterministic=True too (faster than dQ's atomics there)
+    pair_default = (default and variant in SM90_BACKWARD_DEFAULT_VARIANTS
+                    and headdim in (SM90_DETERMINISTIC_DEFAULT_HEADDIMS if deterministic
+                                    else SM90_PAIR_DEFAULT_HEADDIMS))
+    sm90_dq = (sm90_backward_unsupported_reason(static, False, aligned) is None
+               and ((deterministic and family == "sm90") or pair_default))
+    sm90 = sm90 and not sm90_dq and sm90_backward_unsupported_reason(static, deterministic, aligned) is None
     family = _resolve_family(dtype, device, "sm80" if family == "sm90" else family)
-    atomic = not deterministic
+    atomic = not (deterministic or sm90_dq)
     common = dict(dtype=dtype, headdim=headdim, variant=static.variant, atomic_dq=atomic)
     rows, rows_threads = PORTABLE_BACKWARD_ROWS
     vector = ROWWISE_VECTOR and aligned and out_aligned and dtype != "float32" and headdim % 8 == 0

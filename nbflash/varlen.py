@@ -164,13 +164,14 @@ def _varlen_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     # dQ tile-major (the sm90 kernel's plan) unless the sequences are too short for it to pay (configs.py)
     dq_tiles = packed_dq_tiles_fit(p.batch, total_q)
     preprocess, dkdv, dq_kernel = backward._kernels(p.static, deterministic, forced_family(), aligned, False, dq_tiles)
+    separate_dq = not dkdv.config.atomic_dq  # dQ by a pass of its own (backward.py)
     dq = launch.empty((1, *q.shape), q.dtype)  # the row-wise convert_dq writes it as a batch of one
     dk = launch.empty(k.shape, k.dtype)
     dv = launch.empty(v.shape, v.dtype)
     delta = launch.empty((1, p.nheads, total_q), FLOAT32)
     # delta stands in for dq_accum without atomics; tile-major, each sequence's tiles start on a whole
     # tile (dq_accum_shape)
-    dq_accum, tiles = (delta, False) if deterministic else backward._dq_accumulator(dkdv.config, p.batch, p.nheads,
+    dq_accum, tiles = (delta, False) if separate_dq else backward._dq_accumulator(dkdv.config, p.batch, p.nheads,
                                                                                     total_q, (1, *q.shape))
     scale = np.float32(p.softmax_scale)
     scale_log2 = np.float32(p.softmax_scale * LOG2_E)
@@ -187,10 +188,10 @@ def _varlen_backward(problem, dout, q, k, v, out, lse, deterministic=False):
                     (scale_log2, scale), p.params)
     else:
         dkdv.launch(dkdv.config.grid(*shape), views[:9], (scale_log2, scale), p.params)
-    if deterministic and getattr(dq_kernel.config, "varlen_batch_of_one", False):  # the Hopper dQ kernel's rows
+    if separate_dq and getattr(dq_kernel.config, "varlen_batch_of_one", False):  # the Hopper dQ kernel's rows
         dq_kernel.launch(dq_kernel.config.grid(*shape), (q[None], k[None], v[None], dout[None], lse[None], delta, dq),
                          (scale_log2, scale), p.params)
-    elif deterministic:
+    elif separate_dq:
         dq_kernel.launch(dq_kernel.config.grid(*shape), views[:6] + views[9:], (scale_log2, scale), p.params)
     elif tiles:  # a block row per sequence, each reading its tiles
         dq_kernel.launch(dq_kernel.config.grid(*shape), (dq_accum, dq, p.cu_seqlens_q), (scale,))

@@ -686,9 +686,10 @@ def test_rows_split_is_planned_where_measured(monkeypatch):
 def test_sm90_backward_default_headdims(monkeypatch):
     """On compute capability 9.0 the sm90 backward is the default at headdims 16-256 for plain and
     causal attention (configs.SM90_BACKWARD_DEFAULT_HEADDIMS: the rows split below 64, the wide kernel
-    past 128), and with deterministic=True at 64-128 (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS:
-    the dK/dV kernel without dQ, then the sm90 dQ kernel); the mma family elsewhere (headdim 8, not
-    timed; deterministic below 64 and past 128; features not measured at those headdims)."""
+    past 128), and with deterministic=True at 16-256 (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS:
+    the dK/dV kernel without dQ, then the sm90 dQ kernel); past 128 that pair without
+    deterministic=True too (configs.SM90_PAIR_DEFAULT_HEADDIMS); the mma family elsewhere (headdim 8,
+    not timed; features not measured at those headdims)."""
     monkeypatch.setattr(configs.runtime, "SIMULATOR", False)
     monkeypatch.setattr(configs, "_compute_capability", lambda device=0: (9, 0))
     expected = {8: MmaBackwardConfig, 16: Sm90RowsBackwardConfig, 32: Sm90RowsBackwardConfig,
@@ -700,11 +701,16 @@ def test_sm90_backward_default_headdims(monkeypatch):
             plan = configs.plan_backward(Static(dtype, headdim, False, 0, variant), False, None, True)
             assert type(plan[1]) is kind, (headdim, variant)
             deterministic = configs.plan_backward(Static(dtype, headdim, False, 0, variant), True, None, True)
-            if 64 <= headdim <= 128:
-                assert type(deterministic[1]) is Sm90BackwardConfig and deterministic[1].dq_split == "none"
-                assert type(deterministic[2]) is Sm90DqConfig, headdim
-            else:
-                assert type(deterministic[1]) is MmaBackwardConfig and deterministic[2].kernel == "dq", headdim
+            if headdim == 8:
+                assert type(deterministic[1]) is MmaBackwardConfig and deterministic[2].kernel == "dq"
+                continue
+            pair = Sm90WideBackwardConfig if headdim > 128 else Sm90BackwardConfig
+            assert type(deterministic[1]) is pair and deterministic[1].dq_split == "none", headdim
+            assert type(deterministic[2]) is Sm90DqConfig, headdim
+            assert not deterministic[0].atomic_dq, headdim  # the preprocess leaves dq_accum alone
+            # past 128 the pair without deterministic=True too; its plan is the deterministic one
+            assert (plan == deterministic) is (headdim > 128), headdim
+            assert plan[1].atomic_dq is (headdim <= 128), headdim
     # features measured only at headdims 64 and 128 keep the mma family elsewhere by default
     for headdim in (32, 192):
         for variant in (Variant(dropout=True), Variant(softcap=True), Variant(varlen=True)):
@@ -967,13 +973,15 @@ DEFAULT_HEADDIMS_GPU = [16, 24, 32, 48, 56, 144, 160, 176, 200, 248]
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_default_headdims_gpu(rng, xp, seqlens, headdim, causal):
     """The default backward (no family forced) at those headdims: on compute capability 9.0 the rows
-    split padded to 64 columns below 64, the wide kernel padded to 256 past 128."""
+    split padded to 64 columns below 64; past 128 the wide kernel without dQ padded to 256, then the
+    sm90 dQ kernel (configs.SM90_PAIR_DEFAULT_HEADDIMS)."""
     dtype = "bfloat16" if causal else "float16"
     nheads, nheads_k = HEADS[(headdim // 8 + causal) % len(HEADS)]
     if is_sm90():
         kind = Sm90RowsBackwardConfig if headdim < 64 else Sm90WideBackwardConfig
         static = Static(dtype, headdim, False, 0, CAUSAL if causal else Variant())
-        assert isinstance(configs.plan_backward(static, False, None, True)[1], kind)
+        plan = configs.plan_backward(static, False, None, True)
+        assert isinstance(plan[1], kind) and plan[1].atomic_dq is (headdim < 64)
     q, k, v = random_qkv(rng, xp, 2, *seqlens, nheads, nheads_k, headdim, dtype)
     dout = random_like(rng, xp, q)
     out, lse = forward(q, k, v, None, causal)

@@ -73,10 +73,11 @@ sequence's end exits at once. A block mask: the producer and the consumers walk 
 query tile visits (``Hooks.visit_key_tile``, as the forwards do), EMPTY ones skipped, and FULL ones
 not masked; its table is classified for this kernel's tiles (block_mask.kernel_params).
 
-Its GPU tests pass for plain and windowed attention at headdims up to 128 (bit-identical reruns
-included), where it is planned by default (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS). Past 128
-and with the other variants (only when "sm90" is forced) it is checked by ptxas and the simulator,
-not yet run on a GPU.
+Its GPU tests pass at headdims up to 256 with every variant, on packed sequences and with block
+masks (bit-identical reruns included). It is planned by default for plain and windowed attention
+with deterministic=True at headdims 16-256 (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS) and
+without it past 128 (configs.SM90_PAIR_DEFAULT_HEADDIMS, where this second pass beats the wide
+kernel's dQ atomics); with the other variants only when "sm90" is forced (not yet timed with them).
 """
 
 import math

@@ -41,13 +41,14 @@ rows offset by the sequence's first, the bounds read again each step). With a sc
 dropout, consumer 0 makes dS^T with P^T: it waits for the hand-over first, and dS^T (float32)
 replaces dP^T in the hand-over's words (``make_probabilities_t`` with ``handover``), from where
 ``store_tiles_t`` packs it. Headdims a multiple of 8 in 136..256, padded to 256 by TMA's zero
-fill. Its GPU tests pass (tests/test_backward_sm90.py's wide grids, H200 and H100); the planner
-takes it by default for plain and causal attention (1.2-2.5x the mma backward on an H100,
-configs.SM90_BACKWARD_DEFAULT_HEADDIMS), for the other variants when "sm90" is forced.
+fill. Its GPU tests pass (tests/test_backward_sm90.py's wide grids, H200 and H100). With dQ's
+atomics it runs when "sm90" is forced (1.2-2.5x the mma backward on an H100).
 
-With ``dq_split="none"`` (the deterministic backward) the consumers skip dQ's products and
-reductions: the kernel writes dK and dV only, and backward_dq_sm90.py's pass makes dQ after it, each
-in a fixed order. That form is checked by ptxas and the simulator, not yet run on a GPU.
+With ``dq_split="none"`` the consumers skip dQ's products and reductions: the kernel writes dK and
+dV only, and backward_dq_sm90.py's pass makes dQ after it, each in a fixed order. That pair is the
+planner's default for plain and causal attention at these headdims, with deterministic=True or not
+(configs.SM90_PAIR_DEFAULT_HEADDIMS: 1.1-1.4x this kernel with atomics on an H100); its GPU tests
+pass, every variant included.
 
 Memory and arguments: backward_sm90.py's (the same signature and tensor maps).
 """
