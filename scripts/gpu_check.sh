@@ -48,11 +48,11 @@
 #                                cores; about 8 minutes
 #   scripts/gpu_check.sh defaults [SECONDS]
 #                                the GPU tests that take a gradient and have not run since the sm90
-#                                backward became the default at headdims 16-256 (deterministic: 64-128),
+#                                backward became the default at headdims 16-256 (the pair past 128),
 #                                after a prebuild of the planned kernels: the default backward at the
 #                                headdims no grid covered (test_backward_default_headdims_gpu), the
 #                                files past the backward's own, less what
-#                                docs/runs/gpu-suite-2026-12-06-headdims.txt reports
+#                                docs/runs/gpu-suite-2026-12-06-{headdims,defaults,pair}.txt report
 #                                (NBFLASH_RESUME_LOGS; TESTS overrides the files), stopped after SECONDS
 #                                (default 400)
 #   scripts/gpu_check.sh levers  issue 13's work not yet timed on a GPU: the persistent grid's two
@@ -276,13 +276,13 @@ deterministic)
     echo "deterministic backward (exit $?):"; tail -12 "$out/deterministic.log"
     ;;
 defaults)
-    # The GPU tests not yet run since the sm90 backward became the default at headdims 16-256 and, with
-    # deterministic=True, at 64-128 (2026-12-06): the files whose tests take a gradient, less those
-    # docs/runs/gpu-suite-2026-12-06-headdims.txt reports passed on that plan. After a prebuild of the
-    # planned kernels on all cores.
+    # The GPU tests not yet run since the sm90 backward became the default at headdims 16-256, with
+    # deterministic=True too (the pair past 128 either way; 2026-12-06): the files whose tests take a
+    # gradient, less those the resume logs (docs/runs/gpu-suite-2026-12-06-*.txt) report passed on
+    # that plan. After a prebuild of the planned kernels on all cores.
     timeout 170 python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 bfloat16 > "$out/prebuild.log" 2>&1
     echo "prebuild (exit $?): $(tail -1 "$out/prebuild.log")"
-    NBFLASH_RESUME_LOGS=${NBFLASH_RESUME_LOGS:-docs/runs/gpu-suite-2026-12-06-headdims.txt} \
+    NBFLASH_RESUME_LOGS=${NBFLASH_RESUME_LOGS:-docs/runs/gpu-suite-2026-12-06-headdims.txt:docs/runs/gpu-suite-2026-12-06-defaults.txt:docs/runs/gpu-suite-2026-12-06-pair.txt} \
     TESTS=${TESTS:-"tests/test_backward_sm90.py::test_backward_default_headdims_gpu tests/test_fuzz.py \
         tests/test_variants_attention.py tests/test_backward_mma.py tests/test_hf.py \
         tests/test_dropout.py tests/test_block_mask.py tests/test_user_functions.py tests/test_concurrency.py \
@@ -380,8 +380,8 @@ runpy.run_path('scripts/bench.py', run_name='__main__')" "$form" --pass varlen -
     echo "packed backward, hd 64 (exit $?):"; tail -6 "$out/packed_64.log"
     ;;
 headdims)
-    # The sm90 backward is the default at headdims 64-128 only (configs.SM90_BACKWARD_DEFAULT_HEADDIMS),
-    # where it was timed; below and past them the mma backward is, untimed against it.
+    # The sm90 backward against the mma one below 64 and past 128, where the mma one was the default
+    # until this comparison (2026-12-06; configs.SM90_BACKWARD_DEFAULT_HEADDIMS since).
     timeout 230 python3 scripts/prebuild_cache.py --cc 9.0 --jobs 16 --headdims 32 48 192 256 --dtypes float16 \
         --families sm90 mma --variants plain causal > "$out/headdims_prebuild.log" 2>&1
     echo "prebuild (exit $?): $(tail -1 "$out/headdims_prebuild.log")"
