@@ -129,3 +129,17 @@ def xp():
     import cupy
 
     return cupy
+
+
+@pytest.fixture
+def separate_dq_plan(monkeypatch):
+    """Every backward plans the separate dQ pass, with deterministic=False too, as the Hopper planner
+    does past headdim 128 (configs.SM90_PAIR_DEFAULT_HEADDIMS, a GPU-only plan): the launchers must
+    follow the plan (its dK/dV config's ``atomic_dq``), not the flag."""
+    from nbflash import backward as module
+
+    planned = module.plan_backward
+    monkeypatch.setattr(module, "plan_backward", lambda static, deterministic, *rest: planned(static, True, *rest))
+    module._kernels.cache_clear()
+    yield
+    module._kernels.cache_clear()

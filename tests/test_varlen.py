@@ -146,6 +146,13 @@ def test_varlen_portable_variants_deterministic(rng, xp, small_tiles):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+def test_varlen_follows_a_plan_without_atomics(rng, xp, separate_dq_plan):
+    """deterministic=False where the plan holds no dQ atomics (tests/test_backward.py's fixture):
+    flash_attn_varlen_backward runs the dQ pass the plan holds."""
+    run(rng, xp, "portable", "float32", True, False)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
 def test_varlen_mma_causal(rng, xp, small_tiles):
     run(rng, xp, "mma", "float16", True, False)
 
