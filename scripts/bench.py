@@ -428,6 +428,8 @@ def build_parser():
                         "'default' times the planner's choice (no family forced)")
     parser.add_argument("--no-naive", action="store_true", default=None)
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--no-flex", action="store_true",
+                        help="with --variants: leave FlexAttention out (its torch.compile takes minutes)")
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per entry")
     parser.add_argument("--markdown", help="also write the table, with GPU, date and command, to this file")
     parser.add_argument(
@@ -627,7 +629,7 @@ def main(argv=None):
             runners["SDPA cuDNN"] = sdpa("CUDNN_ATTENTION")
         else:
             print("torch not importable: no SDPA anchors", file=sys.stderr)
-    if args.variants and not args.no_torch and importlib.util.find_spec("torch"):
+    if args.variants and not args.no_torch and not args.no_flex and importlib.util.find_spec("torch"):
         runners["Flex"] = flex_runner(args.which)
     if not args.no_naive and args.which == "forward" and not args.variants:
         runners["naive CuPy"] = naive_runner

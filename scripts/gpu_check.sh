@@ -66,6 +66,14 @@
 #                                mma family's deterministic one and the atomic ones, after a prebuild
 #                                of both families' kernels; HEADDIMS (default "64 128") for others,
 #                                about 5 minutes
+#   scripts/gpu_check.sh pair    the Hopper pair (dK/dV without dQ, then the dQ kernel), the default past
+#                                headdim 128: its two kernels timed apart (scripts/sm90_schedules.py
+#                                --parts) at hd 128 (atomic plan), 192 and 256, and deterministic at 64
+#                                and 128; hd 128's pair against the atomic kernel again; about 7 minutes
+#   scripts/gpu_check.sh pair-variants
+#                                the pair with softcap, ALiBi, bias, dropout, mask_mod and score_mod
+#                                (causal, 8k, fp16, hd 64/128/256) against the mma family's deterministic
+#                                backward and the atomic kernels; about 9 minutes
 #   scripts/gpu_check.sh deterministic-variants [SECONDS]
 #                                the deterministic Hopper pair (forced) with every variant, on packed
 #                                sequences and with block masks (steps 45-47): their GPU grids,
@@ -274,6 +282,37 @@ deterministic)
         --seqlens 4096 16384 --causal both --dtypes float16 --no-naive --budget 0.25 \
         --markdown "$out/deterministic.md" > "$out/deterministic.log" 2>&1
     echo "deterministic backward (exit $?):"; tail -12 "$out/deterministic.log"
+    ;;
+pair)
+    # docs/perf-notes.md, "Where issue 13 stands (2026-12-06, nineteenth session)", next 2: where the
+    # pair's time goes (the dK/dV kernel without dQ against the dQ kernel; hd 128's atomic plan
+    # beside it), at hd 128, 192 and 256, then deterministic at 64 and 128; then hd 128 again, the
+    # pair against the atomic kernel (0.89-1.09x in its one run), to place SM90_PAIR_DEFAULT_HEADDIMS
+    timeout 150 python3 scripts/prebuild_cache.py --jobs 16 --headdims 64 128 192 256 --dtypes float16 \
+        --families sm90 --variants plain causal > "$out/pair_prebuild.log" 2>&1
+    echo "prebuild (exit $?): $(tail -1 "$out/pair_prebuild.log")"
+    timeout 150 python3 scripts/sm90_schedules.py --parts --headdims 128 192 256 > "$out/pair_parts.log" 2>&1
+    echo "parts (exit $?):"; tail -13 "$out/pair_parts.log"
+    timeout 100 python3 scripts/sm90_schedules.py --parts --deterministic --headdims 64 128 \
+        > "$out/pair_parts_deterministic.log" 2>&1
+    echo "parts, deterministic (exit $?):"; tail -9 "$out/pair_parts_deterministic.log"
+    timeout 150 python3 scripts/bench.py --pass backward --families sm90 --deterministic --headdims 128 \
+        --seqlens 4096 8192 16384 --causal both --dtypes float16 --no-naive --budget 0.3 \
+        --markdown "$out/pair_128.md" > "$out/pair_128.log" 2>&1
+    echo "hd 128, the pair (det) against the atomic kernel (exit $?):"; tail -8 "$out/pair_128.log"
+    ;;
+pair-variants)
+    # ... next 1: the pair with the features against the mma family's deterministic backward and the
+    # atomic kernels (sm90: the wide one at 256), to plan them by default; causal, 8k, fp16
+    timeout 170 python3 scripts/prebuild_cache.py --jobs 16 --headdims 64 128 256 --dtypes float16 \
+        --families sm90 mma --variants causal-softcap causal-alibi causal-bias causal-dropout document-mask-mod \
+        > "$out/pair_variants_prebuild.log" 2>&1
+    echo "prebuild (exit $?): $(tail -1 "$out/pair_variants_prebuild.log")"
+    timeout 380 python3 scripts/bench.py --pass backward --families sm90 mma --deterministic --headdims 64 128 256 \
+        --seqlens 8192 --variants causal-softcap causal-alibi causal-bias causal-dropout document-mask-mod \
+        causal-score-mod --dtypes float16 --no-naive --no-flex --budget 0.2 \
+        --markdown "$out/pair_variants.md" > "$out/pair_variants.log" 2>&1
+    echo "the pair with features (exit $?):"; tail -20 "$out/pair_variants.log"
     ;;
 defaults)
     # The GPU tests not yet run since the sm90 backward became the default at headdims 16-256, with

@@ -4,7 +4,7 @@
     python scripts/sm90_schedules.py
     python scripts/sm90_schedules.py --backward [--headdims D ...] [--only NAME ...] [--anchors] [--isolate S]
                                      [--dropout P]
-    python scripts/sm90_schedules.py --parts [--headdims D ...] [--rowwise-scalar]
+    python scripts/sm90_schedules.py --parts [--headdims D ...] [--rowwise-scalar] [--deterministic]
 
 Backward, each column a schedule:
 - "base": 2 stages, dQ split by keys (each consumer adds dS K_c for its own 64 keys), the grid's
@@ -377,7 +377,12 @@ def sdpa_backward_ms(q, k, v, causal):
             for label, backend in (("flash", "FLASH_ATTENTION"), ("cuDNN", "CUDNN_ATTENTION"))}
 
 
-def main_parts():
+def main_parts(deterministic=False):
+    """The planned backward's kernels timed apart: the preprocess, the dK/dV kernel, and dQ's pass:
+    the conversion of dq_accum after atomics, or the sm90 dQ kernel where the plan holds the pair
+    (deterministic=True, or past headdim 128: configs.SM90_PAIR_DEFAULT_HEADDIMS). Each kernel's
+    TFLOP/s counts its own products (2 N^2 d FLOPs each over the visible scores): dK/dV with dQ 5
+    (S, dP, dV, dK, dQ), without 4, the dQ kernel 3 (S, dP, dQ)."""
     import cupy
 
     import nbflash
@@ -389,10 +394,10 @@ def main_parts():
     copy_src = cupy.empty(1 << 28, np.uint8)
     copy_dst = cupy.empty_like(copy_src)
     copy_gbs = 2 * copy_src.nbytes / median_ms(lambda: copy_dst.__setitem__(Ellipsis, copy_src), 20) / 1e6
-    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
-    print("| hd | seqlen | causal | preprocess us | GB/s | dK/dV us | TFLOP/s | convert us | GB/s | whole call us "
-          "| behind a forward us | back to back us |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write); deterministic={deterministic}")
+    print("| hd | seqlen | causal | plan | preprocess us | GB/s | dK/dV us | TFLOP/s | dQ pass us | GB/s or TFLOP/s "
+          "| whole call us | behind a forward us | back to back us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for headdim, seqlen, causal in SHAPES:
         nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
         rng = np.random.default_rng(seqlen + headdim)
@@ -400,38 +405,51 @@ def main_parts():
                          .astype(np.float16) for _ in range(4))
         out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
         problem, q_, k_, v_ = validation.check_forward(q, k, v, None, causal)
-        preprocess, dkdv, convert = backward._kernels(problem.static, False, None, problem.aligned,
-                                                      validation.rows_aligned(out))
+        preprocess, dkdv, last = backward._kernels(problem.static, deterministic, None, problem.aligned,
+                                                   validation.rows_aligned(out))
+        pair = not dkdv.config.atomic_dq  # dQ by the sm90 dQ kernel (or the mma one), not by atomics
         shape = (batch, nheads, nheads, seqlen, seqlen)
         delta = cupy.empty((batch, nheads, seqlen), np.float32)
-        dq_accum = cupy.empty(q.shape, np.float32)
+        dq_accum = delta if pair else cupy.empty(q.shape, np.float32)
         dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
         scale = np.float32(problem.softmax_scale)
         scale_log2 = np.float32(problem.softmax_scale * math.log2(math.e))
         params = backward.kernel_params(problem, dkdv.config)
+        if pair:
+            last_args, last_scalars = (q_, k_, v_, dout, lse, delta, dq), (scale_log2, scale)
+            last_params = backward.kernel_params(problem, last.config)
+        else:
+            last_args, last_scalars, last_params = (dq_accum, dq), (scale,), ()
+
+        def call():
+            return nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+
         times = {
             "pre": median_ms(lambda: preprocess.launch(preprocess.config.grid(*shape), (out, dout, delta, dq_accum),
                                                        ()), 20),
             "dkdv": median_ms(lambda: dkdv.launch(dkdv.config.grid(*shape), (q_, k_, v_, dout, lse, delta, dk, dv,
                                                                             dq_accum), (scale_log2, scale), params), 10),
-            "convert": median_ms(lambda: convert.launch(convert.config.grid(*shape), (dq_accum, dq), (scale,)), 20),
-            "call": median_ms(lambda: nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal), 10),
+            "last": median_ms(lambda: last.launch(last.config.grid(*shape), last_args, last_scalars, last_params),
+                              10 if pair else 20),
+            "call": median_ms(call, 10),
             # the call's host work hidden behind a forward queued ahead (as the SDPA anchors are timed),
             # and ten calls back to back: against "call", what the host and the launch gaps cost
-            "behind": time_ms(lambda: nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal), warmup=3,
-                              repeats=10, budget_s=math.inf,
+            "behind": time_ms(call, warmup=3, repeats=10, budget_s=math.inf,
                               before=lambda: nbflash.flash_attn_func(q, k, v, causal=causal)),
-            "row": back_to_back_ms(lambda: nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal), 10,
-                                   warmup=3, repeats=5, budget_s=math.inf),
+            "row": back_to_back_ms(call, 10, warmup=3, repeats=5, budget_s=math.inf),
         }
         left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
-        flops = 2.5 * 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
-        pre_bytes = out.nbytes + dout.nbytes + dq_accum.nbytes + delta.nbytes  # read O, dO; write zeros, D
-        convert_bytes = dq_accum.nbytes + dq.nbytes
-        print(f"| {headdim} | {seqlen} | {causal} | {1e3 * times['pre']:.0f} | {pre_bytes / times['pre'] / 1e6:.0f} "
-              f"| {1e3 * times['dkdv']:.0f} | {flops / times['dkdv'] / 1e9:.1f} | {1e3 * times['convert']:.0f} | "
-              f"{convert_bytes / times['convert'] / 1e6:.0f} | {1e3 * times['call']:.0f} | "
-              f"{1e3 * times['behind']:.0f} | {1e3 * times['row']:.0f} |", flush=True)
+        product_flops = 2 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
+        pre_bytes = out.nbytes + dout.nbytes + delta.nbytes + (0 if pair else dq_accum.nbytes)  # read O, dO; write D
+        if pair:
+            last_rate = f"{3 * product_flops / times['last'] / 1e9:.1f} TFLOP/s"
+        else:
+            last_rate = f"{(dq_accum.nbytes + dq.nbytes) / times['last'] / 1e6:.0f} GB/s"
+        print(f"| {headdim} | {seqlen} | {causal} | {'pair' if pair else 'atomic'} | {1e3 * times['pre']:.0f} "
+              f"| {pre_bytes / times['pre'] / 1e6:.0f} | {1e3 * times['dkdv']:.0f} "
+              f"| {(4 if pair else 5) * product_flops / times['dkdv'] / 1e9:.1f} | {1e3 * times['last']:.0f} "
+              f"| {last_rate} | {1e3 * times['call']:.0f} | {1e3 * times['behind']:.0f} | {1e3 * times['row']:.0f} |",
+              flush=True)
 
 
 def parse_args():
@@ -454,13 +472,18 @@ def parse_args():
                              "without), and \"dropout-producer\": the planned kernel with the keep bits made by "
                              "the producer's warps 2 and 3")
     parser.add_argument("--parts", action="store_true",
-                        help="the planned backward's preprocess, dK/dV and dq conversion timed apart")
+                        help="the planned backward's preprocess, dK/dV kernel and dQ pass (the dq conversion, or "
+                             "the dQ kernel where the plan holds the pair) timed apart; --headdims takes any "
+                             "headdim here")
+    parser.add_argument("--deterministic", action="store_true", help="with --parts: plan deterministic=True")
     return parser.parse_args()
 
 
 if __name__ == "__main__":
     args = parse_args()
-    if args.headdims:
+    if args.headdims and args.parts:  # any headdim: 4k and 16k, causal and not
+        SHAPES = [(d, n, c) for d in args.headdims for c in (False, True) for n in (4096, 16384)]
+    elif args.headdims:
         SHAPES = [shape for shape in SHAPES if shape[0] in args.headdims]
     if args.only:
         ONLY = {"base", "planned", *args.only}
@@ -475,4 +498,4 @@ if __name__ == "__main__":
         name, headdim, seqlen, causal = args.child
         child_entry(name, int(headdim), int(seqlen), causal == "True")
         sys.exit(0)
-    main_parts() if args.parts else main_backward() if args.backward else main()
+    main_parts(args.deterministic) if args.parts else main_backward() if args.backward else main()
