@@ -217,6 +217,10 @@ def backward_kernels():
             dkdv, dq = configs.sm90_deterministic_configs("float16", headdim, variant)
             found.append((f"backward_sm90_wide_deterministic_{name}_hd{headdim}", dkdv))
             found.append((f"backward_dq_sm90_{name}_hd{headdim}_keys{dq.block_n}", dq))
+            # ... and the largest key tiles two stages of which fit shared memory (options, not planned)
+            keys = {192: 80, 256: 48}[headdim]
+            found.append((f"backward_dq_sm90_{name}_hd{headdim}_keys{keys}",
+                          dataclasses.replace(dq, block_n=keys)))
     # ... and the dQ kernel's variants at hd 128 (causal): softcap, dropout (the dK/dV kernel without dQ
     # is backward_sm90.py's, whose variants are listed above)
     for feature in ("softcap", "dropout"):

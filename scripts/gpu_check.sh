@@ -70,6 +70,9 @@
 #                                headdim 128: its two kernels timed apart (scripts/sm90_schedules.py
 #                                --parts) at hd 128 (atomic plan), 192 and 256, and deterministic at 64
 #                                and 128; hd 128's pair against the atomic kernel again; about 7 minutes
+#   scripts/gpu_check.sh dq-keys the pair past 128 with the dQ kernel's larger key tiles (80 at hd 192,
+#                                48 at 256) against the planned ones, each kernel timed apart; about
+#                                8 minutes
 #   scripts/gpu_check.sh pair-variants
 #                                the pair with softcap, ALiBi, bias, dropout, mask_mod and score_mod
 #                                (causal, 8k, fp16, hd 64/128/256) against the mma family's deterministic
@@ -300,6 +303,23 @@ pair)
         --seqlens 4096 8192 16384 --causal both --dtypes float16 --no-naive --budget 0.3 \
         --markdown "$out/pair_128.md" > "$out/pair_128.log" 2>&1
     echo "hd 128, the pair (det) against the atomic kernel (exit $?):"; tail -8 "$out/pair_128.log"
+    ;;
+dq-keys)
+    # docs/perf-notes.md, step 48: the sm90 dQ kernel's key tiles past headdim 128, planned (64 keys at
+    # hd 192, 32 at 256) against the largest two stages of which fit shared memory (80, 48), the pair's
+    # kernels timed apart (the dK/dV kernel unchanged: a check of the timing's noise)
+    timeout 150 python3 scripts/prebuild_cache.py --jobs 16 --headdims 192 256 --dtypes float16 \
+        --families sm90 --variants plain causal > "$out/dq_keys_prebuild.log" 2>&1
+    echo "prebuild (exit $?): $(tail -1 "$out/dq_keys_prebuild.log")"
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 150 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+        -W ignore tests/test_backward_dq_sm90.py -k key_tile_options_gpu > "$out/dq_keys_tests.log" 2>&1
+    echo "tests: exit $?: $(tail -1 "$out/dq_keys_tests.log")"
+    grep -aE "\] (FAILED|ERROR)" "$out/dq_keys_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -10
+    timeout 120 python3 scripts/sm90_schedules.py --parts --headdims 192 256 > "$out/dq_keys_planned.log" 2>&1
+    echo "planned (exit $?):"; tail -9 "$out/dq_keys_planned.log"
+    timeout 300 python3 scripts/sm90_schedules.py --parts --headdims 192 256 --dq-keys 192:80 256:48 \
+        > "$out/dq_keys_option.log" 2>&1
+    echo "80 and 48 keys (exit $?):"; tail -9 "$out/dq_keys_option.log"
     ;;
 pair-variants)
     # ... next 1: the pair with the features against the mma family's deterministic backward and the

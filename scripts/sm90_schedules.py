@@ -476,6 +476,9 @@ def parse_args():
                              "the dQ kernel where the plan holds the pair) timed apart; --headdims takes any "
                              "headdim here")
     parser.add_argument("--deterministic", action="store_true", help="with --parts: plan deterministic=True")
+    parser.add_argument("--dq-keys", nargs="+", default=[], metavar="HD:KEYS",
+                        help="with --parts: the sm90 dQ kernel's key tiles for configs.SM90_DQ's row of "
+                             "largest headdim HD (an option to time, such as 256:48)")
     return parser.parse_args()
 
 
@@ -498,4 +501,15 @@ if __name__ == "__main__":
         name, headdim, seqlen, causal = args.child
         child_entry(name, int(headdim), int(seqlen), causal == "True")
         sys.exit(0)
+    if args.dq_keys:
+        from nbflash import configs
+
+        rows = dict(configs.SM90_DQ)
+        for item in args.dq_keys:
+            headdim, keys = map(int, item.split(":"))
+            if headdim not in rows:
+                raise SystemExit(f"--dq-keys {item}: configs.SM90_DQ has no row of largest headdim {headdim}")
+            rows[headdim] = keys
+        configs.SM90_DQ[:] = sorted(rows.items())
+        print(f"configs.SM90_DQ for this run: {configs.SM90_DQ}")
     main_parts(args.deterministic) if args.parts else main_backward() if args.backward else main()

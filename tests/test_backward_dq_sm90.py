@@ -178,3 +178,13 @@ GPU_SHAPES = [(2, 113, 203, 4, 2), (1, 1023, 1024, 4, 1), (2, 300, 257, 2, 2), (
 def test_dq_sm90_gpu(rng, xp, monkeypatch, shape, headdim, causal, dtype):
     """Past headdim 128 with the planner's key tiles (configs.SM90_DQ)."""
     check(rng, xp, monkeypatch, *shape, headdim, dtype, causal, block_n=configs._row(configs.SM90_DQ, headdim)[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim, keys", [(160, 80), (192, 80), (200, 48), (256, 48)])
+@pytest.mark.parametrize("shape", GPU_SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+def test_dq_sm90_key_tile_options_gpu(rng, xp, monkeypatch, shape, headdim, keys, causal):
+    """The largest key tiles two stages of which fit shared memory past headdim 128 (an option that
+    scripts/gpu_check.sh dq-keys times against the planned ones; docs/perf-notes.md step 48)."""
+    check(rng, xp, monkeypatch, *shape, headdim, "float16", causal, block_n=keys)
