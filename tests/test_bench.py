@@ -303,3 +303,23 @@ def test_time_ms_queues_before_ahead_of_each_start_event(monkeypatch):
     log.clear()
     measure.time_ms(lambda: log.append("fn"), warmup=0, repeats=1, budget_s=0.0)
     assert [x for x in log if isinstance(x, str)][1:4] == ["start.record", "fn", "stop.record"]
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1", reason="the simulator's arrays")
+def test_default_family_forces_nothing(bench):
+    """--families default: the planner's choice, as a user's call gets it (no family forced)."""
+    import numpy as np
+
+    import nbflash
+    from nbflash import configs
+
+    with bench.forcing("default"):
+        assert configs.forced_family() is None
+    with bench.forcing("mma"):
+        assert configs.forced_family() == "sm80"
+    assert bench.forced("default") is None and bench.forced("sm90") == "sm90"
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, 24, 2, 16)).astype(np.float16) for _ in range(3))
+    out, lse = bench.nbflash_runner("default")(q, k, v, True)()
+    want, want_lse = nbflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert np.array_equal(out, want) and np.array_equal(lse, want_lse)
