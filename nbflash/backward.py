@@ -158,7 +158,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, dropout_p=0.0, softmax_scale=No
     one otherwise (float32, older GPUs); ``nbflash.kernel_family`` forces either.
 
     Extra memory: float32 (batch, nheads, seqlen_q) for rowsum(dout * out), plus a float32 copy of
-    dq's shape for the atomics (not in deterministic mode). The work is queued on CuPy's current
+    dq's shape for the atomics (not in deterministic mode, nor where the plan takes the separate dQ
+    pass anyway: on Hopper GPUs past headdim 128). The work is queued on CuPy's current
     stream; the call does not wait for it.
     """
     if validation.check_dropout_p(dropout_p) > 0 and seed is None:
