@@ -682,7 +682,8 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
     ``sm90_backward_unsupported_reason``; with deterministic=True the Hopper dK/dV kernel without
     dQ and the Hopper dQ kernel (``sm90_deterministic_configs``, every variant); the sm80 family's
     kernels otherwise; the default at ``SM90_BACKWARD_DEFAULT_HEADDIMS``, with
-    deterministic=True at ``SM90_DETERMINISTIC_DEFAULT_HEADDIMS``), "sm80" (alias
+    deterministic=True at ``SM90_DETERMINISTIC_DEFAULT_HEADDIMS``, and the deterministic plan
+    without it too at ``SM90_PAIR_DEFAULT_HEADDIMS``), "sm80" (alias
     "mma": tensor-core dK/dV and dQ kernels, float16/bfloat16 on compute capability >= 8.0; the
     default wherever it applies) or "portable" (any dtype and GPU; the default elsewhere). All use the
     portable preprocess and dq-conversion kernels.

@@ -440,7 +440,7 @@ def main_parts(deterministic=False):
         }
         left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
         product_flops = 2 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
-        pre_bytes = out.nbytes + dout.nbytes + delta.nbytes + (0 if pair else dq_accum.nbytes)  # read O, dO; write D
+        pre_bytes = out.nbytes + dout.nbytes + delta.nbytes + (0 if pair else dq_accum.nbytes)  # read O, dO; write D (and dq_accum's zeros)
         if pair:
             last_rate = f"{3 * product_flops / times['last'] / 1e9:.1f} TFLOP/s"
         else:

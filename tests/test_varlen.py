@@ -147,7 +147,7 @@ def test_varlen_portable_variants_deterministic(rng, xp, small_tiles):
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
 def test_varlen_follows_a_plan_without_atomics(rng, xp, separate_dq_plan):
-    """deterministic=False where the plan holds no dQ atomics (tests/test_backward.py's fixture):
+    """deterministic=False where the plan holds no dQ atomics (tests/conftest.py's fixture):
     flash_attn_varlen_backward runs the dQ pass the plan holds."""
     run(rng, xp, "portable", "float32", True, False)
 
