@@ -122,7 +122,8 @@
 #   scripts/gpu_check.sh stalls [HEADDIM [red|tiles]]
 #                                where the planned dK/dV kernel's warps wait at HEADDIM (default 128;
 #                                64: the rows split), instruction by instruction (ncu's source
-#                                counters; scripts/stall_report.py), plain and causal at 4k, about 3
+#                                counters; scripts/stall_report.py) and its speed-of-light page (SM,
+#                                L2 and DRAM throughput against peak), plain and causal at 4k, about 3
 #                                minutes; needs ncu with hardware counters. With "red" or "tiles", the
 #                                planned kernel with that dq_reduce (tiles is planned at hd 72-128)
 #   scripts/gpu_check.sh wide    issue 13's kernels not yet run on a GPU, their test grids: packed
@@ -480,8 +481,13 @@ stalls)
             > "$out/$name.log" 2>&1
         echo "ncu ${causal:-plain} (exit $?): $(tail -1 "$out/$name.log")"
         timeout 120 ncu --import "$out/$name.ncu-rep" --page source --csv --print-source sass > "$out/$name.csv" 2>&1
-        python3 scripts/stall_report.py summary "$out/$name.csv" --top 30 --context 3 | tee "$out/$name.txt" | head -70
-        rm -f "$out/$name.ncu-rep"  # large; the CSV and the summary come back
+        python3 scripts/stall_report.py summary "$out/$name.csv" --top 30 --context 3 > "$out/$name.txt" 2>&1
+        head -40 "$out/$name.txt"  # (not through tee: head's exit would cut the file short)
+        # the speed-of-light page: SM, L2 and DRAM throughput against their peaks
+        timeout 60 ncu --import "$out/$name.ncu-rep" --page details --section SpeedOfLight > "$out/$name.sol.txt" 2>&1
+        grep -aE "Throughput|Duration|Elapsed Cycles" "$out/$name.sol.txt" | head -12
+        rm -f "$out/$name.ncu-rep"  # large; the summaries come back (the CSV too with STALLS_KEEP_CSV=1)
+        [ -n "${STALLS_KEEP_CSV:-}" ] || rm -f "$out/$name.csv"
     done
     ;;
 wide)

@@ -410,7 +410,10 @@ def main_parts(deterministic=False):
         pair = not dkdv.config.atomic_dq  # dQ by the sm90 dQ kernel (or the mma one), not by atomics
         shape = (batch, nheads, nheads, seqlen, seqlen)
         delta = cupy.empty((batch, nheads, seqlen), np.float32)
-        dq_accum = delta if pair else cupy.empty(q.shape, np.float32)
+        # as the launcher makes it: row-major, or tile-major (dq_reduce="tiles", hd 72-128), whose
+        # zeroing is not the preprocess's (delta stands in for it there)
+        dq_accum, tiles = (delta, False) if pair else backward._dq_accumulator(dkdv.config, batch, nheads, seqlen,
+                                                                                q.shape)
         dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
         scale = np.float32(problem.softmax_scale)
         scale_log2 = np.float32(problem.softmax_scale * math.log2(math.e))
@@ -425,8 +428,8 @@ def main_parts(deterministic=False):
             return nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
 
         times = {
-            "pre": median_ms(lambda: preprocess.launch(preprocess.config.grid(*shape), (out, dout, delta, dq_accum),
-                                                       ()), 20),
+            "pre": median_ms(lambda: preprocess.launch(preprocess.config.grid(*shape),
+                                                       (out, dout, delta, delta if tiles else dq_accum), ()), 20),
             "dkdv": median_ms(lambda: dkdv.launch(dkdv.config.grid(*shape), (q_, k_, v_, dout, lse, delta, dk, dv,
                                                                             dq_accum), (scale_log2, scale), params), 10),
             "last": median_ms(lambda: last.launch(last.config.grid(*shape), last_args, last_scalars, last_params),
