@@ -401,6 +401,10 @@ if SIMULATOR:
         mask = int(lane_mask)
         return _warp_collective(lambda posted: [posted[lane ^ mask] for lane in range(len(posted))], np.uint32(x))
 
+    def warp_broadcast_u32(x):
+        """Lane 0's ``x`` in every lane (shfl.sync.idx.b32 from lane 0 over the whole warp)."""
+        return _warp_collective(lambda posted: [posted[0]] * len(posted), np.uint32(x))
+
     def warp_sync():
         """Wait until every lane of the warp has arrived (bar.warp.sync): shared-memory writes and
         landed cp.async copies of each lane are then visible to the others."""
@@ -685,6 +689,20 @@ else:
 
         def codegen(context, builder, signature, args):
             return _asm(builder, _i32, args, "shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r",
+                        side_effect=True)
+
+        return sig, codegen
+
+    @intrinsic
+    def warp_broadcast_u32(typingctx, x):
+        """Lane 0's ``x`` in every lane (shfl.sync.idx.b32 over the whole warp: every lane calls it,
+        in warp-uniform control flow). ptxas takes the result for warp-uniform, so what is made
+        from it (a warpgroup's index, its wgmma descriptors) can live in uniform registers, where
+        wgmma reads its descriptors; made from threadIdx it is moved there (R2UR) at every wgmma."""
+        sig = types.uint32(types.uint32)
+
+        def codegen(context, builder, signature, args):
+            return _asm(builder, _i32, args, "shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r",
                         side_effect=True)
 
         return sig, codegen

@@ -13,6 +13,7 @@ import pytest
 from numba import cuda, uint16, uint32
 
 from nbflash import primitives as P
+from nbflash.primitives_sm90 import warpgroup_index
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -321,6 +322,29 @@ def test_vote():
     check_vote(np.random.default_rng(5))
 
 
+@cuda.jit
+def _broadcast_kernel(values, out, groups):
+    tid = cuda.threadIdx.x
+    warp, lane = tid // 32, tid % 32
+    out[warp, lane] = P.warp_broadcast_u32(values[warp, lane])
+    groups[warp, lane] = warpgroup_index(tid)
+
+
+def check_broadcast(rng):
+    """warp_broadcast_u32 gives every lane its warp's lane 0 value; warpgroup_index (made from it)
+    is tid // 128, in a block of 3 warpgroups."""
+    values = rng.integers(0, 2**32, (12, 32), dtype=np.uint64).astype(np.uint32)
+    out = np.zeros((12, 32), np.uint32)
+    groups = np.full((12, 32), -1, np.int32)
+    _broadcast_kernel[1, 384](values, out, groups)
+    np.testing.assert_array_equal(out, np.repeat(values[:, :1], 32, axis=1))
+    np.testing.assert_array_equal(groups, np.repeat(np.arange(12) // 4, 32).reshape(12, 32))
+
+
+def test_broadcast():
+    check_broadcast(np.random.default_rng(6))
+
+
 def test_static_range_needs_unroll():
     """static_range loops are expanded by @unroll; one left in an undecorated function (which Numba
     would refuse) raises in the simulator as well, naming the fix."""
@@ -353,6 +377,7 @@ def test_intrinsics_match_layouts_on_gpu():
             check_red(rng, 4)
         check_pointwise(rng)
         check_vote(rng)
+        check_broadcast(rng)
 
 
 @pytest.mark.skipif(not P.SIMULATOR, reason="the simulator's block manager")

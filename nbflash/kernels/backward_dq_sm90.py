@@ -115,6 +115,7 @@ from nbflash.primitives_sm90 import (
     smem_descriptor,
     tile_base,
     tma_load_4d,
+    warpgroup_index,
     wgmma_commit,
     wgmma_fence,
     wgmma_wait,
@@ -327,7 +328,7 @@ def build_backward_dq_sm90(config: Sm90DqConfig):
         if WINDOW:  # the last query blocks see the most keys (causal): start them first
             m_block = cuda.gridDim.x - 1 - m_block
         tid = cuda.threadIdx.x
-        group = tid // GROUP  # 0: the producer; 1 + c: consumer c
+        group = warpgroup_index(tid)  # 0: the producer; 1 + c: consumer c
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         hk = h // (q.shape[2] // k.shape[2])  # GQA: the key/value head this query head reads
         m_start = m_block * BM

@@ -167,6 +167,7 @@ from nbflash.primitives_sm90 import (
     tma_load_4d,
     tma_store_commit,
     tma_store_wait,
+    warpgroup_index,
     wgmma_commit,
     wgmma_fence,
     wgmma_wait,
@@ -1121,7 +1122,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         if not inside:
             return  # the whole block, before any barrier: its key tile lies past the sequence's end
         tid = cuda.threadIdx.x
-        group_id = tid // GROUP  # 0: the producer; 1 + c: consumer c
+        group_id = warpgroup_index(tid)  # 0: the producer; 1 + c: consumer c
         group = q.shape[2] // k.shape[2]  # GQA: query heads hk * group ... share this K/V tile
         n_start = n_block * BN
 

@@ -106,6 +106,7 @@ from nbflash.primitives_sm90 import (
     stmatrix_x4,
     tile_base,
     tma_load_4d,
+    warpgroup_index,
     wgmma_commit,
     wgmma_fence,
     wgmma_wait,
@@ -462,7 +463,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
         else:
             n_block, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         tid = cuda.threadIdx.x
-        group_id = tid // GROUP  # 0: the producer; 1 + c: consumer c
+        group_id = warpgroup_index(tid)  # 0: the producer; 1 + c: consumer c
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         group = q.shape[2] // nheads_k  # GQA: query heads hk * group ... share this K/V tile
         visited = visits(n_block, seqlen_q, seqlen_k, params, group)  # persistent: again per key tile

@@ -142,6 +142,7 @@ from nbflash.primitives_sm90 import (
     tensor_map_4d_words,
     tile_base,
     tma_load_4d,
+    warpgroup_index,
     wgmma_commit,
     wgmma_fence,
     wgmma_wait,
@@ -621,7 +622,7 @@ def build_forward_sm90(config: Sm90ForwardConfig):
         if WINDOW:  # the last query blocks see the most keys (causal): start them first
             m_block = m_blocks - 1 - m_block
         tid = cuda.threadIdx.x
-        group = tid // GROUP  # 0: the producer; 1 + c: consumer c
+        group = warpgroup_index(tid)  # 0: the producer; 1 + c: consumer c
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         hk = h // (q.shape[2] // k.shape[2])  # GQA: the key/value head this query head reads
         m_start = m_block * BM
