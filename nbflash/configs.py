@@ -507,12 +507,19 @@ SM90_DQ = [
 SM90_DQ_MASKED_KEYS = 64
 
 
+# The wide kernel's P^T and dS^T made by both consumers, each for half the step's queries
+# (``Sm90WideBackwardConfig.split_tiles``), instead of consumer 0 alone while consumer 1 waits: an
+# option until timed (docs/perf-notes.md, "Hopper backward", step 50).
+SM90_WIDE_SPLIT_TILES = False
+
+
 def sm90_deterministic_configs(dtype, headdim, variant):
     """The deterministic sm90 backward's kernels (dK/dV, dQ): the dK/dV kernel without dQ
     (backward_sm90.py's from the table, the wide one past headdim 128), then the dQ kernel with
     ``SM90_DQ``'s key tiles."""
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
-        dkdv = Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS, dq_split="none")
+        dkdv = Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS, dq_split="none",
+                                      split_tiles=SM90_WIDE_SPLIT_TILES)
     else:
         dkdv = dataclasses.replace(sm90_backward_table_config(dtype, headdim, variant), dq_split="none",
                                    dq_first=False)
@@ -611,7 +618,8 @@ def sm90_backward_config(dtype, headdim, variant):
     table otherwise, its dQ tile-major where it issues dQ_i's product first
     (``SM90_BACKWARD_DQ_TILES``)."""
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
-        return Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS)
+        return Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS,
+                                      split_tiles=SM90_WIDE_SPLIT_TILES)
     if not runtime.SIMULATOR and headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM and sm90_rows_serves(variant):
         early = "dq" if SM90_BACKWARD_ROWS_DQ_EARLY and not variant.window else "none"
         return Sm90RowsBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS,

@@ -482,6 +482,9 @@ def parse_args():
     parser.add_argument("--dq-keys", nargs="+", default=[], metavar="HD:KEYS",
                         help="with --parts: the sm90 dQ kernel's key tiles for configs.SM90_DQ's row of "
                              "largest headdim HD (an option to time, such as 256:48)")
+    parser.add_argument("--split-tiles", action="store_true",
+                        help="plan the wide kernel's P^T and dS^T made by both consumers "
+                             "(configs.SM90_WIDE_SPLIT_TILES, an option to time)")
     return parser.parse_args()
 
 
@@ -515,4 +518,9 @@ if __name__ == "__main__":
             rows[headdim] = keys
         configs.SM90_DQ[:] = sorted(rows.items())
         print(f"configs.SM90_DQ for this run: {configs.SM90_DQ}")
+    if args.split_tiles:
+        from nbflash import configs
+
+        configs.SM90_WIDE_SPLIT_TILES = True
+        print("configs.SM90_WIDE_SPLIT_TILES = True for this run")
     main_parts(args.deterministic) if args.parts else main_backward() if args.backward else main()

@@ -822,6 +822,43 @@ def test_backward_sm90_wide_score_features_small(rng, xp):
     run_sm90_variant(rng, xp, "combined", "float16", 1, 40, 60, 2, 1, 136)
 
 
+def split_tiles_agree(xp, monkeypatch, seed, name, dtype, shape, deterministic):
+    """The wide kernel's P^T and dS^T made by both consumers, each for half the queries
+    (split_tiles), against consumer 0 making them alone, on the same draw (run_sm90_variant: each
+    against the reference's rule): dk and dv the same to the bit, since each score goes through
+    the same arithmetic, only on another warpgroup. dq too when deterministic (without, the
+    float32 atomics add in an order that changes from run to run)."""
+    grads = {}
+    for split in (False, True):
+        monkeypatch.setattr(configs, "SM90_WIDE_SPLIT_TILES", split)
+        backward._kernels.cache_clear()
+        assert configs.sm90_deterministic_configs(dtype, shape[-1], Variant())[0].split_tiles == split
+        grads[split] = run_sm90_variant(np.random.default_rng(seed), xp, name, dtype, *shape,
+                                        deterministic=deterministic)
+    monkeypatch.setattr(configs, "SM90_WIDE_SPLIT_TILES", False)
+    backward._kernels.cache_clear()
+    for a, b in list(zip(grads[False], grads[True]))[0 if deterministic else 1:]:
+        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_wide_split_tiles_gpu")
+@pytest.mark.parametrize("name", ["causal", "combined", "causal-dropout"])
+def test_backward_sm90_wide_split_tiles_small(rng, xp, monkeypatch, name):
+    """split_tiles against consumer 0 alone (split_tiles_agree), deterministic (the pair), headdim
+    136 with a tail: causal, window + softcap + ALiBi (dS^T made with P^T), causal dropout."""
+    split_tiles_agree(xp, monkeypatch, 11, name, "float16", (1, 40, 60, 2, 1, 136), True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [True, False], ids=["pair", "atomic"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", ["plain", "causal", "combined", "causal-dropout", "causal-bias", "document-mask-mod"])
+@pytest.mark.parametrize("shape", [(2, 1023, 1024, 4, 2, 256), (1, 300, 257, 6, 2, 136), (2, 113, 203, 3, 1, 192)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_backward_sm90_wide_split_tiles_gpu(xp, monkeypatch, shape, name, dtype, deterministic):
+    split_tiles_agree(xp, monkeypatch, shape[1] + len(name), name, dtype, shape, deterministic)
+
+
 def dropout_forms_agree(xp, monkeypatch, seed, name, dtype, shape):
     """run_sm90_variant (gradients against the reference) with dropout's keep bits made by the
     consumer lanes and by the producer's warps 2 and 3, on the same draw: the same bits, so dk and

@@ -873,15 +873,18 @@ def make_produce_tiles(config, hooks):
     return produce_tiles
 
 
-def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False):
+def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False, columns=None):
     """``probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
     scale_log2, units, q4, masked)``: a consumer's S^T (keys by block_m queries, wgmma's layout) ->
     P^T in place, and with a score feature or dropout dS^T from the landed dP^T at once. ``dp`` is
     dP^T's registers, or with ``handover`` the shared-memory word of this thread's register 0 of a
     float32 copy (register r at word dp + 128 r: backward_sm90_wide.py's hand-over), where dS^T
     replaces dP^T. With ``staged_dropout`` the keep bits come in ``drop_word`` (byte p for queries
-    16 p + 2 q4 on, make_stage_dropout's) instead of the lane's own Philox calls."""
+    16 p + 2 q4 on, make_stage_dropout's) instead of the lane's own Philox calls. ``columns``
+    (first, end): only the 8-query column groups first..end-1 (even bounds; registers 4 first ..
+    4 end - 1), default all."""
     BM, NT = block_m, block_m // 8
+    FIRST_PAIR, END_PAIR = (0, NT // 2) if columns is None else (columns[0] // 2, columns[1] // 2)
     row_keys, hidden = hooks.row_keys, hooks.hidden
     SCORE, DROPOUT, dropout_bits_t, dropout_bit = hooks.SCORE, hooks.DROPOUT, hooks.dropout_bits_t, hooks.dropout_bit
     FUSED = SCORE or DROPOUT  # dS^T made with P^T, from the landed dP^T (its factors used as they are made)
@@ -902,7 +905,7 @@ def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False):
         # The score features' (row, key) bases: queries q_start + 2 q4 + column offset, the two key rows
         ctx = (score_row(q_start + 2 * q4, key_row0, seqlen_q, seqlen_k, params, head_ctx, units),
                score_row(q_start + 2 * q4, key_row0 + 8, seqlen_q, seqlen_k, params, head_ctx, units))
-        for pair in static_range(NT // 2):
+        for pair in static_range(FIRST_PAIR, END_PAIR):
             # Dropout's factors of queries 16 pair + 2 q4 (+1, +8, +9), the two key rows: one Philox call
             # per eight scores, shared with lane ^ 4 (Hooks.dropout_bits_t); a constant without dropout
             if staged_dropout:

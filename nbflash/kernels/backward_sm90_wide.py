@@ -130,6 +130,10 @@ class Sm90WideBackwardConfig(Sm90BackwardBlock):
     # "columns": each consumer adds its half of dQ_i's columns into dq_accum by atomics; "none": no dQ
     # at all (dK and dV only: the deterministic backward, whose dQ is backward_dq_sm90.py's pass)
     dq_split: str = "columns"
+    # P^T and dS^T made by both consumers, each for half the step's queries (consumer 0 queries 0-31,
+    # consumer 1 32-63), the halves of S^T and dP^T the other holds exchanged through the hand-over;
+    # else by consumer 0 alone from dP^T handed over, while consumer 1 waits (the module docstring)
+    split_tiles: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     varlen_batch_of_one = True  # packed sequences: as backward_sm90.py's (nbflash/varlen.py)
     consumers = 2
@@ -223,6 +227,7 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
     consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES, make_step_tile(config))
     probabilities_t = make_probabilities_t(hooks, BM, handover=True)  # consumer 0's P^T (and fused dS^T)
+    SPLIT_TILES, HALF_REGS = config.split_tiles, S_REGS // 2
 
     @inline_device
     @unroll
@@ -244,31 +249,71 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
         wgmma_commit()
         return acc
 
-    @inline_device
-    @unroll
-    def store_tiles_t(smem, pt_row_word, s, handover_lane, stats, g, q4):
-        """P^T (in s) and dS^T of the thread's key rows 16 warp + g, + 8 and query columns 8 c + 2 q4,
-        + 1, packed to 16 bits, into the P^T and dS^T tiles: rows of 128 bytes, 16-byte unit c
-        stored at c ^ g (the 128-byte swizzle wgmma reads; the row's index mod 8 is g). dS^T = P^T
-        (dP^T - D[query]) from the hand-over's dP^T, or with a score feature or dropout the hand-over's
-        values as they are (probabilities_t made dS^T there). ``pt_row_word``: the P^T tile's word
-        of the thread's first row plus q4; ``handover_lane``: the hand-over's word of register 0 for
-        this thread. Both are made opaque each step: else LLVM makes every address once before the
-        loop, and ptxas spills them."""
-        row_word, swizzle, lane_word = fence_operands((pt_row_word, uint32(4 * g), handover_lane))
-        for c in static_range(NT):
-            d0 = u32_as_f32(smem[stats + BM + 8 * c + 2 * q4])
-            d1 = u32_as_f32(smem[stats + BM + 8 * c + 2 * q4 + 1])
-            for rh in static_range(2):
-                r = 4 * c + 2 * rh
-                dp0 = u32_as_f32(smem[lane_word + uint32(r * GROUP)])
-                dp1 = u32_as_f32(smem[lane_word + uint32((r + 1) * GROUP)])
-                ds0, ds1 = dp0, dp1
-                if not FUSED:
-                    ds0, ds1 = s[r] * (dp0 - d0), s[r + 1] * (dp1 - d1)
-                word = row_word + uint32(8 * rh * (ROW_BYTES // 4)) + (uint32(4 * c) ^ swizzle)
-                smem[word] = pack(s[r], s[r + 1])
-                smem[word + uint32(PT_BYTES // 4)] = pack(ds0, ds1)
+    def make_store_tiles_t(first, end, dp_registers):
+        """``store_tiles_t(smem, pt_row_word, p, dp, lane_word, stats, g, q4)``: P^T (in p) and dS^T of
+        the thread's key rows 16 warp + g, + 8 and query columns 8 c + 2 q4, + 1 for the column groups
+        c = first .. end - 1, packed to 16 bits, into the P^T and dS^T tiles: rows of 128 bytes,
+        16-byte unit c stored at c ^ g (the 128-byte swizzle wgmma reads; the row's index mod 8 is g).
+        dS^T = P^T (dP^T - D[query]), or with a score feature or dropout dP^T's place as it is
+        (probabilities_t made dS^T there). dP^T is in registers ``dp`` (``dp_registers``) or in the
+        hand-over, register r at word ``lane_word`` + 128 r. ``pt_row_word``: the P^T tile's word of
+        the thread's first row plus q4. Both words are made opaque each step: else LLVM makes every
+        address once before the loop, and ptxas spills them."""
+
+        @inline_device
+        @unroll
+        def store_tiles_t(smem, pt_row_word, p, dp, lane_word, stats, g, q4):
+            row_word, swizzle, lane_word = fence_operands((pt_row_word, uint32(4 * g), lane_word))
+            for c in static_range(first, end):
+                d0 = u32_as_f32(smem[stats + BM + 8 * c + 2 * q4])
+                d1 = u32_as_f32(smem[stats + BM + 8 * c + 2 * q4 + 1])
+                for rh in static_range(2):
+                    r = 4 * c + 2 * rh
+                    if dp_registers:
+                        dp0, dp1 = dp[r], dp[r + 1]
+                    else:
+                        dp0 = u32_as_f32(smem[lane_word + uint32(r * GROUP)])
+                        dp1 = u32_as_f32(smem[lane_word + uint32((r + 1) * GROUP)])
+                    ds0, ds1 = dp0, dp1
+                    if not FUSED:
+                        ds0, ds1 = p[r] * (dp0 - d0), p[r + 1] * (dp1 - d1)
+                    word = row_word + uint32(8 * rh * (ROW_BYTES // 4)) + (uint32(4 * c) ^ swizzle)
+                    smem[word] = pack(p[r], p[r + 1])
+                    smem[word + uint32(PT_BYTES // 4)] = pack(ds0, ds1)
+
+        return store_tiles_t
+
+    store_tiles_t = make_store_tiles_t(0, NT, False)  # consumer 0, the whole step, dP^T handed over
+
+    def make_half_tiles_t(consumer):
+        """``half_tiles_t(s, other, smem, lane_word, stats, pt_row_word, key_row0, q_start, seqlen_q,
+        seqlen_k, params, head_ctx, scale_log2, units, g, q4, masked)`` (split_tiles): P^T and dS^T of
+        ``consumer``'s half of the step's queries (column groups 4 consumer .. 4 consumer + 3,
+        registers 16 consumer .. 16 consumer + 15) into the tiles. Its own product's half is in s
+        (S^T for consumer 0, dP^T for 1); the other's, which the other left in the hand-over (register r
+        at word lane_word + 128 r), is read into ``other`` first."""
+        first = HALF_REGS * consumer
+        probabilities = make_probabilities_t(hooks, BM, columns=(NT // 2 * consumer, NT // 2 * (consumer + 1)))
+        store = make_store_tiles_t(NT // 2 * consumer, NT // 2 * (consumer + 1), True)
+
+        @inline_device
+        @unroll
+        def half_tiles_t(s, other, smem, lane_word, stats, pt_row_word, key_row0, q_start, seqlen_q, seqlen_k, params,
+                         head_ctx, scale_log2, units, g, q4, masked):
+            for r in static_range(first, first + HALF_REGS):
+                other[r] = u32_as_f32(smem[lane_word + uint32(r * GROUP)])
+            if consumer == 0:  # S^T in s, dP^T in other
+                probabilities(s, other, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
+                              units, q4, masked, uint32(0))
+                store(smem, pt_row_word, s, other, lane_word, stats, g, q4)
+            else:  # S^T in other, dP^T in s
+                probabilities(other, s, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
+                              units, q4, masked, uint32(0))
+                store(smem, pt_row_word, other, s, lane_word, stats, g, q4)
+
+        return half_tiles_t
+
+    half_tiles_0, half_tiles_1 = make_half_tiles_t(0), make_half_tiles_t(1)
 
     # -----------------------------------------------------------------------------------------------
     # The kernel
@@ -358,6 +403,7 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
             # S^T (P^T) or dP^T, and a dQ product: each made from its own last registers, which the
             # first k16 step ignores (scale-d 0); zeros only so that the first step reads defined values
             s = cuda.local.array(S_REGS, float32)
+            other = cuda.local.array(S_REGS, float32)  # split_tiles: the other consumer's half, from the hand-over
             dk_acc = cuda.local.array(ACC_REGS, float32)
             dv_acc = cuda.local.array(ACC_REGS, float32)
             dq_acc = cuda.local.array(DQ_REGS, float32)
@@ -396,7 +442,33 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                 registers_to(s, fence_operands(acc_s))
 
                 stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
-                if consumer == 1:  # dP^T to consumer 0: register r of thread t at word r * GROUP + t
+                if SPLIT_TILES:  # each consumer makes P^T and dS^T for its half of the queries
+                    head_ctx = head_context(params, b, h)
+                    units = score_units(params, scale, head_ctx)
+                    # the other's half of this product to the hand-over: register r at word r * GROUP + t
+                    lane_word = fence_operands((handover_lane, uint32(0)))[0]  # opaque: see store_tiles_t
+                    if consumer == 0:  # S^T's queries 32-63
+                        for r in static_range(HALF_REGS, S_REGS):
+                            smem[lane_word + uint32(r * GROUP)] = f32_as_u32(s[r])
+                    else:  # dP^T's queries 0-31
+                        for r in static_range(HALF_REGS):
+                            smem[lane_word + uint32(r * GROUP)] = f32_as_u32(s[r])
+                    named_barrier_sync(1, BOTH)  # both halves are handed over
+                    if step_masked if BLOCK_MASK else tail or int32(tile) < full_start or int32(tile) >= full_end:
+                        if consumer == 0:
+                            half_tiles_0(s, other, smem, lane_word, stats, pt_row_word, key_row0, q_start, seqlen_q,
+                                         seqlen_k, params, head_ctx, scale_log2, units, g, q4, True)
+                        else:
+                            half_tiles_1(s, other, smem, lane_word, stats, pt_row_word, key_row0, q_start, seqlen_q,
+                                         seqlen_k, params, head_ctx, scale_log2, units, g, q4, True)
+                    elif consumer == 0:
+                        half_tiles_0(s, other, smem, lane_word, stats, pt_row_word, key_row0, q_start, seqlen_q, seqlen_k,
+                                     params, head_ctx, scale_log2, units, g, q4, False)
+                    else:
+                        half_tiles_1(s, other, smem, lane_word, stats, pt_row_word, key_row0, q_start, seqlen_q, seqlen_k,
+                                     params, head_ctx, scale_log2, units, g, q4, False)
+                    fence_proxy_async()  # the tiles' stores are ordered before wgmma reads them
+                elif consumer == 1:  # dP^T to consumer 0: register r of thread t at word r * GROUP + t
                     lane_word = fence_operands((handover_lane, uint32(0)))[0]  # opaque: see store_tiles_t
                     for r in static_range(S_REGS):
                         smem[lane_word + uint32(r * GROUP)] = f32_as_u32(s[r])
@@ -418,7 +490,7 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                                         head_ctx, scale_log2, units, q4, False, uint32(0))
                     if not FUSED:
                         named_barrier_sync(1, BOTH)  # dP^T is handed over
-                    store_tiles_t(smem, pt_row_word, s, handover_lane, stats, g, q4)
+                    store_tiles_t(smem, pt_row_word, s, s, handover_lane, stats, g, q4)
                     fence_proxy_async()  # the tiles' stores are ordered before wgmma reads them
                 named_barrier_sync(2, BOTH)  # P^T and dS^T are stored
 
