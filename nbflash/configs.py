@@ -17,13 +17,15 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
   64, for plain and windowed attention, its sibling nbflash/kernels/backward_sm90_rows.py, which
   splits the query rows between the consumers; at headdims 136-256, every variant, its sibling
   nbflash/kernels/backward_sm90_wide.py, which splits headdim: ``sm90_backward_config``) is the
-  default at ``SM90_BACKWARD_DEFAULT_HEADDIMS`` for plain and causal attention, with dropout or a
-  score_mod (``_measured_on_sm90``), and at headdim 128 for causal attention with softcap or ALiBi
-  (``SM90_BACKWARD_HD128_VARIANTS``), and for packed sequences at headdims 64 and 128
-  (``SM90_BACKWARD_VARLEN_HEADDIMS``), with deterministic=True (its dK/dV kernel without dQ, then
-  nbflash/kernels/backward_dq_sm90.py) at ``SM90_DETERMINISTIC_DEFAULT_HEADDIMS``, and that pair
-  without deterministic=True too at ``SM90_PAIR_DEFAULT_HEADDIMS`` (past headdim 128, where it beats
-  the wide kernel's dQ atomics); the sm80 family's backward elsewhere. Its fp8 (e4m3)
+  default at ``SM90_BACKWARD_DEFAULT_HEADDIMS`` for plain and causal attention, with one of softcap,
+  ALiBi, a bias tensor, dropout or a score_mod at the headdims where each was measured
+  (``SM90_BACKWARD_FEATURE_HEADDIMS``), with a block mask (``SM90_BACKWARD_BLOCK_MASK_HEADDIMS``),
+  and for packed sequences at headdims 64 and 128 (``SM90_BACKWARD_VARLEN_HEADDIMS``); with
+  deterministic=True (its dK/dV kernel without dQ, then nbflash/kernels/backward_dq_sm90.py) at
+  ``SM90_DETERMINISTIC_DEFAULT_HEADDIMS`` for the same variants but packed sequences, and that
+  pair without deterministic=True too at ``SM90_PAIR_DEFAULT_HEADDIMS`` (past headdim 128, where it
+  beats the wide kernel's dQ atomics; with a feature, those of ``SM90_PAIR_FEATURES``); the sm80
+  family's backward elsewhere. Its fp8 (e4m3)
   forward is reached only through flash_attn_func's fp8 inputs (``SM90_FP8_FORWARD``).
 - ``"sm80"`` (alias ``"mma"``): tensor cores through ``mma.sync`` (nbflash/kernels/forward_mma.py);
   float16 and bfloat16 on GPUs of compute capability 8.0 and newer (Ampere, Ada, and Hopper where
@@ -215,6 +217,30 @@ def _measured_on_sm90(variant, headdim, measured):
     extras = [feature for feature in SM90_MEASURED_EXTRAS if getattr(variant, feature)]
     return (headdim in SM90_EXTRAS_HEADDIMS and len(extras) == 1
             and variant._replace(dropout=False, score_mod="") in (Variant(), Variant(window=True)))
+
+
+def _backward_feature(variant):
+    """The one feature of ``SM90_BACKWARD_FEATURE_HEADDIMS`` that ``variant`` adds to plain or windowed
+    attention; None for any other variant."""
+    variant = variant._replace(score_mod_grad="")
+    features = [name for name in SM90_BACKWARD_FEATURE_HEADDIMS if getattr(variant, name)]
+    if len(features) != 1 or variant._replace(**{features[0]: Variant._field_defaults[features[0]]}) not in (
+            Variant(), Variant(window=True)):
+        return None
+    return features[0]
+
+
+def _backward_measured_on_sm90(variant, headdim):
+    """``variant`` at ``headdim`` (one of ``SM90_BACKWARD_DEFAULT_HEADDIMS``) was measured faster on the
+    sm90 backward: plain or windowed attention, one feature of ``SM90_BACKWARD_FEATURE_HEADDIMS`` at
+    its headdims, or mask_mod with its block mask at ``SM90_BACKWARD_BLOCK_MASK_HEADDIMS``."""
+    variant = variant._replace(score_mod_grad="")
+    if variant in SM90_BACKWARD_DEFAULT_VARIANTS:
+        return True
+    if variant.block_mask and variant._replace(mask_mod="", block_mask=False) == Variant():
+        return headdim in SM90_BACKWARD_BLOCK_MASK_HEADDIMS
+    feature = _backward_feature(variant)
+    return feature is not None and headdim in SM90_BACKWARD_FEATURE_HEADDIMS[feature]
 
 
 def sm90_unsupported_reason(static):
@@ -469,14 +495,32 @@ SM90_DETERMINISTIC_DEFAULT_HEADDIMS = tuple(range(16, 264, 8))
 # 1.10-1.23x, hd 160 1.22-1.34x, hd 192 1.26-1.39x, hd 256 1.22-1.39x (the wide kernel's dQ atomics
 # cost more than a second pass over K and V). Its results are then bit-identical run to run as well.
 SM90_PAIR_DEFAULT_HEADDIMS = tuple(range(136, 264, 8))
-# ... for these variants, and with dropout or a score_mod (``_measured_on_sm90``); the others it
-# serves run on it when "sm90" is forced
+# ... for these variants, and with the features below; the others it serves run on it when "sm90" is
+# forced
 SM90_BACKWARD_DEFAULT_VARIANTS = (Variant(), Variant(window=True))
-# ... and at headdim 128, causal attention with softcap or with ALiBi: measured at seqlen 8k, fp16
-# (docs/benchmarks.md, "GPU runs of 2026-12-03, second session"), the sm90 backward 306 / 311 TFLOP/s
-# against the mma backward's 167 / 170 (the same shape in commit 50e4cd7's run). Not measured: these
-# without the window, together, or at other headdims.
-SM90_BACKWARD_HD128_VARIANTS = (Variant(window=True, softcap=True), Variant(window=True, alibi=True))
+# ... and with one of these features, alone or with the window, at the headdims listed, where the
+# sm90 backward was measured faster than the mma one: dropout and a score_mod at 64 and 128 (the
+# forward's ``SM90_MEASURED_EXTRAS`` runs, 2026-12-03: 1.48x / 1.54x and 1.77x / 1.96x), causal
+# softcap and ALiBi at 128 (2026-12-03, second session: 306 / 311 TFLOP/s against 167 / 170); then
+# every one of them on an H100 (2026-12-06, twentieth session: scripts/gpu_check.sh pair-variants,
+# bench.py --pass backward --families sm90 mma --deterministic, fp16, causal, seqlen 8k, one run;
+# docs/benchmarks.md, "The backward's features on the Hopper kernels"), the sm90 backward against
+# the mma one, with dQ's atomics / with deterministic=True (the pair against the mma family's
+# deterministic backward): softcap hd 64 1.70x / 1.82x, 128 2.30x / 2.09x, 256 2.29x / 2.52x; ALiBi
+# 1.50x / 2.09x, 2.43x / 2.49x, 2.30x / 2.45x; a bias tensor 1.08x / 1.10x, 1.19x / 1.16x, 1.25x /
+# 1.09x; dropout 1.55x / 1.72x, 1.91x / 1.81x, 1.98x / 2.34x; a score_mod (64 and 128) 1.82x /
+# 2.15x, 2.42x / 2.43x. Not measured: other headdims, the features together, a mask tensor, a
+# score_mod at 256; non-causal forms run the same kernels with fewer masked tiles.
+SM90_BACKWARD_FEATURE_HEADDIMS = {"softcap": (64, 128, 256), "alibi": (64, 128, 256), "bias": (64, 128, 256),
+                                  "dropout": (64, 128, 256), "score_mod": (64, 128)}
+# ... and mask_mod with its block mask (no other feature) at these: 128 measured on 2026-12-03 (see
+# ``SM90_BLOCK_MASK_HEADDIMS``), 64 and 128 in the run above (three documents, causal-free): 1.90x /
+# 1.63x and 2.13x / 1.99x
+SM90_BACKWARD_BLOCK_MASK_HEADDIMS = (64, 128)
+# ... and past headdim 128, with these features the pair is the default without deterministic=True
+# too (as for plain and windowed attention): at hd 256 in the run above softcap 1.24x, ALiBi 1.26x,
+# dropout 1.39x the wide kernel with dQ's atomics; with a bias tensor 0.90x, which keeps the atomics
+SM90_PAIR_FEATURES = ("softcap", "alibi", "dropout")
 # ... and packed sequences (flash_attn_varlen_backward) at these headdims, plain and causal. Headdim
 # 128 measured on an H100 (scripts/gpu_check.sh tiles2: scripts/bench.py --pass varlen
 # --varlen-backward --headdims 128, 14 sequences of up to 2048 tokens, 16384 in all, fp16, two runs),
@@ -700,18 +744,20 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
     dtype, headdim, device = static.dtype, static.headdim, static.device
     aligned = static.aligned if aligned is None else aligned
     variant = static.variant._replace(score_mod_grad="")
+    measured = _backward_measured_on_sm90(variant, headdim)
     default = (family is None and not runtime.SIMULATOR and headdim in SM90_BACKWARD_DEFAULT_HEADDIMS
-               and (_measured_on_sm90(static.variant, headdim, SM90_BACKWARD_DEFAULT_VARIANTS)
-                    or (headdim == 128 and variant in SM90_BACKWARD_HD128_VARIANTS)
-                    or (headdim in SM90_BACKWARD_VARLEN_HEADDIMS and variant == Variant(varlen=True))))
+               and (measured or (headdim in SM90_BACKWARD_VARLEN_HEADDIMS and variant == Variant(varlen=True))))
     sm90 = family == "sm90" or default
     # deterministic=True under "sm90": the sm90 dK/dV kernel without dQ (dq_split="none"; the wide one
     # past headdim 128) and the sm90 dQ kernel, every variant;
-    # by default at SM90_DETERMINISTIC_DEFAULT_HEADDIMS for plain and windowed attention, and at
-    # SM90_PAIR_DEFAULT_HEADDIMS without deterministic=True too (faster than dQ's atomics there)
-    pair_default = (default and variant in SM90_BACKWARD_DEFAULT_VARIANTS
-                    and headdim in (SM90_DETERMINISTIC_DEFAULT_HEADDIMS if deterministic
-                                    else SM90_PAIR_DEFAULT_HEADDIMS))
+    # by default at SM90_DETERMINISTIC_DEFAULT_HEADDIMS for the variants measured (plain and windowed
+    # attention, the features at their headdims), and at SM90_PAIR_DEFAULT_HEADDIMS without
+    # deterministic=True too (faster than dQ's atomics there) for plain and windowed attention and
+    # SM90_PAIR_FEATURES
+    pair_default = default and measured and (
+        headdim in SM90_DETERMINISTIC_DEFAULT_HEADDIMS if deterministic
+        else headdim in SM90_PAIR_DEFAULT_HEADDIMS
+        and (variant in SM90_BACKWARD_DEFAULT_VARIANTS or _backward_feature(variant) in SM90_PAIR_FEATURES))
     sm90_dq = (sm90_backward_unsupported_reason(static, False, aligned) is None
                and ((deterministic and family == "sm90") or pair_default))
     sm90 = sm90 and not sm90_dq and sm90_backward_unsupported_reason(static, deterministic, aligned) is None

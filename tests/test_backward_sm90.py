@@ -716,11 +716,14 @@ def test_sm90_backward_default_headdims(monkeypatch):
         for variant in (Variant(dropout=True), Variant(softcap=True), Variant(varlen=True)):
             assert type(configs.plan_backward(Static("float16", headdim, False, 0, variant), False, None, True)[1]) \
                 is MmaBackwardConfig, (headdim, variant)
-    # deterministic with a variant the Hopper pair serves but was not timed with keeps the mma family
-    # by default ("sm90" forced takes the pair)
-    plan = configs.plan_backward(Static("float16", 128, False, 0, Variant(dropout=True)), True, None, True)
+    # deterministic with a variant the Hopper pair serves but was not timed with (a mask tensor) keeps
+    # the mma family by default ("sm90" forced takes the pair); with one timed (dropout at 128: the
+    # features, tests/test_forward_sm90.py's test_sm90_backward_default_for_features) the pair
+    plan = configs.plan_backward(Static("float16", 128, False, 0, Variant(mask=True)), True, None, True)
     assert type(plan[1]) is MmaBackwardConfig
-    plan = configs.plan_backward(Static("float16", 128, False, 0, Variant(dropout=True)), True, "sm90", True)
+    plan = configs.plan_backward(Static("float16", 128, False, 0, Variant(mask=True)), True, "sm90", True)
+    assert type(plan[2]) is Sm90DqConfig
+    plan = configs.plan_backward(Static("float16", 128, False, 0, Variant(dropout=True)), True, None, True)
     assert type(plan[2]) is Sm90DqConfig
 
 

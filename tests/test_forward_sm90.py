@@ -411,13 +411,17 @@ def test_new_variants_not_the_default_on_sm90(monkeypatch):
         assert isinstance(configs.plan_forward(static), MmaForwardConfig), variant
     for variant in configs.SM90_DEFAULT_VARIANTS:
         assert isinstance(configs.plan_forward(Static("float16", 128, True, 0, variant)), Sm90ForwardConfig), variant
-    # mask_mod with a block mask: the default where measured (headdim 128, forward and backward),
-    # served when forced elsewhere (mma by default); with another feature not measured: mma.
+    # mask_mod with a block mask: the default where measured (headdim 128, forward and backward; the
+    # backward at 64 too), served when forced elsewhere (mma by default); with another feature not
+    # measured: mma.
     block_mask = Variant(mask_mod="g:0", block_mask=True)
     static = Static("float16", 128, True, 0, block_mask)
     assert isinstance(configs.plan_forward(static), Sm90ForwardConfig)
     assert isinstance(configs.plan_backward(static, False)[1], Sm90BackwardConfig)
-    for static in (Static("float16", 64, True, 0, block_mask),
+    static = Static("float16", 64, True, 0, block_mask)
+    assert isinstance(configs.plan_forward(static), MmaForwardConfig)
+    assert isinstance(configs.plan_backward(static, False)[1], Sm90BackwardConfig)
+    for static in (Static("float16", 256, True, 0, block_mask),
                    Static("float16", 128, True, 0, block_mask._replace(window=True))):
         assert isinstance(configs.plan_forward(static), MmaForwardConfig)
         assert isinstance(configs.plan_backward(static, False)[1], MmaBackwardConfig)
@@ -428,25 +432,53 @@ def test_new_variants_not_the_default_on_sm90(monkeypatch):
         configs.plan_forward(static, "sm90")
 
 
-def test_sm90_backward_default_for_causal_softcap_alibi_at_128(monkeypatch):
-    # On compute capability 9.0 the sm90 backward is the default for causal attention with softcap
-    # or with ALiBi at headdim 128, where it was measured (~1.8x the mma backward); not at headdim 64,
-    # not without the window, not with both (configs.SM90_BACKWARD_HD128_VARIANTS).
+def test_sm90_backward_default_for_features(monkeypatch):
+    # On compute capability 9.0 the sm90 backward is the default with one of softcap, ALiBi, a bias
+    # tensor, dropout or a score_mod, alone or with the window, at the headdims where each was
+    # measured (configs.SM90_BACKWARD_FEATURE_HEADDIMS; a score_mod not at 256), and with
+    # deterministic=True there too (the pair); past 128 the pair without deterministic=True with
+    # softcap, ALiBi and dropout (configs.SM90_PAIR_FEATURES), not with a bias tensor. The mma family
+    # with two features, a mask tensor, or at headdims not measured.
     from nbflash import configs
+    from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
     from nbflash.kernels.backward_mma import MmaBackwardConfig
     from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
+    from nbflash.kernels.backward_sm90_wide import Sm90WideBackwardConfig
     from nbflash.problem import Static
 
     monkeypatch.setattr(configs.runtime, "SIMULATOR", False)
     monkeypatch.setattr(configs, "_compute_capability", lambda device=0: (9, 0))
-    for variant in (Variant(window=True, softcap=True), Variant(window=True, alibi=True)):
-        assert isinstance(configs.plan_backward(Static("float16", 128, True, 0, variant), False)[1],
-                          Sm90BackwardConfig), variant
-        assert isinstance(configs.plan_backward(Static("float16", 64, True, 0, variant), False)[1],
-                          MmaBackwardConfig), variant
-    for variant in (Variant(softcap=True), Variant(alibi=True), Variant(window=True, softcap=True, alibi=True)):
-        assert isinstance(configs.plan_backward(Static("float16", 128, True, 0, variant), False)[1],
-                          MmaBackwardConfig), variant
+
+    def plan(headdim, variant, deterministic=False):
+        return configs.plan_backward(Static("float16", headdim, True, 0, variant), deterministic)
+
+    features = dict(softcap=True, alibi=True, bias="float16", dropout=True, score_mod="f")
+    for name, value in features.items():
+        for window in (False, True):
+            variant = Variant(window=window, **{name: value})
+            for headdim in (64, 128, 256):
+                if name == "score_mod" and headdim == 256:
+                    assert isinstance(plan(headdim, variant)[1], MmaBackwardConfig), variant
+                    continue
+                dkdv = plan(headdim, variant)[1]
+                pair = plan(headdim, variant, True)
+                assert isinstance(pair[1], (Sm90BackwardConfig, Sm90WideBackwardConfig)), (headdim, variant)
+                assert not pair[1].atomic_dq and isinstance(pair[2], Sm90DqConfig), (headdim, variant)
+                if headdim == 256 and name != "bias":  # the pair either way
+                    assert plan(headdim, variant) == pair, variant
+                else:
+                    assert isinstance(dkdv, (Sm90BackwardConfig, Sm90WideBackwardConfig)) and dkdv.atomic_dq, \
+                        (headdim, variant)
+            for headdim in (32, 96, 192):  # not measured
+                assert isinstance(plan(headdim, variant)[1], MmaBackwardConfig), (headdim, variant)
+                assert isinstance(plan(headdim, variant, True)[1], MmaBackwardConfig), (headdim, variant)
+    for variant in (Variant(window=True, softcap=True, alibi=True), Variant(mask=True), Variant(window=True, mask=True)):
+        for deterministic in (False, True):
+            assert isinstance(plan(128, variant, deterministic)[1], MmaBackwardConfig), variant
+    block_mask = Variant(mask_mod="m", block_mask=True)
+    for headdim, kind in ((64, Sm90BackwardConfig), (128, Sm90BackwardConfig), (256, MmaBackwardConfig)):
+        assert isinstance(plan(headdim, block_mask)[1], kind), headdim
+        assert isinstance(plan(headdim, block_mask, True)[1], kind), headdim
 
 
 VARIANT_GPU_CASES = [
