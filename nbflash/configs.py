@@ -552,9 +552,12 @@ SM90_DQ_MASKED_KEYS = 64
 
 
 # The wide kernel's P^T and dS^T made by both consumers, each for half the step's queries
-# (``Sm90WideBackwardConfig.split_tiles``), instead of consumer 0 alone while consumer 1 waits: an
-# option until timed (docs/perf-notes.md, "Hopper backward", step 50).
-SM90_WIDE_SPLIT_TILES = False
+# (``Sm90WideBackwardConfig.split_tiles``), instead of consumer 0 alone while consumer 1 waits:
+# measured on an H100 (2026-12-06, twentieth session: scripts/sm90_schedules.py --parts --headdims
+# 256 with and without --split-tiles, fp16, 4k and 16k, causal and not, one run; docs/perf-notes.md,
+# "Hopper backward", step 50), the wide dK/dV kernel without dQ 1.12-1.17x faster, the default
+# backward at hd 256 (the pair) 1.06-1.10x. Bit-identical gradients either way.
+SM90_WIDE_SPLIT_TILES = True
 
 
 def sm90_deterministic_configs(dtype, headdim, variant):

@@ -482,9 +482,9 @@ def parse_args():
     parser.add_argument("--dq-keys", nargs="+", default=[], metavar="HD:KEYS",
                         help="with --parts: the sm90 dQ kernel's key tiles for configs.SM90_DQ's row of "
                              "largest headdim HD (an option to time, such as 256:48)")
-    parser.add_argument("--split-tiles", action="store_true",
-                        help="plan the wide kernel's P^T and dS^T made by both consumers "
-                             "(configs.SM90_WIDE_SPLIT_TILES, an option to time)")
+    parser.add_argument("--no-split-tiles", action="store_true",
+                        help="plan the wide kernel's P^T and dS^T made by consumer 0 alone (the form before "
+                             "configs.SM90_WIDE_SPLIT_TILES)")
     return parser.parse_args()
 
 
@@ -518,9 +518,9 @@ if __name__ == "__main__":
             rows[headdim] = keys
         configs.SM90_DQ[:] = sorted(rows.items())
         print(f"configs.SM90_DQ for this run: {configs.SM90_DQ}")
-    if args.split_tiles:
+    if args.no_split_tiles:
         from nbflash import configs
 
-        configs.SM90_WIDE_SPLIT_TILES = True
-        print("configs.SM90_WIDE_SPLIT_TILES = True for this run")
+        configs.SM90_WIDE_SPLIT_TILES = False
+        print("configs.SM90_WIDE_SPLIT_TILES = False for this run")
     main_parts(args.deterministic) if args.parts else main_backward() if args.backward else main()

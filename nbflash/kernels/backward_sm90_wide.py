@@ -12,46 +12,51 @@ columns (docs/perf-notes.md, "Hopper backward", step 21)::
             dK_c = dV_c = 0
             for the i-th step (64 queries), once its slot is full:
                 consumer 0: S^T = K_j Q_i^T;  consumer 1: dP^T = V_j dO_i^T      (wgmma, K = headdim)
-                consumer 1: dP^T -> shared memory (float32), arrive
-                consumer 0: P^T = exp2(S^T * scale_log2 - lse_log2[query]) (0 where masked),
-                            dS^T = P^T (dP^T - D[query]), P^T and dS^T -> shared memory (16 bit)
+                hand the other consumer its half: consumer 0 S^T's queries 32-63, consumer 1 dP^T's
+                    queries 0-31 (float32, through shared memory); wait for both
+                consumer c, for its half of the queries (32 c .. 32 c + 31):
+                    P^T = exp2(S^T * scale_log2 - lse_log2[query]) (0 where masked),
+                    dS^T = P^T (dP^T - D[query]), P^T and dS^T -> shared memory (16 bit)
                 both, once P^T and dS^T are stored:
                     dV_c += P^T dO_i[:, c],  dK_c += dS^T Q_i[:, c]   (wgmma, both from shared memory)
                     dQ_i[:, c] = dS K_j[:, c], 64 columns at a time, into dq_accum by red.add
                     arrive on the slot's empty barrier
             dK_c *= scale; write dK_c, dV_c
 
-P^T and dS^T are made in float32 by consumer 0 alone (dS^T from the exact P^T, as the other
-kernels), which holds no dP^T: consumer 1 hands it over through shared memory, register r of thread
-t at word r * 128 + t (a warp's stores fill the 32 banks). Two named barriers a step: dP^T handed
-over (consumer 1 arrives, consumer 0 waits), and the tiles stored (both wait). Each step's products
-read P^T and dS^T from shared memory (SS), where backward_sm90.py takes them from registers.
+P^T and dS^T are made in float32 from the exact S^T and dP^T (dS^T from the exact P^T, as the other
+kernels); each consumer holds one of them, so each hands the other the half it needs through shared
+memory, register r of thread t at word r * 128 + t (a warp's stores fill the 32 banks;
+``split_tiles``, docs/perf-notes.md, "Hopper backward", step 50). Two named barriers a step: the
+halves handed over, and the tiles stored (both wait at each). The form before
+(``split_tiles=False``, kept as an option: ``configs.SM90_WIDE_SPLIT_TILES`` plans either) had
+consumer 0 make the whole step from dP^T handed over whole, while consumer 1 waited: 1.12-1.17x
+slower on an H100. Each step's products read P^T and dS^T from shared memory (SS), where
+backward_sm90.py takes them from registers.
 
-Registers per consumer thread: dK_c, dV_c 64 each, S^T or dP^T 32, a 64-column dQ product 32, P^T
-and dS^T packed 16 each (consumer 0, short-lived). Shared memory: K_j, V_j 64 KB, a 2-stage ring of
-Q_i and dO_i 128 KB, P^T and dS^T 16 KB, dP^T's hand-over 16 KB, the stats 1 KB: 226 KB.
+Registers per consumer thread: dK_c, dV_c 64 each, S^T or dP^T 32, the other's half 16, a 64-column
+dQ product 32. Shared memory: K_j, V_j 64 KB, a 2-stage ring of Q_i and dO_i 128 KB, P^T and dS^T
+16 KB, the hand-over 16 KB, the stats 1 KB: 226 KB.
 
 Variants: every one backward_sm90.py serves, through the same hooks and device functions (its
-``make_*``): the window (causal included), the element masks (mask tensor, mask_mod), a block
-mask's EMPTY pairs skipped (the producer's warps walk the visited pairs, the stats warp hands each
-step to the consumers with its slot), the score features (softcap, ALiBi, bias, score_mod: the
-tensor-core score point on the raw S^T, whose derivative multiplies dS^T), dropout (the forward's
-Philox stream: the factor multiplies the P^T that dV takes and dP^T), and packed sequences (TMA's
-rows offset by the sequence's first, the bounds read again each step). With a score feature or
-dropout, consumer 0 makes dS^T with P^T: it waits for the hand-over first, and dS^T (float32)
-replaces dP^T in the hand-over's words (``make_probabilities_t`` with ``handover``), from where
-``store_tiles_t`` packs it. Headdims a multiple of 8 in 136..256, padded to 256 by TMA's zero
-fill. Its GPU tests pass (tests/test_backward_sm90.py's wide grids, H200 and H100). With dQ's
-atomics it runs when "sm90" is forced (1.2-2.5x the mma backward on an H100).
+``make_*``): the window (causal included), the element masks (mask tensor, mask_mod), a block mask's
+EMPTY pairs skipped (the producer's warps walk the visited pairs, the stats warp hands each step to
+the consumers with its slot), the score features (softcap, ALiBi, bias, score_mod: the tensor-core
+score point on the raw S^T, whose derivative multiplies dS^T), dropout (the forward's Philox stream:
+the factor multiplies the P^T that dV takes and dP^T), and packed sequences (TMA's rows offset by
+the sequence's first, the bounds read again each step). With a score feature or dropout, dS^T is
+made with P^T (``make_probabilities_t``), in place of dP^T's half in registers (without
+``split_tiles``: in the hand-over's words, from where ``store_tiles_t`` packs it). Headdims a
+multiple of 8 in 136..256, padded to 256 by TMA's zero fill. Its GPU tests pass
+(tests/test_backward_sm90.py's wide grids, H200 and H100). With dQ's atomics it runs when "sm90" is
+forced (1.2-2.5x the mma backward on an H100).
 
 With ``dq_split="none"`` the consumers skip dQ's products and reductions: the kernel writes dK and
 dV only, and backward_dq_sm90.py's pass makes dQ after it, each in a fixed order. That pair is the
-planner's default for plain and causal attention at these headdims, with deterministic=True or not
-(configs.SM90_PAIR_DEFAULT_HEADDIMS: 1.1-1.4x this kernel with atomics on an H100); its GPU tests
-pass, every variant included.
+planner's default at these headdims for plain and causal attention, and at 256 with softcap, ALiBi
+or dropout, with deterministic=True or not (configs.SM90_PAIR_DEFAULT_HEADDIMS, SM90_PAIR_FEATURES:
+1.1-1.4x this kernel with atomics on an H100); its GPU tests pass, every variant included.
 
-Memory and arguments: backward_sm90.py's (the same signature and tensor maps).
-"""
+Memory and arguments: backward_sm90.py's (the same signature and tensor maps)."""
 
 from dataclasses import dataclass
 from functools import lru_cache
