@@ -75,10 +75,14 @@ TOPICS = [
         float32 registers per thread), the producer needs almost none. setmaxnreg moves them: the producer
         lowers its cap (setmaxnreg.dec), the consumers raise theirs (setmaxnreg.inc), and the
         totals must fit in the file. It needs a register cap at entry, which the launch bounds
-        (threads, 1 block per SM) give ptxas.
+        (threads, 1 block per SM) give ptxas. The warpgroup's index is tid // 128 passed through a
+        shuffle from lane 0 (warpgroup_index): ptxas then knows every lane of a warp holds the same
+        value, and keeps what the consumer makes from it (its wgmma descriptors) in the uniform
+        registers wgmma reads them from.
         """,
         [
-            (KERNEL, "forward_sm90", "group = tid // GROUP", 0, "which warpgroup this thread is in"),
+            (KERNEL, "forward_sm90", "group = warpgroup_index(tid)", 0,
+             "which warpgroup this thread is in (tid // 128 through lane 0: warp-uniform to ptxas)"),
             (KERNEL, "forward_sm90", "if group == 0:", 0, "the producer's branch"),
             (KERNEL, "forward_sm90", "setmaxnreg_dec(PRODUCER_REGS)", 0, "the producer gives registers back"),
             (KERNEL, "forward_sm90", "if elect_sync() == uint32(1):", 0, "one lane of warp 0 issues all copies"),
