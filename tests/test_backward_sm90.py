@@ -866,11 +866,11 @@ def test_backward_sm90_wide_split_tiles_gpu(xp, monkeypatch, shape, name, dtype,
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_wide_scores_ahead_gpu")
-@pytest.mark.parametrize("name, shape", [("causal", (1, 140, 60, 2, 1, 136)), ("combined", (1, 40, 60, 2, 1, 200)),
+@pytest.mark.parametrize("name, shape", [("causal", (1, 100, 60, 2, 1, 136)), ("combined", (1, 40, 60, 2, 1, 200)),
                                          ("document-mask-mod", (1, 40, 100, 2, 1, 136))], ids=lambda v: str(v))
 def test_backward_sm90_wide_scores_ahead_small(rng, xp, monkeypatch, name, shape):
     """scores_ahead against the scores issued at the step's head (wide_forms_agree), the pair:
-    causal with six steps through the ring of two (three query tiles of two heads), window +
+    causal with four steps through the ring of two (two query tiles of two heads), window +
     softcap + ALiBi, a block mask (the stats warp's steps, EMPTY pairs skipped); each past its
     last step issues one product of stale tiles, never read."""
     wide_forms_agree(xp, monkeypatch, "SM90_WIDE_SCORES_AHEAD", 13, name, "float16", shape, True)
