@@ -151,6 +151,13 @@ out=${OUT:-gpu_check_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
+grid() {  # $1: the log's name, $2: time limit in seconds, then pytest's paths and -k: one GPU grid
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout "$2" python3 -m pytest -n 15 --dist loadgroup -v \
+        -p no:cacheprovider -W ignore "${@:3}" > "$out/$1.log" 2>&1
+    echo "tests: exit $?: $(tail -1 "$out/$1.log")"
+    grep -aE "\] (FAILED|ERROR)" "$out/$1.log" | sed 's/^\[gw[0-9]*\] //' | head -10
+}
+
 run_tests() {  # $1: time limit in seconds
     # One BLAS thread per worker: the float64 references run in every worker at once. Tests that
     # compile the same kernels go to one worker (--dist loadgroup, tests/conftest.py). pytest runs in
@@ -321,10 +328,7 @@ dq-keys)
     timeout 150 python3 scripts/prebuild_cache.py --jobs 16 --headdims 192 256 --dtypes float16 \
         --families sm90 --variants plain causal > "$out/dq_keys_prebuild.log" 2>&1
     echo "prebuild (exit $?): $(tail -1 "$out/dq_keys_prebuild.log")"
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 150 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
-        -W ignore tests/test_backward_dq_sm90.py -k key_tile_options_gpu > "$out/dq_keys_tests.log" 2>&1
-    echo "tests: exit $?: $(tail -1 "$out/dq_keys_tests.log")"
-    grep -aE "\] (FAILED|ERROR)" "$out/dq_keys_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -10
+    grid dq_keys_tests 150 tests/test_backward_dq_sm90.py -k key_tile_options_gpu
     timeout 120 python3 scripts/sm90_schedules.py --parts --headdims 192 256 > "$out/dq_keys_planned.log" 2>&1
     echo "planned (exit $?):"; tail -9 "$out/dq_keys_planned.log"
     timeout 300 python3 scripts/sm90_schedules.py --parts --headdims 192 256 --dq-keys 192:80 256:48 \
@@ -363,10 +367,7 @@ ahead)
     # docs/perf-notes.md, step 51: the pair's wide kernel with the next step's scores issued ahead
     # (configs.SM90_WIDE_SCORES_AHEAD, an option): its GPU grid (bit-identical to the planned form),
     # then the pair's parts at hd 192 and 256 without it and with it, one after the other
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 260 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
-        -W ignore tests/test_backward_sm90.py -k scores_ahead_gpu > "$out/ahead_tests.log" 2>&1
-    echo "tests: exit $?: $(tail -1 "$out/ahead_tests.log")"
-    grep -aE "\] (FAILED|ERROR)" "$out/ahead_tests.log" | sed 's/^\[gw[0-9]*\] //' | head -10
+    grid ahead_tests 260 tests/test_backward_sm90.py -k scores_ahead_gpu
     timeout 150 python3 scripts/sm90_schedules.py --parts --headdims 192 256 > "$out/ahead_planned.log" 2>&1
     echo "planned (exit $?):"; tail -9 "$out/ahead_planned.log"
     timeout 150 python3 scripts/sm90_schedules.py --parts --headdims 192 256 --scores-ahead > "$out/ahead_option.log" 2>&1

@@ -471,6 +471,9 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                 registers_to(s, fence_operands(acc_s))
 
                 stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
+                # the mask only on tiles crossing the window's edges or a tail (with a block mask, the
+                # stats warp's word says it: those or not FULL)
+                masked = step_masked if BLOCK_MASK else tail or int32(tile) < full_start or int32(tile) >= full_end
                 if SPLIT_TILES:  # each consumer makes P^T and dS^T for its half of the queries
                     head_ctx = head_context(params, b, h)
                     units = score_units(params, scale, head_ctx)
@@ -483,7 +486,7 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                         for r in static_range(HALF_REGS):
                             smem[lane_word + uint32(r * GROUP)] = f32_as_u32(s[r])
                     named_barrier_sync(1, BOTH)  # both halves are handed over
-                    if step_masked if BLOCK_MASK else tail or int32(tile) < full_start or int32(tile) >= full_end:
+                    if masked:
                         if consumer == 0:
                             half_tiles_0(s, other, smem, lane_word, stats, pt_row_word, key_row0, q_start, seqlen_q,
                                          seqlen_k, params, head_ctx, scale_log2, units, g, q4, True)
@@ -509,9 +512,7 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                     if FUSED:  # dS^T is made with P^T: dP^T first
                         named_barrier_sync(1, BOTH)
                         lane_word = fence_operands((handover_lane, uint32(0)))[0]  # opaque: see store_tiles_t
-                    # the mask only on tiles crossing the window's edges or a tail (with a block mask,
-                    # the stats warp's word says it: those or not FULL)
-                    if step_masked if BLOCK_MASK else tail or int32(tile) < full_start or int32(tile) >= full_end:
+                    if masked:
                         probabilities_t(s, lane_word, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params,
                                         head_ctx, scale_log2, units, q4, True, uint32(0))
                     else:
