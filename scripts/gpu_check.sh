@@ -376,11 +376,12 @@ ahead)
 uniform)
     # The GPU tests running sm90 kernels not yet rerun since their warpgroup index became
     # warp-uniform and the wide kernel's tiles were split between its consumers (2026-12-06,
-    # twentieth session): these files less what the resume log of that session reports passed
-    # (NBFLASH_RESUME_LOGS: add each part's log to resume). After a prebuild on all cores.
+    # twentieth session): these files less what the resume logs of that session and the next report
+    # passed (NBFLASH_RESUME_LOGS: add each part's log to resume; 365 tests left after part 3). After
+    # a prebuild on all cores.
     timeout 170 python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 bfloat16 > "$out/prebuild.log" 2>&1
     echo "prebuild (exit $?): $(tail -1 "$out/prebuild.log")"
-    NBFLASH_RESUME_LOGS=${NBFLASH_RESUME_LOGS:-docs/runs/gpu-suite-2026-12-06-uniform.txt} \
+    NBFLASH_RESUME_LOGS=${NBFLASH_RESUME_LOGS:-docs/runs/gpu-suite-2026-12-06-uniform.txt:docs/runs/gpu-suite-2026-12-06-uniform-2.txt:docs/runs/gpu-suite-2026-12-06-uniform-3.txt} \
     TESTS=${TESTS:-"tests/test_backward_sm90.py tests/test_backward_dq_sm90.py tests/test_forward_sm90.py \
         tests/test_varlen.py tests/test_block_mask.py tests/test_torch_bridge.py tests/test_dropout.py \
         tests/test_user_functions.py tests/test_variants_attention.py tests/test_fuzz.py"} \
