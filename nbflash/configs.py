@@ -558,10 +558,6 @@ SM90_DQ_MASKED_KEYS = 64
 # "Hopper backward", step 50), the wide dK/dV kernel without dQ 1.12-1.17x faster, the default
 # backward at hd 256 (the pair) 1.06-1.10x. Bit-identical gradients either way.
 SM90_WIDE_SPLIT_TILES = True
-# ... and in the pair, the next step's S^T / dP^T issued right after this step's dV and dK
-# (``Sm90WideBackwardConfig.scores_ahead``): an option until timed (docs/perf-notes.md, "Hopper
-# backward", step 51)
-SM90_WIDE_SCORES_AHEAD = False
 
 
 def sm90_deterministic_configs(dtype, headdim, variant):
@@ -570,7 +566,7 @@ def sm90_deterministic_configs(dtype, headdim, variant):
     ``SM90_DQ``'s key tiles."""
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
         dkdv = Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS, dq_split="none",
-                                      split_tiles=SM90_WIDE_SPLIT_TILES, scores_ahead=SM90_WIDE_SCORES_AHEAD)
+                                      split_tiles=SM90_WIDE_SPLIT_TILES)
     else:
         dkdv = dataclasses.replace(sm90_backward_table_config(dtype, headdim, variant), dq_split="none",
                                    dq_first=False)

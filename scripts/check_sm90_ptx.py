@@ -216,9 +216,6 @@ def backward_kernels():
             name = "causal" if variant.window else "plain"
             dkdv, dq = configs.sm90_deterministic_configs("float16", headdim, variant)
             found.append((f"backward_sm90_wide_deterministic_{name}_hd{headdim}", dkdv))
-            if headdim == 256:  # ... with the next step's scores issued ahead (an option, step 51)
-                found.append((f"backward_sm90_wide_deterministic_ahead_{name}_hd{headdim}",
-                              dataclasses.replace(dkdv, scores_ahead=True)))
             found.append((f"backward_dq_sm90_{name}_hd{headdim}_keys{dq.block_n}", dq))
             # ... and the largest key tiles two stages of which fit shared memory (options, not planned)
             keys = {192: 80, 256: 48}[headdim]

@@ -55,9 +55,6 @@
 #                                docs/runs/gpu-suite-2026-12-06-{headdims,defaults,pair}.txt report
 #                                (NBFLASH_RESUME_LOGS; TESTS overrides the files), stopped after SECONDS
 #                                (default 400)
-#   scripts/gpu_check.sh ahead   the pair's wide kernel with the next step's scores issued ahead (an
-#                                option, perf-notes step 51): its GPU grid, then the pair's parts at
-#                                hd 192 and 256 without and with it, about 8 minutes
 #   scripts/gpu_check.sh uniform [SECONDS]
 #                                the GPU tests of the files running sm90 kernels, less those
 #                                docs/runs/gpu-suite-2026-12-06-uniform.txt reports passed since the
@@ -363,16 +360,6 @@ defaults)
         tests/test_sanitize.py tests/test_bench.py tests/test_claims.py tests/test_compile_speed.py"} \
         run_tests "${2:-400}"
     ;;
-ahead)
-    # docs/perf-notes.md, step 51: the pair's wide kernel with the next step's scores issued ahead
-    # (configs.SM90_WIDE_SCORES_AHEAD, an option): its GPU grid (bit-identical to the planned form),
-    # then the pair's parts at hd 192 and 256 without it and with it, one after the other
-    grid ahead_tests 260 tests/test_backward_sm90.py -k scores_ahead_gpu
-    timeout 150 python3 scripts/sm90_schedules.py --parts --headdims 192 256 > "$out/ahead_planned.log" 2>&1
-    echo "planned (exit $?):"; tail -9 "$out/ahead_planned.log"
-    timeout 150 python3 scripts/sm90_schedules.py --parts --headdims 192 256 --scores-ahead > "$out/ahead_option.log" 2>&1
-    echo "scores ahead (exit $?):"; tail -9 "$out/ahead_option.log"
-    ;;
 uniform)
     # The GPU tests running sm90 kernels not yet rerun since their warpgroup index became
     # warp-uniform and the wide kernel's tiles were split between its consumers (2026-12-06,
@@ -538,7 +525,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|ahead|uniform [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|uniform [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
     exit 2
     ;;
 esac

@@ -485,9 +485,6 @@ def parse_args():
     parser.add_argument("--no-split-tiles", action="store_true",
                         help="plan the wide kernel's P^T and dS^T made by consumer 0 alone (the form before "
                              "configs.SM90_WIDE_SPLIT_TILES)")
-    parser.add_argument("--scores-ahead", action="store_true",
-                        help="plan the pair's wide kernel with the next step's S^T / dP^T issued ahead "
-                             "(configs.SM90_WIDE_SCORES_AHEAD, an option to time)")
     return parser.parse_args()
 
 
@@ -526,9 +523,4 @@ if __name__ == "__main__":
 
         configs.SM90_WIDE_SPLIT_TILES = False
         print("configs.SM90_WIDE_SPLIT_TILES = False for this run")
-    if args.scores_ahead:
-        from nbflash import configs
-
-        configs.SM90_WIDE_SCORES_AHEAD = True
-        print("configs.SM90_WIDE_SCORES_AHEAD = True for this run")
     main_parts(args.deterministic) if args.parts else main_backward() if args.backward else main()

@@ -54,12 +54,7 @@ With ``dq_split="none"`` the consumers skip dQ's products and reductions: the ke
 dV only, and backward_dq_sm90.py's pass makes dQ after it, each in a fixed order. That pair is the
 planner's default at these headdims for plain and causal attention, and at 256 with softcap, ALiBi
 or dropout, with deterministic=True or not (configs.SM90_PAIR_DEFAULT_HEADDIMS, SM90_PAIR_FEATURES:
-1.1-1.4x this kernel with atomics on an H100); its GPU tests pass, every variant included. There
-``scores_ahead`` (an option, not yet timed: docs/perf-notes.md, "Hopper backward", step 51) issues
-the next step's S^T or dP^T right after the step's dV and dK products and waits for those alone
-(wait_group 1), so that the tensor cores go from one step's products to the next without the gap of
-a wait, a release and 16 issues; past the last step it issues one product of the slot's stale
-tiles, never read, so that no branch stands around a wgmma.
+1.1-1.4x this kernel with atomics on an H100); its GPU tests pass, every variant included.
 
 Memory and arguments: backward_sm90.py's (the same signature and tensor maps)."""
 
@@ -144,10 +139,6 @@ class Sm90WideBackwardConfig(Sm90BackwardBlock):
     # consumer 1 32-63), the halves of S^T and dP^T the other holds exchanged through the hand-over;
     # else by consumer 0 alone from dP^T handed over, while consumer 1 waits (the module docstring)
     split_tiles: bool = False
-    # (dq_split="none" only) the next step's S^T / dP^T issued right after this step's dV and dK
-    # products, before waiting for them: the tensor cores go from one to the other without the
-    # issue's gap (past the last step, one product of a slot's stale tiles, never read)
-    scores_ahead: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     varlen_batch_of_one = True  # packed sequences: as backward_sm90.py's (nbflash/varlen.py)
     consumers = 2
@@ -158,8 +149,6 @@ class Sm90WideBackwardConfig(Sm90BackwardBlock):
         self.check_dtype_headdim(MIN_HEADDIM, MAX_HEADDIM)
         if self.dq_split not in ("columns", "none"):
             raise ValueError(f"{self.dq_split=} must be 'columns' (dQ by atomics) or 'none' (no dQ)")
-        if self.scores_ahead and self.dq_split != "none":
-            raise ValueError("scores_ahead needs dq_split='none': dQ's products follow dK's in the step")
         self.check_block()
 
     @property
@@ -244,7 +233,6 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
     consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES, make_step_tile(config))
     probabilities_t = make_probabilities_t(hooks, BM, handover=True)  # consumer 0's P^T (and fused dS^T)
     SPLIT_TILES, HALF_REGS = config.split_tiles, S_REGS // 2
-    SCORES_AHEAD = config.scores_ahead
 
     @inline_device
     @unroll
@@ -434,40 +422,28 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
             # the query tiles that see the key tile whole, in 32 bits (64-bit bounds held across the
             # loop spilled)
             full_start, full_end = int32(first_full), int32(end_full)
-            position = -1  # the step's (query head, query tile) pair, in order
             if steps > 0:
                 mbarrier_wait(kv_full, 0)
-            acc_s = fence_operands(registers_from(s, S_REGS))
-            if SCORES_AHEAD:  # step 0's S^T or dP^T (with no step: of stale tiles, drained after the loop)
-                if steps > 0:
-                    position, h, tile, step_masked = consumer_step(smem, qd_full, stats_word0, params, b, hk, group,
-                                                                   n_block, first_tile, tiles_per_head, 0, position)
-                    mbarrier_wait(qd_full, 0)
-                wgmma_fence()
-                acc_s = issue_keys_by_queries(acc_s, desc_kv, smem_descriptor(
-                    q_ring if consumer == 0 else do_ring, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B))
-                wgmma_wait(0)  # (else ptxas waits here itself, C7517: the loop's entry joins two paths)
+            position = -1  # the step's (query head, query tile) pair, in order
             for i in range(steps):
                 if VARLEN:  # the sequence's first query row and lengths, read again each step (L1 hits):
                     # held across the loop, they and what the masks make of them spill
                     q_first, q_rows, _, k_rows = sequence(params, b, q.shape[1], k.shape[1])
                     q_row0, seqlen_q, seqlen_k = int32(q_first), int32(q_rows), int32(k_rows)
-                if not SCORES_AHEAD:  # (else the last step issued this one's scores, and their pair is known)
-                    position, h, tile, step_masked = consumer_step(smem, qd_full, stats_word0, params, b, hk, group,
-                                                                   n_block, first_tile, tiles_per_head, i, position)
+                position, h, tile, step_masked = consumer_step(smem, qd_full, stats_word0, params, b, hk, group,
+                                                               n_block, first_tile, tiles_per_head, i, position)
                 slot, use = i % STAGES, i // STAGES
                 q_start = tile * BM
                 q_slot = q_ring + uint32(slot * Q_BYTES)
                 do_slot = do_ring + uint32(slot * Q_BYTES)
 
                 # S^T = K_j Q_i^T (consumer 0) or dP^T = V_j dO_i^T (consumer 1)
-                if not SCORES_AHEAD:
-                    acc_s = fence_operands(registers_from(s, S_REGS))
-                    mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
-                    wgmma_fence()  # the accumulator's registers are ordered before wgmma uses them
-                    acc_s = issue_keys_by_queries(acc_s, desc_kv, smem_descriptor(
-                        q_slot if consumer == 0 else do_slot, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B))
-                wgmma_wait(0)  # (with SCORES_AHEAD the last step's dV and dK have landed already)
+                acc_s = fence_operands(registers_from(s, S_REGS))
+                mbarrier_wait(qd_full + uint32(8 * slot), use & 1)
+                wgmma_fence()  # the accumulator's registers are ordered before wgmma uses them
+                acc_s = issue_keys_by_queries(acc_s, desc_kv, smem_descriptor(
+                    q_slot if consumer == 0 else do_slot, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B))
+                wgmma_wait(0)
                 registers_to(s, fence_operands(acc_s))
 
                 stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
@@ -537,22 +513,7 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                 if not NO_DQ:
                     acc_q = issue_dq(acc_q, desc_ds, smem_descriptor(
                         k_tile + col_chunk * uint32(KV_CHUNK_BYTES), KV_CHUNK_BYTES, 1024, SWIZZLE_128B))
-                if SCORES_AHEAD:  # the next step's S^T or dP^T, queued behind dV's and dK's products
-                    following = i + 1
-                    following_slot = following % STAGES
-                    if following < steps:  # (past the last step: the slot's stale tiles, never read)
-                        position, h, tile, step_masked = consumer_step(smem, qd_full, stats_word0, params, b, hk,
-                                                                       group, n_block, first_tile, tiles_per_head,
-                                                                       following, position)
-                        mbarrier_wait(qd_full + uint32(8 * following_slot), (following // STAGES) & 1)
-                    acc_s = fence_operands(registers_from(s, S_REGS))
-                    wgmma_fence()
-                    acc_s = issue_keys_by_queries(acc_s, desc_kv, smem_descriptor(
-                        (q_ring if consumer == 0 else do_ring) + uint32(following_slot * Q_BYTES), K_MAJOR[0],
-                        K_MAJOR[1], SWIZZLE_128B))
-                    wgmma_wait(1)  # dV's and dK's products have landed (the scores may still run)
-                else:
-                    wgmma_wait(0)
+                wgmma_wait(0)
                 registers_to(dv_acc, fence_operands(acc_dv))
                 registers_to(dk_acc, fence_operands(acc_dk))
                 if not NO_DQ:
@@ -571,8 +532,6 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                     registers_to(dq_acc, fence_operands(acc_q))
                     add_dq(dq_accum, dq_acc, mem_b, row, h, HALF * consumer + CHUNK, q_row0 + seqlen_q, q4)
 
-            if SCORES_AHEAD:
-                wgmma_wait(0)  # the scores issued past the last step (never read)
             # ---- Write dK_c = dS^T Q * scale and dV_c (keys no query sees get 0) ----
             if VARLEN:  # the key rows again: not held across the loop
                 _, _, k_first, k_rows = sequence(params, b, q.shape[1], k.shape[1])
