@@ -186,6 +186,10 @@ def backward_kernels():
                           ("causal_dropout", Variant(window=True, dropout=True)), ("block_mask", Variant(block_mask=True))):
         found.append((f"backward_sm90_dq_tiles_{name}_hd128", dataclasses.replace(
             configs.sm90_backward_table_config("float16", 128, variant), dq_reduce="tiles")))
+    # ... planned, with a third ring stage (an option, step 52: 232,008 of 232,448 bytes)
+    for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
+        found.append((f"backward_sm90_dq_tiles_3st_{name}_hd128", dataclasses.replace(
+            configs.planned_backward_sm90_config("float16", 128, variant), stages=3)))
     # ... on packed sequences (planned since step 37), causal at hd 128
     found.append(("backward_sm90_dq_tiles_varlen_causal_hd128", dataclasses.replace(
         configs.sm90_backward_table_config("float16", 128, Variant(window=True, varlen=True)), dq_reduce="tiles")))

@@ -41,7 +41,8 @@ Backward, each column a schedule:
   stores dQ_i into a shared tile in wgmma's fragment order and its producer's stats warp adds it to
   a tile-major dq_accum, one bulk reduce-add a step (dq_reduce="tiles", steps 32-33, planned in
   step 35); "planned-rotate": the planned kernel with each block's walk over the query tiles starting
-  at its key tile's index (step 43); "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
+  at its key tile's index (step 43); "planned-3st" (headdim 128): the planned kernel with a third
+  stage in its Q/dO ring, which fits beside the staged dQ tile (step 52); "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
   (the form before; timed as "planned" against "planned-tiles" until step 35). (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
   with commit 5b92983.) "rows-tiles" (headdim 64): the rows split with tiles (step 34, 1-4% slower);
@@ -180,7 +181,10 @@ def main():
 
 
 def backward_schedules(headdim, causal):
+    import dataclasses
+
     from nbflash import configs
+    from nbflash.kernels.backward_sm90 import MAX_SHARED_BYTES, Sm90BackwardConfig
     from nbflash.kernels.backward_sm90_rows import Sm90RowsBackwardConfig
     from nbflash.problem import Variant
 
@@ -235,6 +239,11 @@ def backward_schedules(headdim, causal):
         found["rows-persistent"] = Sm90RowsBackwardConfig(
             "float16", headdim, table.variant, heavy_groups=table.heavy_groups,
             persistent=cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    if isinstance(planned, Sm90BackwardConfig) and planned.dq_tile_major and planned.stages == 2:
+        # a third ring stage beside the staged dQ (hd 128: 232,008 of 232,448 bytes; step 52)
+        grown = dataclasses.replace(planned, stages=3)
+        if grown.dynamic_shared_bytes <= MAX_SHARED_BYTES:
+            found["planned-3st"] = grown
     if not planned.variant.block_mask:  # each block's walk over the query tiles rotated by its key tile (step 43)
         found["planned-rotate"] = planned.__class__(**{**planned.__dict__, "rotate": True})
     found["planned"] = planned

@@ -300,6 +300,23 @@ def test_backward_sm90_rotate_gpu(xp, monkeypatch, seqlens, headdim, name):
         run_sm90_variant(np.random.default_rng(7), xp, name, "float16", 2, *seqlens, 4, 2, headdim)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["plain", "causal", "softcap", "document-mask-mod"])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_three_stages_gpu(xp, monkeypatch, seqlens, name):
+    """backward_sm90.py as planned at headdim 128 (dQ tile-major, its staged tile beside the ring)
+    with a third ring stage (an option, docs/perf-notes.md step 52): the producer's copies, the
+    stats warp's lse, D and dQ reduce-adds and the consumers must agree on slots (step % 3) and
+    phases (step // 3) across the ring's turns; plain, causal, softcap and a block mask (the stats
+    warp's steps); GQA 2:1, tails. (Dropout's keep bits in the slots leave no room for 3 stages.)"""
+    def three_stages(config):
+        assert config.headdim_padded == 128 and config.dq_tile_major and config.stages == 2, config
+        return dataclasses.replace(config, stages=3)
+
+    with replanned(monkeypatch, three_stages):
+        run_sm90_variant(np.random.default_rng(9), xp, name, "float16", 2, *seqlens, 4, 2, 128)
+
+
 @pytest.fixture
 def dq_red(monkeypatch):
     """Plan backward_sm90.py's dK/dV kernel with dQ_i added to a row-major dq_accum by the consumers'
