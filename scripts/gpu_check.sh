@@ -55,10 +55,10 @@
 #                                docs/runs/gpu-suite-2026-12-06-{headdims,defaults,pair}.txt report
 #                                (NBFLASH_RESUME_LOGS; TESTS overrides the files), stopped after SECONDS
 #                                (default 400)
-#   scripts/gpu_check.sh stages3 hd 128's planned dK/dV kernel (dQ tile-major) with a third ring
-#                                stage (an option, perf-notes step 52): its GPU grid, then
-#                                sm90_schedules.py --backward at hd 128 against the planned kernel,
-#                                about 5 minutes
+#   scripts/gpu_check.sh hd128   hd 128's planned dK/dV kernel (dQ tile-major) with a third ring
+#                                stage, and with the first lse read before S^T lands (options,
+#                                perf-notes steps 52 and 53): their GPU grids, then sm90_schedules.py
+#                                --backward at hd 128 against the planned kernel, about 6 minutes
 #   scripts/gpu_check.sh uniform [SECONDS]
 #                                the GPU tests of the files running sm90 kernels, less those
 #                                docs/runs/gpu-suite-2026-12-06-uniform*.txt report passed since the
@@ -322,13 +322,14 @@ pair)
         --markdown "$out/pair_128.md" > "$out/pair_128.log" 2>&1
     echo "hd 128, the pair (det) against the atomic kernel (exit $?):"; tail -8 "$out/pair_128.log"
     ;;
-stages3)
-    # docs/perf-notes.md, step 52: hd 128's planned kernel with a third stage in its Q/dO ring (the
-    # consumers waited on the ring's full barrier for 10.7% of the plain kernel's samples, stalls 128)
-    grid stages3_tests 200 tests/test_backward_sm90.py -k three_stages_gpu
-    timeout 240 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-3st \
-        > "$out/stages3.log" 2>&1
-    echo "planned, 3 stages (exit $?):"; tail -7 "$out/stages3.log"
+hd128)
+    # docs/perf-notes.md, steps 52 and 53: hd 128's planned kernel with a third stage in its Q/dO ring
+    # (the consumers waited on the ring's full barrier for 10.7% of the plain kernel's samples,
+    # stalls 128), and with the first lse of P^T read before S^T lands (5% on those reads)
+    grid hd128_tests 240 tests/test_backward_sm90.py -k "three_stages_gpu or early_lse_gpu"
+    timeout 260 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-3st planned-early-lse \
+        > "$out/hd128.log" 2>&1
+    echo "planned, 3 stages, early lse (exit $?):"; tail -7 "$out/hd128.log"
     ;;
 dq-keys)
     # docs/perf-notes.md, step 48: the sm90 dQ kernel's key tiles past headdim 128, planned (64 keys at
@@ -537,7 +538,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|stages3|uniform [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|hd128|uniform [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
     exit 2
     ;;
 esac

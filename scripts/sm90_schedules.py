@@ -42,7 +42,9 @@ Backward, each column a schedule:
   a tile-major dq_accum, one bulk reduce-add a step (dq_reduce="tiles", steps 32-33, planned in
   step 35); "planned-rotate": the planned kernel with each block's walk over the query tiles starting
   at its key tile's index (step 43); "planned-3st" (headdim 128): the planned kernel with a third
-  stage in its Q/dO ring, which fits beside the staged dQ tile (step 52); "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
+  stage in its Q/dO ring, which fits beside the staged dQ tile (step 52); "planned-early-lse"
+  (backward_sm90.py's kernels): the planned kernel with the first lse of P^T read before S^T lands
+  (step 53); "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
   (the form before; timed as "planned" against "planned-tiles" until step 35). (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
   with commit 5b92983.) "rows-tiles" (headdim 64): the rows split with tiles (step 34, 1-4% slower);
@@ -244,6 +246,8 @@ def backward_schedules(headdim, causal):
         grown = dataclasses.replace(planned, stages=3)
         if grown.dynamic_shared_bytes <= MAX_SHARED_BYTES:
             found["planned-3st"] = grown
+    if isinstance(planned, Sm90BackwardConfig):  # the first lse read before S^T lands (step 53)
+        found["planned-early-lse"] = dataclasses.replace(planned, early_lse=True)
     if not planned.variant.block_mask:  # each block's walk over the query tiles rotated by its key tile (step 43)
         found["planned-rotate"] = planned.__class__(**{**planned.__dict__, "rotate": True})
     found["planned"] = planned

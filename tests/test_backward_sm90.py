@@ -317,6 +317,31 @@ def test_backward_sm90_three_stages_gpu(xp, monkeypatch, seqlens, name):
         run_sm90_variant(np.random.default_rng(9), xp, name, "float16", 2, *seqlens, 4, 2, 128)
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_early_lse_gpu")
+def test_backward_sm90_early_lse_small(rng, xp, monkeypatch):
+    """``early_lse`` (an option, docs/perf-notes.md step 53): the first two column groups' lse read
+    before S^T lands give the same gradients, to the bit, as the planned kernel, which reads them
+    after (dq too: the simulator adds in a fixed order); causal, two query tiles and two key tiles,
+    both second ones tails, so the masked copy of probabilities_t takes them as well."""
+    grads = []
+    for change in (lambda config: config, lambda config: dataclasses.replace(config, early_lse=True)):
+        with replanned(monkeypatch, change):
+            grads.append(run_sm90_variant(np.random.default_rng(3), xp, "causal", "float16", 1, 65, 129, 1, 1, 64))
+    for a, b in zip(*grads):
+        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "softcap", "dropout", "document-mask-mod"])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_early_lse_gpu(xp, monkeypatch, seqlens, name):
+    """backward_sm90.py as planned at headdim 128 with ``early_lse`` (an option, step 53): causal,
+    softcap (the score's lse offset), dropout (the producer's keep bits) and a block mask, GQA 2:1,
+    tails."""
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, early_lse=True)):
+        run_sm90_variant(np.random.default_rng(10), xp, name, "float16", 2, *seqlens, 4, 2, 128)
+
+
 @pytest.fixture
 def dq_red(monkeypatch):
     """Plan backward_sm90.py's dK/dV kernel with dQ_i added to a row-major dq_accum by the consumers'

@@ -324,6 +324,10 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # blocks of a head running together add into different rows of dq_accum (``make_step_tile``;
     # docs/perf-notes.md step 43). Not with a block mask, whose visited pairs are walked in order
     rotate: bool = False
+    # The lse of the first two 8-query column groups a thread needs for P^T read from the slot before
+    # the wait for S^T, so that the first exponentials do not wait on those reads (stalls 128 put
+    # 5% of the samples on them; docs/perf-notes.md step 53). An option until timed
+    early_lse: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
     # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
@@ -873,7 +877,7 @@ def make_produce_tiles(config, hooks):
     return produce_tiles
 
 
-def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False, columns=None):
+def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False, columns=None, early_lse=False):
     """``probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
     scale_log2, units, q4, masked)``: a consumer's S^T (keys by block_m queries, wgmma's layout) ->
     P^T in place, and with a score feature or dropout dS^T from the landed dP^T at once. ``dp`` is
@@ -882,7 +886,8 @@ def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False, c
     replaces dP^T. With ``staged_dropout`` the keep bits come in ``drop_word`` (byte p for queries
     16 p + 2 q4 on, make_stage_dropout's) instead of the lane's own Philox calls. ``columns``
     (first, end): only the 8-query column groups first..end-1 (even bounds; registers 4 first ..
-    4 end - 1), default all."""
+    4 end - 1), default all. With ``early_lse`` the lse of the first two column groups comes in
+    ``lse_first`` (``read_first_lse``'s, read before S^T landed) instead of from the slot."""
     BM, NT = block_m, block_m // 8
     FIRST_PAIR, END_PAIR = (0, NT // 2) if columns is None else (columns[0] // 2, columns[1] // 2)
     row_keys, hidden = hooks.row_keys, hooks.hidden
@@ -893,7 +898,7 @@ def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False, c
     @inline_device
     @unroll
     def probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
-                        units, q4, masked, drop_word):
+                        units, q4, masked, drop_word, lse_first):
         """S^T -> P^T = exp2(S^T * scale_log2 - lse_log2[query]) in place, for the thread's two key
         rows (key_row0, key_row0 + 8) and its query columns 8 c + 2 q4 + e; masked entries (keys
         past seqlen_k, or outside a query's window) get P = 0. With a score feature P comes from the
@@ -916,7 +921,10 @@ def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False, c
                 c = 2 * pair + half
                 for e in static_range(2):
                     col = 8 * c + 2 * q4 + e
-                    lse_c = u32_as_f32(smem[stats + col])
+                    if early_lse and pair == FIRST_PAIR:
+                        lse_c = lse_first[2 * half + e]
+                    else:
+                        lse_c = u32_as_f32(smem[stats + col])
                     d_c = u32_as_f32(smem[stats + BM + col])  # used with a score feature or dropout
                     lo, hi = row_keys(q_start + col, seqlen_q, seqlen_k, params)  # used by the masked copy
                     for rh in static_range(2):
@@ -943,6 +951,25 @@ def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False, c
                                 dp[r] = p * (dp[r] * factor - d_c) * dy
 
     return probabilities_t
+
+
+# probabilities_t's lse_first where nothing was read ahead (``early_lse`` off: never read)
+NO_LSE_FIRST = (np.float32(0), np.float32(0), np.float32(0), np.float32(0))
+
+
+def make_read_first_lse(columns=None):
+    """``read_first_lse(smem, stats, q4) -> (4 float32)``: a thread's lse_log2 of the first two 8-query
+    column groups ``make_probabilities_t(..., early_lse=True)`` reads (queries 8 c + 2 q4 + e, c and
+    e 0 or 1, from the first group of ``columns``), in its order."""
+    FIRST = 0 if columns is None else columns[0]
+
+    @inline_device
+    def read_first_lse(smem, stats, q4):
+        col = 8 * FIRST + 2 * q4
+        return (u32_as_f32(smem[stats + col]), u32_as_f32(smem[stats + col + 1]),
+                u32_as_f32(smem[stats + col + 8]), u32_as_f32(smem[stats + col + 9]))
+
+    return read_first_lse
 
 
 @lru_cache(maxsize=None)
@@ -1035,7 +1062,9 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     block_rows = make_block_rows(hooks, BN)  # where the block's rows are (packed sequences: its sequence's)
     produce_tiles = make_produce_tiles(config, hooks)  # the producer's warp 0
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
-    probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT)
+    EARLY_LSE = config.early_lse
+    probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT, early_lse=EARLY_LSE)
+    read_first_lse = make_read_first_lse()
     stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
     stage_dq = make_stage_dq(BM, DQ_COLS)  # with STAGED_DQ, the consumers' half of dQ_i for the stats warp
     consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES, make_step_tile(config))
@@ -1228,6 +1257,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 
                 # S^T = K_c Q_i^T and dP^T = V_c dO_i^T, two commit groups
                 acc_s, acc_dp = issue_scores(s, dp, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use)
+                stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
+                lse_first = NO_LSE_FIRST
+                if EARLY_LSE:  # the slot is full (issue_scores waited): its first lse while S^T runs
+                    lse_first = read_first_lse(smem, stats, q4)
                 wgmma_wait(PENDING)  # S^T has landed (with overlap, dP^T may still run)
                 registers_to(s, fence_operands(acc_s))
                 if FUSED:  # dP^T too: its derivative (and dropout's factors) used as it is made
@@ -1235,16 +1268,15 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 
                 # P^T, the mask only on tiles crossing the window's edges or a tail (with a block mask,
                 # the stats warp's word says it: those or not FULL); then dS^T
-                stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
                 drop_word = uint32(0)  # with STAGED_DROPOUT, the thread's keep bits (the producer's)
                 if STAGED_DROPOUT:
                     drop_word = smem[stats + uint32(DROP_WORD) + uint32(tid - GROUP)]
                 if step_masked if BLOCK_MASK else tail or tile < first_full or tile >= end_full:
                     probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
-                                    scale_log2, units, q4, True, drop_word)
+                                    scale_log2, units, q4, True, drop_word, lse_first)
                 else:
                     probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
-                                    scale_log2, units, q4, False, drop_word)
+                                    scale_log2, units, q4, False, drop_word, lse_first)
                 if not FUSED:
                     wgmma_wait(0)  # dP^T has landed
                     registers_to(dp, fence_operands(acc_dp))
