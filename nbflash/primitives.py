@@ -292,6 +292,11 @@ if SIMULATOR:
         for i, word in enumerate((a, b, c, d)):
             words[i] = int(word) & 0xFFFFFFFF
 
+    def store_u32(address, word):
+        """A uint32 to the 4 bytes at a global address (4-byte aligned): e.g. two 16-bit elements
+        packed by pack_f16x2, the first in the low half."""
+        _global_bytes(address, 4)[0] = int(word) & 0xFFFFFFFF
+
     def unpack_f16x2(word):
         """The two float16 of a packed uint32 (the low 16 bits the first), widened to float32."""
         halves = np.array([int(word) & 0xFFFF, (int(word) >> 16) & 0xFFFF], dtype=np.uint16).view(np.float16)
@@ -535,6 +540,17 @@ else:
             struct = _asm(builder, ir.LiteralStructType([_i32] * 4), list(args),
                           "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
             return _tuple(context, builder, ret, struct, 4)
+
+        return sig, codegen
+
+    @intrinsic
+    def store_u32(typingctx, address, word):
+        """A uint32 to the 4 bytes at a global address (4-byte aligned): st.global.u32."""
+        sig = types.void(types.int64, types.uint32)
+
+        def codegen(context, builder, signature, args):
+            _asm(builder, ir.VoidType(), list(args), "st.global.u32 [$0], $1;", "l,r,~{memory}", side_effect=True)
+            return context.get_dummy_value()
 
         return sig, codegen
 

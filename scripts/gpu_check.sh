@@ -59,6 +59,11 @@
 #                                stage, and with the first lse read before S^T lands (options,
 #                                perf-notes steps 52 and 53): their GPU grids, then sm90_schedules.py
 #                                --backward at hd 128 against the planned kernel, about 6 minutes
+#   scripts/gpu_check.sh stores  the sm90 backward with dK, dV and dq stored as 32-bit pairs (perf-notes
+#                                step 54) against the tree before it: AB_BASE (default .ab/base.tar, a
+#                                `git archive` of that commit carried in the working tree), bench.py's
+#                                backward at hd 64, 128 and 256 in each tree, the base twice, about 7
+#                                minutes on a fresh machine
 #   scripts/gpu_check.sh uniform [SECONDS]
 #                                the GPU tests of the files running sm90 kernels, less those
 #                                docs/runs/gpu-suite-2026-12-06-uniform*.txt report passed since the
@@ -322,6 +327,21 @@ pair)
         --markdown "$out/pair_128.md" > "$out/pair_128.log" 2>&1
     echo "hd 128, the pair (det) against the atomic kernel (exit $?):"; tail -8 "$out/pair_128.log"
     ;;
+stores)
+    # docs/perf-notes.md, step 54: the kernels' dK/dV (and dq) stores, one 32-bit pair instead of two
+    # 16-bit elements, against the tree before (their own kernel caches; the base timed first and last)
+    base=${AB_BASE:-.ab/base.tar}
+    [ -f "$base" ] || { echo "no $base: git archive -o $base <the commit before step 54>, in the working tree"; exit 2; }
+    rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar -xf "$base" -C /tmp/ab_base
+    for run in base1 new base2; do
+        tree=$PWD; [ "$run" = new ] || tree=/tmp/ab_base
+        path=${PYTHONPATH/$PWD/$tree}  # this tree's nbflash first
+        (cd "$tree" && PYTHONPATH=$path NBFLASH_CACHE_DIR=/tmp/ab_cache_${run%[12]} timeout 170 \
+            python3 scripts/bench.py --pass backward --families sm90 --headdims 64 128 256 --seqlens 4096 16384 \
+            --dtypes float16 --variants plain causal --no-naive --no-torch --budget 0.3) > "$out/stores_$run.log" 2>&1
+        echo "$run (exit $?):"; tail -13 "$out/stores_$run.log"
+    done
+    ;;
 hd128)
     # docs/perf-notes.md, steps 52 and 53: hd 128's planned kernel with a third stage in its Q/dO ring
     # (the consumers waited on the ring's full barrier for 10.7% of the plain kernel's samples,
@@ -538,7 +558,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|hd128|uniform [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|hd128|stores|uniform [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
     exit 2
     ;;
 esac

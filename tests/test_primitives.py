@@ -227,6 +227,39 @@ def _vector_kernel(x, y, widened, coords):
         widened[lane, 1, 2 * i], widened[lane, 1, 2 * i + 1] = lo, hi
 
 
+@cuda.jit
+def _pair_store_kernel(y, values, coords, bf16):
+    # Lane i narrows values[i] (two float32) and stores them as one 32-bit word at y[coords[i]]
+    lane = cuda.threadIdx.x
+    b, s, h, c = coords[lane, 0], coords[lane, 1], coords[lane, 2], coords[lane, 3]
+    if bf16:
+        word = P.pack_bf16x2(values[lane, 0], values[lane, 1])
+    else:
+        word = P.pack_f16x2(values[lane, 0], values[lane, 1])
+    P.store_u32(P.global_address(y, b, s, h, c), word)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float16", "bfloat16"])
+def test_pair_store(bf16):
+    """pack_{f16,bf16}x2 then store_u32 (st.global.u32) at 4-byte-aligned places of a 4-D array of
+    16-bit elements: the first value lands at the even column, each rounded to nearest even as a
+    single element's narrowing (the sm90 backward's dK, dV and dq stores); nothing else changes."""
+    rng = np.random.default_rng(11)
+    values = rng.standard_normal((32, 2)).astype(np.float32) * 100
+    values[0] = [1 + 2.0 ** -11, -(1 + 3 * 2.0 ** -11)]  # ties for float16: to even, both ways
+    y = np.full((2, 3, 2, 8), 0x7E00, np.uint16)  # a NaN everywhere nothing is stored
+    places = [(b, s, h, c) for b in range(2) for s in range(3) for h in range(2) for c in range(0, 8, 2)]
+    coords = np.array([places[i] for i in rng.permutation(len(places))[:32]], np.int64)  # 32 of the 48 pairs
+    _pair_store_kernel[1, 32](y, values, coords, bf16)
+    expected = np.full_like(y, 0x7E00)
+    for lane, (b, s, h, c) in enumerate(coords):
+        if bf16:
+            expected[b, s, h, c:c + 2] = [P.f32_to_bf16_bits(np.float32(v)) for v in values[lane]]
+        else:
+            expected[b, s, h, c:c + 2] = values[lane].astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(y, expected)
+
+
 def test_vector_load_store_unpack():
     """16-byte loads and stores at 16-byte-aligned places of a 4-D array (every lane its own eight
     elements; lanes may repeat a place: the same bytes), and each uint32's two halves widened as
