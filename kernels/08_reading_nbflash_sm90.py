@@ -225,7 +225,7 @@ TOPICS = [
             (KERNEL, "row_max", "return quad_max(m)", 0, "the row max: a quad shuffle"),
             (KERNEL, "write_output", "l_row = quad_sum(l_i[rh])", 0, "the row sum, reduced once at the end"),
             (KERNEL, "mask_scores", "hidden(n_start + 8 * c + 2 * q4 + e", 0, "a register's column, for the mask"),
-            (KERNEL, "write_output", "col = 8 * c + 2 * q4 + e", 0, "... and for the output"),
+            (KERNEL, "write_output", "col = 8 * c + 2 * q4", 0, "... and the output's pair, one 32-bit store"),
             (PRIMS, "make_wgmma_ss", "Register r of thread t", 0, "the layout, documented"),
             (PRIMS, "_acc_coords", "cols = 8 * (r[None, :] // 4)", 0, "the layout, emulated"),
         ],

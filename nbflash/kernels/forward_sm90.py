@@ -104,6 +104,7 @@ from numba import cuda, float32, uint32, uint64
 
 from nbflash.primitives import (
     exp2_approx,
+    global_address,
     inline_device,
     pack_bf16x2,
     pack_f16x2,
@@ -111,6 +112,7 @@ from nbflash.primitives import (
     quad_sum,
     shared_address,
     static_range,
+    store_u32,
     unroll,
     warp_all,
 )
@@ -151,7 +153,6 @@ from nbflash.problem import Variant
 
 from . import variants
 from .geometry import grouped_grid, grouped_query_block
-from .tiles import output_store
 
 LN2 = math.log(2.0)
 CHUNK = 64  # columns of a tile chunk: one 128-byte swizzled row of 16-bit elements
@@ -577,7 +578,9 @@ def build_forward_sm90(config: Sm90ForwardConfig):
 
         fp8_scales = scale_o = None  # the kernel's fp8 branches are compiled out
 
-    store_element = output_store("float16" if IS_F16 else "bfloat16")  # out[b, row, h, col] = value, narrowed
+    # out's rows (a fresh contiguous array, headdim a multiple of 8): two columns narrowed and packed
+    # (rounding to nearest even, as a single element's), the first in the low half
+    pack_out = pack_f16x2 if IS_F16 else pack_bf16x2
 
     @inline_device
     @unroll
@@ -593,10 +596,10 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                 inv_l *= dropout_scale(params)
             if row < seqlen_q:
                 for c in static_range(DT):
-                    for e in static_range(2):
-                        col = 8 * c + 2 * q4 + e
-                        if col < HD:
-                            store_element(out, b, row, h, col, o[4 * c + 2 * rh + e] * inv_l)
+                    col = 8 * c + 2 * q4  # the thread's two neighbouring columns: one 32-bit store
+                    if col < HD:
+                        r = 4 * c + 2 * rh
+                        store_u32(global_address(out, b, row, h, col), pack_out(o[r] * inv_l, o[r + 1] * inv_l))
                 if q4 == 0:
                     if l_row != float32(0):
                         lse_log2 = m_i[rh] * scale_log2 + math.log2(l_row)
