@@ -62,8 +62,8 @@
 #   scripts/gpu_check.sh stores  the sm90 backward with dK, dV and dq stored as 32-bit pairs (perf-notes
 #                                step 54) against the tree before it: AB_BASE (default .ab/base.tar, a
 #                                `git archive` of that commit carried in the working tree), bench.py's
-#                                backward at hd 64, 128 and 256 in each tree, the base twice, about 7
-#                                minutes on a fresh machine
+#                                backward at hd 64, 128 and 256 and forward at 64 and 128 in each
+#                                tree, about 8 minutes on a fresh machine
 #   scripts/gpu_check.sh uniform [SECONDS]
 #                                the GPU tests of the files running sm90 kernels, less those
 #                                docs/runs/gpu-suite-2026-12-06-uniform*.txt report passed since the
@@ -328,18 +328,19 @@ pair)
     echo "hd 128, the pair (det) against the atomic kernel (exit $?):"; tail -8 "$out/pair_128.log"
     ;;
 stores)
-    # docs/perf-notes.md, step 54: the kernels' dK/dV (and dq) stores, one 32-bit pair instead of two
-    # 16-bit elements, against the tree before (their own kernel caches; the base timed first and last)
+    # docs/perf-notes.md, step 54: the kernels' dK/dV (and dq, and the forward's O) stores, one 32-bit
+    # pair instead of two 16-bit elements, against the tree before (each tree its own kernel cache)
     base=${AB_BASE:-.ab/base.tar}
     [ -f "$base" ] || { echo "no $base: git archive -o $base <the commit before step 54>, in the working tree"; exit 2; }
     rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar -xf "$base" -C /tmp/ab_base
-    for run in base1 new base2; do
-        tree=$PWD; [ "$run" = new ] || tree=/tmp/ab_base
+    for run in backward:base backward:new forward:base forward:new; do
+        pass=${run%:*} tree=$PWD; [ "${run#*:}" = new ] || tree=/tmp/ab_base
         path=${PYTHONPATH/$PWD/$tree}  # this tree's nbflash first
-        (cd "$tree" && PYTHONPATH=$path NBFLASH_CACHE_DIR=/tmp/ab_cache_${run%[12]} timeout 170 \
-            python3 scripts/bench.py --pass backward --families sm90 --headdims 64 128 256 --seqlens 4096 16384 \
-            --dtypes float16 --variants plain causal --no-naive --no-torch --budget 0.3) > "$out/stores_$run.log" 2>&1
-        echo "$run (exit $?):"; tail -13 "$out/stores_$run.log"
+        headdims="64 128 256"; [ "$pass" = backward ] || headdims="64 128"
+        (cd "$tree" && PYTHONPATH=$path NBFLASH_CACHE_DIR=/tmp/ab_cache_${run#*:} timeout 160 \
+            python3 scripts/bench.py --pass "$pass" --families default --headdims $headdims --seqlens 4096 16384 \
+            --dtypes float16 --variants plain causal --no-naive --no-torch --budget 0.3) > "$out/stores_${run/:/_}.log" 2>&1
+        echo "$run (exit $?):"; tail -13 "$out/stores_${run/:/_}.log"
     done
     ;;
 hd128)
@@ -510,7 +511,7 @@ headdims)
 issue13)
     # the issue's item 3: bench.py's two passes side by side with the anchors (Flex through --variants)
     for pass in backward forward+backward; do
-        timeout 270 python3 scripts/bench.py --pass "$pass" --families sm90 --headdims 64 128 --seqlens 4096 16384 \
+        timeout 270 python3 scripts/bench.py --pass "$pass" --families default --headdims 64 128 --seqlens 4096 16384 \
             --dtypes float16 --variants plain causal --no-naive --budget 0.3 --markdown "$out/issue13_${pass/+/_}.md" \
             > "$out/issue13_${pass/+/_}.log" 2>&1  # no "+" in the names: such files may not come back
         echo "$pass (exit $?):"; tail -12 "$out/issue13_${pass/+/_}.log"
