@@ -64,12 +64,11 @@
 #                                `git archive` of that commit carried in the working tree), bench.py's
 #                                backward at hd 64, 128 and 256 and forward at 64 and 128 in each
 #                                tree, about 8 minutes on a fresh machine
-#   scripts/gpu_check.sh uniform [SECONDS]
-#                                the GPU tests of the files running sm90 kernels, less those
-#                                docs/runs/gpu-suite-2026-12-06-uniform*.txt report passed since the
-#                                kernels' warpgroup index became warp-uniform (and the wide kernel's
-#                                tiles split), after a prebuild; stopped after SECONDS (default 400);
-#                                NBFLASH_RESUME_LOGS and TESTS as in defaults
+#   scripts/gpu_check.sh sm90 [SECONDS]
+#                                the GPU tests of the files running sm90 kernels (every one of them
+#                                changed with perf-notes step 54's stores), after a prebuild, stopped
+#                                after SECONDS (default 400); NBFLASH_RESUME_LOGS (each earlier
+#                                part's log, on the same kernels) and TESTS as in defaults
 #   scripts/gpu_check.sh levers  issue 13's work not yet timed on a GPU: the persistent grid's two
 #                                cases the last run did not reach, the varlen backward on both
 #                                families, and the sm90 backward at headdim 256 (not its default)
@@ -394,18 +393,16 @@ defaults)
         tests/test_sanitize.py tests/test_bench.py tests/test_claims.py tests/test_compile_speed.py"} \
         run_tests "${2:-400}"
     ;;
-uniform)
-    # The GPU tests running sm90 kernels not yet rerun since their warpgroup index became
-    # warp-uniform and the wide kernel's tiles were split between its consumers (2026-12-06,
-    # twentieth session): these files less what the resume logs of that session and the next report
-    # passed (NBFLASH_RESUME_LOGS: add each part's log to resume; 365 tests left after part 3). After
-    # a prebuild on all cores.
+sm90)
+    # The GPU tests running sm90 kernels: since step 54 (2026-12-06, twenty-first session) stored dK, dV,
+    # dq and the forward's O as 32-bit pairs, none has run on the current kernels (the uniform
+    # descriptors' parts, docs/runs/gpu-suite-2026-12-06-uniform*.txt, ran the kernels before). Resume a
+    # cut-off run with NBFLASH_RESUME_LOGS=<its log>. After a prebuild on all cores.
     timeout 170 python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 bfloat16 > "$out/prebuild.log" 2>&1
     echo "prebuild (exit $?): $(tail -1 "$out/prebuild.log")"
-    NBFLASH_RESUME_LOGS=${NBFLASH_RESUME_LOGS:-docs/runs/gpu-suite-2026-12-06-uniform.txt:docs/runs/gpu-suite-2026-12-06-uniform-2.txt:docs/runs/gpu-suite-2026-12-06-uniform-3.txt} \
-    TESTS=${TESTS:-"tests/test_backward_sm90.py tests/test_backward_dq_sm90.py tests/test_forward_sm90.py \
-        tests/test_varlen.py tests/test_block_mask.py tests/test_torch_bridge.py tests/test_dropout.py \
-        tests/test_user_functions.py tests/test_variants_attention.py tests/test_fuzz.py"} \
+    TESTS=${TESTS:-"tests/test_primitives.py tests/test_backward_sm90.py tests/test_backward_dq_sm90.py \
+        tests/test_forward_sm90.py tests/test_varlen.py tests/test_block_mask.py tests/test_torch_bridge.py \
+        tests/test_dropout.py tests/test_user_functions.py tests/test_variants_attention.py tests/test_fuzz.py"} \
         run_tests "${2:-400}"
     ;;
 deterministic-variants)
@@ -559,7 +556,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|hd128|stores|uniform [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|hd128|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
     exit 2
     ;;
 esac
