@@ -503,8 +503,8 @@ def make_store_rows(dtype, headdim, headdim_padded):
     """``store_rows(dst, acc, b, row0, h, seqlen, scale, q4)``: a 64-row accumulator of
     ``headdim_padded`` columns times ``scale``, narrowed to ``dtype``, into dst's rows (dK, dV, dq).
     A thread's two columns of a row are neighbours (wgmma's layout), so each pair goes out as one
-    32-bit store, half the stores of one a column and no byte shuffling (``stalls 128`` put 6-8% of
-    the samples on the 16-bit stores). ``dst`` is one of the backward's fresh contiguous outputs,
+    32-bit store: half as many stores as one a column, and no byte shuffling (``stalls 128`` put
+    6-8% of the samples on the 16-bit stores and their permutes). ``dst`` is one of the backward's fresh contiguous outputs,
     whose headdim is a multiple of 8: every pair is whole and 4-byte aligned."""
     HD, DT = headdim, headdim_padded // 8  # DT: 8-column groups of the accumulator
     pack = pack_f16x2 if dtype == "float16" else pack_bf16x2  # (rounding as a single element's: to nearest even)
@@ -890,10 +890,11 @@ def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False, c
     replaces dP^T. With ``staged_dropout`` the keep bits come in ``drop_word`` (byte p for queries
     16 p + 2 q4 on, make_stage_dropout's) instead of the lane's own Philox calls. ``columns``
     (first, end): only the 8-query column groups first..end-1 (even bounds; registers 4 first ..
-    4 end - 1), default all. With ``early_lse`` the lse of the first two column groups comes in
-    ``lse_first`` (``read_first_lse``'s, read before S^T landed) instead of from the slot."""
+    4 end - 1), default all. With ``early_lse`` (all columns) the lse of the first two column groups
+    comes in ``lse_first`` (``read_first_lse``'s, read before S^T landed) instead of from the slot."""
     BM, NT = block_m, block_m // 8
     FIRST_PAIR, END_PAIR = (0, NT // 2) if columns is None else (columns[0] // 2, columns[1] // 2)
+    assert not (early_lse and columns), "early_lse reads the first two column groups (read_first_lse)"
     row_keys, hidden = hooks.row_keys, hooks.hidden
     SCORE, DROPOUT, dropout_bits_t, dropout_bit = hooks.SCORE, hooks.DROPOUT, hooks.dropout_bits_t, hooks.dropout_bit
     FUSED = SCORE or DROPOUT  # dS^T made with P^T, from the landed dP^T (its factors used as they are made)
@@ -961,19 +962,14 @@ def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False, c
 NO_LSE_FIRST = (np.float32(0), np.float32(0), np.float32(0), np.float32(0))
 
 
-def make_read_first_lse(columns=None):
-    """``read_first_lse(smem, stats, q4) -> (4 float32)``: a thread's lse_log2 of the first two 8-query
-    column groups ``make_probabilities_t(..., early_lse=True)`` reads (queries 8 c + 2 q4 + e, c and
-    e 0 or 1, from the first group of ``columns``), in its order."""
-    FIRST = 0 if columns is None else columns[0]
-
-    @inline_device
-    def read_first_lse(smem, stats, q4):
-        col = 8 * FIRST + 2 * q4
-        return (u32_as_f32(smem[stats + col]), u32_as_f32(smem[stats + col + 1]),
-                u32_as_f32(smem[stats + col + 8]), u32_as_f32(smem[stats + col + 9]))
-
-    return read_first_lse
+@inline_device
+def read_first_lse(smem, stats, q4):
+    """A thread's lse_log2 of the first two 8-query column groups, as ``make_probabilities_t(...,
+    early_lse=True)`` takes them (queries 8 c + 2 q4 + e for c, e in 0, 1, in that order) from the
+    slot's stats at smem index ``stats``."""
+    col = 2 * q4
+    return (u32_as_f32(smem[stats + col]), u32_as_f32(smem[stats + col + 1]),
+            u32_as_f32(smem[stats + col + 8]), u32_as_f32(smem[stats + col + 9]))
 
 
 @lru_cache(maxsize=None)
@@ -1068,7 +1064,6 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
     EARLY_LSE = config.early_lse
     probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT, early_lse=EARLY_LSE)
-    read_first_lse = make_read_first_lse()
     stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
     stage_dq = make_stage_dq(BM, DQ_COLS)  # with STAGED_DQ, the consumers' half of dQ_i for the stats warp
     consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES, make_step_tile(config))
