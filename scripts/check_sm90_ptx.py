@@ -194,6 +194,10 @@ def backward_kernels():
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
         found.append((f"backward_sm90_dq_tiles_early_lse_{name}_hd128", dataclasses.replace(
             configs.planned_backward_sm90_config("float16", 128, variant), early_lse=True)))
+    # ... planned, dK and dV by 16-byte stores after the quads' transposes (an option, step 55)
+    for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
+        found.append((f"backward_sm90_dq_tiles_store_quads_{name}_hd128", dataclasses.replace(
+            configs.planned_backward_sm90_config("float16", 128, variant), store_quads=True)))
     # ... on packed sequences (planned since step 37), causal at hd 128
     found.append(("backward_sm90_dq_tiles_varlen_causal_hd128", dataclasses.replace(
         configs.sm90_backward_table_config("float16", 128, Variant(window=True, varlen=True)), dq_reduce="tiles")))

@@ -56,8 +56,9 @@
 #                                (NBFLASH_RESUME_LOGS; TESTS overrides the files), stopped after SECONDS
 #                                (default 400)
 #   scripts/gpu_check.sh hd128   hd 128's planned dK/dV kernel (dQ tile-major) with a third ring
-#                                stage, and with the first lse read before S^T lands (options,
-#                                perf-notes steps 52 and 53): their GPU grids, then sm90_schedules.py
+#                                stage, with the first lse read before S^T lands, and with 16-byte
+#                                dK/dV stores (options, perf-notes steps 52, 53 and 55): their GPU
+#                                grids, then sm90_schedules.py
 #                                --backward at hd 128 against the planned kernel, about 6 minutes
 #   scripts/gpu_check.sh stores  the sm90 backward with dK, dV and dq stored as 32-bit pairs (perf-notes
 #                                step 54) against the tree before it: AB_BASE (default .ab/base.tar, a
@@ -343,13 +344,15 @@ stores)
     done
     ;;
 hd128)
-    # docs/perf-notes.md, steps 52 and 53: hd 128's planned kernel with a third stage in its Q/dO ring
+    # docs/perf-notes.md, steps 52, 53 and 55: hd 128's planned kernel with a third stage in its Q/dO ring
     # (the consumers waited on the ring's full barrier for 10.7% of the plain kernel's samples,
-    # stalls 128), and with the first lse of P^T read before S^T lands (5% on those reads)
-    grid hd128_tests 240 tests/test_backward_sm90.py -k "three_stages_gpu or early_lse_gpu"
+    # stalls 128), with the first lse of P^T read before S^T lands (5% on those reads), and with dK and
+    # dV stored 16 bytes a lane (step 55)
+    grid hd128_tests 240 tests/test_backward_sm90.py -k "three_stages_gpu or early_lse_gpu or store_quads_gpu"
     timeout 260 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-3st planned-early-lse \
+        planned-quads \
         > "$out/hd128.log" 2>&1
-    echo "planned, 3 stages, early lse (exit $?):"; tail -7 "$out/hd128.log"
+    echo "planned, 3 stages, early lse, quads (exit $?):"; tail -7 "$out/hd128.log"
     ;;
 dq-keys)
     # docs/perf-notes.md, step 48: the sm90 dQ kernel's key tiles past headdim 128, planned (64 keys at

@@ -44,7 +44,8 @@ Backward, each column a schedule:
   at its key tile's index (step 43); "planned-3st" (headdim 128): the planned kernel with a third
   stage in its Q/dO ring, which fits beside the staged dQ tile (step 52); "planned-early-lse"
   (backward_sm90.py's kernels): the planned kernel with the first lse of P^T read before S^T lands
-  (step 53); "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
+  (step 53); "planned-quads" (backward_sm90.py's kernels): dK and dV by 16-byte stores after the
+  quads' transposes (step 55); "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
   (the form before; timed as "planned" against "planned-tiles" until step 35). (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
   with commit 5b92983.) "rows-tiles" (headdim 64): the rows split with tiles (step 34, 1-4% slower);
@@ -248,6 +249,7 @@ def backward_schedules(headdim, causal):
             found["planned-3st"] = grown
     if isinstance(planned, Sm90BackwardConfig):  # the first lse read before S^T lands (step 53)
         found["planned-early-lse"] = dataclasses.replace(planned, early_lse=True)
+        found["planned-quads"] = dataclasses.replace(planned, store_quads=True)  # 16-byte dK/dV stores (step 55)
     if not planned.variant.block_mask:  # each block's walk over the query tiles rotated by its key tile (step 43)
         found["planned-rotate"] = planned.__class__(**{**planned.__dict__, "rotate": True})
     found["planned"] = planned

@@ -331,6 +331,32 @@ def test_backward_sm90_early_lse_small(rng, xp, monkeypatch):
         assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_store_quads_gpu")
+def test_backward_sm90_store_quads_small(rng, xp, monkeypatch):
+    """``store_quads`` (an option, docs/perf-notes.md step 55): dK and dV by 16-byte stores after the
+    quads' transposes, bit-identical to the pair stores; headdim 40 (padded to 64: the last set of
+    four groups has one group past headdim, not stored), bfloat16, key tails (rows past seqlen_k
+    shuffle but do not store). NaN-poisoned outputs: a group left unwritten would fail."""
+    grads = []
+    for change in (lambda config: config, lambda config: dataclasses.replace(config, store_quads=True)):
+        with replanned(monkeypatch, change):
+            grads.append(run_sm90_variant(np.random.default_rng(4), xp, "causal", "bfloat16", 1, 70, 77, 1, 1, 40))
+    for a, b in zip(*grads):
+        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["plain", "causal", "softcap", "dropout"])
+@pytest.mark.parametrize("headdim", [72, 104, 128])
+def test_backward_sm90_store_quads_gpu(xp, monkeypatch, headdim, name):
+    """backward_sm90.py's planned kernels with ``store_quads`` (an option, step 55): headdims with a
+    set of four 8-column groups partly past headdim (72, 104: padded to 128) or none (128), tails,
+    GQA 2:1, bfloat16 where the name is not plain."""
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, store_quads=True)):
+        run_sm90_variant(np.random.default_rng(12), xp, name, "float16" if name == "plain" else "bfloat16", 2, 1023,
+                         1000, 4, 2, headdim)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["causal", "softcap", "dropout", "document-mask-mod"])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")

@@ -132,8 +132,10 @@ from nbflash.primitives import (
     pack_f16x2,
     red_add_f32x2,
     shared_address,
+    shuffle_xor_u32,
     static_range,
     store_u32,
+    store_u32x4,
     u32_as_f32,
     unroll,
 )
@@ -328,6 +330,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # the wait for S^T, so that the first exponentials do not wait on those reads (stalls 128 put
     # 5% of the samples on them; docs/perf-notes.md step 53). An option until timed
     early_lse: bool = False
+    # dK and dV stored 16 bytes a lane after a transpose across each quad (``make_store_rows``'s
+    # quads; docs/perf-notes.md step 55), instead of a 32-bit pair a store. An option until timed
+    store_quads: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
     # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
@@ -499,15 +504,60 @@ def make_add_dq(headdim, columns):
     return add_dq
 
 
-def make_store_rows(dtype, headdim, headdim_padded):
+def make_store_rows(dtype, headdim, headdim_padded, quads=False):
     """``store_rows(dst, acc, b, row0, h, seqlen, scale, q4)``: a 64-row accumulator of
     ``headdim_padded`` columns times ``scale``, narrowed to ``dtype``, into dst's rows (dK, dV, dq).
     A thread's two columns of a row are neighbours (wgmma's layout), so each pair goes out as one
     32-bit store: half as many stores as one a column, and no byte shuffling (``stalls 128`` put
     6-8% of the samples on the 16-bit stores and their permutes). ``dst`` is one of the backward's fresh contiguous outputs,
-    whose headdim is a multiple of 8: every pair is whole and 4-byte aligned."""
+    whose headdim is a multiple of 8: every pair is whole and 4-byte aligned.
+
+    With ``quads`` (an option, docs/perf-notes.md step 55) the four lanes of a quad, which hold the
+    four pairs of each 8-column group of their row, trade pairs (two butterfly exchanges of two
+    words, by lane ^ 1 then lane ^ 2) so that each lane holds one whole group of four groups: 16
+    contiguous bytes, one 16-byte store. A quarter of the stores, each a row's 64 contiguous bytes
+    across the quad, for 4 shuffles a store. Every lane shuffles (the rows' test comes after)."""
     HD, DT = headdim, headdim_padded // 8  # DT: 8-column groups of the accumulator
     pack = pack_f16x2 if dtype == "float16" else pack_bf16x2  # (rounding as a single element's: to nearest even)
+    if quads and DT % 4:
+        raise ValueError(f"quad stores take whole sets of four 8-column groups, not {DT}")
+
+    @inline_device
+    def trade(a0, a1, a2, a3, q4, mask):
+        """One butterfly stage of the quad's 4 x 4 transpose: the two words whose slot k has
+        (k ^ q4) & mask set go to lane q4 ^ mask, which sends its slots k ^ mask back."""
+        if mask == 1:
+            odd = (q4 & 1) != 0
+            x0 = a0 if odd else a1  # slot (q4 & 1) ^ 1, then that + 2
+            x1 = a2 if odd else a3
+            y0, y1 = shuffle_xor_u32(x0, uint32(1)), shuffle_xor_u32(x1, uint32(1))
+            return (y0 if odd else a0), (a1 if odd else y0), (y1 if odd else a2), (a3 if odd else y1)
+        high = (q4 & 2) != 0
+        x0 = a0 if high else a2  # slot (q4 & 2) ^ 2, then that + 1
+        x1 = a1 if high else a3
+        y0, y1 = shuffle_xor_u32(x0, uint32(2)), shuffle_xor_u32(x1, uint32(2))
+        return (y0 if high else a0), (y1 if high else a1), (a2 if high else y0), (a3 if high else y1)
+
+    @inline_device
+    @unroll
+    def store_quads(dst, acc, b, row0, h, seqlen, scale, q4):
+        """store_rows with ``quads``: lane q4 stores group 4 m + q4 of each set m of four."""
+        for rh in static_range(2):
+            row = row0 + 8 * rh
+            for m in static_range(DT // 4):
+                r = 16 * m + 2 * rh  # group 4 m + k's pair: registers r + 4 k, r + 4 k + 1
+                a0 = pack(acc[r] * scale, acc[r + 1] * scale)
+                a1 = pack(acc[r + 4] * scale, acc[r + 5] * scale)
+                a2 = pack(acc[r + 8] * scale, acc[r + 9] * scale)
+                a3 = pack(acc[r + 12] * scale, acc[r + 13] * scale)
+                a0, a1, a2, a3 = trade(a0, a1, a2, a3, q4, 1)
+                a0, a1, a2, a3 = trade(a0, a1, a2, a3, q4, 2)  # now group 4 m + q4, lanes 0..3's pairs
+                col = 8 * (4 * m + q4)
+                if row < seqlen and col < HD:
+                    store_u32x4(global_address(dst, b, row, h, col), a0, a1, a2, a3)
+
+    if quads:
+        return store_quads
 
     @inline_device
     @unroll
@@ -1058,7 +1108,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     def half_k(k_tile, consumer):
         """K's columns of the consumer's half of headdim ("columns"), every key of the tile."""
         return smem_descriptor(k_tile + uint32(consumer * HALF_OFFSET), KV_CHUNK_BYTES, 1024, SWIZZLE_128B)
-    store_rows = make_store_rows(config.dtype, HD, HDP)  # dK, dV
+    store_rows = make_store_rows(config.dtype, HD, HDP, quads=config.store_quads)  # dK, dV
     block_rows = make_block_rows(hooks, BN)  # where the block's rows are (packed sequences: its sequence's)
     produce_tiles = make_produce_tiles(config, hooks)  # the producer's warp 0
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
