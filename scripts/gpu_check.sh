@@ -55,11 +55,12 @@
 #                                docs/runs/gpu-suite-2026-12-06-{headdims,defaults,pair}.txt report
 #                                (NBFLASH_RESUME_LOGS; TESTS overrides the files), stopped after SECONDS
 #                                (default 400)
-#   scripts/gpu_check.sh hd128   hd 128's planned dK/dV kernel (dQ tile-major) with a third ring
+#   scripts/gpu_check.sh options hd 128's planned dK/dV kernel (dQ tile-major) with a third ring
 #                                stage, with the first lse read before S^T lands, and with 16-byte
-#                                dK/dV stores (options, perf-notes steps 52, 53 and 55): their GPU
-#                                grids, then sm90_schedules.py
-#                                --backward at hd 128 against the planned kernel, about 6 minutes
+#                                dK/dV stores (the last at hd 64's rows split too; options, perf-notes
+#                                steps 52, 53 and 55): their GPU grids, then sm90_schedules.py
+#                                --backward at hd 64 and 128 against the planned kernels, about 8
+#                                minutes
 #   scripts/gpu_check.sh stores  the sm90 backward with dK, dV and dq stored as 32-bit pairs (perf-notes
 #                                step 54) against the tree before it: AB_BASE (default .ab/base.tar, a
 #                                `git archive` of that commit carried in the working tree), bench.py's
@@ -343,16 +344,17 @@ stores)
         echo "$run (exit $?):"; tail -13 "$out/stores_${run/:/_}.log"
     done
     ;;
-hd128)
-    # docs/perf-notes.md, steps 52, 53 and 55: hd 128's planned kernel with a third stage in its Q/dO ring
-    # (the consumers waited on the ring's full barrier for 10.7% of the plain kernel's samples,
+options)
+    # docs/perf-notes.md, steps 52, 53 and 55: hd 128's planned kernel with a third stage in its Q/dO
+    # ring (the consumers waited on the ring's full barrier for 10.7% of the plain kernel's samples,
     # stalls 128), with the first lse of P^T read before S^T lands (5% on those reads), and with dK and
-    # dV stored 16 bytes a lane (step 55)
-    grid hd128_tests 240 tests/test_backward_sm90.py -k "three_stages_gpu or early_lse_gpu or store_quads_gpu"
-    timeout 260 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-3st planned-early-lse \
-        planned-quads \
-        > "$out/hd128.log" 2>&1
-    echo "planned, 3 stages, early lse, quads (exit $?):"; tail -7 "$out/hd128.log"
+    # dV stored 16 bytes a lane (step 55; at hd 64 in the rows split too): their GPU grids, then each
+    # timed against the planned kernel
+    grid options_tests 300 tests/test_backward_sm90.py \
+        -k "three_stages_gpu or early_lse_gpu or store_quads_gpu or (rows_gpu and quads)"
+    timeout 270 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-3st planned-early-lse \
+        planned-quads rows-quads > "$out/options.log" 2>&1
+    echo "planned, 3 stages, early lse, quads (exit $?):"; tail -11 "$out/options.log"
     ;;
 dq-keys)
     # docs/perf-notes.md, step 48: the sm90 dQ kernel's key tiles past headdim 128, planned (64 keys at
@@ -559,7 +561,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|hd128|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
     exit 2
     ;;
 esac

@@ -45,7 +45,8 @@ Backward, each column a schedule:
   stage in its Q/dO ring, which fits beside the staged dQ tile (step 52); "planned-early-lse"
   (backward_sm90.py's kernels): the planned kernel with the first lse of P^T read before S^T lands
   (step 53); "planned-quads" (backward_sm90.py's kernels): dK and dV by 16-byte stores after the
-  quads' transposes (step 55); "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
+  quads' transposes (step 55), and "rows-quads" the same in the planned rows split (headdim 64);
+  "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
   (the form before; timed as "planned" against "planned-tiles" until step 35). (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
   with commit 5b92983.) "rows-tiles" (headdim 64): the rows split with tiles (step 34, 1-4% slower);
@@ -234,6 +235,8 @@ def backward_schedules(headdim, causal):
         for early in ("dq", "dq-dv"):
             found[f"rows-{early}"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, issue_early=early,
                                                               heavy_groups=table.heavy_groups)
+        found["rows-quads"] = dataclasses.replace(planned, store_quads=True) if isinstance(
+            planned, Sm90RowsBackwardConfig) else None  # the planned rows split, 16-byte dK/dV stores (step 55)
         found["rows-dq-rotate"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, issue_early="dq",
                                                          rotate=True, heavy_groups=table.heavy_groups)
         # a persistent grid, one block per multiprocessor, K and V double-buffered
@@ -253,7 +256,7 @@ def backward_schedules(headdim, causal):
     if not planned.variant.block_mask:  # each block's walk over the query tiles rotated by its key tile (step 43)
         found["planned-rotate"] = planned.__class__(**{**planned.__dict__, "rotate": True})
     found["planned"] = planned
-    return {name: config for name, config in found.items() if ONLY is None or name in ONLY}
+    return {name: config for name, config in found.items() if config is not None and (ONLY is None or name in ONLY)}
 
 
 def main_backward():

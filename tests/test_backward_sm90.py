@@ -668,7 +668,7 @@ def test_backward_sm90_rows_early_rotate_small(rng, xp, monkeypatch):
 
 ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"persistent": 132},
               "tiles": {"dq_reduce": "tiles"}, "early-dq": {"issue_early": "dq"}, "early-dq-dv": {"issue_early": "dq-dv"},
-              "rotate": {"rotate": True}}
+              "rotate": {"rotate": True}, "quads": {"store_quads": True}}
 
 
 @pytest.mark.gpu

@@ -176,6 +176,9 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
     # blocks of a head running together add into different rows of dq_accum (backward_sm90.py's
     # ``make_step_tile``; step 43)
     rotate: bool = False
+    # dK and dV stored 16 bytes a lane after a transpose across each quad (backward_sm90.py's
+    # ``make_store_rows`` quads; docs/perf-notes.md step 55). An option until timed
+    store_quads: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)
     consumers = 2
@@ -269,7 +272,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     init_ring = make_init_ring(STAGES, FULL_ARRIVALS, EMPTY_ARRIVALS)
     pack_a = make_pack_a(config.dtype, P_REGS)  # P's and dS's A registers
     add_dq = make_add_dq(HD, CHUNK)  # dQ_c into dq_accum
-    store_rows = make_store_rows(config.dtype, HD, CHUNK)  # dK, dV
+    store_rows = make_store_rows(config.dtype, HD, CHUNK, quads=config.store_quads)  # dK, dV
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
     stage_dq = make_stage_dq(64, CHUNK)  # with STAGED_DQ, a consumer's 64 rows of dQ for the stats warp
     step_tile = make_step_tile(config)  # step i's query tile (``rotate``)
