@@ -46,6 +46,8 @@ Backward, each column a schedule:
   (backward_sm90.py's kernels): the planned kernel with the first lse of P^T read before S^T lands
   (step 53); "planned-quads" (backward_sm90.py's kernels): dK and dV by 16-byte stores after the
   quads' transposes (step 55), and "rows-quads" the same in the planned rows split (headdim 64);
+  "planned-stats-ahead" (backward_sm90.py's kernels): the stats warp's reads of a step's lse and D
+  before its wait for the slot (step 56);
   "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
   (the form before; timed as "planned" against "planned-tiles" until step 35). (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
@@ -253,6 +255,7 @@ def backward_schedules(headdim, causal):
     if isinstance(planned, Sm90BackwardConfig):  # the first lse read before S^T lands (step 53)
         found["planned-early-lse"] = dataclasses.replace(planned, early_lse=True)
         found["planned-quads"] = dataclasses.replace(planned, store_quads=True)  # 16-byte dK/dV stores (step 55)
+        found["planned-stats-ahead"] = dataclasses.replace(planned, stats_ahead=True)  # step 56
     if not planned.variant.block_mask:  # each block's walk over the query tiles rotated by its key tile (step 43)
         found["planned-rotate"] = planned.__class__(**{**planned.__dict__, "rotate": True})
     found["planned"] = planned

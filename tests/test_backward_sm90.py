@@ -331,6 +331,29 @@ def test_backward_sm90_early_lse_small(rng, xp, monkeypatch):
         assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_stats_ahead_gpu")
+def test_backward_sm90_stats_ahead_small(rng, xp, monkeypatch):
+    """``stats_ahead`` (an option, docs/perf-notes.md step 56): the stats warp reads each step's lse
+    and D before it waits for the step's slot; bit-identical to the planned order. Causal, GQA
+    2:1 over one key head (two query heads: four steps through the ring of two), query tails."""
+    grads = []
+    for change in (lambda config: config, lambda config: dataclasses.replace(config, stats_ahead=True)):
+        with replanned(monkeypatch, change):
+            grads.append(run_sm90_variant(np.random.default_rng(6), xp, "causal", "float16", 1, 100, 64, 2, 1, 32))
+    for a, b in zip(*grads):
+        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "softcap", "dropout", "document-mask-mod"])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_stats_ahead_gpu(xp, monkeypatch, seqlens, name):
+    """backward_sm90.py as planned at headdim 128 with ``stats_ahead`` (an option, step 56): the
+    score features' lse offset, dropout, a block mask's step words; GQA 2:1, tails."""
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, stats_ahead=True)):
+        run_sm90_variant(np.random.default_rng(13), xp, name, "float16", 2, *seqlens, 4, 2, 128)
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_store_quads_gpu")
 def test_backward_sm90_store_quads_small(rng, xp, monkeypatch):
     """``store_quads`` (an option, docs/perf-notes.md step 55): dK and dV by 16-byte stores after the

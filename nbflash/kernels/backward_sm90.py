@@ -333,6 +333,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # dK and dV stored 16 bytes a lane after a transpose across each quad (``make_store_rows``'s
     # quads; docs/perf-notes.md step 55), instead of a 32-bit pair a store. An option until timed
     store_quads: bool = False
+    # The stats warp reads a step's lse and D before it waits for the step's slot, instead of after
+    # (``make_stage_stats``; docs/perf-notes.md step 56). An option until timed
+    stats_ahead: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
     # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
@@ -625,6 +628,9 @@ def make_stage_stats(config, hooks):
     VARLEN, sequence = hooks.VARLEN, hooks.sequence
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
     STAGED_DQ = config.dq_tile_major
+    # the step's lse and D read before the wait for its slot (``stats_ahead``, backward_sm90.py's
+    # option): their latency then passes while the consumers finish with the slot
+    STATS_AHEAD = getattr(config, "stats_ahead", False)
     add_staged_dq = make_add_staged_dq(config)
     step_tile = make_step_tile(config)
 
@@ -654,7 +660,7 @@ def make_stage_stats(config, hooks):
             position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
                                              lane)
             slot, use = (step0 + i) % STAGES, (step0 + i) // STAGES
-            if use > 0:
+            if use > 0 and not STATS_AHEAD:
                 mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
             h = hk * group + position // tiles_per_head
             q_start = step_tile(position, first_tile, tiles_per_head, n_block) * BM
@@ -663,16 +669,21 @@ def make_stage_stats(config, hooks):
             offset = float32(0)
             if SCORE:
                 offset = score_units(params, scale, head_context(params, b, h))[variants.OFFSET]
+            lse_rows = cuda.local.array(ROWS_PER_LANE, float32)  # (registers: constant indices)
+            d_rows = cuda.local.array(ROWS_PER_LANE, float32)
             for r in static_range(ROWS_PER_LANE):
                 row = q_start + 32 * r + lane
-                lse_log2, d = POS_INF, float32(0)  # rows past seqlen_q: P = 0
+                lse_rows[r], d_rows[r] = POS_INF, float32(0)  # rows past seqlen_q: P = 0
                 if row < seqlen_q:
                     x = lse[mem_b, h, row0 + row]
                     if x != NEG_INF:  # a row that sees no key keeps +inf: P = 0
-                        lse_log2 = x * float32(LOG2E) - offset
-                    d = delta[mem_b, h, row0 + row]
-                smem[stats + 32 * r + lane] = f32_as_u32(lse_log2)
-                smem[stats + BM + 32 * r + lane] = f32_as_u32(d)
+                        lse_rows[r] = x * float32(LOG2E) - offset
+                    d_rows[r] = delta[mem_b, h, row0 + row]
+            if use > 0 and STATS_AHEAD:  # (the reads above are in flight meanwhile)
+                mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
+            for r in static_range(ROWS_PER_LANE):
+                smem[stats + 32 * r + lane] = f32_as_u32(lse_rows[r])
+                smem[stats + BM + 32 * r + lane] = f32_as_u32(d_rows[r])
             if BLOCK_MASK and lane == 0:  # the step for the consumers: pair, head, tile, masked
                 tile = step_tile(position, first_tile, tiles_per_head, n_block)
                 smem[stats + STEP_WORD] = uint32(position)
