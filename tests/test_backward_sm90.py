@@ -317,31 +317,33 @@ def test_backward_sm90_three_stages_gpu(xp, monkeypatch, seqlens, name):
         run_sm90_variant(np.random.default_rng(9), xp, name, "float16", 2, *seqlens, 4, 2, 128)
 
 
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_early_lse_gpu")
-def test_backward_sm90_early_lse_small(rng, xp, monkeypatch):
-    """``early_lse`` (an option, docs/perf-notes.md step 53): the first two column groups' lse read
-    before S^T lands give the same gradients, to the bit, as the planned kernel, which reads them
-    after (dq too: the simulator adds in a fixed order); causal, two query tiles and two key tiles,
-    both second ones tails, so the masked copy of probabilities_t takes them as well."""
+def option_agrees(xp, monkeypatch, field, seed, dtype, shape):
+    """The planned sm90 dK/dV kernel and the same with its option ``field`` on, causal, on the same
+    draw (run_sm90_variant: each against the reference's rule): dq, dk and dv the same to the bit
+    (the simulator adds dq in a fixed order)."""
     grads = []
-    for change in (lambda config: config, lambda config: dataclasses.replace(config, early_lse=True)):
+    for change in (lambda config: config, lambda config: dataclasses.replace(config, **{field: True})):
         with replanned(monkeypatch, change):
-            grads.append(run_sm90_variant(np.random.default_rng(3), xp, "causal", "float16", 1, 65, 129, 1, 1, 64))
+            grads.append(run_sm90_variant(np.random.default_rng(seed), xp, "causal", dtype, *shape))
     for a, b in zip(*grads):
         assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_early_lse_gpu")
+def test_backward_sm90_early_lse_small(xp, monkeypatch):
+    """``early_lse`` (an option, docs/perf-notes.md step 53): the first two column groups' lse read
+    before S^T lands, against the planned kernel, which reads them after (option_agrees); two
+    query tiles and two key tiles, both second ones tails, so the masked copy of probabilities_t
+    takes them as well."""
+    option_agrees(xp, monkeypatch, "early_lse", 3, "float16", (1, 65, 129, 1, 1, 64))
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_stats_ahead_gpu")
-def test_backward_sm90_stats_ahead_small(rng, xp, monkeypatch):
+def test_backward_sm90_stats_ahead_small(xp, monkeypatch):
     """``stats_ahead`` (an option, docs/perf-notes.md step 56): the stats warp reads each step's lse
-    and D before it waits for the step's slot; bit-identical to the planned order. Causal, GQA
-    2:1 over one key head (two query heads: four steps through the ring of two), query tails."""
-    grads = []
-    for change in (lambda config: config, lambda config: dataclasses.replace(config, stats_ahead=True)):
-        with replanned(monkeypatch, change):
-            grads.append(run_sm90_variant(np.random.default_rng(6), xp, "causal", "float16", 1, 100, 64, 2, 1, 32))
-    for a, b in zip(*grads):
-        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+    and D before it waits for the step's slot, against the planned order (option_agrees); GQA 2:1
+    over one key head (two query heads: four steps through the ring of two), query tails."""
+    option_agrees(xp, monkeypatch, "stats_ahead", 6, "float16", (1, 100, 64, 2, 1, 32))
 
 
 @pytest.mark.gpu
@@ -355,17 +357,12 @@ def test_backward_sm90_stats_ahead_gpu(xp, monkeypatch, seqlens, name):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_store_quads_gpu")
-def test_backward_sm90_store_quads_small(rng, xp, monkeypatch):
+def test_backward_sm90_store_quads_small(xp, monkeypatch):
     """``store_quads`` (an option, docs/perf-notes.md step 55): dK and dV by 16-byte stores after the
-    quads' transposes, bit-identical to the pair stores; headdim 40 (padded to 64: the last set of
-    four groups has one group past headdim, not stored), bfloat16, key tails (rows past seqlen_k
-    shuffle but do not store). NaN-poisoned outputs: a group left unwritten would fail."""
-    grads = []
-    for change in (lambda config: config, lambda config: dataclasses.replace(config, store_quads=True)):
-        with replanned(monkeypatch, change):
-            grads.append(run_sm90_variant(np.random.default_rng(4), xp, "causal", "bfloat16", 1, 70, 77, 1, 1, 40))
-    for a, b in zip(*grads):
-        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+    quads' transposes, against the pair stores (option_agrees); headdim 40 (padded to 64: the last
+    set of four groups has one group past headdim, not stored), bfloat16, key tails (rows past
+    seqlen_k shuffle but do not store). NaN-poisoned outputs: a group left unwritten would fail."""
+    option_agrees(xp, monkeypatch, "store_quads", 4, "bfloat16", (1, 70, 77, 1, 1, 40))
 
 
 @pytest.mark.gpu
