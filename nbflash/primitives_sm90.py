@@ -1348,7 +1348,6 @@ def launch_bounded(max_threads, min_blocks=1):
     return lambda fn: cuda.jit(fn, launch_bounds=(max_threads, min_blocks))
 
 
-
 # warpgroup_index(tid): the warpgroup of thread ``tid`` (tid // 128), made warp-uniform to ptxas by a
 # broadcast from lane 0 (``warp_broadcast_u32``; every lane calls it, in warp-uniform control flow).
 # Whatever a warpgroup computes from it (which tiles it reads: its wgmma descriptors) then stays in

@@ -237,8 +237,6 @@ def backward_schedules(headdim, causal):
         for early in ("dq", "dq-dv"):
             found[f"rows-{early}"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, issue_early=early,
                                                               heavy_groups=table.heavy_groups)
-        found["rows-quads"] = dataclasses.replace(planned, store_quads=True) if isinstance(
-            planned, Sm90RowsBackwardConfig) else None  # the planned rows split, 16-byte dK/dV stores (step 55)
         found["rows-dq-rotate"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, issue_early="dq",
                                                          rotate=True, heavy_groups=table.heavy_groups)
         # a persistent grid, one block per multiprocessor, K and V double-buffered
@@ -252,6 +250,8 @@ def backward_schedules(headdim, causal):
         grown = dataclasses.replace(planned, stages=3)
         if grown.dynamic_shared_bytes <= MAX_SHARED_BYTES:
             found["planned-3st"] = grown
+    if isinstance(planned, Sm90RowsBackwardConfig):  # the planned rows split, 16-byte dK/dV stores (step 55)
+        found["rows-quads"] = dataclasses.replace(planned, store_quads=True)
     if isinstance(planned, Sm90BackwardConfig):  # the first lse read before S^T lands (step 53)
         found["planned-early-lse"] = dataclasses.replace(planned, early_lse=True)
         found["planned-quads"] = dataclasses.replace(planned, store_quads=True)  # 16-byte dK/dV stores (step 55)
@@ -259,7 +259,7 @@ def backward_schedules(headdim, causal):
     if not planned.variant.block_mask:  # each block's walk over the query tiles rotated by its key tile (step 43)
         found["planned-rotate"] = planned.__class__(**{**planned.__dict__, "rotate": True})
     found["planned"] = planned
-    return {name: config for name, config in found.items() if config is not None and (ONLY is None or name in ONLY)}
+    return {name: config for name, config in found.items() if ONLY is None or name in ONLY}
 
 
 def main_backward():
