@@ -331,7 +331,8 @@ pair)
     ;;
 stores)
     # docs/perf-notes.md, step 54: the kernels' dK/dV (and dq, and the forward's O) stores, one 32-bit
-    # pair instead of two 16-bit elements, against the tree before (each tree its own kernel cache)
+    # pair instead of two 16-bit elements, against the tree before (each tree its own kernel cache: this
+    # tree's is NBFLASH_CACHE_DIR, prebuilt by an earlier `sm90` or `prebuild` call on the same machine)
     base=${AB_BASE:-.ab/base.tar}
     [ -f "$base" ] || { echo "no $base: git archive -o $base <the commit before step 54>, in the working tree"; exit 2; }
     rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar -xf "$base" -C /tmp/ab_base
@@ -339,7 +340,8 @@ stores)
         pass=${run%:*} tree=$PWD; [ "${run#*:}" = new ] || tree=/tmp/ab_base
         path=${PYTHONPATH/$PWD/$tree}  # this tree's nbflash first
         headdims="64 128 256"; [ "$pass" = backward ] || headdims="64 128"
-        (cd "$tree" && PYTHONPATH=$path NBFLASH_CACHE_DIR=/tmp/ab_cache_${run#*:} timeout 160 \
+        cache=/tmp/ab_cache_base; [ "${run#*:}" = base ] || cache=${NBFLASH_CACHE_DIR:-/tmp/ab_cache_new}
+        (cd "$tree" && PYTHONPATH=$path NBFLASH_CACHE_DIR=$cache timeout 160 \
             python3 scripts/bench.py --pass "$pass" --families default --headdims $headdims --seqlens 4096 16384 \
             --dtypes float16 --variants plain causal --no-naive --no-torch --budget 0.3) > "$out/stores_${run/:/_}.log" 2>&1
         echo "$run (exit $?):"; tail -13 "$out/stores_${run/:/_}.log"
