@@ -622,6 +622,17 @@ SM90_BACKWARD_ROWS_MAX_HEADDIM = 64
 # test_backward_sm90.py, the torch bridge's and the fuzzer's gradients, docs/runs/). On the H200,
 # issue 13's table with it: hd 64 16k 1.21x SDPA flash's backward, where it read 1.19x without it.
 SM90_BACKWARD_ROWS_DQ_EARLY = True
+# Whether the rows split without a window stores dK and dV 16 bytes a lane after a transpose across
+# each quad (``store_quads``, docs/perf-notes.md "Hopper backward" step 55), instead of a 32-bit pair
+# a store. Measured on an H100 (2026-12-06, twenty-second session: scripts/gpu_check.sh options, then
+# scripts/sm90_schedules.py --backward --headdims 64 128 three times more, fp16, hd 64), the planned
+# kernel with it against without, means of four runs: 4k +3.5% (351.9 TFLOP/s against 340.1), 16k
+# +6.6% (368.2 against 345.4, leaving out one slow run of the kernel without, 320.2); causal 4k
+# +0.1%, 16k -0.6%, inside the runs' spread, so the window keeps the pairs. Its GPU grid passes
+# (tests/test_backward_sm90.py rows_gpu, "quads", without dQ's product early), and the timed runs'
+# results with dQ's product early agree with the reference as closely as the pairs' (6.1e-05);
+# the grid of that combination ("early-dq-quads") has not run on a GPU yet.
+SM90_BACKWARD_ROWS_STORE_QUADS = True
 
 
 # dQ_i staged in shared memory and added by the producer's stats warp, one bulk reduce-add a step
@@ -661,7 +672,8 @@ def packed_dq_tiles_fit(batch, total_q):
 def sm90_backward_config(dtype, headdim, variant):
     """The sm90 backward's dK/dV kernel: the rows split where it serves the call and was measured
     faster (``SM90_BACKWARD_ROWS_MAX_HEADDIM``; with ``SM90_BACKWARD_ROWS_DQ_EARLY``, dQ's product
-    issued early without a window), the wide one past headdim 128, backward_sm90.py's from the
+    issued early without a window, and with ``SM90_BACKWARD_ROWS_STORE_QUADS`` dK and dV by 16-byte
+    stores), the wide one past headdim 128, backward_sm90.py's from the
     table otherwise, its dQ tile-major where it issues dQ_i's product first
     (``SM90_BACKWARD_DQ_TILES``)."""
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
@@ -669,8 +681,9 @@ def sm90_backward_config(dtype, headdim, variant):
                                       split_tiles=SM90_WIDE_SPLIT_TILES)
     if not runtime.SIMULATOR and headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM and sm90_rows_serves(variant):
         early = "dq" if SM90_BACKWARD_ROWS_DQ_EARLY and not variant.window else "none"
+        quads = SM90_BACKWARD_ROWS_STORE_QUADS and not variant.window
         return Sm90RowsBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS,
-                                      issue_early=early)
+                                      issue_early=early, store_quads=quads)
     return planned_backward_sm90_config(dtype, headdim, variant)
 
 

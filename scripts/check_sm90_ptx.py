@@ -190,18 +190,10 @@ def backward_kernels():
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
         found.append((f"backward_sm90_dq_tiles_3st_{name}_hd128", dataclasses.replace(
             configs.planned_backward_sm90_config("float16", 128, variant), stages=3)))
-    # ... planned, with the first lse read before S^T lands (an option, step 53)
-    for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
-        found.append((f"backward_sm90_dq_tiles_early_lse_{name}_hd128", dataclasses.replace(
-            configs.planned_backward_sm90_config("float16", 128, variant), early_lse=True)))
     # ... planned, dK and dV by 16-byte stores after the quads' transposes (an option, step 55)
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
         found.append((f"backward_sm90_dq_tiles_store_quads_{name}_hd128", dataclasses.replace(
             configs.planned_backward_sm90_config("float16", 128, variant), store_quads=True)))
-    # ... planned, the stats warp's reads ahead of its wait for the slot (an option, step 56)
-    for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
-        found.append((f"backward_sm90_dq_tiles_stats_ahead_{name}_hd128", dataclasses.replace(
-            configs.planned_backward_sm90_config("float16", 128, variant), stats_ahead=True)))
     found.append(("backward_sm90_rows_store_quads_causal_hd64", dataclasses.replace(
         configs.sm90_backward_config("float16", 64, Variant(window=True)), store_quads=True)))
     # ... on packed sequences (planned since step 37), causal at hd 128

@@ -56,12 +56,10 @@
 #                                (NBFLASH_RESUME_LOGS; TESTS overrides the files), stopped after SECONDS
 #                                (default 400)
 #   scripts/gpu_check.sh options hd 128's planned dK/dV kernel (dQ tile-major) with a third ring
-#                                stage, with the first lse read before S^T lands, and with 16-byte
-#                                dK/dV stores (also at hd 64's rows split), with the stats warp's
-#                                reads ahead (options, perf-notes steps 52, 53, 55 and 56): their
-#                                GPU grids, then sm90_schedules.py
-#                                --backward at hd 64 and 128 against the planned kernels, about 8
-#                                minutes
+#                                stage and with 16-byte dK/dV stores (perf-notes steps 52 and 55),
+#                                and hd 64's rows split as planned (16-byte stores) against its
+#                                pair stores: their GPU grids, then sm90_schedules.py --backward at
+#                                hd 64 and 128, about 6 minutes
 #   scripts/gpu_check.sh stores  the sm90 backward with dK, dV and dq stored as 32-bit pairs (perf-notes
 #                                step 54) against the tree before it: AB_BASE (default .ab/base.tar, a
 #                                `git archive` of that commit carried in the working tree), bench.py's
@@ -348,17 +346,16 @@ stores)
     done
     ;;
 options)
-    # docs/perf-notes.md, steps 52, 53, 55 and 56: hd 128's planned kernel with a third stage in its Q/dO
-    # ring (the consumers waited on the ring's full barrier for 10.7% of the plain kernel's samples,
-    # stalls 128), with the first lse of P^T read before S^T lands (5% on those reads), and with dK and
-    # dV stored 16 bytes a lane (step 55; at hd 64 in the rows split too), with the stats warp's reads
-    # ahead of its wait for the slot (step 56): their GPU grids, then each timed against the planned
-    # kernel
+    # docs/perf-notes.md, steps 52 and 55: hd 128's planned kernel with a third stage in its Q/dO ring
+    # and with dK and dV stored 16 bytes a lane (both mixed on the H100, twenty-second session), and
+    # the rows split as planned since then at hd 64 (16-byte dK/dV stores and dQ's product early
+    # without a window) against its pair stores: the grids (the planned combination's first), then
+    # each timed against the planned kernel
     grid options_tests 300 tests/test_backward_sm90.py \
-        -k "three_stages_gpu or early_lse_gpu or store_quads_gpu or (rows_gpu and quads) or stats_ahead_gpu"
-    timeout 270 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-3st planned-early-lse \
-        planned-quads rows-quads planned-stats-ahead > "$out/options.log" 2>&1
-    echo "planned, 3 stages, early lse, quads, stats ahead (exit $?):"; tail -11 "$out/options.log"
+        -k "three_stages_gpu or store_quads_gpu or (rows_gpu and quads)"
+    timeout 270 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-3st \
+        planned-quads rows-pairs > "$out/options.log" 2>&1
+    echo "planned, 3 stages, quads; rows: planned, pairs (exit $?):"; tail -11 "$out/options.log"
     ;;
 dq-keys)
     # docs/perf-notes.md, step 48: the sm90 dQ kernel's key tiles past headdim 128, planned (64 keys at

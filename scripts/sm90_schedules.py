@@ -42,12 +42,10 @@ Backward, each column a schedule:
   a tile-major dq_accum, one bulk reduce-add a step (dq_reduce="tiles", steps 32-33, planned in
   step 35); "planned-rotate": the planned kernel with each block's walk over the query tiles starting
   at its key tile's index (step 43); "planned-3st" (headdim 128): the planned kernel with a third
-  stage in its Q/dO ring, which fits beside the staged dQ tile (step 52); "planned-early-lse"
-  (backward_sm90.py's kernels): the planned kernel with the first lse of P^T read before S^T lands
-  (step 53); "planned-quads" (backward_sm90.py's kernels): dK and dV by 16-byte stores after the
-  quads' transposes (step 55), and "rows-quads" the same in the planned rows split (headdim 64);
-  "planned-stats-ahead" (backward_sm90.py's kernels): the stats warp's reads of a step's lse and D
-  before its wait for the slot (step 56);
+  stage in its Q/dO ring, which fits beside the staged dQ tile (step 52); "planned-quads"
+  (backward_sm90.py's kernels): dK and dV by 16-byte stores after the quads' transposes (step 55),
+  and in the planned rows split (headdim 64) "rows-pairs" where it is planned with them (without a
+  window), "rows-quads" where not;
   "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
   (the form before; timed as "planned" against "planned-tiles" until step 35). (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
@@ -250,12 +248,11 @@ def backward_schedules(headdim, causal):
         grown = dataclasses.replace(planned, stages=3)
         if grown.dynamic_shared_bytes <= MAX_SHARED_BYTES:
             found["planned-3st"] = grown
-    if isinstance(planned, Sm90RowsBackwardConfig):  # the planned rows split, 16-byte dK/dV stores (step 55)
-        found["rows-quads"] = dataclasses.replace(planned, store_quads=True)
-    if isinstance(planned, Sm90BackwardConfig):  # the first lse read before S^T lands (step 53)
-        found["planned-early-lse"] = dataclasses.replace(planned, early_lse=True)
-        found["planned-quads"] = dataclasses.replace(planned, store_quads=True)  # 16-byte dK/dV stores (step 55)
-        found["planned-stats-ahead"] = dataclasses.replace(planned, stats_ahead=True)  # step 56
+    if isinstance(planned, Sm90RowsBackwardConfig):  # the planned rows split, the other dK/dV stores (step 55)
+        found["rows-pairs" if planned.store_quads else "rows-quads"] = dataclasses.replace(
+            planned, store_quads=not planned.store_quads)
+    if isinstance(planned, Sm90BackwardConfig):  # 16-byte dK/dV stores (step 55)
+        found["planned-quads"] = dataclasses.replace(planned, store_quads=True)
     if not planned.variant.block_mask:  # each block's walk over the query tiles rotated by its key tile (step 43)
         found["planned-rotate"] = planned.__class__(**{**planned.__dict__, "rotate": True})
     found["planned"] = planned

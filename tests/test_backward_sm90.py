@@ -329,33 +329,6 @@ def option_agrees(xp, monkeypatch, field, seed, dtype, shape):
         assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
 
 
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_early_lse_gpu")
-def test_backward_sm90_early_lse_small(xp, monkeypatch):
-    """``early_lse`` (an option, docs/perf-notes.md step 53): the first two column groups' lse read
-    before S^T lands, against the planned kernel, which reads them after (option_agrees); two
-    query tiles and two key tiles, both second ones tails, so the masked copy of probabilities_t
-    takes them as well."""
-    option_agrees(xp, monkeypatch, "early_lse", 3, "float16", (1, 65, 129, 1, 1, 64))
-
-
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_stats_ahead_gpu")
-def test_backward_sm90_stats_ahead_small(xp, monkeypatch):
-    """``stats_ahead`` (an option, docs/perf-notes.md step 56): the stats warp reads each step's lse
-    and D before it waits for the step's slot, against the planned order (option_agrees); GQA 2:1
-    over one key head (two query heads: four steps through the ring of two), query tails."""
-    option_agrees(xp, monkeypatch, "stats_ahead", 6, "float16", (1, 100, 64, 2, 1, 32))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["causal", "softcap", "dropout", "document-mask-mod"])
-@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_sm90_stats_ahead_gpu(xp, monkeypatch, seqlens, name):
-    """backward_sm90.py as planned at headdim 128 with ``stats_ahead`` (an option, step 56): the
-    score features' lse offset, dropout, a block mask's step words; GQA 2:1, tails."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(config, stats_ahead=True)):
-        run_sm90_variant(np.random.default_rng(13), xp, name, "float16", 2, *seqlens, 4, 2, 128)
-
-
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_store_quads_gpu")
 def test_backward_sm90_store_quads_small(xp, monkeypatch):
     """``store_quads`` (an option, docs/perf-notes.md step 55): dK and dV by 16-byte stores after the
@@ -375,17 +348,6 @@ def test_backward_sm90_store_quads_gpu(xp, monkeypatch, headdim, name):
     with replanned(monkeypatch, lambda config: dataclasses.replace(config, store_quads=True)):
         run_sm90_variant(np.random.default_rng(12), xp, name, "float16" if name == "plain" else "bfloat16", 2, 1023,
                          1000, 4, 2, headdim)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["causal", "softcap", "dropout", "document-mask-mod"])
-@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_sm90_early_lse_gpu(xp, monkeypatch, seqlens, name):
-    """backward_sm90.py as planned at headdim 128 with ``early_lse`` (an option, step 53): causal,
-    softcap (the score's lse offset), dropout (the producer's keep bits) and a block mask, GQA 2:1,
-    tails."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(config, early_lse=True)):
-        run_sm90_variant(np.random.default_rng(10), xp, name, "float16", 2, *seqlens, 4, 2, 128)
 
 
 @pytest.fixture
@@ -688,7 +650,8 @@ def test_backward_sm90_rows_early_rotate_small(rng, xp, monkeypatch):
 
 ROWS_FORMS = {"plain-loop": {}, "stmatrix": {"stmatrix": True}, "persistent": {"persistent": 132},
               "tiles": {"dq_reduce": "tiles"}, "early-dq": {"issue_early": "dq"}, "early-dq-dv": {"issue_early": "dq-dv"},
-              "rotate": {"rotate": True}, "quads": {"store_quads": True}}
+              "rotate": {"rotate": True}, "quads": {"store_quads": True},
+              "early-dq-quads": {"issue_early": "dq", "store_quads": True}}
 
 
 @pytest.mark.gpu
@@ -714,7 +677,8 @@ def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, 
 def test_rows_split_is_planned_where_measured(monkeypatch):
     """On compute capability 9.0 the planner takes the rows split for plain and windowed attention
     at headdims up to 64 (configs.SM90_BACKWARD_ROWS_MAX_HEADDIM), in its launch order (dQ's
-    product issued early without a window where configs.SM90_BACKWARD_ROWS_DQ_EARLY);
+    product issued early without a window where configs.SM90_BACKWARD_ROWS_DQ_EARLY, dK and dV by
+    16-byte stores without a window where configs.SM90_BACKWARD_ROWS_STORE_QUADS);
     backward_sm90.py for the features the rows split does not serve and past headdim 64 (by
     default for packed sequences at headdim 128 too); the simulator keeps backward_sm90.py."""
     sim = configs.plan_backward(Static("float16", 64, False, 0, CAUSAL), False, "sm90", True)[1]
@@ -734,6 +698,7 @@ def test_rows_split_is_planned_where_measured(monkeypatch):
                 # dQ's product under dS's stores without a window, where the switch says so
                 early = dq_early and not variant.window
                 assert dkdv.issue_early == ("dq" if early else "none") and not dkdv.rotate
+                assert dkdv.store_quads == (configs.SM90_BACKWARD_ROWS_STORE_QUADS and not variant.window)
     for headdim, variant in [(64, Variant(window=True, softcap=True)), (64, Variant(dropout=True)),
                              (64, Variant(mask_mod="g:0", block_mask=True)), (72, CAUSAL), (128, Variant())]:
         dkdv = configs.plan_backward(Static("float16", headdim, False, 0, variant), False, "sm90", True)[1]

@@ -326,16 +326,11 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # blocks of a head running together add into different rows of dq_accum (``make_step_tile``;
     # docs/perf-notes.md step 43). Not with a block mask, whose visited pairs are walked in order
     rotate: bool = False
-    # The lse of the first two 8-query column groups a thread needs for P^T read from the slot before
-    # the wait for S^T, so that the first exponentials do not wait on those reads (stalls 128 put
-    # 5% of the samples on them; docs/perf-notes.md step 53). An option until timed
-    early_lse: bool = False
     # dK and dV stored 16 bytes a lane after a transpose across each quad (``make_store_rows``'s
-    # quads; docs/perf-notes.md step 55), instead of a 32-bit pair a store. An option until timed
+    # quads; docs/perf-notes.md step 55), instead of a 32-bit pair a store. Planned in the rows split
+    # (configs.SM90_BACKWARD_ROWS_STORE_QUADS), an option here: at hd 128 it measured -8.6% to +5%
+    # (H100, twenty-second session). The simulator tests the shared store code through it
     store_quads: bool = False
-    # The stats warp reads a step's lse and D before it waits for the step's slot, instead of after
-    # (``make_stage_stats``; docs/perf-notes.md step 56). An option until timed
-    stats_ahead: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
     # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
@@ -628,9 +623,6 @@ def make_stage_stats(config, hooks):
     VARLEN, sequence = hooks.VARLEN, hooks.sequence
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
     STAGED_DQ = config.dq_tile_major
-    # the step's lse and D read before the wait for its slot (``stats_ahead``, backward_sm90.py's
-    # option): their latency then passes while the consumers finish with the slot
-    STATS_AHEAD = getattr(config, "stats_ahead", False)
     add_staged_dq = make_add_staged_dq(config)
     step_tile = make_step_tile(config)
 
@@ -660,7 +652,7 @@ def make_stage_stats(config, hooks):
             position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
                                              lane)
             slot, use = (step0 + i) % STAGES, (step0 + i) // STAGES
-            if use > 0 and not STATS_AHEAD:
+            if use > 0:
                 mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
             h = hk * group + position // tiles_per_head
             q_start = step_tile(position, first_tile, tiles_per_head, n_block) * BM
@@ -679,8 +671,6 @@ def make_stage_stats(config, hooks):
                     if x != NEG_INF:  # a row that sees no key keeps +inf: P = 0
                         lse_rows[r] = x * float32(LOG2E) - offset
                     d_rows[r] = delta[mem_b, h, row0 + row]
-            if use > 0 and STATS_AHEAD:  # (the reads above are in flight meanwhile)
-                mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
             for r in static_range(ROWS_PER_LANE):
                 smem[stats + 32 * r + lane] = f32_as_u32(lse_rows[r])
                 smem[stats + BM + 32 * r + lane] = f32_as_u32(d_rows[r])
@@ -942,7 +932,7 @@ def make_produce_tiles(config, hooks):
     return produce_tiles
 
 
-def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False, columns=None, early_lse=False):
+def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False, columns=None):
     """``probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
     scale_log2, units, q4, masked)``: a consumer's S^T (keys by block_m queries, wgmma's layout) ->
     P^T in place, and with a score feature or dropout dS^T from the landed dP^T at once. ``dp`` is
@@ -951,11 +941,9 @@ def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False, c
     replaces dP^T. With ``staged_dropout`` the keep bits come in ``drop_word`` (byte p for queries
     16 p + 2 q4 on, make_stage_dropout's) instead of the lane's own Philox calls. ``columns``
     (first, end): only the 8-query column groups first..end-1 (even bounds; registers 4 first ..
-    4 end - 1), default all. With ``early_lse`` (all columns) the lse of the first two column groups
-    comes in ``lse_first`` (``read_first_lse``'s, read before S^T landed) instead of from the slot."""
+    4 end - 1), default all."""
     BM, NT = block_m, block_m // 8
     FIRST_PAIR, END_PAIR = (0, NT // 2) if columns is None else (columns[0] // 2, columns[1] // 2)
-    assert not (early_lse and columns), "early_lse reads the first two column groups (read_first_lse)"
     row_keys, hidden = hooks.row_keys, hooks.hidden
     SCORE, DROPOUT, dropout_bits_t, dropout_bit = hooks.SCORE, hooks.DROPOUT, hooks.dropout_bits_t, hooks.dropout_bit
     FUSED = SCORE or DROPOUT  # dS^T made with P^T, from the landed dP^T (its factors used as they are made)
@@ -964,7 +952,7 @@ def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False, c
     @inline_device
     @unroll
     def probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
-                        units, q4, masked, drop_word, lse_first):
+                        units, q4, masked, drop_word):
         """S^T -> P^T = exp2(S^T * scale_log2 - lse_log2[query]) in place, for the thread's two key
         rows (key_row0, key_row0 + 8) and its query columns 8 c + 2 q4 + e; masked entries (keys
         past seqlen_k, or outside a query's window) get P = 0. With a score feature P comes from the
@@ -987,10 +975,7 @@ def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False, c
                 c = 2 * pair + half
                 for e in static_range(2):
                     col = 8 * c + 2 * q4 + e
-                    if early_lse and pair == FIRST_PAIR:
-                        lse_c = lse_first[2 * half + e]
-                    else:
-                        lse_c = u32_as_f32(smem[stats + col])
+                    lse_c = u32_as_f32(smem[stats + col])
                     d_c = u32_as_f32(smem[stats + BM + col])  # used with a score feature or dropout
                     lo, hi = row_keys(q_start + col, seqlen_q, seqlen_k, params)  # used by the masked copy
                     for rh in static_range(2):
@@ -1017,20 +1002,6 @@ def make_probabilities_t(hooks, block_m, handover=False, staged_dropout=False, c
                                 dp[r] = p * (dp[r] * factor - d_c) * dy
 
     return probabilities_t
-
-
-# probabilities_t's lse_first where nothing was read ahead (``early_lse`` off: never read)
-NO_LSE_FIRST = (np.float32(0), np.float32(0), np.float32(0), np.float32(0))
-
-
-@inline_device
-def read_first_lse(smem, stats, q4):
-    """A thread's lse_log2 of the first two 8-query column groups, as ``make_probabilities_t(...,
-    early_lse=True)`` takes them (queries 8 c + 2 q4 + e for c, e in 0, 1, in that order) from the
-    slot's stats at smem index ``stats``."""
-    col = 2 * q4
-    return (u32_as_f32(smem[stats + col]), u32_as_f32(smem[stats + col + 1]),
-            u32_as_f32(smem[stats + col + 8]), u32_as_f32(smem[stats + col + 9]))
 
 
 @lru_cache(maxsize=None)
@@ -1123,8 +1094,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     block_rows = make_block_rows(hooks, BN)  # where the block's rows are (packed sequences: its sequence's)
     produce_tiles = make_produce_tiles(config, hooks)  # the producer's warp 0
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
-    EARLY_LSE = config.early_lse
-    probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT, early_lse=EARLY_LSE)
+    probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT)
     stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
     stage_dq = make_stage_dq(BM, DQ_COLS)  # with STAGED_DQ, the consumers' half of dQ_i for the stats warp
     consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES, make_step_tile(config))
@@ -1318,9 +1288,6 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 # S^T = K_c Q_i^T and dP^T = V_c dO_i^T, two commit groups
                 acc_s, acc_dp = issue_scores(s, dp, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use)
                 stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
-                lse_first = NO_LSE_FIRST
-                if EARLY_LSE:  # the slot is full (issue_scores waited): its first lse while S^T runs
-                    lse_first = read_first_lse(smem, stats, q4)
                 wgmma_wait(PENDING)  # S^T has landed (with overlap, dP^T may still run)
                 registers_to(s, fence_operands(acc_s))
                 if FUSED:  # dP^T too: its derivative (and dropout's factors) used as it is made
@@ -1333,10 +1300,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     drop_word = smem[stats + uint32(DROP_WORD) + uint32(tid - GROUP)]
                 if step_masked if BLOCK_MASK else tail or tile < first_full or tile >= end_full:
                     probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
-                                    scale_log2, units, q4, True, drop_word, lse_first)
+                                    scale_log2, units, q4, True, drop_word)
                 else:
                     probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
-                                    scale_log2, units, q4, False, drop_word, lse_first)
+                                    scale_log2, units, q4, False, drop_word)
                 if not FUSED:
                     wgmma_wait(0)  # dP^T has landed
                     registers_to(dp, fence_operands(acc_dp))

@@ -177,7 +177,8 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
     # ``make_step_tile``; step 43)
     rotate: bool = False
     # dK and dV stored 16 bytes a lane after a transpose across each quad (backward_sm90.py's
-    # ``make_store_rows`` quads; docs/perf-notes.md step 55). An option until timed
+    # ``make_store_rows`` quads; docs/perf-notes.md step 55): planned without a window
+    # (configs.SM90_BACKWARD_ROWS_STORE_QUADS)
     store_quads: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     atomic_dq = True  # dQ goes to dq_accum by atomics (no deterministic form)

@@ -98,7 +98,6 @@ from nbflash.problem import Variant
 
 from . import variants
 from .backward_sm90 import (
-    NO_LSE_FIRST,
     Sm90BackwardBlock,
     make_add_dq,
     make_block_rows,
@@ -310,11 +309,11 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                 other[r] = u32_as_f32(smem[lane_word + uint32(r * GROUP)])
             if consumer == 0:  # S^T in s, dP^T in other
                 probabilities(s, other, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
-                              units, q4, masked, uint32(0), NO_LSE_FIRST)
+                              units, q4, masked, uint32(0))
                 store(smem, pt_row_word, s, other, lane_word, stats, g, q4)
             else:  # S^T in other, dP^T in s
                 probabilities(other, s, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx, scale_log2,
-                              units, q4, masked, uint32(0), NO_LSE_FIRST)
+                              units, q4, masked, uint32(0))
                 store(smem, pt_row_word, other, s, lane_word, stats, g, q4)
 
         return half_tiles_t
@@ -491,10 +490,10 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
                         lane_word = fence_operands((handover_lane, uint32(0)))[0]  # opaque: see store_tiles_t
                     if masked:
                         probabilities_t(s, lane_word, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params,
-                                        head_ctx, scale_log2, units, q4, True, uint32(0), NO_LSE_FIRST)
+                                        head_ctx, scale_log2, units, q4, True, uint32(0))
                     else:
                         probabilities_t(s, lane_word, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params,
-                                        head_ctx, scale_log2, units, q4, False, uint32(0), NO_LSE_FIRST)
+                                        head_ctx, scale_log2, units, q4, False, uint32(0))
                     if not FUSED:
                         named_barrier_sync(1, BOTH)  # dP^T is handed over
                     store_tiles_t(smem, pt_row_word, s, s, handover_lane, stats, g, q4)
