@@ -567,6 +567,24 @@ if SIMULATOR:
             out[:] = image.view(np.uint8).reshape(-1)
         _complete_tx(bar, image.nbytes)
 
+    def tma_store_4d(tensor_map, c0, c1, c2, c3, src):
+        """cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [map, {c0, c1, c2, c3}], [src]:
+        the inverse of tma_load_4d: write the box image at shared address ``src`` (laid out, and
+        swizzled, as tma_load_4d leaves a box) to the 16-bit array of the map (make_tensor_map_4d)
+        at x[c3, c2, c1, c0] on, c0 innermost (a multiple of 8 elements: 16 bytes); elements past
+        the array's ends are not written, so a box over a tile's tail rows writes only the rows
+        inside. Asynchronous, in this thread's bulk group, as tma_store_2d: tma_store_commit closes
+        the group, tma_store_wait(0) waits until its reads of shared memory are done. Write the
+        tile with ordinary stores, then fence_proxy_async and a barrier, then one thread stores.
+        Emulation: an immediate copy."""
+        tensor, box, swizzle = _mapped_array(tensor_map, np.uint16, c0, "store")
+        image = np.frombuffer(_p._shared_bytes(src, int(np.prod(box)) * 2), dtype=np.uint8).reshape(-1, 16)
+        if swizzle == SWIZZLE_128B:
+            image = image[_chunk_order(image.shape[0] // 8, swizzle)]
+        values = image.reshape(-1).view(np.uint16).reshape(box)
+        inside, target = _box_slices([int(np.int32(c)) for c in (c3, c2, c1, c0)], box, tensor.shape)
+        tensor[target] = values[inside]
+
     def tma_store_2d(tensor_map, c0, c1, src):
         """cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [map, {c0, c1}], [src]: the
         inverse of tma_load_2d: write the box image at shared address ``src`` (laid out, and
@@ -962,6 +980,8 @@ else:
                        (u32, i64, types.int32, types.int32, types.int32, types.int32, u32))
     tma_store_2d = _ptx("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [$0, {$1, $2}], [$3];",
                         (i64, types.int32, types.int32, u32))
+    tma_store_4d = _ptx("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [$0, {$1, $2, $3, $4}], [$5];",
+                        (i64, types.int32, types.int32, types.int32, types.int32, u32))
     tma_reduce_add_4d = _ptx("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group "
                              "[$0, {$1, $2, $3, $4}], [$5];",
                              (i64, types.int32, types.int32, types.int32, types.int32, u32))

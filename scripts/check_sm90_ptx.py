@@ -50,6 +50,8 @@ EXPECTED = {
     "tma_store_2d": ["cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group",
                      "cp.async.bulk.wait_group.read 0"],
     "tma_store_corner": ["cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group"],
+    "tma_store_4d": ["cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group",
+                     "cp.async.bulk.wait_group.read 0"],
     "tma_reduce_add_4d": ["cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group",
                           "cp.async.bulk.commit_group", "cp.async.bulk.wait_group.read 0"],
     "bulk_reduce_add_f32": ["cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "st.shared.v4.f32",

@@ -793,6 +793,53 @@ def check_tma_store(swizzle, xp, rng):
     np.testing.assert_array_equal(got, expected[:100, :136])
 
 
+STORE4_ROWS, STORE4_COLS = 64, 64  # a 16-bit box of 128-byte rows (a backward epilogue's chunk)
+STORE4_ELEMS = STORE4_ROWS * STORE4_COLS
+
+
+@cuda.jit
+def _tma_store_4d_kernel(tensor_map, corners, boxes):
+    # For each corner (c0 headdim, c1 head, c2 row, c3 batch): the block writes a 16-bit box image
+    # (swizzled as a TMA load leaves one) with ordinary stores, then thread 0 stores it to the tensor
+    # by TMA and waits until the tile has been read.
+    t = cuda.threadIdx.x
+    tile = cuda.shared.array(STORE4_ELEMS, uint16, alignment=TILE_ALIGNMENT)
+    tmap = H.array_address(tensor_map)
+    if t == 0:
+        H.fence_proxy_tensormap_acquire(tmap)
+    for p in range(corners.shape[0]):
+        for i in range(t, STORE4_ELEMS, 64):
+            tile[i] = boxes[p, i]
+        H.fence_proxy_async()
+        cuda.syncthreads()
+        if t == 0:
+            H.tma_store_4d(tmap, corners[p, 0], corners[p, 1], corners[p, 2], corners[p, 3],
+                           P.shared_address(tile))
+            H.tma_store_commit()
+            H.tma_store_wait(0)
+        cuda.syncthreads()
+
+
+def test_tma_store_4d(xp, rng):
+    """Boxes of 64 rows x 64 16-bit columns stored by TMA into a poisoned (2, 100, 3, 136) tensor
+    (batch, rows, heads, headdim), at disjoint places: one inside, one past the rows' end (a tile's
+    tail: rows 64-127 of 100), one past the headdim's end (columns 128-191 of 136), each box
+    swizzled (128B) as a load leaves it. Only the parts inside the tensor are written; every other
+    element keeps its poison."""
+    x = np.full((2, 100, 3, 136), 0xABCD, dtype=np.uint16)
+    corners = np.asarray([(64, 1, 0, 0), (0, 2, 64, 1), (128, 0, 20, 1)], dtype=np.int32)
+    boxes = rng.integers(0, 1 << 16, size=(len(corners), STORE4_ROWS, STORE4_COLS), dtype=np.uint16)
+    images = np.stack([_image(b, "kmajor_128b") for b in boxes])
+    x_dev = xp.asarray(x.copy())
+    tensor_map = H.make_tensor_map_4d(x_dev, (1, STORE4_ROWS, 1, STORE4_COLS), H.SWIZZLE_128B)
+    _tma_store_4d_kernel[1, 64](tensor_map, xp.asarray(corners), xp.asarray(images))
+    got = x_dev.get() if hasattr(x_dev, "get") else x_dev
+    expected = np.full((2, 100 + STORE4_ROWS, 3, 136 + STORE4_COLS), 0xABCD, dtype=np.uint16)
+    for (c0, c1, c2, c3), box in zip(corners, boxes):
+        expected[c3, c2:c2 + STORE4_ROWS, c1, c0:c0 + STORE4_COLS] = box
+    np.testing.assert_array_equal(got, expected[:, :100, :, :136])
+
+
 RED_ROWS, RED_COLS = 64, 32  # a float32 box of 128-byte rows: what the 128B swizzle takes
 RED_ELEMS = RED_ROWS * RED_COLS
 
@@ -1031,6 +1078,8 @@ def offline_kernels():
         ("tma_store_2d", _tma_store_kernel, (types.Array(types.uint64, 1, "C"), types.Array(types.int32, 2, "C"),
                                              types.Array(types.uint16, 2, "C")), {}),
         ("tma_store_corner", _tma_corner_kernel, (types.Array(types.uint64, 1, "C"), types.int32), {}),
+        ("tma_store_4d", _tma_store_4d_kernel, (types.Array(types.uint64, 1, "C"), types.Array(types.int32, 2, "C"),
+                                                 types.Array(types.uint16, 2, "C")), {}),
         ("tma_reduce_add_4d", _tma_reduce_kernel, (types.Array(types.uint64, 1, "C"), types.Array(types.int32, 2, "C"),
                                                    f32_2d), {}),
         ("bulk_reduce_add_f32", _bulk_reduce_kernel, (types.Array(types.float32, 4, "C"),
