@@ -196,6 +196,10 @@ def backward_kernels():
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
         found.append((f"backward_sm90_dq_tiles_store_quads_{name}_hd128", dataclasses.replace(
             configs.planned_backward_sm90_config("float16", 128, variant), store_quads=True)))
+    # ... planned, dK and dV through K's and V's tiles and TMA stores (an option, step 57)
+    for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
+        found.append((f"backward_sm90_dq_tiles_store_tma_{name}_hd128", dataclasses.replace(
+            configs.planned_backward_sm90_config("float16", 128, variant), store_tma=True)))
     found.append(("backward_sm90_rows_store_quads_causal_hd64", dataclasses.replace(
         configs.sm90_backward_config("float16", 64, Variant(window=True)), store_quads=True)))
     # ... on packed sequences (planned since step 37), causal at hd 128

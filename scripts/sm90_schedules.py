@@ -45,7 +45,8 @@ Backward, each column a schedule:
   stage in its Q/dO ring, which fits beside the staged dQ tile (step 52); "planned-quads"
   (backward_sm90.py's kernels): dK and dV by 16-byte stores after the quads' transposes (step 55),
   and in the planned rows split (headdim 64) "rows-pairs" where it is planned with them (without a
-  window), "rows-quads" where not;
+  window), "rows-quads" where not; "planned-tma" (backward_sm90.py's kernels): dK and dV written
+  into K's and V's tiles, then stored by TMA (step 57);
   "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
   (the form before; timed as "planned" against "planned-tiles" until step 35). (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
@@ -253,6 +254,8 @@ def backward_schedules(headdim, causal):
             planned, store_quads=not planned.store_quads)
     if isinstance(planned, Sm90BackwardConfig):  # 16-byte dK/dV stores (step 55)
         found["planned-quads"] = dataclasses.replace(planned, store_quads=True)
+        if not planned.variant.varlen:  # dK and dV through K's and V's tiles and TMA stores (step 57)
+            found["planned-tma"] = dataclasses.replace(planned, store_tma=True)
     if not planned.variant.block_mask:  # each block's walk over the query tiles rotated by its key tile (step 43)
         found["planned-rotate"] = planned.__class__(**{**planned.__dict__, "rotate": True})
     found["planned"] = planned

@@ -338,6 +338,32 @@ def test_backward_sm90_store_quads_small(xp, monkeypatch):
     option_agrees(xp, monkeypatch, "store_quads", 4, "bfloat16", (1, 70, 77, 1, 1, 40))
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_store_tma_gpu")
+@pytest.mark.parametrize("shape", [(1, 70, 77, 1, 1, 40), (1, 40, 150, 2, 1, 72)], ids=["hd40", "hd72-gqa"])
+def test_backward_sm90_store_tma_small(xp, monkeypatch, shape):
+    """``store_tma`` (an option, docs/perf-notes.md step 57): dK and dV written into K's and V's
+    tiles by stmatrix, then stored by TMA, against the pair stores (option_agrees), bfloat16,
+    NaN-poisoned outputs: headdim 40 (padded to 64: the box's columns past 40 are not written)
+    and a key tail of 13 rows in the second consumer's box; headdim 72 (two chunks, the second
+    clipped), two key tiles whose second leaves the second consumer no key (no store issued), GQA
+    2:1."""
+    option_agrees(xp, monkeypatch, "store_tma", 5, "bfloat16", shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["plain", "causal", "softcap", "dropout", "document-mask-mod"])
+@pytest.mark.parametrize("headdim", [72, 128])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1000)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_store_tma_gpu(xp, monkeypatch, seqlens, headdim, name):
+    """backward_sm90.py's planned kernels with ``store_tma`` (an option, step 57): headdim 72 (the
+    second chunk's box clipped at the headdim) and 128, key tails (1000: the last tile's second
+    consumer has 40 keys; 203: 11), GQA 2:1, every variant the planned kernel serves at those
+    headdims (a block mask's steps, dropout's producer bits at 128), bfloat16 where not plain."""
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, store_tma=True)):
+        run_sm90_variant(np.random.default_rng(14), xp, name, "float16" if name == "plain" else "bfloat16", 2,
+                         *seqlens, 4, 2, headdim)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["plain", "causal", "softcap", "dropout"])
 @pytest.mark.parametrize("headdim", [72, 104, 128])

@@ -158,6 +158,7 @@ from nbflash.primitives_sm90 import (
     mbarrier_arrive_expect_tx,
     mbarrier_init,
     mbarrier_wait,
+    named_barrier_arrive,
     named_barrier_sync,
     registers_from,
     registers_to,
@@ -168,6 +169,7 @@ from nbflash.primitives_sm90 import (
     tensor_map_4d_words,
     tile_base,
     tma_load_4d,
+    tma_store_4d,
     tma_store_commit,
     tma_store_wait,
     warpgroup_index,
@@ -331,6 +333,11 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # (configs.SM90_BACKWARD_ROWS_STORE_QUADS), an option here: at hd 128 it measured -8.6% to +5%
     # (H100, twenty-second session). The simulator tests the shared store code through it
     store_quads: bool = False
+    # dK and dV written into K_j's and V_j's tiles once the loop is done with them (stmatrix, the
+    # tiles' layout), then stored by TMA, one 64 x 64 box a chunk (``make_store_tma``; docs/
+    # perf-notes.md step 57). Not for packed sequences (a box would write the next sequence's rows).
+    # An option until timed
+    store_tma: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
     # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
@@ -352,6 +359,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         if self.dq_reduce == "tiles" and not self.dq_first:
             raise ValueError("dq_reduce='tiles' takes dq_first=True (dQ split by columns, its product first), "
                              f"not dq_split={self.dq_split!r} with dq_first={self.dq_first}")
+        if self.store_tma and (self.variant.varlen or self.store_quads):
+            raise ValueError("store_tma=True takes neither packed sequences (a box would write the next "
+                             "sequence's rows) nor store_quads=True (another store of the same rows)")
         if self.rotate and self.variant.block_mask:
             raise ValueError("rotate=True walks every query tile of a key tile; a block mask's visited pairs are "
                              "walked in order")
@@ -407,21 +417,23 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         return (tiles, nheads_k, batch)
 
 
-def _words(config, q, k, v, dout):
-    return np.stack([tensor_map_4d_words(x, (1, rows, 1, CHUNK), SWIZZLE_128B)
-                     for x, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n),
-                                     (dout, config.block_m))])
+def _words(config, q, k, v, dout, *outputs):
+    rows = [(q, config.block_m), (k, config.block_n), (v, config.block_n), (dout, config.block_m)]
+    rows += [(x, KEYS) for x in outputs]  # dk and dv, a consumer's 64 keys a box (``store_tma``)
+    return np.stack([tensor_map_4d_words(x, (1, n, 1, CHUNK), SWIZZLE_128B) for x, n in rows])
 
 
-def tensor_maps(config, q, k, v, dout):
+def tensor_maps(config, q, k, v, dout, dk=None, dv=None):
     """The kernel's ``maps``: the tensor maps of q, k, v, dout as a (4, 16) uint64 array on the
     backend, with the boxes the kernel loads (block_m rows of q and dout, block_n of k and v, 64
     columns, swizzled as wgmma reads them), kept for the last few calls as the forward's. Any
-    backward config with block_m and block_n: the Hopper dK/dV kernels' and the dQ kernel's."""
+    backward config with block_m and block_n: the Hopper dK/dV kernels' and the dQ kernel's. With
+    ``store_tma`` (backward_sm90.py's option) two more rows: dk's and dv's, 64 x 64 boxes."""
     if config.variant.varlen:  # stride-0 views over batch: the maps are the packed arrays' (a batch of one)
         q, k, v, dout = (x[:1] for x in (q, k, v, dout))
-    key = (type(config).__name__, config.block_m, config.block_n)
-    return cached_tensor_maps(key, (q, k, v, dout), lambda *xs: _words(config, *xs))
+    arrays = (q, k, v, dout) + ((dk, dv) if getattr(config, "store_tma", False) else ())
+    key = (type(config).__name__, config.block_m, config.block_n, len(arrays))
+    return cached_tensor_maps(key, arrays, lambda *xs: _words(config, *xs))
 
 
 def dq_accum_shape(config, batch, nheads, seqlen_q):
@@ -571,6 +583,75 @@ def make_store_rows(dtype, headdim, headdim_padded, quads=False):
                         store_u32(global_address(dst, b, row, h, col), pack(acc[r] * scale, acc[r + 1] * scale))
 
     return store_rows
+
+
+def make_store_tma(config):
+    """``(write_tiles, store_tiles)`` of ``store_tma`` (an option, docs/perf-notes.md step 57): dK and
+    dV through K_j's and V_j's tiles and TMA, once neither consumer's products read those tiles.
+    ``write_tiles(smem, smem_start, smem_tiles, acc_dk, acc_dv, scale, consumer, warp, lane)``, a
+    consumer warpgroup's: its 64 key rows of dK (times ``scale``) and dV, narrowed, into its rows of
+    the tiles (``smem_tiles``: K's first byte; V's KV bytes on) in the layout the loads left
+    (64-column chunks of block_n rows of 128 bytes, the 128-byte swizzle), a thread's pair of
+    columns a 32-bit store (by stmatrix, four groups an instruction, ptxas spilled in the loop:
+    docs/perf-notes.md step 57); then it arrives on barrier STORE_BARRIER. ``store_tiles(smem_tiles, maps_address, mem_b,
+    n_start, hk, seqlen_k)``, the producer's warp 0 (done with its copies; the consumers need then
+    hold nothing across their loop for it): once both consumers have arrived, one lane stores each
+    consumer's 64 x 64 box of each chunk by TMA (maps rows 4 and 5: dk's and dv's), and waits
+    until the copies have read the tiles. TMA writes only the rows and columns inside the arrays:
+    key tails and the columns past headdim need no test."""
+    HDP, BN, CONSUMERS = config.headdim_padded, config.block_n, config.consumers
+    DT, CHUNKS = HDP // 8, HDP // CHUNK
+    KV_BYTES, KV_CHUNK_BYTES = config.kv_bytes, BN * ROW_BYTES
+    pack = pack_f16x2 if config.dtype == "float16" else pack_bf16x2
+    DK_MAP, DV_MAP = 4 * 128, 5 * 128  # bytes into the maps
+    ARRIVALS = CONSUMERS * GROUP + 32  # the consumers' threads, then warp 0's
+
+    @inline_device
+    @unroll
+    def write_rows(smem, smem_start, rows, acc, scale, warp, lane):
+        """The warp's 16 rows of a 64-row accumulator into the tile rows at shared address ``rows``
+        (the consumer's first row of chunk 0; ``smem`` the block's words from ``smem_start``): the
+        thread's pair of columns 8 c + 2 q4 of rows g and g + 8 in 8-column group c's 16-byte unit,
+        swizzled by the row (c % 8 ^ g, as TMA's loads leave a row)."""
+        g, q4 = lane >> 2, lane & 3
+        for rh in static_range(2):
+            row = uint32(16 * warp + 8 * rh) + uint32(g)
+            for c in static_range(DT):
+                address = (rows + uint32((c // 8) * KV_CHUNK_BYTES) + row * uint32(ROW_BYTES)
+                           + ((uint32(c % 8) ^ uint32(g)) * uint32(16)) + uint32(4) * uint32(q4))
+                r = 4 * c + 2 * rh
+                smem[(address - smem_start) // uint32(4)] = pack(acc[r] * scale, acc[r + 1] * scale)
+
+    @inline_device
+    def write_tiles(smem, smem_start, smem_tiles, acc_dk, acc_dv, scale, consumer, warp, lane):
+        rows = smem_tiles + uint32(consumer * KEYS * ROW_BYTES)
+        write_rows(smem, smem_start, rows, acc_dk, scale, warp, lane)
+        write_rows(smem, smem_start, rows + uint32(KV_BYTES), acc_dv, float32(1), warp, lane)
+        fence_proxy_async()  # the stmatrix writes before the copies' reads
+        named_barrier_arrive(STORE_BARRIER, ARRIVALS)
+
+    @inline_device
+    @unroll
+    def store_tiles(smem_tiles, maps_address, mem_b, n_start, hk, seqlen_k):
+        named_barrier_sync(STORE_BARRIER, ARRIVALS)  # every consumer's rows are in
+        if elect_sync() == uint32(1):
+            dk_map, dv_map = maps_address + DK_MAP, maps_address + DV_MAP
+            fence_proxy_tensormap_acquire(dk_map)  # the maps were copied from the host
+            fence_proxy_tensormap_acquire(dv_map)
+            for consumer in static_range(CONSUMERS):
+                key_base = n_start + KEYS * consumer
+                if key_base < seqlen_k:  # (a box wholly past the keys would write nothing)
+                    for chunk in static_range(CHUNKS):
+                        tile = smem_tiles + uint32(consumer * KEYS * ROW_BYTES + chunk * KV_CHUNK_BYTES)
+                        tma_store_4d(dk_map, chunk * CHUNK, hk, key_base, mem_b, tile)
+                        tma_store_4d(dv_map, chunk * CHUNK, hk, key_base, mem_b, tile + uint32(KV_BYTES))
+            tma_store_commit()
+            tma_store_wait(0)  # the copies have read the tiles (the block's shared memory outlives this)
+
+    return write_tiles, store_tiles
+
+
+STORE_BARRIER = 5  # the named barrier of store_tma's hand-off (1-3: the consumers' dS^T, 4: K and V free)
 
 
 def make_init_ring(stages, full_arrivals, empty_arrivals):
@@ -1091,6 +1172,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         """K's columns of the consumer's half of headdim ("columns"), every key of the tile."""
         return smem_descriptor(k_tile + uint32(consumer * HALF_OFFSET), KV_CHUNK_BYTES, 1024, SWIZZLE_128B)
     store_rows = make_store_rows(config.dtype, HD, HDP, quads=config.store_quads)  # dK, dV
+    STORE_TMA = config.store_tma  # ... or through K's and V's tiles and TMA
+    write_tiles, store_tiles = make_store_tma(config)
     block_rows = make_block_rows(hooks, BN)  # where the block's rows are (packed sequences: its sequence's)
     produce_tiles = make_produce_tiles(config, hooks)  # the producer's warp 0
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
@@ -1237,6 +1320,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             elif STAGED_DROPOUT and warp >= 2:  # warps 2 and 3
                 stage_dropout(smem, stats_word0, qd_full, qd_empty, params, b, hk, group, n_block, first_tile,
                               tiles_per_head, steps, n_start, tid - 64)
+            if STORE_TMA and warp == 0:  # dK and dV out of K_j's and V_j's tiles, once the consumers wrote them
+                store_tiles(k_tile, array_address(maps), mem_b, n_start, hk, seqlen_k)
         else:
             # ---- Consumers: 64 keys each ----
             if SPLIT_REGISTERS:
@@ -1383,8 +1468,12 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             if VARLEN:  # the key rows again: not held across the loop
                 _, _, k_first, k_rows = sequence(params, b, q.shape[1], k.shape[1])
                 k_row0, seqlen_k = int32(k_first), int32(k_rows)
-            store_rows(dk, dk_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, scale, q4)
-            store_rows(dv, dv_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, float32(1), q4)
+            if STORE_TMA:  # once neither consumer's products read K_j or V_j any more
+                named_barrier_sync(4, CONSUMERS * GROUP)
+                write_tiles(smem, smem_start, k_tile, dk_acc, dv_acc, scale, consumer, warp, lane)
+            else:
+                store_rows(dk, dk_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, scale, q4)
+                store_rows(dv, dv_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, float32(1), q4)
 
     return backward_dkdv_sm90
 

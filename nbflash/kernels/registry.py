@@ -146,7 +146,7 @@ KERNELS = {
 # through tensor maps.
 HOST_ARGUMENTS = {
     Sm90ForwardConfig: lambda config, arrays: (*arrays, tensor_maps(config, *arrays[:3])),
-    Sm90BackwardConfig: lambda config, arrays: (*arrays, backward_tensor_maps(config, *arrays[:4])),
+    Sm90BackwardConfig: lambda config, arrays: (*arrays, backward_tensor_maps(config, *arrays[:4], *arrays[6:8])),
     Sm90RowsBackwardConfig: lambda config, arrays: (*arrays, backward_tensor_maps(config, *arrays[:4])),
     Sm90WideBackwardConfig: lambda config, arrays: (*arrays, backward_tensor_maps(config, *arrays[:4])),
     Sm90DqConfig: lambda config, arrays: (*arrays, backward_tensor_maps(config, *arrays[:4])),
