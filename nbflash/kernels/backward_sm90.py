@@ -333,10 +333,10 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # (configs.SM90_BACKWARD_ROWS_STORE_QUADS), an option here: at hd 128 it measured -8.6% to +5%
     # (H100, twenty-second session). The simulator tests the shared store code through it
     store_quads: bool = False
-    # dK and dV written into K_j's and V_j's tiles once the loop is done with them (stmatrix, the
-    # tiles' layout), then stored by TMA, one 64 x 64 box a chunk (``make_store_tma``; docs/
-    # perf-notes.md step 57). Not for packed sequences (a box would write the next sequence's rows).
-    # An option until timed
+    # dK and dV written into K_j's and V_j's tiles once the loop is done with them (the tiles'
+    # layout), then stored by TMA from the producer's warp 0, one 64 x 64 box a chunk and consumer
+    # (``make_store_tma``; docs/perf-notes.md step 57). Not for packed sequences (a box would write
+    # the next sequence's rows). An option until timed
     store_tma: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
@@ -592,13 +592,14 @@ def make_store_tma(config):
     consumer warpgroup's: its 64 key rows of dK (times ``scale``) and dV, narrowed, into its rows of
     the tiles (``smem_tiles``: K's first byte; V's KV bytes on) in the layout the loads left
     (64-column chunks of block_n rows of 128 bytes, the 128-byte swizzle), a thread's pair of
-    columns a 32-bit store (by stmatrix, four groups an instruction, ptxas spilled in the loop:
-    docs/perf-notes.md step 57); then it arrives on barrier STORE_BARRIER. ``store_tiles(smem_tiles, maps_address, mem_b,
-    n_start, hk, seqlen_k)``, the producer's warp 0 (done with its copies; the consumers need then
-    hold nothing across their loop for it): once both consumers have arrived, one lane stores each
-    consumer's 64 x 64 box of each chunk by TMA (maps rows 4 and 5: dk's and dv's), and waits
-    until the copies have read the tiles. TMA writes only the rows and columns inside the arrays:
-    key tails and the columns past headdim need no test."""
+    columns a 32-bit store (stmatrix, four groups an instruction, made ptxas spill in the loop:
+    docs/perf-notes.md step 57); then it arrives on barrier STORE_BARRIER.
+    ``store_tiles(smem_tiles, maps_address, mem_b, n_start, hk, seqlen_k)``, the producer's warp 0
+    (done with its copies; so the consumers hold nothing across their loop for the stores): once
+    both consumers have arrived, one lane stores each consumer's 64 x 64 box of each chunk by TMA
+    (maps rows 4 and 5: dk's and dv's), and waits until the copies have read the tiles. TMA writes
+    only the rows and columns inside the arrays: key tails and the columns past headdim need no
+    test."""
     HDP, BN, CONSUMERS = config.headdim_padded, config.block_n, config.consumers
     DT, CHUNKS = HDP // 8, HDP // CHUNK
     KV_BYTES, KV_CHUNK_BYTES = config.kv_bytes, BN * ROW_BYTES
@@ -627,7 +628,7 @@ def make_store_tma(config):
         rows = smem_tiles + uint32(consumer * KEYS * ROW_BYTES)
         write_rows(smem, smem_start, rows, acc_dk, scale, warp, lane)
         write_rows(smem, smem_start, rows + uint32(KV_BYTES), acc_dv, float32(1), warp, lane)
-        fence_proxy_async()  # the stmatrix writes before the copies' reads
+        fence_proxy_async()  # the shared stores before the copies' reads
         named_barrier_arrive(STORE_BARRIER, ARRIVALS)
 
     @inline_device
