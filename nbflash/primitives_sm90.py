@@ -620,6 +620,11 @@ if SIMULATOR:
         with _p._reduction_lock:
             target += values
 
+    def store_shared_u32(addr, value):
+        """st.shared.u32 [addr], value: one 32-bit word to a 4-byte aligned shared address, by the
+        address itself (a kernel's tile offsets), not through an array's 64-bit element index."""
+        (ctypes.c_uint32).from_address(_check_shared(addr, 4, 4)).value = int(value) & 0xFFFFFFFF
+
     def store_shared_f32x4(addr, a, b, c, d):
         """st.shared.v4.f32 [addr], {a, b, c, d}: four float32 to a 16-byte aligned shared address,
         one store (a warp's 32 lanes, 512 bytes, in the minimum four passes where they are
@@ -987,6 +992,7 @@ else:
                              (i64, types.int32, types.int32, types.int32, types.int32, u32))
     bulk_reduce_add_f32 = _ptx("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
                                (i64, u32, u32))
+    store_shared_u32 = _ptx("st.shared.u32 [$0], $1;", (u32, u32))
     store_shared_f32x4 = _ptx("st.shared.v4.f32 [$0], {$1, $2, $3, $4};",
                               (u32, types.float32, types.float32, types.float32, types.float32))
     tma_store_commit = _ptx("cp.async.bulk.commit_group;")

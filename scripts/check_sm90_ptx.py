@@ -50,6 +50,7 @@ EXPECTED = {
     "tma_store_2d": ["cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group",
                      "cp.async.bulk.wait_group.read 0"],
     "tma_store_corner": ["cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group"],
+    "store_shared_u32": ["st.shared.u32"],
     "tma_store_4d": ["cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group",
                      "cp.async.bulk.wait_group.read 0"],
     "tma_reduce_add_4d": ["cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group",

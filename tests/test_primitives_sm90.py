@@ -902,6 +902,38 @@ def test_tma_reduce_add_4d(xp, rng):
     check_tma_reduce(xp, rng)
 
 
+WORDS = 256
+
+
+@cuda.jit
+def _store_shared_u32_kernel(out, places, values):
+    # Thread t writes values[t] at word places[t] of a shared tile of WORDS words (set to a poison
+    # first) by its shared address, then the block copies the tile out.
+    t = cuda.threadIdx.x
+    tile = cuda.shared.array(WORDS, uint32)
+    for i in range(t, WORDS, 64):
+        tile[i] = uint32(0xDEADBEEF)
+    cuda.syncthreads()
+    H.store_shared_u32(P.shared_address(tile) + uint32(4) * uint32(places[t]), values[t])
+    cuda.syncthreads()
+    for i in range(t, WORDS, 64):
+        out[i] = tile[i]
+
+
+def test_store_shared_u32(xp, rng):
+    """st.shared.u32 by address: 64 threads' words at distinct scattered places of a poisoned tile
+    (values with the high bit set among them) land there and nowhere else."""
+    places = rng.permutation(WORDS)[:64].astype(np.int32)
+    values = rng.integers(0, 1 << 32, size=64, dtype=np.uint64).astype(np.uint32)
+    values[0] = 0xFFFFFFFF
+    out = xp.zeros(WORDS, dtype=np.uint32)
+    _store_shared_u32_kernel[1, 64](out, xp.asarray(places), xp.asarray(values))
+    got = out.get() if hasattr(out, "get") else out
+    expected = np.full(WORDS, 0xDEADBEEF, dtype=np.uint32)
+    expected[places] = values
+    np.testing.assert_array_equal(got, expected)
+
+
 BULK_ROWS, BULK_COLS, BULK_STRIDE = 8, 72, 80  # rows of 288 bytes, 320 apart in shared memory
 BULK_TILE = BULK_ROWS * BULK_STRIDE  # a literal for cuda.shared.array
 
@@ -1082,6 +1114,9 @@ def offline_kernels():
                                                  types.Array(types.uint16, 2, "C")), {}),
         ("tma_reduce_add_4d", _tma_reduce_kernel, (types.Array(types.uint64, 1, "C"), types.Array(types.int32, 2, "C"),
                                                    f32_2d), {}),
+        ("store_shared_u32", _store_shared_u32_kernel, (types.Array(types.uint32, 1, "C"),
+                                                         types.Array(types.int32, 1, "C"),
+                                                         types.Array(types.uint32, 1, "C")), {}),
         ("bulk_reduce_add_f32", _bulk_reduce_kernel, (types.Array(types.float32, 4, "C"),
                                                       types.Array(types.int32, 1, "C"),
                                                       types.Array(types.float32, 3, "C")), {}),

@@ -166,6 +166,7 @@ from nbflash.primitives_sm90 import (
     setmaxnreg_inc,
     smem_descriptor,
     store_shared_f32x4,
+    store_shared_u32,
     tensor_map_4d_words,
     tile_base,
     tma_load_4d,
@@ -588,8 +589,8 @@ def make_store_rows(dtype, headdim, headdim_padded, quads=False):
 def make_store_tma(config):
     """``(write_tiles, store_tiles)`` of ``store_tma`` (an option, docs/perf-notes.md step 57): dK and
     dV through K_j's and V_j's tiles and TMA, once neither consumer's products read those tiles.
-    ``write_tiles(smem, smem_start, smem_tiles, acc_dk, acc_dv, scale, consumer, warp, lane)``, a
-    consumer warpgroup's: its 64 key rows of dK (times ``scale``) and dV, narrowed, into its rows of
+    ``write_tiles(smem_tiles, acc_dk, acc_dv, scale, consumer, warp, lane)``, a consumer
+    warpgroup's: its 64 key rows of dK (times ``scale``) and dV, narrowed, into its rows of
     the tiles (``smem_tiles``: K's first byte; V's KV bytes on) in the layout the loads left
     (64-column chunks of block_n rows of 128 bytes, the 128-byte swizzle), a thread's pair of
     columns a 32-bit store (stmatrix, four groups an instruction, made ptxas spill in the loop:
@@ -609,11 +610,12 @@ def make_store_tma(config):
 
     @inline_device
     @unroll
-    def write_rows(smem, smem_start, rows, acc, scale, warp, lane):
+    def write_rows(rows, acc, scale, warp, lane):
         """The warp's 16 rows of a 64-row accumulator into the tile rows at shared address ``rows``
-        (the consumer's first row of chunk 0; ``smem`` the block's words from ``smem_start``): the
-        thread's pair of columns 8 c + 2 q4 of rows g and g + 8 in 8-column group c's 16-byte unit,
-        swizzled by the row (c % 8 ^ g, as TMA's loads leave a row)."""
+        (the consumer's first row of chunk 0): the thread's pair of columns 8 c + 2 q4 of rows g
+        and g + 8 in 8-column group c's 16-byte unit, swizzled by the row (c % 8 ^ g, as TMA's
+        loads leave a row), by address (through the ``smem`` array's 64-bit element index, ptxas
+        made the plain loop 15 instructions longer: docs/perf-notes.md step 57)."""
         g, q4 = lane >> 2, lane & 3
         for rh in static_range(2):
             row = uint32(16 * warp + 8 * rh) + uint32(g)
@@ -621,13 +623,13 @@ def make_store_tma(config):
                 address = (rows + uint32((c // 8) * KV_CHUNK_BYTES) + row * uint32(ROW_BYTES)
                            + ((uint32(c % 8) ^ uint32(g)) * uint32(16)) + uint32(4) * uint32(q4))
                 r = 4 * c + 2 * rh
-                smem[(address - smem_start) // uint32(4)] = pack(acc[r] * scale, acc[r + 1] * scale)
+                store_shared_u32(address, pack(acc[r] * scale, acc[r + 1] * scale))
 
     @inline_device
-    def write_tiles(smem, smem_start, smem_tiles, acc_dk, acc_dv, scale, consumer, warp, lane):
+    def write_tiles(smem_tiles, acc_dk, acc_dv, scale, consumer, warp, lane):
         rows = smem_tiles + uint32(consumer * KEYS * ROW_BYTES)
-        write_rows(smem, smem_start, rows, acc_dk, scale, warp, lane)
-        write_rows(smem, smem_start, rows + uint32(KV_BYTES), acc_dv, float32(1), warp, lane)
+        write_rows(rows, acc_dk, scale, warp, lane)
+        write_rows(rows + uint32(KV_BYTES), acc_dv, float32(1), warp, lane)
         fence_proxy_async()  # the shared stores before the copies' reads
         named_barrier_arrive(STORE_BARRIER, ARRIVALS)
 
@@ -1471,7 +1473,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 k_row0, seqlen_k = int32(k_first), int32(k_rows)
             if STORE_TMA:  # once neither consumer's products read K_j or V_j any more
                 named_barrier_sync(4, CONSUMERS * GROUP)
-                write_tiles(smem, smem_start, k_tile, dk_acc, dv_acc, scale, consumer, warp, lane)
+                write_tiles(k_tile, dk_acc, dv_acc, scale, consumer, warp, lane)
             else:
                 store_rows(dk, dk_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, scale, q4)
                 store_rows(dv, dv_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, float32(1), q4)
