@@ -797,27 +797,34 @@ STORE4_ROWS, STORE4_COLS = 64, 64  # a 16-bit box of 128-byte rows (a backward e
 STORE4_ELEMS = STORE4_ROWS * STORE4_COLS
 
 
-@cuda.jit
-def _tma_store_4d_kernel(tensor_map, corners, boxes):
-    # For each corner (c0 headdim, c1 head, c2 row, c3 batch): the block writes a 16-bit box image
-    # (swizzled as a TMA load leaves one) with ordinary stores, then thread 0 stores it to the tensor
-    # by TMA and waits until the tile has been read.
-    t = cuda.threadIdx.x
-    tile = cuda.shared.array(STORE4_ELEMS, uint16, alignment=TILE_ALIGNMENT)
-    tmap = H.array_address(tensor_map)
-    if t == 0:
-        H.fence_proxy_tensormap_acquire(tmap)
-    for p in range(corners.shape[0]):
-        for i in range(t, STORE4_ELEMS, 64):
-            tile[i] = boxes[p, i]
-        H.fence_proxy_async()
-        cuda.syncthreads()
+def _make_box_kernel(issue, elems, dtype):
+    """A kernel that, for each corner (c0 headdim, c1 head, c2 row, c3 batch), writes a box image of
+    ``elems`` elements of ``dtype`` (swizzled as a TMA load leaves one) with ordinary stores, then
+    has thread 0 hand it to ``issue`` (a TMA store or reduce-add through a 4-D map) and wait until
+    the tile has been read."""
+
+    @cuda.jit
+    def box_kernel(tensor_map, corners, boxes):
+        t = cuda.threadIdx.x
+        tile = cuda.shared.array(elems, dtype, alignment=TILE_ALIGNMENT)
+        tmap = H.array_address(tensor_map)
         if t == 0:
-            H.tma_store_4d(tmap, corners[p, 0], corners[p, 1], corners[p, 2], corners[p, 3],
-                           P.shared_address(tile))
-            H.tma_store_commit()
-            H.tma_store_wait(0)
-        cuda.syncthreads()
+            H.fence_proxy_tensormap_acquire(tmap)
+        for p in range(corners.shape[0]):
+            for i in range(t, elems, 64):
+                tile[i] = boxes[p, i]
+            H.fence_proxy_async()
+            cuda.syncthreads()
+            if t == 0:
+                issue(tmap, corners[p, 0], corners[p, 1], corners[p, 2], corners[p, 3], P.shared_address(tile))
+                H.tma_store_commit()
+                H.tma_store_wait(0)
+            cuda.syncthreads()
+
+    return box_kernel
+
+
+_tma_store_4d_kernel = _make_box_kernel(H.tma_store_4d, STORE4_ELEMS, uint16)
 
 
 def test_tma_store_4d(xp, rng):
@@ -844,27 +851,7 @@ RED_ROWS, RED_COLS = 64, 32  # a float32 box of 128-byte rows: what the 128B swi
 RED_ELEMS = RED_ROWS * RED_COLS
 
 
-@cuda.jit
-def _tma_reduce_kernel(tensor_map, corners, boxes):
-    # For each corner (c0 headdim, c1 head, c2 row, c3 batch): the block writes a float32 box image
-    # (swizzled as a TMA load leaves one) with ordinary stores, then thread 0 adds it into the
-    # tensor by TMA and waits until the tile has been read.
-    t = cuda.threadIdx.x
-    tile = cuda.shared.array(RED_ELEMS, float32, alignment=TILE_ALIGNMENT)
-    tmap = H.array_address(tensor_map)
-    if t == 0:
-        H.fence_proxy_tensormap_acquire(tmap)
-    for p in range(corners.shape[0]):
-        for i in range(t, RED_ELEMS, 64):
-            tile[i] = boxes[p, i]
-        H.fence_proxy_async()
-        cuda.syncthreads()
-        if t == 0:
-            H.tma_reduce_add_4d(tmap, corners[p, 0], corners[p, 1], corners[p, 2], corners[p, 3],
-                                P.shared_address(tile))
-            H.tma_store_commit()
-            H.tma_store_wait(0)
-        cuda.syncthreads()
+_tma_reduce_kernel = _make_box_kernel(H.tma_reduce_add_4d, RED_ELEMS, float32)
 
 
 def _swizzled_f32(box):
