@@ -754,25 +754,49 @@ def check_tma(swizzle, xp, rng):
         np.testing.assert_array_equal(out[p], expected)
 
 
-@cuda.jit
-def _tma_store_kernel(tensor_map, corners, boxes):
-    # For each corner: the block writes one box image into shared memory with ordinary stores, then
-    # thread 0 stores it to the tensor by TMA and waits until the tile has been read.
-    t = cuda.threadIdx.x
-    tile = cuda.shared.array(BOX_ELEMS, uint16, alignment=TILE_ALIGNMENT)
-    tmap = H.array_address(tensor_map)
-    if t == 0:
-        H.fence_proxy_tensormap_acquire(tmap)  # the map was copied from the host
-    for p in range(corners.shape[0]):
-        for i in range(t, BOX_ELEMS, 64):
-            tile[i] = boxes[p, i]
-        H.fence_proxy_async()  # this thread's stores are seen by the TMA unit (the async proxy)
-        cuda.syncthreads()  # every thread's part of the tile is in before the store reads it
+def _make_box_kernel(issue, elems, dtype):
+    """A kernel that, for each corner p, writes one box image of ``elems`` elements of ``dtype``
+    (swizzled as a TMA load leaves one) into shared memory with ordinary stores, then has thread 0
+    hand it to ``issue(tmap, corners, p, tile)`` (a TMA store or reduce-add at corners[p]) and wait
+    until the tile has been read."""
+
+    @cuda.jit
+    def box_kernel(tensor_map, corners, boxes):
+        t = cuda.threadIdx.x
+        tile = cuda.shared.array(elems, dtype, alignment=TILE_ALIGNMENT)
+        tmap = H.array_address(tensor_map)
         if t == 0:
-            H.tma_store_2d(tmap, corners[p, 0], corners[p, 1], P.shared_address(tile))
-            H.tma_store_commit()
-            H.tma_store_wait(0)  # the tile has been read: it may be overwritten
-        cuda.syncthreads()  # nobody overwrites the tile before thread 0's wait
+            H.fence_proxy_tensormap_acquire(tmap)  # the map was copied from the host
+        for p in range(corners.shape[0]):
+            for i in range(t, elems, 64):
+                tile[i] = boxes[p, i]
+            H.fence_proxy_async()  # this thread's stores are seen by the TMA unit (the async proxy)
+            cuda.syncthreads()  # every thread's part of the tile is in before the copy reads it
+            if t == 0:
+                issue(tmap, corners, p, P.shared_address(tile))
+                H.tma_store_commit()
+                H.tma_store_wait(0)  # the tile has been read: it may be overwritten
+            cuda.syncthreads()  # nobody overwrites the tile before thread 0's wait
+
+    return box_kernel
+
+
+@cuda.jit(device=True)
+def _store_2d(tmap, corners, p, tile):  # corner (c0 column, c1 row)
+    H.tma_store_2d(tmap, corners[p, 0], corners[p, 1], tile)
+
+
+@cuda.jit(device=True)
+def _store_4d(tmap, corners, p, tile):  # corner (c0 headdim, c1 head, c2 row, c3 batch)
+    H.tma_store_4d(tmap, corners[p, 0], corners[p, 1], corners[p, 2], corners[p, 3], tile)
+
+
+@cuda.jit(device=True)
+def _reduce_add_4d(tmap, corners, p, tile):
+    H.tma_reduce_add_4d(tmap, corners[p, 0], corners[p, 1], corners[p, 2], corners[p, 3], tile)
+
+
+_tma_store_kernel = _make_box_kernel(_store_2d, BOX_ELEMS, uint16)
 
 
 def check_tma_store(swizzle, xp, rng):
@@ -797,34 +821,7 @@ STORE4_ROWS, STORE4_COLS = 64, 64  # a 16-bit box of 128-byte rows (a backward e
 STORE4_ELEMS = STORE4_ROWS * STORE4_COLS
 
 
-def _make_box_kernel(issue, elems, dtype):
-    """A kernel that, for each corner (c0 headdim, c1 head, c2 row, c3 batch), writes a box image of
-    ``elems`` elements of ``dtype`` (swizzled as a TMA load leaves one) with ordinary stores, then
-    has thread 0 hand it to ``issue`` (a TMA store or reduce-add through a 4-D map) and wait until
-    the tile has been read."""
-
-    @cuda.jit
-    def box_kernel(tensor_map, corners, boxes):
-        t = cuda.threadIdx.x
-        tile = cuda.shared.array(elems, dtype, alignment=TILE_ALIGNMENT)
-        tmap = H.array_address(tensor_map)
-        if t == 0:
-            H.fence_proxy_tensormap_acquire(tmap)
-        for p in range(corners.shape[0]):
-            for i in range(t, elems, 64):
-                tile[i] = boxes[p, i]
-            H.fence_proxy_async()
-            cuda.syncthreads()
-            if t == 0:
-                issue(tmap, corners[p, 0], corners[p, 1], corners[p, 2], corners[p, 3], P.shared_address(tile))
-                H.tma_store_commit()
-                H.tma_store_wait(0)
-            cuda.syncthreads()
-
-    return box_kernel
-
-
-_tma_store_4d_kernel = _make_box_kernel(H.tma_store_4d, STORE4_ELEMS, uint16)
+_tma_store_4d_kernel = _make_box_kernel(_store_4d, STORE4_ELEMS, uint16)
 
 
 def test_tma_store_4d(xp, rng):
@@ -851,7 +848,7 @@ RED_ROWS, RED_COLS = 64, 32  # a float32 box of 128-byte rows: what the 128B swi
 RED_ELEMS = RED_ROWS * RED_COLS
 
 
-_tma_reduce_kernel = _make_box_kernel(H.tma_reduce_add_4d, RED_ELEMS, float32)
+_tma_reduce_kernel = _make_box_kernel(_reduce_add_4d, RED_ELEMS, float32)
 
 
 def _swizzled_f32(box):

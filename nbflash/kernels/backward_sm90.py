@@ -520,8 +520,9 @@ def make_store_rows(dtype, headdim, headdim_padded, quads=False):
     ``headdim_padded`` columns times ``scale``, narrowed to ``dtype``, into dst's rows (dK, dV, dq).
     A thread's two columns of a row are neighbours (wgmma's layout), so each pair goes out as one
     32-bit store: half as many stores as one a column, and no byte shuffling (``stalls 128`` put
-    6-8% of the samples on the 16-bit stores and their permutes). ``dst`` is one of the backward's fresh contiguous outputs,
-    whose headdim is a multiple of 8: every pair is whole and 4-byte aligned.
+    6-8% of the samples on the 16-bit stores and their permutes). ``dst`` is one of the backward's
+    fresh contiguous outputs, whose headdim is a multiple of 8: every pair is whole and 4-byte
+    aligned.
 
     With ``quads`` (an option, docs/perf-notes.md step 55) the four lanes of a quad, which hold the
     four pairs of each 8-column group of their row, trade pairs (two butterfly exchanges of two

@@ -578,10 +578,6 @@ def build_forward_sm90(config: Sm90ForwardConfig):
 
         fp8_scales = scale_o = None  # the kernel's fp8 branches are compiled out
 
-    # out's rows (a fresh contiguous array, headdim a multiple of 8): two columns narrowed and packed
-    # (rounding to nearest even, as a single element's), the first in the low half
-    pack_out = pack_f16x2 if IS_F16 else pack_bf16x2
-
     @inline_device
     @unroll
     def write_output(out, lse, o, m_i, l_i, b, h, row0, seqlen_q, scale_log2, lse_offset, params, q4):
@@ -596,10 +592,12 @@ def build_forward_sm90(config: Sm90ForwardConfig):
                 inv_l *= dropout_scale(params)
             if row < seqlen_q:
                 for c in static_range(DT):
-                    col = 8 * c + 2 * q4  # the thread's two neighbouring columns: one 32-bit store
+                    # the thread's two neighbouring columns: one 32-bit store (out is a fresh contiguous
+                    # array, headdim a multiple of 8), packed as P is (to nearest even, the first low)
+                    col = 8 * c + 2 * q4
                     if col < HD:
                         r = 4 * c + 2 * rh
-                        store_u32(global_address(out, b, row, h, col), pack_out(o[r] * inv_l, o[r + 1] * inv_l))
+                        store_u32(global_address(out, b, row, h, col), pack(o[r] * inv_l, o[r + 1] * inv_l))
                 if q4 == 0:
                     if l_row != float32(0):
                         lse_log2 = m_i[rh] * scale_log2 + math.log2(l_row)
