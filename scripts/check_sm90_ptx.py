@@ -201,6 +201,11 @@ def backward_kernels():
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
         found.append((f"backward_sm90_dq_tiles_store_tma_{name}_hd128", dataclasses.replace(
             configs.planned_backward_sm90_config("float16", 128, variant), store_tma=True)))
+    # ... planned, dV's product issued once P^T is packed, under dS^T (an option, step 58)
+    for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
+        found.append((f"backward_sm90_dq_tiles_dv_early_{name}_hd128", dataclasses.replace(
+            configs.planned_backward_sm90_config("float16", 128, variant), dv_early=True, producer_registers=24,
+            consumer_registers=240)))
     found.append(("backward_sm90_rows_store_quads_causal_hd64", dataclasses.replace(
         configs.sm90_backward_config("float16", 64, Variant(window=True)), store_quads=True)))
     # ... on packed sequences (planned since step 37), causal at hd 128

@@ -56,8 +56,8 @@
 #                                (NBFLASH_RESUME_LOGS; TESTS overrides the files), stopped after SECONDS
 #                                (default 400)
 #   scripts/gpu_check.sh options hd 128's planned dK/dV kernel (dQ tile-major) with dK and dV by
-#                                TMA stores, with a third ring stage and with 16-byte dK/dV stores
-#                                (perf-notes steps 57, 52 and 55),
+#                                TMA stores, with dV's product issued early, with a third ring stage
+#                                and with 16-byte dK/dV stores (perf-notes steps 57, 58, 52 and 55),
 #                                and hd 64's rows split as planned (16-byte stores) against its
 #                                pair stores: their GPU grids, then sm90_schedules.py --backward at
 #                                hd 64 and 128, about 6 minutes
@@ -354,10 +354,10 @@ options)
     # product early without a window) against its pair stores: the grids (the planned
     # combination's first), then each timed against the planned kernel
     grid options_tests 300 tests/test_backward_sm90.py tests/test_primitives_sm90.py \
-        -k "tma_store_4d or store_shared_u32 or store_tma_gpu or three_stages_gpu or store_quads_gpu or (rows_gpu and quads)"
-    timeout 270 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-tma planned-3st \
-        planned-quads rows-pairs > "$out/options.log" 2>&1
-    echo "planned, TMA stores, 3 stages, quads; rows: planned, pairs (exit $?):"; tail -11 "$out/options.log"
+        -k "tma_store_4d or store_shared_u32 or store_tma_gpu or dv_early_gpu or three_stages_gpu or store_quads_gpu or (rows_gpu and quads)"
+    timeout 270 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-tma planned-dv \
+        planned-3st planned-quads rows-pairs > "$out/options.log" 2>&1
+    echo "planned, TMA stores, dV early, 3 stages, quads; rows: planned, pairs (exit $?):"; tail -11 "$out/options.log"
     ;;
 dq-keys)
     # docs/perf-notes.md, step 48: the sm90 dQ kernel's key tiles past headdim 128, planned (64 keys at

@@ -318,11 +318,13 @@ def test_backward_sm90_three_stages_gpu(xp, monkeypatch, seqlens, name):
 
 
 def option_agrees(xp, monkeypatch, field, seed, dtype, shape):
-    """The planned sm90 dK/dV kernel and the same with its option ``field`` on, causal, on the same
+    """The planned sm90 dK/dV kernel and the same with its option ``field`` on (or as the function
+    ``field`` changes it), causal, on the same
     draw (run_sm90_variant: each against the reference's rule): dq, dk and dv the same to the bit
     (the simulator adds dq in a fixed order)."""
     grads = []
-    for change in (lambda config: config, lambda config: dataclasses.replace(config, **{field: True})):
+    option = field if callable(field) else lambda config: dataclasses.replace(config, **{field: True})
+    for change in (lambda config: config, option):
         with replanned(monkeypatch, change):
             grads.append(run_sm90_variant(np.random.default_rng(seed), xp, "causal", dtype, *shape))
     for a, b in zip(*grads):
@@ -361,6 +363,34 @@ def test_backward_sm90_store_tma_gpu(xp, monkeypatch, seqlens, headdim, name):
     headdims (a block mask's steps, dropout's producer bits at 128), bfloat16 where not plain."""
     with replanned(monkeypatch, lambda config: dataclasses.replace(config, store_tma=True)):
         run_sm90_variant(np.random.default_rng(14), xp, name, "float16" if name == "plain" else "bfloat16", 2,
+                         *seqlens, 4, 2, headdim)
+
+
+def early_dv(config):
+    """``dv_early`` (an option, docs/perf-notes.md step 58) on a planned kernel with dQ first, the
+    consumers at 240 registers (at 232 ptxas serializes the wgmmas)."""
+    assert config.dq_first, config
+    return dataclasses.replace(config, dv_early=True, producer_registers=24, consumer_registers=240)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_dv_early_gpu")
+def test_backward_sm90_dv_early_small(xp, monkeypatch):
+    """``dv_early``: dV's product issued once P^T is packed, then dP^T's wait with one group in
+    flight, against the planned order (option_agrees); headdim 72 (dQ first), GQA 2:1, bfloat16."""
+    option_agrees(xp, monkeypatch, early_dv, 6, "bfloat16", (1, 40, 150, 2, 1, 72))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["plain", "causal", "softcap", "dropout", "document-mask-mod"])
+@pytest.mark.parametrize("headdim", [72, 128])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_dv_early_gpu(xp, monkeypatch, seqlens, headdim, name):
+    """backward_sm90.py's planned kernels with ``dv_early`` (an option, step 58): the commit groups
+    dV, dQ, dK and their waits (dP^T with one group in flight, dQ with one), every variant the
+    planned kernel serves at headdims 72 and 128 (with a score feature or dropout, dV's issue comes
+    after dP^T has landed), tails, GQA 2:1, bfloat16 where not plain."""
+    with replanned(monkeypatch, early_dv):
+        run_sm90_variant(np.random.default_rng(15), xp, name, "float16" if name == "plain" else "bfloat16", 2,
                          *seqlens, 4, 2, headdim)
 
 

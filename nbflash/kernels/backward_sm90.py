@@ -339,6 +339,12 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # (``make_store_tma``; docs/perf-notes.md step 57). Not for packed sequences (a box would write
     # the next sequence's rows). An option until timed
     store_tma: bool = False
+    # dV += P^T dO_i issued as soon as P^T is packed (with dq_first): the tensor cores run it while
+    # the consumer makes dS^T, stores it and meets the other consumer at the barrier, where with the
+    # three products issued together after that barrier both consumers' element-wise work leaves the
+    # tensor cores idle (docs/perf-notes.md step 58). The commit groups complete in the order dV, dQ,
+    # dK. An option until timed
+    dv_early: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
     # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
@@ -360,6 +366,8 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         if self.dq_reduce == "tiles" and not self.dq_first:
             raise ValueError("dq_reduce='tiles' takes dq_first=True (dQ split by columns, its product first), "
                              f"not dq_split={self.dq_split!r} with dq_first={self.dq_first}")
+        if self.dv_early and not self.dq_first:
+            raise ValueError("dv_early=True takes dq_first=True (the products issued after the barrier: dQ, then dK)")
         if self.store_tma and (self.variant.varlen or self.store_quads):
             raise ValueError("store_tma=True takes neither packed sequences (a box would write the next "
                              "sequence's rows) nor store_quads=True (another store of the same rows)")
@@ -1105,6 +1113,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     KEY_STEPS = (BN if DQ_ALL_KEYS else KEYS) // 16  # k16 steps of dQ: all keys, or the consumer's
     DQ_CHUNKS = 1 if DQ_BY_COLUMNS else CHUNKS  # 64-column chunks of dQ a consumer adds
     DQ_FIRST = config.dq_first  # dQ_i's product ahead of dV's and dK's, its reductions under them
+    DV_EARLY = config.dv_early  # ... and dV's issued before the barrier, once P^T is packed
     # dQ columns per product: a consumer's half of headdim with "columns" (32 at headdim 64, 64 at
     # 128), else a 64-column chunk; the half's first byte in a row of K's tile: 64 bytes into the one
     # chunk at headdim 64 (the 128B swizzle is of the address, so a descriptor may start mid-row),
@@ -1393,11 +1402,19 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 else:
                     probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
                                     scale_log2, units, q4, False, drop_word)
+                if DV_EARLY:  # dV += P^T dO_i now, under dS^T's making, stores and barrier
+                    pack_a(s, p)
+                    p_regs = fence_operands(registers_from(p, P_REGS))
+                    acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
+                    wgmma_fence()  # P^T's and dV's registers are ordered before wgmma
+                    acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024,
+                                                                            SWIZZLE_128B))
                 if not FUSED:
-                    wgmma_wait(0)  # dP^T has landed
+                    wgmma_wait(1 if DV_EARLY else 0)  # dP^T has landed (dV's product may still run)
                     registers_to(dp, fence_operands(acc_dp))
                     score_gradients_t(s, dp, smem, stats, q4)
-                pack_a(s, p)
+                if not DV_EARLY:
+                    pack_a(s, p)
                 pack_a(dp, ds)
                 # dS^T into the tile of this step's parity: the other may still be read by the last
                 # step's dQ in another warp; every warp is past that once the barrier below is passed
@@ -1408,10 +1425,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     store_ds_t(smem, (ds_tile - smem_start) // uint32(4), ds, warp, g, q4)
                     fence_proxy_async()  # the dS^T stores are ordered before wgmma reads them
 
-                # dV += P^T dO_i and dK += dS^T Q_i
-                p_regs = fence_operands(registers_from(p, P_REGS))
+                # dV += P^T dO_i (unless issued above) and dK += dS^T Q_i
+                if not DV_EARLY:
+                    p_regs = fence_operands(registers_from(p, P_REGS))
+                    acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
                 ds_regs = fence_operands(registers_from(ds, P_REGS))
-                acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
                 acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
                 if DQ_ALL_KEYS:
                     named_barrier_sync(1, CONSUMERS * GROUP)  # both consumers' dS^T is stored
@@ -1422,10 +1440,12 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 wgmma_fence()  # P^T's, dS^T's and the accumulators' registers are ordered before wgmma
                 if DQ_FIRST:  # dQ_i = dS K over all block_n keys, the consumer's half of headdim, first
                     acc_q = issue_dq(acc_q, all_keys_ds(ds_tiles, i), half_k(k_tile, consumer))
-                acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
+                if not DV_EARLY:
+                    acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024,
+                                                                            SWIZZLE_128B))
                 acc_dk = issue_keys_acc(acc_dk, ds_regs, smem_descriptor(q_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
                 if DQ_FIRST:  # dQ_i's reductions while the tensor cores run dV's and dK's products
-                    wgmma_wait(2)  # dQ_i has landed (commit groups complete in order)
+                    wgmma_wait(1 if DV_EARLY else 2)  # dQ_i has landed (commit groups complete in order)
                     registers_to(dq_acc, fence_operands(acc_q))
                     if STAGED_DQ:  # into shared memory, for the producer's stats warp
                         stage_dq(dq_stage, dq_acc, dq_full, dq_empty, i, 16 * warp + g, DQ_COLS * consumer, q4)
