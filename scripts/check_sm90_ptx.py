@@ -201,11 +201,14 @@ def backward_kernels():
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
         found.append((f"backward_sm90_dq_tiles_store_tma_{name}_hd128", dataclasses.replace(
             configs.planned_backward_sm90_config("float16", 128, variant), store_tma=True)))
-    # ... planned, dV's product issued once P^T is packed, under dS^T (an option, step 58)
+    # ... planned, dV's product issued once P^T is packed (consumers at 240 registers), or dV's and
+    # dK's once dS^T is (options, step 58)
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
-        found.append((f"backward_sm90_dq_tiles_dv_early_{name}_hd128", dataclasses.replace(
-            configs.planned_backward_sm90_config("float16", 128, variant), dv_early=True, producer_registers=24,
-            consumer_registers=240)))
+        planned = configs.planned_backward_sm90_config("float16", 128, variant)
+        found.append((f"backward_sm90_dq_tiles_early_dv_{name}_hd128", dataclasses.replace(
+            planned, issue_early="dv", producer_registers=24, consumer_registers=240)))
+        found.append((f"backward_sm90_dq_tiles_early_dv_dk_{name}_hd128", dataclasses.replace(
+            planned, issue_early="dv-dk")))
     found.append(("backward_sm90_rows_store_quads_causal_hd64", dataclasses.replace(
         configs.sm90_backward_config("float16", 64, Variant(window=True)), store_quads=True)))
     # ... on packed sequences (planned since step 37), causal at hd 128

@@ -354,8 +354,8 @@ options)
     # product early without a window) against its pair stores: the grids (the planned
     # combination's first), then each timed against the planned kernel
     grid options_tests 300 tests/test_backward_sm90.py tests/test_primitives_sm90.py \
-        -k "tma_store_4d or store_shared_u32 or store_tma_gpu or dv_early_gpu or three_stages_gpu or store_quads_gpu or (rows_gpu and quads)"
-    timeout 270 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-tma planned-dv \
+        -k "tma_store_4d or store_shared_u32 or store_tma_gpu or issue_early_gpu or three_stages_gpu or store_quads_gpu or (rows_gpu and quads)"
+    timeout 270 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-tma planned-dv planned-dvdk \
         planned-3st planned-quads rows-pairs > "$out/options.log" 2>&1
     echo "planned, TMA stores, dV early, 3 stages, quads; rows: planned, pairs (exit $?):"; tail -11 "$out/options.log"
     ;;
