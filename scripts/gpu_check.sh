@@ -56,11 +56,9 @@
 #                                (NBFLASH_RESUME_LOGS; TESTS overrides the files), stopped after SECONDS
 #                                (default 400)
 #   scripts/gpu_check.sh options hd 128's planned dK/dV kernel (dQ tile-major) with dK and dV by
-#                                TMA stores, with dV's product issued early, with a third ring stage
-#                                and with 16-byte dK/dV stores (perf-notes steps 57, 58, 52 and 55),
-#                                and hd 64's rows split as planned (16-byte stores) against its
-#                                pair stores: their GPU grids, then sm90_schedules.py --backward at
-#                                hd 64 and 128, about 6 minutes
+#                                TMA stores and with dV's (and dK's) products issued early (perf-notes
+#                                steps 57 and 58), and hd 64's rows split as planned: their GPU grids,
+#                                then sm90_schedules.py --backward at hd 128 twice, about 9 minutes
 #   scripts/gpu_check.sh stores  the sm90 backward with dK, dV and dq stored as 32-bit pairs (perf-notes
 #                                step 54) against the tree before it: AB_BASE (default .ab/base.tar, a
 #                                `git archive` of that commit carried in the working tree), bench.py's
@@ -347,17 +345,19 @@ stores)
     done
     ;;
 options)
-    # docs/perf-notes.md, steps 57, 52 and 55: hd 128's planned kernel with dK and dV through K's and
-    # V's tiles and TMA stores (step 57, new: its primitive's test first), with a third stage in its
-    # Q/dO ring and with dK and dV stored 16 bytes a lane (both mixed on the H100, twenty-second
-    # session), and the rows split as planned since then at hd 64 (16-byte dK/dV stores and dQ's
-    # product early without a window) against its pair stores: the grids (the planned
-    # combination's first), then each timed against the planned kernel
-    grid options_tests 300 tests/test_backward_sm90.py tests/test_primitives_sm90.py \
-        -k "tma_store_4d or store_shared_u32 or store_tma_gpu or issue_early_gpu or three_stages_gpu or store_quads_gpu or (rows_gpu and quads)"
-    timeout 270 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-tma planned-dv planned-dvdk \
-        planned-3st planned-quads rows-pairs > "$out/options.log" 2>&1
-    echo "planned, TMA stores, dV early, 3 stages, quads; rows: planned, pairs (exit $?):"; tail -11 "$out/options.log"
+    # docs/perf-notes.md, steps 57 and 58: hd 128's planned kernel with dK and dV through K's and V's
+    # tiles and TMA stores (step 57: its primitives' tests first), and with dV's (and dK's) products
+    # issued before dS^T's stores (step 58); the rows split's planned combination at hd 64 (16-byte
+    # dK/dV stores and dQ's product early, not yet run). Their grids, then each timed against the
+    # planned kernel, twice (a third stage and 16-byte stores at hd 128 were timed four times in the
+    # twenty-second session: `sm90_schedules.py --backward --only planned-3st planned-quads`)
+    grid options_tests 270 tests/test_backward_sm90.py tests/test_primitives_sm90.py \
+        -k "tma_store_4d or store_shared_u32 or store_tma_gpu or issue_early_gpu or (rows_gpu and quads)"
+    for run in 1 2; do
+        timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-tma planned-dv \
+            planned-dvdk > "$out/options_$run.log" 2>&1
+        echo "planned, TMA stores, dV early, dV and dK early (exit $?):"; tail -6 "$out/options_$run.log"
+    done
     ;;
 dq-keys)
     # docs/perf-notes.md, step 48: the sm90 dQ kernel's key tiles past headdim 128, planned (64 keys at
