@@ -355,8 +355,8 @@ options)
         -k "tma_store_4d or store_shared_u32 or store_tma_gpu or issue_early_gpu or (rows_gpu and quads)"
     for run in 1 2; do
         timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-tma planned-dv \
-            planned-dvdk > "$out/options_$run.log" 2>&1
-        echo "planned, TMA stores, dV early, dV and dK early (exit $?):"; tail -6 "$out/options_$run.log"
+            planned-dvdk planned-dvp > "$out/options_$run.log" 2>&1
+        echo "planned, TMA stores, dV early, dV and dK early, dV once P^T is packed (exit $?):"; tail -6 "$out/options_$run.log"
     done
     ;;
 dq-keys)

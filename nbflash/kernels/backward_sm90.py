@@ -341,11 +341,12 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     store_tma: bool = False
     # Products issued before dS^T's stores and the barrier (with dq_first), where with all three
     # issued after it both consumers' element-wise work leaves the tensor cores idle
-    # (docs/perf-notes.md step 58): "dv", dV += P^T dO_i as soon as P^T is packed, under dS^T's
-    # making (commit groups dV, dQ, dK; P^T's floats and packed registers live together: at 232
-    # registers ptxas serializes the wgmmas, at 240 not); "dv-dk", dV's and dK's once dS^T is
-    # packed, under its stores and the barrier, and the slot released as soon as they land, while
-    # dQ_i's runs (groups dV, dK, dQ). "" (planned): all three after the barrier. Options until timed
+    # (docs/perf-notes.md step 58): "dv", dV += P^T dO_i once dS^T is packed, under its stores and
+    # the barrier (commit groups dV, dQ, dK: dQ_i's staging under dK's); "dv-dk", dK's too, and the
+    # slot released as soon as both land, while dQ_i's runs (groups dV, dK, dQ); "dv-p", dV's as
+    # soon as P^T is packed, under dS^T's making as well (groups dV, dQ, dK; P^T's floats and
+    # packed registers live together: at 232 registers ptxas serializes the wgmmas, at 240 not).
+    # "" (planned): all three after the barrier. Options until timed
     issue_early: str = ""
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
@@ -368,8 +369,8 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         if self.dq_reduce == "tiles" and not self.dq_first:
             raise ValueError("dq_reduce='tiles' takes dq_first=True (dQ split by columns, its product first), "
                              f"not dq_split={self.dq_split!r} with dq_first={self.dq_first}")
-        if self.issue_early not in ("", "dv", "dv-dk"):
-            raise ValueError(f"{self.issue_early=} must be '', 'dv' or 'dv-dk'")
+        if self.issue_early not in ("", "dv", "dv-dk", "dv-p"):
+            raise ValueError(f"{self.issue_early=} must be '', 'dv', 'dv-dk' or 'dv-p'")
         if self.issue_early and not self.dq_first:
             raise ValueError(f"issue_early={self.issue_early!r} takes dq_first=True (dQ_i's product after the barrier)")
         if self.store_tma and (self.variant.varlen or self.store_quads):
@@ -1117,8 +1118,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     KEY_STEPS = (BN if DQ_ALL_KEYS else KEYS) // 16  # k16 steps of dQ: all keys, or the consumer's
     DQ_CHUNKS = 1 if DQ_BY_COLUMNS else CHUNKS  # 64-column chunks of dQ a consumer adds
     DQ_FIRST = config.dq_first  # dQ_i's product ahead of dV's and dK's, its reductions under them
-    DV_EARLY = config.issue_early == "dv"  # ... dV's issued before dS^T is made, once P^T is packed
-    DKV_EARLY = config.issue_early == "dv-dk"  # ... dV's and dK's before dS^T's stores
+    DV_AHEAD = config.issue_early == "dv-p"  # ... dV's issued before dS^T is made, once P^T is packed
+    DV_STORES = config.issue_early in ("dv", "dv-dk")  # ... dV's before dS^T's stores
+    DKV_EARLY = config.issue_early == "dv-dk"  # ... and dK's
+    DV_EARLY = DV_AHEAD or DV_STORES
     # dQ columns per product: a consumer's half of headdim with "columns" (32 at headdim 64, 64 at
     # 128), else a 64-column chunk; the half's first byte in a row of K's tile: 64 bytes into the one
     # chunk at headdim 64 (the 128B swizzle is of the address, so a descriptor may start mid-row),
@@ -1407,7 +1410,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 else:
                     probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
                                     scale_log2, units, q4, False, drop_word)
-                if DV_EARLY:  # dV += P^T dO_i now, under dS^T's making, stores and barrier
+                if DV_AHEAD:  # dV += P^T dO_i now, under dS^T's making, stores and barrier
                     pack_a(s, p)
                     p_regs = fence_operands(registers_from(p, P_REGS))
                     acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
@@ -1415,22 +1418,24 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024,
                                                                             SWIZZLE_128B))
                 if not FUSED:
-                    wgmma_wait(1 if DV_EARLY else 0)  # dP^T has landed (dV's product may still run)
+                    wgmma_wait(1 if DV_AHEAD else 0)  # dP^T has landed (dV's product may still run)
                     registers_to(dp, fence_operands(acc_dp))
                     score_gradients_t(s, dp, smem, stats, q4)
-                if not DV_EARLY:
+                if not DV_AHEAD:
                     pack_a(s, p)
                 pack_a(dp, ds)
-                if DKV_EARLY:  # dV += P^T dO_i and dK += dS^T Q_i now, under dS^T's stores and barrier
+                if DV_STORES:  # dV += P^T dO_i (and dK += dS^T Q_i) now, under dS^T's stores and barrier
                     p_regs = fence_operands(registers_from(p, P_REGS))
-                    ds_regs = fence_operands(registers_from(ds, P_REGS))
                     acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
-                    acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
+                    if DKV_EARLY:
+                        ds_regs = fence_operands(registers_from(ds, P_REGS))
+                        acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
                     wgmma_fence()  # P^T's, dS^T's and the accumulators' registers are ordered before wgmma
                     acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024,
                                                                             SWIZZLE_128B))
-                    acc_dk = issue_keys_acc(acc_dk, ds_regs, smem_descriptor(q_slot, Q_CHUNK_BYTES, 1024,
-                                                                             SWIZZLE_128B))
+                    if DKV_EARLY:
+                        acc_dk = issue_keys_acc(acc_dk, ds_regs, smem_descriptor(q_slot, Q_CHUNK_BYTES, 1024,
+                                                                                 SWIZZLE_128B))
                 # dS^T into the tile of this step's parity: the other may still be read by the last
                 # step's dQ in another warp; every warp is past that once the barrier below is passed
                 ds_tile = ds_pair + uint32((i % 2) * DS_BYTES)
@@ -1441,7 +1446,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     fence_proxy_async()  # the dS^T stores are ordered before wgmma reads them
 
                 # dV += P^T dO_i and dK += dS^T Q_i (unless issued above)
-                if not (DV_EARLY or DKV_EARLY):
+                if not DV_EARLY:
                     p_regs = fence_operands(registers_from(p, P_REGS))
                     acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
                 if not DKV_EARLY:
