@@ -201,15 +201,6 @@ def backward_kernels():
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
         found.append((f"backward_sm90_dq_tiles_store_tma_{name}_hd128", dataclasses.replace(
             configs.planned_backward_sm90_config("float16", 128, variant), store_tma=True)))
-    # ... planned, dV's product (and dK's) issued once dS^T is packed, or dV's once P^T is (consumers
-    # at 240 registers; options, step 58)
-    for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
-        planned = configs.planned_backward_sm90_config("float16", 128, variant)
-        for early in ("dv", "dv-dk"):
-            found.append((f"backward_sm90_dq_tiles_early_{early.replace('-', '_')}_{name}_hd128",
-                          dataclasses.replace(planned, issue_early=early)))
-        found.append((f"backward_sm90_dq_tiles_early_dv_p_{name}_hd128", dataclasses.replace(
-            planned, issue_early="dv-p", producer_registers=24, consumer_registers=240)))
     found.append(("backward_sm90_rows_store_quads_causal_hd64", dataclasses.replace(
         configs.sm90_backward_config("float16", 64, Variant(window=True)), store_quads=True)))
     # ... on packed sequences (planned since step 37), causal at hd 128

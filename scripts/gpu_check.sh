@@ -56,9 +56,8 @@
 #                                (NBFLASH_RESUME_LOGS; TESTS overrides the files), stopped after SECONDS
 #                                (default 400)
 #   scripts/gpu_check.sh options hd 128's planned dK/dV kernel (dQ tile-major) with dK and dV by
-#                                TMA stores and with dV's (and dK's) products issued early (perf-notes
-#                                steps 57 and 58), and hd 64's rows split as planned: their GPU grids,
-#                                then sm90_schedules.py --backward at hd 128 twice, about 9 minutes
+#                                TMA stores and with a third ring stage (perf-notes steps 57 and 52),
+#                                each timed against the planned kernel three times, about 5 minutes
 #   scripts/gpu_check.sh stores  the sm90 backward with dK, dV and dq stored as 32-bit pairs (perf-notes
 #                                step 54) against the tree before it: AB_BASE (default .ab/base.tar, a
 #                                `git archive` of that commit carried in the working tree), bench.py's
@@ -345,18 +344,14 @@ stores)
     done
     ;;
 options)
-    # docs/perf-notes.md, steps 57 and 58: hd 128's planned kernel with dK and dV through K's and V's
-    # tiles and TMA stores (step 57: its primitives' tests first), and with dV's (and dK's) products
-    # issued before dS^T's stores (step 58); the rows split's planned combination at hd 64 (16-byte
-    # dK/dV stores and dQ's product early, not yet run). Their grids, then each timed against the
-    # planned kernel, twice (a third stage and 16-byte stores at hd 128 were timed four times in the
-    # twenty-second session: `sm90_schedules.py --backward --only planned-3st planned-quads`)
-    grid options_tests 270 tests/test_backward_sm90.py tests/test_primitives_sm90.py \
-        -k "tma_store_4d or store_shared_u32 or store_tma_gpu or issue_early_gpu or (rows_gpu and quads)"
-    for run in 1 2; do
-        timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-tma planned-dv \
-            planned-dvdk planned-dvp > "$out/options_$run.log" 2>&1
-        echo "planned, TMA stores, dV early, dV and dK early, dV once P^T is packed (exit $?):"; tail -6 "$out/options_$run.log"
+    # docs/perf-notes.md, steps 57 and 52: hd 128's planned kernel with dK and dV through K's and V's
+    # tiles and TMA stores, and with a third ring stage, both mixed so far on the H100 (step 57 in
+    # the twenty-third session: +3% at 4k, -2% and -3% at 16k, two runs; its grids passed there),
+    # timed against the planned kernel, three runs
+    for run in 1 2 3; do
+        timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-tma planned-3st \
+            > "$out/options_$run.log" 2>&1
+        echo "planned, TMA stores, 3 stages (exit $?):"; tail -6 "$out/options_$run.log"
     done
     ;;
 dq-keys)

@@ -46,9 +46,7 @@ Backward, each column a schedule:
   (backward_sm90.py's kernels): dK and dV by 16-byte stores after the quads' transposes (step 55),
   and in the planned rows split (headdim 64) "rows-pairs" where it is planned with them (without a
   window), "rows-quads" where not; "planned-tma" (backward_sm90.py's kernels): dK and dV written
-  into K's and V's tiles, then stored by TMA (step 57); "planned-dv" (with dQ first): dV's product
-  issued once dS^T is packed, before its stores, "planned-dvdk" dK's too, "planned-dvp" dV's once
-  P^T is packed, with the consumers at 240 registers (step 58);
+  into K's and V's tiles, then stored by TMA (step 57);
   "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
   (the form before; timed as "planned" against "planned-tiles" until step 35). (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
@@ -258,12 +256,6 @@ def backward_schedules(headdim, causal):
         found["planned-quads"] = dataclasses.replace(planned, store_quads=True)
         if not planned.variant.varlen:  # dK and dV through K's and V's tiles and TMA stores (step 57)
             found["planned-tma"] = dataclasses.replace(planned, store_tma=True)
-        if planned.dq_first:  # dV's product (and dK's) issued once dS^T is packed, before its stores, or
-            # dV's once P^T is (consumers at 240 registers; step 58)
-            found["planned-dv"] = dataclasses.replace(planned, issue_early="dv")
-            found["planned-dvdk"] = dataclasses.replace(planned, issue_early="dv-dk")
-            found["planned-dvp"] = dataclasses.replace(planned, issue_early="dv-p", producer_registers=24,
-                                                       consumer_registers=240)
     if not planned.variant.block_mask:  # each block's walk over the query tiles rotated by its key tile (step 43)
         found["planned-rotate"] = planned.__class__(**{**planned.__dict__, "rotate": True})
     found["planned"] = planned

@@ -318,13 +318,11 @@ def test_backward_sm90_three_stages_gpu(xp, monkeypatch, seqlens, name):
 
 
 def option_agrees(xp, monkeypatch, field, seed, dtype, shape):
-    """The planned sm90 dK/dV kernel and the same with its option ``field`` on (or as the function
-    ``field`` changes it), causal, on the same
+    """The planned sm90 dK/dV kernel and the same with its option ``field`` on, causal, on the same
     draw (run_sm90_variant: each against the reference's rule): dq, dk and dv the same to the bit
     (the simulator adds dq in a fixed order)."""
     grads = []
-    option = field if callable(field) else lambda config: dataclasses.replace(config, **{field: True})
-    for change in (lambda config: config, option):
+    for change in (lambda config: config, lambda config: dataclasses.replace(config, **{field: True})):
         with replanned(monkeypatch, change):
             grads.append(run_sm90_variant(np.random.default_rng(seed), xp, "causal", dtype, *shape))
     for a, b in zip(*grads):
@@ -364,42 +362,6 @@ def test_backward_sm90_store_tma_gpu(xp, monkeypatch, seqlens, headdim, name):
     with replanned(monkeypatch, lambda config: dataclasses.replace(config, store_tma=True)):
         run_sm90_variant(np.random.default_rng(14), xp, name, "float16" if name == "plain" else "bfloat16", 2,
                          *seqlens, 4, 2, headdim)
-
-
-def early(products):
-    """``issue_early=products`` (an option, docs/perf-notes.md step 58) on a planned kernel with dQ
-    first; "dv-p" with the consumers at 240 registers (at 232 ptxas serializes the wgmmas)."""
-    def change(config):
-        assert config.dq_first, config
-        if products == "dv-p":
-            return dataclasses.replace(config, issue_early="dv", producer_registers=24, consumer_registers=240)
-        return dataclasses.replace(config, issue_early=products)
-
-    return change
-
-
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_issue_early_gpu")
-@pytest.mark.parametrize("products", ["dv", "dv-dk", "dv-p"])
-def test_backward_sm90_issue_early_small(xp, monkeypatch, products):
-    """``issue_early``: dV's product issued before dS^T's stores ("dv"), dK's too and the slot
-    released before dQ_i's wait ("dv-dk"), dV's once P^T is packed, then dP^T's wait with one group
-    in flight ("dv-p"); against the planned order (option_agrees); headdim 72 (dQ first), GQA 2:1, bfloat16."""
-    option_agrees(xp, monkeypatch, early(products), 6, "bfloat16", (1, 40, 150, 2, 1, 72))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("products", ["dv", "dv-dk", "dv-p"])
-@pytest.mark.parametrize("name", ["plain", "causal", "softcap", "dropout", "document-mask-mod"])
-@pytest.mark.parametrize("shape", [(113, 203, 72), (1023, 1024, 128)], ids=lambda s: "x".join(map(str, s)))
-def test_backward_sm90_issue_early_gpu(xp, monkeypatch, shape, name, products):
-    """backward_sm90.py's planned kernels with ``issue_early`` (an option, step 58): the commit
-    groups (dV, dQ, dK or dV, dK, dQ), their waits and the slot's early release, every variant the
-    planned kernel serves at headdims 72 (113 queries x 203 keys: tails) and 128 (with a score
-    feature or dropout, dP^T has landed before P^T is made), GQA 2:1, bfloat16 where not plain."""
-    seqlen_q, seqlen_k, headdim = shape
-    with replanned(monkeypatch, early(products)):
-        run_sm90_variant(np.random.default_rng(15), xp, name, "float16" if name == "plain" else "bfloat16", 2,
-                         seqlen_q, seqlen_k, 4, 2, headdim)
 
 
 @pytest.mark.gpu

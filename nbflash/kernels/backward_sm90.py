@@ -339,15 +339,6 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # (``make_store_tma``; docs/perf-notes.md step 57). Not for packed sequences (a box would write
     # the next sequence's rows). An option until timed
     store_tma: bool = False
-    # Products issued before dS^T's stores and the barrier (with dq_first), where with all three
-    # issued after it both consumers' element-wise work leaves the tensor cores idle
-    # (docs/perf-notes.md step 58): "dv", dV += P^T dO_i once dS^T is packed, under its stores and
-    # the barrier (commit groups dV, dQ, dK: dQ_i's staging under dK's); "dv-dk", dK's too, and the
-    # slot released as soon as both land, while dQ_i's runs (groups dV, dK, dQ); "dv-p", dV's as
-    # soon as P^T is packed, under dS^T's making as well (groups dV, dQ, dK; P^T's floats and
-    # packed registers live together: at 232 registers ptxas serializes the wgmmas, at 240 not).
-    # "" (planned): all three after the barrier. Options until timed
-    issue_early: str = ""
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
     # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
@@ -369,10 +360,6 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         if self.dq_reduce == "tiles" and not self.dq_first:
             raise ValueError("dq_reduce='tiles' takes dq_first=True (dQ split by columns, its product first), "
                              f"not dq_split={self.dq_split!r} with dq_first={self.dq_first}")
-        if self.issue_early not in ("", "dv", "dv-dk", "dv-p"):
-            raise ValueError(f"{self.issue_early=} must be '', 'dv', 'dv-dk' or 'dv-p'")
-        if self.issue_early and not self.dq_first:
-            raise ValueError(f"issue_early={self.issue_early!r} takes dq_first=True (dQ_i's product after the barrier)")
         if self.store_tma and (self.variant.varlen or self.store_quads):
             raise ValueError("store_tma=True takes neither packed sequences (a box would write the next "
                              "sequence's rows) nor store_quads=True (another store of the same rows)")
@@ -1118,10 +1105,6 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     KEY_STEPS = (BN if DQ_ALL_KEYS else KEYS) // 16  # k16 steps of dQ: all keys, or the consumer's
     DQ_CHUNKS = 1 if DQ_BY_COLUMNS else CHUNKS  # 64-column chunks of dQ a consumer adds
     DQ_FIRST = config.dq_first  # dQ_i's product ahead of dV's and dK's, its reductions under them
-    DV_AHEAD = config.issue_early == "dv-p"  # ... dV's issued before dS^T is made, once P^T is packed
-    DV_STORES = config.issue_early in ("dv", "dv-dk")  # ... dV's before dS^T's stores
-    DKV_EARLY = config.issue_early == "dv-dk"  # ... and dK's
-    DV_EARLY = DV_AHEAD or DV_STORES
     # dQ columns per product: a consumer's half of headdim with "columns" (32 at headdim 64, 64 at
     # 128), else a 64-column chunk; the half's first byte in a row of K's tile: 64 bytes into the one
     # chunk at headdim 64 (the 128B swizzle is of the address, so a descriptor may start mid-row),
@@ -1410,32 +1393,12 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 else:
                     probabilities_t(s, dp, smem, stats, key_row0, q_start, seqlen_q, seqlen_k, params, head_ctx,
                                     scale_log2, units, q4, False, drop_word)
-                if DV_AHEAD:  # dV += P^T dO_i now, under dS^T's making, stores and barrier
-                    pack_a(s, p)
-                    p_regs = fence_operands(registers_from(p, P_REGS))
-                    acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
-                    wgmma_fence()  # P^T's and dV's registers are ordered before wgmma
-                    acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024,
-                                                                            SWIZZLE_128B))
                 if not FUSED:
-                    wgmma_wait(1 if DV_AHEAD else 0)  # dP^T has landed (dV's product may still run)
+                    wgmma_wait(0)  # dP^T has landed
                     registers_to(dp, fence_operands(acc_dp))
                     score_gradients_t(s, dp, smem, stats, q4)
-                if not DV_AHEAD:
-                    pack_a(s, p)
+                pack_a(s, p)
                 pack_a(dp, ds)
-                if DV_STORES:  # dV += P^T dO_i (and dK += dS^T Q_i) now, under dS^T's stores and barrier
-                    p_regs = fence_operands(registers_from(p, P_REGS))
-                    acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
-                    if DKV_EARLY:
-                        ds_regs = fence_operands(registers_from(ds, P_REGS))
-                        acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
-                    wgmma_fence()  # P^T's, dS^T's and the accumulators' registers are ordered before wgmma
-                    acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024,
-                                                                            SWIZZLE_128B))
-                    if DKV_EARLY:
-                        acc_dk = issue_keys_acc(acc_dk, ds_regs, smem_descriptor(q_slot, Q_CHUNK_BYTES, 1024,
-                                                                                 SWIZZLE_128B))
                 # dS^T into the tile of this step's parity: the other may still be read by the last
                 # step's dQ in another warp; every warp is past that once the barrier below is passed
                 ds_tile = ds_pair + uint32((i % 2) * DS_BYTES)
@@ -1445,13 +1408,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                     store_ds_t(smem, (ds_tile - smem_start) // uint32(4), ds, warp, g, q4)
                     fence_proxy_async()  # the dS^T stores are ordered before wgmma reads them
 
-                # dV += P^T dO_i and dK += dS^T Q_i (unless issued above)
-                if not DV_EARLY:
-                    p_regs = fence_operands(registers_from(p, P_REGS))
-                    acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
-                if not DKV_EARLY:
-                    ds_regs = fence_operands(registers_from(ds, P_REGS))
-                    acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
+                # dV += P^T dO_i and dK += dS^T Q_i
+                p_regs = fence_operands(registers_from(p, P_REGS))
+                ds_regs = fence_operands(registers_from(ds, P_REGS))
+                acc_dv = fence_operands(registers_from(dv_acc, ACC_REGS))
+                acc_dk = fence_operands(registers_from(dk_acc, ACC_REGS))
                 if DQ_ALL_KEYS:
                     named_barrier_sync(1, CONSUMERS * GROUP)  # both consumers' dS^T is stored
                 elif not NO_DQ:
@@ -1461,25 +1422,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 wgmma_fence()  # P^T's, dS^T's and the accumulators' registers are ordered before wgmma
                 if DQ_FIRST:  # dQ_i = dS K over all block_n keys, the consumer's half of headdim, first
                     acc_q = issue_dq(acc_q, all_keys_ds(ds_tiles, i), half_k(k_tile, consumer))
-                if DKV_EARLY:  # dV's and dK's products have landed: the slot is free while dQ_i's runs
-                    wgmma_wait(1)
-                    registers_to(dv_acc, fence_operands(acc_dv))
-                    registers_to(dk_acc, fence_operands(acc_dk))
-                    mbarrier_arrive(qd_empty + uint32(8 * slot))  # this thread is done with the slot
-                    wgmma_wait(0)
-                    registers_to(dq_acc, fence_operands(acc_q))
-                    if STAGED_DQ:
-                        stage_dq(dq_stage, dq_acc, dq_full, dq_empty, i, 16 * warp + g, DQ_COLS * consumer, q4)
-                    else:
-                        add_dq_columns(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h,
-                                       q_row0 + seqlen_q, q4, consumer)
-                    continue
-                if not DV_EARLY:
-                    acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024,
-                                                                            SWIZZLE_128B))
+                acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
                 acc_dk = issue_keys_acc(acc_dk, ds_regs, smem_descriptor(q_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
                 if DQ_FIRST:  # dQ_i's reductions while the tensor cores run dV's and dK's products
-                    wgmma_wait(1 if DV_EARLY else 2)  # dQ_i has landed (commit groups complete in order)
+                    wgmma_wait(2)  # dQ_i has landed (commit groups complete in order)
                     registers_to(dq_acc, fence_operands(acc_q))
                     if STAGED_DQ:  # into shared memory, for the producer's stats warp
                         stage_dq(dq_stage, dq_acc, dq_full, dq_empty, i, 16 * warp + g, DQ_COLS * consumer, q4)
