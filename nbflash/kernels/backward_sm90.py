@@ -1235,21 +1235,17 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 
     @inline_device
     @unroll
-    def store_ds_t(smem, ds_word, packed, warp, g, q4):
+    def store_ds_t(ds_tile, packed, warp, g, q4):
         """The thread's packed dS^T (rows 16 warp + g and + 8, query columns 8 c + 2 q4, + 1) into the
-        consumer's dS^T tile: rows of 128 bytes, 16-byte unit c stored at c ^ (row % 8) (the swizzle
-        TMA writes and wgmma reads; row % 8 = g). ``ds_word`` is the tile's smem index. With a block
-        mask the row's word and the swizzle are made opaque each step: else LLVM makes the eight
-        store offsets once before the loop, and beside the mask's step words ptxas spills them."""
-        if BLOCK_MASK:
-            row_word, swizzle = fence_operands((uint32(ds_word + (16 * warp + g) * (ROW_BYTES // 4) + q4),
-                                                uint32(4 * g)))
-            for i in static_range(P_REGS):
-                smem[row_word + uint32(8 * (i % 2) * (ROW_BYTES // 4)) + (uint32(4 * (i // 2)) ^ swizzle)] = packed[i]
-        else:
-            for i in static_range(P_REGS):
-                row = 16 * warp + g + 8 * (i % 2)
-                smem[ds_word + row * (ROW_BYTES // 4) + (((i // 2) ^ g) * 4) + q4] = packed[i]
+        consumer's dS^T tile at shared address ``ds_tile``: rows of 128 bytes, 16-byte unit c stored
+        at c ^ (row % 8) (the swizzle TMA writes and wgmma reads; row % 8 = g). A row starts on 128
+        bytes of the tile, so the unit is bits 4-6 of the offset in it: the thread's first word is
+        unit g of its row (c = 0), unit c ^ g is that offset with bits 4-6 XORed by c, and the row 8
+        on is 1024 bytes further. So one XOR a unit and the stores' own offsets (through an index
+        into the smem array, each word's signed 64-bit index took five more instructions)."""
+        first = uint32((16 * warp + g) * ROW_BYTES + 16 * g + 4 * q4)
+        for i in static_range(P_REGS):
+            store_shared_u32(ds_tile + ((first ^ uint32(16 * (i // 2))) + uint32(8 * ROW_BYTES * (i % 2))), packed[i])
 
     # -----------------------------------------------------------------------------------------------
     # The kernel
@@ -1405,7 +1401,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 if DQ_ALL_KEYS:  # a parity's tiles hold dS^T of all block_n keys, rows in order
                     ds_tile = ds_tiles + uint32(((i % 2) * CONSUMERS + consumer) * DS_TILE)
                 if not NO_DQ:
-                    store_ds_t(smem, (ds_tile - smem_start) // uint32(4), ds, warp, g, q4)
+                    store_ds_t(ds_tile, ds, warp, g, q4)
                     fence_proxy_async()  # the dS^T stores are ordered before wgmma reads them
 
                 # dV += P^T dO_i and dK += dS^T Q_i
