@@ -321,10 +321,10 @@ _BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)\s*$")
 
 
 def loop_local_accesses(cubin, cuobjdump):
-    """(wgmmas, instructions, local loads and stores) of the loop that holds the most HGMMAs: the
-    strongly connected component of the SASS control-flow graph whose blocks hold them (None
-    without wgmma). Spills outside the loop (values kept for the epilogue) cost once per
-    block; these cost every step."""
+    """(wgmmas, instructions, local loads and stores, signed-index wraps: ``signed_index_wraps``) of
+    the loop that holds the most HGMMAs: the strongly connected component of the SASS control-flow
+    graph whose blocks hold them (None without wgmma). Spills outside the loop (values kept for
+    the epilogue) cost once per block; these cost every step."""
     sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
     code = [(int(m.group(1), 16), m.group(2).strip()) for m in _SASS_LINE.finditer(sass)]
     at = {address: i for i, (address, _) in enumerate(code)}
@@ -385,7 +385,24 @@ def loop_local_accesses(cubin, cuobjdump):
     loop = max(hgmma, key=hgmma.count)  # a pipelined loop's prologue issues some wgmmas outside it
     body = [text for i, (_, text) in enumerate(code) if component[block[i]] == loop]
     return (sum("HGMMA" in t for t in body), len(body),
-            sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in body))
+            sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in body), signed_index_wraps(body))
+
+
+def signed_index_wraps(body):
+    """How many array indices in ``body`` (SASS texts) are wrapped as Python indices: Numba indexes
+    an array with a signed 64-bit index as ``i + (len if i < 0 else 0)``, which ptxas assembles as
+    a sign shift (SHF.R.S32.HI r, RZ, 0x1f), an AND of it with the length (a uniform register or a
+    constant), and an add: five instructions an access with the 64-bit address. An unsigned index,
+    or a shared address (store_shared_u32), has none."""
+    signs, wraps = set(), 0
+    for text in body:
+        m = re.search(r"SHF\.R\.S32\.HI (R\d+), RZ, 0x1f", text)
+        if m:
+            signs.add(m.group(1))
+        m = re.search(r"LOP3\.LUT (R\d+), (R\d+), (UR\d+|c\[[^]]+\]\[[^]]+\]), RZ, 0xc0", text)
+        if m and m.group(2) in signs:
+            wraps += 1
+    return wraps
 
 
 def main():
@@ -423,7 +440,8 @@ def main():
         counts = ok and args.loop_spills and loop_local_accesses(os.path.join(out_dir, f"{name}.cubin"),
                                                                  cuda_tool("cuobjdump"))
         if counts:
-            print("     its loop: {} HGMMA, {} instructions, {} local loads/stores".format(*counts), flush=True)
+            print("     its loop: {} HGMMA, {} instructions, {} local loads/stores, {} signed-index wraps".format(
+                *counts), flush=True)
     print(f"{failed} failed" if failed else "all kernels compiled for sm_90a and assembled")
     sys.exit(1 if failed else 0)
 

@@ -574,6 +574,26 @@ def test_columns_hd64_assembles_without_serialized_wgmma():
         assert re.search(rf"^ok   {name}: \d+ registers, 0 bytes spilled$", run.stdout, re.M), run.stdout
 
 
+@pytest.mark.skipif(not _offline_toolchain(),
+                    reason="needs ptxas, cuobjdump and Numba's offline compilers (NVVM, NVRTC)")
+def test_planned_hd128_loop_has_no_signed_index_wraps():
+    """The planned hd 128 kernel's loop, plain and causal (ptxas, offline): no local access in the
+    plain one, and no array index wrapped as a signed Python index in either (docs/perf-notes.md
+    step 59: dS^T's 16 stores a step each took five more instructions that way)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    names = ["backward_sm90_dq_tiles_plain_hd128", "backward_sm90_dq_tiles_causal_hd128"]
+    run = subprocess.run([sys.executable, os.path.join(root, "scripts", "check_sm90_ptx.py"), "--backward",
+                          "--loop-spills", "--only", *names], capture_output=True, text=True, cwd=root, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    loops = re.findall(r"its loop: 32 HGMMA, \d+ instructions, (\d+) local loads/stores, (\d+) signed-index wraps",
+                       run.stdout)
+    assert len(loops) == 2 and loops[0] == ("0", "0") and loops[1][1] == "0", run.stdout
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sm90_backward_table", [(2, "steps"), (3, "steps")], indirect=True, ids=["steps", "3stages-steps"])
 @pytest.mark.parametrize("headdim", [64, 128])
