@@ -263,6 +263,10 @@ if SIMULATOR:
             for i, x in enumerate(values):
                 floats[i] = np.float32(floats[i]) + np.float32(x)
 
+    def red_add_f32(address, a):
+        """Add ``a`` to the float32 at a global address (see global_address), atomically."""
+        _red_add_f32(address, (a,))
+
     def red_add_f32x2(address, a, b):
         """Add ``a`` and ``b`` to the two float32 at a global address (see global_address),
         atomically; the address must be 8-byte aligned."""
@@ -499,6 +503,20 @@ else:
 
         def codegen(context, builder, signature, args):
             return _asm(builder, _f32, list(args), "ld.global.cg.f32 $0, [$1];", "=f,l,~{memory}", side_effect=True)
+
+        return sig, codegen
+
+    @intrinsic
+    def red_add_f32(typingctx, address, a):
+        """Add ``a`` to the float32 at a global address (see global_address), atomically, the result
+        unread (red.global.add.f32). By address: ``cuda.atomic.add(x, (i0, i1, i2, i3), a)`` wraps
+        each signed index as Python does (a sign shift, an AND and an add apiece)."""
+        sig = types.void(types.int64, types.float32)
+
+        def codegen(context, builder, signature, args):
+            _asm(builder, ir.VoidType(), list(args), "red.global.add.f32 [$0], $1;", "l,f,~{memory}",
+                 side_effect=True)
+            return context.get_dummy_value()
 
         return sig, codegen
 

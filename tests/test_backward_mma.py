@@ -110,6 +110,21 @@ def test_backward_mma_several_tiles(rng, xp, small_blocks, shape, dtype, causal,
     run_mma(rng, xp, *shape, dtype, causal, deterministic)
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
+@pytest.mark.parametrize("shape", [(1, 13, 29, 2, 1, 16), (1, 29, 37, 1, 1, 40)], ids=["hd16", "hd40"])
+def test_backward_mma_sm80_reductions(rng, xp, monkeypatch, shape):
+    """Compute capability 8.x (the simulator plans as 9.0): dQ's reductions one float32 at a time,
+    by address (red_add_f32), in the dQ step split by rows (headdims 16 and 40: 8-column tiles that
+    do not pair up across four warps; 40 padded to 48, its last tile's columns past 40 not added),
+    causal, atomic."""
+    monkeypatch.setattr(configs, "_compute_capability", lambda device: (8, 0))
+    backward._kernels.cache_clear()
+    try:
+        run_mma(rng, xp, *shape, "float16", True, False)
+    finally:
+        backward._kernels.cache_clear()
+
+
 def test_backward_mma_rows_without_keys(rng, xp):
     """seqlen_q > seqlen_k, causal: the first rows see nothing: dq = 0 there, and no NaN anywhere."""
     dq, dk, dv = run_mma(rng, xp, 1, 12, 4, 2, 1, 8, "float16", True)

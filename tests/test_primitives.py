@@ -171,7 +171,15 @@ def test_cp_async():
     check_cp_async(np.random.default_rng(2))
 
 
-# --- red.global.add.v2.f32 ----------------------------------------------------------------------------
+# --- red.global.add.f32 and its v2, v4 forms ---------------------------------------------------------
+
+@cuda.jit
+def _red1_kernel(acc, coords, values):
+    # Lane i adds values[i, 0] to acc[coords[i]]; lanes collide.
+    lane = cuda.threadIdx.x
+    address = P.global_address(acc, coords[lane, 0], coords[lane, 1], coords[lane, 2], coords[lane, 3])
+    P.red_add_f32(address, values[lane, 0])
+
 
 @cuda.jit
 def _red_kernel(acc, coords, values):
@@ -190,7 +198,8 @@ def _red4_kernel(acc, coords, values):
 
 
 def check_red(rng, width=2):
-    """32 lanes' vector reductions of ``width`` float32 (2: _red_kernel, 4: _red4_kernel), colliding."""
+    """32 lanes' reductions of ``width`` float32 (1: _red1_kernel, 2: _red_kernel, 4: _red4_kernel),
+    colliding."""
     acc = rng.integers(-8, 8, (2, 3, 2, 8)).astype(np.float32)
     coords = np.stack([rng.integers(0, 2, 32), rng.integers(0, 3, 32), rng.integers(0, 2, 32),
                        width * rng.integers(0, 8 // width, 32)], axis=1).astype(np.int64)
@@ -198,8 +207,12 @@ def check_red(rng, width=2):
     expected = acc.copy()
     for (b, s, h, d), vector in zip(coords, values):
         expected[b, s, h, d:d + width] += vector
-    (_red_kernel if width == 2 else _red4_kernel)[1, 32](acc, coords, values)
+    {1: _red1_kernel, 2: _red_kernel, 4: _red4_kernel}[width][1, 32](acc, coords, values)
     np.testing.assert_array_equal(acc, expected)
+
+
+def test_red_add_f32():
+    check_red(np.random.default_rng(4), 1)
 
 
 def test_red_add_f32x2():
@@ -407,6 +420,7 @@ def test_intrinsics_match_layouts_on_gpu():
         for transpose in (False, True):
             check_ldmatrix(transpose, rng)
         check_cp_async(rng)
+        check_red(rng, 1)
         check_red(rng)
         if cuda.get_current_device().compute_capability >= (9, 0):  # red.v4.f32: sm_90
             check_red(rng, 4)

@@ -97,6 +97,7 @@ from nbflash.primitives import (
     mma_f16,
     pack_bf16x2,
     pack_f16x2,
+    red_add_f32,
     red_add_f32x2,
     shared_address,
     static_range,
@@ -480,17 +481,17 @@ def build_backward_mma(config: MmaBackwardConfig):
         for r in static_range(2):
             row = row0 + g + 8 * r
             if row < seqlen_q:
+                row_address = global_address(dq_accum, b, row, h, 0)
                 if VECTOR_DQ:
-                    row_address = global_address(dq_accum, b, row, h, 0)
                     for dt in static_range(DT):
                         if dt * 8 < HD:  # headdim % 8 == 0: the whole 8-column tile is inside
                             red_add_f32x2(row_address + (dt * 8 + 2 * t) * 4, acc[dt, 2 * r], acc[dt, 2 * r + 1])
-                else:
+                else:  # by address: atomic.add's signed indices cost a wrap apiece (perf-notes step 59)
                     for dt in static_range(DT):
                         for e in static_range(2):
                             col = dt * 8 + 2 * t + e
                             if col < HD:
-                                cuda.atomic.add(dq_accum, (b, row, h, col), acc[dt, 2 * r + e])
+                                red_add_f32(row_address + col * 4, acc[dt, 2 * r + e])
 
     # The dQ step split by columns: warp w adds dQ_i[:, DT_WARP 8-column tiles of its own] for all
     # BM query rows, so each warp reads only its quarter of K_j's fragments (and keeps a k-step's in
@@ -536,8 +537,8 @@ def build_backward_mma(config: MmaBackwardConfig):
             for r in static_range(2):
                 row = q_start + m * 16 + g + 8 * r
                 if row < seqlen_q:
+                    row_address = global_address(dq_accum, b, row, h, 0)
                     if VECTOR_DQ:
-                        row_address = global_address(dq_accum, b, row, h, 0)
                         for dt in static_range(DT_WARP):
                             if col0 + dt * 8 < HD:  # headdim % 8 == 0: the whole tile is inside
                                 red_add_f32x2(row_address + (col0 + dt * 8 + 2 * t) * 4, acc[m, dt, 2 * r],
@@ -547,7 +548,7 @@ def build_backward_mma(config: MmaBackwardConfig):
                             for e in static_range(2):
                                 col = col0 + dt * 8 + 2 * t + e
                                 if col < HD:
-                                    cuda.atomic.add(dq_accum, (b, row, h, col), acc[m, dt, 2 * r + e])
+                                    red_add_f32(row_address + col * 4, acc[m, dt, 2 * r + e])
 
     @inline_device
     def step_class(params, b, hk, group, first_tile, tiles_per_head, n_block, step):
