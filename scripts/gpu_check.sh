@@ -55,6 +55,13 @@
 #                                docs/runs/gpu-suite-2026-12-06-{headdims,defaults,pair}.txt report
 #                                (NBFLASH_RESUME_LOGS; TESTS overrides the files), stopped after SECONDS
 #                                (default 400)
+#   scripts/gpu_check.sh wraps [SECONDS]
+#                                backward_sm90.py's dS^T stores by shared address (perf-notes step 59):
+#                                the GPU grids of its planned kernels (202 tests), after a prebuild,
+#                                stopped after SECONDS (default 400)
+#   scripts/gpu_check.sh wraps-time
+#                                step 59 timed: the backward at hd 128 in this tree and in the tree
+#                                before it (AB_BASE, as for stores), alternating, twice; about 5 minutes
 #   scripts/gpu_check.sh options hd 128's planned dK/dV kernel (dQ tile-major) with dK and dV by
 #                                TMA stores and with a third ring stage (perf-notes steps 57 and 52),
 #                                each timed against the planned kernel three times, about 5 minutes
@@ -343,6 +350,33 @@ stores)
         echo "$run (exit $?):"; tail -13 "$out/stores_${run/:/_}.log"
     done
     ;;
+wraps)
+    # docs/perf-notes.md, step 59: backward_sm90.py's dS^T stored by shared address (no signed-index
+    # wraps), in every kernel of that file: their GPU grids (the planned kernels at headdims 64-128,
+    # every score variant, the producer's dropout bits), after a prebuild of the sm90 family
+    timeout 100 python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 bfloat16 --families sm90 \
+        > "$out/prebuild.log" 2>&1
+    echo "prebuild (exit $?): $(tail -1 "$out/prebuild.log")"
+    grid wraps_tests "${2:-400}" tests/test_backward_sm90.py \
+        -k "(test_backward_sm90_gpu and not matches) or test_backward_sm90_variants_gpu or staged_dropout_gpu"
+    ;;
+wraps-time)
+    # step 59 timed: the backward at hd 128 (and the forward as a control) in this tree and in the tree
+    # before it (AB_BASE, default .ab/base.tar: `git archive -o .ab/base.tar <the commit before step
+    # 59>` in the working tree), base and new alternating, twice; each tree its own kernel cache
+    base=${AB_BASE:-.ab/base.tar}
+    [ -f "$base" ] || { echo "no $base: git archive -o $base <the commit before step 59>, in the working tree"; exit 2; }
+    rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar -xf "$base" -C /tmp/ab_base
+    for run in base:1 new:1 base:2 new:2; do
+        tree=$PWD; [ "${run%:*}" = new ] || tree=/tmp/ab_base
+        path=${PYTHONPATH/$PWD/$tree}  # this tree's nbflash first
+        cache=/tmp/ab_cache_base; [ "${run%:*}" = base ] || cache=${NBFLASH_CACHE_DIR:-/tmp/ab_cache_new}
+        (cd "$tree" && PYTHONPATH=$path NBFLASH_CACHE_DIR=$cache timeout 130 \
+            python3 scripts/bench.py --pass backward --families default --headdims 128 --seqlens 4096 16384 \
+            --dtypes float16 --variants plain causal --no-naive --no-torch --budget 0.3) > "$out/wraps_${run/:/_}.log" 2>&1
+        echo "$run (exit $?):"; tail -6 "$out/wraps_${run/:/_}.log"
+    done
+    ;;
 options)
     # docs/perf-notes.md, steps 57 and 52: hd 128's planned kernel with dK and dV through K's and V's
     # tiles and TMA stores, and with a third ring stage, both mixed so far on the H100 (step 57 in
@@ -562,7 +596,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
     exit 2
     ;;
 esac
