@@ -84,14 +84,16 @@ TOPICS = [
         dQ_i += dS K needs dS with queries as rows (wgmma's M), but the registers hold dS^T. Each
         thread stores its packed dS^T pairs into a 64 x 64 tile of 128-byte rows, one row per key,
         with the 128-byte swizzle (16-byte chunk c of row r goes to chunk c ^ (r % 8), which also
-        spreads a warp's 32 stores over the 32 banks). Read with an MN-major descriptor that image
+        spreads a warp's 32 stores over the 32 banks). A row starts on 128 bytes, so the chunk is
+        bits 4-6 of the byte offset: the kernel makes the thread's chunk-0 offset once (chunk r % 8)
+        and XORs 16 c into it for chunk c, by shared address. Read with an MN-major descriptor that image
         IS dS (M = queries contiguous, K = keys), and wgmma's A-transpose flag takes it: the
         primitive's trans_a. The stores are generic-proxy writes and wgmma reads through the async
         proxy: fence.proxy.async, then a named barrier over the warpgroup, then the wgmma. Two such
         tiles alternate by step parity, so a warp's next stores never land under another warp's
         still-running read: every warp is past the last step's dQ once it passes this step's
         barrier.""",
-     [(KERNEL, "store_ds_t", "^ g) * 4)", 0, "the swizzled store of packed dS^T pairs"),
+     [(KERNEL, "store_ds_t", "first ^ uint32(16 * (i // 2))", 0, "the swizzled store of packed dS^T pairs"),
       (KERNEL, BODY, "fence_proxy_async()", 0, "generic stores ordered before the async proxy's reads"),
       (KERNEL, BODY, "named_barrier_sync(1 + consumer, GROUP)", 0, "the warpgroup's dS^T is stored"),
       (KERNEL, "build_backward_sm90", "wgmma_dq = make_wgmma_ss(DQ_COLS, AB, 1, 1)", 0, "dQ: A transposed, B MN-major"),
@@ -164,16 +166,17 @@ def config_facts(config, problem):
 
 
 def store_and_read_meet():
-    """Every element (key, query) of a 64 x 64 dS^T tile: the byte the store (store_ds_t's
-    formula: row key, 16-byte chunk (query // 8) ^ (key % 8), 4 bytes per packed pair) writes equals
-    the byte an MN-major, 128-byte-swizzled A operand reads for dS[query, key] (M = query
-    contiguous in 128-byte rows, one row per k = key: the layout primitives_sm90's emulation
-    decodes)."""
+    """Every element (key, query) of a 64 x 64 dS^T tile: the byte the store writes (row key,
+    16-byte chunk (query // 8) ^ (key % 8), 4 bytes per packed pair; store_ds_t makes it as the
+    chunk-0 offset, chunk key % 8, XORed by 16 (query // 8)) equals the byte an MN-major,
+    128-byte-swizzled A operand reads for dS[query, key] (M = query contiguous in 128-byte rows,
+    one row per k = key: the layout primitives_sm90's emulation decodes)."""
     key, query = np.meshgrid(np.arange(64), np.arange(64), indexing="ij")
     stored = key * 128 + ((query // 8) ^ (key % 8)) * 16 + (query % 8) * 2
+    first = key * 128 + 16 * (key % 8) + (query % 8) * 2  # store_ds_t's chunk-0 offset (and the byte in it)
     unswizzled = (key // 8) * 1024 + (key % 8) * 128 + query * 2  # SBO 1024: 8 key rows per 1024 bytes
     read = unswizzled ^ (((unswizzled >> 7) & 7) << 4)
-    return bool(np.array_equal(stored, read))
+    return bool(np.array_equal(stored, read) and np.array_equal(first ^ (16 * (query // 8)), stored))
 
 
 def _host(x):
