@@ -57,7 +57,8 @@
 #                                (default 400)
 #   scripts/gpu_check.sh wraps [SECONDS]
 #                                backward_sm90.py's dS^T stores by shared address (perf-notes step 59):
-#                                the GPU grids of its planned kernels (202 tests), after a prebuild,
+#                                the GPU grids of its planned kernels (202 tests) and the decode
+#                                kernel's, after a prebuild,
 #                                stopped after SECONDS (default 400)
 #   scripts/gpu_check.sh wraps-time
 #                                step 59 timed: the backward at hd 128 in this tree and in the tree
@@ -353,12 +354,13 @@ stores)
 wraps)
     # docs/perf-notes.md, step 59: backward_sm90.py's dS^T stored by shared address (no signed-index
     # wraps), in every kernel of that file: their GPU grids (the planned kernels at headdims 64-128,
-    # every score variant, the producer's dropout bits), after a prebuild of the sm90 family
+    # every score variant, the producer's dropout bits), and the decode kernel's (its paged loop's
+    # batch index made unsigned the same session), after a prebuild of the sm90 family
     timeout 100 python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 bfloat16 --families sm90 \
         > "$out/prebuild.log" 2>&1
     echo "prebuild (exit $?): $(tail -1 "$out/prebuild.log")"
-    grid wraps_tests "${2:-400}" tests/test_backward_sm90.py \
-        -k "(test_backward_sm90_gpu and not matches) or test_backward_sm90_variants_gpu or staged_dropout_gpu"
+    grid wraps_tests "${2:-400}" tests/test_backward_sm90.py tests/test_kvcache.py \
+        -k "(test_backward_sm90_gpu and not matches) or test_backward_sm90_variants_gpu or staged_dropout_gpu or test_gpu_decode"
     ;;
 wraps-time)
     # step 59 timed: the backward at hd 128 (and the forward as a control) in this tree and in the tree
