@@ -389,11 +389,12 @@ def loop_local_accesses(cubin, cuobjdump):
 
 
 def signed_index_wraps(body):
-    """How many array indices in ``body`` (SASS texts) are wrapped as Python indices: Numba indexes
-    an array with a signed 64-bit index as ``i + (len if i < 0 else 0)``, which ptxas assembles as
-    a sign shift (SHF.R.S32.HI r, RZ, 0x1f), an AND of it with the length (a uniform register or a
-    constant), and an add: five instructions an access with the 64-bit address. An unsigned index,
-    or a shared address (store_shared_u32), has none."""
+    """How many ANDs in ``body`` (SASS texts) wrap an array index as Python's: Numba indexes an
+    array with a signed index as ``i + (len if i < 0 else 0)``, which ptxas assembles as a sign
+    shift (SHF.R.S32.HI r, RZ, 0x1f), an AND of it with the length (a uniform register or a
+    constant) and an add, for each 32-bit half the index needs (so one AND a wrapped index, or two
+    where both halves are kept). An unsigned index, or a shared address (store_shared_u32), has
+    none."""
     signs, wraps = set(), 0
     for text in body:
         m = re.search(r"SHF\.R\.S32\.HI (R\d+), RZ, 0x1f", text)

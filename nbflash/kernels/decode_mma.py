@@ -258,7 +258,7 @@ def build_decode_mma(config: MmaDecodeConfig):
         stalling them. The lane's keys are ROWS_PER_ROUND apart: one division (the page size is a
         runtime value) for the first, then the row steps on and carries into the next page."""
         page_size = uint32(k_cache.shape[1])
-        b = uint32(b)  # unsigned: a signed index is wrapped as Python's, three instructions a lookup
+        b = uint32(b)  # unsigned: a signed index is wrapped as Python's at every lookup
         r0 = (cuda.threadIdx.x % 32) // CHUNK_SLOTS
         position = uint32(start + n_start + r0)
         index = position // page_size  # the sequence's page holding the lane's first key ...
