@@ -61,8 +61,10 @@
 #                                kernel's, after a prebuild,
 #                                stopped after SECONDS (default 400)
 #   scripts/gpu_check.sh wraps-time
-#                                step 59 timed: the backward at hd 128 in this tree and in the tree
-#                                before it (AB_BASE, as for stores), alternating, twice; about 5 minutes
+#                                step 59 timed: the backward at hd 128 (HEADDIMS) in this tree and in
+#                                the tree before it (AB_BASE, as for stores), and in AB_MID's where
+#                                given (step 60 apart), alternating, twice; about 5 minutes (8 with
+#                                AB_MID)
 #   scripts/gpu_check.sh options hd 128's planned dK/dV kernel (dQ tile-major) with dK and dV by
 #                                TMA stores and with a third ring stage (perf-notes steps 57 and 52),
 #                                each timed against the planned kernel three times, about 5 minutes
@@ -365,18 +367,30 @@ wraps)
 wraps-time)
     # step 59 timed: the backward at hd 128 (and the forward as a control) in this tree and in the tree
     # before it (AB_BASE, default .ab/base.tar: `git archive -o .ab/base.tar <the commit before step
-    # 59>` in the working tree), base and new alternating, twice; each tree its own kernel cache
-    base=${AB_BASE:-.ab/base.tar}
+    # 59>` in the working tree), and in a third tree between them where AB_MID names one (step 60
+    # apart from step 59: .ab/mid.tar, the commit before step 60), alternating, twice; each tree its
+    # own kernel cache
+    base=${AB_BASE:-.ab/base.tar} mid=${AB_MID:-}
     [ -f "$base" ] || { echo "no $base: git archive -o $base <the commit before step 59>, in the working tree"; exit 2; }
-    rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar -xf "$base" -C /tmp/ab_base
-    for run in base:1 new:1 base:2 new:2; do
-        tree=$PWD; [ "${run%:*}" = new ] || tree=/tmp/ab_base
+    [ -z "$mid" ] || [ -f "$mid" ] || { echo "no $mid"; exit 2; }
+    rm -rf /tmp/ab_base /tmp/ab_mid && mkdir -p /tmp/ab_base && tar -xf "$base" -C /tmp/ab_base
+    runs="base:1 new:1 base:2 new:2"
+    if [ -n "$mid" ]; then
+        mkdir -p /tmp/ab_mid && tar -xf "$mid" -C /tmp/ab_mid
+        runs="base:1 mid:1 new:1 base:2 mid:2 new:2"
+    fi
+    for run in $runs; do
+        tree=$PWD cache=${NBFLASH_CACHE_DIR:-/tmp/ab_cache_new}
+        case ${run%:*} in
+            base) tree=/tmp/ab_base cache=/tmp/ab_cache_base ;;
+            mid) tree=/tmp/ab_mid cache=/tmp/ab_cache_mid ;;
+        esac
         path=${PYTHONPATH/$PWD/$tree}  # this tree's nbflash first
-        cache=/tmp/ab_cache_base; [ "${run%:*}" = base ] || cache=${NBFLASH_CACHE_DIR:-/tmp/ab_cache_new}
         (cd "$tree" && PYTHONPATH=$path NBFLASH_CACHE_DIR=$cache timeout 130 \
-            python3 scripts/bench.py --pass backward --families default --headdims 128 --seqlens 4096 16384 \
-            --dtypes float16 --variants plain causal --no-naive --no-torch --budget 0.3) > "$out/wraps_${run/:/_}.log" 2>&1
-        echo "$run (exit $?):"; tail -6 "$out/wraps_${run/:/_}.log"
+            python3 scripts/bench.py --pass backward --families default --headdims ${HEADDIMS:-128} \
+            --seqlens 4096 16384 --dtypes float16 --variants plain causal --no-naive --no-torch --budget 0.3) \
+            > "$out/wraps_${run/:/_}.log" 2>&1
+        echo "$run (exit $?):"; tail -${TAIL:-6} "$out/wraps_${run/:/_}.log"
     done
     ;;
 options)

@@ -201,7 +201,7 @@ class Sm90BackwardBlock:
     sm_90a code, and the checks of the fields they all have."""
 
     arch_suffix = "a"  # wgmma, TMA and setmaxnreg assemble for sm_90a only
-    rotate = False  # query tiles in order (``make_step_tile``); a field where a kernel offers rotating them
+    rotate = False  # query tiles in order (``make_step_pair``); a field where a kernel offers rotating them
 
     @property
     def threads(self):
@@ -326,7 +326,7 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # configs.packed_dq_tiles_fit: "red" then).
     dq_reduce: str = "red"
     # Block n's walk over its query tiles starts n tiles on (mod the tiles it visits), so that the
-    # blocks of a head running together add into different rows of dq_accum (``make_step_tile``;
+    # blocks of a head running together add into different rows of dq_accum (``make_step_pair``;
     # docs/perf-notes.md step 43). Not with a block mask, whose visited pairs are walked in order
     rotate: bool = False
     # dK and dV stored 16 bytes a lane after a transpose across each quad (``make_store_rows``'s
@@ -674,24 +674,28 @@ def make_init_ring(stages, full_arrivals, empty_arrivals):
     return init_ring
 
 
-def make_step_tile(config):
-    """``step_tile(position, first_tile, tiles_per_head, n_block)``: the query tile of a dK/dV block's
-    step at ``position`` of its walk (the query head's is position // tiles_per_head): the visited
-    tiles in order from ``first_tile``, or with ``config.rotate`` (an option of this kernel and of
+def make_step_pair(config):
+    """``step_pair(position, hk, group, first_tile, tiles_per_head, n_block) -> (h, tile)``: the query
+    head and tile of a dK/dV block's step at ``position`` of its walk: query head hk group +
+    position // tiles_per_head, and of its visited tiles the position mod tiles_per_head-th in order
+    from ``first_tile``, or with ``config.rotate`` (an option of this kernel and of
     backward_sm90_rows.py) from tile n_block mod tiles_per_head of them on, so that the blocks of one
     head that run together add into different rows of dq_accum rather than all into the same. The
     producer's copies, the stats warp, its keep-bits warps (``dropout_bits="producer"``) and the
-    consumers all take their step's tile from here."""
+    consumers all take their step's pair from here. The division is unsigned and 32-bit: Python's
+    signed 64-bit one is a few dozen instructions, at each consumer step's head on the way to its
+    wait for the ring."""
     ROTATE = config.rotate
 
     @inline_device
-    def step_tile(position, first_tile, tiles_per_head, n_block):
-        t = position % tiles_per_head
+    def step_pair(position, hk, group, first_tile, tiles_per_head, n_block):
+        n = uint32(tiles_per_head)
+        t = uint32(position) % n
         if ROTATE:
-            t = (t + n_block) % tiles_per_head
-        return first_tile + t
+            t = (t + uint32(n_block)) % n
+        return hk * group + int32(uint32(position) // n), first_tile + int32(t)
 
-    return step_tile
+    return step_pair
 
 
 def make_stage_stats(config, hooks):
@@ -709,7 +713,7 @@ def make_stage_stats(config, hooks):
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
     STAGED_DQ = config.dq_tile_major
     add_staged_dq = make_add_staged_dq(config)
-    step_tile = make_step_tile(config)
+    step_pair = make_step_pair(config)
 
     @inline_device
     @unroll
@@ -739,8 +743,8 @@ def make_stage_stats(config, hooks):
             slot, use = (step0 + i) % STAGES, (step0 + i) // STAGES
             if use > 0:
                 mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
-            h = hk * group + position // tiles_per_head
-            q_start = step_tile(position, first_tile, tiles_per_head, n_block) * BM
+            h, tile = step_pair(position, hk, group, first_tile, tiles_per_head, n_block)
+            q_start = tile * BM
             stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
             # the score features' offset (variants.OFFSET) out of lse, as out of their scores
             offset = float32(0)
@@ -760,7 +764,6 @@ def make_stage_stats(config, hooks):
                 smem[stats + 32 * r + lane] = f32_as_u32(lse_rows[r])
                 smem[stats + BM + 32 * r + lane] = f32_as_u32(d_rows[r])
             if BLOCK_MASK and lane == 0:  # the step for the consumers: pair, head, tile, masked
-                tile = step_tile(position, first_tile, tiles_per_head, n_block)
                 smem[stats + STEP_WORD] = uint32(position)
                 smem[stats + STEP_WORD + 1] = uint32(h)
                 smem[stats + STEP_WORD + 2] = uint32(tile)
@@ -795,7 +798,7 @@ def make_stage_dropout(config, hooks):
     QUADS = CONSUMERS * 32  # lane quads: (consumer, even warp, g // 2, q4)
     warp_visit_query_step, head_context = hooks.warp_visit_query_step, hooks.head_context
     dropout_bits_t_lanes = hooks.dropout_bits_t_lanes
-    step_tile = make_step_tile(config)
+    step_pair = make_step_pair(config)
 
     @inline_device
     @unroll
@@ -809,8 +812,8 @@ def make_stage_dropout(config, hooks):
             slot, use = i % STAGES, i // STAGES
             if use > 0:
                 mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
-            h = hk * group + position // tiles_per_head
-            q_start = step_tile(position, first_tile, tiles_per_head, n_block) * BM
+            h, tile = step_pair(position, hk, group, first_tile, tiles_per_head, n_block)
+            q_start = tile * BM
             head_ctx = head_context(params, b, h)
             words = stats_word0 + uint32(slot * (STATS_BYTES // 4) + DROP_WORD)
             for quad in range(t, QUADS, 64):  # loops, not unrolled: two calls at a time in 40 registers
@@ -925,9 +928,9 @@ def make_issue_keys_by_queries(wgmma, headdim_padded, kv_chunk_bytes, q_chunk_by
     return issue_keys_by_queries
 
 
-def make_consumer_step(hooks, block_m, stages, stats_bytes, step_tile):
+def make_consumer_step(hooks, block_m, stages, stats_bytes, step_pair):
     """``consumer_step(smem, qd_full, stats_word0, params, b, hk, group, n_block, first_tile,
-    tiles_per_head, i, position) -> (position, h, tile, masked)``: a consumer's i-th step, the
+    tiles_per_head, i) -> (h, tile, masked)``: a consumer's i-th step (i unsigned), the
     (query head, query tile) pair it works on. Without a block mask step i is pair i (masked is
     then decided by the caller); with one, the stats warp walked to the pair and left it in the
     slot's stats (word 2 block_m on: pair, query head, query tile, masked), which the consumer reads
@@ -937,23 +940,20 @@ def make_consumer_step(hooks, block_m, stages, stats_bytes, step_tile):
     if BLOCK_MASK:
 
         @inline_device
-        def consumer_step(smem, qd_full, stats_word0, params, b, hk, group, n_block, first_tile, tiles_per_head, i,
-                          position):
-            """Step i's (pair, query head, query tile, masked) as the stats warp left them with the
-            slot (waiting for it: the stats warp arrives after its stores)."""
+        def consumer_step(smem, qd_full, stats_word0, params, b, hk, group, n_block, first_tile, tiles_per_head, i):
+            """Step i's (query head, query tile, masked) as the stats warp left them with the slot
+            (waiting for it: the stats warp arrives after its stores)."""
             step = stats_word0 + uint32((i % stages) * STATS_WORDS) + uint32(STEP_WORD)
             mbarrier_wait(qd_full + uint32(8 * (i % stages)), (i // stages) & 1)
-            return int32(smem[step]), int32(smem[step + 1]), int32(smem[step + 2]), smem[step + 3] != uint32(0)
+            return int32(smem[step + 1]), int32(smem[step + 2]), smem[step + 3] != uint32(0)
 
     else:
 
         @inline_device
-        def consumer_step(smem, qd_full, stats_word0, params, b, hk, group, n_block, first_tile, tiles_per_head, i,
-                          position):
-            """Step i's (pair, query head, query tile, -): pair i."""
-            position = i
-            return (position, hk * group + position // tiles_per_head,
-                    step_tile(position, first_tile, tiles_per_head, n_block), False)
+        def consumer_step(smem, qd_full, stats_word0, params, b, hk, group, n_block, first_tile, tiles_per_head, i):
+            """Step i's (query head, query tile, -): pair i."""
+            h, tile = step_pair(i, hk, group, first_tile, tiles_per_head, n_block)
+            return h, tile, False
 
     return consumer_step
 
@@ -973,7 +973,7 @@ def make_produce_tiles(config, hooks):
     Q_BYTES, KV_BYTES = config.q_bytes, config.kv_bytes
     Q_CHUNK_BYTES, KV_CHUNK_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
     BLOCK_MASK, warp_visit_query_step = hooks.BLOCK_MASK, hooks.warp_visit_query_step
-    step_tile = make_step_tile(config)
+    step_pair = make_step_pair(config)
 
     @inline_device
     @unroll
@@ -1002,8 +1002,8 @@ def make_produce_tiles(config, hooks):
                 if use > 0:  # the consumers have released the slot's previous tiles
                     mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
                 if leader:
-                    h = hk * group + position // tiles_per_head
-                    q_start = step_tile(position, first_tile, tiles_per_head, n_block) * BM
+                    h, tile = step_pair(position, hk, group, first_tile, tiles_per_head, n_block)
+                    q_start = tile * BM
                     full = qd_full + uint32(8 * slot)
                     q_slot = q_ring + uint32(slot * Q_BYTES)
                     do_slot = do_ring + uint32(slot * Q_BYTES)
@@ -1184,7 +1184,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT)
     stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
     stage_dq = make_stage_dq(BM, DQ_COLS)  # with STAGED_DQ, the consumers' half of dQ_i for the stats warp
-    consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES, make_step_tile(config))
+    consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES, make_step_pair(config))
 
     @inline_device
     def issue_scores(s, dp, desc_k, desc_v, qd_full, q_ring, do_ring, slot, use):
@@ -1355,14 +1355,14 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 
             if steps > 0:
                 mbarrier_wait(kv_full, 0)
-            position = -1  # the step's (query head, query tile) pair, in order
-            for i in range(steps):
+            for step in range(steps):
+                i = uint32(step)  # unsigned: i % STAGES and i % 2 are ANDs, not Python's signed modulo
                 if VARLEN:  # the sequence's first query row and lengths, read again each step (L1 hits):
                     # held across the loop, they and what the masks make of them spilled
                     q_first, q_rows, _, k_rows = sequence(params, b, q.shape[1], k.shape[1])
                     q_row0, seqlen_q, seqlen_k = int32(q_first), int32(q_rows), int32(k_rows)
-                position, h, tile, step_masked = consumer_step(smem, qd_full, stats_word0, params, b, hk, group,
-                                                               n_block, first_tile, tiles_per_head, i, position)
+                h, tile, step_masked = consumer_step(smem, qd_full, stats_word0, params, b, hk, group, n_block,
+                                                     first_tile, tiles_per_head, i)
                 slot, use = i % STAGES, i // STAGES
                 head_ctx = head_context(params, b, h)  # (b, h, ALiBi slope): what the variant reads per head
                 units = score_units(params, scale, head_ctx)  # the score features' constants for this head

@@ -121,7 +121,7 @@ from .backward_sm90 import (
     make_pack_a,
     make_stage_dq,
     make_stage_stats,
-    make_step_tile,
+    make_step_pair,
     make_store_rows,
 )
 from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
@@ -174,7 +174,7 @@ class Sm90RowsBackwardConfig(Sm90BackwardBlock):
     issue_early: str = "none"
     # Block n's walk over its query tiles starts n tiles on (mod the tiles it visits), so that the
     # blocks of a head running together add into different rows of dq_accum (backward_sm90.py's
-    # ``make_step_tile``; step 43)
+    # ``make_step_pair``; step 43)
     rotate: bool = False
     # dK and dV stored 16 bytes a lane after a transpose across each quad (backward_sm90.py's
     # ``make_store_rows`` quads; docs/perf-notes.md step 55): planned without a window
@@ -276,7 +276,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
     store_rows = make_store_rows(config.dtype, HD, CHUNK, quads=config.store_quads)  # dK, dV
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
     stage_dq = make_stage_dq(64, CHUNK)  # with STAGED_DQ, a consumer's 64 rows of dQ for the stats warp
-    step_tile = make_step_tile(config)  # step i's query tile (``rotate``)
+    step_pair = make_step_pair(config)  # step i's query head and tile (``rotate``)
 
     @inline_device
     @unroll
@@ -540,8 +540,8 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                             slot, use = (step0 + i) % STAGES, (step0 + i) // STAGES
                             if use > 0:  # the consumers have released the slot's previous tiles
                                 mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
-                            h = hk * group + i // tiles_per_head
-                            q_start = step_tile(i, first_tile, tiles_per_head, n_block) * BM
+                            h, tile = step_pair(i, hk, group, first_tile, tiles_per_head, n_block)
+                            q_start = tile * BM
                             full = qd_full + uint32(8 * slot)
                             mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
                             tma_load_4d(q_ring + uint32(slot * Q_BYTES), q_map, 0, h, q_start, b, full)
@@ -593,7 +593,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
             desc_v_rows = smem_descriptor(v_tile, K_MAJOR[0], K_MAJOR[1], SWIZZLE_128B)
             desc_k_cols = smem_descriptor(k_tile, KV_BYTES, 1024, SWIZZLE_128B)  # dQ's B: keys x headdim
 
-            step0, kv_use = 0, 0  # the block's steps and K/V tiles before this work item's
+            step0, kv_use = uint32(0), 0  # the block's steps and K/V tiles before this work item's
             for work in range(work0, work_end, work_stride):
                 if PERSISTENT:
                     n_block, hk, b, exists = key_tile(work, grid_x, pairs, nheads_k)
@@ -613,10 +613,10 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
 
                 if steps > 0:
                     mbarrier_wait(kv_full + uint32(buffer * KV_FULL_STEP), (kv_use // KV_BUFFERS) & 1)
-                for i in range(steps):
+                for step in range(steps):
+                    i = uint32(step)  # unsigned: i % STAGES is an AND, not Python's signed modulo
                     slot, use = (step0 + i) % STAGES, (step0 + i) // STAGES
-                    h = hk * group + i // tiles_per_head
-                    tile = step_tile(i, first_tile, tiles_per_head, n_block)
+                    h, tile = step_pair(i, hk, group, first_tile, tiles_per_head, n_block)
                     head_ctx = head_context(params, b, h)
                     q_start = tile * BM
                     q_slot = q_ring + uint32(slot * Q_BYTES)
@@ -696,7 +696,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                     if PERSISTENT:  # every product that reads K_j and V_j has landed: the producer may
                         mbarrier_arrive(kv_empty + uint32(8 * buffer))  # load a later tile into them
                     kv_use += 1
-                    step0 += steps
+                    step0 = uint32(step0 + steps)
 
                 # ---- Write dK = dS^T Q * scale and dV (keys no query sees get 0) ----
                 store_rows(dk, dk_acc, b, n_start + key_row, hk, seqlen_k, scale, q4)

@@ -107,7 +107,7 @@ from .backward_sm90 import (
     make_probabilities_t,
     make_produce_tiles,
     make_stage_stats,
-    make_step_tile,
+    make_step_pair,
     make_store_rows,
 )
 from .forward_sm90 import CHUNK, GROUP, ROW_BYTES
@@ -230,7 +230,7 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
     block_rows = make_block_rows(hooks, BN)  # where the block's rows are (packed sequences: its sequence's)
     produce_tiles = make_produce_tiles(config, hooks)  # the producer's warp 0
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
-    consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES, make_step_tile(config))
+    consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES, make_step_pair(config))
     probabilities_t = make_probabilities_t(hooks, BM, handover=True)  # consumer 0's P^T (and fused dS^T)
     SPLIT_TILES, HALF_REGS = config.split_tiles, S_REGS // 2
 
@@ -424,14 +424,14 @@ def build_backward_sm90_wide(config: Sm90WideBackwardConfig):
             full_start, full_end = int32(first_full), int32(end_full)
             if steps > 0:
                 mbarrier_wait(kv_full, 0)
-            position = -1  # the step's (query head, query tile) pair, in order
-            for i in range(steps):
+            for step in range(steps):
+                i = uint32(step)  # unsigned: i % STAGES is an AND, not Python's signed modulo
                 if VARLEN:  # the sequence's first query row and lengths, read again each step (L1 hits):
                     # held across the loop, they and what the masks make of them spill
                     q_first, q_rows, _, k_rows = sequence(params, b, q.shape[1], k.shape[1])
                     q_row0, seqlen_q, seqlen_k = int32(q_first), int32(q_rows), int32(k_rows)
-                position, h, tile, step_masked = consumer_step(smem, qd_full, stats_word0, params, b, hk, group,
-                                                               n_block, first_tile, tiles_per_head, i, position)
+                h, tile, step_masked = consumer_step(smem, qd_full, stats_word0, params, b, hk, group, n_block,
+                                                     first_tile, tiles_per_head, i)
                 slot, use = i % STAGES, i // STAGES
                 q_start = tile * BM
                 q_slot = q_ring + uint32(slot * Q_BYTES)
