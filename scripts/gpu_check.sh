@@ -60,6 +60,11 @@
 #                                the GPU grids of its planned kernels (202 tests) and the decode
 #                                kernel's, after a prebuild,
 #                                stopped after SECONDS (default 400)
+#   scripts/gpu_check.sh walks [SECONDS]
+#                                step 60's GPU grids past those of wraps (178 tests: the rows split's
+#                                persistent and rotated forms, the rotated walk, the wide kernel and
+#                                its variants), after a prebuild of the wide kernel's headdims,
+#                                stopped after SECONDS (default 420)
 #   scripts/gpu_check.sh wraps-time
 #                                step 59 timed: the backward at hd 128 (HEADDIMS) in this tree and in
 #                                the tree before it (AB_BASE, as for stores), and in AB_MID's where
@@ -364,6 +369,16 @@ wraps)
     grid wraps_tests "${2:-400}" tests/test_backward_sm90.py tests/test_kvcache.py \
         -k "(test_backward_sm90_gpu and not matches) or test_backward_sm90_variants_gpu or staged_dropout_gpu or test_gpu_decode"
     ;;
+walks)
+    # docs/perf-notes.md, step 60: each dK/dV step's query head and tile by an unsigned 32-bit
+    # division, in all three sm90 dK/dV kernels; the grids `wraps` leaves: the rows split's
+    # persistent and rotated forms, the rotated walk, the wide kernel (hd 160-256) and its variants
+    timeout 150 python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 bfloat16 --families sm90 \
+        --headdims 160 192 256 > "$out/prebuild_wide.log" 2>&1
+    echo "prebuild (exit $?): $(tail -1 "$out/prebuild_wide.log")"
+    grid walks_tests "${2:-420}" tests/test_backward_sm90.py -k "(test_backward_sm90_rows_gpu and (persistent or \
+rotate)) or test_backward_sm90_wide_gpu or test_backward_sm90_rotate_gpu or test_backward_sm90_wide_variants_gpu"
+    ;;
 wraps-time)
     # step 59 timed: the backward at hd 128 (and the forward as a control) in this tree and in the tree
     # before it (AB_BASE, default .ab/base.tar: `git archive -o .ab/base.tar <the commit before step
@@ -612,7 +627,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
     exit 2
     ;;
 esac
