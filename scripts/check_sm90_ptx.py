@@ -321,10 +321,11 @@ _BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)\s*$")
 
 
 def loop_local_accesses(cubin, cuobjdump):
-    """(wgmmas, instructions, local loads and stores, signed-index wraps: ``signed_index_wraps``) of
-    the loop that holds the most HGMMAs: the strongly connected component of the SASS control-flow
-    graph whose blocks hold them (None without wgmma). Spills outside the loop (values kept for
-    the epilogue) cost once per block; these cost every step."""
+    """(wgmmas, instructions, local loads and stores, signed-index wraps: ``signed_index_wraps``,
+    integer divisions: ``integer_divisions``, calls) of the loop that holds the most HGMMAs: the strongly
+    connected component of the SASS control-flow graph whose blocks hold them (None without wgmma).
+    Spills outside the loop (values kept for the epilogue) cost once per block; these cost every
+    step."""
     sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
     code = [(int(m.group(1), 16), m.group(2).strip()) for m in _SASS_LINE.finditer(sass)]
     at = {address: i for i, (address, _) in enumerate(code)}
@@ -385,7 +386,8 @@ def loop_local_accesses(cubin, cuobjdump):
     loop = max(hgmma, key=hgmma.count)  # a pipelined loop's prologue issues some wgmmas outside it
     body = [text for i, (_, text) in enumerate(code) if component[block[i]] == loop]
     return (sum("HGMMA" in t for t in body), len(body),
-            sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in body), signed_index_wraps(body))
+            sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in body), signed_index_wraps(body), integer_divisions(body),
+            sum(bool(re.search(r"\bCALL\b", t)) for t in body))
 
 
 def signed_index_wraps(body):
@@ -404,6 +406,16 @@ def signed_index_wraps(body):
         if m and m.group(2) in signs:
             wraps += 1
     return wraps
+
+
+def integer_divisions(body):
+    """How many integer divisions (or modulos) by a value known only at run time ``body`` (SASS
+    texts) makes: each starts from a float reciprocal of the divisor (I2F.U32.RP, then MUFU.RCP and a
+    correction: about 15 instructions for 32 unsigned bits). A 64-bit signed one (Python's ``//``
+    and ``%`` on int64) adds a test for 32-bit operands, a call to the 64-bit routine and the sign
+    fixes: a few dozen instructions (it shows as a call, counted apart by ``loop_local_accesses``).
+    A division by a power of two is a shift and counts none."""
+    return sum(bool(re.search(r"\bI2F(\.U32)?\.RP\b", t)) for t in body)
 
 
 def main():
@@ -441,7 +453,8 @@ def main():
         counts = ok and args.loop_spills and loop_local_accesses(os.path.join(out_dir, f"{name}.cubin"),
                                                                  cuda_tool("cuobjdump"))
         if counts:
-            print("     its loop: {} HGMMA, {} instructions, {} local loads/stores, {} signed-index wraps".format(
+            print("     its loop: {} HGMMA, {} instructions, {} local loads/stores, {} signed-index wraps, "
+                  "{} integer divisions, {} calls".format(
                 *counts), flush=True)
     print(f"{failed} failed" if failed else "all kernels compiled for sm_90a and assembled")
     sys.exit(1 if failed else 0)
