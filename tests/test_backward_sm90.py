@@ -14,6 +14,7 @@ import re
 
 import numpy as np
 import pytest
+from numba import cuda
 
 import nbflash
 from nbflash import backward, configs, launch, validation
@@ -543,6 +544,39 @@ def test_rotate_config():
     with pytest.raises(ValueError, match="block mask"):
         Sm90BackwardConfig("float16", 64, Variant(mask_mod="g:0", block_mask=True), rotate=True)
     assert Sm90BackwardConfig("float16", 64, Variant(window=True, dropout=True), rotate=True).rotate
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="a device function's arithmetic: the simulator is enough")
+@pytest.mark.parametrize("rotate", [False, True], ids=["in-order", "rotate"])
+@pytest.mark.parametrize("group, first_tile, tiles_per_head, n_block", [(3, 2, 5, 7), (2, 0, 1, 3), (1, 4, 6, 0)])
+def test_step_pair_walks_every_pair(rotate, group, first_tile, tiles_per_head, n_block):
+    """make_step_pair, every dK/dV kernel's (query head, query tile) of a step (docs/perf-notes.md
+    step 60: an unsigned 32-bit division) against Python's divmod: the group's heads in order, each
+    over its visited tiles from first_tile, or from tile n_block mod tiles_per_head with ``rotate``;
+    each pair once. Positions come as the loops give them: unsigned (the consumers) and signed."""
+    from numba import int64, uint32
+
+    from nbflash.kernels.backward_sm90 import make_step_pair
+
+    step_pair = make_step_pair(Sm90BackwardConfig("float16", 64, Variant(), rotate=rotate))
+
+    @cuda.jit
+    def walk(out, hk, group, first_tile, tiles_per_head, n_block):
+        i = cuda.threadIdx.x
+        if i < out.shape[0]:
+            out[i, 0], out[i, 1] = step_pair(uint32(i), hk, group, first_tile, tiles_per_head, n_block)
+            out[i, 2], out[i, 3] = step_pair(int64(i), hk, group, first_tile, tiles_per_head, n_block)
+
+    hk, steps = 2, group * tiles_per_head
+    out = np.full((steps, 4), -1, np.int64)
+    walk[1, 32](out, hk, group, first_tile, tiles_per_head, n_block)
+    expected = []
+    for position in range(steps):
+        head, t = divmod(position, tiles_per_head)
+        expected.append((hk * group + head, first_tile + ((t + n_block) % tiles_per_head if rotate else t)))
+    assert [tuple(row) for row in out[:, :2]] == expected
+    assert [tuple(row) for row in out[:, 2:]] == expected
+    assert len(set(expected)) == steps
 
 
 def test_dq_by_columns_configs():
