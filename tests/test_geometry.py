@@ -86,3 +86,12 @@ def test_grouped_order_visits_each_tile_once(tiles, pairs, groups):
     for y in range(y_blocks):
         row = [geometry.grouped_block(x, y, groups)[0] for x in range(x_blocks)]
         assert row == sorted(row)  # tile by tile within the group
+
+
+@pytest.mark.parametrize("hk, group, first_tile, tiles_per_head", [(0, 1, 0, 1), (2, 3, 4, 5), (1, 8, 0, 7), (3, 2, 9, 1)])
+def test_query_step_walks_each_pair_once(hk, group, first_tile, tiles_per_head):
+    """query_step (the mma backward's dK/dV steps, one unsigned division): step s is query head
+    hk group + s // tiles_per_head and tile first_tile + s % tiles_per_head, every pair once."""
+    pairs = [geometry.query_step(s, hk, group, first_tile, tiles_per_head) for s in range(group * tiles_per_head)]
+    expected = [(hk * group + h, first_tile + t) for h in range(group) for t in range(tiles_per_head)]
+    assert [(int(h), int(t)) for h, t in pairs] == expected

@@ -105,6 +105,7 @@ from nbflash.primitives import (
 )
 
 from . import variants
+from .geometry import query_step
 
 LOG2E = math.log2(math.e)
 NEG_INF = float32(-math.inf)
@@ -553,8 +554,8 @@ def build_backward_mma(config: MmaBackwardConfig):
     @inline_device
     def step_class(params, b, hk, group, first_tile, tiles_per_head, n_block, step):
         """The block mask's class of the dK/dV loop's step (query head, query tile) for this key tile."""
-        h = hk * group + step // tiles_per_head
-        return tile_class(params, b, h, first_tile + step % tiles_per_head, n_block)
+        h, tile = query_step(step, hk, group, first_tile, tiles_per_head)
+        return tile_class(params, b, h, tile, n_block)
 
     @inline_device
     def next_step(params, b, hk, group, first_tile, tiles_per_head, n_block, step, steps):
@@ -639,8 +640,8 @@ def build_backward_mma(config: MmaBackwardConfig):
             h = hk * group
             q_start = first_tile * BM
             if BLOCK_MASK:  # the first step the block mask does not call empty
-                h += first_step // tiles_per_head
-                q_start += (first_step % tiles_per_head) * BM
+                h, first = query_step(first_step, hk, group, first_tile, tiles_per_head)
+                q_start = first * BM
             load_tile(smem, Q_TILE, q, b, q_start, h, seqlen_q - q_start, BM)
             load_tile(smem, DO_TILE, dout, b, q_start, h, seqlen_q - q_start, BM)
             if tid < BM:
@@ -654,10 +655,9 @@ def build_backward_mma(config: MmaBackwardConfig):
             tile = step_class(params, b, hk, group, first_tile, tiles_per_head, n_block, step)
             if tile == variants.EMPTY:
                 continue
-            h = hk * group + step // tiles_per_head
+            h, i = query_step(step, hk, group, first_tile, tiles_per_head)
             head_ctx = head_context(params, b, h)  # (b, h, ALiBi slope): what the variant reads per head
             units = score_units(params, scale, head_ctx)  # the score features' constants for this head
-            i = first_tile + step % tiles_per_head
             q_start = i * BM
             if tid < BM:
                 # the score features' offset (variants.OFFSET) out of lse, as out of their scores
@@ -688,8 +688,8 @@ def build_backward_mma(config: MmaBackwardConfig):
             # Request the next step's tiles, then dQ_i += dS K_j through shared dS^T and atomics
             step_next = next_step(params, b, hk, group, first_tile, tiles_per_head, n_block, step + 1, steps)
             if step_next < steps:
-                h_next = hk * group + step_next // tiles_per_head
-                q_next = (first_tile + step_next % tiles_per_head) * BM
+                h_next, i_next = query_step(step_next, hk, group, first_tile, tiles_per_head)
+                q_next = i_next * BM
                 load_tile(smem, Q_TILE, q, b, q_next, h_next, seqlen_q - q_next, BM)
                 load_tile(smem, DO_TILE, dout, b, q_next, h_next, seqlen_q - q_next, BM)
                 if tid < BM:

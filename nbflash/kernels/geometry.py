@@ -28,6 +28,7 @@ packed (varlen) layout ``packed_sequence`` finds its rows, and everything above 
 that sequence alone (its own seqlen_q and seqlen_k: causal is bottom-right aligned per sequence).
 """
 
+from numba import int32, uint32
 from numba.extending import register_jitable
 
 
@@ -124,6 +125,21 @@ def query_tiles(key_start, key_end, seqlen_q, seqlen_k, left, right, block_m):
     first_lo, first_hi = visible_queries(key_start, seqlen_q, seqlen_k, left, right)
     last_lo, last_hi = visible_queries(key_end - 1, seqlen_q, seqlen_k, left, right)
     return tile_segments(first_lo, first_hi, last_lo, last_hi, block_m)
+
+
+@register_jitable
+def query_step(step, hk, group, first_tile, tiles_per_head):
+    """The (query head, query tile) of a dK/dV block's step ``step`` over the (query head of KV head
+    hk's group, visited query tile) pairs, heads in order, each over its tiles in order: query head
+    hk group + step // tiles_per_head, tile first_tile + step % tiles_per_head. One division, in
+    unsigned 32 bits (``step`` is never negative): Python's signed 64-bit ``//`` and ``%`` are a few
+    dozen instructions each on a GPU (the mma backward's loop, which asks for two steps' pairs:
+    2022 -> 1868 instructions at hd 64 on sm_80). backward_sm90.py's kernels have their own form
+    (``make_step_pair``, with the walk's rotation), whose registers ptxas allocated better with
+    the ``%`` than with this one quotient."""
+    n = uint32(tiles_per_head)
+    head = uint32(step) // n
+    return hk * group + int32(head), first_tile + int32(uint32(step) - head * n)
 
 
 def visible_count(seqlen_q, seqlen_k, left, right):
