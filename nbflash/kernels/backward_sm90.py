@@ -397,8 +397,8 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
 
     @property
     def stats_bytes(self):
-        """Bytes of one slot's lse_log2 and D; with a block mask, then four words of the step the
-        stats warp walked to: its pair, query head, query tile and whether it is masked; with
+        """Bytes of one slot's lse_log2 and D; with a block mask, then 16 bytes of the step the stats
+        warp walked to: its query head, query tile and whether it is masked (a word unused); with
         ``staged_dropout``, then a word of keep bits per consumer thread."""
         return (2 * self.block_m * 4 + (16 if self.variant.block_mask else 0)
                 + (4 * GROUP * self.consumers if self.staged_dropout else 0))
@@ -723,8 +723,8 @@ def make_stage_stats(config, hooks):
         """Warp 1's: step i's lse_log2 and D of its BM query rows into ring slot (step0 + i) % STAGES's
         stats (at smem index stats_word0 on; step0: the block's steps before this key tile's, in a
         persistent block), once the consumers have released the slot; the arrival on its full
-        barrier releases the stores. With a block mask, lane 0 adds the step (pair, query head,
-        query tile, masked) at word STEP_WORD. Packed sequences: lse and delta hold the packed rows
+        barrier releases the stores. With a block mask, lane 0 adds the step (query head, query
+        tile, masked) at word STEP_WORD. Packed sequences: lse and delta hold the packed rows
         (a batch of one), the sequence's from its first. With STAGED_DQ (one key tile a block),
         step i - 1's dQ goes out once step i's stats are in: step i's slot is free once the
         consumers are past step i - 2, which is before step i - 1's dQ is staged, so neither waits
@@ -764,11 +764,10 @@ def make_stage_stats(config, hooks):
             for r in static_range(ROWS_PER_LANE):
                 smem[stats + 32 * r + lane] = f32_as_u32(lse_rows[r])
                 smem[stats + BM + 32 * r + lane] = f32_as_u32(d_rows[r])
-            if BLOCK_MASK and lane == 0:  # the step for the consumers: pair, head, tile, masked
-                smem[stats + STEP_WORD] = uint32(position)
-                smem[stats + STEP_WORD + 1] = uint32(h)
-                smem[stats + STEP_WORD + 2] = uint32(tile)
-                smem[stats + STEP_WORD + 3] = uint32(
+            if BLOCK_MASK and lane == 0:  # the step for the consumers: head, tile, masked
+                smem[stats + STEP_WORD] = uint32(h)
+                smem[stats + STEP_WORD + 1] = uint32(tile)
+                smem[stats + STEP_WORD + 2] = uint32(
                     tail or tile < first_full or tile >= end_full
                     or tile_class(params, b, h, tile, n_block) != variants.FULL)
             mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
@@ -935,7 +934,7 @@ def make_consumer_step(hooks, block_m, stages, stats_bytes, step_pair):
     tiles_per_head, i) -> (h, tile, masked)``: a consumer's i-th step (i unsigned), the
     (query head, query tile) pair it works on. Without a block mask step i is pair i (masked is
     then decided by the caller); with one, the stats warp walked to the pair and left it in the
-    slot's stats (word 2 block_m on: pair, query head, query tile, masked), which the consumer reads
+    slot's stats (word 2 block_m on: query head, query tile, masked), which the consumer reads
     once the slot is full (waiting for it: the stats warp arrives after its stores)."""
     BLOCK_MASK, STEP_WORD, STATS_WORDS = hooks.BLOCK_MASK, 2 * block_m, stats_bytes // 4
 
@@ -947,7 +946,7 @@ def make_consumer_step(hooks, block_m, stages, stats_bytes, step_pair):
             (waiting for it: the stats warp arrives after its stores)."""
             step = stats_word0 + uint32((i % stages) * STATS_WORDS) + uint32(STEP_WORD)
             mbarrier_wait(qd_full + uint32(8 * (i % stages)), (i // stages) & 1)
-            return int32(smem[step + 1]), int32(smem[step + 2]), smem[step + 3] != uint32(0)
+            return int32(smem[step]), int32(smem[step + 1]), smem[step + 2] != uint32(0)
 
     else:
 
