@@ -322,8 +322,9 @@ _BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)\s*$")
 
 def loop_local_accesses(cubin, cuobjdump):
     """(wgmmas, instructions, local loads and stores, signed-index wraps: ``signed_index_wraps``,
-    integer divisions: ``integer_divisions``, calls) of the loop that holds the most HGMMAs: the strongly
-    connected component of the SASS control-flow graph whose blocks hold them (None without wgmma).
+    integer divisions: ``integer_divisions``, calls) of the loop that holds the most HGMMAs: the
+    strongly connected component of the SASS control-flow graph whose blocks hold them (None
+    without wgmma).
     Spills outside the loop (values kept for the epilogue) cost once per block; these cost every
     step."""
     sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
@@ -454,8 +455,7 @@ def main():
                                                                  cuda_tool("cuobjdump"))
         if counts:
             print("     its loop: {} HGMMA, {} instructions, {} local loads/stores, {} signed-index wraps, "
-                  "{} integer divisions, {} calls".format(
-                *counts), flush=True)
+                  "{} integer divisions, {} calls".format(*counts), flush=True)
     print(f"{failed} failed" if failed else "all kernels compiled for sm_90a and assembled")
     sys.exit(1 if failed else 0)
 
