@@ -737,8 +737,7 @@ def make_stage_stats(config, hooks):
                 dq_row0 = padded_first_row(row0, b, BM)
         position = -1
         last_h, last_q_start = 0, 0  # with STAGED_DQ: step i - 1's query head and tile
-        for step in range(steps):
-            i = uint32(step)  # unsigned: i % STAGES is an AND
+        for i in range(steps):
             position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
                                              lane)
             slot, use = (step0 + i) % STAGES, (step0 + i) // STAGES
@@ -806,8 +805,7 @@ def make_stage_dropout(config, hooks):
                       tiles_per_head, steps, n_start, t):
         """Warps 2 and 3's: step i's keep bits of every consumer lane into ring slot i % STAGES."""
         position = -1
-        for step in range(steps):
-            i = uint32(step)  # unsigned: i % STAGES is an AND
+        for i in range(steps):
             position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
                                              t % 32)
             slot, use = i % STAGES, i // STAGES
@@ -996,8 +994,7 @@ def make_produce_tiles(config, hooks):
                     tma_load_4d(v_tile + uint32(chunk * KV_CHUNK_BYTES), v_map, chunk * CHUNK, hk,
                                 k_row0 + n_block * BN, mem_b, kv_full)
             position = -1
-            for step in range(steps):
-                i = uint32(step)  # unsigned: i % STAGES is an AND
+            for i in range(steps):
                 position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i,
                                                  position, lane)
                 slot, use = i % STAGES, i // STAGES

@@ -510,7 +510,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
             setmaxnreg_dec(PRODUCER_REGS)
             warp = tid // 32
             lane = tid % 32
-            step0, kv_use = uint32(0), 0  # the block's steps and loaded K/V tiles before this work item's
+            step0, kv_use = 0, 0  # the block's steps and loaded K/V tiles before this work item's
             if warp == 0:
                 if elect_sync() == uint32(1):  # one lane issues the copies
                     maps_address = array_address(maps)
@@ -536,8 +536,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                             tma_load_4d(k_tile + uint32(buffer * KV_PAIR), k_map, 0, hk, n_start, b, kv_ready)
                             tma_load_4d(v_tile + uint32(buffer * KV_PAIR), v_map, 0, hk, n_start, b, kv_ready)
                             kv_use += 1
-                        for step in range(steps):
-                            i = uint32(step)  # unsigned: i % STAGES is an AND
+                        for i in range(steps):
                             slot, use = (step0 + i) % STAGES, (step0 + i) // STAGES
                             if use > 0:  # the consumers have released the slot's previous tiles
                                 mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
@@ -547,7 +546,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                             mbarrier_arrive_expect_tx(full, 2 * Q_BYTES)
                             tma_load_4d(q_ring + uint32(slot * Q_BYTES), q_map, 0, h, q_start, b, full)
                             tma_load_4d(do_ring + uint32(slot * Q_BYTES), do_map, 0, h, q_start, b, full)
-                        step0 = uint32(step0 + steps)
+                        step0 += steps
             elif warp == 1:  # backward_sm90.py's stats warp
                 for work in range(work0, work_end, work_stride):
                     if PERSISTENT:
@@ -559,7 +558,7 @@ def build_backward_sm90_rows(config: Sm90RowsBackwardConfig):
                     stage_stats(smem, stats_word0, qd_full, qd_empty, lse, delta, b, hk, group, n_block, first_tile,
                                 tiles_per_head, steps, seqlen_q, params, scale, lane, tail, first_full, end_full,
                                 step0, dq_accum, dq_stage, dq_full, dq_empty)
-                    step0 = uint32(step0 + steps)
+                    step0 += steps
         else:
             # ---- Consumers: 64 query rows of each step, 64 keys of dK and dV each ----
             setmaxnreg_inc(CONSUMER_REGS)
