@@ -65,6 +65,9 @@
 #                                persistent and rotated forms, the rotated walk, the wide kernel and
 #                                its variants), after a prebuild of the wide kernel's headdims,
 #                                stopped after SECONDS (default 420)
+#   scripts/gpu_check.sh steps [SECONDS]
+#                                wraps and walks in one call, fp16 only (318 of their 510 tests),
+#                                after an fp16 prebuild, stopped after SECONDS (default 400)
 #   scripts/gpu_check.sh wraps-time
 #                                step 59 timed: the backward at hd 128 (HEADDIMS) in this tree and in
 #                                the tree before it (AB_BASE, as for stores), and in AB_MID's where
@@ -378,6 +381,17 @@ walks)
     echo "prebuild (exit $?): $(tail -1 "$out/prebuild_wide.log")"
     grid walks_tests "${2:-420}" tests/test_backward_sm90.py -k "(test_backward_sm90_rows_gpu and (persistent or \
 rotate)) or test_backward_sm90_wide_gpu or test_backward_sm90_rotate_gpu or test_backward_sm90_wide_variants_gpu"
+    ;;
+steps)
+    # steps 59 and 60 in one call where device time is short: `wraps` and `walks` grids in fp16 only
+    # (318 of their 510 tests; the bf16 half is the same index arithmetic), after an fp16 prebuild
+    timeout 150 python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 --families sm90 \
+        --headdims 32 64 96 128 136 192 256 > "$out/prebuild_steps.log" 2>&1
+    echo "prebuild (exit $?): $(tail -1 "$out/prebuild_steps.log")"
+    grid steps_tests "${2:-400}" tests/test_backward_sm90.py tests/test_kvcache.py -k "((test_backward_sm90_gpu \
+and not matches) or test_backward_sm90_variants_gpu or staged_dropout_gpu or test_gpu_decode or \
+(test_backward_sm90_rows_gpu and (persistent or rotate)) or test_backward_sm90_wide_gpu or \
+test_backward_sm90_rotate_gpu or test_backward_sm90_wide_variants_gpu) and not bfloat16"
     ;;
 wraps-time)
     # step 59 timed: the backward at hd 128 (and the forward as a control) in this tree and in the tree
