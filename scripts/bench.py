@@ -14,6 +14,7 @@ backward alone: events around ``out.backward`` only, an untimed fresh forward be
     python scripts/bench.py --headdims 64 128 --seqlens 1024 4096 16384 --dtypes float16 float32
     python scripts/bench.py --pass backward --families portable --headdims 128 --seqlens 4096
     python scripts/bench.py --pass forward+backward --families mma --headdims 128 --dtypes float16
+    python scripts/bench.py --headdims 64 128 256 --seqlens 4096 16384 --dtypes float16 --fp8 --no-naive
     python scripts/bench.py --pass decode --decode-shapes 16x16384 64x4096 --page-sizes none 256
     python scripts/bench.py --pass varlen --varlen-lengths uniform:16384:2048 128,4096 --causal yes --jobs 8
 
@@ -90,6 +91,22 @@ def nbflash_runner(family):
         return lambda: _flash_attn_forward(problem, q_, k_, v_, family=forced(family))
 
     return run
+
+
+def nbflash_fp8_runner(q, k, v, causal, **variant):
+    """The public fp8 call on q, k and v rounded to e4m3 once, untimed (uint8 arrays: CuPy has no float8
+    dtype), descales 1."""
+    import ml_dtypes
+
+    if variant:
+        raise NotImplementedError(f"the fp8 forward has no {sorted(variant)}")
+    def e4m3_bytes(x):  # (NumPy arrays under the simulator)
+        on_host = isinstance(x, np.ndarray)
+        bits = (x if on_host else cupy.asnumpy(x)).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        return bits if on_host else cupy.asarray(bits)
+
+    q8, k8, v8 = (e4m3_bytes(x) for x in (q, k, v))
+    return lambda: nbflash.flash_attn_func(q8, k8, v8, causal=causal, fp8_dtype="float8_e4m3fn")
 
 
 def nbflash_replaced_runner(family, **fields):
@@ -399,7 +416,7 @@ TRAINING = ("forward", "backward", "forward+backward")
 # The passes each pass-specific flag goes with; the other passes refuse it.
 FLAG_PASSES = {
     **dict.fromkeys(("seqlens", "variants", "families", "dkdv_blocks", "heavy_groups", "forward_blocks", "no_naive",
-                     "rounds", "rescale_slack", "deterministic"), TRAINING),
+                     "rounds", "rescale_slack", "deterministic", "fp8"), TRAINING),
     "causal": (*TRAINING, "varlen"),
     **dict.fromkeys(("decode_shapes", "decode_heads", "page_sizes", "seqlen_q", "num_splits", "page_aligned"),
                     ("decode",)),
@@ -453,6 +470,12 @@ def build_parser():
         help="--pass forward: also time the families' planned forward with rescale_slack=S (lazy rescaling: "
         "powers of 2 that P may reach before the maxima move; 0: eager, to time against the configs that plan "
         f"it, the mma forward at headdims 65-128; families {', '.join(RESCALE_SLACK_FAMILIES)}), one column each",
+    )
+    parser.add_argument(
+        "--fp8", action="store_true", default=None,
+        help="--pass forward: also time the fp8 forward (compute capability 9.0: e4m3 q, k and v, bfloat16 "
+        "out), column 'nbflash fp8', on each row's inputs rounded to e4m3 (descales 1; FLOPs as the row's); "
+        "plain and causal rows only",
     )
     parser.add_argument(
         "--rounds", type=int, default=None, metavar="R",
@@ -551,6 +574,12 @@ def resolve_arguments(parser, args):
             parts = blocks.lower().split("x")
             if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
                 parser.error(f"--forward-blocks {blocks!r}: expected three positive integers as MxNxW, e.g. 64x32x2")
+        args.fp8 = bool(args.fp8)
+        if args.fp8 and args.which != "forward":
+            parser.error("--fp8 goes with --pass forward (the fp8 path has no backward)")
+        if args.fp8 and args.variants and set(args.variants) - {"plain", "causal"}:
+            parser.error("--fp8 times plain and causal rows only (the fp8 forward takes softmax_scale, causal "
+                         "and window_size)")
         if args.heavy_groups and args.which != "forward":
             parser.error("--heavy-groups goes with --pass forward")
         if any(g <= 0 for g in args.heavy_groups):
@@ -616,6 +645,8 @@ def main(argv=None):
         block_m, block_n, num_warps = map(int, blocks.split("x"))
         runners[f"nbflash mma {blocks}"] = nbflash_replaced_runner("mma", block_m=block_m, block_n=block_n,
                                                                    num_warps=num_warps)
+    if args.fp8:
+        runners["nbflash fp8"] = nbflash_fp8_runner
     if args.deterministic:
         for family in args.families:
             runners[f"nbflash {family} det"] = nbflash_pass(family, deterministic=True)
@@ -685,10 +716,15 @@ def main(argv=None):
         # The columns in the runners' order, whichever round filled them.
         row = {**{key: value for key, value in row.items() if key not in runners},
                **{name: row[name] for name in runners if name in row}}
-        ours = [row[n] for n in runners if n.startswith("nbflash") and isinstance(row[n], float)]
+        ours = [row[n] for n in runners
+                if n.startswith("nbflash") and n != "nbflash fp8" and isinstance(row[n], float)]
         for anchor in ("SDPA flash", "naive CuPy", "Flex"):
             if ours and isinstance(row.get(anchor), float):
                 row[f"best/{anchor}"] = round(max(ours) / row[anchor], 2)
+        if isinstance(row.get("nbflash fp8"), float):  # fp8 against the row's 16-bit kernels and cuDNN
+            for name, other in (("fp8/best", max(ours, default=None)), ("fp8/cuDNN", row.get("SDPA cuDNN"))):
+                if isinstance(other, float):
+                    row[name] = round(row["nbflash fp8"] / other, 2)
         rows.append(row)
         print(f"[{index + 1}/{len(cases)}] {row}", file=sys.stderr, flush=True)
         if args.markdown:  # after every row, so that a run cut short still leaves its table

@@ -93,6 +93,15 @@ def test_heavy_groups_goes_with_the_forward(bench, capsys):
                                                                        "--heavy-groups", "8")
 
 
+def test_fp8_goes_with_the_forward(bench, capsys):
+    assert arguments(bench, "--fp8").fp8 is True
+    assert arguments(bench).fp8 is False
+    assert "--fp8 goes with --pass forward" in refused(bench, capsys, "--pass", "backward", "--fp8")
+    assert "--fp8 does not apply to --pass decode" in refused(bench, capsys, "--pass", "decode", "--fp8")
+    assert arguments(bench, "--fp8", "--variants", "plain", "causal").variants == ["plain", "causal"]
+    assert "plain and causal rows only" in refused(bench, capsys, "--fp8", "--variants", "causal", "softcap")
+
+
 def test_rescale_slack_goes_with_the_forward(bench, capsys):
     assert arguments(bench, "--rescale-slack", "8", "4").rescale_slack == [8.0, 4.0]
     assert arguments(bench).rescale_slack == []
@@ -130,6 +139,24 @@ def test_heavy_groups_runner_matches_the_planned_kernel(bench):
     out, lse = bench.nbflash_replaced_runner("mma", heavy_groups=4)(q, k, v, True)()
     want, want_lse = nbflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
     assert np.array_equal(out, want) and np.array_equal(lse, want_lse)
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1", reason="the simulator's arrays")
+def test_fp8_runner_is_the_fp8_forward_on_rounded_inputs(bench):
+    """The --fp8 column's call: the public fp8 forward on the row's inputs rounded to e4m3 (as uint8
+    bytes), the same bits as the call on float8_e4m3fn arrays; other variants are refused."""
+    import ml_dtypes
+    import numpy as np
+
+    import nbflash
+
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, 40, 2, 64)).astype(np.float16) for _ in range(3))
+    out = bench.nbflash_fp8_runner(q, k, v, True)()
+    want = nbflash.flash_attn_func(*(x.astype(ml_dtypes.float8_e4m3fn) for x in (q, k, v)), causal=True)
+    assert out.dtype == want.dtype and np.array_equal(out.view(np.uint16), want.view(np.uint16))
+    with pytest.raises(NotImplementedError, match="softcap"):
+        bench.nbflash_fp8_runner(q, k, v, False, softcap=30.0)
 
 
 def test_varlen_defaults_and_parsed_values(bench):
