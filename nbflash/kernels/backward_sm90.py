@@ -495,22 +495,26 @@ def make_pack_a(dtype, regs):
 def make_add_dq(headdim, columns):
     """``add_dq(dq_accum, acc, b, row0, h, col0, seqlen_q, q4)``: a 64-row product of ``columns``
     dQ columns into dq_accum by red.add.v2, the thread's two rows and column pairs inside the arrays.
-    (16-byte reductions, lane pairs trading a column pair first, were 2-5% slower at hd 64 and 20%
-    at hd 128: docs/perf-notes.md step 24, the code in commit 8ebb6f1.)"""
+    Both rows' addresses come first, each in registers of its own, so that the second row's
+    address does not overwrite the one the first row's reductions still wait in the queue to read
+    (docs/perf-notes.md step 61). (16-byte reductions, lane pairs trading a column pair first, were
+    2-5% slower at hd 64 and 20% at hd 128: step 24, the code in commit 8ebb6f1.)"""
     HD = headdim
 
     @inline_device
     @unroll
     def add_dq(dq_accum, acc, b, row0, h, col0, seqlen_q, q4):
         """dq_accum[b, row0 + (0, 8), h, col0 + 8 c + 2 q4 (+1)] += acc (unscaled), inside the arrays."""
-        for rh in static_range(2):
-            row = row0 + 8 * rh
-            if row < seqlen_q:
-                row_address = global_address(dq_accum, b, row, h, 0)
-                for c in static_range(columns // 8):
-                    col = col0 + 8 * c + 2 * q4
-                    if col < HD:  # HD is a multiple of 8: both columns of the pair are inside
-                        red_add_f32x2(row_address + col * 4, acc[4 * c + 2 * rh], acc[4 * c + 2 * rh + 1])
+        first = global_address(dq_accum, b, row0, h, col0 + 2 * q4)  # both rows' addresses first
+        second = global_address(dq_accum, b, row0 + 8, h, col0 + 2 * q4)
+        if row0 < seqlen_q:
+            for c in static_range(columns // 8):
+                if col0 + 8 * c < HD:  # HD is a multiple of 8: both columns of the pair are inside
+                    red_add_f32x2(first + 32 * c, acc[4 * c], acc[4 * c + 1])
+        if row0 + 8 < seqlen_q:
+            for c in static_range(columns // 8):
+                if col0 + 8 * c < HD:
+                    red_add_f32x2(second + 32 * c, acc[4 * c + 2], acc[4 * c + 3])
 
     return add_dq
 
