@@ -68,6 +68,10 @@
 #   scripts/gpu_check.sh steps [SECONDS]
 #                                wraps and walks in one call, fp16 only (318 of their 510 tests),
 #                                after an fp16 prebuild, stopped after SECONDS (default 400)
+#   scripts/gpu_check.sh verify [SECONDS]
+#                                steps' grids less decode's, stopped after SECONDS (default 230), then
+#                                the backward at hd 64 and 128 here and in AB_BASE's tree, once each;
+#                                about 9.5 minutes
 #   scripts/gpu_check.sh wraps-time
 #                                step 59 timed: the backward at hd 128 (HEADDIMS) in this tree and in
 #                                the tree before it (AB_BASE, as for stores), and in AB_MID's where
@@ -392,6 +396,33 @@ steps)
 and not matches) or test_backward_sm90_variants_gpu or staged_dropout_gpu or test_gpu_decode or \
 (test_backward_sm90_rows_gpu and (persistent or rotate)) or test_backward_sm90_wide_gpu or \
 test_backward_sm90_rotate_gpu or test_backward_sm90_wide_variants_gpu) and not bfloat16"
+    ;;
+verify)
+    # steps 59-61 checked and timed in one call, where device time is short: the fp16 grids of
+    # `steps` less the decode kernel's, stopped after SECONDS (default 230), then the backward at
+    # hd 64 and 128 in this tree and in AB_BASE's (the tree before step 59), once each
+    timeout 100 python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 --families sm90 \
+        --headdims 64 96 128 136 192 256 > "$out/prebuild_verify.log" 2>&1
+    echo "prebuild (exit $?): $(tail -1 "$out/prebuild_verify.log")"
+    grid verify_tests "${2:-230}" tests/test_backward_sm90.py -k "((test_backward_sm90_gpu and not matches) \
+or test_backward_sm90_variants_gpu or staged_dropout_gpu or (test_backward_sm90_rows_gpu and (persistent or \
+rotate)) or test_backward_sm90_wide_gpu or test_backward_sm90_rotate_gpu or test_backward_sm90_wide_variants_gpu) \
+and not bfloat16"
+    base=${AB_BASE:-.ab/base.tar}
+    [ -f "$base" ] || { echo "no $base"; exit 2; }
+    rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar -xf "$base" -C /tmp/ab_base
+    (cd /tmp/ab_base && PYTHONPATH=${PYTHONPATH/$PWD//tmp/ab_base} NBFLASH_CACHE_DIR=/tmp/ab_cache_base timeout 60 \
+        python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 --families sm90 --headdims 64 128 \
+        --variants plain causal) > "$out/prebuild_base.log" 2>&1
+    echo "base prebuild (exit $?): $(tail -1 "$out/prebuild_base.log")"
+    for run in base new; do
+        tree=$PWD cache=${NBFLASH_CACHE_DIR:-/tmp/ab_cache_new}
+        [ "$run" = new ] || { tree=/tmp/ab_base cache=/tmp/ab_cache_base; }
+        (cd "$tree" && PYTHONPATH=${PYTHONPATH/$PWD/$tree} NBFLASH_CACHE_DIR=$cache timeout 95 \
+            python3 scripts/bench.py --pass backward --families default --headdims 64 128 --seqlens 4096 16384 \
+            --dtypes float16 --variants plain causal --no-naive --no-torch --budget 0.25) > "$out/verify_$run.log" 2>&1
+        echo "$run (exit $?):"; tail -10 "$out/verify_$run.log"
+    done
     ;;
 wraps-time)
     # step 59 timed: the backward at hd 128 (and the forward as a control) in this tree and in the tree
