@@ -100,6 +100,7 @@ def nbflash_fp8_runner(q, k, v, causal, **variant):
 
     if variant:
         raise NotImplementedError(f"the fp8 forward has no {sorted(variant)}")
+
     def e4m3_bytes(x):  # (NumPy arrays under the simulator)
         on_host = isinstance(x, np.ndarray)
         bits = (x if on_host else cupy.asnumpy(x)).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
