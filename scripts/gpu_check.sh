@@ -71,7 +71,7 @@
 #   scripts/gpu_check.sh verify [SECONDS]
 #                                steps' grids less decode's, stopped after SECONDS (default 230), then
 #                                the backward at hd 64 and 128 here and in AB_BASE's tree, once each;
-#                                about 9.5 minutes
+#                                about 9.5 minutes (NO_TIME=1: the grids only)
 #   scripts/gpu_check.sh wraps-time
 #                                step 59 timed: the backward at hd 128 (HEADDIMS) in this tree and in
 #                                the tree before it (AB_BASE, as for stores), and in AB_MID's where
@@ -408,6 +408,7 @@ verify)
 or test_backward_sm90_variants_gpu or staged_dropout_gpu or (test_backward_sm90_rows_gpu and (persistent or \
 rotate)) or test_backward_sm90_wide_gpu or test_backward_sm90_rotate_gpu or test_backward_sm90_wide_variants_gpu) \
 and not bfloat16"
+    [ -z "${NO_TIME:-}" ] || exit 0  # NO_TIME=1: the grids only
     base=${AB_BASE:-.ab/base.tar}
     [ -f "$base" ] || { echo "no $base"; exit 2; }
     rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar -xf "$base" -C /tmp/ab_base
