@@ -211,6 +211,12 @@ bench_forward() {  # $1: time limit, then bench.py arguments
     timeout "$limit" python3 scripts/bench.py "$@" --markdown "$out/bench_forward.md" 2>> "$out/progress.log" | tail -80
 }
 
+# The GPU grids of perf-notes steps 59 and 60: `wraps` runs the first (and the decode kernel's),
+# `walks` the second; `steps` and `verify` take their fp16 halves in one call
+WRAPS_K="(test_backward_sm90_gpu and not matches) or test_backward_sm90_variants_gpu or staged_dropout_gpu"
+WALKS_K="(test_backward_sm90_rows_gpu and (persistent or rotate)) or test_backward_sm90_wide_gpu or \
+test_backward_sm90_rotate_gpu or test_backward_sm90_wide_variants_gpu"
+
 case "${1:-tests}" in
 tests)
     run_tests 440
@@ -373,8 +379,7 @@ wraps)
     timeout 100 python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 bfloat16 --families sm90 \
         > "$out/prebuild.log" 2>&1
     echo "prebuild (exit $?): $(tail -1 "$out/prebuild.log")"
-    grid wraps_tests "${2:-400}" tests/test_backward_sm90.py tests/test_kvcache.py \
-        -k "(test_backward_sm90_gpu and not matches) or test_backward_sm90_variants_gpu or staged_dropout_gpu or test_gpu_decode"
+    grid wraps_tests "${2:-400}" tests/test_backward_sm90.py tests/test_kvcache.py -k "$WRAPS_K or test_gpu_decode"
     ;;
 walks)
     # docs/perf-notes.md, step 60: each dK/dV step's query head and tile by an unsigned 32-bit
@@ -383,8 +388,7 @@ walks)
     timeout 150 python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 bfloat16 --families sm90 \
         --headdims 136 192 256 > "$out/prebuild_wide.log" 2>&1
     echo "prebuild (exit $?): $(tail -1 "$out/prebuild_wide.log")"
-    grid walks_tests "${2:-420}" tests/test_backward_sm90.py -k "(test_backward_sm90_rows_gpu and (persistent or \
-rotate)) or test_backward_sm90_wide_gpu or test_backward_sm90_rotate_gpu or test_backward_sm90_wide_variants_gpu"
+    grid walks_tests "${2:-420}" tests/test_backward_sm90.py -k "$WALKS_K"
     ;;
 steps)
     # steps 59 and 60 in one call where device time is short: `wraps` and `walks` grids in fp16 only
@@ -392,10 +396,8 @@ steps)
     timeout 150 python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 --families sm90 \
         --headdims 32 64 96 128 136 192 256 > "$out/prebuild_steps.log" 2>&1
     echo "prebuild (exit $?): $(tail -1 "$out/prebuild_steps.log")"
-    grid steps_tests "${2:-400}" tests/test_backward_sm90.py tests/test_kvcache.py -k "((test_backward_sm90_gpu \
-and not matches) or test_backward_sm90_variants_gpu or staged_dropout_gpu or test_gpu_decode or \
-(test_backward_sm90_rows_gpu and (persistent or rotate)) or test_backward_sm90_wide_gpu or \
-test_backward_sm90_rotate_gpu or test_backward_sm90_wide_variants_gpu) and not bfloat16"
+    grid steps_tests "${2:-400}" tests/test_backward_sm90.py tests/test_kvcache.py \
+        -k "($WRAPS_K or test_gpu_decode or $WALKS_K) and not bfloat16"
     ;;
 verify)
     # steps 59-61 checked and timed in one call, where device time is short: the fp16 grids of
@@ -404,10 +406,7 @@ verify)
     timeout 100 python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 --families sm90 \
         --headdims 64 96 128 136 192 256 > "$out/prebuild_verify.log" 2>&1
     echo "prebuild (exit $?): $(tail -1 "$out/prebuild_verify.log")"
-    grid verify_tests "${2:-230}" tests/test_backward_sm90.py -k "((test_backward_sm90_gpu and not matches) \
-or test_backward_sm90_variants_gpu or staged_dropout_gpu or (test_backward_sm90_rows_gpu and (persistent or \
-rotate)) or test_backward_sm90_wide_gpu or test_backward_sm90_rotate_gpu or test_backward_sm90_wide_variants_gpu) \
-and not bfloat16"
+    grid verify_tests "${2:-230}" tests/test_backward_sm90.py -k "($WRAPS_K or $WALKS_K) and not bfloat16"
     [ -z "${NO_TIME:-}" ] || exit 0  # NO_TIME=1: the grids only
     base=${AB_BASE:-.ab/base.tar}
     [ -f "$base" ] || { echo "no $base"; exit 2; }
