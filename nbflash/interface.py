@@ -11,7 +11,7 @@ import numpy as np
 from . import configs, launch, runtime, validation
 from .block_mask import kernel_params
 from .dtypes import BFLOAT16, FLOAT8_E4M3, FLOAT32
-from .kernels.forward_sm90 import FP8_KEY_ORDER
+from .kernels.transpose_fp8 import Fp8TransposeConfig
 from .problem import Variant, window_bounds
 from .reference import attention_probabilities
 
@@ -218,17 +218,14 @@ def _fp8_descales(descales, batch, nheads_k, xp):
 
 def fp8_transposed_v(v):
     """The fp8 kernel's V operand: V^T, (batch, nheads_k, headdim, seqlen_k rounded up to 16) bytes,
-    zeros past seqlen_k, the keys of each 16 in FP8_KEY_ORDER (nbflash/kernels/forward_sm90.py), as
-    uint16 byte pairs. A gather of V's bytes into a new array: its cost is one read and one write of
-    V per call (FlashAttention-3 can instead transpose V tile by tile in shared memory)."""
-    xp = runtime.xp()
+    zeros past seqlen_k, the keys of each 16 in FP8_KEY_ORDER, as uint16 byte pairs: one small
+    kernel (nbflash/kernels/transpose_fp8.py), one read and one write of V, on the current stream."""
     batch, seqlen_k, nheads_k, headdim = v.shape
     padded = -(-seqlen_k // 16) * 16
-    position = np.arange(padded)
-    key = position // 16 * 16 + np.asarray(FP8_KEY_ORDER)[position % 16]  # the key at each position
-    inside = key < seqlen_k
-    vt = xp.zeros((batch, nheads_k, headdim, padded), dtype=np.uint8)
-    vt[:, :, :, xp.asarray(position[inside])] = v.view(np.uint8)[:, xp.asarray(key[inside])].transpose(0, 2, 3, 1)
+    vt = runtime.xp().empty((batch, nheads_k, headdim, padded), dtype=np.uint8)
+    config = Fp8TransposeConfig()
+    launch.compiled(config).launch(config.grid(batch, nheads_k, headdim, padded),
+                                   (v.view(np.uint8).view(np.uint32), vt.view(np.uint32)), ())
     return vt.view(np.uint16)
 
 

@@ -179,6 +179,7 @@ KINDS = {
     "PortableBackwardConfig": ("portable backward", 1, 5),
     "AppendConfig": ("KV-cache append", 1, 5),
     "CombineConfig": ("split-KV", 1, 5),
+    "Fp8TransposeConfig": ("fp8 forward's V^T", 1, 5),
 }
 BACKWARD_PARTS = {"preprocess": "preprocess", "dkdv": "dK/dV", "dq": "dQ", "convert_dq": "dQ conversion"}
 FEATURES = (("window", "causal/window"), ("softcap", "softcap"), ("alibi", "ALiBi"), ("mask", "bool mask"),

@@ -732,6 +732,33 @@ def test_fp8_kernel_ring_wraps(xp):
     check_fp8_error(_host(out), _host(lse), q, k, v, descales, scale, None)
 
 
+@pytest.mark.parametrize("seqlen_k, headdim", [(70, 80), (1, 256)])
+def test_fp8_transposed_v(xp, seqlen_k, headdim):
+    # V^T for the fp8 kernel (nbflash/kernels/transpose_fp8.py) against NumPy's: every other head of
+    # a strided V, a length off 16 and 64 (its padding must come out zero in an array poisoned
+    # first), headdim off 64, and one key padded to 16 at headdim 256.
+    from nbflash import interface
+    from nbflash.kernels.forward_sm90 import FP8_KEY_ORDER
+    from nbflash.kernels.transpose_fp8 import Fp8TransposeConfig
+
+    rng = np.random.default_rng(82)
+    batch, nheads_k, padded = 2, 2, -(-seqlen_k // 16) * 16
+    v_all = rng.integers(0, 256, (batch, seqlen_k, 2 * nheads_k, headdim), dtype=np.uint8)
+    position = np.arange(padded)
+    key = position // 16 * 16 + np.asarray(FP8_KEY_ORDER)[position % 16]
+    expected = np.zeros((batch, nheads_k, headdim, padded), dtype=np.uint8)
+    inside = key < seqlen_k
+    expected[..., position[inside]] = v_all[:, key[inside], ::2].transpose(0, 2, 3, 1)
+
+    v = xp.asarray(v_all)[:, :, ::2]
+    vt = xp.full(expected.shape, 0xAB, dtype=np.uint8)
+    config = Fp8TransposeConfig()
+    launch.compiled(config).launch(config.grid(batch, nheads_k, headdim, padded),
+                                   (v.view(np.uint32), vt.view(np.uint32)), ())
+    np.testing.assert_array_equal(_host(vt), expected)
+    np.testing.assert_array_equal(_host(interface.fp8_transposed_v(v)).view(np.uint8), expected)
+
+
 def test_fp8_public_api_causal_gqa(xp):
     # flash_attn_func with e4m3 inputs and FlashAttention-3's descales (scalars here): the planned
     # config (two consumers), causal with seqlen_q > seqlen_k (rows without keys), GQA 2:1.

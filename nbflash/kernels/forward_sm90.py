@@ -57,16 +57,16 @@ past a sequence's end and columns past headdim arrive as zeros. out like q (C-co
 float32 (batch, nheads, seqlen_q), natural log. Query head h reads key/value head
 h // (nheads // nheads_k). A row that sees no key gets out = 0 and lse = -inf.
 
-fp8 (``dtype='float8_e4m3fn'``, FlashAttention-3's fp8 forward; compiled and assembled, run in the
-simulator, NOT yet run on a GPU): q, k and v in e4m3, handed over as uint16 arrays of byte pairs
+fp8 (``dtype='float8_e4m3fn'``, FlashAttention-3's fp8 forward; its GPU tests pass on the H100,
+docs/benchmarks.md has its speed): q, k and v in e4m3, handed over as uint16 arrays of byte pairs
 (so TMA and the tile chunks are those of the 16-bit path, a chunk now 128 columns), out bfloat16
 bits, lse as above. wgmma reads 8-bit operands K-major only, so V arrives transposed: ``v`` is
 V^T, (batch, nheads_k, headdim, seqlen_k rounded up to 16, zeros past the end), and within each
 16 keys in ``FP8_KEY_ORDER``. That order lets a thread pack P, rounded to e4m3 in registers, from
 its own S accumulators into P V's A registers without a shuffle (the fp8 A fragment holds 4
 consecutive k per register, the accumulator pairs 8 columns apart; tests/test_primitives_sm90.py
-shows the pairing). The transpose is the launcher's (nbflash/interface.py): one pass over V, a
-read and a write of its bytes, per call. The per-(batch, kv head) descales (FlashAttention-3's
+shows the pairing). The transpose is a kernel of its own (transpose_fp8.py, launched by
+nbflash/interface.py before this one): a read and a write of V's bytes, per call. The per-(batch, kv head) descales (FlashAttention-3's
 q_descale, k_descale, v_descale) come as the last entry of ``params``, a float32 (3, batch,
 nheads_k) array: the first two scale the scores (folded into the exp2 scale), the third O before
 it is written. The row sums l_i add P before its rounding to e4m3. block_n is a multiple of 128

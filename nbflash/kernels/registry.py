@@ -28,6 +28,7 @@ from .forward_mma import MmaForwardConfig, build_forward_mma
 from .forward_portable import PortableForwardConfig, build_forward_portable
 from .forward_sm90 import FP8, Sm90ForwardConfig, build_forward_sm90, tensor_maps
 from .kvcache import AppendConfig, CombineConfig, build_append, build_combine
+from .transpose_fp8 import Fp8TransposeConfig, build_transpose_fp8
 
 
 def _params(config, extra=()):
@@ -124,6 +125,10 @@ def _combine(config):
     return f"void({t}[:,:,:,:], float32[:,:,:], {t}[:,:,:,:], float32[:,:,:], {t}[:,:,:,:], float32[:,:,:])"
 
 
+def _transpose_fp8(config):
+    return "void(uint32[:,:,:,:], uint32[:,:,:,::1])"  # V as words of 4 columns, V^T of 4 positions
+
+
 KERNELS = {
     PortableForwardConfig: (build_forward_portable, _forward),
     MmaForwardConfig: (build_forward_mma, _forward),
@@ -138,6 +143,7 @@ KERNELS = {
     MmaDecodeConfig: (build_decode_mma, _decode),
     AppendConfig: (build_append, _append),
     CombineConfig: (build_combine, _combine),
+    Fp8TransposeConfig: (build_transpose_fp8, _transpose_fp8),
 }
 
 
