@@ -15,8 +15,8 @@ element size only, so a uint16 tile after an mbarrier word sits 8 bytes off and 
 GPU (misaligned address), which the simulator cannot see.
 
 With ``--out`` the PTX, cubin and ptxas log of each kernel are kept there. ``--fp8-forward`` adds the
-fp8 forward's planned configs (nbflash.configs.SM90_FP8_FORWARD, plain and causal; spills are
-reported, not failed); ``--backward`` the sm90 dK/dV kernels' planned configs and the schedules
+fp8 forward's planned configs (nbflash.configs.SM90_FP8_FORWARD's headdims, and 64 and 96; plain
+and causal; spills are reported, not failed); ``--backward`` the sm90 dK/dV kernels' planned configs and the schedules
 and variants listed in ``backward_kernels``.
 
 Needs ptxas (the CUDA toolkit, or the nvidia-cuda-nvcc wheel) and Numba's NVVM; no GPU.
@@ -94,7 +94,8 @@ def fp8_forward_kernels():
     from nbflash.problem import Variant
 
     kernels = []
-    for headdim, _, _ in configs.SM90_FP8_FORWARD:
+    # the table's headdims, and two whose products stop short of their 128-column chunks
+    for headdim in sorted({64, 96, *(row[0] for row in configs.SM90_FP8_FORWARD)}):
         for variant in (Variant(), Variant(window=True)):
             config = configs.sm90_fp8_forward_config(headdim, variant)
             name = f"forward_fp8_hd{headdim}_{'causal' if variant.window else 'plain'}"

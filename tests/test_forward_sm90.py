@@ -711,15 +711,16 @@ def fp8_inputs(xp, *arrays):
     return [xp.asarray(x.view(np.uint8)) for x in arrays], dict(fp8_dtype="float8_e4m3fn")
 
 
-def test_fp8_kernel_ring_wraps(xp):
-    # A small config straight through the launcher: one consumer, headdim 64 padded to a 128-byte
-    # chunk, 3 key tiles of 128 through a 2-stage ring, seqlen_k 300 (V^T padded to 304, the tail
-    # masked), per-head descales.
+@pytest.mark.parametrize("headdim", [64, 80])
+def test_fp8_kernel_ring_wraps(xp, headdim):
+    # A small config straight through the launcher: one consumer, headdim 64 or 80 padded to a
+    # 128-byte chunk (S's k steps stop at 64 or 96 columns, O's at 64 or 80), 3 key tiles of 128
+    # through a 2-stage ring, seqlen_k 300 (V^T padded to 304, the tail masked), per-head descales.
     from nbflash import interface
 
     rng = np.random.default_rng(80)
-    config = Sm90ForwardConfig("float8_e4m3fn", 64, PLAIN, block_n=128, consumers=1)
-    q, k, v, descales = fp8_case(rng, 1, 9, 300, 2, 2, 64)
+    config = Sm90ForwardConfig("float8_e4m3fn", headdim, PLAIN, block_n=128, consumers=1)
+    q, k, v, descales = fp8_case(rng, 1, 9, 300, 2, 2, headdim)
     out = xp.asarray(np.full(q.shape, np.nan, dtype=ml_dtypes.bfloat16))
     lse = xp.full((1, 2, 9), np.nan, dtype=np.float32)
     scale = 1.0 / math.sqrt(64)

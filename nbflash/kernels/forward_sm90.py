@@ -71,7 +71,7 @@ q_descale, k_descale, v_descale) come as the last entry of ``params``, a float32
 nheads_k) array: the first two scale the scores (folded into the exp2 scale), the third O before
 it is written. The row sums l_i add P before its rounding to e4m3. block_n is a multiple of 128
 (V^T's 128-byte swizzled rows are 128 keys); headdim a multiple of 16, padded to 128-column
-chunks (headdim 64 then does twice the tensor-core work it needs); the plain consumer loop only.
+chunks (TMA fills them with zeros; the products stop at headdim); the plain consumer loop only.
 
 Variants (nbflash/kernels/variants.py): every feature but packed sequences (``served``), with a
 positive scale: the window (causal included), softcap, ALiBi, the additive bias tensor, the boolean
@@ -312,11 +312,16 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     Q_BYTES, KV_BYTES = config.q_bytes, config.kv_bytes
     Q_CHUNK_BYTES, KV_CHUNK_BYTES = BM * ROW_BYTES, BN * ROW_BYTES
     VT_CHUNKS, VT_CHUNK_BYTES = BN // ROW_BYTES, HDP * ROW_BYTES  # fp8's V^T tile: chunks of 128 keys
-    # k steps (k16 of 16-bit operands, k32 of fp8: 32 bytes of a row either way) of S = Q K^T and of O += P V
-    QK_STEPS, PV_STEPS = HDP * ELEMENT_BYTES // 32, BN * ELEMENT_BYTES // 32
-    S_REGS, O_REGS, P_REGS = BN // 2, HDP // 2, 4 * PV_STEPS  # per thread: S and O accumulators, packed P
+    # k steps (k16 of 16-bit operands, k32 of fp8: 32 bytes of a row either way) of S = Q K^T and of O += P V.
+    # fp8 stops both products at headdim: S's k steps at the last one holding a column (the zeros TMA
+    # fills past headdim add nothing) and O at headdim columns (n a multiple of 16, V^T's first rows).
+    # Its chunks are 128 columns, so at headdim 64 this halves the tensor cores' work.
+    QK_STEPS = -(-HD // 32) if IS_FP8 else HDP * ELEMENT_BYTES // 32
+    PV_STEPS = BN * ELEMENT_BYTES // 32
+    HDO = HD if IS_FP8 else HDP  # O's columns
+    S_REGS, O_REGS, P_REGS = BN // 2, HDO // 2, 4 * PV_STEPS  # per thread: S and O accumulators, packed P
     NT = BN // 8  # 8-column groups of S
-    DT = HDP // 8  # 8-column groups of O
+    DT = HDO // 8  # 8-column groups of O
     EMPTY_ARRIVALS = CONSUMERS * GROUP  # every consumer thread releases a slot
     SPLIT_REGISTERS = CONSUMERS == 2  # with one consumer the entry cap already suffices
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
@@ -343,8 +348,8 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     pack = pack_f16x2 if IS_F16 else pack_bf16x2
     DESCALES = len(variants.param_types(config.variant))  # fp8: params' entry of the descales
     wgmma_qk = make_wgmma_ss(BN, AB, 0)  # S (64 x BN) = Q (64 x HDP, K-major) K^T (K: BN rows, K-major)
-    if IS_FP8:  # O (64 x HDP) += P (registers) V, from V^T (HDP rows of keys, K-major)
-        wgmma_pv = make_wgmma_rs(HDP, AB, 0)
+    if IS_FP8:  # O (64 x HD) += P (registers) V, from V^T's first HD rows (keys, K-major)
+        wgmma_pv = make_wgmma_rs(HDO, AB, 0)
     else:
         wgmma_pv = make_wgmma_rs(HDP, AB, 1)  # O (64 x HDP) += P (registers) V (keys x HDP, MN-major)
     # Descriptor strides (bytes): K-major 128B swizzle, 8-row groups 1024 apart (LBO unused: 16);
