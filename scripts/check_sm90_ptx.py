@@ -16,13 +16,15 @@ GPU (misaligned address), which the simulator cannot see.
 
 With ``--out`` the PTX, cubin and ptxas log of each kernel are kept there. ``--fp8-forward`` adds the
 fp8 forward's planned configs (nbflash.configs.SM90_FP8_FORWARD's headdims, and 64 and 96; plain
-and causal; spills are reported, not failed); ``--backward`` the sm90 dK/dV kernels' planned configs and the schedules
+and causal), up to headdim 128 also with the overlapped loop and with ping-pong (spills are
+reported, not failed); ``--backward`` the sm90 dK/dV kernels' planned configs and the schedules
 and variants listed in ``backward_kernels``.
 
 Needs ptxas (the CUDA toolkit, or the nvidia-cuda-nvcc wheel) and Numba's NVVM; no GPU.
 """
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -99,8 +101,14 @@ def fp8_forward_kernels():
         for variant in (Variant(), Variant(window=True)):
             config = configs.sm90_fp8_forward_config(headdim, variant)
             name = f"forward_fp8_hd{headdim}_{'causal' if variant.window else 'plain'}"
-            kernels.append((name, registry.build(config).py_func, registry.signature(config),
-                            {"launch_bounds": config.launch_bounds}))
+            # the plain loop, and up to headdim 128 the overlapped one alone and with the consumers'
+            # turns (options; at 256, S, P and O do not fit beside each other: 48 and 168 bytes spilled
+            # and the wgmmas serialized, ptxas 13.5)
+            schedules = (("", {}), ("_overlap", {"overlap": True}), ("_pingpong", {"overlap": True, "pingpong": True}))
+            for schedule, options in schedules if headdim <= 128 else schedules[:1]:
+                scheduled = dataclasses.replace(config, **options)
+                kernels.append((name + schedule, registry.build(scheduled).py_func, registry.signature(scheduled),
+                                {"launch_bounds": scheduled.launch_bounds}))
     return kernels
 
 

@@ -711,15 +711,16 @@ def fp8_inputs(xp, *arrays):
     return [xp.asarray(x.view(np.uint8)) for x in arrays], dict(fp8_dtype="float8_e4m3fn")
 
 
-@pytest.mark.parametrize("headdim", [64, 80])
-def test_fp8_kernel_ring_wraps(xp, headdim):
+@pytest.mark.parametrize("headdim, overlap", [(64, False), (80, False), (64, True)])
+def test_fp8_kernel_ring_wraps(xp, headdim, overlap):
     # A small config straight through the launcher: one consumer, headdim 64 or 80 padded to a
     # 128-byte chunk (S's k steps stop at 64 or 96 columns, O's at 64 or 80), 3 key tiles of 128
-    # through a 2-stage ring, seqlen_k 300 (V^T padded to 304, the tail masked), per-head descales.
+    # through a 2-stage ring, seqlen_k 300 (V^T padded to 304, the tail masked), per-head descales;
+    # the plain loop and the overlapped one (S_j issued with P_{j-1} V_{j-1}).
     from nbflash import interface
 
     rng = np.random.default_rng(80)
-    config = Sm90ForwardConfig("float8_e4m3fn", headdim, PLAIN, block_n=128, consumers=1)
+    config = Sm90ForwardConfig("float8_e4m3fn", headdim, PLAIN, block_n=128, consumers=1, overlap=overlap)
     q, k, v, descales = fp8_case(rng, 1, 9, 300, 2, 2, headdim)
     out = xp.asarray(np.full(q.shape, np.nan, dtype=ml_dtypes.bfloat16))
     lse = xp.full((1, 2, 9), np.nan, dtype=np.float32)
@@ -840,6 +841,24 @@ def test_fp8_forward_gpu(case, xp):
     out, lse = nbflash.flash_attn_func(*dev, causal=causal, return_lse=True, q_descale=dev_descales[0],
                                        k_descale=dev_descales[1], v_descale=dev_descales[2], **fp8_dtype)
     check_fp8_error(_host(out), _host(lse), q, k, v, descales, 1.0 / math.sqrt(headdim), CAUSAL if causal else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(P.SIMULATOR, reason="sizes the simulator cannot afford; needs a GPU")
+@pytest.mark.parametrize("schedule", ["overlap", "pingpong"])
+@pytest.mark.parametrize("case", [c for c in FP8_GPU_CASES if c[0] <= 128],
+                         ids=["-".join(map(str, c)) for c in FP8_GPU_CASES if c[0] <= 128])
+def test_fp8_schedules_gpu(case, schedule, xp, monkeypatch):
+    # The fp8 forward's overlapped loop, alone and with the consumers' turns (options, timed by
+    # scripts/fp8_parts.py), planned in place of the plain loop for the public call above.
+    import dataclasses
+
+    from nbflash import configs
+
+    planned = configs.sm90_fp8_forward_config
+    monkeypatch.setattr(configs, "sm90_fp8_forward_config", lambda headdim, variant: dataclasses.replace(
+        planned(headdim, variant), overlap=True, pingpong=schedule == "pingpong"))
+    test_fp8_forward_gpu(case, xp)
 
 
 # --- The GPU: the same kernel at sizes the simulator cannot afford -----------------------------------

@@ -71,7 +71,9 @@ q_descale, k_descale, v_descale) come as the last entry of ``params``, a float32
 nheads_k) array: the first two scale the scores (folded into the exp2 scale), the third O before
 it is written. The row sums l_i add P before its rounding to e4m3. block_n is a multiple of 128
 (V^T's 128-byte swizzled rows are 128 keys); headdim a multiple of 16, padded to 128-column
-chunks (TMA fills them with zeros; the products stop at headdim); the plain consumer loop only.
+chunks (TMA fills them with zeros; the products stop at headdim). The plain consumer loop is
+planned; the overlapped loop and ping-pong are options (up to headdim 128: at 256 S, P and O do not
+fit beside each other), timed by scripts/fp8_parts.py.
 
 Variants (nbflash/kernels/variants.py): every feature but packed sequences (``served``), with a
 positive scale: the window (causal included), softcap, ALiBi, the additive bias tensor, the boolean
@@ -206,9 +208,9 @@ class Sm90ForwardConfig:
         if self.dtype not in ("float16", "bfloat16", FP8):
             raise ValueError(f"{self.dtype=} must be 'float16', 'bfloat16' or {FP8!r}")
         if self.dtype == FP8:
-            if self.headdim % 16 or self.block_n % 128 or self.overlap:
+            if self.headdim % 16 or self.block_n % 128:
                 raise ValueError(f"fp8: {self.headdim=} must be a multiple of 16 and {self.block_n=} of 128 "
-                                 f"(V^T's swizzled rows), with the plain loop ({self.overlap=})")
+                                 "(V^T's swizzled rows)")
         if self.headdim % 8 or not 8 <= self.headdim <= 256:
             raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..256")
         if not served(self.variant):

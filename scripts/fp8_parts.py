@@ -1,0 +1,117 @@
+"""Where the fp8 forward's time goes: V^T, the kernel, the whole call, and the kernel's schedules.
+
+    python scripts/fp8_parts.py [--headdims D ...] [--seqlens N ...]
+
+For each shape (flash-attn's grid: hidden 2048, batch 16384 / seqlen; e4m3 inputs from a normal
+distribution, descales 1):
+- "V^T us": the V^T kernel alone (nbflash/kernels/transpose_fp8.py), microseconds, and its GB/s
+  (V read once, V^T written once);
+- the fp8 kernel alone on a V^T made once, TFLOP/s, for each schedule: "plain" (the planned loop),
+  and up to headdim 128 "overlap" (S_j issued with P_{j-1} V_{j-1}) and "pingpong" (the two
+  consumers taking turns), options of Sm90ForwardConfig; each output's largest difference from the
+  plain loop's;
+- "call": flash_attn_func on the uint8 arrays (fp8_dtype), V^T and descales included, as a user
+  calls it.
+Median of 15 timed calls between CUDA events after 3 warm-ups. Needs a GPU of compute capability 9.0
+(docs/perf-notes.md, "The fp8 forward's V^T").
+"""
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def schedules(headdim, causal):
+    from nbflash import configs
+    from nbflash.problem import Variant
+
+    plain = configs.sm90_fp8_forward_config(headdim, Variant(window=causal))
+    found = {"plain": plain}
+    if headdim <= 128:  # at 256, S, P and O do not fit beside each other (check_sm90_ptx.py --fp8-forward)
+        found["overlap"] = dataclasses.replace(plain, overlap=True)
+        found["pingpong"] = dataclasses.replace(plain, overlap=True, pingpong=True)
+    return found
+
+
+def as_float32(bf16):
+    """bfloat16 bits (a CuPy array of ml_dtypes.bfloat16) as float32."""
+    import cupy
+
+    return (bf16.view(np.uint16).astype(cupy.uint32) << 16).view(np.float32)
+
+
+def main(headdims, seqlens):
+    import cupy
+    import ml_dtypes
+
+    import nbflash
+    from nbflash import interface, launch
+    from nbflash.dtypes import BFLOAT16
+    from nbflash.kernels.geometry import visible_count
+    from nbflash.measure import time_ms
+    from nbflash.problem import window_bounds
+
+    def median_ms(call):
+        return time_ms(call, warmup=3, repeats=15, budget_s=math.inf)
+
+    rows = []
+    for headdim in headdims:
+        for causal in (False, True):
+            for seqlen in seqlens:
+                nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
+                rng = np.random.default_rng(seqlen + headdim)
+                q, k, v = (cupy.asarray(rng.standard_normal((batch, seqlen, nheads, headdim), np.float32)
+                                        .astype(ml_dtypes.float8_e4m3fn).view(np.uint8)) for _ in range(3))
+                left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
+                flops = 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
+                descales = cupy.ones((3, batch, nheads), np.float32)
+                params = ((np.int32(left), np.int32(right)) if causal else ()) + (descales,)
+                scale_log2 = np.float32(math.log2(math.e) / math.sqrt(headdim))
+
+                vt_ms = median_ms(lambda: interface.fp8_transposed_v(v))
+                row = {"shape": (headdim, seqlen, causal), "V^T us": round(vt_ms * 1e3, 1),
+                       "V^T GB/s": round(2 * v.nbytes / vt_ms / 1e6)}
+                vt = interface.fp8_transposed_v(v)
+                reference = None
+                for name, config in schedules(headdim, causal).items():
+                    kernel = launch.compiled(config)
+                    out, lse = launch.empty_pair(q.shape, BFLOAT16, (batch, nheads, seqlen), np.dtype(np.float32))
+                    grid = config.grid(batch, nheads, seqlen)
+
+                    def call():
+                        kernel.launch(grid, (q.view(np.uint16), k.view(np.uint16), vt, out, lse), (scale_log2,),
+                                      params)
+
+                    call()
+                    got = as_float32(out)
+                    reference = got if reference is None else reference
+                    row[name] = (round(flops / median_ms(call) / 1e9, 1), float(cupy.abs(got - reference).max()))
+                row["call"] = round(flops / median_ms(lambda: nbflash.flash_attn_func(
+                    q, k, v, causal=causal, fp8_dtype="float8_e4m3fn")) / 1e9, 1)
+                rows.append(row)
+                print(row, flush=True)
+
+    names = ["plain", "overlap", "pingpong"]
+    print("fp8 forward, TFLOP/s (the kernel alone on a ready V^T, then the whole call); V^T alone")
+    print("| hd | seqlen | causal | " + " | ".join(names) + " | call | V^T us | V^T GB/s | max difference |")
+    print("|---|---|---|" + "---|" * (len(names) + 4))
+    for row in rows:
+        headdim, seqlen, causal = row["shape"]
+        cells = [str(row[n][0]) if n in row else "-" for n in names]
+        difference = max(row[n][1] for n in names if n in row)
+        print(f"| {headdim} | {seqlen} | {causal} | " + " | ".join(cells)
+              + f" | {row['call']} | {row['V^T us']} | {row['V^T GB/s']} | {difference:.2g} |")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Time the fp8 forward's parts and schedules.")
+    parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128, 256], metavar="D")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384], metavar="N")
+    args = parser.parse_args()
+    main(args.headdims, args.seqlens)
