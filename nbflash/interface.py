@@ -199,21 +199,22 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 
 def _fp8_descales(descales, batch, nheads_k, xp):
-    """The three descales as one float32 (3, batch, nheads_k) array (the kernel's last param)."""
-    rows = []
-    for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
+    """The three descales as one float32 (3, batch, nheads_k) array (the kernel's last param): a
+    host scalar (None is 1) fills its row, an array is broadcast and cast into it; no copy from the
+    host, one small operation a row."""
+    out = xp.empty((3, batch, nheads_k), dtype=np.float32)
+    for row, name, d in zip(out, ("q_descale", "k_descale", "v_descale"), descales):
         if d is None:
             d = 1.0
         if isinstance(d, numbers.Real) or getattr(d, "ndim", None) == 0 and isinstance(d, np.generic):
-            d = xp.asarray(d, dtype=np.float32)
-        else:
-            d = validation.as_backend_array(d, name)
+            row.fill(float(d))
+            continue
+        d = validation.as_backend_array(d, name)
         if d.shape not in ((), (1,), (batch, nheads_k)):
             raise ValueError(f"{name} must be a scalar or of shape (batch, nheads_k) = {(batch, nheads_k)}, "
                              f"got {tuple(d.shape)}")
-        rows.append(xp.broadcast_to(d.astype(np.float32).reshape(d.shape if d.ndim == 2 else ()),
-                                    (batch, nheads_k)))
-    return xp.ascontiguousarray(xp.stack(rows))
+        row[...] = d.reshape(d.shape if d.ndim == 2 else ())
+    return out
 
 
 def fp8_transposed_v(v):

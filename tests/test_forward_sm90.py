@@ -774,6 +774,22 @@ def test_fp8_public_api_causal_gqa(xp):
     check_fp8_error(_host(out), _host(lse), q, k, v, descales, 1.0 / math.sqrt(128), CAUSAL)
 
 
+def test_fp8_descales_every_form(xp):
+    # The descales' forms as the kernel gets them, one (3, batch, nheads_k) float32 array: None (1),
+    # a Python float, a NumPy scalar, and (1,), () and (batch, nheads_k) arrays of other dtypes.
+    from nbflash import interface
+
+    per_head = np.arange(6, dtype=np.float64).reshape(2, 3) / 4
+    cases = [((None, 2.5, np.float32(0.5)), [1.0, 2.5, 0.5]),
+             ((xp.asarray(np.array([3.0])), xp.asarray(np.array(0.25, np.float16)), xp.asarray(per_head)),
+              [3.0, 0.25, per_head])]
+    for descales, expected in cases:
+        got = _host(interface._fp8_descales(descales, 2, 3, xp))
+        assert got.dtype == np.float32 and got.shape == (3, 2, 3)
+        for row, value in zip(got, expected):
+            np.testing.assert_array_equal(row, np.broadcast_to(np.float32(value), (2, 3)))
+
+
 def test_fp8_refusals(monkeypatch, xp):
     import nbflash
     from nbflash import configs
