@@ -23,8 +23,12 @@ import os
 import sys
 
 import numpy as np
+from tabulate import tabulate
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+SCHEDULES = ("plain", "overlap", "pingpong")  # the consumers' loops (Sm90ForwardConfig's options)
 
 
 def schedules(headdim, causal):
@@ -97,16 +101,16 @@ def main(headdims, seqlens):
                 rows.append(row)
                 print(row, flush=True)
 
-    names = ["plain", "overlap", "pingpong"]
-    print("fp8 forward, TFLOP/s (the kernel alone on a ready V^T, then the whole call); V^T alone")
-    print("| hd | seqlen | causal | " + " | ".join(names) + " | call | V^T us | V^T GB/s | max difference |")
-    print("|---|---|---|" + "---|" * (len(names) + 4))
+    table = []
     for row in rows:
         headdim, seqlen, causal = row["shape"]
-        cells = [str(row[n][0]) if n in row else "-" for n in names]
-        difference = max(row[n][1] for n in names if n in row)
-        print(f"| {headdim} | {seqlen} | {causal} | " + " | ".join(cells)
-              + f" | {row['call']} | {row['V^T us']} | {row['V^T GB/s']} | {difference:.2g} |")
+        timed = [name for name in SCHEDULES if name in row]
+        table.append({"hd": headdim, "seqlen": seqlen, "causal": causal,
+                      **{name: row[name][0] if name in row else "-" for name in SCHEDULES},
+                      "call": row["call"], "V^T us": row["V^T us"], "V^T GB/s": row["V^T GB/s"],
+                      "max difference": f"{max(row[name][1] for name in timed):.2g}"})
+    print("fp8 forward, TFLOP/s (the kernel alone on a ready V^T, then the whole call); V^T alone")
+    print(tabulate(table, headers="keys", tablefmt="github"))
 
 
 if __name__ == "__main__":
