@@ -1,4 +1,5 @@
-"""Host time of one nbflash call on a tiny problem, next to a trivial CuPy ElementwiseKernel launch.
+"""Host time of one nbflash call on a tiny problem, next to a trivial CuPy ElementwiseKernel launch
+(and, on compute capability 9.0, of the fp8 forward's call, with and without descale arrays).
 
 Both are timed in the same run on the same arrays (the host is noisy: compare within a run): the
 median over rounds of back-to-back calls, host clock, without synchronizing inside a round. A round
@@ -77,6 +78,15 @@ def main():
         ("nbflash.flash_attn_func causal", host_us(lambda: nbflash.flash_attn_func(q, k, v, causal=True))),
         ("cupy ElementwiseKernel (q + k), again", host_us(lambda: trivial(q, k, out))),
     ]
+    if cupy.cuda.Device().compute_capability == "90":  # the fp8 forward: V^T and descales made each call
+        q8 = cupy.zeros(q.shape, cupy.uint8)  # e4m3 bytes
+        descales = cupy.ones((1, 1), cupy.float32)
+        rows[-1:-1] = [
+            ("nbflash.flash_attn_func fp8", host_us(lambda: nbflash.flash_attn_func(q8, q8, q8,
+                                                                                    fp8_dtype="float8_e4m3fn"))),
+            ("nbflash.flash_attn_func fp8, descales", host_us(lambda: nbflash.flash_attn_func(
+                q8, q8, q8, fp8_dtype="float8_e4m3fn", q_descale=descales, k_descale=descales, v_descale=descales))),
+        ]
     # Where the time goes: each stage of a call on its own.
     from nbflash import interface, launch, validation
 
