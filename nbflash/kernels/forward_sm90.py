@@ -66,14 +66,14 @@ V^T, (batch, nheads_k, headdim, seqlen_k rounded up to 16, zeros past the end), 
 its own S accumulators into P V's A registers without a shuffle (the fp8 A fragment holds 4
 consecutive k per register, the accumulator pairs 8 columns apart; tests/test_primitives_sm90.py
 shows the pairing). The transpose is a kernel of its own (transpose_fp8.py, launched by
-nbflash/interface.py before this one): a read and a write of V's bytes, per call. The per-(batch, kv head) descales (FlashAttention-3's
-q_descale, k_descale, v_descale) come as the last entry of ``params``, a float32 (3, batch,
-nheads_k) array: the first two scale the scores (folded into the exp2 scale), the third O before
-it is written. The row sums l_i add P before its rounding to e4m3. block_n is a multiple of 128
-(V^T's 128-byte swizzled rows are 128 keys); headdim a multiple of 16, padded to 128-column
-chunks (TMA fills them with zeros; the products stop at headdim). The plain consumer loop is
-planned; the overlapped loop and ping-pong are options (up to headdim 128: at 256 S, P and O do not
-fit beside each other), timed by scripts/fp8_parts.py.
+nbflash/interface.py before this one): a read and a write of V's bytes, per call. The per-(batch,
+kv head) descales (FlashAttention-3's q_descale, k_descale, v_descale) come as the last entry of
+``params``, a float32 (3, batch, nheads_k) array: the first two scale the scores (folded into the
+exp2 scale), the third O before it is written. The row sums l_i add P before its rounding to
+e4m3. block_n is a multiple of 128 (V^T's 128-byte swizzled rows are 128 keys); headdim a multiple
+of 16, padded to 128-column chunks (TMA fills them with zeros; the products stop at headdim). The
+plain consumer loop is planned; the overlapped loop and ping-pong are options (up to headdim 128:
+at 256 S, P and O do not fit beside each other), timed by scripts/fp8_parts.py.
 
 Variants (nbflash/kernels/variants.py): every feature but packed sequences (``served``), with a
 positive scale: the window (causal included), softcap, ALiBi, the additive bias tensor, the boolean
