@@ -74,7 +74,7 @@
 #                                about 9.5 minutes (NO_TIME=1: the grids only)
 #   scripts/gpu_check.sh fp8     the fp8 forward's tests, then its speed (bench.py --fp8) next to the
 #                                16-bit sm90 kernel and SDPA, then its parts and schedules
-#                                (scripts/fp8_parts.py); about 6 minutes
+#                                (scripts/fp8_parts.py); at most 8.5 minutes
 #   scripts/gpu_check.sh wraps-time
 #                                step 59 timed: the backward at hd 128 (HEADDIMS) in this tree and in
 #                                the tree before it (AB_BASE, as for stores), and in AB_MID's where
@@ -628,11 +628,11 @@ fp8)
     # the fp8 forward after its V^T kernel (perf-notes "The fp8 forward's V^T"): the fp8 tests (the
     # overlapped and ping-pong options' included), then its speed next to the 16-bit sm90 kernel and
     # SDPA (the first figures, before that kernel, are in benchmarks.md's "Hopper forward"), then its
-    # parts and schedules (scripts/fp8_parts.py); about 6 minutes
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 120 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
+    # parts and schedules (scripts/fp8_parts.py); at most 8.5 minutes
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 180 python3 -m pytest -n 15 --dist loadgroup -v -p no:cacheprovider \
         -W ignore tests/test_forward_sm90.py tests/test_torch_bridge.py tests/test_bench.py -k fp8 > "$out/fp8_tests.log" 2>&1
     echo "fp8 tests (exit $?): $(tail -1 "$out/fp8_tests.log")"
-    timeout 200 python3 scripts/bench.py --families sm90 --headdims 64 128 256 --seqlens 4096 16384 --dtypes float16 \
+    timeout 180 python3 scripts/bench.py --families sm90 --headdims 64 128 256 --seqlens 4096 16384 --dtypes float16 \
         --fp8 --no-naive --markdown "$out/fp8.md" > "$out/fp8.log" 2>&1
     echo "bench (exit $?):"; tail -16 "$out/fp8.log"
     timeout 150 python3 scripts/fp8_parts.py > "$out/fp8_parts.log" 2>&1  # V^T, the kernel's schedules, the call
