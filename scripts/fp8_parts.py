@@ -8,10 +8,9 @@ distribution, descales 1):
   (V read once, V^T written once);
 - the fp8 kernel alone on a V^T made once, TFLOP/s, for each schedule: "plain" (the planned loop),
   "stages3" (its ring a stage deeper: 32 KB more shared memory up to headdim 128, 64 KB at 256,
-  230,480 bytes in all, which fits), and up
-  to headdim 128 "overlap" (S_j issued with P_{j-1} V_{j-1}) and "pingpong" (the two consumers
-  taking turns), options of Sm90ForwardConfig; each output's largest difference from the plain
-  loop's;
+  230,480 bytes in all, which fits), and up to headdim 128 "overlap" (S_j issued with P_{j-1}
+  V_{j-1}) and "pingpong" (the two consumers taking turns), options of Sm90ForwardConfig; each
+  output's largest difference from the plain loop's;
 - "call": flash_attn_func on the uint8 arrays (fp8_dtype), V^T and descales included, as a user
   calls it.
 Median of 15 timed calls between CUDA events after 3 warm-ups. Needs a GPU of compute capability 9.0
