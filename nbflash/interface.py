@@ -217,6 +217,9 @@ def _fp8_descales(descales, batch, nheads_k, xp):
     return out
 
 
+FP8_TRANSPOSE = Fp8TransposeConfig()  # the V^T kernel: one config for every shape
+
+
 def fp8_transposed_v(v):
     """The fp8 kernel's V operand: V^T, (batch, nheads_k, headdim, seqlen_k rounded up to 16) bytes,
     zeros past seqlen_k, the keys of each 16 in FP8_KEY_ORDER, as uint16 byte pairs: one small
@@ -224,9 +227,8 @@ def fp8_transposed_v(v):
     batch, seqlen_k, nheads_k, headdim = v.shape
     padded = -(-seqlen_k // 16) * 16
     vt = runtime.xp().empty((batch, nheads_k, headdim, padded), dtype=np.uint8)
-    config = Fp8TransposeConfig()
-    launch.compiled(config).launch(config.grid(batch, nheads_k, headdim, padded),
-                                   (v.view(np.uint8).view(np.uint32), vt.view(np.uint32)), ())
+    launch.compiled(FP8_TRANSPOSE).launch(FP8_TRANSPOSE.grid(batch, nheads_k, headdim, padded),
+                                          (v.view(np.uint8).view(np.uint32), vt.view(np.uint32)), ())
     return vt.view(np.uint16)
 
 
