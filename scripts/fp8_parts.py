@@ -1,11 +1,12 @@
 """Where the fp8 forward's time goes: V^T, the kernel, the whole call, and the kernel's schedules.
 
-    python scripts/fp8_parts.py [--headdims D ...] [--seqlens N ...]
+    python scripts/fp8_parts.py [--headdims D ...] [--seqlens N ...] [--schedules S ...] [--vt-threads T ...]
 
 For each shape (flash-attn's grid: hidden 2048, batch 16384 / seqlen; e4m3 inputs from a normal
 distribution, descales 1):
 - "V^T us": the V^T kernel alone (nbflash/kernels/transpose_fp8.py), microseconds, and its GB/s
-  (V read once, V^T written once);
+  (V read once, V^T written once); with --vt-threads, at each block size given (the first in the
+  main columns, the others as "V^T us T");
 - the fp8 kernel alone on a V^T made once, TFLOP/s, for each schedule: "plain" (the planned loop),
   "stages3" (its ring a stage deeper: 32 KB more shared memory up to headdim 128, 64 KB at 256,
   230,480 bytes in all, which fits), and up to headdim 128 "overlap" (S_j issued with P_{j-1}
@@ -44,7 +45,7 @@ def schedules(headdim, causal):
     return found
 
 
-def main(headdims, seqlens):
+def main(headdims, seqlens, names=SCHEDULES, vt_threads=(256,)):
     import cupy
     import ml_dtypes
 
@@ -52,6 +53,7 @@ def main(headdims, seqlens):
     from nbflash import interface, launch
     from nbflash.dtypes import BFLOAT16
     from nbflash.kernels.geometry import visible_count
+    from nbflash.kernels.transpose_fp8 import Fp8TransposeConfig
     from nbflash.measure import time_ms
     from nbflash.problem import window_bounds
 
@@ -72,12 +74,20 @@ def main(headdims, seqlens):
                 params = ((np.int32(left), np.int32(right)) if causal else ()) + (descales,)
                 scale_log2 = np.float32(math.log2(math.e) / math.sqrt(headdim))
 
-                vt_ms = median_ms(lambda: interface.fp8_transposed_v(v))
-                row = {"shape": (headdim, seqlen, causal), "V^T us": round(vt_ms * 1e3, 1),
-                       "V^T GB/s": round(2 * v.nbytes / vt_ms / 1e6)}
                 vt = interface.fp8_transposed_v(v)
+                row = {"shape": (headdim, seqlen, causal)}
+                for threads in vt_threads:  # the V^T kernel alone, at each block size
+                    vt_config = Fp8TransposeConfig(threads=threads)
+                    vt_kernel, vt_grid = launch.compiled(vt_config), vt_config.grid(batch, nheads, headdim, seqlen)
+                    vt_ms = median_ms(lambda: vt_kernel.launch(vt_grid, (v.view(np.uint32), vt.view(np.uint32)), ()))
+                    suffix = "" if threads == vt_threads[0] else f" {threads}"
+                    row["V^T us" + suffix] = round(vt_ms * 1e3, 1)
+                    row["V^T GB/s" + suffix] = round(2 * v.nbytes / vt_ms / 1e6)
+                vt = interface.fp8_transposed_v(v)  # the planned kernel's, for the schedules below
                 reference = None
                 for name, config in schedules(headdim, causal).items():
+                    if name not in names:
+                        continue
                     kernel = launch.compiled(config)
                     out, lse = launch.empty_pair(q.shape, BFLOAT16, (batch, nheads, seqlen), np.dtype(np.float32))
                     grid = config.grid(batch, nheads, seqlen)
@@ -100,8 +110,8 @@ def main(headdims, seqlens):
         headdim, seqlen, causal = row["shape"]
         timed = [name for name in SCHEDULES if name in row]
         table.append({"hd": headdim, "seqlen": seqlen, "causal": causal,
-                      **{name: row[name][0] if name in row else "-" for name in SCHEDULES},
-                      "call": row["call"], "V^T us": row["V^T us"], "V^T GB/s": row["V^T GB/s"],
+                      **{name: row[name][0] if name in row else "-" for name in names},
+                      "call": row["call"], **{key: value for key, value in row.items() if key.startswith("V^T")},
                       "max difference": f"{max(row[name][1] for name in timed):.2g}"})
     print("fp8 forward, TFLOP/s (the kernel alone on a ready V^T, then the whole call); V^T alone")
     print(tabulate(table, headers="keys", tablefmt="github"))
@@ -111,5 +121,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Time the fp8 forward's parts and schedules.")
     parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128, 256], metavar="D")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384], metavar="N")
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES, metavar="S",
+                        help=f"the kernel's schedules to time (of {', '.join(SCHEDULES)}; plain is always timed)")
+    parser.add_argument("--vt-threads", type=int, nargs="+", default=[256], metavar="T",
+                        help="the V^T kernel's block sizes to time (the first is the one the columns without a "
+                             "size give)")
     args = parser.parse_args()
-    main(args.headdims, args.seqlens)
+    main(args.headdims, args.seqlens, tuple(dict.fromkeys(["plain"] + args.schedules)), tuple(args.vt_threads))

@@ -157,13 +157,15 @@
 #                                GPU): its test grid (bit-identical to the consumer lanes' bits), then
 #                                the planned dropout backward against it, headdims 64 and 128, about
 #                                5 minutes
-#   scripts/gpu_check.sh stalls [HEADDIM [red|tiles]]
+#   scripts/gpu_check.sh stalls [HEADDIM [red|tiles|fp8]]
 #                                where the planned dK/dV kernel's warps wait at HEADDIM (default 128;
 #                                64: the rows split), instruction by instruction (ncu's source
 #                                counters; scripts/stall_report.py) and its speed-of-light page (SM,
 #                                L2 and DRAM throughput against peak), plain and causal at 4k, about 3
 #                                minutes; needs ncu with hardware counters. With "red" or "tiles", the
-#                                planned kernel with that dq_reduce (tiles is planned at hd 72-128)
+#                                planned kernel with that dq_reduce (tiles is planned at hd 72-128);
+#                                with "fp8", the fp8 forward's kernel instead (at 16k, where the V^T
+#                                kernel's share is small)
 #   scripts/gpu_check.sh wide    issue 13's kernels not yet run on a GPU, their test grids: packed
 #                                sequences on the sm90 dK/dV kernel, and its wide kernel for
 #                                headdims 136-256 with every variant, dense and packed, up to 8 minutes
@@ -663,10 +665,11 @@ stalls)
     headdim=${2:-128}
     for causal in "" "--causal"; do
         name="stalls_hd$headdim${3:+_$3}${causal:+_causal}"
-        timeout 200 ncu --clock-control none --kernel-name regex:backward_dkdv --launch-skip 1 --launch-count 1 \
+        if [ "${3:-}" = fp8 ]; then kernel=forward_sm90 what="--fp8 --seqlen 16384"
+        else kernel=backward_dkdv what="--seqlen 4096 ${3:+--dq-reduce $3}"; fi
+        timeout 200 ncu --clock-control none --kernel-name regex:$kernel --launch-skip 1 --launch-count 1 \
             --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$out/$name" \
-            python3 scripts/stall_report.py run --headdim "$headdim" --seqlen 4096 $causal ${3:+--dq-reduce "$3"} \
-            > "$out/$name.log" 2>&1
+            python3 scripts/stall_report.py run --headdim "$headdim" $what $causal > "$out/$name.log" 2>&1
         echo "ncu ${causal:-plain} (exit $?): $(tail -1 "$out/$name.log")"
         timeout 120 ncu --import "$out/$name.ncu-rep" --page source --csv --print-source sass > "$out/$name.csv" 2>&1
         python3 scripts/stall_report.py summary "$out/$name.csv" --top 30 --context 3 > "$out/$name.txt" 2>&1
@@ -689,7 +692,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles]]|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8]]|wide" >&2
     exit 2
     ;;
 esac

@@ -4,6 +4,7 @@ profile, and a summary of its per-instruction stall samples.
     ncu --clock-control none --kernel-name regex:backward_dkdv --launch-skip 1 --launch-count 1 \\
         --section SourceCounters --section WarpStateStats -f -o stalls \\
         python3 scripts/stall_report.py run [--headdim 128] [--seqlen 4096] [--causal] [--dq-reduce red]
+    ncu ... --kernel-name regex:forward_sm90 ... python3 scripts/stall_report.py run --fp8 [--headdim 128] ...
     ncu --import stalls.ncu-rep --page source --csv --print-source sass > stalls.csv
     python3 scripts/stall_report.py summary stalls.csv [--top 40]
 
@@ -30,7 +31,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def run(headdim, seqlen, causal, dq_reduce=None):
+def run(headdim, seqlen, causal, dq_reduce=None, fp8=False):
     import dataclasses
 
     import cupy
@@ -45,6 +46,16 @@ def run(headdim, seqlen, causal, dq_reduce=None):
 
     rng = np.random.default_rng(0)
     shape = (4, seqlen, 16, headdim)
+    if fp8:
+        import ml_dtypes
+
+        q, k, v = (cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.float8_e4m3fn)
+                                .view(np.uint8)) for _ in range(3))
+        for _ in range(2):  # the first compiles (ncu skips it), the second is profiled
+            nbflash.flash_attn_func(q, k, v, causal=causal, fp8_dtype="float8_e4m3fn")
+        cupy.cuda.runtime.deviceSynchronize()
+        print(f"ran the fp8 forward twice: {shape}, causal={causal}")
+        return
     q, k, v, dout = (cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(np.float16)) for _ in range(4))
     out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     for _ in range(2):  # the first compiles (ncu skips it), the second is profiled
@@ -121,6 +132,7 @@ def main():
     one.add_argument("--causal", action="store_true")
     one.add_argument("--dq-reduce", choices=["red", "tiles"], default=None,
                      help="how the planned dK/dV kernel adds dQ (its dq_reduce; default: the planner's)")
+    one.add_argument("--fp8", action="store_true", help="the fp8 forward's calls instead of the backward's")
     two = sub.add_parser("summary", help="summarize ncu's source page (CSV)")
     two.add_argument("csv")
     two.add_argument("--top", type=int, default=40)
@@ -128,7 +140,7 @@ def main():
                      help="also print this many instructions before each of the 8 hottest")
     args = parser.parse_args()
     if args.what == "run":
-        run(args.headdim, args.seqlen, args.causal, args.dq_reduce)
+        run(args.headdim, args.seqlen, args.causal, args.dq_reduce, args.fp8)
     else:
         summary(args.csv, args.top, args.context)
 

@@ -734,11 +734,12 @@ def test_fp8_kernel_ring_wraps(xp, headdim, overlap):
     check_fp8_error(_host(out), _host(lse), q, k, v, descales, scale, None)
 
 
-@pytest.mark.parametrize("seqlen_k, headdim", [(70, 80), (1, 256)])
-def test_fp8_transposed_v(xp, seqlen_k, headdim):
+@pytest.mark.parametrize("seqlen_k, headdim, threads", [(70, 80, 256), (1, 256, 256), (70, 80, 128)])
+def test_fp8_transposed_v(xp, seqlen_k, headdim, threads):
     # V^T for the fp8 kernel (nbflash/kernels/transpose_fp8.py) against NumPy's: every other head of
     # a strided V, a length off 16 and 64 (its padding must come out zero in an array poisoned
-    # first), headdim off 64, and one key padded to 16 at headdim 256.
+    # first), headdim off 64, and one key padded to 16 at headdim 256; with 128 threads a block,
+    # each thread moves 8 words instead of 4.
     from nbflash import interface
     from nbflash.kernels.forward_sm90 import FP8_KEY_ORDER
     from nbflash.kernels.transpose_fp8 import Fp8TransposeConfig
@@ -754,7 +755,7 @@ def test_fp8_transposed_v(xp, seqlen_k, headdim):
 
     v = xp.asarray(v_all)[:, :, ::2]
     vt = xp.full(expected.shape, 0xAB, dtype=np.uint8)
-    config = Fp8TransposeConfig()
+    config = Fp8TransposeConfig(threads=threads)
     launch.compiled(config).launch(config.grid(batch, nheads_k, headdim, padded),
                                    (v.view(np.uint32), vt.view(np.uint32)), ())
     np.testing.assert_array_equal(_host(vt), expected)
