@@ -60,7 +60,7 @@ else:
         return sig, codegen
 
 
-from numba import cuda, float32, uint16, uint32  # noqa: E402
+from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
 
 @cuda.jit(device=True, inline=True)
@@ -89,6 +89,58 @@ def unpack_bf16x2(word):
 def to_f32(x):
     """Widen a float16 or float32 element to float32."""
     return float32(x)
+
+
+# ---------------------------------------------------------------------------------------------------
+# exp2 on the FMA pipes
+#
+# The softmax's exponentials go to the SM's MUFU unit (ex2.approx: 16 a clock an SM on Hopper), which
+# at fp8 is as busy as the tensor cores (docs/perf-notes.md, "The fp8 forward measured"). The same
+# 2**x can be made from plain arithmetic, FlashAttention-4's way: x = j + f with j the integer
+# nearest x and f in [-1/2, 1/2]; 2**f from a short polynomial; 2**j added into the exponent field.
+# Adding 1.5 * 2**23 rounds x to j in float32's low mantissa bits (round to nearest even), from
+# which j shifted left by 23 is the exponent's increment. p(0) is exactly 1, so x <= -127
+# (masked scores: -inf, clamped) gives the bits 0: exactly +0.0, as ex2.approx.ftz gives. Between
+# -127 and -126 the result is some number below 2**-126 instead of the true one (float32's
+# subnormals, which the ftz exponential flushes to 0 anyway). A NaN x gives 0, not NaN.
+# Coefficients: relative minimax on [-1/2, 1/2] with the constant term 1.
+# ---------------------------------------------------------------------------------------------------
+
+ROUND_TO_INTEGER = 12582912.0  # 1.5 * 2**23: x + this has x rounded to an integer in its low bits
+
+
+@cuda.jit(device=True, inline=True)
+def _exp2_split(x):
+    """(t, f): t = 1.5 * 2**23 + j with j the integer nearest max(x, -127), f = x - j in [-1/2, 1/2]."""
+    x = max(x, float32(-127.0))
+    t = x + float32(ROUND_TO_INTEGER)
+    return t, x - (t - float32(ROUND_TO_INTEGER))
+
+
+@cuda.jit(device=True, inline=True)
+def _exp2_join(p, t):
+    """p * 2**j: j (t's bits less 1.5 * 2**23's) added into p's exponent field. In signed words
+    nothing wraps: p's field is 126 or 127 and j >= -127, so the sum is >= 0."""
+    j = int32(f32_as_u32(t)) - int32(0x4B400000)
+    return u32_as_f32(uint32(int32(f32_as_u32(p)) + (j << int32(23))))
+
+
+@cuda.jit(device=True, inline=True)
+def exp2_fma3(x):
+    """2**x for x <= 0 without MUFU, within 1.1e-4 relative (degree 3: for P rounded to e4m3)."""
+    t, f = _exp2_split(x)
+    p = ((float32(0.05500858277082443) * f + float32(0.24221037328243256)) * f
+         + float32(0.6932829022407532)) * f + float32(1.0)
+    return _exp2_join(p, t)
+
+
+@cuda.jit(device=True, inline=True)
+def exp2_fma4(x):
+    """2**x for x <= 0 without MUFU, within 3e-6 relative (degree 4: for P rounded to 16 bits)."""
+    t, f = _exp2_split(x)
+    p = (((float32(0.009582818485796452) * f + float32(0.05590637028217316)) * f + float32(0.24024099111557007)) * f
+         + float32(0.6931241750717163)) * f + float32(1.0)
+    return _exp2_join(p, t)
 
 
 # ---------------------------------------------------------------------------------------------------

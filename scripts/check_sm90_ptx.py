@@ -16,7 +16,8 @@ GPU (misaligned address), which the simulator cannot see.
 
 With ``--out`` the PTX, cubin and ptxas log of each kernel are kept there. ``--fp8-forward`` adds the
 fp8 forward's planned configs (nbflash.configs.SM90_FP8_FORWARD's headdims, and 64 and 96; plain
-and causal), up to headdim 128 also with the overlapped loop and with ping-pong (spills are
+and causal), each with 3 key groups' exponentials on the FMA pipes (``exp2_fma_groups``), up to
+headdim 128 also with the overlapped loop and with ping-pong (spills are
 reported, not failed); ``--backward`` the sm90 dK/dV kernels' planned configs and the schedules
 and variants listed in ``backward_kernels``.
 
@@ -105,7 +106,9 @@ def fp8_forward_kernels():
             # turns (options; at 256, S, P and O do not fit beside each other: 48 and 168 bytes spilled
             # and the wgmmas serialized, ptxas 13.5)
             schedules = (("", {}), ("_overlap", {"overlap": True}), ("_pingpong", {"overlap": True, "pingpong": True}))
-            for schedule, options in schedules if headdim <= 128 else schedules[:1]:
+            # and with 3 of each row's 16 key groups' exponentials on the FMA pipes (an option)
+            fma = (("_fma3", {"exp2_fma_groups": 3}),)
+            for schedule, options in (schedules if headdim <= 128 else schedules[:1]) + fma:
                 scheduled = dataclasses.replace(config, **options)
                 kernels.append((name + schedule, registry.build(scheduled).py_func, registry.signature(scheduled),
                                 {"launch_bounds": scheduled.launch_bounds}))

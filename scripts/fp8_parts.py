@@ -10,8 +10,10 @@ distribution, descales 1):
 - the fp8 kernel alone on a V^T made once, TFLOP/s, for each schedule: "plain" (the planned loop),
   "stages3" (its ring a stage deeper: 32 KB more shared memory up to headdim 128, 64 KB at 256,
   230,480 bytes in all, which fits), and up to headdim 128 "overlap" (S_j issued with P_{j-1}
-  V_{j-1}) and "pingpong" (the two consumers taking turns), options of Sm90ForwardConfig; each
-  output's largest difference from the plain loop's;
+  V_{j-1}) and "pingpong" (the two consumers taking turns), and "fma3", "fma5" (3 or 5 of each
+  row's 16 key groups with P's exponentials on the FMA pipes: exp2_fma_groups), options of
+  Sm90ForwardConfig; each output's largest difference from the plain loop's (not 0 for fma: the
+  polynomial's P differs in its last bits, and e4m3 rounds some of them apart);
 - "call": flash_attn_func on the uint8 arrays (fp8_dtype), V^T and descales included, as a user
   calls it.
 Median of 15 timed calls between CUDA events after 3 warm-ups. Needs a GPU of compute capability 9.0
@@ -30,7 +32,7 @@ from tabulate import tabulate
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-SCHEDULES = ("plain", "stages3", "overlap", "pingpong")  # Sm90ForwardConfig's options
+SCHEDULES = ("plain", "stages3", "overlap", "pingpong", "fma3", "fma5")  # Sm90ForwardConfig's options
 
 
 def schedules(headdim, causal):
@@ -42,6 +44,8 @@ def schedules(headdim, causal):
     if headdim <= 128:  # at 256, S, P and O do not fit beside each other (check_sm90_ptx.py --fp8-forward)
         found["overlap"] = dataclasses.replace(plain, overlap=True)
         found["pingpong"] = dataclasses.replace(plain, overlap=True, pingpong=True)
+    for groups in (3, 5):  # of each row's 16 key groups, this many with P's exponentials on the FMA pipes
+        found[f"fma{groups}"] = dataclasses.replace(plain, exp2_fma_groups=groups)
     return found
 
 

@@ -75,6 +75,9 @@
 #   scripts/gpu_check.sh fp8     the fp8 forward's tests, then its speed (bench.py --fp8) next to the
 #                                16-bit sm90 kernel and SDPA, then its parts and schedules
 #                                (scripts/fp8_parts.py); at most 8.5 minutes
+#   scripts/gpu_check.sh exp2    P's exponentials partly on the FMA pipes (exp2_fma_groups) and the V^T
+#                                kernel's new form: their GPU tests, then fp8_parts.py and
+#                                sm90_schedules.py on them; at most 9 minutes
 #   scripts/gpu_check.sh wraps-time
 #                                step 59 timed: the backward at hd 128 (HEADDIMS) in this tree and in
 #                                the tree before it (AB_BASE, as for stores), and in AB_MID's where
@@ -640,6 +643,19 @@ fp8)
     timeout 150 python3 scripts/fp8_parts.py > "$out/fp8_parts.log" 2>&1  # V^T, the kernel's schedules, the call
     echo "parts (exit $?):"; tail -16 "$out/fp8_parts.log"
     ;;
+exp2)
+    # P's exponentials partly on the FMA pipes (exp2_fma_groups) and the V^T kernel's loads in flight
+    # together, neither run on a GPU yet (docs/perf-notes.md, "The fp8 softmax's exponentials on the
+    # FMA pipes"): their tests, then the fp8 kernel's plain loop against fma3 and fma5 and V^T at 256
+    # and 128 threads (fp8_parts.py), then the 16-bit forward's fma2 and fma4 at hd 64 and 128
+    # (sm90_schedules.py); at most 9 minutes
+    grid exp2_tests 180 tests/test_primitives.py tests/test_forward_sm90.py -k "intrinsics_match or exp2 or fma or transposed_v"
+    timeout 190 python3 scripts/fp8_parts.py --headdims 64 128 --schedules plain fma3 fma5 --vt-threads 256 128 \
+        > "$out/exp2_fp8.log" 2>&1
+    echo "fp8 (exit $?):"; tail -12 "$out/exp2_fp8.log"
+    timeout 150 python3 scripts/sm90_schedules.py --headdims 64 128 --only fma2 fma4 > "$out/exp2_16bit.log" 2>&1
+    echo "16-bit (exit $?):"; tail -14 "$out/exp2_16bit.log"
+    ;;
 issue13)
     # the issue's item 3: bench.py's two passes side by side with the anchors (Flex through --variants)
     for pass in backward forward+backward; do
@@ -692,7 +708,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8]]|wide" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8]]|wide|fp8|exp2" >&2
     exit 2
     ;;
 esac

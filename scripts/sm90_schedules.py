@@ -75,7 +75,9 @@ GPU, its host work counted), FLOPs 2.5x the forward's, its dq, dk, dv compared w
 Forward, for each shape (flash-attn's grid: hidden 2048, batch 16384 / seqlen): the planned config ("base"),
 the overlapped loop ("overlap": S_{j+1} issued with P_j V_j), the two consumers taking turns
 ("pingpong"), longest-first inside groups of 4 or 8 (batch, head) pairs ("heavy-groups4",
-"heavy-groups8"), and at headdim 128 key tiles of 176 ("n176", "n176-pp"). TFLOP/s from CUDA events
+"heavy-groups8"), at headdim 128 key tiles of 176 ("n176", "n176-pp"), and 2 or 4 of each row's
+16 key groups with P's exponentials on the FMA pipes instead of MUFU ("fma2", "fma4":
+exp2_fma_groups). With --only, those schedules and "base". TFLOP/s from CUDA events
 around each launch (median of 15 after 3 warm-ups); each schedule's output is compared with the
 base's. The configs are compiled first in worker processes (into nbflash's on-disk cache), each line
 saying the seconds, registers and local (spill) bytes. Needs a GPU of compute capability 9.0.
@@ -93,7 +95,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-ONLY = None  # --only: the backward schedules to time (None: all)
+ONLY = None  # --only: the schedules to time (None: all)
 ANCHORS = False  # --anchors: SDPA's backward next to the schedules
 ISOLATE = None  # --isolate: seconds for each (shape, schedule) in a child process (None: one process)
 DROPOUT = 0.0  # --dropout: the backward's schedules with this dropout probability (0: none)
@@ -114,7 +116,9 @@ def schedules(headdim, causal):
         found["n176"] = base.__class__(**{**base.__dict__, "block_n": 176, "stages": 2})
         found["n176-pp"] = base.__class__(**{**base.__dict__, "block_n": 176, "stages": 2, "overlap": True,
                                              "pingpong": True})
-    return found
+    for groups in (2, 4):  # of each row's 16 key groups, this many with P's exponentials on the FMA pipes
+        found[f"fma{groups}"] = base.__class__(**{**base.__dict__, "exp2_fma_groups": groups})
+    return {name: config for name, config in found.items() if ONLY is None or name in ONLY}
 
 
 def median_ms(call, repeats):
@@ -481,7 +485,7 @@ def parse_args():
     parser.add_argument("--backward", action="store_true", help="the backward's schedules (default: the forward's)")
     parser.add_argument("--headdims", type=int, nargs="+", metavar="D", help="only the shapes of these headdims")
     parser.add_argument("--only", nargs="+", metavar="NAME",
-                        help="only these schedules (the backward's; 'base', the differences' reference, and "
+                        help="only these schedules ('base', the differences' reference, and the backward's "
                              "'planned' are always timed)")
     parser.add_argument("--anchors", action="store_true",
                         help="with --backward: time SDPA's flash and cuDNN backwards in the same loop")

@@ -131,6 +131,15 @@ def test_lazy_rescale(overlap, slack, scale, xp):
     check(config, xp, seqlen_q=70, seqlen_k=150, nheads=1, nheads_k=1, scale=scale)
 
 
+@pytest.mark.parametrize("groups", [3, 8])
+def test_exp2_on_fma_pipes(groups, xp):
+    # exp2_fma_groups: 3 of the 8 key groups of a row (spread out), then all 8, take P from the
+    # polynomial exp2 instead of MUFU; causal, two query blocks, rows that see no key (their P must be
+    # exactly 0 from exp2(-inf), or l > 0 and out becomes V's mean), 3 key tiles.
+    config = Sm90ForwardConfig("float16", 64, WINDOW, exp2_fma_groups=groups, **SMALL)
+    check(config, xp, seqlen_q=72, seqlen_k=150 if groups == 3 else 40, nheads=1, nheads_k=1)
+
+
 def test_pingpong(xp):
     # Two consumers taking turns (named barriers) in the overlapped loop, causal: 3 key tiles, the
     # last a diagonal one.
@@ -711,16 +720,18 @@ def fp8_inputs(xp, *arrays):
     return [xp.asarray(x.view(np.uint8)) for x in arrays], dict(fp8_dtype="float8_e4m3fn")
 
 
-@pytest.mark.parametrize("headdim, overlap", [(64, False), (80, False), (64, True)])
-def test_fp8_kernel_ring_wraps(xp, headdim, overlap):
+@pytest.mark.parametrize("headdim, overlap, fma_groups", [(64, False, 0), (80, False, 0), (64, True, 0), (64, False, 5)])
+def test_fp8_kernel_ring_wraps(xp, headdim, overlap, fma_groups):
     # A small config straight through the launcher: one consumer, headdim 64 or 80 padded to a
     # 128-byte chunk (S's k steps stop at 64 or 96 columns, O's at 64 or 80), 3 key tiles of 128
     # through a 2-stage ring, seqlen_k 300 (V^T padded to 304, the tail masked), per-head descales;
-    # the plain loop and the overlapped one (S_j issued with P_{j-1} V_{j-1}).
+    # the plain loop and the overlapped one (S_j issued with P_{j-1} V_{j-1}); 5 of each row's 16
+    # key groups with P from the polynomial exp2 (exp2_fma_groups).
     from nbflash import interface
 
     rng = np.random.default_rng(80)
-    config = Sm90ForwardConfig("float8_e4m3fn", headdim, PLAIN, block_n=128, consumers=1, overlap=overlap)
+    config = Sm90ForwardConfig("float8_e4m3fn", headdim, PLAIN, block_n=128, consumers=1, overlap=overlap,
+                               exp2_fma_groups=fma_groups)
     q, k, v, descales = fp8_case(rng, 1, 9, 300, 2, 2, headdim)
     out = xp.asarray(np.full(q.shape, np.nan, dtype=ml_dtypes.bfloat16))
     lse = xp.full((1, 2, 9), np.nan, dtype=np.float32)
@@ -862,19 +873,22 @@ def test_fp8_forward_gpu(case, xp):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(P.SIMULATOR, reason="sizes the simulator cannot afford; needs a GPU")
-@pytest.mark.parametrize("schedule", ["overlap", "pingpong"])
+@pytest.mark.parametrize("schedule", ["overlap", "pingpong", "fma3"])
 @pytest.mark.parametrize("case", [c for c in FP8_GPU_CASES if c[0] <= 128],
                          ids=["-".join(map(str, c)) for c in FP8_GPU_CASES if c[0] <= 128])
 def test_fp8_schedules_gpu(case, schedule, xp, monkeypatch):
-    # The fp8 forward's overlapped loop, alone and with the consumers' turns (options, timed by
+    # The fp8 forward's overlapped loop, alone and with the consumers' turns, and the plain loop with
+    # 3 of each row's 16 key groups' exponentials on the FMA pipes (options, timed by
     # scripts/fp8_parts.py), planned in place of the plain loop for the public call above.
     import dataclasses
 
     from nbflash import configs
 
     planned = configs.sm90_fp8_forward_config
+    options = {"fma3": {"exp2_fma_groups": 3}, "overlap": {"overlap": True},
+               "pingpong": {"overlap": True, "pingpong": True}}[schedule]
     monkeypatch.setattr(configs, "sm90_fp8_forward_config", lambda headdim, variant: dataclasses.replace(
-        planned(headdim, variant), overlap=True, pingpong=schedule == "pingpong"))
+        planned(headdim, variant), **options))
     test_fp8_forward_gpu(case, xp)
 
 
@@ -900,15 +914,16 @@ GPU_CASES = [
 @pytest.mark.skipif(P.SIMULATOR, reason="sizes the simulator cannot afford; needs a GPU")
 @pytest.mark.parametrize("case", GPU_CASES, ids=["-".join(map(str, c[:2] + ("w" if c[2].window else "p",) + c[3:]))
                                                   for c in GPU_CASES])
-@pytest.mark.parametrize("schedule", ["stages2", "stages3", "overlap", "pingpong", "n176"])
+@pytest.mark.parametrize("schedule", ["stages2", "stages3", "overlap", "pingpong", "n176", "fma4"])
 def test_forward_sm90_gpu(case, schedule, xp):
+    # fma4: 4 of each row's key groups with P's exponentials on the FMA pipes (exp2_fma_groups)
     dtype, headdim, variant, batch, seqlen_q, seqlen_k, nheads, nheads_k = case
     if headdim > 128 and schedule in ("n176", "stages3"):
         pytest.skip("more than 227 KB of shared memory at this headdim")
     block_n = 176 if schedule == "n176" else 128 if headdim <= 128 else 80
     config = Sm90ForwardConfig(dtype, headdim, variant, block_n=block_n,
                                stages=3 if schedule == "stages3" else 2, overlap=schedule in ("overlap", "pingpong"),
-                               pingpong=schedule == "pingpong")
+                               pingpong=schedule == "pingpong", exp2_fma_groups=4 if schedule == "fma4" else 0)
     check(config, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, seed=seqlen_q)
 
 

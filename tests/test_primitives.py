@@ -351,6 +351,33 @@ def test_pointwise():
 
 
 @cuda.jit
+def _exp2_fma_kernel(x, out3, out4):
+    i = cuda.grid(1)
+    if i < x.size:
+        out3[i] = P.exp2_fma3(x[i])
+        out4[i] = P.exp2_fma4(x[i])
+
+
+def check_exp2_fma(rng, n=64):
+    """exp2 on the FMA pipes: within its degree's bound of 2**x from 0 down to -126 (random draws,
+    the integers and the halfway points, where the rounding to j chooses), exactly 0 at -127 and
+    below and at -inf (masked scores)."""
+    x = np.concatenate([-rng.random(n) * 126, -np.arange(0, 127), -np.arange(0, 126) - 0.5,
+                        [-127.0, -127.3, -500.0, -np.inf]]).astype(np.float32)
+    out3, out4 = np.full(x.size, np.nan, np.float32), np.full(x.size, np.nan, np.float32)
+    _exp2_fma_kernel[-(-x.size // 128), 128](x, out3, out4)
+    exact = np.exp2(x.astype(np.float64))
+    normal = x >= -126
+    np.testing.assert_allclose(out3[normal], exact[normal], rtol=1.1e-4, atol=0)
+    np.testing.assert_allclose(out4[normal], exact[normal], rtol=3e-6, atol=0)
+    assert (out3[x <= -127] == 0).all() and (out4[x <= -127] == 0).all()
+
+
+def test_exp2_fma():
+    check_exp2_fma(np.random.default_rng(7))
+
+
+@cuda.jit
 def _vote_kernel(flags, out):
     warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
     out[warp, lane] = P.warp_all(flags[warp, lane])
@@ -425,6 +452,7 @@ def test_intrinsics_match_layouts_on_gpu():
         if cuda.get_current_device().compute_capability >= (9, 0):  # red.v4.f32: sm_90
             check_red(rng, 4)
         check_pointwise(rng)
+        check_exp2_fma(rng)
         check_vote(rng)
         check_broadcast(rng)
 

@@ -26,7 +26,10 @@ issued together with P_{j-1} V_{j-1}, so that the softmax of S_j runs while P_{j
 flight and O is rescaled once it lands (FlashAttention-3's intra-warpgroup pipelining); and with it the two consumers
 taking turns to issue their products through named barriers 1 and 2 (ping-pong). Both are correct;
 at headdim 128 both measured slower than the plain loop (docs/perf-notes.md, "Hopper forward"), so
-the planner does not use them.
+the planner does not use them. A third option, ``exp2_fma_groups``, makes part of each row's P by a
+polynomial on the FMA pipes (primitives.exp2_fma3, exp2_fma4) instead of MUFU's ex2.approx, which
+the exponentials otherwise queue on where the products are short (fp8, headdim 64): FlashAttention-4's
+split, not yet timed.
 
 Grid and threads: grid = (ceil(seqlen_q / block_m), nheads, batch), or with ``heavy_groups`` G
 (G ceil(seqlen_q / block_m), ceil(batch nheads / G), 1): each row of blocks a group of G (batch,
@@ -106,6 +109,8 @@ from numba import cuda, float32, uint32, uint64
 
 from nbflash.primitives import (
     exp2_approx,
+    exp2_fma3,
+    exp2_fma4,
     global_address,
     inline_device,
     pack_bf16x2,
@@ -203,6 +208,10 @@ class Sm90ForwardConfig:
     # against until some row passes them by more than this many powers of 2 (a vote a tile), so
     # P <= 2**rescale_slack and O is rescaled only then; 0: at every tile. At most 8.
     rescale_slack: float = 0.0
+    # Of each row's block_n / 8 groups of 8 keys, this many (spread evenly) take P's exponentials
+    # from the FMA pipes (primitives.exp2_fma3 at fp8, exp2_fma4 at 16 bits: 8 instructions a score)
+    # instead of MUFU (16 a clock an SM), FlashAttention-4's split; 0: all on MUFU
+    exp2_fma_groups: int = 0
 
     def __post_init__(self):
         if self.dtype not in ("float16", "bfloat16", FP8):
@@ -229,6 +238,9 @@ class Sm90ForwardConfig:
             raise ValueError(f"{self.stages=}: the ring needs at least 2 stages")
         if self.heavy_groups < 0:
             raise ValueError(f"heavy_groups={self.heavy_groups} must be 0 (off) or a group size")
+        if not 0 <= self.exp2_fma_groups <= self.block_n // 8:
+            raise ValueError(f"exp2_fma_groups={self.exp2_fma_groups} must be in 0..{self.block_n // 8} "
+                             "(groups of 8 keys of a row)")
         if not 0 <= self.rescale_slack <= 8:
             raise ValueError(f"rescale_slack={self.rescale_slack} must be in [0, 8] (powers of 2 that P may reach)")
         if self.consumers == 2:  # setmaxnreg splits the registers (one consumer keeps the entry cap)
@@ -329,6 +341,8 @@ def build_forward_sm90(config: Sm90ForwardConfig):
     PRODUCER_REGS, CONSUMER_REGS = config.producer_registers, config.consumer_registers
     OVERLAP, PINGPONG = config.overlap, config.pingpong
     SLACK = float32(config.rescale_slack)
+    FMA_GROUPS = config.exp2_fma_groups
+    exp2_fma = exp2_fma3 if IS_FP8 else exp2_fma4  # P rounded to e4m3 or to 16 bits
     TURN_THREADS = 2 * GROUP  # a turn barrier: the waiting consumer and the one handing over
     hooks = variants.hooks(config.variant)
     WINDOW, key_tiles, row_keys, hidden = hooks.WINDOW, hooks.key_tiles, hooks.row_keys, hooks.hidden
@@ -440,7 +454,9 @@ def build_forward_sm90(config: Sm90ForwardConfig):
         row_sum = float32(0)
         for c in static_range(NT):
             for e in static_range(2):
-                p = exp2_approx(s[4 * c + 2 * rh + e] * scale_log2 - m_scaled)
+                x = s[4 * c + 2 * rh + e] * scale_log2 - m_scaled
+                # exp2_fma_groups of the NT groups, evenly spaced, on the FMA pipes (c is a constant)
+                p = exp2_fma(x) if (c * FMA_GROUPS) % NT < FMA_GROUPS else exp2_approx(x)
                 s[4 * c + 2 * rh + e] = p
                 row_sum += p
         return row_sum
