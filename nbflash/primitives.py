@@ -102,7 +102,8 @@ def to_f32(x):
 # which j shifted left by 23 is the exponent's increment. p(0) is exactly 1, so x <= -127
 # (masked scores: -inf, clamped) gives the bits 0: exactly +0.0, as ex2.approx.ftz gives. Between
 # -127 and -126 the result is some number below 2**-126 instead of the true one (float32's
-# subnormals, which the ftz exponential flushes to 0 anyway). A NaN x gives 0, not NaN.
+# subnormals, which the ftz exponential flushes to 0 anyway). On the GPU a NaN x gives 0 (FMNMX
+# drops it), not NaN; the simulator's max keeps the NaN.
 # Coefficients: relative minimax on [-1/2, 1/2] with the constant term 1.
 # ---------------------------------------------------------------------------------------------------
 
