@@ -649,7 +649,7 @@ exp2)
     # FMA pipes"): their tests, then the fp8 kernel's plain loop against fma3 and fma5 and V^T at 256
     # and 128 threads (fp8_parts.py), then the 16-bit forward's fma2 and fma4 at hd 64 and 128
     # (sm90_schedules.py); at most 9 minutes
-    grid exp2_tests 180 tests/test_primitives.py tests/test_forward_sm90.py -k "intrinsics_match or exp2 or fma or transposed_v"
+    grid exp2_tests 180 tests/test_primitives.py tests/test_forward_sm90.py -k "intrinsics_match or exp2 or fma or transposed_v or fp8_kernel_ring_wraps"
     timeout 190 python3 scripts/fp8_parts.py --headdims 64 128 --schedules plain fma3 fma5 --vt-threads 256 128 \
         > "$out/exp2_fp8.log" 2>&1
     echo "fp8 (exit $?):"; tail -12 "$out/exp2_fp8.log"
