@@ -128,7 +128,7 @@ def _exp2_join(p, t):
 
 @cuda.jit(device=True, inline=True)
 def exp2_fma3(x):
-    """2**x for x <= 0 without MUFU, within 1.1e-4 relative (degree 3: for P rounded to e4m3)."""
+    """2**x for x <= 127 without MUFU (P: x <= 0, or <= rescale_slack), within 1.1e-4 relative (degree 3)."""
     t, f = _exp2_split(x)
     p = ((float32(0.05500858277082443) * f + float32(0.24221037328243256)) * f
          + float32(0.6932829022407532)) * f + float32(1.0)
@@ -137,7 +137,7 @@ def exp2_fma3(x):
 
 @cuda.jit(device=True, inline=True)
 def exp2_fma4(x):
-    """2**x for x <= 0 without MUFU, within 3e-6 relative (degree 4: for P rounded to 16 bits)."""
+    """2**x for x <= 127 without MUFU (P: x <= 0, or <= rescale_slack), within 3e-6 relative (degree 4)."""
     t, f = _exp2_split(x)
     p = (((float32(0.009582818485796452) * f + float32(0.05590637028217316)) * f + float32(0.24024099111557007)) * f
          + float32(0.6931241750717163)) * f + float32(1.0)
