@@ -79,6 +79,7 @@ EXPECTED = {
     # the dq conversion from a tile-major dq_accum: 16-byte loads of consecutive threads
     "backward_sm90_convert_dq_tiles": ["ld.global.nc.v4.u32"],
     # the deterministic backward's dK/dV pass (dq_split="none"): no dQ, so no reductions
+    "backward_sm90_keys128": ["wgmma.mma_async.sync.aligned.m64n128k16.f32", "cp.reduce.async.bulk"],
     "backward_sm90_deterministic": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "cp.async.bulk.tensor.4d"],
     "backward_sm90_wide_deterministic": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "cp.async.bulk.tensor.4d"],
     # the dQ kernel past headdim 128: dQ (64 x headdim padded) += dS (registers) K_j
@@ -223,6 +224,11 @@ def backward_kernels():
                           ("causal_dropout", Variant(window=True, dropout=True))):
         found.append((f"backward_sm90_dq_tiles_columns_{name}_hd64", dataclasses.replace(
             configs.sm90_backward_table_config("float16", 64, variant), dq_split="columns", dq_first=True,
+            dq_reduce="tiles")))
+    # block_m 128 with dQ split by query rows (step 40: FlashAttention-3's hd 64 shape), plain and causal
+    for variant in (Variant(), Variant(window=True)):
+        found.append((f"backward_sm90_keys128_{'causal' if variant.window else 'plain'}_hd64", dataclasses.replace(
+            configs.sm90_backward_table_config("float16", 64, variant), block_m=128, dq_split="rows", dq_first=True,
             dq_reduce="tiles")))
     from nbflash.kernels.backward_sm90 import Sm90ConvertDqConfig
 

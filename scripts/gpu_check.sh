@@ -78,6 +78,9 @@
 #   scripts/gpu_check.sh exp2    P's exponentials partly on the FMA pipes (exp2_fma_groups) and the V^T
 #                                kernel's new form: their GPU tests, then fp8_parts.py and
 #                                sm90_schedules.py on them; at most 9 minutes
+#   scripts/gpu_check.sh keys128 step 40 (docs/perf-notes.md): backward_sm90.py with 128 query rows a
+#                                step and dQ split by query rows, its GPU grid, then timed twice against
+#                                the planned rows split at hd 64 with SDPA; about 7 minutes
 #   scripts/gpu_check.sh wraps-time
 #                                step 59 timed: the backward at hd 128 (HEADDIMS) in this tree and in
 #                                the tree before it (AB_BASE, as for stores), and in AB_MID's where
@@ -656,6 +659,17 @@ exp2)
     timeout 150 python3 scripts/sm90_schedules.py --headdims 64 128 --only fma2 fma4 > "$out/exp2_16bit.log" 2>&1
     echo "16-bit (exit $?):"; tail -14 "$out/exp2_16bit.log"
     ;;
+keys128)
+    # docs/perf-notes.md, "Hopper backward", step 40: backward_sm90.py with 128 query rows a step and dQ
+    # split by query rows (FlashAttention-3's hd 64 shape), its GPU grid, then timed against the planned
+    # rows split at hd 64 with the anchors, twice (the second run a check of the first's noise)
+    grid keys128_tests 200 tests/test_backward_sm90.py -k "keys128"
+    for run in 1 2; do
+        timeout 170 python3 scripts/sm90_schedules.py --backward --headdims 64 --only planned keys128 rows-tiles \
+            --anchors > "$out/keys128_$run.log" 2>&1
+        echo "planned, keys128, rows-tiles (exit $?):"; tail -12 "$out/keys128_$run.log"
+    done
+    ;;
 issue13)
     # the issue's item 3: bench.py's two passes side by side with the anchors (Flex through --variants)
     for pass in backward forward+backward; do
@@ -708,7 +722,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8]]|wide|fp8|exp2" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8]]|wide|fp8|exp2|keys128" >&2
     exit 2
     ;;
 esac

@@ -24,6 +24,8 @@ Backward, each column a schedule:
   on 2026-12-04 as "rows-pipe" is in git history, commit 1aba50e; docs/perf-notes.md step 15);
   "rows-dq" / "rows-dq-dv": dQ_c's product (and dV_c's) issued under dS's stores (step 42);
   "rows-dq-rotate": "rows-dq" with step 43's rotated query tiles;
+  "keys128" (headdim 64): backward_sm90.py's keys split with 128 query rows a step, dQ split by
+  query rows, first and tile-major (step 40);
   "rows-persistent": a persistent grid of one block per multiprocessor over the planned launch
   order (step 18);
 - with --dropout P, every schedule with dropout of probability P (the rows split, which does not serve
@@ -240,6 +242,10 @@ def backward_schedules(headdim, causal):
         for early in ("dq", "dq-dv"):
             found[f"rows-{early}"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, issue_early=early,
                                                               heavy_groups=table.heavy_groups)
+        # backward_sm90.py with 128 query rows a step and dQ split by query rows (step 40: FlashAttention-3's
+        # hd 64 shape, the keys split with block_m 128), dQ first and tile-major
+        found["keys128"] = table.__class__(**{**table.__dict__, "block_m": 128, "dq_split": "rows", "dq_first": True,
+                                              "dq_reduce": "tiles"})
         found["rows-dq-rotate"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, issue_early="dq",
                                                          rotate=True, heavy_groups=table.heavy_groups)
         # a persistent grid, one block per multiprocessor, K and V double-buffered

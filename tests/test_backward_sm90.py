@@ -756,6 +756,68 @@ def test_backward_sm90_rows_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, 
         backward._kernels.cache_clear()
 
 
+def plan_keys128(monkeypatch, **fields):
+    """backward_sm90.py at block_m 128, dQ split by query rows (step 40's form), for every call."""
+    monkeypatch.setattr(configs, "sm90_backward_config", lambda dtype, headdim, variant: Sm90BackwardConfig(
+        dtype, headdim, variant, block_m=128, dq_split="rows", dq_first=True, dq_reduce="tiles",
+        heavy_groups=0 if SIMULATOR else configs.SM90_BACKWARD_HEAVY_GROUPS, **fields))
+    backward._kernels.cache_clear()
+
+
+def test_keys128_configs():
+    """block_m 128 goes with dq_split="rows" (and only with it): headdims up to 64, dQ's product first
+    and tile-major, plain or windowed attention; its staged tile is the consumers' two 64-row units
+    of 64 columns; its dS^T tiles hold 128 queries (two parities, two consumers)."""
+    config = Sm90BackwardConfig("float16", 64, block_m=128, dq_split="rows", dq_first=True, dq_reduce="tiles")
+    assert (config.dq_stage_bytes, config.dq_part_columns, config.ds_bytes) == (128 * 64 * 4, 64, 64 * 128 * 2)
+    assert config.dynamic_shared_bytes <= 232448
+    assert dq_accum_shape(config, 2, 3, 130) == (2, 3, 256, 64)
+    good = dict(block_m=128, dq_split="rows", dq_first=True, dq_reduce="tiles")
+    for change in (dict(block_m=64), dict(dq_split="columns"), dict(dq_first=False, dq_reduce="red"),
+                   dict(dq_reduce="red"), dict(headdim=72), dict(variant=Variant(softcap=True)),
+                   dict(variant=Variant(dropout=True)), dict(block_m=96)):
+        kwargs = {"dtype": "float16", "headdim": 64, **good, **change}
+        with pytest.raises(ValueError, match="block_m|rows"):
+            Sm90BackwardConfig(**kwargs)
+    assert Sm90BackwardConfig("bfloat16", 40, CAUSAL, **good).headdim_padded == 64
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_backward_sm90_keys128_small(rng, xp, monkeypatch):
+    """backward_sm90.py with 128 query rows a step, each consumer's S^T and dP^T 64 keys x 128
+    queries, dS^T stored as two 64-query chunks, and dQ split by query rows (consumer c adds rows
+    64 c .. over all 128 keys, tile-major): causal, two query tiles of 128 (the second's rows mostly
+    past seqlen_q), seqlen_q > seqlen_k (the first rows see no key), one key tile with a tail,
+    headdim 40 padded to 64, GQA 2:1. A swapped chunk or consumer unit fails it."""
+    plan_keys128(monkeypatch)
+    try:
+        preprocess, dkdv, convert = configs.plan_backward(Static("float16", 40, False, 0, CAUSAL), False, "sm90",
+                                                          True)
+        assert dkdv.block_m == 128 and dkdv.dq_tile_major and convert == Sm90ConvertDqConfig("float16", 40, 64)
+        run_case(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True, False, False, family="sm90")
+    finally:
+        backward._kernels.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2])
+@pytest.mark.parametrize("headdim", [40, 64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_keys128_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, stages):
+    """backward_sm90.py at block_m 128 with dQ split by query rows on the GPU, as the rows split's
+    grid runs (the planner's launch order)."""
+    plan_keys128(monkeypatch, stages=stages)
+    try:
+        dkdv = configs.plan_backward(Static("float16", headdim, False, 0, CAUSAL if causal else Variant()), False,
+                                     "sm90", True)[1]
+        assert dkdv.block_m == 128
+        run_case(rng, xp, 2, *seqlens, 6, 2, headdim, "bfloat16" if causal else "float16", causal, False,
+                 causal, family="sm90")
+    finally:
+        backward._kernels.cache_clear()
+
+
 def test_rows_split_is_planned_where_measured(monkeypatch):
     """On compute capability 9.0 the planner takes the rows split for plain and windowed attention
     at headdims up to 64 (configs.SM90_BACKWARD_ROWS_MAX_HEADDIM), in its launch order (dQ's

@@ -276,7 +276,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     producer_registers: int = 40  # setmaxnreg caps with two consumers (the register file: 64K)
     consumer_registers: int = 232
     overlap: bool = True  # P^T's exponentials run while dP^T's product is in flight
-    block_m = 64  # query rows per step: the N of S^T = K Q^T (dS^T's rows are 128 bytes)
+    # query rows per step: the N of S^T = K Q^T; 128 takes dq_split="rows" (dS^T's rows are then two
+    # 64-query chunks of 128 bytes)
+    block_m: int = 64
     # dQ_i's split between the consumers: "keys", each adds dS K_c for its own 64 keys and all of
     # headdim; "columns", each adds half of headdim's columns over all block_n keys (half the atomics,
     # a barrier across both consumers per step; two consumers, headdim padded to 64 or 128: halves of
@@ -284,7 +286,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # consumers take turns by step parity, each adding the whole dQ_i over all block_n keys on its
     # steps (half the atomics as well, for any headdim; two consumers); "none", no dQ at all: the
     # deterministic backward's dK/dV pass (backward_dq_sm90.py makes dQ in a fixed order), without
-    # dS^T's stores, their barrier, the dQ products and the atomics
+    # dS^T's stores, their barrier, the dQ products and the atomics; "rows" (block_m 128, headdim up to
+    # 64, dQ first and tile-major: FlashAttention-3's hd 64 shape, step 40), each consumer adds the
+    # whole dQ of its 64 of the step's 128 query rows, over all block_n keys
     dq_split: str = "keys"
     # Longest-first within groups of this many (batch, KV head) pairs (0: off, a head's key tiles
     # side by side): the grid walks the groups one after another and, inside a group, key tile 0 of
@@ -348,14 +352,25 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         self.check_dtype_headdim(8, MAX_HEADDIM)
         if self.consumers not in (1, 2):
             raise ValueError(f"{self.consumers=} must be 1 or 2")
-        if self.dq_split not in ("keys", "columns", "steps", "none"):
-            raise ValueError(f"{self.dq_split=} must be 'keys', 'columns', 'steps' or 'none'")
-        if self.dq_split in ("columns", "steps") and self.consumers != 2:
+        if self.dq_split not in ("keys", "columns", "steps", "none", "rows"):
+            raise ValueError(f"{self.dq_split=} must be 'keys', 'columns', 'steps', 'none' or 'rows'")
+        if self.dq_split in ("columns", "steps", "rows") and self.consumers != 2:
             raise ValueError(f"dq_split={self.dq_split!r} takes two consumers, not {self.consumers=}")
         if self.dropout_bits not in ("consumers", "producer"):
             raise ValueError(f"{self.dropout_bits=} must be 'consumers' or 'producer'")
-        if self.dq_first and self.dq_split != "columns":
-            raise ValueError(f"dq_first=True takes dq_split='columns' (one dQ product a step), not {self.dq_split!r}")
+        if self.dq_first and self.dq_split not in ("columns", "rows"):
+            raise ValueError(f"dq_first=True takes dq_split='columns' or 'rows' (one dQ product a step), not "
+                             f"{self.dq_split!r}")
+        if self.block_m not in (64, 128):
+            raise ValueError(f"{self.block_m=} must be 64 or 128")
+        if (self.block_m == 128) != (self.dq_split == "rows"):
+            raise ValueError(f"block_m=128 goes with dq_split='rows' and only with it, got {self.block_m=} and "
+                             f"{self.dq_split=}")
+        if self.dq_split == "rows" and (self.headdim_padded != 64 or not self.dq_first or self.dq_reduce != "tiles"
+                                        or self.variant._replace(window=False) != Variant()):
+            raise ValueError("dq_split='rows' takes headdim <= 64, dq_first=True, dq_reduce='tiles' and plain or "
+                             f"windowed attention, got {self.headdim=}, {self.dq_first=}, {self.dq_reduce=}, "
+                             f"{self.variant}")
         self.check_dq_reduce()
         if self.dq_reduce == "tiles" and not self.dq_first:
             raise ValueError("dq_reduce='tiles' takes dq_first=True (dQ split by columns, its product first), "
@@ -376,8 +391,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     @property
     def dq_part_columns(self):
         """With ``dq_tile_major``: the columns of one consumer's dQ product, a part of each 64-row unit
-        of dq_accum (``dq_accum_shape``): half of headdim_padded (dQ split by columns)."""
-        return self.headdim_padded // 2
+        of dq_accum (``dq_accum_shape``): half of headdim_padded (dQ split by columns), or all of it
+        (by rows: a consumer's product is a whole 64-row unit)."""
+        return self.headdim_padded if self.dq_split == "rows" else self.headdim_padded // 2
 
     @property
     def atomic_dq(self):
@@ -1103,10 +1119,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     Q_STEPS = BM // 16  # k16 steps over a query tile (dV, dK)
     DQ_BY_COLUMNS = config.dq_split == "columns"
     DQ_BY_STEPS = config.dq_split == "steps"
-    DQ_ALL_KEYS = DQ_BY_COLUMNS or DQ_BY_STEPS  # dQ reads both consumers' dS^T (a barrier across both)
+    DQ_BY_ROWS = config.dq_split == "rows"  # block_m 128: consumer c adds dQ of query rows 64 c .. 64 c + 63
+    DQ_ALL_KEYS = DQ_BY_COLUMNS or DQ_BY_STEPS or DQ_BY_ROWS  # dQ reads both consumers' dS^T (a barrier across both)
     NO_DQ = config.dq_split == "none"  # dK and dV only (the deterministic backward)
     KEY_STEPS = (BN if DQ_ALL_KEYS else KEYS) // 16  # k16 steps of dQ: all keys, or the consumer's
-    DQ_CHUNKS = 1 if DQ_BY_COLUMNS else CHUNKS  # 64-column chunks of dQ a consumer adds
+    DQ_CHUNKS = 1 if DQ_BY_COLUMNS or DQ_BY_ROWS else CHUNKS  # 64-column chunks of dQ a consumer adds
     DQ_FIRST = config.dq_first  # dQ_i's product ahead of dV's and dK's, its reductions under them
     # dQ columns per product: a consumer's half of headdim with "columns" (32 at headdim 64, 64 at
     # 128), else a 64-column chunk; the half's first byte in a row of K's tile: 64 bytes into the one
@@ -1116,8 +1133,11 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     HALF_OFFSET = (DQ_COLS // CHUNK) * KV_CHUNK_BYTES + (DQ_COLS % CHUNK) * 2
     HEAVY_GROUPS = config.heavy_groups
     # A parity's dS^T tiles (64 keys x 64 queries each): the consumers' side by side, so that with a
-    # split over all keys dQ_i's k16 steps walk all block_n keys of one tile pair in order
+    # split over all keys dQ_i's k16 steps walk all block_n keys of one tile pair in order. With
+    # block_m 128 each tile is two such 64-query chunks, QCHUNK apart: chunk j of every consumer's tile
+    # together (dQ over all keys for queries 64 j ..), or the consumer's own tile's two halves
     DS_TILE = KEYS * ROW_BYTES
+    QCHUNK = (CONSUMERS if DQ_ALL_KEYS else 1) * DS_TILE
     S_REGS, ACC_REGS, P_REGS = BM // 2, HDP // 2, BM // 4  # per thread: S^T, dK (dV), packed P^T
     DQ_REGS = DQ_COLS // 2  # a product's dQ columns
     NT = BM // 8  # 8-column groups of S^T (queries)
@@ -1175,6 +1195,13 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         return smem_descriptor(ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES), DS_BYTES, 1024, SWIZZLE_128B)
 
     @inline_device
+    def rows_ds(ds_tiles, i, consumer):
+        """dS of the consumer's 64 query rows over all block_n keys ("rows"): query chunk ``consumer``
+        of step i's parity's tiles."""
+        return smem_descriptor(ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES + consumer * QCHUNK), DS_BYTES, 1024,
+                               SWIZZLE_128B)
+
+    @inline_device
     def half_k(k_tile, consumer):
         """K's columns of the consumer's half of headdim ("columns"), every key of the tile."""
         return smem_descriptor(k_tile + uint32(consumer * HALF_OFFSET), KV_CHUNK_BYTES, 1024, SWIZZLE_128B)
@@ -1186,7 +1213,9 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
     probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT)
     stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
-    stage_dq = make_stage_dq(BM, DQ_COLS)  # with STAGED_DQ, the consumers' half of dQ_i for the stats warp
+    # with STAGED_DQ, the consumer's part of dQ_i for the stats warp: half the columns, or its 64 rows
+    stage_dq = make_stage_dq(64, DQ_COLS) if DQ_BY_ROWS else make_stage_dq(BM, DQ_COLS)
+    DQ_UNIT_BYTES = 64 * HDP * 4  # ("rows") a consumer's 64 rows of the staged tile
     consumer_step = make_consumer_step(hooks, BM, STAGES, STATS_BYTES, make_step_pair(config))
 
     @inline_device
@@ -1245,10 +1274,16 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         bytes of the tile, so the unit is bits 4-6 of the offset in it: the thread's first word is
         unit g of its row (c = 0), unit c ^ g is that offset with bits 4-6 XORed by c, and the row 8
         on is 1024 bytes further. So one XOR a unit and the stores' own offsets (through an index
-        into the smem array, each word's signed 64-bit index took five more instructions)."""
+        into the smem array, each word's signed 64-bit index took five more instructions). With
+        block_m 128, query groups 8 on are the second chunk's, QCHUNK further."""
         first = uint32((16 * warp + g) * ROW_BYTES + 16 * g + 4 * q4)
         for i in static_range(P_REGS):
-            store_shared_u32(ds_tile + ((first ^ uint32(16 * (i // 2))) + uint32(8 * ROW_BYTES * (i % 2))), packed[i])
+            c = i // 2  # the 8-query group: unit c % 8 of chunk c // 8
+            if BM == 64:
+                store_shared_u32(ds_tile + ((first ^ uint32(16 * c)) + uint32(8 * ROW_BYTES * (i % 2))), packed[i])
+            else:
+                store_shared_u32(ds_tile + uint32((c // 8) * QCHUNK) + ((first ^ uint32(16 * (c % 8)))
+                                                                        + uint32(8 * ROW_BYTES * (i % 2))), packed[i])
 
     # -----------------------------------------------------------------------------------------------
     # The kernel
@@ -1401,7 +1436,9 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 # dS^T into the tile of this step's parity: the other may still be read by the last
                 # step's dQ in another warp; every warp is past that once the barrier below is passed
                 ds_tile = ds_pair + uint32((i % 2) * DS_BYTES)
-                if DQ_ALL_KEYS:  # a parity's tiles hold dS^T of all block_n keys, rows in order
+                if DQ_BY_ROWS:  # ... in two 64-query chunks
+                    ds_tile = ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES + consumer * DS_TILE)
+                elif DQ_ALL_KEYS:  # a parity's tiles hold dS^T of all block_n keys, rows in order
                     ds_tile = ds_tiles + uint32(((i % 2) * CONSUMERS + consumer) * DS_TILE)
                 if not NO_DQ:
                     store_ds_t(ds_tile, ds, warp, g, q4)
@@ -1419,14 +1456,20 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 if DQ_FIRST:
                     acc_q = fence_operands(registers_from(dq_acc, DQ_REGS))
                 wgmma_fence()  # P^T's, dS^T's and the accumulators' registers are ordered before wgmma
-                if DQ_FIRST:  # dQ_i = dS K over all block_n keys, the consumer's half of headdim, first
+                if DQ_BY_ROWS:  # dQ_i = dS K over all block_n keys, the consumer's 64 rows, first
+                    acc_q = issue_dq(acc_q, rows_ds(ds_tiles, i, consumer),
+                                     smem_descriptor(k_tile, KV_CHUNK_BYTES, 1024, SWIZZLE_128B))
+                elif DQ_FIRST:  # dQ_i = dS K over all block_n keys, the consumer's half of headdim, first
                     acc_q = issue_dq(acc_q, all_keys_ds(ds_tiles, i), half_k(k_tile, consumer))
                 acc_dv = issue_keys_acc(acc_dv, p_regs, smem_descriptor(do_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
                 acc_dk = issue_keys_acc(acc_dk, ds_regs, smem_descriptor(q_slot, Q_CHUNK_BYTES, 1024, SWIZZLE_128B))
                 if DQ_FIRST:  # dQ_i's reductions while the tensor cores run dV's and dK's products
                     wgmma_wait(2)  # dQ_i has landed (commit groups complete in order)
                     registers_to(dq_acc, fence_operands(acc_q))
-                    if STAGED_DQ:  # into shared memory, for the producer's stats warp
+                    if DQ_BY_ROWS:  # the consumer's 64-row unit of the staged tile
+                        stage_dq(dq_stage + uint32(consumer * DQ_UNIT_BYTES), dq_acc, dq_full, dq_empty, i,
+                                 16 * warp + g, 0, q4)
+                    elif STAGED_DQ:  # into shared memory, for the producer's stats warp
                         stage_dq(dq_stage, dq_acc, dq_full, dq_empty, i, 16 * warp + g, DQ_COLS * consumer, q4)
                     else:
                         add_dq_columns(dq_accum, dq_acc, mem_b, q_row0 + q_start + 16 * warp + g, h,
