@@ -78,9 +78,11 @@
 #   scripts/gpu_check.sh exp2    P's exponentials partly on the FMA pipes (exp2_fma_groups) and the V^T
 #                                kernel's new form: their GPU tests, then fp8_parts.py and
 #                                sm90_schedules.py on them; at most 9 minutes
-#   scripts/gpu_check.sh keys128 step 40 (docs/perf-notes.md): backward_sm90.py with 128 query rows a
-#                                step and dQ split by query rows, its GPU grid, then timed twice against
-#                                the planned rows split at hd 64 with SDPA; about 7 minutes
+#   scripts/gpu_check.sh keys128 [RUNS]
+#                                step 40 (docs/perf-notes.md): backward_sm90.py with 128 query rows a
+#                                step and dQ split by query rows, its GPU grid, then timed RUNS times
+#                                (default 2) against the planned rows split at hd 64 with SDPA; about
+#                                3 minutes a run
 #   scripts/gpu_check.sh wraps-time
 #                                step 59 timed: the backward at hd 128 (HEADDIMS) in this tree and in
 #                                the tree before it (AB_BASE, as for stores), and in AB_MID's where
@@ -664,7 +666,7 @@ keys128)
     # split by query rows (FlashAttention-3's hd 64 shape), its GPU grid, then timed against the planned
     # rows split at hd 64 with the anchors, twice (the second run a check of the first's noise)
     grid keys128_tests 200 tests/test_backward_sm90.py -k "keys128"
-    for run in 1 2; do
+    for run in $(seq "${2:-2}"); do
         timeout 170 python3 scripts/sm90_schedules.py --backward --headdims 64 --only planned keys128 rows-tiles \
             --anchors > "$out/keys128_$run.log" 2>&1
         echo "planned, keys128, rows-tiles (exit $?):"; tail -12 "$out/keys128_$run.log"
