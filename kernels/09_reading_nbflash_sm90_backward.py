@@ -93,7 +93,7 @@ TOPICS = [
         tiles alternate by step parity, so a warp's next stores never land under another warp's
         still-running read: every warp is past the last step's dQ once it passes this step's
         barrier.""",
-     [(KERNEL, "store_ds_t", "first ^ uint32(16 * (i // 2))", 0, "the swizzled store of packed dS^T pairs"),
+     [(KERNEL, "store_ds_t", "first ^ uint32(16 * c)", 0, "the swizzled store of packed dS^T pairs"),
       (KERNEL, BODY, "fence_proxy_async()", 0, "generic stores ordered before the async proxy's reads"),
       (KERNEL, BODY, "named_barrier_sync(1 + consumer, GROUP)", 0, "the warpgroup's dS^T is stored"),
       (KERNEL, "build_backward_sm90", "wgmma_dq = make_wgmma_ss(DQ_COLS, AB, 1, 1)", 0, "dQ: A transposed, B MN-major"),
