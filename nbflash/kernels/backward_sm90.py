@@ -55,10 +55,18 @@ order (``Sm90ConvertDqConfig``). Packed sequences take it too (configs.
 SM90_BACKWARD_VARLEN_DQ_TILES: each sequence's tiles start on a whole tile of dq_accum,
 ``padded_first_row``), unless they are too short for that padding (configs.packed_dq_tiles_fit).
 
+With ``block_m=128`` and ``dq_split="rows"`` (an option at headdims up to 64, plain and windowed
+attention; FlashAttention-3's hd 64 shape, docs/perf-notes.md "Hopper backward" step 40) a step
+takes 128 query rows: each consumer's S^T and dP^T are its 64 keys by all 128 queries (m64n128), P^T
+and dS^T are 8 k16 steps of dV's and dK's register A operands, each dS^T tile is two 64-query chunks
+(the first chunk of both consumers' tiles side by side, then the second), and consumer c adds the
+whole dQ of query rows 64 c .. 64 c + 63 over all block_n keys (dS from chunk c), first and
+tile-major: one 64-row unit of the staged tile, as backward_sm90_rows.py's "tiles" form stages it.
+
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G
 (G ceil(seqlen_k / block_n), ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch,
 KV head) pairs, key tile by key tile; block = 128 * (consumers + 1) threads; block_n = 64 *
-consumers, block_m = 64.
+consumers, block_m = 64 (or 128, above).
 
 Shared memory (dynamic, every tile 1024-byte aligned): K_j, V_j (block_n rows), the ring of Q_i and
 of dO_i tiles (block_m rows each), the consumers' dS^T tiles (two each, for even and odd steps: 64
@@ -95,8 +103,9 @@ Schedules measured on the H200 and taken out again for being slower (docs/perf-n
 backward", steps 6, 7, 9 and 11; the code is in commit 354c94b): dQ_i staged in shared memory and
 added by TMA reduce-adds (``dq_reduce="tma"``: within noise), the key tiles as the grid's slowest
 index (``heavy_first``: -8% to +3%), dQ_i's atomics deferred under the next step's products
-(``defer_dq``: 3-9% slower) and 128 query rows per step (``block_m=128``: 12-13% slower). Steps 30
-and 31 (the code is in commit 5b92983): dQ_i staged as rows and added by one bulk reduce-add a row
+(``defer_dq``: 3-9% slower) and 128 query rows per step with dQ by columns and atomics
+(``block_m=128`` then: 12-13% slower; step 40's form above is another). Steps 30 and 31 (the code
+is in commit 5b92983): dQ_i staged as rows and added by one bulk reduce-add a row
 (``dq_reduce="bulk"``, by columns and by keys, and on backward_sm90_rows.py: 13-47% slower).
 
 Packed sequences (``variant.varlen``): q, k, v, dout are stride-0 views over batch of the packed
