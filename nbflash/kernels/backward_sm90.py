@@ -70,7 +70,7 @@ consumers, block_m = 64 (or 128, above).
 
 Shared memory (dynamic, every tile 1024-byte aligned): K_j, V_j (block_n rows), the ring of Q_i and
 of dO_i tiles (block_m rows each), the consumers' dS^T tiles (two each, for even and odd steps: 64
-keys x 64 queries), the ring's stats (lse_log2 and D, block_m floats each per slot), then the
+keys x block_m queries), the ring's stats (lse_log2 and D, block_m floats each per slot), then the
 mbarriers. A tile is stored as its 64-column chunks (headdim padded to a multiple of 64 by TMA's
 zero fill), rows of 128 bytes in the 128-byte swizzle, as in forward_sm90.py.
 
