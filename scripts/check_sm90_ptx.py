@@ -78,8 +78,9 @@ EXPECTED = {
                                     "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"],
     # the dq conversion from a tile-major dq_accum: 16-byte loads of consecutive threads
     "backward_sm90_convert_dq_tiles": ["ld.global.nc.v4.u32"],
-    # the deterministic backward's dK/dV pass (dq_split="none"): no dQ, so no reductions
+    # block_m 128, dQ by query rows (step 40): S^T and dP^T 64 x 128, dQ by one bulk reduce-add a step
     "backward_sm90_keys128": ["wgmma.mma_async.sync.aligned.m64n128k16.f32", "cp.reduce.async.bulk"],
+    # the deterministic backward's dK/dV pass (dq_split="none"): no dQ, so no reductions
     "backward_sm90_deterministic": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "cp.async.bulk.tensor.4d"],
     "backward_sm90_wide_deterministic": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "cp.async.bulk.tensor.4d"],
     # the dQ kernel past headdim 128: dQ (64 x headdim padded) += dS (registers) K_j

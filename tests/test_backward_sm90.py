@@ -800,14 +800,13 @@ def test_backward_sm90_keys128_small(rng, xp, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [2])
 @pytest.mark.parametrize("headdim", [40, 64])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_backward_sm90_keys128_gpu(rng, xp, monkeypatch, seqlens, causal, headdim, stages):
+def test_backward_sm90_keys128_gpu(rng, xp, monkeypatch, seqlens, causal, headdim):
     """backward_sm90.py at block_m 128 with dQ split by query rows on the GPU, as the rows split's
-    grid runs (the planner's launch order)."""
-    plan_keys128(monkeypatch, stages=stages)
+    grid runs (the planner's launch order; two stages, all its shared memory allows)."""
+    plan_keys128(monkeypatch)
     try:
         dkdv = configs.plan_backward(Static("float16", headdim, False, 0, CAUSAL if causal else Variant()), False,
                                      "sm90", True)[1]

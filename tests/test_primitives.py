@@ -359,8 +359,8 @@ def _exp2_fma_kernel(x, out3, out4):
 
 def check_exp2_fma(rng, n=64):
     """exp2 on the FMA pipes: within its degree's bound of 2**x from 0 down to -126 (random draws,
-    the integers and the halfway points, where the rounding to j chooses), exactly 0 at -127 and
-    below and at -inf (masked scores)."""
+    the integers and the halfway points, where the rounding to j chooses) and up to 8 (lazy
+    rescaling's positive exponents), exactly 0 at -127 and below and at -inf (masked scores)."""
     x = np.concatenate([-rng.random(n) * 126, -np.arange(0, 127), -np.arange(0, 126) - 0.5, rng.random(8) * 8,
                         [-127.0, -127.3, -500.0, -np.inf]]).astype(np.float32)
     out3, out4 = np.full(x.size, np.nan, np.float32), np.full(x.size, np.nan, np.float32)

@@ -1288,7 +1288,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         first = uint32((16 * warp + g) * ROW_BYTES + 16 * g + 4 * q4)
         for i in static_range(P_REGS):
             c = i // 2  # the 8-query group: unit c % 8 of chunk c // 8
-            if BM == 64:
+            if BM == 64:  # (the general form below, as it was written before block_m 128: the same SASS)
                 store_shared_u32(ds_tile + ((first ^ uint32(16 * c)) + uint32(8 * ROW_BYTES * (i % 2))), packed[i])
             else:
                 store_shared_u32(ds_tile + uint32((c // 8) * QCHUNK) + ((first ^ uint32(16 * (c % 8)))
@@ -1445,7 +1445,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 # dS^T into the tile of this step's parity: the other may still be read by the last
                 # step's dQ in another warp; every warp is past that once the barrier below is passed
                 ds_tile = ds_pair + uint32((i % 2) * DS_BYTES)
-                if DQ_BY_ROWS:  # ... in two 64-query chunks
+                if DQ_BY_ROWS:  # ... in two 64-query chunks (the block_m 64 form below keeps its SASS)
                     ds_tile = ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES + consumer * DS_TILE)
                 elif DQ_ALL_KEYS:  # a parity's tiles hold dS^T of all block_n keys, rows in order
                     ds_tile = ds_tiles + uint32(((i % 2) * CONSUMERS + consumer) * DS_TILE)
