@@ -611,6 +611,18 @@ SM90_BACKWARD_HEAVY_GROUPS = 4
 # 50 s a case: tests/test_backward_sm90.py runs it through a fixture).
 SM90_BACKWARD_ROWS_MAX_HEADDIM = 64
 
+
+# There (headdims up to 64, plain and windowed attention), backward_sm90.py with 128 query rows a
+# step, each consumer's S^T and dP^T its 64 keys by all 128 queries, and dQ split by query rows,
+# first and tile-major (``block_m=128, dq_split="rows"``, FlashAttention-3's hd 64 shape) instead of
+# the rows split: measured on an H100 (scripts/gpu_check.sh keys128 2: sm90_schedules.py --backward
+# --headdims 64 --only planned keys128 rows-tiles --anchors, docs/perf-notes.md "Hopper backward"
+# step 40), fp16, hd 64, 4k and 16k, twice: +9.6% / +2.5-3.0% non-causal, +5.0-5.5% / +8.0-9.2%
+# causal over the rows split as planned before; 1.22-1.44x SDPA flash's backward, 0.78-0.93x
+# cuDNN's. Not timed with a sliding window (causal is one). The simulator keeps the table's kernel,
+# as above.
+SM90_BACKWARD_KEYS128 = True
+
 # Whether the rows split without a window issues dQ_c's product under dS's stores
 # (``issue_early="dq"``, docs/perf-notes.md "Hopper backward" step 42). Measured on an H100
 # (2026-12-06, scripts/sm90_schedules.py --backward --headdims 64 --anchors, each form alone in its
@@ -670,16 +682,19 @@ def packed_dq_tiles_fit(batch, total_q):
 
 
 def sm90_backward_config(dtype, headdim, variant):
-    """The sm90 backward's dK/dV kernel: the rows split where it serves the call and was measured
-    faster (``SM90_BACKWARD_ROWS_MAX_HEADDIM``; with ``SM90_BACKWARD_ROWS_DQ_EARLY``, dQ's product
-    issued early without a window, and with ``SM90_BACKWARD_ROWS_STORE_QUADS`` dK and dV by 16-byte
-    stores), the wide one past headdim 128, backward_sm90.py's from the
-    table otherwise, its dQ tile-major where it issues dQ_i's product first
-    (``SM90_BACKWARD_DQ_TILES``)."""
+    """The sm90 backward's dK/dV kernel: at headdims up to ``SM90_BACKWARD_ROWS_MAX_HEADDIM``, for
+    plain and windowed attention, backward_sm90.py with 128 query rows a step and dQ split by query
+    rows (``SM90_BACKWARD_KEYS128``), or else the rows split (with ``SM90_BACKWARD_ROWS_DQ_EARLY``,
+    dQ's product issued early without a window, and with ``SM90_BACKWARD_ROWS_STORE_QUADS`` dK and dV
+    by 16-byte stores); the wide one past headdim 128; backward_sm90.py's from the table otherwise,
+    its dQ tile-major where it issues dQ_i's product first (``SM90_BACKWARD_DQ_TILES``)."""
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
         return Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS,
                                       split_tiles=SM90_WIDE_SPLIT_TILES)
     if not runtime.SIMULATOR and headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM and sm90_rows_serves(variant):
+        if SM90_BACKWARD_KEYS128:
+            return dataclasses.replace(sm90_backward_table_config(dtype, headdim, variant), block_m=128,
+                                       dq_split="rows", dq_first=True, dq_reduce="tiles")
         early = "dq" if SM90_BACKWARD_ROWS_DQ_EARLY and not variant.window else "none"
         quads = SM90_BACKWARD_ROWS_STORE_QUADS and not variant.window
         return Sm90RowsBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS,
@@ -690,11 +705,24 @@ def sm90_backward_config(dtype, headdim, variant):
 def planned_backward_sm90_config(dtype, headdim, variant):
     """backward_sm90.py's dK/dV kernel as planned: ``SM90_BACKWARD``'s row for ``headdim``
     (``sm90_backward_table_config``), its dQ tile-major where it issues dQ_i's product first
-    (``SM90_BACKWARD_DQ_TILES``; for packed sequences ``SM90_BACKWARD_VARLEN_DQ_TILES``)."""
+    (``SM90_BACKWARD_DQ_TILES``; for packed sequences ``SM90_BACKWARD_VARLEN_DQ_TILES``), then with
+    three ring stages for plain attention padded to 128 columns (``SM90_BACKWARD_PLAIN_THREE_STAGES``)."""
     table = sm90_backward_table_config(dtype, headdim, variant)
     if SM90_BACKWARD_DQ_TILES and table.dq_first and (SM90_BACKWARD_VARLEN_DQ_TILES or not variant.varlen):
-        return dataclasses.replace(table, dq_reduce="tiles")
+        stages = 3 if SM90_BACKWARD_PLAIN_THREE_STAGES and table.headdim_padded == 128 and variant == Variant() else \
+            table.stages
+        return dataclasses.replace(table, dq_reduce="tiles", stages=stages)
     return table
+
+
+# Plain attention (no window, no other feature) on the planned kernel padded to 128 columns (dQ
+# tile-major) with a third ring stage beside the staged dQ tile (232,008 of the 232,448 bytes):
+# measured on an H100 (scripts/gpu_check.sh options: sm90_schedules.py --backward --headdims 128
+# --only planned-3st planned-tma, three runs, docs/perf-notes.md "Hopper backward" step 52), fp16, hd
+# 128: +2.3% to +4.4% at 4k and +3.4% to +8.1% at 16k over two stages, but causal -3.5% to +0.3%
+# (4k) and -3.7% to -6.3% (16k), so the window keeps two. Headdims 72-120 run the same padded kernel:
+# not timed.
+SM90_BACKWARD_PLAIN_THREE_STAGES = True
 
 
 # Dropout's keep bits made by the producer's idle warps 2 and 3 (``dropout_bits="producer"``) past

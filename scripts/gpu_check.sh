@@ -78,6 +78,10 @@
 #   scripts/gpu_check.sh exp2    P's exponentials partly on the FMA pipes (exp2_fma_groups) and the V^T
 #                                kernel's new form: their GPU tests, then fp8_parts.py and
 #                                sm90_schedules.py on them; at most 9 minutes
+#   scripts/gpu_check.sh planned-now
+#                                step 40 planned at hd <= 64 and three stages at 128 (plain): the GPU
+#                                tests they now run, then issue 13's table (bench.py's two passes, hd 64
+#                                and 128, with the anchors; the backward at 32 too); at most 10 minutes
 #   scripts/gpu_check.sh keys128 [RUNS]
 #                                step 40 (docs/perf-notes.md): backward_sm90.py with 128 query rows a
 #                                step and dQ split by query rows, its GPU grid, then timed RUNS times
@@ -672,6 +676,23 @@ keys128)
         echo "planned, keys128, rows-tiles (exit $?):"; tail -12 "$out/keys128_$run.log"
     done
     ;;
+planned-now)
+    # step 40 planned at headdims up to 64 (configs.SM90_BACKWARD_KEYS128) and a third ring stage at
+    # 128 for plain attention (configs.SM90_BACKWARD_PLAIN_THREE_STAGES): the GPU tests whose default
+    # or "sm90" backward they now run (plain, causal, the sliding window, the default's small
+    # headdims, hd 128's plain grid, the torch bridge's gradients and training steps), then issue
+    # 13's table (bench.py's two passes at hd 64 and 128 with the anchors) and the backward at hd 32
+    grid planned_now_tests 250 tests/test_backward_sm90.py tests/test_torch_bridge.py -k \
+        "keys128 or planned_where_measured or (test_backward_sm90_gpu and (64 or 128)) or gradients_match \
+        or training_steps or (test_backward_default_headdims_gpu and not (144 or 160 or 176 or 200 or 248)) \
+        or (test_backward_sm90_variants_gpu and 2x113x203x4x2x64 and window) or three_stages"
+    for pass in backward forward+backward; do
+        timeout 160 python3 scripts/bench.py --pass "$pass" --families default --headdims \
+            $([ "$pass" = backward ] && echo 32) 64 128 --seqlens 4096 16384 --dtypes float16 --variants plain \
+            causal --no-naive --budget 0.3 --markdown "$out/issue13_${pass/+/_}.md" > "$out/issue13_${pass/+/_}.log" 2>&1
+        echo "$pass (exit $?):"; tail -16 "$out/issue13_${pass/+/_}.log"
+    done
+    ;;
 issue13)
     # the issue's item 3: bench.py's two passes side by side with the anchors (Flex through --variants)
     for pass in backward forward+backward; do
@@ -724,7 +745,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8]]|wide|fp8|exp2|keys128 [RUNS]" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8]]|wide|fp8|exp2|keys128 [RUNS]|planned-now" >&2
     exit 2
     ;;
 esac

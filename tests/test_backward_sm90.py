@@ -309,13 +309,28 @@ def test_backward_sm90_three_stages_gpu(xp, monkeypatch, seqlens, name):
     with a third ring stage (an option, docs/perf-notes.md step 52): the producer's copies, the
     stats warp's lse, D and dQ reduce-adds and the consumers must agree on slots (step % 3) and
     phases (step // 3) across the ring's turns; plain, causal, softcap and a block mask (the stats
-    warp's steps); GQA 2:1, tails. (Dropout's keep bits in the slots leave no room for 3 stages.)"""
+    warp's steps); GQA 2:1, tails. (Dropout's keep bits in the slots leave no room for 3 stages.)
+    Plain attention has them planned (configs.SM90_BACKWARD_PLAIN_THREE_STAGES), the others two."""
     def three_stages(config):
-        assert config.headdim_padded == 128 and config.dq_tile_major and config.stages == 2, config
+        assert config.headdim_padded == 128 and config.dq_tile_major, config
+        assert config.stages == (3 if configs.SM90_BACKWARD_PLAIN_THREE_STAGES and name == "plain" else 2), config
         return dataclasses.replace(config, stages=3)
 
     with replanned(monkeypatch, three_stages):
         run_sm90_variant(np.random.default_rng(9), xp, name, "float16", 2, *seqlens, 4, 2, 128)
+
+
+def test_three_stages_are_planned_for_plain_attention():
+    """configs.SM90_BACKWARD_PLAIN_THREE_STAGES: the planned kernel padded to 128 columns, dQ
+    tile-major, takes a third ring stage (within the SM's shared memory) for plain attention only:
+    the window, the other features and packed sequences keep two, and so does headdim 64."""
+    for headdim in (96, 128):
+        plain = configs.planned_backward_sm90_config("float16", headdim, Variant())
+        assert plain.stages == 3 and plain.dq_tile_major and plain.dynamic_shared_bytes <= 232448
+    for variant in (CAUSAL, Variant(softcap=True), Variant(dropout=True), Variant(varlen=True),
+                    Variant(mask_mod="g:0", block_mask=True)):
+        assert configs.planned_backward_sm90_config("bfloat16", 128, variant).stages == 2, variant
+    assert configs.planned_backward_sm90_config("float16", 64, Variant()).stages == 2
 
 
 def option_agrees(xp, monkeypatch, field, seed, dtype, shape):
@@ -818,16 +833,25 @@ def test_backward_sm90_keys128_gpu(rng, xp, monkeypatch, seqlens, causal, headdi
 
 
 def test_rows_split_is_planned_where_measured(monkeypatch):
-    """On compute capability 9.0 the planner takes the rows split for plain and windowed attention
-    at headdims up to 64 (configs.SM90_BACKWARD_ROWS_MAX_HEADDIM), in its launch order (dQ's
+    """On compute capability 9.0 the planner takes backward_sm90.py at block_m 128 with dQ split by
+    query rows (configs.SM90_BACKWARD_KEYS128) for plain and windowed attention at headdims up to 64
+    (configs.SM90_BACKWARD_ROWS_MAX_HEADDIM); with that switch off, the rows split there, in its launch order (dQ's
     product issued early without a window where configs.SM90_BACKWARD_ROWS_DQ_EARLY, dK and dV by
     16-byte stores without a window where configs.SM90_BACKWARD_ROWS_STORE_QUADS);
     backward_sm90.py for the features the rows split does not serve and past headdim 64 (by
     default for packed sequences at headdim 128 too); the simulator keeps backward_sm90.py."""
     sim = configs.plan_backward(Static("float16", 64, False, 0, CAUSAL), False, "sm90", True)[1]
-    assert isinstance(sim, Sm90BackwardConfig) == SIMULATOR
+    assert (isinstance(sim, Sm90BackwardConfig) and sim.block_m == 64) == SIMULATOR
     monkeypatch.setattr(configs.runtime, "SIMULATOR", False)
     monkeypatch.setattr(configs, "_compute_capability", lambda device=0: (9, 0))
+    # block_m 128 with dQ split by query rows (configs.SM90_BACKWARD_KEYS128) where the rows split would serve
+    for dtype, headdim, variant in [("float16", 64, Variant()), ("bfloat16", 40, CAUSAL),
+                                    ("float16", 64, Variant(window=True))]:
+        dkdv = configs.plan_backward(Static(dtype, headdim, False, 0, variant), False, "sm90", True)[1]
+        assert type(dkdv) is Sm90BackwardConfig and (dkdv.block_m, dkdv.dq_split) == (128, "rows")
+        assert (dkdv.dtype, dkdv.headdim, dkdv.variant, dkdv.stages) == (dtype, headdim, variant, 2)
+        assert dkdv.heavy_groups == configs.SM90_BACKWARD_HEAVY_GROUPS and dkdv.dq_first and dkdv.dq_tile_major
+    monkeypatch.setattr(configs, "SM90_BACKWARD_KEYS128", False)  # the rows split otherwise
     planned_early = configs.SM90_BACKWARD_ROWS_DQ_EARLY
     for dq_early in (not planned_early, planned_early):  # the switch's other setting, then its own
         monkeypatch.setattr(configs, "SM90_BACKWARD_ROWS_DQ_EARLY", dq_early)
@@ -1210,16 +1234,21 @@ DEFAULT_HEADDIMS_GPU = [16, 24, 32, 48, 56, 144, 160, 176, 200, 248]
 @pytest.mark.parametrize("headdim", DEFAULT_HEADDIMS_GPU)
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_default_headdims_gpu(rng, xp, seqlens, headdim, causal):
-    """The default backward (no family forced) at those headdims: on compute capability 9.0 the rows
-    split padded to 64 columns below 64; past 128 the wide kernel without dQ padded to 256, then the
-    sm90 dQ kernel (configs.SM90_PAIR_DEFAULT_HEADDIMS)."""
+    """The default backward (no family forced) at those headdims: on compute capability 9.0 below 64
+    backward_sm90.py at block_m 128 padded to 64 columns, dQ tile-major (configs.SM90_BACKWARD_KEYS128;
+    the rows split with it off); past 128 the wide kernel without dQ padded to 256, then the sm90 dQ
+    kernel (configs.SM90_PAIR_DEFAULT_HEADDIMS)."""
     dtype = "bfloat16" if causal else "float16"
     nheads, nheads_k = HEADS[(headdim // 8 + causal) % len(HEADS)]
     if is_sm90():
-        kind = Sm90RowsBackwardConfig if headdim < 64 else Sm90WideBackwardConfig
         static = Static(dtype, headdim, False, 0, CAUSAL if causal else Variant())
-        plan = configs.plan_backward(static, False, None, True)
-        assert isinstance(plan[1], kind) and plan[1].atomic_dq is (headdim < 64)
+        dkdv = configs.plan_backward(static, False, None, True)[1]
+        if headdim > 64:
+            assert isinstance(dkdv, Sm90WideBackwardConfig) and not dkdv.atomic_dq
+        elif configs.SM90_BACKWARD_KEYS128:
+            assert type(dkdv) is Sm90BackwardConfig and dkdv.block_m == 128 and dkdv.dq_tile_major
+        else:
+            assert isinstance(dkdv, Sm90RowsBackwardConfig) and dkdv.atomic_dq
     q, k, v = random_qkv(rng, xp, 2, *seqlens, nheads, nheads_k, headdim, dtype)
     dout = random_like(rng, xp, q)
     out, lse = forward(q, k, v, None, causal)
