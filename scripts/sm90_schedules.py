@@ -44,7 +44,8 @@ Backward, each column a schedule:
   a tile-major dq_accum, one bulk reduce-add a step (dq_reduce="tiles", steps 32-33, planned in
   step 35); "planned-rotate": the planned kernel with each block's walk over the query tiles starting
   at its key tile's index (step 43); "planned-3st" (headdim 128): the planned kernel with a third
-  stage in its Q/dO ring, which fits beside the staged dQ tile (step 52); "planned-quads"
+  stage in its Q/dO ring, which fits beside the staged dQ tile (step 52; planned for plain
+  attention, where "planned-2st" is the kernel with two); "planned-quads"
   (backward_sm90.py's kernels): dK and dV by 16-byte stores after the quads' transposes (step 55),
   and in the planned rows split (headdim 64) "rows-pairs" where it is planned with them (without a
   window), "rows-quads" where not; "planned-tma" (backward_sm90.py's kernels): dK and dV written
@@ -259,6 +260,8 @@ def backward_schedules(headdim, causal):
         grown = dataclasses.replace(planned, stages=3)
         if grown.dynamic_shared_bytes <= MAX_SHARED_BYTES:
             found["planned-3st"] = grown
+    if isinstance(planned, Sm90BackwardConfig) and planned.stages == 3:  # plain at hd 128 since step 52 was planned
+        found["planned-2st"] = dataclasses.replace(planned, stages=2)
     if isinstance(planned, Sm90RowsBackwardConfig):  # the planned rows split, the other dK/dV stores (step 55)
         found["rows-pairs" if planned.store_quads else "rows-quads"] = dataclasses.replace(
             planned, store_quads=not planned.store_quads)
