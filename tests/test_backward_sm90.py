@@ -905,21 +905,23 @@ def test_rows_split_is_planned_where_measured(monkeypatch):
 
 def test_sm90_backward_default_headdims(monkeypatch):
     """On compute capability 9.0 the sm90 backward is the default at headdims 16-256 for plain and
-    causal attention (configs.SM90_BACKWARD_DEFAULT_HEADDIMS: the rows split below 64, the wide kernel
-    past 128), and with deterministic=True at 16-256 (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS:
+    causal attention (configs.SM90_BACKWARD_DEFAULT_HEADDIMS: up to 64 backward_sm90.py at block_m 128,
+    configs.SM90_BACKWARD_KEYS128, or the rows split with it off; the wide kernel past 128), and with deterministic=True at 16-256 (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS:
     the dK/dV kernel without dQ, then the sm90 dQ kernel); past 128 that pair without
     deterministic=True too (configs.SM90_PAIR_DEFAULT_HEADDIMS); the mma family elsewhere (headdim 8,
     not timed; features not measured at those headdims)."""
     monkeypatch.setattr(configs.runtime, "SIMULATOR", False)
     monkeypatch.setattr(configs, "_compute_capability", lambda device=0: (9, 0))
-    expected = {8: MmaBackwardConfig, 16: Sm90RowsBackwardConfig, 32: Sm90RowsBackwardConfig,
-                56: Sm90RowsBackwardConfig, 64: Sm90RowsBackwardConfig, 96: Sm90BackwardConfig,
+    small = Sm90BackwardConfig if configs.SM90_BACKWARD_KEYS128 else Sm90RowsBackwardConfig
+    expected = {8: MmaBackwardConfig, 16: small, 32: small, 56: small, 64: small, 96: Sm90BackwardConfig,
                 128: Sm90BackwardConfig, 136: Sm90WideBackwardConfig, 160: Sm90WideBackwardConfig,
                 192: Sm90WideBackwardConfig, 256: Sm90WideBackwardConfig}
     for headdim, kind in expected.items():
         for dtype, variant in (("float16", Variant()), ("bfloat16", CAUSAL)):
             plan = configs.plan_backward(Static(dtype, headdim, False, 0, variant), False, None, True)
             assert type(plan[1]) is kind, (headdim, variant)
+            if kind is Sm90BackwardConfig:  # block_m 128 up to 64 (configs.SM90_BACKWARD_KEYS128)
+                assert plan[1].block_m == (128 if 16 <= headdim <= 64 else 64), (headdim, variant)
             deterministic = configs.plan_backward(Static(dtype, headdim, False, 0, variant), True, None, True)
             if headdim == 8:
                 assert type(deterministic[1]) is MmaBackwardConfig and deterministic[2].kernel == "dq"
