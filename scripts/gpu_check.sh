@@ -683,8 +683,8 @@ planned-now)
     # or "sm90" backward they now run (plain, causal, the sliding window, the default's small
     # headdims, hd 128's plain grid, the torch bridge's gradients and training steps), then issue
     # 13's table (bench.py's two passes at hd 64 and 128 with the anchors) and the backward at hd 32
-    grid planned_now_tests 250 tests/test_backward_sm90.py tests/test_torch_bridge.py -k \
-        "keys128 or planned_where_measured or (test_backward_sm90_gpu and (64 or 128)) or gradients_match \
+    grid planned_now_tests 250 tests/test_backward_sm90.py tests/test_torch_bridge.py tests/test_forward.py -k \
+        "explain_reports or keys128 or planned_where_measured or (test_backward_sm90_gpu and (64 or 128)) or gradients_match \
         or training_steps or (test_backward_default_headdims_gpu and not (144 or 160 or 176 or 200 or 248)) \
         or (test_backward_sm90_variants_gpu and 2x113x203x4x2x64 and window) or three_stages"
     for pass in backward forward+backward; do

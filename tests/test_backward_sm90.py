@@ -784,6 +784,7 @@ def test_keys128_configs():
     and tile-major, plain or windowed attention; its staged tile is the consumers' two 64-row units
     of 64 columns; its dS^T tiles hold 128 queries (two parities, two consumers)."""
     config = Sm90BackwardConfig("float16", 64, block_m=128, dq_split="rows", dq_first=True, dq_reduce="tiles")
+    assert launch.describe(config) == "Hopper backward dK/dV (float16, headdim 64, 128 queries a step)"
     assert (config.dq_stage_bytes, config.dq_part_columns, config.ds_bytes) == (128 * 64 * 4, 64, 64 * 128 * 2)
     assert config.dynamic_shared_bytes <= 232448
     assert dq_accum_shape(config, 2, 3, 130) == (2, 3, 256, 64)

@@ -204,7 +204,8 @@ def test_explain_reports_the_backward(rng, xp):
     if SIMULATOR or is_sm90():  # the sm90 family exists there only
         with nbflash.kernel_family("sm90"):
             backward = nbflash.explain(q, k, v, causal=True)["backward"]
-        # on a GPU the rows split at headdim 64 (the simulator keeps backward_sm90.py)
-        kind = "Hopper backward" if SIMULATOR else "Hopper rows-split backward"
-        assert backward["default"][1] == f"{kind} dK/dV (float16, headdim 64, causal/window)"
+        # on a GPU 128 queries a step at headdim 64 (configs.SM90_BACKWARD_KEYS128; the simulator keeps
+        # block_m 64)
+        steps = "" if SIMULATOR else ", 128 queries a step"
+        assert backward["default"][1] == f"Hopper backward dK/dV (float16, headdim 64, causal/window{steps})"
         assert backward["deterministic"][2] == "Hopper backward dQ (float16, headdim 64, causal/window, deterministic)"
