@@ -622,6 +622,11 @@ SM90_BACKWARD_ROWS_MAX_HEADDIM = 64
 # cuDNN's. Not timed with a sliding window (causal is one). The simulator keeps the table's kernel,
 # as above.
 SM90_BACKWARD_KEYS128 = True
+# ... from this headdim on: at hd 32 (bench.py --pass backward, one run on an H100, against the rows
+# split's of 2026-12-06 on an H100, SDPA flash within 1% of its figures then, docs/benchmarks.md)
+# it ran +1.4% / -10.2% plain (4k / 16k), -1.0% / 0.0% causal: the rows split keeps headdims up to
+# 32. Headdims 33-63 (between the two) are not timed.
+SM90_BACKWARD_KEYS128_MIN_HEADDIM = 33
 
 # Whether the rows split without a window issues dQ_c's product under dS's stores
 # (``issue_early="dq"``, docs/perf-notes.md "Hopper backward" step 42). Measured on an H100
@@ -684,15 +689,15 @@ def packed_dq_tiles_fit(batch, total_q):
 def sm90_backward_config(dtype, headdim, variant):
     """The sm90 backward's dK/dV kernel: at headdims up to ``SM90_BACKWARD_ROWS_MAX_HEADDIM``, for
     plain and windowed attention, backward_sm90.py with 128 query rows a step and dQ split by query
-    rows (``SM90_BACKWARD_KEYS128``), or else the rows split (with ``SM90_BACKWARD_ROWS_DQ_EARLY``,
-    dQ's product issued early without a window, and with ``SM90_BACKWARD_ROWS_STORE_QUADS`` dK and dV
-    by 16-byte stores); the wide one past headdim 128; backward_sm90.py's from the table otherwise,
+    rows (``SM90_BACKWARD_KEYS128``, from ``SM90_BACKWARD_KEYS128_MIN_HEADDIM`` on), or else the rows
+    split (with ``SM90_BACKWARD_ROWS_DQ_EARLY``, dQ's product issued early without a window, and with
+    ``SM90_BACKWARD_ROWS_STORE_QUADS`` dK and dV by 16-byte stores); the wide one past headdim 128; backward_sm90.py's from the table otherwise,
     its dQ tile-major where it issues dQ_i's product first (``SM90_BACKWARD_DQ_TILES``)."""
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
         return Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS,
                                       split_tiles=SM90_WIDE_SPLIT_TILES)
     if not runtime.SIMULATOR and headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM and sm90_rows_serves(variant):
-        if SM90_BACKWARD_KEYS128:
+        if SM90_BACKWARD_KEYS128 and headdim >= SM90_BACKWARD_KEYS128_MIN_HEADDIM:
             return dataclasses.replace(sm90_backward_table_config(dtype, headdim, variant), block_m=128,
                                        dq_split="rows", dq_first=True, dq_reduce="tiles")
         early = "dq" if SM90_BACKWARD_ROWS_DQ_EARLY and not variant.window else "none"

@@ -852,6 +852,9 @@ def test_rows_split_is_planned_where_measured(monkeypatch):
         assert type(dkdv) is Sm90BackwardConfig and (dkdv.block_m, dkdv.dq_split) == (128, "rows")
         assert (dkdv.dtype, dkdv.headdim, dkdv.variant, dkdv.stages) == (dtype, headdim, variant, 2)
         assert dkdv.heavy_groups == configs.SM90_BACKWARD_HEAVY_GROUPS and dkdv.dq_first and dkdv.dq_tile_major
+    for headdim in (16, 32):  # the rows split up to 32 (configs.SM90_BACKWARD_KEYS128_MIN_HEADDIM)
+        dkdv = configs.plan_backward(Static("float16", headdim, False, 0, Variant()), False, "sm90", True)[1]
+        assert isinstance(dkdv, Sm90RowsBackwardConfig), headdim
     monkeypatch.setattr(configs, "SM90_BACKWARD_KEYS128", False)  # the rows split otherwise
     planned_early = configs.SM90_BACKWARD_ROWS_DQ_EARLY
     for dq_early in (not planned_early, planned_early):  # the switch's other setting, then its own
@@ -906,15 +909,18 @@ def test_rows_split_is_planned_where_measured(monkeypatch):
 
 def test_sm90_backward_default_headdims(monkeypatch):
     """On compute capability 9.0 the sm90 backward is the default at headdims 16-256 for plain and
-    causal attention (configs.SM90_BACKWARD_DEFAULT_HEADDIMS: up to 64 backward_sm90.py at block_m 128,
-    configs.SM90_BACKWARD_KEYS128, or the rows split with it off; the wide kernel past 128), and with deterministic=True at 16-256 (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS:
+    causal attention (configs.SM90_BACKWARD_DEFAULT_HEADDIMS: the rows split up to 32, backward_sm90.py
+    at block_m 128 at 33-64, configs.SM90_BACKWARD_KEYS128, or the rows split with it off; the wide
+    kernel past 128), and with deterministic=True at 16-256 (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS:
     the dK/dV kernel without dQ, then the sm90 dQ kernel); past 128 that pair without
     deterministic=True too (configs.SM90_PAIR_DEFAULT_HEADDIMS); the mma family elsewhere (headdim 8,
     not timed; features not measured at those headdims)."""
     monkeypatch.setattr(configs.runtime, "SIMULATOR", False)
     monkeypatch.setattr(configs, "_compute_capability", lambda device=0: (9, 0))
     small = Sm90BackwardConfig if configs.SM90_BACKWARD_KEYS128 else Sm90RowsBackwardConfig
-    expected = {8: MmaBackwardConfig, 16: small, 32: small, 56: small, 64: small, 96: Sm90BackwardConfig,
+    assert configs.SM90_BACKWARD_KEYS128_MIN_HEADDIM == 33
+    expected = {8: MmaBackwardConfig, 16: Sm90RowsBackwardConfig, 32: Sm90RowsBackwardConfig, 40: small,
+                56: small, 64: small, 96: Sm90BackwardConfig,
                 128: Sm90BackwardConfig, 136: Sm90WideBackwardConfig, 160: Sm90WideBackwardConfig,
                 192: Sm90WideBackwardConfig, 256: Sm90WideBackwardConfig}
     for headdim, kind in expected.items():
@@ -922,7 +928,7 @@ def test_sm90_backward_default_headdims(monkeypatch):
             plan = configs.plan_backward(Static(dtype, headdim, False, 0, variant), False, None, True)
             assert type(plan[1]) is kind, (headdim, variant)
             if kind is Sm90BackwardConfig:  # block_m 128 up to 64 (configs.SM90_BACKWARD_KEYS128)
-                assert plan[1].block_m == (128 if 16 <= headdim <= 64 else 64), (headdim, variant)
+                assert plan[1].block_m == (128 if 40 <= headdim <= 64 else 64), (headdim, variant)
             deterministic = configs.plan_backward(Static(dtype, headdim, False, 0, variant), True, None, True)
             if headdim == 8:
                 assert type(deterministic[1]) is MmaBackwardConfig and deterministic[2].kernel == "dq"
@@ -1238,8 +1244,8 @@ DEFAULT_HEADDIMS_GPU = [16, 24, 32, 48, 56, 144, 160, 176, 200, 248]
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_backward_default_headdims_gpu(rng, xp, seqlens, headdim, causal):
     """The default backward (no family forced) at those headdims: on compute capability 9.0 below 64
-    backward_sm90.py at block_m 128 padded to 64 columns, dQ tile-major (configs.SM90_BACKWARD_KEYS128;
-    the rows split with it off); past 128 the wide kernel without dQ padded to 256, then the sm90 dQ
+    padded to 64 columns, the rows split up to 32, and from 33 backward_sm90.py at block_m 128, dQ
+    tile-major (configs.SM90_BACKWARD_KEYS128); past 128 the wide kernel without dQ padded to 256, then the sm90 dQ
     kernel (configs.SM90_PAIR_DEFAULT_HEADDIMS)."""
     dtype = "bfloat16" if causal else "float16"
     nheads, nheads_k = HEADS[(headdim // 8 + causal) % len(HEADS)]
@@ -1248,7 +1254,7 @@ def test_backward_default_headdims_gpu(rng, xp, seqlens, headdim, causal):
         dkdv = configs.plan_backward(static, False, None, True)[1]
         if headdim > 64:
             assert isinstance(dkdv, Sm90WideBackwardConfig) and not dkdv.atomic_dq
-        elif configs.SM90_BACKWARD_KEYS128:
+        elif configs.SM90_BACKWARD_KEYS128 and headdim >= configs.SM90_BACKWARD_KEYS128_MIN_HEADDIM:
             assert type(dkdv) is Sm90BackwardConfig and dkdv.block_m == 128 and dkdv.dq_tile_major
         else:
             assert isinstance(dkdv, Sm90RowsBackwardConfig) and dkdv.atomic_dq
