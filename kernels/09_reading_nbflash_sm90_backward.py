@@ -128,9 +128,10 @@ TOPICS = [
         conversion reads: 6-10% more on an H100. (The same with one reduce-add a row measured 13-22%
         slower, the copy engine taking the tile's 64 row operations one after another; packed
         sequences keep the atomics.) (At
-        headdims up to 64, for plain and windowed attention, the plan
-        takes a sibling kernel, backward_sm90_rows.py, that splits a step's query rows between
-        the consumers instead of its keys: 11-17% faster there.) With deterministic=True the
+        headdims 33-64, for plain and windowed attention, the plan takes this kernel with 128
+        query rows a step, each consumer's 64 keys against all of them, and dQ split by query
+        rows (block_m=128, dq_split="rows"); up to 32 a sibling kernel, backward_sm90_rows.py,
+        that splits a step's query rows between the consumers instead of its keys.) With deterministic=True the
         plan swaps in the forward's shape for dQ: one block per query tile loops over the key
         tiles, dQ_i stays in registers, dS goes from the accumulator into dQ's A registers as the
         forward's P does, and dq is written once (backward_dq_sm90.py); dK and dV then come from the

@@ -55,8 +55,9 @@ order (``Sm90ConvertDqConfig``). Packed sequences take it too (configs.
 SM90_BACKWARD_VARLEN_DQ_TILES: each sequence's tiles start on a whole tile of dq_accum,
 ``padded_first_row``), unless they are too short for that padding (configs.packed_dq_tiles_fit).
 
-With ``block_m=128`` and ``dq_split="rows"`` (an option at headdims up to 64, plain and windowed
-attention; FlashAttention-3's hd 64 shape, docs/perf-notes.md "Hopper backward" step 40) a step
+With ``block_m=128`` and ``dq_split="rows"`` (headdims up to 64, plain and windowed attention;
+planned from 33 on, configs.SM90_BACKWARD_KEYS128: 1.03-1.10x the rows split at hd 64 on an H100;
+FlashAttention-3's hd 64 shape, docs/perf-notes.md "Hopper backward" step 40) a step
 takes 128 query rows: each consumer's S^T and dP^T are its 64 keys by all 128 queries (m64n128), P^T
 and dS^T are 8 k16 steps of dV's and dK's register A operands, each dS^T tile is two 64-query chunks
 (the first chunk of both consumers' tiles side by side, then the second), and consumer c adds the

@@ -1,7 +1,8 @@
 """FlashAttention backward on Hopper (sm_90a), the dK/dV pass with the query rows split between the
-consumers: FlashAttention-3's headdim-64 shape, the planned dK/dV kernel at headdims up to 64 for
-plain and windowed attention (configs.sm90_backward_config; 1.11-1.17x backward_sm90.py's there on
-the H200).
+consumers, the planned dK/dV kernel at headdims up to 32 for plain and windowed attention
+(configs.sm90_backward_config; 1.11-1.17x backward_sm90.py's block_m 64 kernel at hd 64 on the
+H200). From 33 to 64 backward_sm90.py's 128-query form, FlashAttention-3's hd 64 shape, replaced
+it: 1.03-1.10x this kernel at hd 64 on an H100 (docs/perf-notes.md, "Hopper backward", step 40).
 
 Read backward_sm90.py first: the producer, the ring and the tiles are its. There each consumer
 warpgroup owns 64 of the tile's keys and works on the transposed scores; here each owns 64 of the
