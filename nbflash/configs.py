@@ -690,8 +690,7 @@ def sm90_backward_config(dtype, headdim, variant):
     """The sm90 backward's dK/dV kernel: at headdims up to ``SM90_BACKWARD_ROWS_MAX_HEADDIM``, for
     plain and windowed attention, backward_sm90.py with 128 query rows a step and dQ split by query
     rows (``SM90_BACKWARD_KEYS128``, from ``SM90_BACKWARD_KEYS128_MIN_HEADDIM`` on), or else the rows
-    split (with ``SM90_BACKWARD_ROWS_DQ_EARLY``, dQ's product issued early without a window, and with
-    ``SM90_BACKWARD_ROWS_STORE_QUADS`` dK and dV by 16-byte stores); the wide one past headdim 128; backward_sm90.py's from the table otherwise,
+    split (``sm90_rows_backward_config``); the wide one past headdim 128; backward_sm90.py's from the table otherwise,
     its dQ tile-major where it issues dQ_i's product first (``SM90_BACKWARD_DQ_TILES``)."""
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
         return Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS,
@@ -700,11 +699,17 @@ def sm90_backward_config(dtype, headdim, variant):
         if SM90_BACKWARD_KEYS128 and headdim >= SM90_BACKWARD_KEYS128_MIN_HEADDIM:
             return dataclasses.replace(sm90_backward_table_config(dtype, headdim, variant), block_m=128,
                                        dq_split="rows", dq_first=True, dq_reduce="tiles")
-        early = "dq" if SM90_BACKWARD_ROWS_DQ_EARLY and not variant.window else "none"
-        quads = SM90_BACKWARD_ROWS_STORE_QUADS and not variant.window
-        return Sm90RowsBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS,
-                                      issue_early=early, store_quads=quads)
+        return sm90_rows_backward_config(dtype, headdim, variant)
     return planned_backward_sm90_config(dtype, headdim, variant)
+
+
+def sm90_rows_backward_config(dtype, headdim, variant):
+    """The rows split as planned (``SM90_BACKWARD_ROWS_DQ_EARLY``: dQ's product issued early without a
+    window; ``SM90_BACKWARD_ROWS_STORE_QUADS``: dK and dV by 16-byte stores without a window)."""
+    early = "dq" if SM90_BACKWARD_ROWS_DQ_EARLY and not variant.window else "none"
+    quads = SM90_BACKWARD_ROWS_STORE_QUADS and not variant.window
+    return Sm90RowsBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS,
+                                  issue_early=early, store_quads=quads)
 
 
 def planned_backward_sm90_config(dtype, headdim, variant):

@@ -147,7 +147,7 @@ def backward_kernels():
     for dtype in ("float16", "bfloat16"):  # as planned (configs.SM90_BACKWARD_ROWS_DQ_EARLY included)
         for variant in (Variant(), Variant(window=True)):
             found.append((f"backward_sm90_rows_{'causal' if variant.window else 'plain'}_{dtype}_hd64",
-                          configs.sm90_backward_config(dtype, 64, variant)))
+                          configs.sm90_rows_backward_config(dtype, 64, variant)))
     for dtype in ("float16", "bfloat16"):  # P and dS stored by stmatrix
         for variant in (Variant(), Variant(window=True)):
             found.append((f"backward_sm90_rows_stmatrix_{'causal' if variant.window else 'plain'}_{dtype}_hd64",
@@ -216,7 +216,7 @@ def backward_kernels():
         found.append((f"backward_sm90_dq_tiles_store_tma_{name}_hd128", dataclasses.replace(
             configs.planned_backward_sm90_config("float16", 128, variant), store_tma=True)))
     found.append(("backward_sm90_rows_store_quads_causal_hd64", dataclasses.replace(
-        configs.sm90_backward_config("float16", 64, Variant(window=True)), store_quads=True)))
+        configs.sm90_rows_backward_config("float16", 64, Variant(window=True)), store_quads=True)))
     # ... on packed sequences (planned since step 37), causal at hd 128
     found.append(("backward_sm90_dq_tiles_varlen_causal_hd128", dataclasses.replace(
         configs.sm90_backward_table_config("float16", 128, Variant(window=True, varlen=True)), dq_reduce="tiles")))

@@ -24,16 +24,18 @@ Backward, each column a schedule:
   on 2026-12-04 as "rows-pipe" is in git history, commit 1aba50e; docs/perf-notes.md step 15);
   "rows-dq" / "rows-dq-dv": dQ_c's product (and dV_c's) issued under dS's stores (step 42);
   "rows-dq-rotate": "rows-dq" with step 43's rotated query tiles;
-  "keys128" (headdim 64): backward_sm90.py's keys split with 128 query rows a step, dQ split by
-  query rows, first and tile-major (step 40);
+  "keys128" (headdims up to 64): backward_sm90.py's keys split with 128 query rows a step, dQ split
+  by query rows, first and tile-major (step 40; planned from 33 on), and "rows-planned" the rows
+  split as the planner makes it (planned up to 32);
   "rows-persistent": a persistent grid of one block per multiprocessor over the planned launch
   order (step 18);
 - with --dropout P, every schedule with dropout of probability P (the rows split, which does not serve
   dropout, left out), "dropout-producer": the planned kernel with dropout's keep bits made by the
   producer warpgroup's warps 2 and 3 ahead of each step (dropout_bits="producer", step 26; planned
   at headdims past 64), and "dropout-consumers": the same with each consumer lane's own calls;
-- "planned": the planner's choice (configs.sm90_backward_config: the rows split at headdim 64,
-  configs.SM90_BACKWARD's row of backward_sm90.py otherwise). (dQ by 16-byte reductions, timed as
+- "planned": the planner's choice (configs.sm90_backward_config: step 40's 128-query kernel at
+  headdims 33-64, the rows split up to 32, configs.SM90_BACKWARD's row of backward_sm90.py
+  otherwise). (dQ by 16-byte reductions, timed as
   "planned-dq4" until commit 8ebb6f1, was 2-20% slower: docs/perf-notes.md step 24.)
   "planned-dqlast" (where the planned kernel splits dQ by columns: headdim 128): the same with dQ_i's
   product issued after dV's and dK's and its reductions made once all three have landed (the order
@@ -196,12 +198,12 @@ def backward_schedules(headdim, causal):
     import dataclasses
 
     from nbflash import configs
-    from nbflash.kernels.backward_sm90 import MAX_SHARED_BYTES, Sm90BackwardConfig
+    from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
     from nbflash.kernels.backward_sm90_rows import Sm90RowsBackwardConfig
     from nbflash.problem import Variant
 
     variant = Variant(window=causal, dropout=DROPOUT > 0)
-    planned = configs.sm90_backward_config("float16", headdim, variant)  # rows split at hd <= 64 (not dropout)
+    planned = configs.sm90_backward_config("float16", headdim, variant)  # step 40 / rows split at hd <= 64
     table = configs.sm90_backward_table_config("float16", headdim, variant)  # backward_sm90.py
     base = table.__class__(**{**table.__dict__, "stages": 2, "dq_split": "keys", "heavy_groups": 0,
                               "dropout_bits": "consumers", "dq_first": False})
@@ -218,7 +220,7 @@ def backward_schedules(headdim, causal):
         found["columns-dqfirst"] = table.__class__(**{**table.__dict__, "dq_split": "columns", "dq_first": True})
         # ... and dQ_i tile-major, 32-column parts (step 36)
         found["columns-tiles"] = table.__class__(**{**found["columns-dqfirst"].__dict__, "dq_reduce": "tiles"})
-    if getattr(planned, "dq_reduce", "") == "tiles":  # dQ_i added by the consumers' atomics (before step 35)
+    if getattr(planned, "dq_reduce", "") == "tiles" and planned.dq_split != "rows":  # dQ_i by the consumers' atomics (before step 35)
         found["planned-red"] = planned.__class__(**{**planned.__dict__, "dq_reduce": "red"})
     if DROPOUT and table.headdim_padded == 64 and table.dq_split == "columns":  # hd 64 dropout's plan before step 41
         found["planned-steps"] = table.__class__(**{**table.__dict__, "dq_split": "steps", "dq_first": False, "dq_reduce": "red"})
@@ -247,6 +249,9 @@ def backward_schedules(headdim, causal):
         # hd 64 shape, the keys split with block_m 128), dQ first and tile-major
         found["keys128"] = table.__class__(**{**table.__dict__, "block_m": 128, "dq_split": "rows", "dq_first": True,
                                               "dq_reduce": "tiles"})
+        # the rows split as configs.sm90_backward_config makes it where step 40 is not planned (up to 32)
+        # or switched off (configs.SM90_BACKWARD_KEYS128)
+        found["rows-planned"] = configs.sm90_rows_backward_config("float16", headdim, table.variant)
         found["rows-dq-rotate"] = Sm90RowsBackwardConfig("float16", headdim, table.variant, issue_early="dq",
                                                          rotate=True, heavy_groups=table.heavy_groups)
         # a persistent grid, one block per multiprocessor, K and V double-buffered
@@ -257,19 +262,21 @@ def backward_schedules(headdim, causal):
             persistent=cuda.get_current_device().MULTIPROCESSOR_COUNT)
     if isinstance(planned, Sm90BackwardConfig) and planned.dq_tile_major and planned.stages == 2:
         # a third ring stage beside the staged dQ (hd 128: 232,008 of 232,448 bytes; step 52)
-        grown = dataclasses.replace(planned, stages=3)
-        if grown.dynamic_shared_bytes <= MAX_SHARED_BYTES:
-            found["planned-3st"] = grown
+        try:  # (step 40's 128-query kernel has no room for it: the config refuses)
+            found["planned-3st"] = dataclasses.replace(planned, stages=3)
+        except ValueError:
+            pass
     if isinstance(planned, Sm90BackwardConfig) and planned.stages == 3:  # plain at hd 128 since step 52 was planned
         found["planned-2st"] = dataclasses.replace(planned, stages=2)
     if isinstance(planned, Sm90RowsBackwardConfig):  # the planned rows split, the other dK/dV stores (step 55)
         found["rows-pairs" if planned.store_quads else "rows-quads"] = dataclasses.replace(
             planned, store_quads=not planned.store_quads)
-    if isinstance(planned, Sm90BackwardConfig):  # 16-byte dK/dV stores (step 55)
+    if isinstance(planned, Sm90BackwardConfig) and planned.block_m == 64:  # 16-byte dK/dV stores (step 55)
         found["planned-quads"] = dataclasses.replace(planned, store_quads=True)
         if not planned.variant.varlen:  # dK and dV through K's and V's tiles and TMA stores (step 57)
             found["planned-tma"] = dataclasses.replace(planned, store_tma=True)
-    if not planned.variant.block_mask:  # each block's walk over the query tiles rotated by its key tile (step 43)
+    if not planned.variant.block_mask and getattr(planned, "dq_split", "") != "rows":  # each block's walk over the
+        # query tiles rotated by its key tile (step 43; not built for step 40's 128-query kernel)
         found["planned-rotate"] = planned.__class__(**{**planned.__dict__, "rotate": True})
     found["planned"] = planned
     return {name: config for name, config in found.items() if ONLY is None or name in ONLY}

@@ -381,6 +381,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
             raise ValueError("dq_split='rows' takes headdim <= 64, dq_first=True, dq_reduce='tiles' and plain or "
                              f"windowed attention, got {self.headdim=}, {self.dq_first=}, {self.dq_reduce=}, "
                              f"{self.variant}")
+        if self.block_m == 128 and (self.rotate or self.store_quads or self.store_tma):
+            raise ValueError("block_m=128 is built without rotate, store_quads and store_tma (none tested there), got "
+                             f"{self.rotate=}, {self.store_quads=}, {self.store_tma=}")
         self.check_dq_reduce()
         if self.dq_reduce == "tiles" and not self.dq_first:
             raise ValueError("dq_reduce='tiles' takes dq_first=True (dQ split by columns, its product first), "
