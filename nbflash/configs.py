@@ -560,16 +560,26 @@ SM90_DQ_MASKED_KEYS = 64
 SM90_WIDE_SPLIT_TILES = True
 
 
+# The deterministic backward's dK/dV pass at 128 query rows a step (step 40's kernel without dQ:
+# ``block_m=128, dq_split="none"``) where step 40 is planned (headdims 33-64, plain and windowed
+# attention): an option, off until timed. ptxas 13.5, fp16, hd 64, plain: 748 instructions a step,
+# no local access in the loop, 20 bytes spilled (docs/perf-notes.md, "Hopper backward", step 40).
+SM90_DETERMINISTIC_KEYS128 = False
+
+
 def sm90_deterministic_configs(dtype, headdim, variant):
     """The deterministic sm90 backward's kernels (dK/dV, dQ): the dK/dV kernel without dQ
-    (backward_sm90.py's from the table, the wide one past headdim 128), then the dQ kernel with
-    ``SM90_DQ``'s key tiles."""
+    (backward_sm90.py's from the table, at 128 query rows a step with ``SM90_DETERMINISTIC_KEYS128``,
+    the wide one past headdim 128), then the dQ kernel with ``SM90_DQ``'s key tiles."""
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
         dkdv = Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS, dq_split="none",
                                       split_tiles=SM90_WIDE_SPLIT_TILES)
     else:
         dkdv = dataclasses.replace(sm90_backward_table_config(dtype, headdim, variant), dq_split="none",
                                    dq_first=False)
+        if (SM90_DETERMINISTIC_KEYS128 and SM90_BACKWARD_KEYS128_MIN_HEADDIM <= headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM
+                and sm90_rows_serves(variant)):
+            dkdv = dataclasses.replace(dkdv, block_m=128)
     _, block_n = _row(SM90_DQ, headdim)
     if variant.dropout or variant.mask or variant.mask_mod:
         block_n = min(block_n, SM90_DQ_MASKED_KEYS)

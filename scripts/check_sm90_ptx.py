@@ -80,6 +80,8 @@ EXPECTED = {
     "backward_sm90_convert_dq_tiles": ["ld.global.nc.v4.u32"],
     # block_m 128, dQ by query rows (step 40): S^T and dP^T 64 x 128, dQ by one bulk reduce-add a step
     "backward_sm90_keys128": ["wgmma.mma_async.sync.aligned.m64n128k16.f32", "cp.reduce.async.bulk"],
+    # ... without dQ (the deterministic backward's dK/dV pass at block_m 128)
+    "backward_sm90_keys128_deterministic": ["wgmma.mma_async.sync.aligned.m64n128k16.f32", "cp.async.bulk.tensor.4d"],
     # the deterministic backward's dK/dV pass (dq_split="none"): no dQ, so no reductions
     "backward_sm90_deterministic": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "cp.async.bulk.tensor.4d"],
     "backward_sm90_wide_deterministic": ["wgmma.mma_async.sync.aligned.m64n64k16.f32", "cp.async.bulk.tensor.4d"],
@@ -231,6 +233,9 @@ def backward_kernels():
         found.append((f"backward_sm90_keys128_{'causal' if variant.window else 'plain'}_hd64", dataclasses.replace(
             configs.sm90_backward_table_config("float16", 64, variant), block_m=128, dq_split="rows", dq_first=True,
             dq_reduce="tiles")))
+        found.append((f"backward_sm90_keys128_deterministic_{'causal' if variant.window else 'plain'}_hd64",
+                      dataclasses.replace(configs.sm90_backward_table_config("float16", 64, variant), block_m=128,
+                                          dq_split="none")))
     from nbflash.kernels.backward_sm90 import Sm90ConvertDqConfig
 
     for dtype, headdim, columns in (("float16", 128, 64), ("bfloat16", 96, 64), ("float16", 64, 64),

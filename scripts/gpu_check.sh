@@ -78,6 +78,11 @@
 #   scripts/gpu_check.sh exp2    P's exponentials partly on the FMA pipes (exp2_fma_groups) and the V^T
 #                                kernel's new form: their GPU tests, then fp8_parts.py and
 #                                sm90_schedules.py on them; at most 9 minutes
+#   scripts/gpu_check.sh keys128-next
+#                                the twenty-ninth session's next steps: step 40's grids with the
+#                                deterministic pass at 128 query rows, hd 32/48 against the rows split,
+#                                the deterministic parts at hd 64 with that option off/on/off, hd 128's
+#                                options once; about 10 minutes
 #   scripts/gpu_check.sh planned-now
 #                                step 40 planned at hd <= 64 and three stages at 128 (plain): the GPU
 #                                tests they now run, then issue 13's table (bench.py's two passes, hd 64
@@ -677,6 +682,26 @@ keys128)
         echo "planned, keys128, rows-tiles (exit $?):"; tail -12 "$out/keys128_$run.log"
     done
     ;;
+keys128-next)
+    # docs/perf-notes.md, "Where issue 13 stands (2026-12-07, twenty-ninth session)": the deterministic
+    # dK/dV pass at 128 query rows a step (configs.SM90_DETERMINISTIC_KEYS128, an option) and the plan's
+    # grids it touches; hd 32 and 48 side by side (the rows split against step 40); then the
+    # deterministic backward's parts at hd 64 with the option off, on, off; then hd 128's options once
+    grid keys128_next_tests 160 tests/test_backward_sm90.py -k "keys128 or three_stages"
+    timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 32 48 --only planned keys128 rows-planned \
+        --anchors > "$out/keys128_hd32_48.log" 2>&1
+    echo "hd 32 and 48: planned, keys128, rows-planned (exit $?):"; tail -6 "$out/keys128_hd32_48.log"
+    run=0
+    for flag in "" --deterministic-keys128 ""; do
+        run=$((run + 1))
+        timeout 70 python3 scripts/sm90_schedules.py --parts --deterministic --headdims 64 $flag \
+            > "$out/keys128_deterministic_$run.log" 2>&1
+        echo "deterministic parts, hd 64 ${flag:-(option off)} (exit $?):"; tail -4 "$out/keys128_deterministic_$run.log"
+    done
+    timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-tma planned-3st planned-2st \
+        > "$out/keys128_options.log" 2>&1
+    echo "hd 128 options (exit $?):"; tail -6 "$out/keys128_options.log"
+    ;;
 planned-now)
     # step 40 planned at headdims up to 64 (configs.SM90_BACKWARD_KEYS128) and a third ring stage at
     # 128 for plain attention (configs.SM90_BACKWARD_PLAIN_THREE_STAGES): the GPU tests whose default
@@ -746,7 +771,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8]]|wide|fp8|exp2|keys128 [RUNS]|planned-now" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8]]|wide|fp8|exp2|keys128 [RUNS]|planned-now|keys128-next" >&2
     exit 2
     ;;
 esac

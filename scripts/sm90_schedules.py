@@ -4,7 +4,7 @@
     python scripts/sm90_schedules.py
     python scripts/sm90_schedules.py --backward [--headdims D ...] [--only NAME ...] [--anchors] [--isolate S]
                                      [--dropout P]
-    python scripts/sm90_schedules.py --parts [--headdims D ...] [--rowwise-scalar] [--deterministic]
+    python scripts/sm90_schedules.py --parts [--headdims D ...] [--rowwise-scalar] [--deterministic [--deterministic-keys128]]
 
 Backward, each column a schedule:
 - "base": 2 stages, dQ split by keys (each consumer adds dS K_c for its own 64 keys), the grid's
@@ -523,6 +523,9 @@ def parse_args():
     parser.add_argument("--dq-keys", nargs="+", default=[], metavar="HD:KEYS",
                         help="with --parts: the sm90 dQ kernel's key tiles for configs.SM90_DQ's row of "
                              "largest headdim HD (an option to time, such as 256:48)")
+    parser.add_argument("--deterministic-keys128", action="store_true",
+                        help="with --parts --deterministic: the dK/dV pass at 128 query rows a step where step 40 "
+                             "is planned (configs.SM90_DETERMINISTIC_KEYS128)")
     parser.add_argument("--no-split-tiles", action="store_true",
                         help="plan the wide kernel's P^T and dS^T made by consumer 0 alone (the form before "
                              "configs.SM90_WIDE_SPLIT_TILES)")
@@ -564,4 +567,9 @@ if __name__ == "__main__":
 
         configs.SM90_WIDE_SPLIT_TILES = False
         print("configs.SM90_WIDE_SPLIT_TILES = False for this run")
+    if args.deterministic_keys128:
+        from nbflash import configs
+
+        configs.SM90_DETERMINISTIC_KEYS128 = True
+        print("configs.SM90_DETERMINISTIC_KEYS128 = True for this run")
     main_parts(args.deterministic) if args.parts else main_backward() if args.backward else main()

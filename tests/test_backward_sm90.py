@@ -798,6 +798,11 @@ def test_keys128_configs():
         with pytest.raises(ValueError, match="block_m|rows|shared memory"):
             Sm90BackwardConfig(**kwargs)
     assert Sm90BackwardConfig("bfloat16", 40, CAUSAL, **good).headdim_padded == 64
+    # ... or with dq_split="none" (the deterministic dK/dV pass), under the same limits
+    assert Sm90BackwardConfig("float16", 64, CAUSAL, block_m=128, dq_split="none").dq_stage_bytes == 0
+    for change in (dict(headdim=72), dict(variant=Variant(alibi=True))):
+        with pytest.raises(ValueError, match="block_m=128"):
+            Sm90BackwardConfig(**{"dtype": "float16", "headdim": 64, "block_m": 128, "dq_split": "none", **change})
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
@@ -813,6 +818,48 @@ def test_backward_sm90_keys128_small(rng, xp, monkeypatch):
                                                           True)
         assert dkdv.block_m == 128 and dkdv.dq_tile_major and convert == Sm90ConvertDqConfig("float16", 40, 64)
         run_case(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True, False, False, family="sm90")
+    finally:
+        backward._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_backward_sm90_keys128_deterministic_small(rng, xp, monkeypatch):
+    """deterministic=True with the dK/dV pass at 128 query rows a step (configs.
+    SM90_DETERMINISTIC_KEYS128: step 40's kernel without dQ), then the sm90 dQ kernel: causal, two
+    query tiles of 128 (the second's rows mostly past seqlen_q), one key tile with a tail, headdim
+    40 padded to 64, GQA 2:1 (dK and dV summed over the group's heads in the kernel)."""
+    monkeypatch.setattr(configs, "SM90_DETERMINISTIC_KEYS128", True)
+    backward._kernels.cache_clear()
+    try:
+        _, dkdv, dq = configs.plan_backward(Static("float16", 40, False, 0, CAUSAL), True, "sm90", True)
+        assert (dkdv.block_m, dkdv.dq_split, dkdv.atomic_dq) == (128, "none", False) and isinstance(dq, Sm90DqConfig)
+        run_case(rng, xp, 1, 130, 70, 2, 1, 40, "float16", True, True, family="sm90")
+    finally:
+        backward._kernels.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_keys128_deterministic_gpu(rng, xp, monkeypatch, seqlens, causal):
+    """The deterministic pass at 128 query rows a step on the GPU (hd 64 fp16, hd 48 bf16), and
+    bit-identical on a rerun."""
+    monkeypatch.setattr(configs, "SM90_DETERMINISTIC_KEYS128", True)
+    backward._kernels.cache_clear()
+    try:
+        headdim, dtype = (48, "bfloat16") if causal else (64, "float16")
+        dkdv = configs.plan_backward(Static(dtype, headdim, False, 0, CAUSAL if causal else Variant()), True, "sm90",
+                                     True)[1]
+        assert (dkdv.block_m, dkdv.dq_split) == (128, "none")
+        first = run_case(rng, xp, 2, *seqlens, 6, 2, headdim, dtype, causal, True, causal, family="sm90")
+        q, k, v = random_qkv(np.random.default_rng(5), xp, 2, *seqlens, 6, 2, headdim, dtype)
+        dout = random_like(np.random.default_rng(6), xp, q)
+        out, lse = forward(q, k, v, None, causal)
+        with nbflash.kernel_family("sm90"):
+            runs = [flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True) for _ in range(2)]
+        for a, b in zip(*runs):
+            assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+        assert len(first) == 3
     finally:
         backward._kernels.cache_clear()
 

@@ -287,7 +287,8 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     consumer_registers: int = 232
     overlap: bool = True  # P^T's exponentials run while dP^T's product is in flight
     # query rows per step: the N of S^T = K Q^T; 128 takes dq_split="rows" (dS^T's rows are then two
-    # 64-query chunks of 128 bytes)
+    # 64-query chunks of 128 bytes) or "none" (the deterministic backward's dK/dV pass), headdims up to
+    # 64, plain or windowed attention
     block_m: int = 64
     # dQ_i's split between the consumers: "keys", each adds dS K_c for its own 64 keys and all of
     # headdim; "columns", each adds half of headdim's columns over all block_n keys (half the atomics,
@@ -373,9 +374,12 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
                              f"{self.dq_split!r}")
         if self.block_m not in (64, 128):
             raise ValueError(f"{self.block_m=} must be 64 or 128")
-        if (self.block_m == 128) != (self.dq_split == "rows"):
-            raise ValueError(f"block_m=128 goes with dq_split='rows' and only with it, got {self.block_m=} and "
-                             f"{self.dq_split=}")
+        if self.block_m == 128 and self.dq_split not in ("rows", "none") or self.dq_split == "rows" and self.block_m != 128:
+            raise ValueError(f"block_m=128 goes with dq_split='rows' (or 'none': no dQ), and 'rows' only with it, got "
+                             f"{self.block_m=} and {self.dq_split=}")
+        if self.block_m == 128 and (self.headdim_padded != 64 or self.variant._replace(window=False) != Variant()):
+            raise ValueError(f"block_m=128 takes headdim <= 64 and plain or windowed attention, got {self.headdim=}, "
+                             f"{self.variant}")
         if self.dq_split == "rows" and (self.headdim_padded != 64 or not self.dq_first or self.dq_reduce != "tiles"
                                         or self.variant._replace(window=False) != Variant()):
             raise ValueError("dq_split='rows' takes headdim <= 64, dq_first=True, dq_reduce='tiles' and plain or "
