@@ -577,8 +577,8 @@ def sm90_deterministic_configs(dtype, headdim, variant):
     else:
         dkdv = dataclasses.replace(sm90_backward_table_config(dtype, headdim, variant), dq_split="none",
                                    dq_first=False)
-        if (SM90_DETERMINISTIC_KEYS128 and SM90_BACKWARD_KEYS128_MIN_HEADDIM <= headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM
-                and sm90_rows_serves(variant)):
+        small = SM90_BACKWARD_KEYS128_MIN_HEADDIM <= headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM
+        if SM90_DETERMINISTIC_KEYS128 and small and sm90_rows_serves(variant):
             dkdv = dataclasses.replace(dkdv, block_m=128)
     _, block_n = _row(SM90_DQ, headdim)
     if variant.dropout or variant.mask or variant.mask_mod:
@@ -700,8 +700,9 @@ def sm90_backward_config(dtype, headdim, variant):
     """The sm90 backward's dK/dV kernel: at headdims up to ``SM90_BACKWARD_ROWS_MAX_HEADDIM``, for
     plain and windowed attention, backward_sm90.py with 128 query rows a step and dQ split by query
     rows (``SM90_BACKWARD_KEYS128``, from ``SM90_BACKWARD_KEYS128_MIN_HEADDIM`` on), or else the rows
-    split (``sm90_rows_backward_config``); the wide one past headdim 128; backward_sm90.py's from the table otherwise,
-    its dQ tile-major where it issues dQ_i's product first (``SM90_BACKWARD_DQ_TILES``)."""
+    split (``sm90_rows_backward_config``); the wide one past headdim 128; backward_sm90.py's from
+    the table otherwise, its dQ tile-major where it issues dQ_i's product first
+    (``SM90_BACKWARD_DQ_TILES``)."""
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
         return Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS,
                                       split_tiles=SM90_WIDE_SPLIT_TILES)

@@ -4,7 +4,8 @@
     python scripts/sm90_schedules.py
     python scripts/sm90_schedules.py --backward [--headdims D ...] [--only NAME ...] [--anchors] [--isolate S]
                                      [--dropout P]
-    python scripts/sm90_schedules.py --parts [--headdims D ...] [--rowwise-scalar] [--deterministic [--deterministic-keys128]]
+    python scripts/sm90_schedules.py --parts [--headdims D ...] [--rowwise-scalar]
+                                     [--deterministic [--deterministic-keys128]]
 
 Backward, each column a schedule:
 - "base": 2 stages, dQ split by keys (each consumer adds dS K_c for its own 64 keys), the grid's
@@ -220,7 +221,8 @@ def backward_schedules(headdim, causal):
         found["columns-dqfirst"] = table.__class__(**{**table.__dict__, "dq_split": "columns", "dq_first": True})
         # ... and dQ_i tile-major, 32-column parts (step 36)
         found["columns-tiles"] = table.__class__(**{**found["columns-dqfirst"].__dict__, "dq_reduce": "tiles"})
-    if getattr(planned, "dq_reduce", "") == "tiles" and planned.dq_split != "rows":  # dQ_i by the consumers' atomics (before step 35)
+    if getattr(planned, "dq_reduce", "") == "tiles" and planned.dq_split != "rows":  # dQ_i by the consumers'
+        # atomics (before step 35; step 40's dQ split by rows is tile-major only)
         found["planned-red"] = planned.__class__(**{**planned.__dict__, "dq_reduce": "red"})
     if DROPOUT and table.headdim_padded == 64 and table.dq_split == "columns":  # hd 64 dropout's plan before step 41
         found["planned-steps"] = table.__class__(**{**table.__dict__, "dq_split": "steps", "dq_first": False, "dq_reduce": "red"})

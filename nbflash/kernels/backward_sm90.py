@@ -374,7 +374,7 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
                              f"{self.dq_split!r}")
         if self.block_m not in (64, 128):
             raise ValueError(f"{self.block_m=} must be 64 or 128")
-        if self.block_m == 128 and self.dq_split not in ("rows", "none") or self.dq_split == "rows" and self.block_m != 128:
+        if self.dq_split not in ("rows", "none") if self.block_m == 128 else self.dq_split == "rows":
             raise ValueError(f"block_m=128 goes with dq_split='rows' (or 'none': no dQ), and 'rows' only with it, got "
                              f"{self.block_m=} and {self.dq_split=}")
         if self.block_m == 128 and (self.headdim_padded != 64 or self.variant._replace(window=False) != Variant()):

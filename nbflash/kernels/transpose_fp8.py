@@ -18,8 +18,8 @@ of V. A copy is bound by how many bytes are in flight: the first form of this ke
 a time into a byte tile, moved V at 850 GB/s on the H100, a quarter of its memory bandwidth
 (docs/perf-notes.md, "The fp8 forward measured"); this one, at 128 threads a block (8 words a
 thread), 1.26-1.32 TB/s, and at 256 threads 1.09-1.10 TB/s (scripts/fp8_parts.py --vt-threads 256
-128, the fp8 shapes of hd 64 and 128, 4k and 16k: 51-53 us against 61-62 us; "The fp8 V^T kernel's
-new form measured").
+128, the fp8 shapes of hd 64 and 128, 4k and 16k: 51-53 us against 61-62 us; docs/perf-notes.md,
+"Step 40 measured and planned; the V^T kernel, ...").
 """
 
 from dataclasses import dataclass
