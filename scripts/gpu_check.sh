@@ -81,8 +81,8 @@
 #   scripts/gpu_check.sh keys128-next
 #                                the twenty-ninth session's next steps: step 40's grids with the
 #                                deterministic pass at 128 query rows, hd 32/48 against the rows split,
-#                                the deterministic parts at hd 64 with that option off/on/off, hd 128's
-#                                options once; about 10 minutes
+#                                the deterministic parts at hd 64 with that option off, then on; about
+#                                8 minutes
 #   scripts/gpu_check.sh planned-now
 #                                step 40 planned at hd <= 64 and three stages at 128 (plain): the GPU
 #                                tests they now run, then issue 13's table (bench.py's two passes, hd 64
@@ -686,21 +686,19 @@ keys128-next)
     # docs/perf-notes.md, "Where issue 13 stands (2026-12-07, twenty-ninth session)": the deterministic
     # dK/dV pass at 128 query rows a step (configs.SM90_DETERMINISTIC_KEYS128, an option) and the plan's
     # grids it touches; hd 32 and 48 side by side (the rows split against step 40); then the
-    # deterministic backward's parts at hd 64 with the option off, on, off; then hd 128's options once
-    grid keys128_next_tests 160 tests/test_backward_sm90.py -k "keys128 or three_stages"
+    # deterministic backward's parts at hd 64 with the option off, then on (about 8 minutes; hd 128's
+    # options after it: `options`)
+    grid keys128_next_tests 180 tests/test_backward_sm90.py -k "keys128 or three_stages"
     timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 32 48 --only planned keys128 rows-planned \
         --anchors > "$out/keys128_hd32_48.log" 2>&1
     echo "hd 32 and 48: planned, keys128, rows-planned (exit $?):"; tail -6 "$out/keys128_hd32_48.log"
     run=0
-    for flag in "" --deterministic-keys128 ""; do
+    for flag in "" --deterministic-keys128; do
         run=$((run + 1))
         timeout 70 python3 scripts/sm90_schedules.py --parts --deterministic --headdims 64 $flag \
             > "$out/keys128_deterministic_$run.log" 2>&1
         echo "deterministic parts, hd 64 ${flag:-(option off)} (exit $?):"; tail -4 "$out/keys128_deterministic_$run.log"
     done
-    timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-tma planned-3st planned-2st \
-        > "$out/keys128_options.log" 2>&1
-    echo "hd 128 options (exit $?):"; tail -6 "$out/keys128_options.log"
     ;;
 planned-now)
     # step 40 planned at headdims up to 64 (configs.SM90_BACKWARD_KEYS128) and a third ring stage at
