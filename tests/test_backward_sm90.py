@@ -854,7 +854,7 @@ def test_backward_sm90_keys128_deterministic_gpu(rng, xp, monkeypatch, seqlens, 
         dkdv = configs.plan_backward(Static(dtype, headdim, False, 0, CAUSAL if causal else Variant()), True, "sm90",
                                      True)[1]
         assert (dkdv.block_m, dkdv.dq_split) == (128, "none")
-        first = run_case(rng, xp, 2, *seqlens, 6, 2, headdim, dtype, causal, True, causal, family="sm90")
+        run_case(rng, xp, 2, *seqlens, 6, 2, headdim, dtype, causal, True, causal, family="sm90")
         q, k, v = random_qkv(np.random.default_rng(5), xp, 2, *seqlens, 6, 2, headdim, dtype)
         dout = random_like(np.random.default_rng(6), xp, q)
         out, lse = forward(q, k, v, None, causal)
@@ -862,7 +862,6 @@ def test_backward_sm90_keys128_deterministic_gpu(rng, xp, monkeypatch, seqlens, 
             runs = [flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True) for _ in range(2)]
         for a, b in zip(*runs):
             assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
-        assert len(first) == 3
     finally:
         backward._kernels.cache_clear()
 
@@ -887,10 +886,11 @@ def test_backward_sm90_keys128_gpu(rng, xp, monkeypatch, seqlens, causal, headdi
 
 def test_rows_split_is_planned_where_measured(monkeypatch):
     """On compute capability 9.0 the planner takes backward_sm90.py at block_m 128 with dQ split by
-    query rows (configs.SM90_BACKWARD_KEYS128) for plain and windowed attention at headdims up to 64
-    (configs.SM90_BACKWARD_ROWS_MAX_HEADDIM); with that switch off, the rows split there, in its launch order (dQ's
-    product issued early without a window where configs.SM90_BACKWARD_ROWS_DQ_EARLY, dK and dV by
-    16-byte stores without a window where configs.SM90_BACKWARD_ROWS_STORE_QUADS);
+    query rows (configs.SM90_BACKWARD_KEYS128) for plain and windowed attention at headdims 33-64
+    (configs.SM90_BACKWARD_ROWS_MAX_HEADDIM), the rows split up to 32; with that switch off, the
+    rows split up to 64, in its launch order (dQ's product issued early without a window where
+    configs.SM90_BACKWARD_ROWS_DQ_EARLY, dK and dV by 16-byte stores without a window where
+    configs.SM90_BACKWARD_ROWS_STORE_QUADS);
     backward_sm90.py for the features the rows split does not serve and past headdim 64 (by
     default for packed sequences at headdim 128 too); the simulator keeps backward_sm90.py."""
     sim = configs.plan_backward(Static("float16", 64, False, 0, CAUSAL), False, "sm90", True)[1]
@@ -961,9 +961,10 @@ def test_rows_split_is_planned_where_measured(monkeypatch):
 
 def test_sm90_backward_default_headdims(monkeypatch):
     """On compute capability 9.0 the sm90 backward is the default at headdims 16-256 for plain and
-    causal attention (configs.SM90_BACKWARD_DEFAULT_HEADDIMS: the rows split up to 32, backward_sm90.py
-    at block_m 128 at 33-64, configs.SM90_BACKWARD_KEYS128, or the rows split with it off; the wide
-    kernel past 128), and with deterministic=True at 16-256 (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS:
+    causal attention (configs.SM90_BACKWARD_DEFAULT_HEADDIMS: the rows split up to 32,
+    backward_sm90.py at block_m 128 at 33-64, configs.SM90_BACKWARD_KEYS128, or the rows split with
+    it off; the wide kernel past 128), and with deterministic=True at 16-256
+    (configs.SM90_DETERMINISTIC_DEFAULT_HEADDIMS:
     the dK/dV kernel without dQ, then the sm90 dQ kernel); past 128 that pair without
     deterministic=True too (configs.SM90_PAIR_DEFAULT_HEADDIMS); the mma family elsewhere (headdim 8,
     not timed; features not measured at those headdims)."""
@@ -1297,8 +1298,8 @@ DEFAULT_HEADDIMS_GPU = [16, 24, 32, 48, 56, 144, 160, 176, 200, 248]
 def test_backward_default_headdims_gpu(rng, xp, seqlens, headdim, causal):
     """The default backward (no family forced) at those headdims: on compute capability 9.0 below 64
     padded to 64 columns, the rows split up to 32, and from 33 backward_sm90.py at block_m 128, dQ
-    tile-major (configs.SM90_BACKWARD_KEYS128); past 128 the wide kernel without dQ padded to 256, then the sm90 dQ
-    kernel (configs.SM90_PAIR_DEFAULT_HEADDIMS)."""
+    tile-major (configs.SM90_BACKWARD_KEYS128); past 128 the wide kernel without dQ padded to 256,
+    then the sm90 dQ kernel (configs.SM90_PAIR_DEFAULT_HEADDIMS)."""
     dtype = "bfloat16" if causal else "float16"
     nheads, nheads_k = HEADS[(headdim // 8 + causal) % len(HEADS)]
     if is_sm90():
