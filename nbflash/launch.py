@@ -205,8 +205,7 @@ def describe(config):
             details.append(f"{variant.bias} bias")
     if part in BACKWARD_PARTS and not getattr(config, "atomic_dq", True):
         details.append("deterministic")
-    if getattr(config, "block_m", 0) == 128 and type(config).__name__ == "Sm90BackwardConfig":
-        details.append("128 queries a step")  # step 40's form, its own compiled kernel
+    details += getattr(config, "form_details", ())  # a config's own words for a form of its kernel
     if getattr(config, "aligned", True) is False and kind.startswith("tensor-core forward"):
         details.append("unaligned rows")
     details += [name for name in ("paged", "rotary") if getattr(config, name, False)]
