@@ -83,6 +83,10 @@
 #                                deterministic pass at 128 query rows, hd 32/48 against the rows split,
 #                                the deterministic parts at hd 64 with that option off, then on; about
 #                                8 minutes
+#   scripts/gpu_check.sh interleaved
+#                                the schedules timed interleaved (sm90_schedules.py since the thirtieth
+#                                session): hd 128's third stage and TMA stores, step 40 against the
+#                                rows split at hd 32, 48, 64, the GPU's clocks sampled; about 6 minutes
 #   scripts/gpu_check.sh planned-now
 #                                step 40 planned at hd <= 64 and three stages at 128 (plain): the GPU
 #                                tests they now run, then issue 13's table (bench.py's two passes, hd 64
@@ -699,6 +703,36 @@ keys128-next)
             > "$out/keys128_deterministic_$run.log" 2>&1
         echo "deterministic parts, hd 64 ${flag:-(option off)} (exit $?):"; tail -4 "$out/keys128_deterministic_$run.log"
     done
+    ;;
+interleaved)
+    # sm90_schedules.py --backward now times its schedules interleaved, call by call (the thirtieth
+    # session found the schedule timed last 5-14% slower, whichever it was): hd 128's third ring
+    # stage and TMA stores again (planned-2st is two stages for plain attention, planned-3st three for
+    # causal), step 40 against the rows split at hd 32, 48 and 64, with the GPU's clocks, power and
+    # throttle reasons sampled beside them (clocks.csv); about 6 minutes on a fresh machine
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv -lms 250 > "$out/clocks.csv" 2>&1 &
+    sampler=$!
+    for run in 1 2; do
+        timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-tma planned-3st planned-2st \
+            > "$out/interleaved_options_$run.log" 2>&1
+        echo "hd 128: planned, TMA stores, 2 and 3 stages, interleaved (exit $?):"; tail -6 "$out/interleaved_options_$run.log"
+    done
+    timeout 200 python3 scripts/sm90_schedules.py --backward --headdims 32 48 64 --only keys128 rows-planned --anchors \
+        > "$out/interleaved_keys128.log" 2>&1
+    echo "hd 32, 48, 64: planned, keys128, rows-planned, interleaved (exit $?):"; tail -28 "$out/interleaved_keys128.log"
+    kill "$sampler" 2> /dev/null
+    echo "SM clock (MHz) and power (W) while timing: min, median, max; throttle reasons seen:"
+    python3 - "$out/clocks.csv" <<'PY'
+import csv, statistics, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) == 6 and r[1].strip()[:1].isdigit()]
+if not rows:
+    sys.exit("no samples: " + open(sys.argv[1]).read()[:300])
+for name, column in (("clock", 1), ("power", 3)):
+    xs = [float(r[column].split()[0]) for r in rows]
+    print(name, min(xs), statistics.median(xs), max(xs))
+print(sorted({r[5].strip() for r in rows}))
+PY
     ;;
 planned-now)
     # step 40 planned at headdims up to 64 (configs.SM90_BACKWARD_KEYS128) and a third ring stage at

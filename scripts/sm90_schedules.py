@@ -3,7 +3,7 @@
 
     python scripts/sm90_schedules.py
     python scripts/sm90_schedules.py --backward [--headdims D ...] [--only NAME ...] [--anchors] [--isolate S]
-                                     [--dropout P]
+                                     [--dropout P] [--rounds R]
     python scripts/sm90_schedules.py --parts [--headdims D ...] [--rowwise-scalar]
                                      [--deterministic [--deterministic-keys128]]
 
@@ -77,6 +77,11 @@ Each is timed as a whole flash_attn_backward call (preprocess and dq conversion 
 for all), with a forward queued ahead of each timed call as the SDPA anchors have (so the call's
 host work overlaps GPU time for both; before 2026-12-04's third session ours was timed on an idle
 GPU, its host work counted), FLOPs 2.5x the forward's, its dq, dk, dv compared with the base's.
+The schedules are timed interleaved, one call of each in turn (the order rotated each round), each
+the median of --rounds calls (default 15): before 2026-12-07's thirtieth session each was timed in a
+block of ten calls after the one before it, and the GPU's clock drifted between the blocks (the
+schedule timed last read 5-14% slower on an H100 at hd 128, whichever it was). The SDPA anchors
+are still timed after them, as scripts/bench.py times them.
 
 Forward, for each shape (flash-attn's grid: hidden 2048, batch 16384 / seqlen): the planned config ("base"),
 the overlapped loop ("overlap": S_{j+1} issued with P_j V_j), the two consumers taking turns
@@ -105,6 +110,7 @@ ONLY = None  # --only: the schedules to time (None: all)
 ANCHORS = False  # --anchors: SDPA's backward next to the schedules
 ISOLATE = None  # --isolate: seconds for each (shape, schedule) in a child process (None: one process)
 DROPOUT = 0.0  # --dropout: the backward's schedules with this dropout probability (0: none)
+ROUNDS = 15  # --rounds: the backward's timed calls of each schedule, interleaved (backward_row)
 SHAPES = [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True), (64, 4096, False),
           (64, 16384, False), (64, 4096, True), (64, 16384, True)]  # (headdim, seqlen, causal)
 
@@ -334,13 +340,18 @@ def main_backward():
 
 def backward_row(table, headdim, seqlen, causal, names):
     """One shape's entries: each schedule of ``names`` (and "SDPA": both anchors) as (TFLOP/s, its
-    largest difference from "base", which is timed first whether named or not)."""
+    largest difference from "base", which is timed first whether named or not).
+
+    The schedules are timed interleaved, call by call: each round queues a forward, then times one
+    call of every schedule in turn (the order rotated round to round), and each schedule's figure is
+    the median of its ROUNDS calls. Timing them one after another instead (ten calls of one, then
+    ten of the next) let the GPU's clock drift between them: on an H100 at hd 128 the schedule timed
+    last read 5-14% slower whichever it was (docs/perf-notes.md, "Timing order")."""
     import cupy
 
     import nbflash
     from nbflash import backward, configs
     from nbflash.kernels.geometry import visible_count
-    from nbflash.measure import time_ms
     from nbflash.problem import window_bounds
 
     nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
@@ -352,26 +363,50 @@ def backward_row(table, headdim, seqlen, causal, names):
     left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
     flops = 2.5 * 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
     row, base = {"shape": (headdim, seqlen, causal)}, None
-    planned = configs.sm90_backward_config
+    planned, kernels = configs.sm90_backward_config, backward._kernels
+    current, compiled = [None], {}
+
+    def kernels_of(*args, **kwargs):  # each schedule's kernels kept apart, so that switching is a lookup
+        key = (current[0], args, tuple(sorted(kwargs.items())))
+        if key not in compiled:
+            compiled[key] = kernels.__wrapped__(*args, **kwargs)
+        return compiled[key]
+
+    def call():
+        with nbflash.kernel_family("sm90"):
+            return nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **drop)
+
+    ours = ["base"] + [n for n in names if n not in ("base", "SDPA")]
+    configs.sm90_backward_config = lambda *args: table[headdim, causal][current[0]]
+    backward._kernels = kernels_of
     try:
-        for name in ["base"] + [n for n in names if n not in ("base", "SDPA")]:
-            config = table[headdim, causal][name]
-            configs.sm90_backward_config = lambda *args, config=config: config
-            backward._kernels.cache_clear()
-
-            def call():
-                with nbflash.kernel_family("sm90"):
-                    return nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **drop)
-
+        for name in ours:  # each one's gradients against the base's, and its warm-up
+            current[0] = name
             got = [g.astype(np.float32) for g in call()]
             base = got if base is None else base
             difference = max(float(cupy.abs(a - b).max()) for a, b in zip(got, base))
-            # a forward queued before each timed call, as the SDPA anchors' (bench.BackwardOnly)
-            ms = time_ms(call, warmup=3, repeats=10, budget_s=math.inf,
-                         before=lambda: nbflash.flash_attn_func(q, k, v, causal=causal, **drop))
-            row[name] = (round(flops / ms / 1e9, 1), difference)
+            row[name] = (None, difference)
+            for _ in range(2):
+                call()
+        times = {name: [] for name in ours}
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        for round_ in range(ROUNDS):
+            shift = round_ % len(ours)
+            for name in ours[shift:] + ours[:shift]:
+                current[0] = name
+                # a forward queued before each timed call, as the SDPA anchors' (bench.BackwardOnly):
+                # the call's host work runs while the GPU is still busy with it
+                nbflash.flash_attn_func(q, k, v, causal=causal, **drop)
+                start.record()
+                call()
+                stop.record()
+                stop.synchronize()
+                times[name].append(cupy.cuda.get_elapsed_time(start, stop))
+        for name in ours:
+            row[name] = (round(flops / float(np.median(times[name])) / 1e9, 1), row[name][1])
     finally:
         configs.sm90_backward_config = planned
+        backward._kernels = kernels
         backward._kernels.cache_clear()
     if "SDPA" in names:
         for name, ms in sdpa_backward_ms(q, k, v, causal).items():
@@ -510,6 +545,8 @@ def parse_args():
     parser.add_argument("--isolate", type=float, metavar="SECONDS",
                         help="with --backward: time each (shape, schedule) in a child process with this time "
                              "limit, so that a schedule that hangs the GPU costs only its own cells")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, metavar="R",
+                        help=f"the backward's timed calls of each schedule, interleaved (default {ROUNDS})")
     parser.add_argument("--child", nargs=4, metavar=("NAME", "HD", "SEQLEN", "CAUSAL"), help=argparse.SUPPRESS)
     parser.add_argument("--rowwise-scalar", action="store_true",
                         help="plan the row-wise kernels' scalar forms (configs.ROWWISE_VECTOR off) for this run")
@@ -538,12 +575,15 @@ if __name__ == "__main__":
     args = parse_args()
     if args.headdims and args.parts:  # any headdim: 4k and 16k, causal and not
         SHAPES = [(d, n, c) for d in args.headdims for c in (False, True) for n in (4096, 16384)]
-    elif args.headdims:
-        SHAPES = [shape for shape in SHAPES if shape[0] in args.headdims]
+    elif args.headdims:  # the table's shapes of these headdims; 4k and 16k, causal and not, for others
+        SHAPES = [shape for shape in SHAPES if shape[0] in args.headdims] + [
+            (d, n, c) for d in args.headdims if d not in {shape[0] for shape in SHAPES} for c in (False, True)
+            for n in (4096, 16384)]
     if args.only:
         ONLY = {"base", "planned", *args.only}
     ANCHORS = args.anchors
     ISOLATE = args.isolate
+    ROUNDS = args.rounds
     DROPOUT = args.dropout
     if args.rowwise_scalar:  # the backward calls plan the row-wise kernels' scalar forms
         from nbflash import configs
