@@ -562,9 +562,14 @@ SM90_WIDE_SPLIT_TILES = True
 
 # The deterministic backward's dK/dV pass at 128 query rows a step (step 40's kernel without dQ:
 # ``block_m=128, dq_split="none"``) where step 40 is planned (headdims 33-64, plain and windowed
-# attention): an option, off until timed. ptxas 13.5, fp16, hd 64, plain: 748 instructions a step,
-# no local access in the loop, 20 bytes spilled (docs/perf-notes.md, "Hopper backward", step 40).
-SM90_DETERMINISTIC_KEYS128 = False
+# attention). ptxas 13.5, fp16, hd 64, plain: 748 instructions a step, no local access in the loop.
+# Measured on an H100 (thirtieth session: scripts/gpu_check.sh keys128-next, sm90_schedules.py
+# --parts --deterministic --headdims 64 without and with --deterministic-keys128, one run each;
+# docs/perf-notes.md, "Hopper backward", step 40), fp16, hd 64, 4k and 16k: the dK/dV pass 4.4-5.2%
+# faster plain and 5.0-8.2% causal; the whole deterministic call alone 1.5-3.9% faster plain, 6.0-8.8%
+# causal, behind a forward 2.8-4.3% plain, -2.3% (4k) and +4.8% (16k) causal (its GPU grid,
+# bit-identical reruns included, passed there). Two processes one after the other, not interleaved.
+SM90_DETERMINISTIC_KEYS128 = True
 
 
 def sm90_deterministic_configs(dtype, headdim, variant):
@@ -727,7 +732,8 @@ def planned_backward_sm90_config(dtype, headdim, variant):
     """backward_sm90.py's dK/dV kernel as planned: ``SM90_BACKWARD``'s row for ``headdim``
     (``sm90_backward_table_config``), its dQ tile-major where it issues dQ_i's product first
     (``SM90_BACKWARD_DQ_TILES``; for packed sequences ``SM90_BACKWARD_VARLEN_DQ_TILES``), then with
-    three ring stages for plain attention padded to 128 columns (``SM90_BACKWARD_PLAIN_THREE_STAGES``)."""
+    three ring stages for plain attention padded to 128 columns where ``SM90_BACKWARD_PLAIN_THREE_STAGES``
+    (an option, off)."""
     table = sm90_backward_table_config(dtype, headdim, variant)
     if SM90_BACKWARD_DQ_TILES and table.dq_first and (SM90_BACKWARD_VARLEN_DQ_TILES or not variant.varlen):
         stages = 3 if SM90_BACKWARD_PLAIN_THREE_STAGES and table.headdim_padded == 128 and variant == Variant() else \
@@ -737,13 +743,14 @@ def planned_backward_sm90_config(dtype, headdim, variant):
 
 
 # Plain attention (no window, no other feature) on the planned kernel padded to 128 columns (dQ
-# tile-major) with a third ring stage beside the staged dQ tile (232,008 of the 232,448 bytes):
-# measured on an H100 (scripts/gpu_check.sh options: sm90_schedules.py --backward --headdims 128
-# --only planned-3st planned-tma, three runs, docs/perf-notes.md "Hopper backward" step 52), fp16, hd
-# 128: +2.3% to +4.4% at 4k and +3.4% to +8.1% at 16k over two stages, but causal -3.5% to +0.3%
-# (4k) and -3.7% to -6.3% (16k), so the window keeps two. Headdims 72-120 run the same padded kernel:
-# not timed.
-SM90_BACKWARD_PLAIN_THREE_STAGES = True
+# tile-major) with a third ring stage beside the staged dQ tile (232,008 of the 232,448 bytes): an
+# option, off. Planned in the twenty-ninth session on schedules timed one block of calls after
+# another (+2.3% to +8.1% over two stages, the three-stage kernel timed before the two-stage one),
+# then timed interleaved call by call on an H100 (thirtieth session: scripts/gpu_check.sh
+# interleaved, sm90_schedules.py --backward --headdims 128, two runs of 15 rounds, docs/perf-notes.md
+# "Timing order"), fp16, hd 128: -1.5% to -1.6% at 4k and -2.4% to -3.3% at 16k against two stages,
+# causal -3.0% to -4.3%. The earlier gain was the order: the schedule timed last read 5-14% slower.
+SM90_BACKWARD_PLAIN_THREE_STAGES = False
 
 
 # Dropout's keep bits made by the producer's idle warps 2 and 3 (``dropout_bits="producer"``) past

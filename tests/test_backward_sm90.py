@@ -311,7 +311,7 @@ def test_backward_sm90_three_stages_gpu(xp, monkeypatch, seqlens, name):
     stats warp's lse, D and dQ reduce-adds and the consumers must agree on slots (step % 3) and
     phases (step // 3) across the ring's turns; plain, causal, softcap and a block mask (the stats
     warp's steps); GQA 2:1, tails. (Dropout's keep bits in the slots leave no room for 3 stages.)
-    Plain attention has them planned (configs.SM90_BACKWARD_PLAIN_THREE_STAGES), the others two."""
+    Plain attention has them planned where configs.SM90_BACKWARD_PLAIN_THREE_STAGES, the others two."""
     def three_stages(config):
         assert config.headdim_padded == 128 and config.dq_tile_major, config
         assert config.stages == (3 if configs.SM90_BACKWARD_PLAIN_THREE_STAGES and name == "plain" else 2), config
@@ -321,10 +321,14 @@ def test_backward_sm90_three_stages_gpu(xp, monkeypatch, seqlens, name):
         run_sm90_variant(np.random.default_rng(9), xp, name, "float16", 2, *seqlens, 4, 2, 128)
 
 
-def test_three_stages_are_planned_for_plain_attention():
-    """configs.SM90_BACKWARD_PLAIN_THREE_STAGES: the planned kernel padded to 128 columns, dQ
-    tile-major, takes a third ring stage (within the SM's shared memory) for plain attention only:
-    the window, the other features and packed sequences keep two, and so does headdim 64."""
+def test_three_stages_are_planned_for_plain_attention(monkeypatch):
+    """configs.SM90_BACKWARD_PLAIN_THREE_STAGES (an option, off since timed interleaved): with it on,
+    the planned kernel padded to 128 columns, dQ tile-major, takes a third ring stage (within the
+    SM's shared memory) for plain attention only: the window, the other features and packed
+    sequences keep two, and so does headdim 64. Off, plain attention keeps two."""
+    assert configs.planned_backward_sm90_config("float16", 128, Variant()).stages == (
+        3 if configs.SM90_BACKWARD_PLAIN_THREE_STAGES else 2)
+    monkeypatch.setattr(configs, "SM90_BACKWARD_PLAIN_THREE_STAGES", True)
     for headdim in (96, 128):
         plain = configs.planned_backward_sm90_config("float16", headdim, Variant())
         assert plain.stages == 3 and plain.dq_tile_major and plain.dynamic_shared_bytes <= 232448
