@@ -10,7 +10,7 @@ import pytest
 import nbflash
 from nbflash.backward import flash_attn_backward
 from nbflash.dtypes import SUPPORTED, dtype_name
-from nbflash.reference import attention_naive_backward, attention_reference_backward
+from nbflash.reference import attention_naive_backward, attention_reference, attention_reference_backward
 
 from .conftest import SIMULATOR
 from .helpers import ERROR_FLOOR, poison_allocations, random_qkv, to_numpy
@@ -65,6 +65,15 @@ def forward(q, k, v, softmax_scale=None, causal=False):
         return nbflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True)
 
 
+def reference_forward(xp, q, k, v, softmax_scale=None, causal=False, **variant):
+    """(out, lse) as a forward kernel leaves them, from the float64 reference: out rounded to q's
+    dtype, lse to float32 (rows that see no key: out 0, lse -inf). For the simulator's backward
+    tests whose forward kernel is not under test: emulated, the forward of a case cost about as
+    long as the backward kernel under test (the forward kernels' own tests check them)."""
+    out, lse = attention_reference(q, k, v, softmax_scale, causal, return_lse=True, **variant)
+    return xp.asarray(to_numpy(out).astype(q.dtype)), xp.asarray(to_numpy(lse).astype(np.float32))
+
+
 def portable_backward(*args, family="portable", **kwargs):
     """This file tests the portable backward kernels (tests/test_backward_mma.py the tensor-core
     ones, through ``family``), whatever the default family is."""
@@ -73,12 +82,17 @@ def portable_backward(*args, family="portable", **kwargs):
 
 
 def run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal,
-             deterministic=False, heads_first=False, softmax_scale=None, family="portable"):
+             deterministic=False, heads_first=False, softmax_scale=None, family="portable",
+             simulator_reference_forward=False):
     """One backward call of kernel ``family`` against float64 (the forward's family is the
-    default's on a GPU, the portable one in the simulator)."""
+    default's on a GPU, the portable one in the simulator; there with
+    ``simulator_reference_forward`` no forward kernel runs: ``reference_forward``)."""
     q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, heads_first)
     dout = random_like(rng, xp, q, heads_first)
-    out, lse = forward(q, k, v, softmax_scale, causal)
+    if SIMULATOR and simulator_reference_forward:
+        out, lse = reference_forward(xp, q, k, v, softmax_scale, causal)
+    else:
+        out, lse = forward(q, k, v, softmax_scale, causal)
     grads = portable_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                               deterministic=deterministic, family=family)
     assert_gradients_close(grads, dout, q, k, v, causal, softmax_scale)

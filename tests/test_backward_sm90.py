@@ -4,9 +4,11 @@
 Same rule as tests/test_backward.py (its helpers and its NaN-poisoned outputs are reused); every
 case first checks that the plan really holds the sm90 dK/dV kernel. Without a GPU these run in
 Numba's simulator, where wgmma, TMA and the mbarriers are emulated (384 Python threads a block:
-two tiny cases, one of which wraps the Q/dO ring and has rows without keys). On a GPU of compute
-capability 9.0 the grid of tests/test_backward.py runs (awkward lengths, GQA, both memory layouts,
-headdims 64-128), plus the plan's fallbacks and an agreement check with the mma family.
+two tiny cases, one of which wraps the Q/dO ring and has rows without keys), each backward from
+the float64 reference's out and lse (test_backward.reference_forward: no forward kernel, whose
+emulation cost about as long as the backward's). On a GPU of compute capability 9.0 the grid of
+tests/test_backward.py runs (awkward lengths, GQA, both memory layouts, headdims 64-128), plus the
+plan's fallbacks and an agreement check with the mma family.
 """
 
 import dataclasses
@@ -30,7 +32,7 @@ from nbflash.problem import Static, Variant
 from .conftest import SIMULATOR
 from .helpers import is_sm90, random_qkv, replanned, to_numpy
 from .test_backward import poisoned_outputs  # noqa: F401  (autouse: every library buffer starts as NaN)
-from .test_backward import SEQLENS, assert_gradients_close, forward, random_like, run_case
+from .test_backward import SEQLENS, assert_gradients_close, forward, random_like, reference_forward, run_case
 from .test_primitives_sm90 import _offline_toolchain
 from .test_variants_attention import split
 
@@ -48,7 +50,7 @@ def run_sm90(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtyp
     assert isinstance(configs.plan_backward(static, False, "sm90", True)[1],
                       (Sm90BackwardConfig, Sm90RowsBackwardConfig, Sm90WideBackwardConfig))
     return run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal, False,
-                    heads_first, family="sm90")
+                    heads_first, family="sm90", simulator_reference_forward=True)
 
 
 def test_backward_sm90_planning():
@@ -159,7 +161,7 @@ def test_backward_sm90_deterministic_small(rng, xp):
     shape = (1, 40, 45, 2, 1, 64) if SIMULATOR else (2, 1023, 1024, 8, 2, 128)
     q, k, v = random_qkv(rng, xp, *shape, "float16")
     dout = random_like(rng, xp, q)
-    out, lse = forward(q, k, v, None, True)
+    out, lse = reference_forward(xp, q, k, v, None, True) if SIMULATOR else forward(q, k, v, None, True)
     with nbflash.kernel_family("sm90"):
         runs = [flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
                 for _ in range(1 if SIMULATOR else 3)]
@@ -284,8 +286,7 @@ def test_backward_sm90_rotate_small(rng, xp, monkeypatch):
     bits were made for the unrotated tile). Two query tiles and two key tiles, both second ones
     tails, one head, fp16."""
     with replanned(monkeypatch, lambda config: dataclasses.replace(config, rotate=True, dropout_bits="producer")):
-        with nbflash.kernel_family("portable"):  # the forward (a third of the time on the sm90 one); the backward's is sm90
-            run_sm90_variant(rng, xp, "dropout", "float16", 1, 65, 129, 1, 1, 64)
+        run_sm90_variant(rng, xp, "dropout", "float16", 1, 65, 129, 1, 1, 64)
 
 
 @pytest.mark.gpu
@@ -686,7 +687,7 @@ def run_rows(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtyp
     static = Static(dtype, headdim, False, 0, CAUSAL if causal else Variant())
     assert isinstance(configs.plan_backward(static, False, "sm90", True)[1], Sm90RowsBackwardConfig)
     return run_case(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal, False,
-                    heads_first, family="sm90")
+                    heads_first, family="sm90", simulator_reference_forward=True)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
@@ -824,7 +825,8 @@ def test_backward_sm90_keys128_small(rng, xp, monkeypatch):
         preprocess, dkdv, convert = configs.plan_backward(Static("float16", 40, False, 0, CAUSAL), False, "sm90",
                                                           True)
         assert dkdv.block_m == 128 and dkdv.dq_tile_major and convert == Sm90ConvertDqConfig("float16", 40, 64)
-        run_case(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True, False, False, family="sm90")
+        run_case(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True, False, False, family="sm90",
+                 simulator_reference_forward=True)
     finally:
         backward._kernels.cache_clear()
 
@@ -840,7 +842,7 @@ def test_backward_sm90_keys128_deterministic_small(rng, xp, monkeypatch):
     try:
         _, dkdv, dq = configs.plan_backward(Static("float16", 40, False, 0, CAUSAL), True, "sm90", True)
         assert (dkdv.block_m, dkdv.dq_split, dkdv.atomic_dq) == (128, "none", False) and isinstance(dq, Sm90DqConfig)
-        run_case(rng, xp, 1, 130, 70, 2, 1, 40, "float16", True, True, family="sm90")
+        run_case(rng, xp, 1, 130, 70, 2, 1, 40, "float16", True, True, family="sm90", simulator_reference_forward=True)
     finally:
         backward._kernels.cache_clear()
 
@@ -1092,7 +1094,10 @@ def run_sm90_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen_k, nheads, nh
         # (configs.SM90_BACKWARD_ROWS_MAX_HEADDIM), the wide kernel past 128
         assert isinstance(dkdv, Sm90WideBackwardConfig if headdim > 128 else (Sm90BackwardConfig,
                                                                                 Sm90RowsBackwardConfig))
-    out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **forward_arguments(arguments))
+    if SIMULATOR:  # no forward kernel: reference_forward
+        out, lse = reference_forward(xp, q, k, v, None, causal, **arguments)
+    else:
+        out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **forward_arguments(arguments))
     dout = random_like(rng, xp, q)
     with nbflash.kernel_family("sm90"):
         runs = [flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic, **arguments)
