@@ -480,7 +480,8 @@ def build_parser():
     )
     parser.add_argument(
         "--rounds", type=int, default=None, metavar="R",
-        help="time every column R times, taking turns (each column once a round, after all are built), and "
+        help="time every column R times, taking turns (each column once a round, after all are built; the "
+        "order rotated each round, so give R at least the number of columns), and "
         "report each column's median round; the spread (lowest, highest) goes to stderr. Default 1",
     )
     parser.add_argument(
@@ -699,8 +700,12 @@ def main(argv=None):
             except Exception as error:  # unsupported by a backend, ...
                 row[name] = failure(name, error)
         rates = {name: [] for name in timers}
-        for _ in range(args.rounds):  # the columns take turns, so that a drift of the clocks hits each alike
-            for name, timer in timers.items():
+        for round_ in range(args.rounds):  # the columns take turns, so that a drift of the clocks hits each
+            # alike, their order rotated each round: the column timed last in a row of blocks can read
+            # 5-14% slow on an H100 held at its power cap (docs/perf-notes.md, "Timing order")
+            order = list(timers.items())
+            shift = round_ % len(order) if order else 0
+            for name, timer in order[shift:] + order[:shift]:
                 if name in row:  # failed in an earlier round
                     continue
                 try:

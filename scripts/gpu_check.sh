@@ -87,6 +87,9 @@
 #                                the schedules timed interleaved (sm90_schedules.py since the thirtieth
 #                                session): hd 128's third stage and TMA stores, step 40 against the
 #                                rows split at hd 32, 48, 64, the GPU's clocks sampled; about 6 minutes
+#   scripts/gpu_check.sh table-rotated
+#                                issue 13's table, bench.py's columns in turns rotated each round (four
+#                                rounds), about 8 minutes
 #   scripts/gpu_check.sh planned-now
 #                                step 40 planned at hd <= 64 and three stages at 128 (plain): the GPU
 #                                tests they now run, then issue 13's table (bench.py's two passes, hd 64
@@ -733,6 +736,18 @@ for name, column in (("clock", 1), ("power", 3)):
     print(name, min(xs), statistics.median(xs), max(xs))
 print(sorted({r[5].strip() for r in rows}))
 PY
+    ;;
+table-rotated)
+    # issue 13's table on the plan of the thirtieth session (two ring stages at hd 128 again), bench.py's
+    # columns timed in turns with their order rotated each round (four rounds, four columns: each
+    # column once in each place), so that the one timed last is not always the same (docs/perf-notes.md,
+    # "Timing order"); about 8 minutes on a fresh machine
+    for pass in backward forward+backward; do
+        timeout 280 python3 scripts/bench.py --pass "$pass" --families default --headdims 64 128 --seqlens 4096 16384 \
+            --dtypes float16 --variants plain causal --no-naive --budget 0.3 --rounds 4 \
+            --markdown "$out/rotated_${pass/+/_}.md" > "$out/rotated_${pass/+/_}.log" 2>&1
+        echo "$pass (exit $?):"; tail -14 "$out/rotated_${pass/+/_}.log"
+    done
     ;;
 planned-now)
     # step 40 planned at headdims up to 64 (configs.SM90_BACKWARD_KEYS128) and a third ring stage at
