@@ -89,7 +89,8 @@ the overlapped loop ("overlap": S_{j+1} issued with P_j V_j), the two consumers 
 "heavy-groups8"), at headdim 128 key tiles of 176 ("n176", "n176-pp"), and 2 or 4 of each row's
 16 key groups with P's exponentials on the FMA pipes instead of MUFU ("fma2", "fma4":
 exp2_fma_groups). With --only, those schedules and "base". TFLOP/s from CUDA events
-around each launch (median of 15 after 3 warm-ups); each schedule's output is compared with the
+around each launch (after 3 warm-ups, the schedules timed interleaved as the backward's are, each
+the median of --rounds launches); each schedule's output is compared with the
 base's. The configs are compiled first in worker processes (into nbflash's on-disk cache), each line
 saying the seconds, registers and local (spill) bytes. Needs a GPU of compute capability 9.0.
 """
@@ -110,7 +111,7 @@ ONLY = None  # --only: the schedules to time (None: all)
 ANCHORS = False  # --anchors: SDPA's backward next to the schedules
 ISOLATE = None  # --isolate: seconds for each (shape, schedule) in a child process (None: one process)
 DROPOUT = 0.0  # --dropout: the backward's schedules with this dropout probability (0: none)
-ROUNDS = 15  # --rounds: the backward's timed calls of each schedule, interleaved (backward_row)
+ROUNDS = 15  # --rounds: the timed calls of each schedule, interleaved (interleaved_ms)
 SHAPES = [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 16384, True), (64, 4096, False),
           (64, 16384, False), (64, 4096, True), (64, 16384, True)]  # (headdim, seqlen, causal)
 
@@ -138,6 +139,31 @@ def median_ms(call, repeats):
     from nbflash.measure import time_ms
 
     return time_ms(call, warmup=3, repeats=repeats, budget_s=math.inf)
+
+
+def interleaved_ms(calls, rounds, before=None, switch=None):
+    """Median milliseconds of each of ``calls`` (name: callable), timed interleaved: each round times
+    one call of every entry in turn (the order rotated round to round), between CUDA events, after
+    ``before()`` where given (queued ahead, so host work overlaps the GPU's), ``switch(name)`` called
+    first. Timed in blocks one after another instead, the last block starts on a hotter clock (an
+    H100 at its power cap: docs/perf-notes.md, "Timing order")."""
+    import cupy
+
+    names, times = list(calls), {name: [] for name in calls}
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            if switch is not None:
+                switch(name)
+            if before is not None:
+                before()
+            start.record()
+            calls[name]()
+            stop.record()
+            stop.synchronize()
+            times[name].append(cupy.cuda.get_elapsed_time(start, stop))
+    return {name: float(np.median(found)) for name, found in times.items()}
 
 
 def build(named):
@@ -173,7 +199,7 @@ def main():
         left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
         params = (np.int32(left), np.int32(right)) if causal else ()
         flops = 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
-        row, base = {"shape": (headdim, seqlen, causal)}, None
+        row, base, calls = {"shape": (headdim, seqlen, causal)}, None, {}
         for name, config in schedules(headdim, causal).items():
             kernel = launch.compiled(config)
             out = cupy.full(q.shape, np.nan, np.float16)
@@ -181,14 +207,18 @@ def main():
             grid = config.grid(batch, nheads, seqlen)
             scale_log2 = np.float32(math.log2(math.e) / math.sqrt(headdim))
 
-            def call():
+            def call(kernel=kernel, grid=grid, out=out, lse=lse, scale_log2=scale_log2):
                 kernel.launch(grid, (q, k, v, out, lse), (scale_log2,), params)
 
             call()
             got = out.astype(np.float32)
             base = got if base is None else base
-            difference = float(cupy.abs(got - base).max())
-            row[name] = (round(flops / median_ms(call, 15) / 1e9, 1), difference)
+            row[name] = (None, float(cupy.abs(got - base).max()))
+            for _ in range(3):  # warm-up
+                call()
+            calls[name] = call
+        for name, ms in interleaved_ms(calls, ROUNDS).items():
+            row[name] = (round(flops / ms / 1e9, 1), row[name][1])
         rows.append(row)
         print(row, flush=True)
     names = list(schedules(128, False))
@@ -388,22 +418,13 @@ def backward_row(table, headdim, seqlen, causal, names):
             row[name] = (None, difference)
             for _ in range(2):
                 call()
-        times = {name: [] for name in ours}
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        for round_ in range(ROUNDS):
-            shift = round_ % len(ours)
-            for name in ours[shift:] + ours[:shift]:
-                current[0] = name
-                # a forward queued before each timed call, as the SDPA anchors' (bench.BackwardOnly):
-                # the call's host work runs while the GPU is still busy with it
-                nbflash.flash_attn_func(q, k, v, causal=causal, **drop)
-                start.record()
-                call()
-                stop.record()
-                stop.synchronize()
-                times[name].append(cupy.cuda.get_elapsed_time(start, stop))
-        for name in ours:
-            row[name] = (round(flops / float(np.median(times[name])) / 1e9, 1), row[name][1])
+        # a forward queued before each timed call, as the SDPA anchors' (bench.BackwardOnly): the
+        # call's host work runs while the GPU is still busy with it
+        medians = interleaved_ms({name: call for name in ours}, ROUNDS,
+                                 before=lambda: nbflash.flash_attn_func(q, k, v, causal=causal, **drop),
+                                 switch=lambda name: current.__setitem__(0, name))
+        for name, ms in medians.items():
+            row[name] = (round(flops / ms / 1e9, 1), row[name][1])
     finally:
         configs.sm90_backward_config = planned
         backward._kernels = kernels
@@ -546,7 +567,7 @@ def parse_args():
                         help="with --backward: time each (shape, schedule) in a child process with this time "
                              "limit, so that a schedule that hangs the GPU costs only its own cells")
     parser.add_argument("--rounds", type=int, default=ROUNDS, metavar="R",
-                        help=f"the backward's timed calls of each schedule, interleaved (default {ROUNDS})")
+                        help=f"the timed calls of each schedule, interleaved (default {ROUNDS})")
     parser.add_argument("--child", nargs=4, metavar=("NAME", "HD", "SEQLEN", "CAUSAL"), help=argparse.SUPPRESS)
     parser.add_argument("--rowwise-scalar", action="store_true",
                         help="plan the row-wise kernels' scalar forms (configs.ROWWISE_VECTOR off) for this run")
