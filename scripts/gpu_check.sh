@@ -87,6 +87,9 @@
 #                                the schedules timed interleaved (sm90_schedules.py since the thirtieth
 #                                session): hd 128's third stage and TMA stores, step 40 against the
 #                                rows split at hd 32, 48, 64, the GPU's clocks sampled; about 6 minutes
+#   scripts/gpu_check.sh retime  earlier choices made on small margins, retimed interleaved (hd 128's dQ
+#                                forms, stores, rotate, launch groups; hd 64's groups and rows split),
+#                                about 7 minutes
 #   scripts/gpu_check.sh table-rotated
 #                                issue 13's table, bench.py's columns in turns rotated each round (four
 #                                rounds), about 8 minutes
@@ -736,6 +739,18 @@ for name, column in (("clock", 1), ("power", 3)):
     print(name, min(xs), statistics.median(xs), max(xs))
 print(sorted({r[5].strip() for r in rows}))
 PY
+    ;;
+retime)
+    # the choices made on margins under about 10% with the planned form timed last (docs/perf-notes.md,
+    # "Timing order"), retimed interleaved: at hd 128 dQ's atomics and its old order against the
+    # tile-major dQ first, the 16-byte stores, TMA stores, rotated walks, launch groups of 2 and 8; at
+    # hd 64 the launch groups and the rows split; about 7 minutes on a fresh machine
+    timeout 250 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-red planned-dqlast \
+        planned-quads planned-tma planned-rotate planned-groups2 planned-groups8 > "$out/retime_128.log" 2>&1
+    echo "hd 128, interleaved (exit $?):"; tail -6 "$out/retime_128.log"
+    timeout 200 python3 scripts/sm90_schedules.py --backward --headdims 64 --only planned-groups2 planned-groups8 \
+        rows-planned --anchors > "$out/retime_64.log" 2>&1
+    echo "hd 64, interleaved (exit $?):"; tail -13 "$out/retime_64.log"
     ;;
 table-rotated)
     # issue 13's table on the plan of the thirtieth session (two ring stages at hd 128 again), bench.py's

@@ -52,7 +52,8 @@ Backward, each column a schedule:
   (backward_sm90.py's kernels): dK and dV by 16-byte stores after the quads' transposes (step 55),
   and in the planned rows split (headdim 64) "rows-pairs" where it is planned with them (without a
   window), "rows-quads" where not; "planned-tma" (backward_sm90.py's kernels): dK and dV written
-  into K's and V's tiles, then stored by TMA (step 57);
+  into K's and V's tiles, then stored by TMA (step 57); "planned-groups2", "planned-groups8": the
+  planned kernel launched longest-first in groups of 2 or 8 (batch, KV head) pairs instead of 4;
   "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
   (the form before; timed as "planned" against "planned-tiles" until step 35). (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
@@ -316,6 +317,10 @@ def backward_schedules(headdim, causal):
     if not planned.variant.block_mask and getattr(planned, "dq_split", "") != "rows":  # each block's walk over the
         # query tiles rotated by its key tile (step 43; not built for step 40's 128-query kernel)
         found["planned-rotate"] = planned.__class__(**{**planned.__dict__, "rotate": True})
+    if getattr(planned, "heavy_groups", 0):  # the planned kernel's launch order in groups of 2 and 8 (batch,
+        # KV head) pairs instead of configs.SM90_BACKWARD_HEAVY_GROUPS' 4 (step 13, before step 40 and the tiles)
+        for groups in (2, 8):
+            found[f"planned-groups{groups}"] = dataclasses.replace(planned, heavy_groups=groups)
     found["planned"] = planned
     return {name: config for name, config in found.items() if ONLY is None or name in ONLY}
 
