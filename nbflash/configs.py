@@ -39,6 +39,7 @@ architecture they need (``"mma"``, the sm80 family's first name, stays an alias 
 import contextlib
 import contextvars
 import dataclasses
+import math
 from functools import lru_cache
 
 from . import runtime
@@ -640,8 +641,17 @@ SM90_BACKWARD_KEYS128 = True
 # ... from this headdim on: at hd 32 (bench.py --pass backward, one run on an H100, against the rows
 # split's of 2026-12-06 on an H100, SDPA flash within 1% of its figures then, docs/benchmarks.md)
 # it ran +1.4% / -10.2% plain (4k / 16k), -1.0% / 0.0% causal: the rows split keeps headdims up to
-# 32. Headdims 33-63 (between the two) are not timed.
+# 32. Timed interleaved with the rows split in one process (thirtieth session, H100, gpu_check.sh
+# interleaved, docs/perf-notes.md "Timing order"): hd 32 -7% to -14% (the rows split keeps it), hd 48
+# -4% to +2% (even: step 40 keeps it), hd 64 +4% to +10%. Headdims 40 and 56 are not timed.
 SM90_BACKWARD_KEYS128_MIN_HEADDIM = 33
+
+# Step 40 (above) for packed sequences too (plain and windowed, headdims 33-64), where the tile-major
+# dQ's padding of 128 rows a sequence fits (``packed_dq_tiles_fit`` with 128-row tiles); else the
+# table's kernel as before. An option, off until timed: its simulator and GPU tests are
+# tests/test_varlen.py's keys128 cases; ptxas and the prediction in docs/perf-notes.md ("Step 40
+# for packed sequences").
+SM90_BACKWARD_VARLEN_KEYS128 = False
 
 # Whether the rows split without a window issues dQ_c's product under dS's stores
 # (``issue_early="dq"``, docs/perf-notes.md "Hopper backward" step 42). Measured on an H100
@@ -695,10 +705,16 @@ SM90_BACKWARD_VARLEN_DQ_TILES = True
 SM90_VARLEN_DQ_TILES_MAX_PADDING = 0.125
 
 
-def packed_dq_tiles_fit(batch, total_q):
-    """Whether ``batch`` packed sequences of ``total_q`` query rows in all take the tile-major dQ
-    (``SM90_VARLEN_DQ_TILES_MAX_PADDING``); else their backward keeps the atomics."""
-    return batch * Sm90BackwardConfig.block_m <= SM90_VARLEN_DQ_TILES_MAX_PADDING * total_q
+def packed_dq_tiles_fit(batch, total_q, tile_rows=Sm90BackwardConfig.block_m):
+    """Whether ``batch`` packed sequences of ``total_q`` query rows in all take the tile-major dQ in
+    tiles of ``tile_rows`` (``SM90_VARLEN_DQ_TILES_MAX_PADDING``); else their backward keeps the atomics."""
+    return batch * tile_rows <= SM90_VARLEN_DQ_TILES_MAX_PADDING * total_q
+
+
+def packed_dq_tile_rows(batch, total_q):
+    """The largest query tile (128 or 64 rows) whose tile-major dQ padding ``batch`` packed sequences
+    of ``total_q`` rows take (``packed_dq_tiles_fit``), or 0 for none: ``plan_backward``'s ``dq_tiles``."""
+    return next((rows for rows in (128, 64) if packed_dq_tiles_fit(batch, total_q, rows)), 0)
 
 
 def sm90_backward_config(dtype, headdim, variant):
@@ -711,12 +727,21 @@ def sm90_backward_config(dtype, headdim, variant):
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
         return Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS,
                                       split_tiles=SM90_WIDE_SPLIT_TILES)
-    if not runtime.SIMULATOR and headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM and sm90_rows_serves(variant):
-        if SM90_BACKWARD_KEYS128 and headdim >= SM90_BACKWARD_KEYS128_MIN_HEADDIM:
-            return dataclasses.replace(sm90_backward_table_config(dtype, headdim, variant), block_m=128,
-                                       dq_split="rows", dq_first=True, dq_reduce="tiles")
+    small = not runtime.SIMULATOR and headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM
+    keys128 = SM90_BACKWARD_KEYS128 and headdim >= SM90_BACKWARD_KEYS128_MIN_HEADDIM
+    packed = SM90_BACKWARD_VARLEN_KEYS128 and variant.varlen and sm90_rows_serves(variant._replace(varlen=False))
+    if small and keys128 and (sm90_rows_serves(variant) or packed):
+        return keys128_backward_config(dtype, headdim, variant)
+    if small and sm90_rows_serves(variant):
         return sm90_rows_backward_config(dtype, headdim, variant)
     return planned_backward_sm90_config(dtype, headdim, variant)
+
+
+def keys128_backward_config(dtype, headdim, variant):
+    """Step 40's kernel: backward_sm90.py with 128 query rows a step, dQ split by query rows, first
+    and tile-major."""
+    return dataclasses.replace(sm90_backward_table_config(dtype, headdim, variant), block_m=128, dq_split="rows",
+                               dq_first=True, dq_reduce="tiles")
 
 
 def sm90_rows_backward_config(dtype, headdim, variant):
@@ -850,11 +875,16 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
 
     if sm90:
         dkdv = sm90_backward_config(dtype, headdim, static.variant)  # score_mod_grad too
-        if not dq_tiles and getattr(dkdv, "dq_tile_major", False):
+        tile_limit = math.inf if dq_tiles is True else int(dq_tiles)  # packed sequences' padding
+        if getattr(dkdv, "dq_split", "") == "rows" and dkdv.block_m > tile_limit:  # step 40's tiles need it
+            dkdv = planned_backward_sm90_config(dtype, headdim, static.variant)
+        if getattr(dkdv, "dq_tile_major", False) and dkdv.block_m > tile_limit:
             dkdv = dataclasses.replace(dkdv, dq_reduce="red")
         if getattr(dkdv, "dq_tile_major", False):  # dq_accum tile-major: the caller zeroes it
             preprocess = dataclasses.replace(preprocess, atomic_dq=False)
-            convert = Sm90ConvertDqConfig(dtype, headdim, dkdv.dq_part_columns, static.variant.varlen)
+            varlen = static.variant.varlen  # each sequence's tiles from a whole tile of the dK/dV kernel's
+            convert = Sm90ConvertDqConfig(dtype, headdim, dkdv.dq_part_columns, varlen,
+                                          tile_rows=dkdv.block_m if varlen else 64)
         return preprocess, dkdv, convert
     if sm90_dq:  # both Hopper kernels, neither with atomics: dK, dV, then dQ, each in a fixed order
         return (preprocess, *sm90_deterministic_configs(dtype, headdim, static.variant))

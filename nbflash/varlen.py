@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from . import backward, interface, launch, runtime, validation
-from .configs import forced_family, packed_dq_tiles_fit
+from .configs import forced_family, packed_dq_tile_rows
 from .dtypes import FLOAT32
 from .reference import attention_probabilities
 
@@ -161,8 +161,9 @@ def _varlen_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     p = problem
     aligned = p.aligned and validation.rows_aligned(dout[None])
     total_q, total_k = q.shape[0], k.shape[0]
-    # dQ tile-major (the sm90 kernel's plan) unless the sequences are too short for it to pay (configs.py)
-    dq_tiles = packed_dq_tiles_fit(p.batch, total_q)
+    # dQ tile-major (the sm90 kernel's plan) unless the sequences are too short for it to pay: the
+    # largest query tile (128 or 64 rows, or none) whose padding they take (configs.py)
+    dq_tiles = packed_dq_tile_rows(p.batch, total_q)
     preprocess, dkdv, dq_kernel = backward._kernels(p.static, deterministic, forced_family(), aligned, False, dq_tiles)
     separate_dq = not dkdv.config.atomic_dq  # dQ by a pass of its own (backward.py)
     dq = launch.empty((1, *q.shape), q.dtype)  # the row-wise convert_dq writes it as a batch of one

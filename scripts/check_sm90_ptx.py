@@ -236,6 +236,10 @@ def backward_kernels():
         found.append((f"backward_sm90_keys128_deterministic_{'causal' if variant.window else 'plain'}_hd64",
                       dataclasses.replace(configs.sm90_backward_table_config("float16", 64, variant), block_m=128,
                                           dq_split="none")))
+    # ... on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128, an option), plain and causal
+    for variant in (Variant(varlen=True), Variant(window=True, varlen=True)):
+        found.append((f"backward_sm90_keys128_varlen_{'causal' if variant.window else 'plain'}_hd64",
+                      configs.keys128_backward_config("float16", 64, variant)))
     from nbflash.kernels.backward_sm90 import Sm90ConvertDqConfig
 
     for dtype, headdim, columns in (("float16", 128, 64), ("bfloat16", 96, 64), ("float16", 64, 64),
@@ -244,6 +248,8 @@ def backward_kernels():
                       Sm90ConvertDqConfig(dtype, headdim, columns)))
     found.append(("backward_sm90_convert_dq_tiles_varlen_float16_hd128",  # packed sequences' (step 37)
                   Sm90ConvertDqConfig("float16", 128, 64, varlen=True)))
+    found.append(("backward_sm90_convert_dq_tiles_varlen_float16_hd64_rows128",  # ... after step 40's tiles
+                  Sm90ConvertDqConfig("float16", 64, 64, varlen=True, tile_rows=128)))
     found.append(("backward_sm90_keys_plain_hd128", dataclasses.replace(  # by keys with red.add (step 1's)
         configs.sm90_backward_table_config("float16", 128, Variant()), dq_split="keys", dq_first=False)))
     # the deterministic backward's dK/dV pass (no dQ: dq_split="none"), plain at each planned headdim

@@ -90,6 +90,9 @@
 #   scripts/gpu_check.sh retime  earlier choices made on small margins, retimed interleaved (hd 128's dQ
 #                                forms, stores, rotate, launch groups; hd 64's groups and rows split),
 #                                about 7 minutes
+#   scripts/gpu_check.sh packed128
+#                                step 40 on packed sequences (an option): its GPU grid, then the packed
+#                                backward at hd 64 with the option off and on, twice; about 6 minutes
 #   scripts/gpu_check.sh table-rotated
 #                                issue 13's table, bench.py's columns in turns rotated each round (four
 #                                rounds), about 8 minutes
@@ -751,6 +754,24 @@ retime)
     timeout 200 python3 scripts/sm90_schedules.py --backward --headdims 64 --only planned-groups2 planned-groups8 \
         rows-planned --anchors > "$out/retime_64.log" 2>&1
     echo "hd 64, interleaved (exit $?):"; tail -13 "$out/retime_64.log"
+    ;;
+packed128)
+    # step 40 on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128, an option; docs/perf-notes.md
+    # "Step 40 for packed sequences"): its GPU grid, then bench.py's packed backward at hd 64 with the
+    # option off and on, alternating, twice (each in its own process); lengths drawn up to 2048 and
+    # 4096 (the 128-row padding takes mean lengths from 1024 on) and four of 4096; about 6 minutes
+    grid packed128_tests 200 tests/test_varlen.py -k "keys128 or plan_step_40 or dq_tiles_by_length"
+    for run in 1 2; do
+        for option in off on; do
+            timeout 90 python3 -c "import runpy, sys; from nbflash import configs
+configs.SM90_BACKWARD_VARLEN_KEYS128 = sys.argv[1] == 'on'
+sys.argv = ['scripts/bench.py'] + sys.argv[2:]
+runpy.run_path('scripts/bench.py', run_name='__main__')" "$option" --pass varlen --varlen-backward --headdims 64 \
+                --causal both --varlen-lengths uniform:16384:2048 uniform:16384:4096 4096,4096,4096,4096 --no-torch \
+                --budget 0.3 > "$out/packed128_${option}_$run.log" 2>&1
+            echo "packed backward, hd 64, step 40 $option, run $run (exit $?):"; tail -8 "$out/packed128_${option}_$run.log"
+        done
+    done
     ;;
 table-rotated)
     # issue 13's table on the plan of the thirtieth session (two ring stages at hd 128 again), bench.py's

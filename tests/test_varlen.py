@@ -339,17 +339,79 @@ def test_varlen_sm90_dq_tiles(rng, xp, monkeypatch):
 
 def test_packed_dq_tiles_fit():
     """The tile-major dQ's padding (a 64-row tile a sequence at most) against the packed rows: taken
-    up to an eighth of them (mean length 512: shorter ones ran faster with the atomics), else the atomics."""
-    from nbflash.configs import packed_dq_tiles_fit
+    up to an eighth of them (mean length 512: shorter ones ran faster with the atomics), else the
+    atomics; with step 40's 128-row tiles from mean length 1024 (packed_dq_tile_rows: the largest)."""
+    from nbflash.configs import packed_dq_tile_rows, packed_dq_tiles_fit
 
     assert packed_dq_tiles_fit(14, 16384) and packed_dq_tiles_fit(2, 1024) and packed_dq_tiles_fit(1, 512)
     assert not packed_dq_tiles_fit(2, 1023) and not packed_dq_tiles_fit(54, 16384) and not packed_dq_tiles_fit(1, 1)
+    assert packed_dq_tiles_fit(16, 16384, 128) and not packed_dq_tiles_fit(17, 16384, 128)
+    assert [packed_dq_tile_rows(b, 16384) for b in (1, 16, 17, 32, 33)] == [128, 128, 64, 64, 0]
 
 
-@pytest.mark.parametrize("lengths,tiles", [([600, 500], True), ([1, 300, 0, 129, 64, 77], False)])
+def test_packed_sequences_plan_step_40(monkeypatch):
+    """configs.SM90_BACKWARD_VARLEN_KEYS128 (an option): packed sequences at headdims 33-64, plain or
+    windowed, take step 40's kernel (128 query rows a step, dQ tile-major by rows) where the padding
+    of 128-row tiles fits; where only 64-row tiles fit, or none, the table's kernel as before; never
+    with another feature. Its dQ conversion pads each sequence to the dK/dV kernel's tiles."""
+    from nbflash import configs
+    from nbflash.kernels.backward_sm90 import Sm90ConvertDqConfig
+    from nbflash.problem import Static, Variant
+
+    monkeypatch.setattr(configs, "SM90_BACKWARD_VARLEN_KEYS128", True)
+    packed, window = Variant(varlen=True), Variant(varlen=True, window=True)
+    planned = {}
+    with monkeypatch.context() as gpu:
+        gpu.setattr(configs.runtime, "SIMULATOR", False)  # the planner's choice on a GPU (no kernel runs)
+        for variant in (packed, window):
+            planned[variant] = configs.sm90_backward_config("float16", 64, variant)
+            assert (planned[variant].block_m, planned[variant].dq_split) == (128, "rows"), planned[variant]
+        assert configs.sm90_backward_config("float16", 32, packed).block_m == 64  # the rows split's headdims
+        assert configs.sm90_backward_config("float16", 64, Variant(varlen=True, softcap=True)).block_m == 64
+        gpu.setattr(configs, "SM90_BACKWARD_VARLEN_KEYS128", False)
+        assert configs.sm90_backward_config("float16", 64, packed).block_m == 64
+    # the call's plan, as on a GPU (sm90_backward_config's choice above)
+    monkeypatch.setattr(configs, "sm90_backward_config", lambda dtype, headdim, variant: planned[variant])
+    for variant in (packed, window):
+        _, dkdv, convert = configs.plan_backward(Static("float16", 64, False, 0, variant), False, "sm90", True,
+                                                 dq_tiles=128)
+        assert dkdv == planned[variant] and convert == Sm90ConvertDqConfig("float16", 64, 64, True, tile_rows=128)
+        for rows in (64, 0):  # the padding of 128-row tiles does not fit: the table's kernel
+            _, dkdv, _ = configs.plan_backward(Static("float16", 64, False, 0, variant), False, "sm90", True,
+                                               dq_tiles=rows)
+            assert dkdv.block_m == 64 and dkdv == configs.planned_backward_sm90_config("float16", 64, variant)
+    with pytest.raises(ValueError, match="tile_rows"):
+        Sm90ConvertDqConfig("float16", 64, 64, False, tile_rows=128)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_varlen_sm90_keys128(rng, xp, monkeypatch):
+    """Step 40's kernel on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128), causal, hd 40,
+    GQA 2:1: sequence 0's 130 query rows span two 128-row tiles (dq_accum's rows 0-255), sequence 1
+    has no query, sequence 2's 9 rows start at packed row 130 and at dq_accum's row 256 (130 + 2 x
+    128, down to a whole tile): a conversion padding to 64-row tiles reads the wrong rows (dq off by
+    about 2.8). Its first key tile crosses into sequence 1's keys."""
+    from nbflash import backward, configs, launch
+
+    monkeypatch.setattr(configs, "sm90_backward_config",
+                        lambda dtype, headdim, variant: configs.keys128_backward_config(dtype, headdim, variant))
+    monkeypatch.setattr(configs, "SM90_VARLEN_DQ_TILES_MAX_PADDING", 1e9)
+    backward._kernels.cache_clear()
+    built, compiled = [], launch.compiled
+    monkeypatch.setattr(launch, "compiled", lambda config, *args: built.append(config) or compiled(config, *args))
+    try:
+        run(rng, xp, "sm90", "float16", True, False, [130, 0, 9], [70, 5, 20], 40, forward="reference")
+    finally:
+        backward._kernels.cache_clear()
+    assert any(getattr(c, "block_m", 0) == 128 and c.variant.varlen for c in built)
+    assert any(getattr(c, "tile_rows", 0) == 128 for c in built)
+
+
+@pytest.mark.parametrize("lengths,tiles", [([1100, 1000], 128), ([600, 500], 64), ([1, 300, 0, 129, 64, 77], 0)])
 def test_varlen_backward_plans_dq_tiles_by_length(xp, monkeypatch, lengths, tiles):
     """flash_attn_varlen_backward asks for the tile-major dQ only where the sequences are long
-    enough for its padding (configs.packed_dq_tiles_fit); stopped at the kernels' lookup."""
+    enough for its padding, in the largest tiles whose padding fits (configs.packed_dq_tile_rows);
+    stopped at the kernels' lookup."""
     from nbflash import backward
 
     asked = []
@@ -408,6 +470,30 @@ def test_varlen_sm90_dq_reduce_gpu(rng, xp, varlen_dq_reduce, dtype, causal, hea
     run(rng, xp, "sm90", dtype, causal, False, lengths_q, lengths_k, headdim)
     if headdim == 128 and causal:
         run(rng, xp, "sm90", dtype, True, False, lengths_q, lengths_k, headdim, **combined(xp, len(lengths_q)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("window", [None, "causal", (40, 8)], ids=["plain", "causal", "window"])
+@pytest.mark.parametrize("headdim", [40, 64])
+def test_varlen_sm90_keys128_gpu(rng, xp, monkeypatch, dtype, window, headdim):
+    """Step 40's kernel on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128 on, the padding's
+    limit lifted so that the grid's short sequences take it too), as planned: sequences with no
+    query, no key, one row, a tile and one, GQA 2:1; plain, causal and a two-sided window."""
+    from nbflash import backward, configs, launch
+
+    monkeypatch.setattr(configs, "SM90_BACKWARD_VARLEN_KEYS128", True)
+    monkeypatch.setattr(configs, "SM90_VARLEN_DQ_TILES_MAX_PADDING", 1e9)
+    backward._kernels.cache_clear()
+    built, compiled = [], launch.compiled
+    monkeypatch.setattr(launch, "compiled", lambda config, *args: built.append(config) or compiled(config, *args))
+    lengths_q, lengths_k = GPU_LENGTHS[0]
+    variant = {} if window in (None, "causal") else dict(window_size=window)
+    try:
+        run(rng, xp, "sm90", dtype, window == "causal", False, lengths_q, lengths_k, headdim, **variant)
+    finally:
+        backward._kernels.cache_clear()
+    assert any(getattr(c, "block_m", 0) == 128 and c.variant.varlen for c in built)
 
 
 @pytest.mark.gpu

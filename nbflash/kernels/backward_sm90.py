@@ -63,6 +63,9 @@ and dS^T are 8 k16 steps of dV's and dK's register A operands, each dS^T tile is
 (the first chunk of both consumers' tiles side by side, then the second), and consumer c adds the
 whole dQ of query rows 64 c .. 64 c + 63 over all block_n keys (dS from chunk c), first and
 tile-major: one 64-row unit of the staged tile, as backward_sm90_rows.py's "tiles" form stages it.
+Packed sequences take this form where configs.SM90_BACKWARD_VARLEN_KEYS128 (an option, off) and
+the padding of 128-row tiles fits: each sequence's tiles then start on a whole 128-row tile of
+dq_accum, and the conversion pads to the same (``Sm90ConvertDqConfig.tile_rows``).
 
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G
 (G ceil(seqlen_k / block_n), ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch,
@@ -377,9 +380,10 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         if self.dq_split not in ("rows", "none") if self.block_m == 128 else self.dq_split == "rows":
             raise ValueError(f"block_m=128 goes with dq_split='rows' (or 'none': no dQ), and 'rows' only with it, got "
                              f"{self.block_m=} and {self.dq_split=}")
-        if self.block_m == 128 and (self.headdim_padded != 64 or self.variant._replace(window=False) != Variant()):
-            raise ValueError(f"block_m=128 takes headdim <= 64 and plain or windowed attention, got {self.headdim=}, "
-                             f"{self.variant}")
+        if self.block_m == 128 and (self.headdim_padded != 64
+                                    or self.variant._replace(window=False, varlen=False) != Variant()):
+            raise ValueError(f"block_m=128 takes headdim <= 64 and plain or windowed attention (packed sequences "
+                             f"too), got {self.headdim=}, {self.variant}")
         if self.dq_split == "rows" and (not self.dq_first or self.dq_reduce != "tiles"):
             raise ValueError(f"dq_split='rows' takes dq_first=True and dq_reduce='tiles', got {self.dq_first=}, "
                              f"{self.dq_reduce=}")
@@ -1564,6 +1568,9 @@ class Sm90ConvertDqConfig:
     # padded_first_row), dq the packed rows (a batch of one); the kernel takes cu_seqlens_q after dq
     # and its grid a block row per sequence (batch: the sequences, seqlen_q: the longest)
     varlen: bool = False
+    # packed sequences: the dK/dV kernel's query tile (its block_m), to which each sequence's first
+    # row of dq_accum is padded (padded_first_row); its 128-row tiles are two of this kernel's units
+    tile_rows: int = 64
     kernel = "convert_dq"  # the backward's plan reads it (one kernel of the three)
     block_m = 64  # rows of a unit (dq_accum_shape)
     threads = GROUP
@@ -1578,6 +1585,8 @@ class Sm90ConvertDqConfig:
             raise ValueError(f"{self.headdim=} must be a multiple of 8 in 8..{MAX_HEADDIM}")
         if self.part_columns % 8 or self.headdim_padded % self.part_columns:
             raise ValueError(f"{self.part_columns=} must be a multiple of 8 dividing {self.headdim_padded}")
+        if self.tile_rows not in (64, 128) or (self.tile_rows != 64 and not self.varlen):
+            raise ValueError(f"{self.tile_rows=} must be 64, or 128 with packed sequences (varlen=True)")
 
     headdim_padded = Sm90BackwardConfig.headdim_padded
 
@@ -1588,6 +1597,7 @@ class Sm90ConvertDqConfig:
 @lru_cache(maxsize=None)
 def build_convert_dq_tiles(config: Sm90ConvertDqConfig):
     BM, HDP, COLUMNS = config.block_m, config.headdim_padded, config.part_columns
+    TILE_ROWS = config.tile_rows  # packed sequences: the dK/dV kernel's tiles, whose padding dq_accum has
     PARTS = HDP // COLUMNS  # the staged products of a unit
     VECTORS = COLUMNS // 8  # a staging thread's 16-byte stores a part
     PART = 4 * BM * COLUMNS  # bytes of a part
@@ -1619,8 +1629,8 @@ def build_convert_dq_tiles(config: Sm90ConvertDqConfig):
             h, b = cuda.blockIdx.y, cuda.blockIdx.z
             q_first, q_rows, _, _ = packed_sequence(cu_seqlens_q, cu_seqlens_q, b, dq.shape[1], dq.shape[1])
             if q_start < q_rows:  # the sequence's tile q_start / BM, from its first whole tile of dq_accum
-                convert_unit(dq_accum, dq, 0, h, padded_first_row(q_first, b, BM) + q_start, q_first + q_start,
-                             q_first + q_rows, scale)
+                first = padded_first_row(q_first, b, TILE_ROWS) + q_start
+                convert_unit(dq_accum, dq, 0, h, first, q_first + q_start, q_first + q_rows, scale)
 
         return backward_convert_dq_tiles_varlen
 
