@@ -823,9 +823,10 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
     static part (``Problem.static``). ``aligned``: every row of q, k, v and dout starts on a 16-byte
     boundary (the tensor-core kernels then copy tiles with cp.async); default ``static.aligned``.
     ``out_aligned``: so do out's rows (with ``aligned`` and ``ROWWISE_VECTOR``, the row-wise kernels
-    take their 16-byte forms where the dtype and headdim allow). ``dq_tiles=False``: the sm90 dK/dV
-    kernel keeps dQ's atomics where it would hold dQ tile-major (packed sequences too short for its
-    padding: ``packed_dq_tiles_fit``).
+    take their 16-byte forms where the dtype and headdim allow). ``dq_tiles``: the largest query
+    tile whose tile-major dQ padding packed sequences take (``packed_dq_tile_rows``: 128, 64, or 0
+    or False for none; True, the default, any): a dK/dV kernel with dQ tile-major in larger tiles
+    gives way, step 40's to the table's kernel, the others to dQ's atomics.
 
     ``family`` "sm90" (the Hopper dK/dV kernel with atomic dq, where it serves the call:
     ``sm90_backward_unsupported_reason``; with deterministic=True the Hopper dK/dV kernel without
