@@ -189,9 +189,10 @@
 #                                5 minutes
 #   scripts/gpu_check.sh stalls [HEADDIM [red|tiles|fp8]]
 #                                where the planned dK/dV kernel's warps wait at HEADDIM (default 128;
-#                                64: the rows split), instruction by instruction (ncu's source
-#                                counters; scripts/stall_report.py) and its speed-of-light page (SM,
-#                                L2 and DRAM throughput against peak), plain and causal at 4k, about 3
+#                                64: step 40's kernel since the twenty-ninth session), instruction by
+#                                instruction (ncu's source counters; scripts/stall_report.py) and its
+#                                speed-of-light page (SM, L2 and DRAM throughput against peak), plain
+#                                and causal at 4k (STALLS_SEQLEN to change it), about 3
 #                                minutes; needs ncu with hardware counters. With "red" or "tiles", the
 #                                planned kernel with that dq_reduce (tiles is planned at hd 72-128);
 #                                with "fp8", the fp8 forward's kernel instead (at 16k, where the V^T
@@ -828,7 +829,7 @@ stalls)
     for causal in "" "--causal"; do
         name="stalls_hd$headdim${3:+_$3}${causal:+_causal}"
         if [ "${3:-}" = fp8 ]; then kernel=forward_sm90 what="--fp8 --seqlen 16384"
-        else kernel=backward_dkdv what="--seqlen 4096 ${3:+--dq-reduce $3}"; fi
+        else kernel=backward_dkdv what="--seqlen ${STALLS_SEQLEN:-4096} ${3:+--dq-reduce $3}"; fi
         timeout 200 ncu --clock-control none --kernel-name regex:$kernel --launch-skip 1 --launch-count 1 \
             --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$out/$name" \
             python3 scripts/stall_report.py run --headdim "$headdim" $what $causal > "$out/$name.log" 2>&1
