@@ -103,13 +103,13 @@ def reference_forward(xp, q, k, v, cu_q, cu_k, causal, **variant):
 
 
 def run(rng, xp, family, dtype, causal, deterministic, lengths_q=LENGTHS_Q, lengths_k=LENGTHS_K, headdim=16,
-        forward="kernel", **variant):
+        forward="kernel", heads=(2, 1), **variant):
     """The forward and backward on ``family`` (the backward only with "sm90": its forward serves
     no packed sequences, the mma family's runs). ``forward="reference"``: the backward starts from
     the float64 reference's out and lse, and no forward kernel runs (in the simulator the mma
-    forward at headdim 128 costs minutes)."""
-    q = packed(rng, xp, lengths_q, 2, headdim, dtype)
-    k, v = (packed(rng, xp, lengths_k, 1, headdim, dtype) for _ in range(2))
+    forward at headdim 128 costs minutes). ``heads``: query heads, KV heads (GQA 2:1 by default)."""
+    q = packed(rng, xp, lengths_q, heads[0], headdim, dtype)
+    k, v = (packed(rng, xp, lengths_k, heads[1], headdim, dtype) for _ in range(2))
     cu_q, cu_k = offsets(lengths_q, xp), offsets(lengths_k, xp)
     args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
     if forward == "reference":
@@ -118,7 +118,7 @@ def run(rng, xp, family, dtype, causal, deterministic, lengths_q=LENGTHS_Q, leng
         with nbflash.kernel_family("mma" if family == "sm90" else family):
             out, lse = nbflash.flash_attn_varlen_func(q, k, v, *args, causal=causal, return_lse=True, **variant)
         assert_varlen_forward(out, lse, q, k, v, cu_q, cu_k, causal, **variant)
-    dout = packed(rng, xp, lengths_q, 2, headdim, dtype)
+    dout = packed(rng, xp, lengths_q, heads[0], headdim, dtype)
     with nbflash.kernel_family(family):
         grads = nbflash.flash_attn_varlen_backward(dout, q, k, v, out, lse, *args, causal=causal,
                                                    deterministic=deterministic, **variant)
@@ -253,7 +253,7 @@ def test_varlen_sm90_backward_causal(rng, xp, monkeypatch):
     forward falls back to the mma family): sequence 2 spans two key tiles and two query tiles, so
     its tiles' TMA reads cross into sequence 3's rows and past the packed arrays' end; sequence 1
     has no query (its dK, dV are 0), sequence 3 no key (its dq rows 0), and the blocks of key tiles
-    past a sequence's end exit."""
+    past a sequence's end exit. GQA 2:1 (the other simulator cases below run one head, for CI's time)."""
     from nbflash import backward, launch
     from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
 
@@ -280,7 +280,8 @@ def test_varlen_sm90_backward_deterministic(rng, xp, monkeypatch):
     monkeypatch.setattr(launch, "compiled", lambda config, *args: built.append(config) or compiled(config, *args))
     backward._kernels.cache_clear()
     try:
-        run(rng, xp, "sm90", "float16", True, True, [9, 0, 70, 3], [12, 5, 130, 0], forward="reference")
+        run(rng, xp, "sm90", "float16", True, True, [9, 0, 70, 3], [12, 5, 130, 0], forward="reference",
+            heads=(1, 1))
     finally:
         backward._kernels.cache_clear()
     assert any(isinstance(c, Sm90DqConfig) and c.variant.varlen for c in built)
@@ -293,7 +294,7 @@ def test_varlen_sm90_backward_columns(rng, xp):
     ring slots) and one key tile with a tail, sequence 1's key tile crosses into the packed arrays'
     end. (Two key tiles of a sequence: the causal case above; with 130 keys here this case took
     4.5 minutes of CI's 2 cores.)"""
-    run(rng, xp, "sm90", "bfloat16", False, False, [70, 5], [100, 20], 128, forward="reference")
+    run(rng, xp, "sm90", "bfloat16", False, False, [70, 5], [100, 20], 128, forward="reference", heads=(1, 1))
 
 
 @pytest.fixture(params=["tiles", "red"])
@@ -329,7 +330,8 @@ def test_varlen_sm90_dq_tiles(rng, xp, monkeypatch):
     built, compiled = [], launch.compiled
     monkeypatch.setattr(launch, "compiled", lambda config, *args: built.append(config) or compiled(config, *args))
     try:
-        run(rng, xp, "sm90", "float16", True, False, [70, 0, 9], [100, 5, 20], 40, forward="reference")
+        run(rng, xp, "sm90", "float16", True, False, [70, 0, 9], [100, 5, 20], 40, forward="reference",
+            heads=(1, 1))
     finally:
         configs.sm90_backward_table_config.cache_clear()
         backward._kernels.cache_clear()
@@ -387,10 +389,10 @@ def test_packed_sequences_plan_step_40(monkeypatch):
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 def test_varlen_sm90_keys128(rng, xp, monkeypatch):
     """Step 40's kernel on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128), causal, hd 40,
-    GQA 2:1: sequence 0's 130 query rows span two 128-row tiles (dq_accum's rows 0-255), sequence 1
-    has no query, sequence 2's 9 rows start at packed row 130 and at dq_accum's row 256 (130 + 2 x
-    128, down to a whole tile): a conversion padding to 64-row tiles reads the wrong rows (dq off by
-    about 2.8). Its first key tile crosses into sequence 1's keys."""
+    one head: sequence 0's 130 query rows span two 128-row tiles (dq_accum's rows 0-255), sequence 1
+    has no query, sequence 2's 9 rows start at packed row 130 and at dq_accum's row 384 (130 + 2 x
+    128, down to a whole tile), where a conversion padding to 64-row units reads row 256 (this case
+    fails then). Its first key tile crosses into sequence 1's keys."""
     from nbflash import backward, configs, launch
 
     monkeypatch.setattr(configs, "sm90_backward_config",
@@ -400,7 +402,8 @@ def test_varlen_sm90_keys128(rng, xp, monkeypatch):
     built, compiled = [], launch.compiled
     monkeypatch.setattr(launch, "compiled", lambda config, *args: built.append(config) or compiled(config, *args))
     try:
-        run(rng, xp, "sm90", "float16", True, False, [130, 0, 9], [70, 5, 20], 40, forward="reference")
+        run(rng, xp, "sm90", "float16", True, False, [130, 0, 9], [70, 5, 20], 40, forward="reference",
+            heads=(1, 1))
     finally:
         backward._kernels.cache_clear()
     assert any(getattr(c, "block_m", 0) == 128 and c.variant.varlen for c in built)
