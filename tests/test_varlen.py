@@ -87,6 +87,16 @@ LENGTHS_Q = [9, 0, 20, 3]
 LENGTHS_K = [12, 5, 7, 0]
 
 
+def recorded_builds(monkeypatch):
+    """The list every config compiled from now on (launch.compiled) is appended to: what a test
+    asserts the plan took."""
+    from nbflash import launch
+
+    built, compiled = [], launch.compiled
+    monkeypatch.setattr(launch, "compiled", lambda config, *args: built.append(config) or compiled(config, *args))
+    return built
+
+
 def reference_forward(xp, q, k, v, cu_q, cu_k, causal, **variant):
     """out (in q's dtype) and lse of packed sequences from the float64 reference, in the varlen
     layouts: what a backward test starts from where the forward kernel is not under test."""
@@ -254,11 +264,10 @@ def test_varlen_sm90_backward_causal(rng, xp, monkeypatch):
     its tiles' TMA reads cross into sequence 3's rows and past the packed arrays' end; sequence 1
     has no query (its dK, dV are 0), sequence 3 no key (its dq rows 0), and the blocks of key tiles
     past a sequence's end exit. GQA 2:1 (the other simulator cases below run one head, for CI's time)."""
-    from nbflash import backward, launch
+    from nbflash import backward
     from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
 
-    built, compiled = [], launch.compiled
-    monkeypatch.setattr(launch, "compiled", lambda config, *args: built.append(config) or compiled(config, *args))
+    built = recorded_builds(monkeypatch)
     backward._kernels.cache_clear()
     try:
         run(rng, xp, "sm90", "float16", True, False, [9, 0, 70, 3], [12, 5, 130, 0])
@@ -273,11 +282,10 @@ def test_varlen_sm90_backward_deterministic(rng, xp, monkeypatch):
     the Hopper dQ kernel, each sequence's rows read by TMA from its first (sequence 2's second query
     tile and its key tiles read into sequence 3's rows), sequence 1 with no query (its blocks exit),
     sequence 3 with no key (its dq rows 0)."""
-    from nbflash import backward, launch
+    from nbflash import backward
     from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
 
-    built, compiled = [], launch.compiled
-    monkeypatch.setattr(launch, "compiled", lambda config, *args: built.append(config) or compiled(config, *args))
+    built = recorded_builds(monkeypatch)
     backward._kernels.cache_clear()
     try:
         run(rng, xp, "sm90", "float16", True, True, [9, 0, 70, 3], [12, 5, 130, 0], forward="reference",
@@ -320,15 +328,14 @@ def test_varlen_sm90_dq_tiles(rng, xp, monkeypatch):
     query tiles (dq_accum's rows 0-127), sequence 1 has no query, sequence 2's 9 rows start at packed
     row 70 and at dq_accum's row 192 (70 + 2 x 64, down to a whole tile); its key tile crosses into
     the packed arrays' end."""
-    from nbflash import backward, configs, launch
+    from nbflash import backward, configs
     from nbflash.kernels.backward_sm90 import Sm90ConvertDqConfig
 
     monkeypatch.setattr(configs, "SM90_BACKWARD", [(128, 2, "columns")])
     monkeypatch.setattr(configs, "SM90_VARLEN_DQ_TILES_MAX_PADDING", 3.0)  # 3 x 64 rows of padding for 79
     configs.sm90_backward_table_config.cache_clear()
     backward._kernels.cache_clear()
-    built, compiled = [], launch.compiled
-    monkeypatch.setattr(launch, "compiled", lambda config, *args: built.append(config) or compiled(config, *args))
+    built = recorded_builds(monkeypatch)
     try:
         run(rng, xp, "sm90", "float16", True, False, [70, 0, 9], [100, 5, 20], 40, forward="reference",
             heads=(1, 1))
@@ -393,14 +400,13 @@ def test_varlen_sm90_keys128(rng, xp, monkeypatch):
     has no query, sequence 2's 9 rows start at packed row 130 and at dq_accum's row 384 (130 + 2 x
     128, down to a whole tile), where a conversion padding to 64-row units reads row 256 (this case
     fails then). Its first key tile crosses into sequence 1's keys."""
-    from nbflash import backward, configs, launch
+    from nbflash import backward, configs
 
     monkeypatch.setattr(configs, "sm90_backward_config",
                         lambda dtype, headdim, variant: configs.keys128_backward_config(dtype, headdim, variant))
     monkeypatch.setattr(configs, "SM90_VARLEN_DQ_TILES_MAX_PADDING", 1e9)
     backward._kernels.cache_clear()
-    built, compiled = [], launch.compiled
-    monkeypatch.setattr(launch, "compiled", lambda config, *args: built.append(config) or compiled(config, *args))
+    built = recorded_builds(monkeypatch)
     try:
         run(rng, xp, "sm90", "float16", True, False, [130, 0, 9], [70, 5, 20], 40, forward="reference",
             heads=(1, 1))
@@ -483,13 +489,12 @@ def test_varlen_sm90_keys128_gpu(rng, xp, monkeypatch, dtype, window, headdim):
     """Step 40's kernel on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128 on, the padding's
     limit lifted so that the grid's short sequences take it too), as planned: sequences with no
     query, no key, one row, a tile and one, GQA 2:1; plain, causal and a two-sided window."""
-    from nbflash import backward, configs, launch
+    from nbflash import backward, configs
 
     monkeypatch.setattr(configs, "SM90_BACKWARD_VARLEN_KEYS128", True)
     monkeypatch.setattr(configs, "SM90_VARLEN_DQ_TILES_MAX_PADDING", 1e9)
     backward._kernels.cache_clear()
-    built, compiled = [], launch.compiled
-    monkeypatch.setattr(launch, "compiled", lambda config, *args: built.append(config) or compiled(config, *args))
+    built = recorded_builds(monkeypatch)
     lengths_q, lengths_k = GPU_LENGTHS[0]
     variant = {} if window in (None, "causal") else dict(window_size=window)
     try:
