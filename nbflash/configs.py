@@ -566,10 +566,11 @@ SM90_WIDE_SPLIT_TILES = True
 # attention). ptxas 13.5, fp16, hd 64, plain: 748 instructions a step, no local access in the loop.
 # Measured on an H100 (thirtieth session: scripts/gpu_check.sh keys128-next, sm90_schedules.py
 # --parts --deterministic --headdims 64 without and with --deterministic-keys128, one run each;
-# docs/perf-notes.md, "Hopper backward", step 40), fp16, hd 64, 4k and 16k: the dK/dV pass 4.4-5.2%
-# faster plain and 5.0-8.2% causal; the whole deterministic call alone 1.5-3.9% faster plain, 6.0-8.8%
-# causal, behind a forward 2.8-4.3% plain, -2.3% (4k) and +4.8% (16k) causal (its GPU grid,
-# bit-identical reruns included, passed there). Two processes one after the other, not interleaved.
+# docs/perf-notes.md, "Hopper backward", step 40), fp16, hd 64, 4k and 16k, time saved: the dK/dV
+# pass 4.4-5.2% plain and 5.0-8.2% causal; the whole deterministic call alone 1.5-3.9% plain and
+# 6.0-8.8% causal, behind a forward 2.8-4.3% plain, -2.3% (4k, slower) and 4.8% (16k) causal (its GPU
+# grid, bit-identical reruns included, passed there). Two processes one after the other, not
+# interleaved.
 SM90_DETERMINISTIC_KEYS128 = True
 
 
@@ -583,8 +584,7 @@ def sm90_deterministic_configs(dtype, headdim, variant):
     else:
         dkdv = dataclasses.replace(sm90_backward_table_config(dtype, headdim, variant), dq_split="none",
                                    dq_first=False)
-        small = SM90_BACKWARD_KEYS128_MIN_HEADDIM <= headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM
-        if SM90_DETERMINISTIC_KEYS128 and small and sm90_rows_serves(variant):
+        if SM90_DETERMINISTIC_KEYS128 and keys128_planned(headdim) and sm90_rows_serves(variant):
             dkdv = dataclasses.replace(dkdv, block_m=128)
     _, block_n = _row(SM90_DQ, headdim)
     if variant.dropout or variant.mask or variant.mask_mod:
@@ -720,21 +720,27 @@ def packed_dq_tile_rows(batch, total_q):
 def sm90_backward_config(dtype, headdim, variant):
     """The sm90 backward's dK/dV kernel: at headdims up to ``SM90_BACKWARD_ROWS_MAX_HEADDIM``, for
     plain and windowed attention, backward_sm90.py with 128 query rows a step and dQ split by query
-    rows (``SM90_BACKWARD_KEYS128``, from ``SM90_BACKWARD_KEYS128_MIN_HEADDIM`` on), or else the rows
-    split (``sm90_rows_backward_config``); the wide one past headdim 128; backward_sm90.py's from
+    rows (``SM90_BACKWARD_KEYS128``, from ``SM90_BACKWARD_KEYS128_MIN_HEADDIM`` on; packed sequences
+    too with ``SM90_BACKWARD_VARLEN_KEYS128``), or else the rows split (``sm90_rows_backward_config``);
+    the wide one past headdim 128; backward_sm90.py's from
     the table otherwise, its dQ tile-major where it issues dQ_i's product first
     (``SM90_BACKWARD_DQ_TILES``)."""
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
         return Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS,
                                       split_tiles=SM90_WIDE_SPLIT_TILES)
-    small = not runtime.SIMULATOR and headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM
-    keys128 = SM90_BACKWARD_KEYS128 and headdim >= SM90_BACKWARD_KEYS128_MIN_HEADDIM
+    if runtime.SIMULATOR:  # the simulator keeps the table's kernel (SM90_BACKWARD_ROWS_MAX_HEADDIM)
+        return planned_backward_sm90_config(dtype, headdim, variant)
     packed = SM90_BACKWARD_VARLEN_KEYS128 and variant.varlen and sm90_rows_serves(variant._replace(varlen=False))
-    if small and keys128 and (sm90_rows_serves(variant) or packed):
+    if keys128_planned(headdim) and (sm90_rows_serves(variant) or packed):
         return keys128_backward_config(dtype, headdim, variant)
-    if small and sm90_rows_serves(variant):
+    if headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM and sm90_rows_serves(variant):
         return sm90_rows_backward_config(dtype, headdim, variant)
     return planned_backward_sm90_config(dtype, headdim, variant)
+
+
+def keys128_planned(headdim):
+    """Step 40's kernel is planned at this headdim (for the variants the rows split serves)."""
+    return SM90_BACKWARD_KEYS128 and SM90_BACKWARD_KEYS128_MIN_HEADDIM <= headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM
 
 
 def keys128_backward_config(dtype, headdim, variant):

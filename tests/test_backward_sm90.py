@@ -644,7 +644,7 @@ def test_planned_hd128_loop_has_no_signed_index_wraps():
 
     root = os.path.join(os.path.dirname(__file__), "..")
     names = ["backward_sm90_dq_tiles_plain_hd128", "backward_sm90_dq_tiles_causal_hd128",
-             "backward_sm90_dq_tiles_3st_plain_hd128"]  # (plain attention's is planned with three stages)
+             "backward_sm90_dq_tiles_3st_plain_hd128"]  # (three stages: an option)
     run = subprocess.run([sys.executable, os.path.join(root, "scripts", "check_sm90_ptx.py"), "--backward",
                           "--loop-spills", "--only", *names], capture_output=True, text=True, cwd=root, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
