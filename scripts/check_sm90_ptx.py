@@ -230,9 +230,8 @@ def backward_kernels():
             dq_reduce="tiles")))
     # block_m 128 with dQ split by query rows (step 40: FlashAttention-3's hd 64 shape), plain and causal
     for variant in (Variant(), Variant(window=True)):
-        found.append((f"backward_sm90_keys128_{'causal' if variant.window else 'plain'}_hd64", dataclasses.replace(
-            configs.sm90_backward_table_config("float16", 64, variant), block_m=128, dq_split="rows", dq_first=True,
-            dq_reduce="tiles")))
+        found.append((f"backward_sm90_keys128_{'causal' if variant.window else 'plain'}_hd64",
+                      configs.keys128_backward_config("float16", 64, variant)))
         found.append((f"backward_sm90_keys128_deterministic_{'causal' if variant.window else 'plain'}_hd64",
                       dataclasses.replace(configs.sm90_backward_table_config("float16", 64, variant), block_m=128,
                                           dq_split="none")))

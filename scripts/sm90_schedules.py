@@ -286,8 +286,7 @@ def backward_schedules(headdim, causal):
                                                               heavy_groups=table.heavy_groups)
         # backward_sm90.py with 128 query rows a step and dQ split by query rows (step 40: FlashAttention-3's
         # hd 64 shape, the keys split with block_m 128), dQ first and tile-major
-        found["keys128"] = table.__class__(**{**table.__dict__, "block_m": 128, "dq_split": "rows", "dq_first": True,
-                                              "dq_reduce": "tiles"})
+        found["keys128"] = configs.keys128_backward_config("float16", headdim, table.variant)
         # the rows split as configs.sm90_backward_config makes it where step 40 is not planned (up to 32)
         # or switched off (configs.SM90_BACKWARD_KEYS128)
         found["rows-planned"] = configs.sm90_rows_backward_config("float16", headdim, table.variant)
