@@ -46,7 +46,7 @@ from . import runtime
 from .problem import Variant
 from .kernels.backward_mma import MmaBackwardConfig
 from .kernels.backward_sm90 import MAX_HEADDIM as SM90_BACKWARD_MAX_HEADDIM
-from .kernels.backward_sm90 import Sm90BackwardConfig, Sm90ConvertDqConfig
+from .kernels.backward_sm90 import Sm90BackwardConfig, Sm90ConvertDqConfig, keys128_serves
 from .kernels.backward_sm90_rows import Sm90RowsBackwardConfig
 from .kernels.backward_sm90_wide import MAX_HEADDIM as SM90_WIDE_BACKWARD_MAX_HEADDIM
 from .kernels.backward_sm90_wide import Sm90WideBackwardConfig
@@ -653,6 +653,14 @@ SM90_BACKWARD_KEYS128_MIN_HEADDIM = 33
 # for packed sequences").
 SM90_BACKWARD_VARLEN_KEYS128 = False
 
+# Step 40 (above) for the masks and ALiBi too, at the same headdims (not on packed sequences): the
+# element mask (a bool tensor or mask_mod), a block mask, ALiBi, each with or without a window,
+# which run the table's "steps" kernel (block_m 64) otherwise. Softcap, a float bias, score_mod and
+# dropout stay there (``keys128_serves``: their loops spill at 128 query rows). An option, off
+# until timed: tests/test_backward_sm90.py's keys128_variants cases; ptxas and the prediction in
+# docs/perf-notes.md ("Step 40 for the masks and ALiBi").
+SM90_BACKWARD_KEYS128_VARIANTS = False
+
 # Whether the rows split without a window issues dQ_c's product under dS's stores
 # (``issue_early="dq"``, docs/perf-notes.md "Hopper backward" step 42). Measured on an H100
 # (2026-12-06, scripts/sm90_schedules.py --backward --headdims 64 --anchors, each form alone in its
@@ -721,7 +729,8 @@ def sm90_backward_config(dtype, headdim, variant):
     """The sm90 backward's dK/dV kernel: at headdims up to ``SM90_BACKWARD_ROWS_MAX_HEADDIM``, for
     plain and windowed attention, backward_sm90.py with 128 query rows a step and dQ split by query
     rows (``SM90_BACKWARD_KEYS128``, from ``SM90_BACKWARD_KEYS128_MIN_HEADDIM`` on; packed sequences
-    too with ``SM90_BACKWARD_VARLEN_KEYS128``), or else the rows split (``sm90_rows_backward_config``);
+    too with ``SM90_BACKWARD_VARLEN_KEYS128``, the masks and ALiBi with ``SM90_BACKWARD_KEYS128_VARIANTS``),
+    or else the rows split (``sm90_rows_backward_config``);
     the wide one past headdim 128; backward_sm90.py's from
     the table otherwise, its dQ tile-major where it issues dQ_i's product first
     (``SM90_BACKWARD_DQ_TILES``)."""
@@ -731,7 +740,8 @@ def sm90_backward_config(dtype, headdim, variant):
     if runtime.SIMULATOR:  # the simulator keeps the table's kernel (SM90_BACKWARD_ROWS_MAX_HEADDIM)
         return planned_backward_sm90_config(dtype, headdim, variant)
     packed = SM90_BACKWARD_VARLEN_KEYS128 and variant.varlen and sm90_rows_serves(variant._replace(varlen=False))
-    if keys128_planned(headdim) and (sm90_rows_serves(variant) or packed):
+    masks = SM90_BACKWARD_KEYS128_VARIANTS and not variant.varlen and keys128_serves(variant)
+    if keys128_planned(headdim) and (sm90_rows_serves(variant) or packed or masks):
         return keys128_backward_config(dtype, headdim, variant)
     if headdim <= SM90_BACKWARD_ROWS_MAX_HEADDIM and sm90_rows_serves(variant):
         return sm90_rows_backward_config(dtype, headdim, variant)

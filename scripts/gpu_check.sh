@@ -90,6 +90,9 @@
 #   scripts/gpu_check.sh retime  earlier choices made on small margins, retimed interleaved (hd 128's dQ
 #                                forms, stores, rotate, launch groups; hd 64's groups and rows split),
 #                                about 7 minutes
+#   scripts/gpu_check.sh keys128-variants
+#                                step 40 for the masks and ALiBi (an option): its GPU grid, then the
+#                                table's kernel against it, interleaved (scripts/keys128_variants.py)
 #   scripts/gpu_check.sh packed128
 #                                step 40 on packed sequences (an option): its GPU grid, then the packed
 #                                backward at hd 64 with the option off and on, twice; about 6 minutes
@@ -755,6 +758,14 @@ retime)
     timeout 200 python3 scripts/sm90_schedules.py --backward --headdims 64 --only planned-groups2 planned-groups8 \
         rows-planned --anchors > "$out/retime_64.log" 2>&1
     echo "hd 64, interleaved (exit $?):"; tail -13 "$out/retime_64.log"
+    ;;
+keys128-variants)
+    # step 40 for the masks and ALiBi (configs.SM90_BACKWARD_KEYS128_VARIANTS, an option; docs/perf-notes.md
+    # "Step 40 for the masks and ALiBi"): its GPU grid, then scripts/keys128_variants.py (the table's
+    # kernel and step 40's timed interleaved at hd 64, 4k and 16k); about 8 minutes on a fresh machine
+    grid keys128_variants_tests 220 tests/test_backward_sm90.py -k "keys128_variants"
+    timeout 300 python3 scripts/keys128_variants.py > "$out/keys128_variants.log" 2>&1
+    echo "step 40 with the masks and ALiBi, interleaved (exit $?):"; tail -13 "$out/keys128_variants.log"
     ;;
 packed128)
     # step 40 on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128, an option; docs/perf-notes.md

@@ -21,7 +21,7 @@ from numba import cuda
 import nbflash
 from nbflash import backward, configs, launch, validation
 from nbflash.backward import flash_attn_backward
-from nbflash.catalogue import forward_arguments, variant_arguments
+from nbflash.catalogue import alibi_slopes, document_mask, forward_arguments, variant_arguments
 from nbflash.kernels.backward_mma import MmaBackwardConfig
 from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
 from nbflash.kernels.backward_sm90 import Sm90BackwardConfig, Sm90ConvertDqConfig, dq_accum_shape
@@ -35,6 +35,7 @@ from .test_backward import poisoned_outputs  # noqa: F401  (autouse: every libra
 from .test_backward import SEQLENS, assert_gradients_close, forward, random_like, reference_forward, run_case
 from .test_primitives_sm90 import _offline_toolchain
 from .test_variants_attention import split
+from .test_varlen import recorded_builds
 
 
 
@@ -806,9 +807,15 @@ def test_keys128_configs():
         with pytest.raises(ValueError, match="block_m|rows|shared memory"):
             Sm90BackwardConfig(**kwargs)
     assert Sm90BackwardConfig("bfloat16", 40, CAUSAL, **good).headdim_padded == 64
+    # the masks and ALiBi too (configs.SM90_BACKWARD_KEYS128_VARIANTS), not a float bias nor score_mod
+    for variant in (Variant(window=True, alibi=True), Variant(mask=True), Variant(mask_mod="g:0", block_mask=True)):
+        assert Sm90BackwardConfig("float16", 64, variant, **good).block_m == 128
+    for variant in (Variant(bias="float32"), Variant(score_mod="g:0")):
+        with pytest.raises(ValueError, match="block_m=128"):
+            Sm90BackwardConfig("float16", 64, variant, **good)
     # ... or with dq_split="none" (the deterministic dK/dV pass), under the same limits
     assert Sm90BackwardConfig("float16", 64, CAUSAL, block_m=128, dq_split="none").dq_stage_bytes == 0
-    for change in (dict(headdim=72), dict(variant=Variant(alibi=True))):
+    for change in (dict(headdim=72), dict(variant=Variant(softcap=True))):
         with pytest.raises(ValueError, match="block_m=128"):
             Sm90BackwardConfig(**{"dtype": "float16", "headdim": 64, "block_m": 128, "dq_split": "none", **change})
 
@@ -888,6 +895,73 @@ def test_backward_sm90_keys128_gpu(rng, xp, monkeypatch, seqlens, causal, headdi
                  causal, family="sm90")
     finally:
         backward._kernels.cache_clear()
+
+
+def plan_keys128_variants(monkeypatch, on=True):
+    """configs.SM90_BACKWARD_KEYS128_VARIANTS on (or off), the planner's other choices as on a GPU."""
+    monkeypatch.setattr(configs, "SM90_BACKWARD_KEYS128_VARIANTS", on)
+    monkeypatch.setattr(configs.runtime, "SIMULATOR", False)  # the planner's GPU branch (nothing runs)
+    backward._kernels.cache_clear()
+
+
+def test_keys128_variants_are_planned_with_the_option(monkeypatch):
+    """With configs.SM90_BACKWARD_KEYS128_VARIANTS, step 40's kernel (block_m 128, dQ by query rows)
+    serves the element and block masks and ALiBi at headdims 33-64, with and without a window; the
+    score features that spill there (softcap, a float bias, score_mod) and dropout keep the table's
+    kernel, as do packed sequences (SM90_BACKWARD_VARLEN_KEYS128's) and headdims past 64. Off, the
+    masks and ALiBi keep the table's kernel too."""
+    served = [Variant(window=True, alibi=True), Variant(alibi=True), Variant(mask=True),
+              Variant(window=True, mask=True), Variant(mask_mod="g:0", block_mask=True),
+              Variant(window=True, mask_mod="g:0", block_mask=True)]
+    kept = [Variant(softcap=True), Variant(window=True, bias="float32"), Variant(score_mod="g:0"),
+            Variant(window=True, dropout=True), Variant(alibi=True, dropout=True), Variant(mask=True, varlen=True)]
+    for on in (True, False):
+        plan_keys128_variants(monkeypatch, on)
+        for variant in served + kept:
+            for headdim in (40, 64, 96):
+                dkdv = configs.sm90_backward_config("float16", headdim, variant)
+                step40 = on and variant in served and headdim <= 64
+                assert (dkdv.block_m == 128) == step40, (on, variant, headdim)
+                if step40:
+                    assert (dkdv.dq_split, dkdv.dq_reduce, dkdv.variant) == ("rows", "tiles", variant)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+@pytest.mark.parametrize("name", ["causal-alibi-mask", "document-mask-mod"])
+def test_backward_sm90_keys128_variants_small(rng, xp, monkeypatch, name):
+    """Step 40's kernel (128 query rows a step) with ALiBi and a bool mask tensor under a causal
+    window (P^T from the score point, the mask read at 128 queries of each tile), and with a
+    mask_mod and its block mask (the producer's walk over the visited pairs of 128-query tiles):
+    two query tiles of 128 (the second's rows mostly past seqlen_q), one key tile with a tail,
+    headdim 40 padded to 64, GQA 2:1."""
+    run_keys128_variant(rng, xp, monkeypatch, name, "float16", 1, 150, 100, 2, 1, 40)
+
+
+def run_keys128_variant(rng, xp, monkeypatch, name, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim):
+    """run_sm90_variant on step 40's kernel, which the test asserts ran; "causal-alibi-mask": causal
+    ALiBi with the catalogue's document mask as a bool tensor."""
+    plan_keys128(monkeypatch)
+    built = recorded_builds(monkeypatch)
+    try:
+        arguments = name
+        if name == "causal-alibi-mask":
+            arguments = {"causal": True, "alibi_slopes": alibi_slopes(nheads, xp),
+                         "bias": document_mask(seqlen_q, seqlen_k, xp)}
+        run_sm90_variant(rng, xp, arguments, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim)
+        assert {c.block_m for c in built if isinstance(c, Sm90BackwardConfig)} == {128}
+    finally:
+        backward._kernels.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", ["alibi", "causal-alibi", "document-mask", "document-mask-mod", "causal-alibi-mask"])
+@pytest.mark.parametrize("shape", [(2, 113, 203, 4, 2, 64), (1, 1023, 1024, 4, 1, 64), (2, 300, 257, 2, 2, 40)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_backward_sm90_keys128_variants_gpu(rng, xp, monkeypatch, shape, name, dtype):
+    """Step 40's kernel with the masks and ALiBi (configs.SM90_BACKWARD_KEYS128_VARIANTS) on the
+    GPU, as the variants' grid runs the table's kernel."""
+    run_keys128_variant(rng, xp, monkeypatch, name, dtype, *shape)
 
 
 def test_rows_split_is_planned_where_measured(monkeypatch):
@@ -1080,10 +1154,11 @@ def test_backward_sm90_score_features_small(rng, xp):
 
 def run_sm90_variant(rng, xp, name, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim,
                      deterministic=False):
-    """The catalogue variant ``name`` through the sm90 backward against the reference's rule. With
-    ``deterministic``: the sm90 dK/dV kernel without dQ, then the sm90 dQ kernel, and on a GPU
-    bit-identical on a rerun."""
-    causal, arguments = split(variant_arguments(name, batch, nheads, seqlen_k, xp, seqlen_q))
+    """The catalogue variant ``name`` (or a dict of its arguments) through the sm90 backward against
+    the reference's rule. With ``deterministic``: the sm90 dK/dV kernel without dQ, then the sm90 dQ
+    kernel, and on a GPU bit-identical on a rerun."""
+    causal, arguments = split(name if isinstance(name, dict) else
+                              variant_arguments(name, batch, nheads, seqlen_k, xp, seqlen_q))
     q, k, v = random_qkv(rng, xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
     problem = validation.check_forward(q, k, v, None, causal, **arguments)[0]
     _, dkdv, dq = configs.plan_backward(problem.static, deterministic, "sm90")

@@ -55,7 +55,7 @@ order (``Sm90ConvertDqConfig``). Packed sequences take it too (configs.
 SM90_BACKWARD_VARLEN_DQ_TILES: each sequence's tiles start on a whole tile of dq_accum,
 ``padded_first_row``), unless they are too short for that padding (configs.packed_dq_tiles_fit).
 
-With ``block_m=128`` and ``dq_split="rows"`` (headdims up to 64, plain and windowed attention;
+With ``block_m=128`` and ``dq_split="rows"`` (headdims up to 64; for plain and windowed attention
 planned from 33 on, configs.SM90_BACKWARD_KEYS128: 1.03-1.10x the rows split at hd 64 on an H100;
 FlashAttention-3's hd 64 shape, docs/perf-notes.md "Hopper backward" step 40) a step
 takes 128 query rows: each consumer's S^T and dP^T are its 64 keys by all 128 queries (m64n128), P^T
@@ -63,9 +63,12 @@ and dS^T are 8 k16 steps of dV's and dK's register A operands, each dS^T tile is
 (the first chunk of both consumers' tiles side by side, then the second), and consumer c adds the
 whole dQ of query rows 64 c .. 64 c + 63 over all block_n keys (dS from chunk c), first and
 tile-major: one 64-row unit of the staged tile, as backward_sm90_rows.py's "tiles" form stages it.
-Packed sequences take this form where configs.SM90_BACKWARD_VARLEN_KEYS128 (an option, off) and
-the padding of 128-row tiles fits: each sequence's tiles then start on a whole 128-row tile of
-dq_accum, and the conversion pads to the same (``Sm90ConvertDqConfig.tile_rows``).
+The masks and ALiBi build in this form too (``keys128_serves``; planned with
+configs.SM90_BACKWARD_KEYS128_VARIANTS, an option, off), softcap, a float bias, score_mod and dropout
+not (their loops spill at 128 query rows). Packed sequences take this form where
+configs.SM90_BACKWARD_VARLEN_KEYS128 (an option, off) and the padding of 128-row tiles fits: each
+sequence's tiles then start on a whole 128-row tile of dq_accum, and the conversion pads to the
+same (``Sm90ConvertDqConfig.tile_rows``).
 
 Grid and threads: grid = (ceil(seqlen_k / block_n), nheads_k, batch), or with ``heavy_groups`` G
 (G ceil(seqlen_k / block_n), ceil(batch nheads_k / G), 1): each row of blocks a group of G (batch,
@@ -276,6 +279,14 @@ class Sm90BackwardBlock:
                              f"{MAX_SHARED_BYTES}: fewer stages")
 
 
+def keys128_serves(variant):
+    """``block_m=128`` (step 40's form) builds ``variant``: anything but softcap, a float bias,
+    score_mod and dropout, whose loops spill at 128 query rows a step (ptxas 13.5 at hd 64, causal:
+    88, 147 and 327 local accesses a step for softcap, the bias and dropout; the window, ALiBi, the
+    element and block masks 0-4; docs/perf-notes.md "Step 40 for the masks and ALiBi")."""
+    return not (variant.softcap or variant.bias or variant.score_mod or variant.dropout)
+
+
 @dataclass(frozen=True)
 class Sm90BackwardConfig(Sm90BackwardBlock):
     """One compiled variant of the Hopper dK/dV kernel (the backward's preprocess and dq conversion
@@ -380,10 +391,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         if self.dq_split not in ("rows", "none") if self.block_m == 128 else self.dq_split == "rows":
             raise ValueError(f"block_m=128 goes with dq_split='rows' (or 'none': no dQ), and 'rows' only with it, got "
                              f"{self.block_m=} and {self.dq_split=}")
-        if self.block_m == 128 and (self.headdim_padded != 64
-                                    or self.variant._replace(window=False, varlen=False) != Variant()):
-            raise ValueError(f"block_m=128 takes headdim <= 64 and plain or windowed attention (packed sequences "
-                             f"too), got {self.headdim=}, {self.variant}")
+        if self.block_m == 128 and (self.headdim_padded != 64 or not keys128_serves(self.variant)):
+            raise ValueError(f"block_m=128 takes headdim <= 64 and neither softcap, a float bias, score_mod nor "
+                             f"dropout, got {self.headdim=}, {self.variant}")
         if self.dq_split == "rows" and (not self.dq_first or self.dq_reduce != "tiles"):
             raise ValueError(f"dq_split='rows' takes dq_first=True and dq_reduce='tiles', got {self.dq_first=}, "
                              f"{self.dq_reduce=}")
