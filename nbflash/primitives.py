@@ -62,6 +62,36 @@ else:
 
 from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
+if SIMULATOR:
+    from numba.core import types as _types
+
+    def _numpy_scalar(numba_type):
+        """Numba's scalar type as the simulator uses it, less the overhead. Called on a value, a
+        Numba type casts it in the simulator by ``getattr(np, type.name)(value)`` (Type.__call__'s
+        cast_python_value), the value NumPy's type gives, but after an import and an isinstance
+        test: 2.3 us a call against 0.5 here, some 6% of a simulated Hopper kernel's time. As the
+        dtype of a local or shared array it is NumPy's dtype (``.dtype``, ``.itemsize``: what
+        np.empty and the simulator's dynamic shared memory read)."""
+        scalar = getattr(np, numba_type.name)
+        dtype = np.dtype(scalar)
+        cls = type(f"numpy_{numba_type.name}", (), {"__slots__": (), "__call__": scalar, "dtype": dtype,
+                                                     "itemsize": dtype.itemsize, "name": numba_type.name,
+                                                     "__repr__": lambda self: f"numpy_{self.name}"})
+        return cls()
+
+    _NUMPY_SCALARS = {}
+
+    def _numpy_scalar_casts(namespace):
+        """Put _numpy_scalar's stand-ins in ``namespace`` (a module's globals, an unrolled
+        function's namespace) for the Numba scalar types it holds."""
+        for name, value in list(namespace.items()):
+            if type(value) in (_types.Integer, _types.Float):
+                if value not in _NUMPY_SCALARS:
+                    _NUMPY_SCALARS[value] = _numpy_scalar(value)
+                namespace[name] = _NUMPY_SCALARS[value]
+
+    _numpy_scalar_casts(globals())
+
 
 @cuda.jit(device=True, inline=True)
 def bf16_bits_to_f32(bits):
@@ -863,7 +893,6 @@ else:
 # ---------------------------------------------------------------------------------------------------
 
 import ast  # noqa: E402
-import copy  # noqa: E402
 import inspect  # noqa: E402
 import textwrap  # noqa: E402
 
@@ -876,16 +905,28 @@ def static_range(*args):
                     "loop with @unroll (under @cuda.jit or @inline_device)")
 
 
-class _SubstituteName(ast.NodeTransformer):
-    def __init__(self, name, value):
-        self.name, self.value = name, value
+def _substituted(node, name, value):
+    """A copy of the AST ``node`` with every ``name`` replaced by the constant ``value``: what
+    copy.deepcopy and then a NodeTransformer give, in one pass several times faster (the unrolled
+    kernels copy their loop bodies tens of thousands of nodes a build). Leaves (strings, numbers,
+    the shared Load/Store contexts) are immutable and stay shared."""
+    if isinstance(node, ast.Name) and node.id == name:
+        if not isinstance(node.ctx, ast.Load):
+            raise SyntaxError(f"static_range loop variable {name!r} is assigned in its body")
+        return ast.copy_location(ast.Constant(value), node)
+    copied = node.__class__.__new__(node.__class__)
+    for field, item in node.__dict__.items():
+        if isinstance(item, ast.AST) and not isinstance(item, ast.expr_context):
+            item = _substituted(item, name, value)
+        elif isinstance(item, list):
+            item = [_substituted(x, name, value) if isinstance(x, ast.AST) else x for x in item]
+        setattr(copied, field, item)
+    return copied
 
-    def visit_Name(self, node):
-        if node.id == self.name:
-            if not isinstance(node.ctx, ast.Load):
-                raise SyntaxError(f"static_range loop variable {self.name!r} is assigned in its body")
-            return ast.copy_location(ast.Constant(self.value), node)
-        return node
+
+def _is_static_range(node):
+    it = node.iter
+    return isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "static_range"
 
 
 class _UnrollStaticRanges(ast.NodeTransformer):
@@ -894,7 +935,7 @@ class _UnrollStaticRanges(ast.NodeTransformer):
 
     def visit_For(self, node):
         it = node.iter
-        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "static_range"):
+        if not _is_static_range(node):
             self.generic_visit(node)
             return node
         if node.orelse or not isinstance(node.target, ast.Name):
@@ -906,10 +947,39 @@ class _UnrollStaticRanges(ast.NodeTransformer):
         unrolled = []
         for value in range(*bounds):
             for stmt in node.body:
-                stmt = _SubstituteName(node.target.id, value).visit(copy.deepcopy(stmt))
+                stmt = _substituted(stmt, node.target.id, value)
                 result = self.visit(stmt)  # inner static_range loops, now with constant bounds
                 unrolled.extend(result if isinstance(result, list) else [result])
         return unrolled or [ast.Pass()]
+
+
+# The unrolled code of a function, by its code object and the values its static_range bounds read
+# (a kernel is built once per configuration, and many configurations share their bounds): the
+# unrolled tree is a function of the source and those values alone, so a repeat build execs the code
+# compiled the first time in its own namespace instead of unrolling and compiling again.
+_UNROLLED = {}
+_BOUND_NAMES = {}  # code object -> (source, the names static_range arguments read)
+_MISSING = object()
+
+
+def _unrolled_key(fn, namespace):
+    """The cache key of ``fn`` unrolled in ``namespace``, or None where a bound reads a value that
+    is not a plain int (no key then: unrolled afresh each time)."""
+    code = fn.__code__
+    if code not in _BOUND_NAMES:
+        source = textwrap.dedent(inspect.getsource(fn))
+        names = sorted({n.id for loop in ast.walk(ast.parse(source)) if isinstance(loop, ast.For)
+                        and _is_static_range(loop) for a in loop.iter.args for n in ast.walk(a)
+                        if isinstance(n, ast.Name)})
+        _BOUND_NAMES[code] = source, tuple(names)
+    source, names = _BOUND_NAMES[code]
+    values = []
+    for name in names:  # not in the namespace: a loop variable (set by outer bounds) or a builtin
+        value = namespace.get(name, _MISSING)
+        if value is not _MISSING and type(value) not in (int, bool):
+            return source, None
+        values.append(None if value is _MISSING else value)
+    return source, (code.co_filename, code, tuple(values))
 
 
 def unroll(fn):
@@ -918,10 +988,18 @@ def unroll(fn):
     namespace = dict(fn.__globals__)
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
         namespace[name] = cell.cell_contents
-    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    tree.body[0].decorator_list = []
-    tree = ast.fix_missing_locations(_UnrollStaticRanges(namespace).visit(tree))
-    exec(compile(tree, f"<unrolled {fn.__qualname__}>", "exec"), namespace)
+    source, key = _unrolled_key(fn, namespace)
+    code = _UNROLLED.get(key)
+    if code is None:
+        tree = ast.parse(source)
+        tree.body[0].decorator_list = []
+        tree = ast.fix_missing_locations(_UnrollStaticRanges(namespace).visit(tree))
+        code = compile(tree, f"<unrolled {fn.__qualname__}>", "exec")
+        if key is not None:
+            _UNROLLED[key] = code
+    if SIMULATOR:
+        _numpy_scalar_casts(namespace)
+    exec(code, namespace)
     return namespace[fn.__name__]
 
 

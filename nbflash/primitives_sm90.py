@@ -34,6 +34,9 @@ from numba import cuda, int32, uint32, uint64
 from . import primitives as _p
 from .primitives import SIMULATOR
 
+if SIMULATOR:
+    _p._numpy_scalar_casts(globals())  # the casts below: NumPy's types, as in primitives.py
+
 # Swizzle modes of a shared-memory matrix descriptor (bits 62-63).
 SWIZZLE_NONE = 0
 SWIZZLE_128B = 1

@@ -434,6 +434,34 @@ def test_static_range_needs_unroll():
     assert P.unroll(forgot)(1) == 4
 
 
+def test_unroll_reuses_code_only_for_the_same_bounds():
+    """@unroll keeps a function's unrolled code by the values its static_range bounds read: a build
+    with the same bounds but other closure values execs that code with its own values; other bounds
+    unroll afresh; a bound that is no plain int (here an object) is never cached. Numba's scalar
+    types stay casts (NumPy's in the simulator, the same values)."""
+    from nbflash.primitives import static_range
+
+    def build(n, scale, m=None):
+        bound = n if m is None else m
+
+        @P.unroll
+        def f(x):
+            total = uint32(0)
+            for i in static_range(bound):
+                total += uint32(scale * (i + x))
+            return total
+
+        return f
+
+    assert build(3, 1)(1) == 6 and build(3, 2)(1) == 12 and build(4, 1)(1) == 10
+    assert type(build(3, 1)(1)) is np.uint32
+
+    class Three(int):
+        pass
+
+    assert build(0, 1, Three(3))(1) == 6 and build(0, 1, 4)(1) == 10
+
+
 # --- On the GPU: every check, many draws ---------------------------------------------------------------
 
 @pytest.mark.gpu
