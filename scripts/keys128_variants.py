@@ -38,7 +38,7 @@ def arguments_of(name, batch, nheads, seqlen, xp):
     return arguments.pop("causal", False), arguments
 
 
-def time_shape(name, headdim, seqlen, rounds):
+def time_shape(name, headdim, seqlen, rounds, tokens=16384, nheads=None):
     import cupy
 
     import nbflash
@@ -47,7 +47,7 @@ def time_shape(name, headdim, seqlen, rounds):
     from nbflash.kernels.geometry import visible_count
     from nbflash.problem import window_bounds
 
-    nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
+    nheads, batch = nheads or 2048 // headdim, max(1, tokens // seqlen)
     rng = np.random.default_rng(seqlen + headdim)
     q, k, v, dout = (cupy.asarray(rng.standard_normal((batch, seqlen, nheads, headdim), np.float32))
                      .astype(np.float16) for _ in range(4))
