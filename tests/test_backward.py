@@ -124,7 +124,10 @@ def test_backward_small(rng, xp, shape, causal, dtype, deterministic):
     if deterministic and not causal and shape[1] > 1:
         pytest.skip("the deterministic dQ kernel runs causal here (rows without keys, masked tiles), plus the "
                     "1 x 1 case; the GPU grid runs it both ways")
-    run_case(rng, xp, *shape, dtype, causal, deterministic)
+    # out and lse from the float64 reference: the portable forward's emulation cost about as long as
+    # the backward's, and tests/test_forward.py runs it on these shapes (the tests below keep it
+    # before the backward: rows without keys, transposed views, the vector forms, the plans)
+    run_case(rng, xp, *shape, dtype, causal, deterministic, simulator_reference_forward=True)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
