@@ -32,11 +32,14 @@ def pytest_configure(config):
 
 
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto`` (setup.cfg's default): a worker per core, at most 4 in the simulator (each loads
-    Numba and runs the kernels in its own threads; more only adds start-up) and 8 on a GPU (the
-    workers share the device; more compile kernels at once than the cache can reuse)."""
+    """``-n auto`` (setup.cfg's default): in the simulator a worker per core and one more, at most 4
+    (each loads Numba and runs the kernels in its own threads, which hand the GIL to each other
+    through the kernel's futexes: a core idles in those hand-overs, which the extra worker fills;
+    tests/test_backward_sm90.py on 2 cores: 404 s with 2 workers, 351 s with 3); on a GPU a worker
+    per core, at most 8 (the workers share the device; more compile kernels at once than the cache
+    can reuse)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, 4 if SIMULATOR else 8))
+    return max(1, min(cores + 1, 4) if SIMULATOR else min(cores, 8))
 
 
 # A node id: the file and test, then its parameters in brackets, which may hold spaces ("[old layout]").
