@@ -5,10 +5,11 @@ masks and ALiBi at headdim 64: configs.SM90_BACKWARD_KEYS128_VARIANTS off and on
 
 Each shape is fp16, batch x seqlen = 16k tokens, 2048 / headdim query heads (as sm90_schedules.py's),
 the catalogue's arguments for the variant (nbflash.catalogue; "causal-alibi-mask": causal ALiBi with
-the document mask as a bool tensor). Both plans are timed as whole flash_attn_backward calls, a
-forward queued ahead of each, call by call with the order rotated each round (sm90_schedules.py's
-``interleaved_ms``: timed in blocks, the GPU's clock drifts between them); their gradients are
-compared with each other first. FLOPs are counted as 2.5x the forward's over the window's visible
+the document mask as a bool tensor; a mask_mod with its block mask, as bench.py gives it), under the
+sm90 family (the bool mask's default is the mma family's backward). Both plans are timed as whole
+flash_attn_backward calls, a forward queued ahead of each, call by call with the order rotated each
+round (sm90_schedules.py's ``interleaved_ms``: timed in blocks, the GPU's clock drifts between
+them); their gradients are compared with each other first. FLOPs are counted as 2.5x the forward's over the window's visible
 pairs (the masks' skipped pairs counted too: the ratio between the plans is the figure).
 Needs a GPU of compute capability 9.0.
 """
@@ -34,7 +35,11 @@ def arguments_of(name, batch, nheads, seqlen, xp):
 
     if name == "causal-alibi-mask":
         return True, {"alibi_slopes": alibi_slopes(nheads, xp), "bias": document_mask(seqlen, seqlen, xp)}
+    import nbflash
+
     arguments = dict(variant_arguments(name, batch, nheads, seqlen, xp, seqlen))
+    if arguments.get("mask_mod") is not None:  # with its block mask, as bench.py gives it (empty tiles skipped)
+        arguments["block_mask"] = nbflash.create_block_mask(arguments["mask_mod"], batch, nheads, seqlen, seqlen)
     return arguments.pop("causal", False), arguments
 
 
@@ -65,8 +70,9 @@ def time_shape(name, headdim, seqlen, rounds, tokens=16384, nheads=None):
             compiled[key] = kernels.__wrapped__(*args, **kwargs)
         return compiled[key]
 
-    def call():
-        return nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **arguments)
+    def call():  # both plans are the sm90 family's (not every variant here defaults to it: configs.py)
+        with nbflash.kernel_family("sm90"):
+            return nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **arguments)
 
     backward._kernels = kernels_of
     try:
