@@ -119,6 +119,15 @@ def small_tiles():
         clear()  # after the tables are restored: no small-tile config outlives the block
 
 
+def simulator_small_tiles():
+    """``small_tiles()`` in the simulator, nothing on a GPU: for tests of the API around the kernels
+    (argument order, seeds), whose answers the tile sizes do not change, and which emulate far
+    faster on small blocks."""
+    from nbflash import primitives
+
+    return small_tiles() if primitives.SIMULATOR else contextlib.nullcontext()
+
+
 def kernel_reference(q, k, v, scale, window, p_dtype=None):
     """What a forward kernel's test compares against, on (batch, seqlen, heads, headdim) host
     arrays: attention in float64 (or, with p_dtype, the naive low-precision version), out and lse;
