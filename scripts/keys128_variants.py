@@ -9,7 +9,8 @@ the document mask as a bool tensor; a mask_mod with its block mask, as bench.py 
 sm90 family (the bool mask's default is the mma family's backward). Both plans are timed as whole
 flash_attn_backward calls, a forward queued ahead of each, call by call with the order rotated each
 round (sm90_schedules.py's ``interleaved_ms``: timed in blocks, the GPU's clock drifts between
-them); their gradients are compared with each other first. FLOPs are counted as 2.5x the forward's over the window's visible
+them); their gradients are compared with each other first. Where the variant's backward defaults to
+the mma family (``MMA_DEFAULT``), that family's backward is timed in the same rounds too. FLOPs are counted as 2.5x the forward's over the window's visible
 pairs (the masks' skipped pairs counted too: the ratio between the plans is the figure).
 Needs a GPU of compute capability 9.0.
 """
@@ -26,6 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sm90_schedules import interleaved_ms  # noqa: E402
 
 VARIANTS = ["causal-alibi", "alibi", "document-mask", "document-mask-mod", "causal-alibi-mask"]
+# the variants whose backward defaults to the mma family at headdim 64 (a bool mask tensor: configs.py's
+# SM90_BACKWARD_FEATURE_HEADDIMS has no "mask"): timed on it too, so that one run can move the default
+MMA_DEFAULT = ["document-mask", "causal-alibi-mask"]
 
 
 def arguments_of(name, batch, nheads, seqlen, xp):
@@ -70,22 +74,25 @@ def time_shape(name, headdim, seqlen, rounds, tokens=16384, nheads=None):
             compiled[key] = kernels.__wrapped__(*args, **kwargs)
         return compiled[key]
 
-    def call():  # both plans are the sm90 family's (not every variant here defaults to it: configs.py)
-        with nbflash.kernel_family("sm90"):
+    def call():  # the plans "table" and "step40" are the sm90 family's, "mma" the sm80 family's
+        with nbflash.kernel_family("mma" if plan[0] == "mma" else "sm90"):
             return nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **arguments)
+
+    plans = ("table", "step40", "mma") if name in MMA_DEFAULT else ("table", "step40")
 
     backward._kernels = kernels_of
     try:
         got = {}
-        for name_ in ("table", "step40"):
+        for name_ in plans:
             plan[0] = name_
             got[name_] = [g.astype(np.float32) for g in call()]
             dkdv = [found[1].config for key, found in compiled.items() if key[0] == name_]
             print(f"  {name_}: {[type(c).__name__ + ' block_m ' + str(c.block_m) for c in dkdv]}", flush=True)
             for _ in range(2):
                 call()
-        difference = max(float(cupy.abs(a - b).max()) for a, b in zip(got["table"], got["step40"]))
-        medians = interleaved_ms({"table": call, "step40": call}, rounds,
+        difference = max(float(cupy.abs(a - b).max()) for other in plans[1:]
+                         for a, b in zip(got["table"], got[other]))
+        medians = interleaved_ms({n: call for n in plans}, rounds,
                                  before=lambda: nbflash.flash_attn_func(q, k, v, causal=causal, **forward_only),
                                  switch=lambda n: plan.__setitem__(0, n))
     finally:
@@ -93,7 +100,7 @@ def time_shape(name, headdim, seqlen, rounds, tokens=16384, nheads=None):
         configs.SM90_BACKWARD_KEYS128_VARIANTS = False
         backward._kernels.cache_clear()
     tflops = {n: flops / ms / 1e9 for n, ms in medians.items()}
-    return tflops["table"], tflops["step40"], difference
+    return tflops["table"], tflops["step40"], tflops.get("mma"), difference
 
 
 def main():
@@ -107,14 +114,15 @@ def main():
     for name in args.variants:
         for seqlen in args.seqlens:
             print(f"{name} hd {args.headdim} {seqlen}:", flush=True)
-            table, step40, difference = time_shape(name, args.headdim, seqlen, args.rounds)
-            rows.append((name, seqlen, table, step40, difference))
-            print(f"  table {table:.1f}, step 40 {step40:.1f} TFLOP/s, {step40 / table:.3f}x, "
-                  f"largest difference {difference:.3g}", flush=True)
-    print("\n| variant | seqlen | table's kernel TFLOP/s | step 40 TFLOP/s | step 40 / table | max difference |")
-    print("|---|---|---|---|---|---|")
-    for name, seqlen, table, step40, difference in rows:
-        print(f"| {name} | {seqlen} | {table:.1f} | {step40:.1f} | {step40 / table:.3f} | {difference:.3g} |")
+            table, step40, mma, difference = time_shape(name, args.headdim, seqlen, args.rounds)
+            rows.append((name, seqlen, table, step40, mma, difference))
+            print(f"  table {table:.1f}, step 40 {step40:.1f} TFLOP/s, {step40 / table:.3f}x"
+                  + (f", mma {mma:.1f}" if mma else "") + f", largest difference {difference:.3g}", flush=True)
+    print("\n| variant | seqlen | table's kernel | step 40 | step 40 / table | mma family | max difference |")
+    print("|---|---|---|---|---|---|---|")
+    for name, seqlen, table, step40, mma, difference in rows:
+        print(f"| {name} | {seqlen} | {table:.1f} | {step40:.1f} | {step40 / table:.3f} | "
+              f"{f'{mma:.1f}' if mma else '-'} | {difference:.3g} |")
 
 
 if __name__ == "__main__":
