@@ -510,10 +510,15 @@ SM90_BACKWARD_DEFAULT_VARIANTS = (Variant(), Variant(window=True))
 # deterministic backward): softcap hd 64 1.70x / 1.82x, 128 2.30x / 2.09x, 256 2.29x / 2.52x; ALiBi
 # 1.50x / 2.09x, 2.43x / 2.49x, 2.30x / 2.45x; a bias tensor 1.08x / 1.10x, 1.19x / 1.16x, 1.25x /
 # 1.09x; dropout 1.55x / 1.72x, 1.91x / 1.81x, 1.98x / 2.34x; a score_mod (64 and 128) 1.82x /
-# 2.15x, 2.42x / 2.43x. Not measured: other headdims, the features together, a mask tensor, a
-# score_mod at 256; non-causal forms run the same kernels with fewer masked tiles.
+# 2.15x, 2.42x / 2.43x. A bool mask tensor at hd 64 (2026-12-07, thirty-second session, an H100:
+# scripts/keys128_variants.py, a document mask, fp16, 4k / 16k, interleaved) on the sm90 backward
+# as planned (step 40) against the mma one: 66.2 / 66.7 TFLOP/s against 58.5 / 52.9 (1.13x /
+# 1.26x; the table's sm90 kernel 62.5 / 62.6); causal ALiBi with it 70.6 / 64.0 against 66.4 / 52.2
+# (two features: the mma family stays their default). Not measured: other headdims, the features
+# together, the mask tensor elsewhere, a score_mod at 256; non-causal forms run the same kernels
+# with fewer masked tiles.
 SM90_BACKWARD_FEATURE_HEADDIMS = {"softcap": (64, 128, 256), "alibi": (64, 128, 256), "bias": (64, 128, 256),
-                                  "dropout": (64, 128, 256), "score_mod": (64, 128)}
+                                  "dropout": (64, 128, 256), "score_mod": (64, 128), "mask": (64,)}
 # ... and mask_mod with its block mask (no other feature) at these: 128 measured on 2026-12-03 (see
 # ``SM90_BLOCK_MASK_HEADDIMS``), 64 and 128 in the run above (three documents, causal-free): 1.90x /
 # 1.63x and 2.13x / 1.99x
@@ -650,16 +655,26 @@ SM90_BACKWARD_KEYS128_MIN_HEADDIM = 33
 # dQ's padding of 128 rows a sequence fits (``packed_dq_tiles_fit`` with 128-row tiles); else the
 # table's kernel as before. An option, off until timed: its simulator and GPU tests are
 # tests/test_varlen.py's keys128 cases; ptxas and the prediction in docs/perf-notes.md ("Step 40
-# for packed sequences").
-SM90_BACKWARD_VARLEN_KEYS128 = False
+# for packed sequences"). Measured on an H100 (2026-12-07, thirty-second session, gpu_check.sh
+# packed128: bench.py --pass varlen --varlen-backward --headdims 64, fp16, 16k tokens, off and on
+# alternating, two runs each), the sm90 backward's TFLOP/s off -> on: lengths drawn up to 2048
+# 246-253 -> 273 plain, 178-184 -> 182 causal (even); up to 4096 283-285 -> 328-329 plain, 230-234 ->
+# 245 causal; four of 4096 301-302 -> 363-370 plain, 275-281 -> 323-324 causal. Its GPU grid passed
+# (16 tests). Planned.
+SM90_BACKWARD_VARLEN_KEYS128 = True
 
 # Step 40 (above) for the masks and ALiBi too, at the same headdims (not on packed sequences): the
 # element mask (a bool tensor or mask_mod), a block mask, ALiBi, each with or without a window,
 # which run the table's "steps" kernel (block_m 64) otherwise. Softcap, a float bias, score_mod and
-# dropout stay there (``keys128_serves``: their loops spill at 128 query rows). An option, off
-# until timed: tests/test_backward_sm90.py's keys128_variants cases; ptxas and the prediction in
-# docs/perf-notes.md ("Step 40 for the masks and ALiBi").
-SM90_BACKWARD_KEYS128_VARIANTS = False
+# dropout stay there (``keys128_serves``: their loops spill at 128 query rows). Its tests are
+# tests/test_backward_sm90.py's keys128_variants cases (the GPU grid: 31 passed); ptxas and the
+# prediction in docs/perf-notes.md ("Step 40 for the masks and ALiBi"). Measured on an H100
+# (2026-12-07, thirty-second session, scripts/keys128_variants.py: hd 64, fp16, 16k tokens, both
+# plans under the sm90 family, interleaved, 15 rounds), step 40 against the table's kernel, 4k / 16k:
+# causal ALiBi 1.102x / 1.129x, ALiBi 1.238x / 1.090x, a bool document mask 1.060x / 1.066x, a
+# mask_mod with its block mask 1.016x / 1.098x, causal ALiBi with the bool mask 1.057x / 1.068x.
+# Planned.
+SM90_BACKWARD_KEYS128_VARIANTS = True
 
 # Whether the rows split without a window issues dQ_c's product under dS's stores
 # (``issue_early="dq"``, docs/perf-notes.md "Hopper backward" step 42). Measured on an H100

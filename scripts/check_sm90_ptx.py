@@ -235,14 +235,14 @@ def backward_kernels():
         found.append((f"backward_sm90_keys128_deterministic_{'causal' if variant.window else 'plain'}_hd64",
                       dataclasses.replace(configs.sm90_backward_table_config("float16", 64, variant), block_m=128,
                                           dq_split="none")))
-    # ... with the masks and ALiBi (configs.SM90_BACKWARD_KEYS128_VARIANTS, an option), beside the table's
+    # ... with the masks and ALiBi (configs.SM90_BACKWARD_KEYS128_VARIANTS, planned), beside the table's
     # kernel they run otherwise (softcap, a float bias and dropout spill 88-327 local accesses a step at
     # block_m 128: refused, backward_sm90.keys128_serves)
     for name, variant in (("alibi", Variant(window=True, alibi=True)), ("block_mask", Variant(block_mask=True)),
                           ("mask", Variant(window=True, mask=True))):
         found.append((f"backward_sm90_keys128_{name}_hd64", configs.keys128_backward_config("float16", 64, variant)))
         found.append((f"backward_sm90_table_{name}_hd64", configs.sm90_backward_table_config("float16", 64, variant)))
-    # ... on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128, an option), plain and causal
+    # ... on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128, planned), plain and causal
     for variant in (Variant(varlen=True), Variant(window=True, varlen=True)):
         found.append((f"backward_sm90_keys128_varlen_{'causal' if variant.window else 'plain'}_hd64",
                       configs.keys128_backward_config("float16", 64, variant)))

@@ -446,8 +446,9 @@ def test_sm90_backward_default_for_features(monkeypatch):
     # tensor, dropout or a score_mod, alone or with the window, at the headdims where each was
     # measured (configs.SM90_BACKWARD_FEATURE_HEADDIMS; a score_mod not at 256), and with
     # deterministic=True there too (the pair); past 128 the pair without deterministic=True with
-    # softcap, ALiBi and dropout (configs.SM90_PAIR_FEATURES), not with a bias tensor. The mma family
-    # with two features, a mask tensor, or at headdims not measured.
+    # softcap, ALiBi and dropout (configs.SM90_PAIR_FEATURES), not with a bias tensor. A bool mask
+    # tensor at hd 64 only (step 40's kernel). The mma family with two features, a mask tensor at
+    # other headdims, or at headdims not measured.
     from nbflash import configs
     from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
     from nbflash.kernels.backward_mma import MmaBackwardConfig
@@ -484,6 +485,12 @@ def test_sm90_backward_default_for_features(monkeypatch):
     for variant in (Variant(window=True, softcap=True, alibi=True), Variant(mask=True), Variant(window=True, mask=True)):
         for deterministic in (False, True):
             assert isinstance(plan(128, variant, deterministic)[1], MmaBackwardConfig), variant
+    for variant in (Variant(mask=True), Variant(window=True, mask=True)):
+        dkdv = plan(64, variant)[1]
+        assert isinstance(dkdv, Sm90BackwardConfig) and (dkdv.block_m, dkdv.atomic_dq) == (128, True), variant
+        for headdim in (32, 96):
+            assert isinstance(plan(headdim, variant)[1], MmaBackwardConfig), (headdim, variant)
+    assert isinstance(plan(64, Variant(window=True, alibi=True, mask=True))[1], MmaBackwardConfig)
     block_mask = Variant(mask_mod="m", block_mask=True)
     for headdim, kind in ((64, Sm90BackwardConfig), (128, Sm90BackwardConfig), (256, MmaBackwardConfig)):
         assert isinstance(plan(headdim, block_mask)[1], kind), headdim

@@ -64,9 +64,9 @@ and dS^T are 8 k16 steps of dV's and dK's register A operands, each dS^T tile is
 whole dQ of query rows 64 c .. 64 c + 63 over all block_n keys (dS from chunk c), first and
 tile-major: one 64-row unit of the staged tile, as backward_sm90_rows.py's "tiles" form stages it.
 The masks and ALiBi build in this form too (``keys128_serves``; planned with
-configs.SM90_BACKWARD_KEYS128_VARIANTS, an option, off), softcap, a float bias, score_mod and dropout
+configs.SM90_BACKWARD_KEYS128_VARIANTS), softcap, a float bias, score_mod and dropout
 not (their loops spill at 128 query rows). Packed sequences take this form where
-configs.SM90_BACKWARD_VARLEN_KEYS128 (an option, off) and the padding of 128-row tiles fits: each
+configs.SM90_BACKWARD_VARLEN_KEYS128 and the padding of 128-row tiles fits: each
 sequence's tiles then start on a whole 128-row tile of dq_accum, and the conversion pads to the
 same (``Sm90ConvertDqConfig.tile_rows``).
 
