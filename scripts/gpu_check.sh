@@ -770,21 +770,22 @@ keys128-variants)
 new-defaults)
     # the thirty-second session's plan (step 40 for the masks, ALiBi and packed sequences; the sm90
     # backward for a bool mask at hd 64): the GPU tests whose default kernels it changed, stopped after
-    # 200 s; the bool mask's deterministic backward on both families; then hd 128's 16-byte dK/dV stores
-    # and hd 64's launch groups of 2 against the plan, interleaved, once more; about 9 minutes
-    grid new_defaults_tests 200 tests/test_varlen.py tests/test_variants_attention.py tests/test_backward_sm90.py \
+    # 180 s; the bool mask's deterministic backward on both families; then hd 128's 16-byte dK/dV stores
+    # against the plan, and hd 64's launch groups of 1 and 2 against its 4 at 4k, 16k and 32k, each
+    # interleaved; about 9.5 minutes
+    grid new_defaults_tests 180 tests/test_varlen.py tests/test_variants_attention.py tests/test_backward_sm90.py \
         tests/test_block_mask.py tests/test_packed.py -k "varlen_sm90_backward_gpu or variant_gpu or varlen_gpu \
         or sm90_variants_gpu or dq_reduce_gpu or block_mask_gpu or padding_mask_with_a_window_gpu or torch_packed"
     timeout 80 python3 scripts/bench.py --pass backward --families sm90 mma --deterministic --headdims 64 \
         --seqlens 4096 16384 --variants document-mask --dtypes float16 --no-naive --no-flex --budget 0.2 \
         > "$out/mask_deterministic.log" 2>&1
     echo "the bool mask, deterministic (exit $?):"; tail -8 "$out/mask_deterministic.log"
-    timeout 100 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-quads planned \
+    timeout 90 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-quads planned \
         > "$out/quads128.log" 2>&1
     echo "hd 128 (exit $?):"; tail -6 "$out/quads128.log"
-    timeout 80 python3 scripts/sm90_schedules.py --backward --headdims 64 --only planned-groups2 planned \
-        > "$out/groups64.log" 2>&1
-    echo "hd 64 (exit $?):"; tail -6 "$out/groups64.log"
+    timeout 130 python3 scripts/sm90_schedules.py --backward --headdims 64 --seqlens 4096 16384 32768 \
+        --only planned-groups1 planned-groups2 planned > "$out/groups64.log" 2>&1
+    echo "hd 64 (exit $?):"; tail -8 "$out/groups64.log"
     ;;
 packed128)
     # step 40 on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128, an option; docs/perf-notes.md

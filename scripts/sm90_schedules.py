@@ -52,8 +52,9 @@ Backward, each column a schedule:
   (backward_sm90.py's kernels): dK and dV by 16-byte stores after the quads' transposes (step 55),
   and in the planned rows split (headdim 64) "rows-pairs" where it is planned with them (without a
   window), "rows-quads" where not; "planned-tma" (backward_sm90.py's kernels): dK and dV written
-  into K's and V's tiles, then stored by TMA (step 57); "planned-groups2", "planned-groups8": the
-  planned kernel launched longest-first in groups of 2 or 8 (batch, KV head) pairs instead of 4;
+  into K's and V's tiles, then stored by TMA (step 57); "planned-groups1", "planned-groups2",
+  "planned-groups8": the planned kernel launched longest-first in groups of 1, 2 or 8 (batch, KV
+  head) pairs instead of 4;
   "planned-red" is the same with the consumers' atomics into a row-major dq_accum instead
   (the form before; timed as "planned" against "planned-tiles" until step 35). (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
@@ -316,9 +317,9 @@ def backward_schedules(headdim, causal):
     if not planned.variant.block_mask and getattr(planned, "dq_split", "") != "rows":  # each block's walk over the
         # query tiles rotated by its key tile (step 43; not built for step 40's 128-query kernel)
         found["planned-rotate"] = planned.__class__(**{**planned.__dict__, "rotate": True})
-    if getattr(planned, "heavy_groups", 0):  # the planned kernel's launch order in groups of 2 and 8 (batch,
+    if getattr(planned, "heavy_groups", 0):  # the planned kernel's launch order in groups of 1, 2 and 8 (batch,
         # KV head) pairs instead of configs.SM90_BACKWARD_HEAVY_GROUPS' 4 (step 13, before step 40 and the tiles)
-        for groups in (2, 8):
+        for groups in (1, 2, 8):
             found[f"planned-groups{groups}"] = dataclasses.replace(planned, heavy_groups=groups)
     found["planned"] = planned
     return {name: config for name, config in found.items() if ONLY is None or name in ONLY}
@@ -570,6 +571,8 @@ def parse_args():
     parser.add_argument("--isolate", type=float, metavar="SECONDS",
                         help="with --backward: time each (shape, schedule) in a child process with this time "
                              "limit, so that a schedule that hangs the GPU costs only its own cells")
+    parser.add_argument("--seqlens", type=int, nargs="+", metavar="N",
+                        help="these seqlens instead of 4k and 16k (batch x seqlen stays 16k tokens, a batch of one past)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, metavar="R",
                         help=f"the timed calls of each schedule, interleaved (default {ROUNDS})")
     parser.add_argument("--child", nargs=4, metavar=("NAME", "HD", "SEQLEN", "CAUSAL"), help=argparse.SUPPRESS)
@@ -604,6 +607,8 @@ if __name__ == "__main__":
         SHAPES = [shape for shape in SHAPES if shape[0] in args.headdims] + [
             (d, n, c) for d in args.headdims if d not in {shape[0] for shape in SHAPES} for c in (False, True)
             for n in (4096, 16384)]
+    if args.seqlens:
+        SHAPES = [(d, n, c) for d, c in dict.fromkeys((d, c) for d, _, c in SHAPES) for n in args.seqlens]
     if args.only:
         ONLY = {"base", "planned", *args.only}
     ANCHORS = args.anchors
