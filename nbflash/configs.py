@@ -231,17 +231,20 @@ def _backward_feature(variant):
     return features[0]
 
 
-def _backward_measured_on_sm90(variant, headdim):
+def _backward_measured_on_sm90(variant, headdim, deterministic=False):
     """``variant`` at ``headdim`` (one of ``SM90_BACKWARD_DEFAULT_HEADDIMS``) was measured faster on the
     sm90 backward: plain or windowed attention, one feature of ``SM90_BACKWARD_FEATURE_HEADDIMS`` at
-    its headdims, or mask_mod with its block mask at ``SM90_BACKWARD_BLOCK_MASK_HEADDIMS``."""
+    its headdims (with ``deterministic``, not those of ``SM90_BACKWARD_ATOMIC_ONLY_FEATURES``), or
+    mask_mod with its block mask at ``SM90_BACKWARD_BLOCK_MASK_HEADDIMS``."""
     variant = variant._replace(score_mod_grad="")
     if variant in SM90_BACKWARD_DEFAULT_VARIANTS:
         return True
     if variant.block_mask and variant._replace(mask_mod="", block_mask=False) == Variant():
         return headdim in SM90_BACKWARD_BLOCK_MASK_HEADDIMS
     feature = _backward_feature(variant)
-    return feature is not None and headdim in SM90_BACKWARD_FEATURE_HEADDIMS[feature]
+    if feature is None or (deterministic and feature in SM90_BACKWARD_ATOMIC_ONLY_FEATURES):
+        return False
+    return headdim in SM90_BACKWARD_FEATURE_HEADDIMS[feature]
 
 
 def sm90_unsupported_reason(static):
@@ -519,6 +522,10 @@ SM90_BACKWARD_DEFAULT_VARIANTS = (Variant(), Variant(window=True))
 # with fewer masked tiles.
 SM90_BACKWARD_FEATURE_HEADDIMS = {"softcap": (64, 128, 256), "alibi": (64, 128, 256), "bias": (64, 128, 256),
                                   "dropout": (64, 128, 256), "score_mod": (64, 128), "mask": (64,)}
+# ... of which these were measured with dQ's atomics only: with deterministic=True the mma family
+# stays their default (the bool mask's deterministic backward was cut off by its run's time limit
+# before it was timed, thirty-second session)
+SM90_BACKWARD_ATOMIC_ONLY_FEATURES = ("mask",)
 # ... and mask_mod with its block mask (no other feature) at these: 128 measured on 2026-12-03 (see
 # ``SM90_BLOCK_MASK_HEADDIMS``), 64 and 128 in the run above (three documents, causal-free): 1.90x /
 # 1.63x and 2.13x / 1.99x
@@ -873,7 +880,7 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
     dtype, headdim, device = static.dtype, static.headdim, static.device
     aligned = static.aligned if aligned is None else aligned
     variant = static.variant._replace(score_mod_grad="")
-    measured = _backward_measured_on_sm90(variant, headdim)
+    measured = _backward_measured_on_sm90(variant, headdim, deterministic)
     default = (family is None and not runtime.SIMULATOR and headdim in SM90_BACKWARD_DEFAULT_HEADDIMS
                and (measured or (headdim in SM90_BACKWARD_VARLEN_HEADDIMS and variant == Variant(varlen=True))))
     sm90 = family == "sm90" or default

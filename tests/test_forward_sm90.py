@@ -447,7 +447,7 @@ def test_sm90_backward_default_for_features(monkeypatch):
     # measured (configs.SM90_BACKWARD_FEATURE_HEADDIMS; a score_mod not at 256), and with
     # deterministic=True there too (the pair); past 128 the pair without deterministic=True with
     # softcap, ALiBi and dropout (configs.SM90_PAIR_FEATURES), not with a bias tensor. A bool mask
-    # tensor at hd 64 only (step 40's kernel). The mma family with two features, a mask tensor at
+    # tensor at hd 64 only (step 40's kernel), without deterministic=True. The mma family with two features, a mask tensor at
     # other headdims, or at headdims not measured.
     from nbflash import configs
     from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
@@ -488,6 +488,7 @@ def test_sm90_backward_default_for_features(monkeypatch):
     for variant in (Variant(mask=True), Variant(window=True, mask=True)):
         dkdv = plan(64, variant)[1]
         assert isinstance(dkdv, Sm90BackwardConfig) and (dkdv.block_m, dkdv.atomic_dq) == (128, True), variant
+        assert isinstance(plan(64, variant, True)[1], MmaBackwardConfig), variant  # timed with atomics only
         for headdim in (32, 96):
             assert isinstance(plan(headdim, variant)[1], MmaBackwardConfig), (headdim, variant)
     assert isinstance(plan(64, Variant(window=True, alibi=True, mask=True))[1], MmaBackwardConfig)
