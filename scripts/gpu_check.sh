@@ -93,6 +93,14 @@
 #   scripts/gpu_check.sh keys128-variants
 #                                step 40 for the masks and ALiBi (an option): its GPU grid, then the
 #                                table's kernel against it, interleaved (scripts/keys128_variants.py)
+#   scripts/gpu_check.sh new-defaults
+#                                the thirty-second session's plan (step 40 for the masks, ALiBi and packed
+#                                sequences; the sm90 backward for a bool mask at hd 64): the GPU tests it
+#                                moved that have not run on it, then the bool mask's deterministic
+#                                backward on both families; about 8 minutes
+#   scripts/gpu_check.sh quads-groups
+#                                hd 128's 16-byte dK/dV stores on the planned kernels (their grid, then
+#                                timed), hd 64's launch groups of 1, 2 and 4 at 4k, 16k, 32k; about 7 minutes
 #   scripts/gpu_check.sh packed128
 #                                step 40 on packed sequences (an option): its GPU grid, then the packed
 #                                backward at hd 64 with the option off and on, twice; about 6 minutes
@@ -769,17 +777,28 @@ keys128-variants)
     ;;
 new-defaults)
     # the thirty-second session's plan (step 40 for the masks, ALiBi and packed sequences; the sm90
-    # backward for a bool mask at hd 64): the GPU tests whose default kernels it changed, stopped after
-    # 180 s; the bool mask's deterministic backward on both families; then hd 128's 16-byte dK/dV stores
-    # against the plan, and hd 64's launch groups of 1 and 2 against its 4 at 4k, 16k and 32k, each
-    # interleaved; about 9.5 minutes
-    grid new_defaults_tests 180 tests/test_varlen.py tests/test_variants_attention.py tests/test_backward_sm90.py \
-        tests/test_block_mask.py tests/test_packed.py -k "varlen_sm90_backward_gpu or variant_gpu or varlen_gpu \
-        or sm90_variants_gpu or dq_reduce_gpu or block_mask_gpu or padding_mask_with_a_window_gpu or torch_packed"
-    timeout 80 python3 scripts/bench.py --pass backward --families sm90 mma --deterministic --headdims 64 \
+    # backward for a bool mask at hd 64): the bool mask's kernels prebuilt (both families, with and
+    # without deterministic=True), the GPU tests whose default kernels the plan changed less those
+    # docs/runs/gpu-suite-2026-12-07-thirty-second-defaults.txt reports, stopped after 260 s; then the
+    # bool mask's deterministic backward on both families; about 8 minutes
+    timeout 90 python3 scripts/prebuild_cache.py --jobs 16 --headdims 64 --dtypes float16 --families sm90 mma \
+        --variants document-mask > "$out/new_defaults_prebuild.log" 2>&1
+    echo "prebuild (exit $?): $(tail -1 "$out/new_defaults_prebuild.log")"
+    NBFLASH_RESUME_LOGS=docs/runs/gpu-suite-2026-12-07-thirty-second-defaults.txt grid new_defaults_tests 260 \
+        tests/test_varlen.py tests/test_variants_attention.py tests/test_backward_sm90.py tests/test_block_mask.py \
+        tests/test_packed.py -k "varlen_sm90_backward_gpu or variant_gpu or varlen_gpu or sm90_variants_gpu \
+        or dq_reduce_gpu or block_mask_gpu or padding_mask_with_a_window_gpu or torch_packed"
+    timeout 100 python3 scripts/bench.py --pass backward --families sm90 mma --deterministic --headdims 64 \
         --seqlens 4096 16384 --variants document-mask --dtypes float16 --no-naive --no-flex --budget 0.2 \
         > "$out/mask_deterministic.log" 2>&1
     echo "the bool mask, deterministic (exit $?):"; tail -8 "$out/mask_deterministic.log"
+    ;;
+quads-groups)
+    # hd 128's 16-byte dK/dV stores (step 55's quads: +0.9-3.5% in two interleaved runs of the
+    # thirty-second session) on the planned kernels: their GPU grid, then timed against the plan once
+    # more; hd 64's launch groups of 1 and 2 against its 4 at 4k, 16k and 32k, interleaved (groups of 2
+    # won hd 64 16k plain by 5.8% and lost the other three cells); about 7 minutes
+    grid quads_tests 200 tests/test_backward_sm90.py -k "store_quads_gpu"
     timeout 90 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-quads planned \
         > "$out/quads128.log" 2>&1
     echo "hd 128 (exit $?):"; tail -6 "$out/quads128.log"
