@@ -217,6 +217,13 @@ def backward_kernels():
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
         found.append((f"backward_sm90_dq_tiles_store_tma_{name}_hd128", dataclasses.replace(
             configs.planned_backward_sm90_config("float16", 128, variant), store_tma=True)))
+    # ... planned, the staged dQ_i added by the producer's warp 2, the stats warp only staging lse and D
+    # (``dq_warp``, an option), at hd 128 and in step 40's kernel at hd 64
+    for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
+        found.append((f"backward_sm90_dq_tiles_dq_warp_{name}_hd128", dataclasses.replace(
+            configs.planned_backward_sm90_config("float16", 128, variant), dq_warp=True)))
+        found.append((f"backward_sm90_keys128_dq_warp_{name}_hd64", dataclasses.replace(
+            configs.keys128_backward_config("float16", 64, variant), dq_warp=True)))
     found.append(("backward_sm90_rows_store_quads_causal_hd64", dataclasses.replace(
         configs.sm90_rows_backward_config("float16", 64, Variant(window=True)), store_quads=True)))
     # ... on packed sequences (planned since step 37), causal at hd 128

@@ -374,6 +374,36 @@ def test_backward_sm90_store_tma_small(xp, monkeypatch, shape):
     option_agrees(xp, monkeypatch, "store_tma", 5, "bfloat16", shape)
 
 
+def with_dq_warp(config):
+    """``dq_warp`` (an option) where the config stages dQ_i (dq_reduce="tiles")."""
+    return dataclasses.replace(config, dq_warp=True) if getattr(config, "dq_tile_major", False) else config
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_dq_warp_gpu")
+def test_backward_sm90_dq_warp_small(rng, xp, monkeypatch):
+    """``dq_warp`` (an option): the producer's warp 2 adds each staged dQ_i into dq_accum and the stats
+    warp only stages lse and D. The planned tile-major kernel at headdim 72, causal, bfloat16, three
+    query tiles of one key tile (warp 2 walks three steps; a warp that walked them otherwise, or a
+    stats warp that still added them, would hang or add a tile twice). Step 40's form with it runs in
+    test_backward_sm90_keys128_dq_warp_small."""
+    with replanned(monkeypatch, with_dq_warp):
+        dkdv = configs.plan_backward(Static("bfloat16", 72, False, 0, CAUSAL), False, "sm90", True)[1]
+        assert dkdv.dq_warp and dkdv.dq_tile_major
+        run_sm90_variant(rng, xp, "causal", "bfloat16", 1, 150, 40, 1, 1, 72)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["plain", "causal", "document-mask-mod", "alibi"])
+@pytest.mark.parametrize("headdim", [40, 64, 128])
+def test_backward_sm90_dq_warp_gpu(xp, monkeypatch, headdim, name):
+    """The planned kernels with ``dq_warp`` (an option) where they stage dQ_i: step 40's at 40 and 64,
+    the tile-major table's at 128 (ALiBi and the block mask: step 40's masks and ALiBi at 64), key
+    tails, GQA 2:1, bfloat16 where not plain."""
+    with replanned(monkeypatch, with_dq_warp):
+        run_sm90_variant(np.random.default_rng(16), xp, name, "float16" if name == "plain" else "bfloat16", 2, 1023,
+                         1000, 4, 2, headdim)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["plain", "causal", "softcap", "dropout", "document-mask-mod"])
 @pytest.mark.parametrize("headdim", [72, 128])
@@ -807,6 +837,13 @@ def test_keys128_configs():
         with pytest.raises(ValueError, match="block_m|rows|shared memory"):
             Sm90BackwardConfig(**kwargs)
     assert Sm90BackwardConfig("bfloat16", 40, CAUSAL, **good).headdim_padded == 64
+    # dq_warp (warp 2 adds the staged dQ_i) takes a staged dQ_i, and warp 2 free of dropout's keep bits
+    assert Sm90BackwardConfig("float16", 64, CAUSAL, **good, dq_warp=True).form_details == (
+        "128 queries a step", "dQ by warp 2")
+    for kwargs in (dict(headdim=128), dict(headdim=128, variant=Variant(dropout=True), dq_split="columns",
+                                           dq_first=True, dq_reduce="tiles", dropout_bits="producer")):
+        with pytest.raises(ValueError, match="dq_warp"):
+            Sm90BackwardConfig(**{"dtype": "float16", "dq_warp": True, **kwargs})
     # the masks and ALiBi too (configs.SM90_BACKWARD_KEYS128_VARIANTS), not a float bias nor score_mod
     for variant in (Variant(window=True, alibi=True), Variant(mask=True), Variant(mask_mod="g:0", block_mask=True)):
         assert Sm90BackwardConfig("float16", 64, variant, **good).block_m == 128
@@ -832,6 +869,18 @@ def test_backward_sm90_keys128_small(rng, xp, monkeypatch):
         preprocess, dkdv, convert = configs.plan_backward(Static("float16", 40, False, 0, CAUSAL), False, "sm90",
                                                           True)
         assert dkdv.block_m == 128 and dkdv.dq_tile_major and convert == Sm90ConvertDqConfig("float16", 40, 64)
+        run_case(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True, False, False, family="sm90",
+                 simulator_reference_forward=True)
+    finally:
+        backward._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_dq_warp_gpu")
+def test_backward_sm90_keys128_dq_warp_small(rng, xp, monkeypatch):
+    """Step 40's kernel with ``dq_warp`` (the producer's warp 2 adds each staged dQ_i): causal, two
+    query tiles of 128, GQA 2:1 (warp 2 walks four steps over two query heads), headdim 40."""
+    plan_keys128(monkeypatch, dq_warp=True)
+    try:
         run_case(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True, False, False, family="sm90",
                  simulator_reference_forward=True)
     finally:

@@ -354,6 +354,14 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # its ``padded_first_row`` of dq_accum) unless they are too short for that padding (step 38,
     # configs.packed_dq_tiles_fit: "red" then).
     dq_reduce: str = "red"
+    # With dq_reduce="tiles": the producer's warp 2 adds the staged dQ_i into dq_accum (waits for
+    # dq_full, the bulk reduce-add, waits for its read, frees the tile), so the stats warp only
+    # stages lse and D, never behind the dQ reductions' waits (``make_reduce_staged_dq``). In step
+    # 40's profile at hd 64 16k the consumers waited at the ring's full barrier for a quarter of
+    # their samples while the stats warp never waited for a free slot (docs/perf-notes.md, "The
+    # stats warp's two duties apart"). Not with the producer's keep bits (warps 2 and 3 busy). An
+    # option until timed
+    dq_warp: bool = False
     # Block n's walk over its query tiles starts n tiles on (mod the tiles it visits), so that the
     # blocks of a head running together add into different rows of dq_accum (``make_step_pair``;
     # docs/perf-notes.md step 43). Not with a block mask, whose visited pairs are walked in order
@@ -407,6 +415,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         if self.store_tma and (self.variant.varlen or self.store_quads):
             raise ValueError("store_tma=True takes neither packed sequences (a box would write the next "
                              "sequence's rows) nor store_quads=True (another store of the same rows)")
+        if self.dq_warp and (not self.dq_tile_major or self.staged_dropout):
+            raise ValueError("dq_warp=True takes dq_reduce='tiles' (a staged dQ to add) and not the producer's "
+                             f"keep bits (warps 2 and 3), got {self.dq_reduce=}, {self.dropout_bits=}")
         if self.rotate and self.variant.block_mask:
             raise ValueError("rotate=True walks every query tile of a key tile; a block mask's visited pairs are "
                              "walked in order")
@@ -419,8 +430,8 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
 
     @property
     def form_details(self):
-        """What launch.describe adds for this form: step 40's 128 query rows a step."""
-        return ("128 queries a step",) if self.block_m == 128 else ()
+        """What launch.describe adds for this form: step 40's 128 query rows a step, dQ added by warp 2."""
+        return (("128 queries a step",) if self.block_m == 128 else ()) + (("dQ by warp 2",) if self.dq_warp else ())
 
     @property
     def dq_part_columns(self):
@@ -757,7 +768,8 @@ def make_stage_stats(config, hooks):
     and backward_sm90_wide.py's as well): walking the block's steps (the visited (query head, query
     tile) pairs) through the ring with warp 0's copies, each step's lse in base 2 and D (with a block
     mask, the step itself for the consumers) into the slot's stats; with ``dq_tile_major``, after
-    staging step i's stats, step i - 1's dQ from the staged tile into dq_accum (``make_add_staged_dq``)."""
+    staging step i's stats, step i - 1's dQ from the staged tile into dq_accum (``make_add_staged_dq``),
+    unless warp 2 adds it (``dq_warp``: ``make_reduce_staged_dq``)."""
     BM, STAGES, STATS_BYTES = config.block_m, config.stages, config.stats_bytes
     ROWS_PER_LANE = BM // 32  # the stats rows of each lane
     BLOCK_MASK, STEP_WORD, SCORE = hooks.BLOCK_MASK, 2 * BM, hooks.SCORE
@@ -765,7 +777,7 @@ def make_stage_stats(config, hooks):
     score_units = hooks.tensor_core_score(False)[0]
     VARLEN, sequence = hooks.VARLEN, hooks.sequence
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
-    STAGED_DQ = config.dq_tile_major
+    STAGED_DQ = config.dq_tile_major and not getattr(config, "dq_warp", False)  # (else warp 2's)
     add_staged_dq = make_add_staged_dq(config)
     step_pair = make_step_pair(config)
 
@@ -911,6 +923,34 @@ def make_add_staged_dq(config):
         mbarrier_arrive(dq_empty)  # the phase completes with lane 0's arrival, after the read
 
     return add_staged_dq
+
+
+def make_reduce_staged_dq(config, hooks):
+    """``reduce_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, lse, params, b, hk, group, n_block,
+    first_tile, tiles_per_head, steps, lane)``, the producer's warp 2 with ``dq_warp``: walking the
+    block's steps as the stats warp does, each step's dQ from the staged tile into dq_accum
+    (``make_add_staged_dq``: wait for the consumers' parts, one bulk reduce-add, wait for its read,
+    free the tile), so that the stats warp's staging of lse and D never waits behind it."""
+    BM = config.block_m
+    warp_visit_query_step, VARLEN, sequence = hooks.warp_visit_query_step, hooks.VARLEN, hooks.sequence
+    add_staged_dq = make_add_staged_dq(config)
+    step_pair = make_step_pair(config)
+
+    @inline_device
+    def reduce_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, lse, params, b, hk, group, n_block, first_tile,
+                         tiles_per_head, steps, lane):
+        mem_b, dq_row0 = b, 0
+        if VARLEN:  # the sequence's first whole tile of dq_accum (dq_accum_shape), in the packed batch of one
+            dq_row0 = padded_first_row(sequence(params, b, lse.shape[2], lse.shape[2])[0], b, BM)
+            mem_b = 0
+        position = -1
+        for i in range(steps):
+            position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
+                                             lane)
+            h, tile = step_pair(position, hk, group, first_tile, tiles_per_head, n_block)
+            add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, dq_row0 + tile * BM, mem_b, lane)
+
+    return reduce_staged_dq
 
 
 def make_stage_dq(block_m, columns):
@@ -1245,6 +1285,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     block_rows = make_block_rows(hooks, BN)  # where the block's rows are (packed sequences: its sequence's)
     produce_tiles = make_produce_tiles(config, hooks)  # the producer's warp 0
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
+    DQ_WARP = config.dq_warp
+    reduce_staged_dq = make_reduce_staged_dq(config, hooks)  # the producer's warp 2, with DQ_WARP
     probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT)
     stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
     # with STAGED_DQ, the consumer's part of dQ_i for the stats warp: half the columns, or its 64 rows
@@ -1392,6 +1434,9 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             elif STAGED_DROPOUT and warp >= 2:  # warps 2 and 3
                 stage_dropout(smem, stats_word0, qd_full, qd_empty, params, b, hk, group, n_block, first_tile,
                               tiles_per_head, steps, n_start, tid - 64)
+            elif DQ_WARP and warp == 2:  # the staged dQ_i into dq_accum, apart from the stats
+                reduce_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, lse, params, b, hk, group, n_block, first_tile,
+                                 tiles_per_head, steps, lane)
             if STORE_TMA and warp == 0:  # dK and dV out of K_j's and V_j's tiles, once the consumers wrote them
                 store_tiles(k_tile, array_address(maps), mem_b, n_start, hk, seqlen_k)
         else:
