@@ -6,12 +6,12 @@ masks and ALiBi at headdim 64: configs.SM90_BACKWARD_KEYS128_VARIANTS off and on
 Each shape is fp16, batch x seqlen = 16k tokens, 2048 / headdim query heads (as sm90_schedules.py's),
 the catalogue's arguments for the variant (nbflash.catalogue; "causal-alibi-mask": causal ALiBi with
 the document mask as a bool tensor; a mask_mod with its block mask, as bench.py gives it), under the
-sm90 family (the bool mask's default is the mma family's backward). Both plans are timed as whole
-flash_attn_backward calls, a forward queued ahead of each, call by call with the order rotated each
-round (sm90_schedules.py's ``interleaved_ms``: timed in blocks, the GPU's clock drifts between
-them); their gradients are compared with each other first. Where the variant's backward defaults to
-the mma family (``MMA_DEFAULT``), that family's backward is timed in the same rounds too. FLOPs are counted as 2.5x the forward's over the window's visible
-pairs (the masks' skipped pairs counted too: the ratio between the plans is the figure).
+sm90 family. Both plans are timed as whole flash_attn_backward calls, a forward queued ahead of
+each, call by call with the order rotated each round (sm90_schedules.py's ``interleaved_ms``: timed
+in blocks, the GPU's clock drifts between them); their gradients are compared with each other
+first. For the variants whose backward defaulted to the mma family (``MMA_DEFAULT``), that family's
+backward is timed in the same rounds too. FLOPs are counted as 2.5x the forward's over the window's
+visible pairs (the masks' skipped pairs counted too: the ratio between the plans is the figure).
 Needs a GPU of compute capability 9.0.
 """
 
@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sm90_schedules import interleaved_ms  # noqa: E402
 
 VARIANTS = ["causal-alibi", "alibi", "document-mask", "document-mask-mod", "causal-alibi-mask"]
-# the variants whose backward defaults to the mma family at headdim 64 (a bool mask tensor: configs.py's
-# SM90_BACKWARD_FEATURE_HEADDIMS has no "mask"): timed on it too, so that one run can move the default
+# the variants whose backward defaulted to the mma family at headdim 64 (a bool mask tensor, before the
+# thirty-second session's run moved it to sm90 there): timed on it too
 MMA_DEFAULT = ["document-mask", "causal-alibi-mask"]
 
 

@@ -577,7 +577,7 @@ def parse_args():
                         help="with --backward: time each (shape, schedule) in a child process with this time "
                              "limit, so that a schedule that hangs the GPU costs only its own cells")
     parser.add_argument("--seqlens", type=int, nargs="+", metavar="N",
-                        help="these seqlens instead of 4k and 16k (batch x seqlen stays 16k tokens, a batch of one past)")
+                        help="these seqlens instead of 4k and 16k (batch x seqlen 16k tokens; a batch of one past)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, metavar="R",
                         help=f"the timed calls of each schedule, interleaved (default {ROUNDS})")
     parser.add_argument("--child", nargs=4, metavar=("NAME", "HD", "SEQLEN", "CAUSAL"), help=argparse.SUPPRESS)

@@ -447,8 +447,8 @@ def test_sm90_backward_default_for_features(monkeypatch):
     # measured (configs.SM90_BACKWARD_FEATURE_HEADDIMS; a score_mod not at 256), and with
     # deterministic=True there too (the pair); past 128 the pair without deterministic=True with
     # softcap, ALiBi and dropout (configs.SM90_PAIR_FEATURES), not with a bias tensor. A bool mask
-    # tensor at hd 64 only (step 40's kernel), without deterministic=True. The mma family with two features, a mask tensor at
-    # other headdims, or at headdims not measured.
+    # tensor at hd 64 only (step 40's kernel), without deterministic=True. The mma family with two
+    # features, a mask tensor at other headdims, or at headdims not measured.
     from nbflash import configs
     from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
     from nbflash.kernels.backward_mma import MmaBackwardConfig

@@ -1419,7 +1419,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         cuda.syncthreads()  # the barriers are initialised before anyone arrives on or waits for them
 
         if group_id == 0:
-            # ---- Producer: warp 0 issues the copies, warp 1 stages lse and D ----
+            # ---- Producer: warp 0 issues the copies, warp 1 stages lse and D (warp 2 adds dQ with DQ_WARP) ----
             if SPLIT_REGISTERS:
                 setmaxnreg_dec(PRODUCER_REGS)
             warp = tid // 32
