@@ -201,7 +201,7 @@
 #                                GPU): its test grid (bit-identical to the consumer lanes' bits), then
 #                                the planned dropout backward against it, headdims 64 and 128, about
 #                                5 minutes
-#   scripts/gpu_check.sh stalls [HEADDIM [red|tiles|fp8]]
+#   scripts/gpu_check.sh stalls [HEADDIM [red|tiles|fp8|dqwarp]]
 #                                where the planned dK/dV kernel's warps wait at HEADDIM (default 128;
 #                                64: step 40's kernel since the twenty-ninth session), instruction by
 #                                instruction (ncu's source counters; scripts/stall_report.py) and its
@@ -210,7 +210,8 @@
 #                                minutes; needs ncu with hardware counters. With "red" or "tiles", the
 #                                planned kernel with that dq_reduce (tiles is planned at hd 72-128);
 #                                with "fp8", the fp8 forward's kernel instead (at 16k, where the V^T
-#                                kernel's share is small)
+#                                kernel's share is small); with "dqwarp", the planned kernel with its
+#                                staged dQ added by the producer's warp 2 (dq_warp, an option)
 #   scripts/gpu_check.sh wide    issue 13's kernels not yet run on a GPU, their test grids: packed
 #                                sequences on the sm90 dK/dV kernel, and its wide kernel for
 #                                headdims 136-256 with every variant, dense and packed, up to 8 minutes
@@ -893,6 +894,7 @@ stalls)
     for causal in "" "--causal"; do
         name="stalls_hd$headdim${3:+_$3}${causal:+_causal}"
         if [ "${3:-}" = fp8 ]; then kernel=forward_sm90 what="--fp8 --seqlen 16384"
+        elif [ "${3:-}" = dqwarp ]; then kernel=backward_dkdv what="--seqlen ${STALLS_SEQLEN:-4096} --dq-warp"
         else kernel=backward_dkdv what="--seqlen ${STALLS_SEQLEN:-4096} ${3:+--dq-reduce $3}"; fi
         timeout 200 ncu --clock-control none --kernel-name regex:$kernel --launch-skip 1 --launch-count 1 \
             --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$out/$name" \
@@ -919,7 +921,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8]]|wide|fp8|exp2|keys128 [RUNS]|planned-now|keys128-next" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8|dqwarp]]|wide|fp8|exp2|keys128 [RUNS]|planned-now|keys128-next" >&2
     exit 2
     ;;
 esac
