@@ -103,7 +103,8 @@
 #                                timed), hd 64's launch groups of 1, 2 and 4 at 4k, 16k, 32k; about 7 minutes
 #   scripts/gpu_check.sh dq-warp
 #                                the staged dQ_i added by the producer's warp 2 (dq_warp, an option): its
-#                                grid, then timed against the plan at hd 64 and 128, twice; about 8 minutes
+#                                grid, then timed against the plan at hd 64 and 128, twice, then its
+#                                stall profile at hd 64 16k; about 9 minutes
 #   scripts/gpu_check.sh packed128
 #                                step 40 on packed sequences (an option): its GPU grid, then the packed
 #                                backward at hd 64 with the option off and on, twice; about 6 minutes
@@ -813,13 +814,15 @@ quads-groups)
 dq-warp)
     # the staged dQ_i added by the producer's warp 2, the stats warp only staging lse and D (dq_warp, an
     # option; docs/perf-notes.md "The stats warp's two duties apart"): its GPU grid, then the planned
-    # kernels with it against without at hd 64 (step 40) and 128, interleaved, twice; about 8 minutes
-    grid dq_warp_tests 200 tests/test_backward_sm90.py -k "dq_warp"
+    # kernels with it against without at hd 64 (step 40) and 128, interleaved, twice, then where the
+    # hd 64 kernel with it waits at 16k (stalls 64 dqwarp); about 9 minutes
+    grid dq_warp_tests 180 tests/test_backward_sm90.py -k "dq_warp"
     for run in 1 2; do
         timeout 130 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --only planned-dqwarp planned \
             > "$out/dq_warp_$run.log" 2>&1
         echo "run $run (exit $?):"; tail -10 "$out/dq_warp_$run.log"
     done
+    STALLS_SEQLEN=16384 bash "$0" stalls 64 dqwarp 2>&1 | grep -aE "^ncu|^ +[0-9.]+%|Throughput" | head -24
     ;;
 packed128)
     # step 40 on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128, an option; docs/perf-notes.md
