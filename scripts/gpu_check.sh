@@ -823,6 +823,7 @@ dq-warp)
         echo "run $run (exit $?):"; tail -10 "$out/dq_warp_$run.log"
     done
     STALLS_SEQLEN=16384 bash "$0" stalls 64 dqwarp 2>&1 | grep -aE "^ncu|^ +[0-9.]+%|Throughput" | head -24
+    rm -f "$out"/stalls_hd64_dqwarp*.log  # (at most 8 files come back: the summaries and pages stay)
     ;;
 packed128)
     # step 40 on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128, an option; docs/perf-notes.md
