@@ -584,19 +584,29 @@ SM90_WIDE_SPLIT_TILES = True
 # grid, bit-identical reruns included, passed there). Two processes one after the other, not
 # interleaved.
 SM90_DETERMINISTIC_KEYS128 = True
+# ... and for the masks and ALiBi as step 40 takes them (``keys128_serves``: ALiBi, the bool mask,
+# mask_mod, a block mask, with or without a window; not on packed sequences), where the table's
+# kernel without dQ (block_m 64) runs them otherwise. ptxas 13.5, fp16, hd 64 (check_sm90_ptx.py
+# --backward --loop-spills): causal ALiBi 2336 instructions a step, 4 local accesses; a block mask
+# 839, 0; a causal bool mask 3804, 0 (the plain causal pass planned: 1737, 3). An option, off until
+# timed (scripts/keys128_variants.py --deterministic; tests/test_backward_sm90.py's
+# keys128_deterministic_variants cases).
+SM90_DETERMINISTIC_KEYS128_VARIANTS = False
 
 
 def sm90_deterministic_configs(dtype, headdim, variant):
     """The deterministic sm90 backward's kernels (dK/dV, dQ): the dK/dV kernel without dQ
     (backward_sm90.py's from the table, at 128 query rows a step with ``SM90_DETERMINISTIC_KEYS128``,
-    the wide one past headdim 128), then the dQ kernel with ``SM90_DQ``'s key tiles."""
+    for the masks and ALiBi too with ``SM90_DETERMINISTIC_KEYS128_VARIANTS``, the wide one past
+    headdim 128), then the dQ kernel with ``SM90_DQ``'s key tiles."""
     if headdim > SM90_BACKWARD_MAX_HEADDIM:
         dkdv = Sm90WideBackwardConfig(dtype, headdim, variant, heavy_groups=SM90_BACKWARD_HEAVY_GROUPS, dq_split="none",
                                       split_tiles=SM90_WIDE_SPLIT_TILES)
     else:
         dkdv = dataclasses.replace(sm90_backward_table_config(dtype, headdim, variant), dq_split="none",
                                    dq_first=False)
-        if SM90_DETERMINISTIC_KEYS128 and keys128_planned(headdim) and sm90_rows_serves(variant):
+        variants = SM90_DETERMINISTIC_KEYS128_VARIANTS and not variant.varlen and keys128_serves(variant)
+        if SM90_DETERMINISTIC_KEYS128 and keys128_planned(headdim) and (sm90_rows_serves(variant) or variants):
             dkdv = dataclasses.replace(dkdv, block_m=128)
     _, block_n = _row(SM90_DQ, headdim)
     if variant.dropout or variant.mask or variant.mask_mod:

@@ -249,6 +249,9 @@ def backward_kernels():
                           ("mask", Variant(window=True, mask=True))):
         found.append((f"backward_sm90_keys128_{name}_hd64", configs.keys128_backward_config("float16", 64, variant)))
         found.append((f"backward_sm90_table_{name}_hd64", configs.sm90_backward_table_config("float16", 64, variant)))
+        # ... and without dQ (the deterministic backward's dK/dV pass at 128 query rows)
+        found.append((f"backward_sm90_keys128_deterministic_{name}_hd64", dataclasses.replace(
+            configs.sm90_backward_table_config("float16", 64, variant), block_m=128, dq_split="none")))
     # ... on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128, planned), plain and causal
     for variant in (Variant(varlen=True), Variant(window=True, varlen=True)):
         found.append((f"backward_sm90_keys128_varlen_{'causal' if variant.window else 'plain'}_hd64",

@@ -105,6 +105,9 @@
 #                                the staged dQ_i added by the producer's warp 2 (dq_warp, an option): its
 #                                grid, then timed against the plan at hd 64 and 128, twice, then its
 #                                stall profile at hd 64 16k; about 9 minutes
+#   scripts/gpu_check.sh keys128-det-variants
+#                                deterministic=True's pass at 128 query rows for the masks and ALiBi (an
+#                                option): its grid, then timed against 64 rows; about 8 minutes
 #   scripts/gpu_check.sh packed128
 #                                step 40 on packed sequences (an option): its GPU grid, then the packed
 #                                backward at hd 64 with the option off and on, twice; about 6 minutes
@@ -824,6 +827,14 @@ dq-warp)
     done
     STALLS_SEQLEN=16384 bash "$0" stalls 64 dqwarp 2>&1 | grep -aE "^ncu|^ +[0-9.]+%|Throughput" | head -24
     rm -f "$out"/stalls_hd64_dqwarp*.log  # (at most 8 files come back: the summaries and pages stay)
+    ;;
+keys128-det-variants)
+    # deterministic=True's dK/dV pass at 128 query rows for the masks and ALiBi
+    # (configs.SM90_DETERMINISTIC_KEYS128_VARIANTS, an option): its GPU grid (bit-identical reruns), then
+    # the pass at 64 against 128 query rows, interleaved (keys128_variants.py --deterministic); about 8 minutes
+    grid keys128_det_variants_tests 200 tests/test_backward_sm90.py -k "keys128_deterministic_variants"
+    timeout 300 python3 scripts/keys128_variants.py --deterministic > "$out/keys128_det_variants.log" 2>&1
+    echo "the deterministic pass with the masks and ALiBi, interleaved (exit $?):"; tail -13 "$out/keys128_det_variants.log"
     ;;
 packed128)
     # step 40 on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128, an option; docs/perf-notes.md

@@ -2,6 +2,7 @@
 masks and ALiBi at headdim 64: configs.SM90_BACKWARD_KEYS128_VARIANTS off and on, interleaved.
 
     python scripts/keys128_variants.py [--variants NAME ...] [--seqlens N ...] [--headdim D] [--rounds R]
+                                       [--deterministic]
 
 Each shape is fp16, batch x seqlen = 16k tokens, 2048 / headdim query heads (as sm90_schedules.py's),
 the catalogue's arguments for the variant (nbflash.catalogue; "causal-alibi-mask": causal ALiBi with
@@ -12,6 +13,9 @@ in blocks, the GPU's clock drifts between them); their gradients are compared wi
 first. For the variants whose backward defaulted to the mma family (``MMA_DEFAULT``), that family's
 backward is timed in the same rounds too. FLOPs are counted as 2.5x the forward's over the window's
 visible pairs (the masks' skipped pairs counted too: the ratio between the plans is the figure).
+With --deterministic: deterministic=True's plans, the dK/dV pass without dQ at 64 query rows against
+128 (configs.SM90_DETERMINISTIC_KEYS128_VARIANTS), each followed by the sm90 dQ kernel; "mma" the
+mma family's deterministic backward.
 Needs a GPU of compute capability 9.0.
 """
 
@@ -47,7 +51,7 @@ def arguments_of(name, batch, nheads, seqlen, xp):
     return arguments.pop("causal", False), arguments
 
 
-def time_shape(name, headdim, seqlen, rounds, tokens=16384, nheads=None):
+def time_shape(name, headdim, seqlen, rounds, tokens=16384, nheads=None, deterministic=False):
     import cupy
 
     import nbflash
@@ -66,9 +70,11 @@ def time_shape(name, headdim, seqlen, rounds, tokens=16384, nheads=None):
     left, right, _ = window_bounds(seqlen, seqlen, causal, tuple(arguments.get("window_size", (-1, -1))))
     flops = 2.5 * 4 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
     kernels, compiled, plan = backward._kernels, {}, ["table"]
+    options = configs.SM90_BACKWARD_KEYS128_VARIANTS, configs.SM90_DETERMINISTIC_KEYS128_VARIANTS
 
     def kernels_of(*args, **kwargs):  # each plan's kernels kept apart: switching is a lookup
         configs.SM90_BACKWARD_KEYS128_VARIANTS = plan[0] == "step40"
+        configs.SM90_DETERMINISTIC_KEYS128_VARIANTS = plan[0] == "step40"
         key = (plan[0], args, tuple(sorted(kwargs.items())))
         if key not in compiled:
             compiled[key] = kernels.__wrapped__(*args, **kwargs)
@@ -76,7 +82,8 @@ def time_shape(name, headdim, seqlen, rounds, tokens=16384, nheads=None):
 
     def call():  # the plans "table" and "step40" are the sm90 family's, "mma" the sm80 family's
         with nbflash.kernel_family("mma" if plan[0] == "mma" else "sm90"):
-            return nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **arguments)
+            return nbflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic,
+                                               **arguments)
 
     plans = ("table", "step40", "mma") if name in MMA_DEFAULT else ("table", "step40")
 
@@ -97,7 +104,7 @@ def time_shape(name, headdim, seqlen, rounds, tokens=16384, nheads=None):
                                  switch=lambda n: plan.__setitem__(0, n))
     finally:
         backward._kernels = kernels
-        configs.SM90_BACKWARD_KEYS128_VARIANTS = False
+        configs.SM90_BACKWARD_KEYS128_VARIANTS, configs.SM90_DETERMINISTIC_KEYS128_VARIANTS = options
         backward._kernels.cache_clear()
     tflops = {n: flops / ms / 1e9 for n, ms in medians.items()}
     return tflops["table"], tflops["step40"], tflops.get("mma"), difference
@@ -109,12 +116,15 @@ def main():
     parser.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384], metavar="N")
     parser.add_argument("--headdim", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic=True: the dK/dV pass without dQ at 64 against 128 query rows")
     args = parser.parse_args()
     rows = []
     for name in args.variants:
         for seqlen in args.seqlens:
             print(f"{name} hd {args.headdim} {seqlen}:", flush=True)
-            table, step40, mma, difference = time_shape(name, args.headdim, seqlen, args.rounds)
+            table, step40, mma, difference = time_shape(name, args.headdim, seqlen, args.rounds,
+                                                        deterministic=args.deterministic)
             rows.append((name, seqlen, table, step40, mma, difference))
             print(f"  table {table:.1f}, step 40 {step40:.1f} TFLOP/s, {step40 / table:.3f}x"
                   + (f", mma {mma:.1f}" if mma else "") + f", largest difference {difference:.3g}", flush=True)

@@ -986,20 +986,64 @@ def test_backward_sm90_keys128_variants_small(rng, xp, monkeypatch, name):
     run_keys128_variant(rng, xp, monkeypatch, name, "float16", 1, 150, 100, 2, 1, 40)
 
 
-def run_keys128_variant(rng, xp, monkeypatch, name, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim):
+def run_keys128_variant(rng, xp, monkeypatch, name, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim,
+                        deterministic=False):
     """run_sm90_variant on step 40's kernel, which the test asserts ran; "causal-alibi-mask": causal
-    ALiBi with the catalogue's document mask as a bool tensor."""
-    plan_keys128(monkeypatch)
+    ALiBi with the catalogue's document mask as a bool tensor. With ``deterministic``: its pass
+    without dQ (configs.SM90_DETERMINISTIC_KEYS128_VARIANTS), then the sm90 dQ kernel."""
+    if deterministic:
+        monkeypatch.setattr(configs, "SM90_DETERMINISTIC_KEYS128_VARIANTS", True)
+        backward._kernels.cache_clear()
+    else:
+        plan_keys128(monkeypatch)
     built = recorded_builds(monkeypatch)
     try:
         arguments = name
         if name == "causal-alibi-mask":
             arguments = {"causal": True, "alibi_slopes": alibi_slopes(nheads, xp),
                          "bias": document_mask(seqlen_q, seqlen_k, xp)}
-        run_sm90_variant(rng, xp, arguments, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim)
-        assert {c.block_m for c in built if isinstance(c, Sm90BackwardConfig)} == {128}
+        run_sm90_variant(rng, xp, arguments, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim,
+                         deterministic=deterministic)
+        dkdv = [c for c in built if isinstance(c, Sm90BackwardConfig)]
+        assert {c.block_m for c in dkdv} == {128} and {c.atomic_dq for c in dkdv} == {not deterministic}
     finally:
         backward._kernels.cache_clear()
+
+
+def test_keys128_deterministic_variants_are_planned_with_the_option(monkeypatch):
+    """With configs.SM90_DETERMINISTIC_KEYS128_VARIANTS, deterministic=True's dK/dV pass runs at 128
+    query rows for the masks and ALiBi at headdims 33-64 as step 40 does; softcap, a float bias,
+    score_mod, dropout, packed sequences and headdims past 64 keep 64 rows. Off, only plain and
+    windowed attention take 128."""
+    served = [Variant(window=True, alibi=True), Variant(mask=True), Variant(mask_mod="g:0", block_mask=True)]
+    kept = [Variant(softcap=True), Variant(bias="float32"), Variant(window=True, dropout=True),
+            Variant(alibi=True, varlen=True)]
+    for on in (True, False):
+        monkeypatch.setattr(configs, "SM90_DETERMINISTIC_KEYS128_VARIANTS", on)
+        for variant in served + kept + [Variant(), Variant(window=True)]:
+            for headdim in (40, 64, 96):
+                dkdv = configs.sm90_deterministic_configs("float16", headdim, variant)[0]
+                rows128 = headdim <= 64 and (variant in (Variant(), Variant(window=True)) or on and variant in served)
+                assert (dkdv.block_m == 128) == rows128 and dkdv.dq_split == "none", (on, variant, headdim)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
+def test_backward_sm90_keys128_deterministic_variants_small(rng, xp, monkeypatch):
+    """The deterministic pass at 128 query rows with causal ALiBi and a bool mask tensor (the mask
+    read at 128 queries of each tile), then the sm90 dQ kernel: two query tiles of 128, one key tile
+    with a tail, headdim 40 padded to 64, GQA 2:1."""
+    run_keys128_variant(rng, xp, monkeypatch, "causal-alibi-mask", "float16", 1, 150, 100, 2, 1, 40,
+                        deterministic=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["alibi", "causal-alibi", "document-mask", "document-mask-mod", "causal-alibi-mask"])
+@pytest.mark.parametrize("shape", [(2, 113, 203, 4, 2, 64), (2, 300, 257, 2, 2, 40)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_backward_sm90_keys128_deterministic_variants_gpu(rng, xp, monkeypatch, shape, name):
+    """The deterministic pass at 128 query rows with the masks and ALiBi on the GPU, bfloat16, and
+    bit-identical on a rerun (run_sm90_variant)."""
+    run_keys128_variant(rng, xp, monkeypatch, name, "bfloat16", *shape, deterministic=True)
 
 
 @pytest.mark.gpu
