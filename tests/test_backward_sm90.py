@@ -399,9 +399,11 @@ def test_backward_sm90_dq_warp_gpu(xp, monkeypatch, headdim, name):
     """The planned kernels with ``dq_warp`` (an option) where they stage dQ_i: step 40's at 40 and 64,
     the tile-major table's at 128 (ALiBi and the block mask: step 40's masks and ALiBi at 64), key
     tails, GQA 2:1, bfloat16 where not plain."""
+    built = recorded_builds(monkeypatch)
     with replanned(monkeypatch, with_dq_warp):
         run_sm90_variant(np.random.default_rng(16), xp, name, "float16" if name == "plain" else "bfloat16", 2, 1023,
                          1000, 4, 2, headdim)
+    assert [c.dq_warp for c in built if isinstance(c, Sm90BackwardConfig)] == [True]
 
 
 @pytest.mark.gpu
