@@ -382,14 +382,14 @@ def with_dq_warp(config):
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_dq_warp_gpu")
 def test_backward_sm90_dq_warp_small(rng, xp, monkeypatch):
     """``dq_warp`` (an option): the producer's warp 2 adds each staged dQ_i into dq_accum and the stats
-    warp only stages lse and D. The planned tile-major kernel at headdim 72, causal, bfloat16, three
-    query tiles of one key tile (warp 2 walks three steps; a warp that walked them otherwise, or a
-    stats warp that still added them, would hang or add a tile twice). Step 40's form with it runs in
-    test_backward_sm90_keys128_dq_warp_small."""
+    warp only stages lse and D. The planned tile-major kernel at headdim 72, causal, bfloat16, two
+    query tiles of one key tile (warp 2 walks two steps, both phases of the staged tile's barriers; a
+    warp that walked them otherwise, or a stats warp that still added them, would hang or add a tile
+    twice). Step 40's form with it runs in test_backward_sm90_keys128_dq_warp_small."""
     with replanned(monkeypatch, with_dq_warp):
         dkdv = configs.plan_backward(Static("bfloat16", 72, False, 0, CAUSAL), False, "sm90", True)[1]
         assert dkdv.dq_warp and dkdv.dq_tile_major
-        run_sm90_variant(rng, xp, "causal", "bfloat16", 1, 150, 40, 1, 1, 72)
+        run_sm90_variant(rng, xp, "causal", "bfloat16", 1, 100, 40, 1, 1, 72)
 
 
 @pytest.mark.gpu
@@ -879,11 +879,11 @@ def test_backward_sm90_keys128_small(rng, xp, monkeypatch):
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_dq_warp_gpu")
 def test_backward_sm90_keys128_dq_warp_small(rng, xp, monkeypatch):
-    """Step 40's kernel with ``dq_warp`` (the producer's warp 2 adds each staged dQ_i): causal, two
-    query tiles of 128, GQA 2:1 (warp 2 walks four steps over two query heads), headdim 40."""
+    """Step 40's kernel with ``dq_warp`` (the producer's warp 2 adds each staged dQ_i): causal, one
+    query tile of 128 a head, GQA 2:1 (warp 2 walks two steps, one a query head), headdim 40."""
     plan_keys128(monkeypatch, dq_warp=True)
     try:
-        run_case(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True, False, False, family="sm90",
+        run_case(rng, xp, 1, 100, 100, 2, 1, 40, "float16", True, False, False, family="sm90",
                  simulator_reference_forward=True)
     finally:
         backward._kernels.cache_clear()
@@ -1032,9 +1032,9 @@ def test_keys128_deterministic_variants_are_planned_with_the_option(monkeypatch)
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 def test_backward_sm90_keys128_deterministic_variants_small(rng, xp, monkeypatch):
     """The deterministic pass at 128 query rows with causal ALiBi and a bool mask tensor (the mask
-    read at 128 queries of each tile), then the sm90 dQ kernel: two query tiles of 128, one key tile
-    with a tail, headdim 40 padded to 64, GQA 2:1."""
-    run_keys128_variant(rng, xp, monkeypatch, "causal-alibi-mask", "float16", 1, 150, 100, 2, 1, 40,
+    read at 128 queries of each tile, most of them past seqlen_q), then the sm90 dQ kernel: one
+    query tile of 128 a head, one key tile with a tail, headdim 40 padded to 64, GQA 2:1."""
+    run_keys128_variant(rng, xp, monkeypatch, "causal-alibi-mask", "float16", 1, 100, 100, 2, 1, 40,
                         deterministic=True)
 
 
