@@ -843,7 +843,8 @@ def test_keys128_configs():
     assert Sm90BackwardConfig("float16", 64, CAUSAL, **good, dq_warp=True).form_details == (
         "128 queries a step", "dQ by warp 2")
     for kwargs in (dict(headdim=128), dict(headdim=128, variant=Variant(dropout=True), dq_split="columns",
-                                           dq_first=True, dq_reduce="tiles", dropout_bits="producer")):
+                                           dq_first=True, dq_reduce="tiles", dropout_bits="producer"),
+                   {**good, "headdim": 64, "variant": Variant(varlen=True)}):
         with pytest.raises(ValueError, match="dq_warp"):
             Sm90BackwardConfig(**{"dtype": "float16", "dq_warp": True, **kwargs})
     # the masks and ALiBi too (configs.SM90_BACKWARD_KEYS128_VARIANTS), not a float bias nor score_mod
