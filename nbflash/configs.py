@@ -231,18 +231,29 @@ def _backward_feature(variant):
     return features[0]
 
 
+def _backward_features(variant):
+    """The features of ``SM90_BACKWARD_FEATURE_HEADDIMS`` that ``variant`` adds to plain or windowed
+    attention, sorted by name; () for any other variant."""
+    features = tuple(sorted(name for name in SM90_BACKWARD_FEATURE_HEADDIMS if getattr(variant, name)))
+    plain = variant._replace(score_mod_grad="", **{name: Variant._field_defaults[name] for name in features})
+    return features if plain in (Variant(), Variant(window=True)) else ()
+
+
 def _backward_measured_on_sm90(variant, headdim, deterministic=False):
     """``variant`` at ``headdim`` (one of ``SM90_BACKWARD_DEFAULT_HEADDIMS``) was measured faster on the
     sm90 backward: plain or windowed attention, one feature of ``SM90_BACKWARD_FEATURE_HEADDIMS`` at
     its headdims (with ``deterministic``, not those of ``SM90_BACKWARD_ATOMIC_ONLY_FEATURES``), or
-    mask_mod with its block mask at ``SM90_BACKWARD_BLOCK_MASK_HEADDIMS``."""
+    mask_mod with its block mask at ``SM90_BACKWARD_BLOCK_MASK_HEADDIMS``, or two features of
+    ``SM90_BACKWARD_FEATURE_PAIRS`` together at theirs (without deterministic: measured so)."""
     variant = variant._replace(score_mod_grad="")
     if variant in SM90_BACKWARD_DEFAULT_VARIANTS:
         return True
     if variant.block_mask and variant._replace(mask_mod="", block_mask=False) == Variant():
         return headdim in SM90_BACKWARD_BLOCK_MASK_HEADDIMS
     feature = _backward_feature(variant)
-    if feature is None or (deterministic and feature in SM90_BACKWARD_ATOMIC_ONLY_FEATURES):
+    if feature is None:
+        return not deterministic and headdim in SM90_BACKWARD_FEATURE_PAIRS.get(_backward_features(variant), ())
+    if deterministic and feature in SM90_BACKWARD_ATOMIC_ONLY_FEATURES:
         return False
     return headdim in SM90_BACKWARD_FEATURE_HEADDIMS[feature]
 
@@ -517,7 +528,7 @@ SM90_BACKWARD_DEFAULT_VARIANTS = (Variant(), Variant(window=True))
 # scripts/keys128_variants.py, a document mask, fp16, 4k / 16k, interleaved) on the sm90 backward
 # as planned (step 40) against the mma one: 66.2 / 66.7 TFLOP/s against 58.5 / 52.9 (1.13x /
 # 1.26x; the table's sm90 kernel 62.5 / 62.6); causal ALiBi with it 70.6 / 64.0 against 66.4 / 52.2
-# (two features: the mma family stays their default). Not measured: other headdims, the features
+# (two features: ``SM90_BACKWARD_FEATURE_PAIRS``). Not measured: other headdims, the features
 # together, the mask tensor elsewhere, a score_mod at 256; non-causal forms run the same kernels
 # with fewer masked tiles.
 SM90_BACKWARD_FEATURE_HEADDIMS = {"softcap": (64, 128, 256), "alibi": (64, 128, 256), "bias": (64, 128, 256),
@@ -526,6 +537,10 @@ SM90_BACKWARD_FEATURE_HEADDIMS = {"softcap": (64, 128, 256), "alibi": (64, 128, 
 # stays their default (the bool mask's deterministic backward was cut off by its run's time limit
 # before it was timed, thirty-second session)
 SM90_BACKWARD_ATOMIC_ONLY_FEATURES = ("mask",)
+# ... and two of them together, alone or with the window, at these headdims (without
+# deterministic=True only): causal ALiBi with a bool mask tensor at hd 64 (the run above: step 40
+# 70.6 / 64.0 TFLOP/s against the mma backward's 66.4 / 52.2 at 4k / 16k, 1.06x / 1.23x)
+SM90_BACKWARD_FEATURE_PAIRS = {("alibi", "mask"): (64,)}
 # ... and mask_mod with its block mask (no other feature) at these: 128 measured on 2026-12-03 (see
 # ``SM90_BLOCK_MASK_HEADDIMS``), 64 and 128 in the run above (three documents, causal-free): 1.90x /
 # 1.63x and 2.13x / 1.99x

@@ -447,8 +447,9 @@ def test_sm90_backward_default_for_features(monkeypatch):
     # measured (configs.SM90_BACKWARD_FEATURE_HEADDIMS; a score_mod not at 256), and with
     # deterministic=True there too (the pair); past 128 the pair without deterministic=True with
     # softcap, ALiBi and dropout (configs.SM90_PAIR_FEATURES), not with a bias tensor. A bool mask
-    # tensor at hd 64 only (step 40's kernel), without deterministic=True. The mma family with two
-    # features, a mask tensor at other headdims, or at headdims not measured.
+    # tensor at hd 64 only (step 40's kernel), without deterministic=True, alone or with ALiBi
+    # (configs.SM90_BACKWARD_FEATURE_PAIRS). The mma family with other features together, a mask
+    # tensor at other headdims, or at headdims not measured.
     from nbflash import configs
     from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
     from nbflash.kernels.backward_mma import MmaBackwardConfig
@@ -491,7 +492,14 @@ def test_sm90_backward_default_for_features(monkeypatch):
         assert isinstance(plan(64, variant, True)[1], MmaBackwardConfig), variant  # timed with atomics only
         for headdim in (32, 96):
             assert isinstance(plan(headdim, variant)[1], MmaBackwardConfig), (headdim, variant)
-    assert isinstance(plan(64, Variant(window=True, alibi=True, mask=True))[1], MmaBackwardConfig)
+    for variant in (Variant(alibi=True, mask=True), Variant(window=True, alibi=True, mask=True)):  # the pair measured
+        dkdv = plan(64, variant)[1]
+        assert isinstance(dkdv, Sm90BackwardConfig) and (dkdv.block_m, dkdv.atomic_dq) == (128, True), variant
+        assert isinstance(plan(64, variant, True)[1], MmaBackwardConfig), variant
+        assert isinstance(plan(128, variant)[1], MmaBackwardConfig), variant
+    for variant in (Variant(window=True, softcap=True, mask=True), Variant(alibi=True, mask=True, softcap=True),
+                    Variant(alibi=True, mask=True, dropout=True)):  # not measured
+        assert isinstance(plan(64, variant)[1], MmaBackwardConfig), variant
     block_mask = Variant(mask_mod="m", block_mask=True)
     for headdim, kind in ((64, Sm90BackwardConfig), (128, Sm90BackwardConfig), (256, MmaBackwardConfig)):
         assert isinstance(plan(headdim, block_mask)[1], kind), headdim
