@@ -362,6 +362,15 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # stats warp's two duties apart"). Not with the producer's keep bits (warps 2 and 3 busy), nor
     # for packed sequences (not built). An option until timed
     dq_warp: bool = False
+    # The stats warp loads step i + 1's lse and D (and walks to its pair) right after arriving on
+    # step i's full barrier, holding them in registers until step i + 1's stores, so that the loads'
+    # latency passes under step i - 1's dQ add (with dq_reduce="tiles" and without dq_warp) and the
+    # wait for step i + 1's slot, instead of adding to the warp's chain each step (``make_stage_stats``).
+    # In step 40's profile at hd 64 16k the stats warp waited on its own lse loads and on the staged
+    # dQ's reduce-add, never for a free slot, while the consumers waited at the ring's full barrier for
+    # a quarter of their samples (docs/perf-notes.md, "The stats warp's two duties apart" and "The
+    # stats warp's loads a step ahead"). With or without dq_warp. An option until timed
+    stats_ahead: bool = False
     # Block n's walk over its query tiles starts n tiles on (mod the tiles it visits), so that the
     # blocks of a head running together add into different rows of dq_accum (``make_step_pair``;
     # docs/perf-notes.md step 43). Not with a block mask, whose visited pairs are walked in order
@@ -431,8 +440,10 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
 
     @property
     def form_details(self):
-        """What launch.describe adds for this form: step 40's 128 query rows a step, dQ added by warp 2."""
-        return (("128 queries a step",) if self.block_m == 128 else ()) + (("dQ by warp 2",) if self.dq_warp else ())
+        """What launch.describe adds for this form: step 40's 128 query rows a step, dQ added by warp 2,
+        the stats warp's loads a step ahead."""
+        return ((("128 queries a step",) if self.block_m == 128 else ()) + (("dQ by warp 2",) if self.dq_warp else ())
+                + (("stats ahead",) if self.stats_ahead else ()))
 
     @property
     def dq_part_columns(self):
@@ -770,7 +781,9 @@ def make_stage_stats(config, hooks):
     tile) pairs) through the ring with warp 0's copies, each step's lse in base 2 and D (with a block
     mask, the step itself for the consumers) into the slot's stats; with ``dq_tile_major``, after
     staging step i's stats, step i - 1's dQ from the staged tile into dq_accum (``make_add_staged_dq``),
-    unless warp 2 adds it (``dq_warp``: ``make_reduce_staged_dq``)."""
+    unless warp 2 adds it (``dq_warp``: ``make_reduce_staged_dq``). With ``stats_ahead`` (an option
+    of this kernel's config) step i + 1's lse and D are loaded once step i's are staged, before step
+    i - 1's dQ is added."""
     BM, STAGES, STATS_BYTES = config.block_m, config.stages, config.stats_bytes
     ROWS_PER_LANE = BM // 32  # the stats rows of each lane
     BLOCK_MASK, STEP_WORD, SCORE = hooks.BLOCK_MASK, 2 * BM, hooks.SCORE
@@ -779,8 +792,31 @@ def make_stage_stats(config, hooks):
     VARLEN, sequence = hooks.VARLEN, hooks.sequence
     NEG_INF, POS_INF = float32(-math.inf), float32(math.inf)
     STAGED_DQ = config.dq_tile_major and not getattr(config, "dq_warp", False)  # (else warp 2's)
+    STATS_AHEAD = getattr(config, "stats_ahead", False)  # (backward_sm90_rows.py's and _wide.py's: never)
     add_staged_dq = make_add_staged_dq(config)
     step_pair = make_step_pair(config)
+
+    @inline_device
+    @unroll
+    def load_step(lse_ahead, d_ahead, lse, delta, mem_b, row0, b, hk, group, n_block, first_tile, tiles_per_head,
+                  i, position, seqlen_q, params, scale, lane):
+        """With STATS_AHEAD: ``(position, h, tile, offset)`` of step i (``warp_visit_query_step``, given
+        step i - 1's position), its head's lse offset (SCORE), and the lane's lse and D of the step's
+        rows as loaded, into ``lse_ahead`` and ``d_ahead`` (rows past seqlen_q: -inf and 0). Nothing
+        reads them until the step's stores: the loads' latency passes under what the warp does
+        meanwhile."""
+        position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position, lane)
+        h, tile = step_pair(position, hk, group, first_tile, tiles_per_head, n_block)
+        offset = float32(0)
+        if SCORE:
+            offset = score_units(params, scale, head_context(params, b, h))[variants.OFFSET]
+        for r in static_range(ROWS_PER_LANE):
+            row = tile * BM + 32 * r + lane
+            lse_ahead[r], d_ahead[r] = NEG_INF, float32(0)
+            if row < seqlen_q:
+                lse_ahead[r] = lse[mem_b, h, row0 + row]
+                d_ahead[r] = delta[mem_b, h, row0 + row]
+        return position, h, tile, offset
 
     @inline_device
     @unroll
@@ -795,7 +831,11 @@ def make_stage_stats(config, hooks):
         (a batch of one), the sequence's from its first. With STAGED_DQ (one key tile a block),
         step i - 1's dQ goes out once step i's stats are in: step i's slot is free once the
         consumers are past step i - 2, which is before step i - 1's dQ is staged, so neither waits
-        on the other (dq_accum, dq_stage and its barriers are unused otherwise)."""
+        on the other (dq_accum, dq_stage and its barriers are unused otherwise). With STATS_AHEAD,
+        step i's pair and rows were loaded before: step 0's ahead of the loop, step i + 1's right
+        after the arrival on step i's full barrier, so that their loads are in flight while the warp
+        adds step i - 1's dQ and waits for step i + 1's slot; lse_log2 is made from them at the
+        stores (the first instruction to read a load waits for it)."""
         mem_b, row0, dq_row0 = b, 0, 0
         if VARLEN:
             row0 = sequence(params, b, lse.shape[2], lse.shape[2])[0]  # the query rows' first
@@ -804,29 +844,47 @@ def make_stage_stats(config, hooks):
                 dq_row0 = padded_first_row(row0, b, BM)
         position = -1
         last_h, last_q_start = 0, 0  # with STAGED_DQ: step i - 1's query head and tile
+        if STATS_AHEAD:  # step 0's pair and rows (then step i + 1's in step i)
+            lse_ahead = cuda.local.array(ROWS_PER_LANE, float32)  # (registers: constant indices)
+            d_ahead = cuda.local.array(ROWS_PER_LANE, float32)
+            next_h, next_tile, next_offset = 0, 0, float32(0)
+            if steps > 0:
+                position, next_h, next_tile, next_offset = load_step(
+                    lse_ahead, d_ahead, lse, delta, mem_b, row0, b, hk, group, n_block, first_tile, tiles_per_head,
+                    0, position, seqlen_q, params, scale, lane)
         for i in range(steps):
-            position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
-                                             lane)
+            if not STATS_AHEAD:  # (else step i's position came with its rows)
+                position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i,
+                                                 position, lane)
             slot, use = (step0 + i) % STAGES, (step0 + i) // STAGES
             if use > 0:
                 mbarrier_wait(qd_empty + uint32(8 * slot), (use - 1) & 1)
-            h, tile = step_pair(position, hk, group, first_tile, tiles_per_head, n_block)
+            if STATS_AHEAD:
+                h, tile = next_h, next_tile  # (loaded a step ahead)
+            else:
+                h, tile = step_pair(position, hk, group, first_tile, tiles_per_head, n_block)
             q_start = tile * BM
             stats = stats_word0 + uint32(slot * (STATS_BYTES // 4))
-            # the score features' offset (variants.OFFSET) out of lse, as out of their scores
-            offset = float32(0)
-            if SCORE:
-                offset = score_units(params, scale, head_context(params, b, h))[variants.OFFSET]
             lse_rows = cuda.local.array(ROWS_PER_LANE, float32)  # (registers: constant indices)
             d_rows = cuda.local.array(ROWS_PER_LANE, float32)
-            for r in static_range(ROWS_PER_LANE):
-                row = q_start + 32 * r + lane
-                lse_rows[r], d_rows[r] = POS_INF, float32(0)  # rows past seqlen_q: P = 0
-                if row < seqlen_q:
-                    x = lse[mem_b, h, row0 + row]
-                    if x != NEG_INF:  # a row that sees no key keeps +inf: P = 0
-                        lse_rows[r] = x * float32(LOG2E) - offset
-                    d_rows[r] = delta[mem_b, h, row0 + row]
+            if STATS_AHEAD:  # the rows loaded a step ahead; -inf (no key seen, or past seqlen_q): P = 0
+                for r in static_range(ROWS_PER_LANE):
+                    x = lse_ahead[r]
+                    lse_rows[r] = POS_INF if x == NEG_INF else x * float32(LOG2E) - next_offset
+                    d_rows[r] = d_ahead[r]
+            else:
+                # the score features' offset (variants.OFFSET) out of lse, as out of their scores
+                offset = float32(0)
+                if SCORE:
+                    offset = score_units(params, scale, head_context(params, b, h))[variants.OFFSET]
+                for r in static_range(ROWS_PER_LANE):
+                    row = q_start + 32 * r + lane
+                    lse_rows[r], d_rows[r] = POS_INF, float32(0)  # rows past seqlen_q: P = 0
+                    if row < seqlen_q:
+                        x = lse[mem_b, h, row0 + row]
+                        if x != NEG_INF:  # a row that sees no key keeps +inf: P = 0
+                            lse_rows[r] = x * float32(LOG2E) - offset
+                        d_rows[r] = delta[mem_b, h, row0 + row]
             for r in static_range(ROWS_PER_LANE):
                 smem[stats + 32 * r + lane] = f32_as_u32(lse_rows[r])
                 smem[stats + BM + 32 * r + lane] = f32_as_u32(d_rows[r])
@@ -837,6 +895,10 @@ def make_stage_stats(config, hooks):
                     tail or tile < first_full or tile >= end_full
                     or tile_class(params, b, h, tile, n_block) != variants.FULL)
             mbarrier_arrive(qd_full + uint32(8 * slot))  # releases the stores with the arrival
+            if STATS_AHEAD and i + 1 < steps:  # step i + 1's, in flight under the dQ add and the next wait
+                position, next_h, next_tile, next_offset = load_step(
+                    lse_ahead, d_ahead, lse, delta, mem_b, row0, b, hk, group, n_block, first_tile, tiles_per_head,
+                    i + 1, position, seqlen_q, params, scale, lane)
             if STAGED_DQ:
                 if i > 0:
                     add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i - 1, last_h, dq_row0 + last_q_start, mem_b,
