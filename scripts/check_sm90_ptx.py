@@ -224,6 +224,14 @@ def backward_kernels():
             configs.planned_backward_sm90_config("float16", 128, variant), dq_warp=True)))
         found.append((f"backward_sm90_keys128_dq_warp_{name}_hd64", dataclasses.replace(
             configs.keys128_backward_config("float16", 64, variant), dq_warp=True)))
+    # ... planned, the stats warp's lse and D loaded a step ahead (``stats_ahead``, an option), with the
+    # staged dQ_i added by the stats warp or by warp 2 (dq_warp), plain, at hd 128 and in step 40's kernel
+    for dq_warp in (False, True):
+        warp2 = "_dq_warp" if dq_warp else ""
+        found.append((f"backward_sm90_dq_tiles{warp2}_stats_ahead_plain_hd128", dataclasses.replace(
+            configs.planned_backward_sm90_config("float16", 128, Variant()), dq_warp=dq_warp, stats_ahead=True)))
+        found.append((f"backward_sm90_keys128{warp2}_stats_ahead_plain_hd64", dataclasses.replace(
+            configs.keys128_backward_config("float16", 64, Variant()), dq_warp=dq_warp, stats_ahead=True)))
     found.append(("backward_sm90_rows_store_quads_causal_hd64", dataclasses.replace(
         configs.sm90_rows_backward_config("float16", 64, Variant(window=True)), store_quads=True)))
     # ... on packed sequences (planned since step 37), causal at hd 128
