@@ -105,6 +105,10 @@
 #                                the staged dQ_i added by the producer's warp 2 (dq_warp, an option): its
 #                                grid, then timed against the plan at hd 64 and 128, twice, then its
 #                                stall profile at hd 64 16k; about 9 minutes
+#   scripts/gpu_check.sh stats-ahead
+#                                the stats warp's lse and D loaded a step ahead (stats_ahead, an option):
+#                                its grid, then timed with and without dq_warp against the plan at hd 64
+#                                and 128, twice; about 9 minutes
 #   scripts/gpu_check.sh keys128-det-variants
 #                                deterministic=True's pass at 128 query rows for the masks and ALiBi (an
 #                                option): its grid, then timed against 64 rows; about 8 minutes
@@ -828,6 +832,18 @@ dq-warp)
     STALLS_SEQLEN=16384 bash "$0" stalls 64 dqwarp 2>&1 | grep -aE "^ncu|^ +[0-9.]+%|Throughput" | head -24
     rm -f "$out"/stalls_hd64_dqwarp*.log  # (at most 8 files come back: the summaries and pages stay)
     ;;
+stats-ahead)
+    # the stats warp loading step i + 1's lse and D before it adds step i - 1's dQ (stats_ahead, an option;
+    # docs/perf-notes.md "The stats warp's loads a step ahead"): its GPU grid (with and without dq_warp),
+    # then the planned kernels with it, with dq_warp, with both and with neither at hd 64 (step 40) and
+    # 128, interleaved, twice; about 9 minutes
+    grid stats_ahead_tests 240 tests/test_backward_sm90.py -k "stats_ahead"
+    for run in 1 2; do
+        timeout 220 python3 scripts/sm90_schedules.py --backward --headdims 64 128 \
+            --only planned-ahead planned-dqwarp-ahead planned-dqwarp planned > "$out/stats_ahead_$run.log" 2>&1
+        echo "run $run (exit $?):"; tail -14 "$out/stats_ahead_$run.log"
+    done
+    ;;
 keys128-det-variants)
     # deterministic=True's dK/dV pass at 128 query rows for the masks and ALiBi
     # (configs.SM90_DETERMINISTIC_KEYS128_VARIANTS, an option): its GPU grid (bit-identical reruns), then
@@ -936,7 +952,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8|dqwarp]]|wide|fp8|exp2|keys128 [RUNS]|planned-now|keys128-next" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8|dqwarp]]|wide|fp8|exp2|keys128 [RUNS]|planned-now|keys128-next|stats-ahead" >&2
     exit 2
     ;;
 esac
