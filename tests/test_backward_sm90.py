@@ -21,7 +21,7 @@ from numba import cuda
 import nbflash
 from nbflash import backward, configs, launch, validation
 from nbflash.backward import flash_attn_backward
-from nbflash.catalogue import alibi_slopes, document_mask, forward_arguments, variant_arguments
+from nbflash.catalogue import alibi_slopes, document_mask, document_mask_mod, forward_arguments, variant_arguments
 from nbflash.kernels.backward_mma import MmaBackwardConfig
 from nbflash.kernels.backward_dq_sm90 import Sm90DqConfig
 from nbflash.kernels.backward_sm90 import Sm90BackwardConfig, Sm90ConvertDqConfig, dq_accum_shape
@@ -404,6 +404,25 @@ def test_backward_sm90_dq_warp_gpu(xp, monkeypatch, headdim, name):
         run_sm90_variant(np.random.default_rng(16), xp, name, "float16" if name == "plain" else "bfloat16", 2, 1023,
                          1000, 4, 2, headdim)
     assert [c.dq_warp for c in built if isinstance(c, Sm90BackwardConfig)] == [True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("adder", ["stats-warp", "warp-2"])
+@pytest.mark.parametrize("name", ["plain", "causal", "document-mask-mod", "alibi"])
+@pytest.mark.parametrize("headdim", [40, 64, 128])
+def test_backward_sm90_stats_ahead_gpu(xp, monkeypatch, headdim, name, adder):
+    """The planned kernels with ``stats_ahead`` (an option: the stats warp loads step i + 1's lse and D
+    before adding step i - 1's dQ), test_backward_sm90_dq_warp_gpu's cases, the staged dQ_i added by
+    the stats warp or (with dq_warp) by warp 2."""
+    def change(config):
+        return dataclasses.replace(with_dq_warp(config) if adder == "warp-2" else config, stats_ahead=True)
+
+    built = recorded_builds(monkeypatch)
+    with replanned(monkeypatch, change):
+        run_sm90_variant(np.random.default_rng(16), xp, name, "float16" if name == "plain" else "bfloat16", 2, 1023,
+                         1000, 4, 2, headdim)
+    dkdv = [c for c in built if isinstance(c, Sm90BackwardConfig)]
+    assert [c.stats_ahead for c in dkdv] == [True] and dkdv[0].dq_warp == (adder == "warp-2")
 
 
 @pytest.mark.gpu
@@ -847,6 +866,13 @@ def test_keys128_configs():
                    {**good, "headdim": 64, "variant": Variant(varlen=True)}):
         with pytest.raises(ValueError, match="dq_warp"):
             Sm90BackwardConfig(**{"dtype": "float16", "dq_warp": True, **kwargs})
+    # stats_ahead (the stats warp's loads a step ahead), with or without dq_warp, and without a staged dQ_i
+    assert Sm90BackwardConfig("float16", 64, CAUSAL, **good, stats_ahead=True).form_details == (
+        "128 queries a step", "stats ahead")
+    assert Sm90BackwardConfig("float16", 64, CAUSAL, **good, dq_warp=True, stats_ahead=True).form_details == (
+        "128 queries a step", "dQ by warp 2", "stats ahead")
+    assert launch.describe(Sm90BackwardConfig("float16", 128, stats_ahead=True)) == (
+        "Hopper backward dK/dV (float16, headdim 128, stats ahead)")
     # the masks and ALiBi too (configs.SM90_BACKWARD_KEYS128_VARIANTS), not a float bias nor score_mod
     for variant in (Variant(window=True, alibi=True), Variant(mask=True), Variant(mask_mod="g:0", block_mask=True)):
         assert Sm90BackwardConfig("float16", 64, variant, **good).block_m == 128
@@ -886,6 +912,24 @@ def test_backward_sm90_keys128_dq_warp_small(rng, xp, monkeypatch):
     try:
         run_case(rng, xp, 1, 100, 100, 2, 1, 40, "float16", True, False, False, family="sm90",
                  simulator_reference_forward=True)
+    finally:
+        backward._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_stats_ahead_gpu")
+def test_backward_sm90_keys128_stats_ahead_small(rng, xp, monkeypatch):
+    """Step 40's kernel with ``stats_ahead`` (the stats warp loads step i + 1's lse and D before it adds
+    step i - 1's dQ): ALiBi (each head's own lse offset) under the catalogue's document mask_mod and
+    its block mask, GQA 2:1, headdim 40, 300 queries and 100 keys (documents aligned bottom-right:
+    rows 0-199 see no key). The one key tile walks (h0, t1), (h0, t2), (h1, t1), (h1, t2), skipping
+    each head's query tile 0; tile 1 holds rows that see no key (lse -inf), tile 2 rows past
+    seqlen_q. Step i + 1's rows stored in step i's slot fail it."""
+    plan_keys128(monkeypatch, stats_ahead=True)
+    built = recorded_builds(monkeypatch)
+    try:
+        arguments = {"alibi_slopes": alibi_slopes(2, xp), "mask_mod": document_mask_mod(300, 100)}
+        run_sm90_variant(rng, xp, arguments, "float16", 1, 300, 100, 2, 1, 40)
+        assert [c.stats_ahead for c in built if isinstance(c, Sm90BackwardConfig)] == [True]
     finally:
         backward._kernels.cache_clear()
 
