@@ -920,15 +920,15 @@ def test_backward_sm90_keys128_dq_warp_small(rng, xp, monkeypatch):
 def test_backward_sm90_keys128_stats_ahead_small(rng, xp, monkeypatch):
     """Step 40's kernel with ``stats_ahead`` (the stats warp loads step i + 1's lse and D before it adds
     step i - 1's dQ): ALiBi (each head's own lse offset) under the catalogue's document mask_mod and
-    its block mask, GQA 2:1, headdim 40, 300 queries and 100 keys (documents aligned bottom-right:
-    rows 0-199 see no key). The one key tile walks (h0, t1), (h0, t2), (h1, t1), (h1, t2), skipping
-    each head's query tile 0; tile 1 holds rows that see no key (lse -inf), tile 2 rows past
-    seqlen_q. Step i + 1's rows stored in step i's slot fail it."""
+    its block mask, GQA 2:1, headdim 40, 200 queries and 40 keys (documents aligned bottom-right:
+    rows 0-159 see no key). The one key tile walks (h0, t1), (h1, t1), skipping each head's query
+    tile 0; tile 1 holds rows that see no key (lse -inf), rows that do, and rows past seqlen_q.
+    Step i + 1's rows stored in step i's slot fail it."""
     plan_keys128(monkeypatch, stats_ahead=True)
     built = recorded_builds(monkeypatch)
     try:
-        arguments = {"alibi_slopes": alibi_slopes(2, xp), "mask_mod": document_mask_mod(300, 100)}
-        run_sm90_variant(rng, xp, arguments, "float16", 1, 300, 100, 2, 1, 40)
+        arguments = {"alibi_slopes": alibi_slopes(2, xp), "mask_mod": document_mask_mod(200, 40)}
+        run_sm90_variant(rng, xp, arguments, "float16", 1, 200, 40, 2, 1, 40)
         assert [c.stats_ahead for c in built if isinstance(c, Sm90BackwardConfig)] == [True]
     finally:
         backward._kernels.cache_clear()
