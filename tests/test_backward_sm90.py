@@ -146,14 +146,6 @@ def test_backward_sm90_wide_small(rng, xp):
     run_sm90(rng, xp, 1, 70, 100, 2, 1, 200, "float16", True)
 
 
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_wide_deterministic_gpu")
-def test_backward_sm90_wide_deterministic_small(rng, xp):
-    """deterministic=True under "sm90" past headdim 128, through the public call: the wide dK/dV
-    kernel without dQ, then the dQ kernel (headdim 136, padded to 256 and 192: 64-key tiles),
-    causal with a tail, GQA 2:1."""
-    run_sm90_variant(rng, xp, "causal", "bfloat16", 1, 40, 70, 2, 1, 136, deterministic=True)
-
-
 def test_backward_sm90_deterministic_small(rng, xp):
     """deterministic=True under "sm90": the sm90 dK/dV kernel without dQ (dq_split="none"), then the
     sm90 dQ kernel, through the public call (causal, tails, GQA); on a GPU at a larger size and
@@ -1355,11 +1347,18 @@ def wide_forms_agree(xp, monkeypatch, option, seed, name, dtype, shape, determin
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_wide_split_tiles_gpu")
-@pytest.mark.parametrize("name", ["causal", "combined", "causal-dropout"])
-def test_backward_sm90_wide_split_tiles_small(rng, xp, monkeypatch, name):
-    """split_tiles against consumer 0 alone (wide_forms_agree), deterministic (the pair), headdim
-    136 with a tail: causal, window + softcap + ALiBi (dS^T made with P^T), causal dropout."""
-    wide_forms_agree(xp, monkeypatch, "SM90_WIDE_SPLIT_TILES", 11, name, "float16", (1, 40, 60, 2, 1, 136), True)
+@pytest.mark.parametrize("name, dtype", [("causal", "bfloat16"), ("combined", "float16"),
+                                         ("causal-dropout", "float16")], ids=["causal", "combined", "causal-dropout"])
+def test_backward_sm90_wide_split_tiles_small(rng, xp, monkeypatch, name, dtype):
+    """split_tiles against consumer 0 alone (wide_forms_agree), each form against the reference's
+    rule: deterministic=True under "sm90" past headdim 128, through the public call (the wide dK/dV
+    kernel without dQ, then the dQ kernel; headdim 136, padded to 256 and 192: 64-key tiles), one
+    key tile with a tail, GQA 2:1: causal in bfloat16, window + softcap + ALiBi (dS^T made with
+    P^T), causal dropout. (The causal case took over test_backward_sm90_wide_deterministic_small's
+    bfloat16; that case's second key tile doubled its time: the wide dK/dV kernel's key tiles run in
+    test_backward_sm90_wide_small, the dQ kernel's walk over them at wide headdims in
+    tests/test_backward_dq_sm90.py's test_dq_sm90_wide_small.)"""
+    wide_forms_agree(xp, monkeypatch, "SM90_WIDE_SPLIT_TILES", 11, name, dtype, (1, 40, 60, 2, 1, 136), True)
 
 
 @pytest.mark.gpu
