@@ -60,9 +60,9 @@ def run(rng, xp, family, dtype, backward, shape=(1, 9, 13, 2, 1, 8), determinist
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 def test_dropout_portable(rng, xp):
     """The portable forward and backward with dropout, on small tiles (helpers.small_tiles: 9 query
-    rows and 13 keys span two query tiles and two key tiles, so each tile's scores take their
-    Philox bytes at their own rows and keys; default tiles, one of each, emulated six times as
-    long (19 s against 3): the forward at those runs in
+    rows span two 8-row tiles of the forward and the dQ kernel, 13 keys two 8-key tiles of the dK/dV
+    kernel, so each tile's scores take their Philox bytes at their own rows and keys; default
+    tiles, one of each, emulated six times as long, 19 s against 3: the forward at those runs in
     test_attn_probs_mark_dropped_entries_negative)."""
     with simulator_small_tiles():
         run(rng, xp, "portable", "float32", backward=True)

@@ -15,7 +15,8 @@ from nbflash.backward import flash_attn_backward
 from nbflash.catalogue import VARIANTS, forward_arguments, variant_arguments
 
 from .conftest import SIMULATOR
-from .helpers import assert_attention_close, poison_allocations, random_qkv, to_numpy
+from .helpers import (assert_attention_close, poison_allocations, random_qkv, simulator_small_tiles, small_tiles,
+                      to_numpy)
 from .test_backward import assert_gradients_close, random_like
 
 NAMES = [name for name in VARIANTS if name != "plain"]
@@ -56,7 +57,11 @@ SIMULATED = ["window-both", "causal-bias", "document-mask", "combined"]  # combi
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
 @pytest.mark.parametrize("name", SIMULATED)
 def test_variant_portable_small(rng, xp, name):
-    run_backward(rng, xp, name, "portable", "float32", *SMALL)
+    """On small tiles (helpers.small_tiles: 13 queries span two 8-row tiles of the forward and the
+    dQ kernel, 21 keys three 8-key tiles of the dK/dV kernel, each tile's rows and keys at their
+    own offsets; default tiles, one of each, emulated three times as long)."""
+    with small_tiles():
+        run_backward(rng, xp, name, "portable", "float32", *SMALL)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
@@ -72,11 +77,12 @@ def test_variant_mma_backward_small(rng, xp):
 
 def test_bias_broadcasts_without_a_copy(rng, xp):
     """A (seqlen_k,) key bias and a (batch, 1, seqlen_q, seqlen_k) mask broadcast to the full
-    shape: the kernel reads them with stride 0, and the answer is the reference's."""
+    shape: the kernel reads them with stride 0, and the answer is the reference's (in the simulator
+    on small tiles: the strides, not the tiles, are checked)."""
     q, k, v = random_qkv(rng, xp, 2, 9, 12, 2, 1, 8, "float32")
     key_bias = xp.asarray(rng.standard_normal(12).astype(np.float32))
     keep = xp.asarray(rng.random((2, 1, 9, 12)) > 0.3)
-    with nbflash.kernel_family("portable"):
+    with simulator_small_tiles(), nbflash.kernel_family("portable"):
         for bias in (key_bias, keep):
             out, lse = nbflash.flash_attn_func(q, k, v, return_lse=True, bias=bias)
             assert_attention_close(out, lse, q, k, v, False, bias=bias)
