@@ -332,30 +332,26 @@ def test_three_stages_are_planned_for_plain_attention(monkeypatch):
     assert configs.planned_backward_sm90_config("float16", 64, Variant()).stages == 2
 
 
-def option_agrees(xp, monkeypatch, field, seed, dtype, shape):
-    """The planned sm90 dK/dV kernel and the same with its option ``field`` on, causal, on the same
-    draw (run_sm90_variant: each against the reference's rule): dq, dk and dv the same to the bit
-    (the simulator adds dq in a fixed order)."""
+def option_agrees(xp, monkeypatch, fields, seed, dtype, shape):
+    """The planned sm90 dK/dV kernel, then the same with each of its options ``fields`` on (one at a
+    time), causal, on the same draw (run_sm90_variant: each against the reference's rule): each
+    option's dq, dk and dv the same to the bit as the planned kernel's (the simulator adds dq in a
+    fixed order)."""
+    changes = [lambda config: config] + [lambda config, field=field: dataclasses.replace(config, **{field: True})
+                                         for field in fields]
     grads = []
-    for change in (lambda config: config, lambda config: dataclasses.replace(config, **{field: True})):
-        with replanned(monkeypatch, change):
+    for change in changes:
+        with monkeypatch.context() as patch, replanned(patch, change):  # (undone each time: no option stacks)
             grads.append(run_sm90_variant(np.random.default_rng(seed), xp, "causal", dtype, *shape))
-    for a, b in zip(*grads):
-        assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert np.array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
 
 
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_store_quads_gpu")
-def test_backward_sm90_store_quads_small(xp, monkeypatch):
-    """``store_quads`` (an option, docs/perf-notes.md step 55): dK and dV by 16-byte stores after the
-    quads' transposes, against the pair stores (option_agrees); headdim 40 (padded to 64: the last
-    set of four groups has one group past headdim, not stored), bfloat16, key tails (rows past
-    seqlen_k shuffle but do not store). NaN-poisoned outputs: a group left unwritten would fail."""
-    option_agrees(xp, monkeypatch, "store_quads", 4, "bfloat16", (1, 70, 77, 1, 1, 40))
-
-
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_store_tma_gpu")
-@pytest.mark.parametrize("shape", [(1, 70, 77, 1, 1, 40), (1, 40, 40, 1, 1, 72)], ids=["hd40", "hd72"])
-def test_backward_sm90_store_tma_small(xp, monkeypatch, shape):
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_store_tma_gpu and _store_quads_gpu")
+@pytest.mark.parametrize("shape, fields", [((1, 70, 77, 1, 1, 40), ("store_tma", "store_quads")),
+                                           ((1, 40, 40, 1, 1, 72), ("store_tma",))], ids=["hd40", "hd72"])
+def test_backward_sm90_store_tma_small(xp, monkeypatch, shape, fields):
     """``store_tma`` (an option, docs/perf-notes.md step 57): dK and dV written into K's and V's
     tiles by stmatrix, then stored by TMA, against the pair stores (option_agrees), bfloat16,
     NaN-poisoned outputs: headdim 40 (padded to 64: the box's columns past 40 are not written)
@@ -364,8 +360,12 @@ def test_backward_sm90_store_tma_small(xp, monkeypatch, shape):
     second consumer no key (no store issued; two key tiles of 150 keys, whose second did the
     same, cost twice as long).
     (GQA, whose group sum comes before the stores, runs in the GPU grid: here it doubled the
-    simulator's 140 s.)"""
-    option_agrees(xp, monkeypatch, "store_tma", 5, "bfloat16", shape)
+    simulator's 140 s.) At headdim 40 also ``store_quads`` (an option, step 55; once its own test,
+    test_backward_sm90_store_quads_small, which ran the planned kernel a second time): dK and dV by
+    16-byte stores after the quads' transposes, against the same pair stores; the last set of four
+    8-column groups has one group past headdim, not stored; rows past seqlen_k shuffle but do not
+    store. A group left unwritten would leave NaN."""
+    option_agrees(xp, monkeypatch, fields, 5, "bfloat16", shape)
 
 
 def with_dq_warp(config):
@@ -846,12 +846,13 @@ def test_keys128_configs():
     good = dict(block_m=128, dq_split="rows", dq_first=True, dq_reduce="tiles")
     for change in (dict(block_m=64), dict(dq_split="columns"), dict(dq_first=False, dq_reduce="red"),
                    dict(dq_reduce="red"), dict(headdim=72), dict(variant=Variant(softcap=True)),
-                   dict(variant=Variant(dropout=True)), dict(block_m=96), dict(rotate=True), dict(store_quads=True),
+                   dict(variant=Variant(dropout=True)), dict(block_m=96), dict(store_quads=True),
                    dict(store_tma=True), dict(stages=3)):
         kwargs = {"dtype": "float16", "headdim": 64, **good, **change}
         with pytest.raises(ValueError, match="block_m|rows|shared memory"):
             Sm90BackwardConfig(**kwargs)
     assert Sm90BackwardConfig("bfloat16", 40, CAUSAL, **good).headdim_padded == 64
+    assert Sm90BackwardConfig("float16", 64, CAUSAL, **good, rotate=True).rotate  # (not with a block mask)
     # dq_warp (warp 2 adds the staged dQ_i) takes a staged dQ_i, and warp 2 free of dropout's keep bits
     assert Sm90BackwardConfig("float16", 64, CAUSAL, **good, dq_warp=True).form_details == (
         "128 queries a step", "dQ by warp 2")
@@ -908,6 +909,35 @@ def test_backward_sm90_keys128_dq_warp_small(rng, xp, monkeypatch):
                  simulator_reference_forward=True)
     finally:
         backward._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_keys128_rotate_gpu")
+def test_backward_sm90_keys128_rotate_small(rng, xp, monkeypatch):
+    """Step 40's kernel with each block's query tiles rotated (``rotate``): ALiBi (the consumers' score
+    positions), two key tiles and two query tiles of 128 (both second ones tails), one head,
+    headdim 40: key tile 1 takes query tile 1 first, then 0; the copies, the stats warp's lse and D
+    and its dQ adds, and the consumers' positions must agree (a consumer that walks in order fails
+    it)."""
+    plan_keys128(monkeypatch, rotate=True)
+    built = recorded_builds(monkeypatch)
+    try:
+        run_sm90_variant(rng, xp, "alibi", "float16", 1, 140, 140, 1, 1, 40)
+        assert [c.rotate for c in built if isinstance(c, Sm90BackwardConfig)] == [True]
+    finally:
+        backward._kernels.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["plain", "causal", "alibi"])
+@pytest.mark.parametrize("headdim", [40, 64])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_keys128_rotate_gpu(xp, monkeypatch, seqlens, headdim, name):
+    """Step 40's kernel (as planned at headdims 33-64) with each block's query tiles rotated
+    (``rotate``, an option): plain, causal and ALiBi; GQA 2:1, tails."""
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, rotate=True)):
+        built = recorded_builds(monkeypatch)
+        run_sm90_variant(np.random.default_rng(11), xp, name, "float16", 2, *seqlens, 4, 2, headdim)
+    assert [(c.block_m, c.rotate) for c in built if isinstance(c, Sm90BackwardConfig)] == [(128, True)]
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_stats_ahead_gpu")
