@@ -12,7 +12,7 @@ from nbflash.block_mask import EMPTY, FULL, PARTIAL
 
 from .conftest import SIMULATOR
 from .helpers import assert_attention_close, poison_allocations, random_qkv, to_numpy
-from .test_backward import assert_gradients_close, random_like
+from .test_backward import assert_gradients_close, random_like, reference_forward
 
 DOC = np.repeat(np.arange(8), 24).astype(np.int32)  # documents of 24 tokens: a captured constant
 
@@ -72,11 +72,17 @@ def test_classification_matches_brute_force(B, H):
 
 def attend(rng, xp, family, dtype, shape, block_mask, backward, deterministic=False, causal=False,
            forward_family=None, **variant):
-    """Forward (and backward) through ``block_mask`` against the float64 reference of its mask_mod."""
+    """Forward (and backward) through ``block_mask`` against the float64 reference of its mask_mod.
+    ``forward_family="reference"``: the backward starts from the float64 reference's out and lse (no
+    forward kernel runs, nor is one checked)."""
     q, k, v = random_qkv(rng, xp, *shape, dtype)
-    with nbflash.kernel_family(forward_family or family):
-        out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, block_mask=block_mask, **variant)
-    assert_attention_close(out, lse, q, k, v, causal, mask_mod=block_mask.mask_mod, **variant)
+    if forward_family == "reference":
+        out, lse = reference_forward(xp, q, k, v, None, causal, mask_mod=block_mask.mask_mod, **variant)
+    else:
+        with nbflash.kernel_family(forward_family or family):
+            out, lse = nbflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, block_mask=block_mask,
+                                               **variant)
+        assert_attention_close(out, lse, q, k, v, causal, mask_mod=block_mask.mask_mod, **variant)
     if backward:
         dout = random_like(rng, xp, q)
         with nbflash.kernel_family(family):
@@ -107,11 +113,12 @@ def test_empty_rows_with_window_portable(rng, xp):
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 def test_causal_documents_mma(rng, xp):
     """The tensor-core dK/dV kernel (64 x 64 tiles): the block of key tile 1 skips its first query
-    tile, so its first request goes to the second. (The forward runs on the portable kernels here,
-    faster to emulate: test_empty_tiles_are_skipped runs the tensor-core forward; the GPU grid runs
-    the deterministic dQ kernel too.)"""
+    tile, so its first request goes to the second. (The backward starts from the float64
+    reference's out and lse: the portable forward ran here on test_causal_documents_portable's
+    problem, and test_empty_tiles_are_skipped runs the tensor-core forward; the GPU grid runs the
+    deterministic dQ kernel too.)"""
     block_mask = nbflash.create_block_mask(causal_documents, None, None, 70, 70)
-    attend(rng, xp, "mma", "float16", (1, 70, 70, 1, 1, 16), block_mask, backward=True, forward_family="portable")
+    attend(rng, xp, "mma", "float16", (1, 70, 70, 1, 1, 16), block_mask, backward=True, forward_family="reference")
     assert to_numpy(block_mask.classes(64, 64))[0, 0, 0, 1] == EMPTY
 
 
@@ -303,7 +310,7 @@ def test_sm90_deterministic_dq_walks_the_visited_tiles(rng, xp):
     classes = to_numpy(block_mask.classes(128, 64))
     assert classes[0, 0, 0, 2] == EMPTY and classes[0, 0, 1, 0] == EMPTY and classes[0, 0, 1, 1] != EMPTY
     attend(rng, xp, "sm90", "float16", shape, block_mask, backward=True, deterministic=True,
-           forward_family="portable")
+           forward_family="reference")  # (the portable forward through a block mask: the tests above)
 
 
 @pytest.mark.gpu
