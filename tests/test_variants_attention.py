@@ -17,7 +17,7 @@ from nbflash.catalogue import VARIANTS, forward_arguments, variant_arguments
 from .conftest import SIMULATOR
 from .helpers import (assert_attention_close, poison_allocations, random_qkv, simulator_small_tiles, small_tiles,
                       to_numpy)
-from .test_backward import assert_gradients_close, random_like
+from .test_backward import assert_gradients_close, random_like, reference_forward
 
 NAMES = [name for name in VARIANTS if name != "plain"]
 
@@ -42,8 +42,15 @@ def run_forward(rng, xp, name, family, dtype, batch, seqlen_q, seqlen_k, nheads,
     return q, k, v, out, lse, causal, variant
 
 
-def run_backward(rng, xp, name, family, dtype, *shape, deterministic=False):
-    q, k, v, out, lse, causal, variant = run_forward(rng, xp, name, family, dtype, *shape)
+def run_backward(rng, xp, name, family, dtype, *shape, deterministic=False, forward="kernel"):
+    """The forward (``run_forward``), then the backward; ``forward="reference"``: from the float64
+    reference's out and lse instead, no forward kernel run."""
+    if forward == "reference":
+        q, k, v = random_qkv(rng, xp, *shape, dtype)
+        causal, variant = split(variant_arguments(name, shape[0], shape[3], shape[2], xp, shape[1]))
+        out, lse = reference_forward(xp, q, k, v, None, causal, **variant)
+    else:
+        q, k, v, out, lse, causal, variant = run_forward(rng, xp, name, family, dtype, *shape)
     dout = random_like(rng, xp, q)
     with nbflash.kernel_family(family):
         grads = flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic, **variant)
@@ -72,7 +79,9 @@ def test_variant_mma_forward_small(rng, xp, name):
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
 def test_variant_mma_backward_small(rng, xp):
-    run_backward(rng, xp, "document-mask", "mma", "bfloat16", 1, 13, 21, 2, 1, 16)
+    """The tensor-core backward through a mask tensor, from the float64 reference's out and lse (the
+    tensor-core forward through it: test_variant_mma_forward_small[document-mask], same shape)."""
+    run_backward(rng, xp, "document-mask", "mma", "bfloat16", 1, 13, 21, 2, 1, 16, forward="reference")
 
 
 def test_bias_broadcasts_without_a_copy(rng, xp):
