@@ -319,10 +319,12 @@ def test_bias_softcap_alibi_window_overlapped(monkeypatch, xp):
 
 def test_score_mod_mask_mod_causal(monkeypatch, xp):
     # The user functions of tests/test_user_functions.py (a captured table, a striped mask), causal,
-    # 2 key tiles.
+    # 2 key tiles, GQA 2:1 (score_mod's h is the query head: (h + 1) scales its table). The sm90
+    # forward's only simulator run of them (test_user_functions_sm90_backward starts from the
+    # reference's out and lse).
     from tests.test_user_functions import relative_bias, striped
 
-    check_variant(xp, monkeypatch, "float16", 1, 20, 70, 1, 1, 64, causal=True, score_mod=relative_bias,
+    check_variant(xp, monkeypatch, "float16", 1, 20, 70, 2, 1, 64, causal=True, score_mod=relative_bias,
                   mask_mod=striped, **SMALL)
 
 

@@ -12,7 +12,7 @@ from nbflash.kernels.variants import user_function
 
 from .conftest import SIMULATOR
 from .helpers import assert_attention_close, is_sm90, poison_allocations, random_qkv
-from .test_backward import assert_gradients_close, random_like
+from .test_backward import assert_gradients_close, random_like, reference_forward
 
 TABLE = np.linspace(-1.0, 1.0, 32).astype(np.float32)  # captured: a kernel constant
 
@@ -60,12 +60,18 @@ def test_user_functions_mma_forward(rng, xp):
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 def test_user_functions_sm90_backward(rng, xp):
     """The sm90 backward: score_mod and its derivative at the score point of S^T, mask_mod at the
-    mask point of every visited tile (none is whole with an element mask)."""
+    mask point of every visited tile (none is whole with an element mask); GQA 2:1. From the float64
+    reference's out and lse: the sm90 forward through these functions runs in
+    tests/test_forward_sm90.py's test_score_mod_mask_mod_causal (GQA 2:1 too)."""
     q, k, v = random_qkv(rng, xp, 1, 40, 60, 2, 1, 64, "float16")
-    problem = validation.check_forward(q, k, v, None, True, score_mod=relative_bias, mask_mod=striped,
-                                       score_mod_grad=relative_bias_grad)[0]
+    user = dict(score_mod=relative_bias, mask_mod=striped)
+    problem = validation.check_forward(q, k, v, None, True, score_mod_grad=relative_bias_grad, **user)[0]
     assert isinstance(configs.plan_backward(problem.static, False, "sm90")[1], Sm90BackwardConfig)
-    check(rng, xp, "sm90", "float16", backward=True, shape=(1, 40, 60, 2, 1, 64))
+    out, lse = reference_forward(xp, q, k, v, None, True, **user)
+    dout = random_like(rng, xp, q)
+    with nbflash.kernel_family("sm90"):
+        grads = flash_attn_backward(dout, q, k, v, out, lse, causal=True, score_mod_grad=relative_bias_grad, **user)
+    assert_gradients_close(grads, dout, q, k, v, True, score_mod_grad=relative_bias_grad, **user)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
