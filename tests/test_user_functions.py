@@ -11,7 +11,7 @@ from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
 from nbflash.kernels.variants import user_function
 
 from .conftest import SIMULATOR
-from .helpers import assert_attention_close, is_sm90, poison_allocations, random_qkv
+from .helpers import assert_attention_close, is_sm90, poison_allocations, random_qkv, small_tiles
 from .test_backward import assert_gradients_close, random_like, reference_forward
 
 TABLE = np.linspace(-1.0, 1.0, 32).astype(np.float32)  # captured: a kernel constant
@@ -49,7 +49,11 @@ def check(rng, xp, family, dtype, backward, shape=(1, 9, 12, 2, 1, 8)):
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
 def test_user_functions_portable(rng, xp):
-    check(rng, xp, "portable", "float32", backward=True)
+    """On small tiles (helpers.small_tiles: 9 queries span two 8-row tiles of the forward and the dQ
+    kernel, 12 keys two 8-key tiles of the dK/dV kernel, so the functions see each tile's own rows
+    and keys; default tiles, one of each, emulated several times as long)."""
+    with small_tiles():
+        check(rng, xp, "portable", "float32", backward=True)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
