@@ -232,6 +232,10 @@ def backward_kernels():
             configs.planned_backward_sm90_config("float16", 128, Variant()), dq_warp=dq_warp, stats_ahead=True)))
         found.append((f"backward_sm90_keys128{warp2}_stats_ahead_plain_hd64", dataclasses.replace(
             configs.keys128_backward_config("float16", 64, Variant()), dq_warp=dq_warp, stats_ahead=True)))
+    # ... step 40's kernel with each block's query tiles rotated (``rotate``, an option there)
+    for name, variant in (("plain", Variant()), ("alibi", Variant(window=True, alibi=True))):
+        found.append((f"backward_sm90_keys128_rotate_{name}_hd64", dataclasses.replace(
+            configs.keys128_backward_config("float16", 64, variant), rotate=True)))
     found.append(("backward_sm90_rows_store_quads_causal_hd64", dataclasses.replace(
         configs.sm90_rows_backward_config("float16", 64, Variant(window=True)), store_quads=True)))
     # ... on packed sequences (planned since step 37), causal at hd 128

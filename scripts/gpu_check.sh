@@ -833,14 +833,17 @@ dq-warp)
     rm -f "$out"/stalls_hd64_dqwarp*.log  # (at most 8 files come back: the summaries and pages stay)
     ;;
 stats-ahead)
-    # the stats warp loading step i + 1's lse and D before it adds step i - 1's dQ (stats_ahead, an option;
-    # docs/perf-notes.md "The stats warp's loads a step ahead"): its GPU grid (with and without dq_warp),
-    # and dq_warp's, then the planned kernels with it, with dq_warp, with both and with neither at hd 64
-    # (step 40) and 128, interleaved, twice (AHEAD_RUNS="1" once); about 9 minutes, 5 with one run
-    grid stats_ahead_tests 270 tests/test_backward_sm90.py -k "stats_ahead or dq_warp"
+    # the late ring at hd 64 16k, three candidates (options): the stats warp loading step i + 1's lse and
+    # D before it adds step i - 1's dQ (stats_ahead; docs/perf-notes.md "The stats warp's loads a step
+    # ahead"), warp 2 adding the staged dQ (dq_warp), step 40's blocks walking their query tiles rotated
+    # (rotate; "The blocks of a head adding into one dQ tile"): their GPU grids, then the planned kernels
+    # with each against the plan at hd 64 (step 40) and 128, interleaved, twice (AHEAD_RUNS="1" once);
+    # about 10 minutes, 6 with one run
+    grid stats_ahead_tests 300 tests/test_backward_sm90.py -k "stats_ahead or dq_warp or keys128_rotate"
     for run in ${AHEAD_RUNS:-1 2}; do
-        timeout 220 python3 scripts/sm90_schedules.py --backward --headdims 64 128 \
-            --only planned-ahead planned-dqwarp-ahead planned-dqwarp planned > "$out/stats_ahead_$run.log" 2>&1
+        timeout 240 python3 scripts/sm90_schedules.py --backward --headdims 64 128 \
+            --only planned-ahead planned-dqwarp-ahead planned-dqwarp planned-rotate planned \
+            > "$out/stats_ahead_$run.log" 2>&1
         echo "run $run (exit $?):"; tail -14 "$out/stats_ahead_$run.log"
     done
     ;;

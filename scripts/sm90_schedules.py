@@ -324,8 +324,8 @@ def backward_schedules(headdim, causal):
         found["planned-quads"] = dataclasses.replace(planned, store_quads=True)
         if not planned.variant.varlen:  # dK and dV through K's and V's tiles and TMA stores (step 57)
             found["planned-tma"] = dataclasses.replace(planned, store_tma=True)
-    if not planned.variant.block_mask and getattr(planned, "dq_split", "") != "rows":  # each block's walk over the
-        # query tiles rotated by its key tile (step 43; not built for step 40's 128-query kernel)
+    if not planned.variant.block_mask:  # each block's walk over the query tiles rotated by its key tile (step 43;
+        # on step 40's 128-query kernel too: "The blocks of a head adding into one dQ tile")
         found["planned-rotate"] = planned.__class__(**{**planned.__dict__, "rotate": True})
     if getattr(planned, "heavy_groups", 0):  # the planned kernel's launch order in groups of 1, 2 and 8 (batch,
         # KV head) pairs instead of configs.SM90_BACKWARD_HEAVY_GROUPS' 4 (step 13, before step 40 and the tiles)

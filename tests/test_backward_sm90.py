@@ -846,12 +846,13 @@ def test_keys128_configs():
     good = dict(block_m=128, dq_split="rows", dq_first=True, dq_reduce="tiles")
     for change in (dict(block_m=64), dict(dq_split="columns"), dict(dq_first=False, dq_reduce="red"),
                    dict(dq_reduce="red"), dict(headdim=72), dict(variant=Variant(softcap=True)),
-                   dict(variant=Variant(dropout=True)), dict(block_m=96), dict(rotate=True), dict(store_quads=True),
+                   dict(variant=Variant(dropout=True)), dict(block_m=96), dict(store_quads=True),
                    dict(store_tma=True), dict(stages=3)):
         kwargs = {"dtype": "float16", "headdim": 64, **good, **change}
         with pytest.raises(ValueError, match="block_m|rows|shared memory"):
             Sm90BackwardConfig(**kwargs)
     assert Sm90BackwardConfig("bfloat16", 40, CAUSAL, **good).headdim_padded == 64
+    assert Sm90BackwardConfig("float16", 64, CAUSAL, **good, rotate=True).rotate  # (not with a block mask)
     # dq_warp (warp 2 adds the staged dQ_i) takes a staged dQ_i, and warp 2 free of dropout's keep bits
     assert Sm90BackwardConfig("float16", 64, CAUSAL, **good, dq_warp=True).form_details == (
         "128 queries a step", "dQ by warp 2")
@@ -908,6 +909,35 @@ def test_backward_sm90_keys128_dq_warp_small(rng, xp, monkeypatch):
                  simulator_reference_forward=True)
     finally:
         backward._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_keys128_rotate_gpu")
+def test_backward_sm90_keys128_rotate_small(rng, xp, monkeypatch):
+    """Step 40's kernel with each block's query tiles rotated (``rotate``): ALiBi (the consumers' score
+    positions), two key tiles and two query tiles of 128 (both second ones tails), one head,
+    headdim 40: key tile 1 takes query tile 1 first, then 0; the copies, the stats warp's lse and D
+    and its dQ adds, and the consumers' positions must agree (a consumer that walks in order fails
+    it)."""
+    plan_keys128(monkeypatch, rotate=True)
+    built = recorded_builds(monkeypatch)
+    try:
+        run_sm90_variant(rng, xp, "alibi", "float16", 1, 140, 140, 1, 1, 40)
+        assert [c.rotate for c in built if isinstance(c, Sm90BackwardConfig)] == [True]
+    finally:
+        backward._kernels.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["plain", "causal", "alibi"])
+@pytest.mark.parametrize("headdim", [40, 64])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_keys128_rotate_gpu(xp, monkeypatch, seqlens, headdim, name):
+    """Step 40's kernel (as planned at headdims 33-64) with each block's query tiles rotated
+    (``rotate``, an option): plain, causal and ALiBi; GQA 2:1, tails."""
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, rotate=True)):
+        built = recorded_builds(monkeypatch)
+        run_sm90_variant(np.random.default_rng(11), xp, name, "float16", 2, *seqlens, 4, 2, headdim)
+    assert [(c.block_m, c.rotate) for c in built if isinstance(c, Sm90BackwardConfig)] == [(128, True)]
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_stats_ahead_gpu")

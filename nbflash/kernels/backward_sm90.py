@@ -373,7 +373,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     stats_ahead: bool = False
     # Block n's walk over its query tiles starts n tiles on (mod the tiles it visits), so that the
     # blocks of a head running together add into different rows of dq_accum (``make_step_pair``;
-    # docs/perf-notes.md step 43). Not with a block mask, whose visited pairs are walked in order
+    # docs/perf-notes.md step 43). Not with a block mask, whose visited pairs are walked in order.
+    # Measured on the 64-row kernels (not planned); on step 40's an option until timed (perf-notes,
+    # "The blocks of a head adding into one dQ tile")
     rotate: bool = False
     # dK and dV stored 16 bytes a lane after a transpose across each quad (``make_store_rows``'s
     # quads; docs/perf-notes.md step 55), instead of a 32-bit pair a store. Planned in the rows split
@@ -414,9 +416,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         if self.dq_split == "rows" and (not self.dq_first or self.dq_reduce != "tiles"):
             raise ValueError(f"dq_split='rows' takes dq_first=True and dq_reduce='tiles', got {self.dq_first=}, "
                              f"{self.dq_reduce=}")
-        if self.block_m == 128 and (self.rotate or self.store_quads or self.store_tma):
-            raise ValueError("block_m=128 is built without rotate, store_quads and store_tma (none tested there), got "
-                             f"{self.rotate=}, {self.store_quads=}, {self.store_tma=}")
+        if self.block_m == 128 and (self.store_quads or self.store_tma):
+            raise ValueError("block_m=128 is built without store_quads and store_tma (neither tested there), got "
+                             f"{self.store_quads=}, {self.store_tma=}")
         self.check_dq_reduce()
         if self.dq_reduce == "tiles" and not self.dq_first:
             raise ValueError("dq_reduce='tiles' takes dq_first=True (dQ split by columns, its product first), "
@@ -769,7 +771,7 @@ def make_step_pair(config):
         n = uint32(tiles_per_head)
         t = uint32(position) % n
         if ROTATE:
-            t = (t + uint32(n_block)) % n
+            t = uint32(t + uint32(n_block)) % n  # (the sum cast back: a 32-bit division, not a 64-bit call)
         return hk * group + int32(uint32(position) // n), first_tile + int32(t)
 
     return step_pair
