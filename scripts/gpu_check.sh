@@ -928,7 +928,9 @@ stalls)
     for causal in "" "--causal"; do
         name="stalls_hd$headdim${3:+_$3}${causal:+_causal}"
         if [ "${3:-}" = fp8 ]; then kernel=forward_sm90 what="--fp8 --seqlen 16384"
-        elif [ "${3:-}" = dqwarp ]; then kernel=backward_dkdv what="--seqlen ${STALLS_SEQLEN:-4096} --dq-warp"
+        elif [ "${3:-}" = dqwarp ]; then kernel=backward_dkdv what="--seqlen ${STALLS_SEQLEN:-4096} --option dq_warp"
+        elif [ "${3:-}" = ahead ]; then kernel=backward_dkdv what="--seqlen ${STALLS_SEQLEN:-4096} --option stats_ahead"
+        elif [ "${3:-}" = rotate ]; then kernel=backward_dkdv what="--seqlen ${STALLS_SEQLEN:-4096} --option rotate"
         else kernel=backward_dkdv what="--seqlen ${STALLS_SEQLEN:-4096} ${3:+--dq-reduce $3}"; fi
         timeout 200 ncu --clock-control none --kernel-name regex:$kernel --launch-skip 1 --launch-count 1 \
             --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$out/$name" \

@@ -3,7 +3,8 @@ profile, and a summary of its per-instruction stall samples.
 
     ncu --clock-control none --kernel-name regex:backward_dkdv --launch-skip 1 --launch-count 1 \\
         --section SourceCounters --section WarpStateStats -f -o stalls \\
-        python3 scripts/stall_report.py run [--headdim 128] [--seqlen 4096] [--causal] [--dq-reduce red] [--dq-warp]
+        python3 scripts/stall_report.py run [--headdim 128] [--seqlen 4096] [--causal] [--dq-reduce red] \\
+        [--option dq_warp]
     ncu ... --kernel-name regex:forward_sm90 ... python3 scripts/stall_report.py run --fp8 [--headdim 128] ...
     ncu --import stalls.ncu-rep --page source --csv --print-source sass > stalls.csv
     python3 scripts/stall_report.py summary stalls.csv [--top 40]
@@ -13,8 +14,10 @@ profile, and a summary of its per-instruction stall samples.
 2048, on the library's default family (the Hopper kernels on compute capability 9.0), whose dK/dV
 kernel at hd 72-128 adds dQ tile-major (``dq_reduce="tiles"``: by the producer's stats warp from a
 staged tile, docs/perf-notes.md, "Hopper backward", step 32); with ``--dq-reduce red`` it takes the
-consumers' atomics instead (the form before, which short packed sequences keep); with ``--dq-warp``
-the planned kernel's staged dQ_i is added by the producer's warp 2 (``dq_warp``, an option).
+consumers' atomics instead (the form before, which short packed sequences keep); each ``--option
+NAME`` turns on one of the planned dK/dV kernel's options: ``dq_warp`` (its staged dQ_i added by the
+producer's warp 2), ``stats_ahead`` (the stats warp's lse and D loaded a step ahead), ``rotate``
+(each block's query tiles rotated).
 ``summary`` reads ncu's source page (one row per SASS instruction) and prints the instructions
 with the most stall samples, each with its share of the kernel's samples and the stall reasons
 ncu attributes to it, then the samples grouped by instruction kind (HGMMA, BAR, SYNCS, LDS, REDG,
@@ -32,7 +35,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def run(headdim, seqlen, causal, dq_reduce=None, fp8=False, dq_warp=False):
+OPTIONS = ("dq_warp", "stats_ahead", "rotate")  # boolean fields of backward_sm90.py's config, off as planned
+
+
+def run(headdim, seqlen, causal, dq_reduce=None, fp8=False, options=()):
     import dataclasses
 
     import cupy
@@ -44,9 +50,10 @@ def run(headdim, seqlen, causal, dq_reduce=None, fp8=False, dq_warp=False):
     if dq_reduce:  # backward_sm90.py's config (hd 72-128), with dq_first
         planned = configs.sm90_backward_config
         configs.sm90_backward_config = lambda *args: dataclasses.replace(planned(*args), dq_reduce=dq_reduce)
-    if dq_warp:  # the planned kernel's staged dQ_i added by the producer's warp 2 (step 40's, hd 72-128's)
+    if options:  # the planned kernel (step 40's, hd 72-128's) with these options on
         planned_config = configs.sm90_backward_config
-        configs.sm90_backward_config = lambda *args: dataclasses.replace(planned_config(*args), dq_warp=True)
+        configs.sm90_backward_config = lambda *args: dataclasses.replace(planned_config(*args),
+                                                                         **dict.fromkeys(options, True))
 
     rng = np.random.default_rng(0)
     shape = (4, seqlen, 16, headdim)
@@ -136,8 +143,8 @@ def main():
     one.add_argument("--causal", action="store_true")
     one.add_argument("--dq-reduce", choices=["red", "tiles"], default=None,
                      help="how the planned dK/dV kernel adds dQ (its dq_reduce; default: the planner's)")
-    one.add_argument("--dq-warp", action="store_true",
-                     help="the planned dK/dV kernel with dq_warp (its staged dQ added by the producer's warp 2)")
+    one.add_argument("--option", action="append", choices=OPTIONS, default=[],
+                     help="turn on this option of the planned dK/dV kernel (repeat for several)")
     one.add_argument("--fp8", action="store_true", help="the fp8 forward's calls instead of the backward's")
     two = sub.add_parser("summary", help="summarize ncu's source page (CSV)")
     two.add_argument("csv")
@@ -146,7 +153,7 @@ def main():
                      help="also print this many instructions before each of the 8 hottest")
     args = parser.parse_args()
     if args.what == "run":
-        run(args.headdim, args.seqlen, args.causal, args.dq_reduce, args.fp8, args.dq_warp)
+        run(args.headdim, args.seqlen, args.causal, args.dq_reduce, args.fp8, tuple(args.option))
     else:
         summary(args.csv, args.top, args.context)
 
