@@ -126,7 +126,8 @@ def test_backward_small(rng, xp, shape, causal, dtype, deterministic):
                     "1 x 1 case; the GPU grid runs it both ways")
     # out and lse from the float64 reference: the portable forward's emulation cost about as long as
     # the backward's, and tests/test_forward.py runs it on these shapes (the tests below keep it
-    # before the backward: rows without keys, transposed views, the vector forms, the plans)
+    # before the backward where a call's whole path is checked: transposed views, the plans, on small
+    # tiles in the simulator)
     run_case(rng, xp, *shape, dtype, causal, deterministic, simulator_reference_forward=True)
 
 
@@ -156,7 +157,10 @@ def test_backward_small_headdims(rng, xp, headdim, seqlen_q, seqlen_k, causal, d
 def test_backward_scale_zero_or_negative(rng, xp, softmax_scale, family):
     if SIMULATOR and family == "mma":
         pytest.skip("the simulator runs the tensor-core backward in tests/test_backward_mma.py")
-    run_case(rng, xp, 1, 13, 21, 1, 1, 16, "float16", True, softmax_scale=softmax_scale, family=family)
+    # (in the simulator from the reference's out and lse: test_forward_scale_zero_or_negative runs the
+    # forward kernels at these scales on this shape)
+    run_case(rng, xp, 1, 13, 21, 1, 1, 16, "float16", True, softmax_scale=softmax_scale, family=family,
+             simulator_reference_forward=True)
 
 
 def test_backward_transposed_views(rng, xp):
@@ -168,13 +172,17 @@ def test_backward_transposed_views(rng, xp):
 
 
 def test_backward_softmax_scale(rng, xp):
-    run_case(rng, xp, 1, 7, 9, 1, 1, 8, "float32", False, softmax_scale=0.37)
+    # (in the simulator from the reference's out and lse: test_forward_softmax_scale runs this forward)
+    run_case(rng, xp, 1, 7, 9, 1, 1, 8, "float32", False, softmax_scale=0.37, simulator_reference_forward=True)
 
 
 def test_backward_causal_rows_without_keys(rng, xp):
-    """seqlen_q > seqlen_k, causal: the first rows see nothing: dq = 0 there, and no NaN anywhere."""
+    """seqlen_q > seqlen_k, causal: the first rows see nothing: dq = 0 there, and no NaN anywhere. In
+    the simulator from the reference's out and lse (those rows: out 0, lse -inf, as the forward
+    kernels leave them; tests/test_forward.py's causal cases with seqlen_q > seqlen_k check that)."""
     for deterministic in (False, True):
-        dq, dk, dv = run_case(rng, xp, 1, 12, 4, 2, 1, 8, "float16", True, deterministic)
+        dq, dk, dv = run_case(rng, xp, 1, 12, 4, 2, 1, 8, "float16", True, deterministic,
+                              simulator_reference_forward=True)
         dq, dk, dv = (to_numpy(x).astype(np.float32) for x in (dq, dk, dv))
         assert (dq[:, :8] == 0).all()
         assert np.isfinite(dk).all() and np.isfinite(dv).all()
