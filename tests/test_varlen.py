@@ -260,10 +260,8 @@ def test_varlen_bad_input(xp):
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the full grid below")
 def test_varlen_sm90_backward_causal(rng, xp, monkeypatch):
-    """The Hopper dK/dV kernel on packed sequences (its real tiles: 128 keys, 64 queries), from the
-    float64 reference's out and lse (no forward kernel: the mma family's packed forward, which
-    "sm90" falls back to, runs in test_varlen_mma_causal on the same kinds of sequences, and cost a
-    quarter of this case): sequence 2 spans two key tiles and two query tiles, so
+    """The Hopper dK/dV kernel on packed sequences (its real tiles: 128 keys, 64 queries; the
+    forward falls back to the mma family): sequence 2 spans two key tiles and two query tiles, so
     its tiles' TMA reads cross into sequence 3's rows and past the packed arrays' end; sequence 1
     has no query (its dK, dV are 0), sequence 3 no key (its dq rows 0), and the blocks of key tiles
     past a sequence's end exit. GQA 2:1 (the other simulator cases below run one head, for CI's time)."""
@@ -273,7 +271,7 @@ def test_varlen_sm90_backward_causal(rng, xp, monkeypatch):
     built = recorded_builds(monkeypatch)
     backward._kernels.cache_clear()
     try:
-        run(rng, xp, "sm90", "float16", True, False, [9, 0, 70, 3], [12, 5, 130, 0], forward="reference")
+        run(rng, xp, "sm90", "float16", True, False, [9, 0, 70, 3], [12, 5, 130, 0])
     finally:
         backward._kernels.cache_clear()
     assert any(isinstance(c, Sm90BackwardConfig) and c.variant.varlen for c in built)
