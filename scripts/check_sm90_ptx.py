@@ -236,6 +236,9 @@ def backward_kernels():
     for name, variant in (("plain", Variant()), ("alibi", Variant(window=True, alibi=True))):
         found.append((f"backward_sm90_keys128_rotate_{name}_hd64", dataclasses.replace(
             configs.keys128_backward_config("float16", 64, variant), rotate=True)))
+    # ... and all three options of the late ring together (dq_warp, stats_ahead, rotate), plain
+    found.append(("backward_sm90_keys128_all_plain_hd64", dataclasses.replace(
+        configs.keys128_backward_config("float16", 64, Variant()), dq_warp=True, stats_ahead=True, rotate=True)))
     found.append(("backward_sm90_rows_store_quads_causal_hd64", dataclasses.replace(
         configs.sm90_rows_backward_config("float16", 64, Variant(window=True)), store_quads=True)))
     # ... on packed sequences (planned since step 37), causal at hd 128

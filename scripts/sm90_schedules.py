@@ -59,7 +59,8 @@ Backward, each column a schedule:
   (the form before; timed as "planned" against "planned-tiles" until step 35); "planned-dqwarp"
   the planned kernel with its staged dQ_i added by the producer's warp 2 rather than the stats
   warp (``dq_warp``); "planned-ahead" the planned kernel with its stats warp loading step i + 1's lse
-  and D before it adds step i - 1's dQ (``stats_ahead``), "planned-dqwarp-ahead" both. (Steps 30 and 31's
+  and D before it adds step i - 1's dQ (``stats_ahead``), "planned-dqwarp-ahead" both, "planned-all" both
+  with the query tiles rotated (``rotate``) too. (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
   with commit 5b92983.) "rows-tiles" (headdim 64): the rows split with tiles (step 34, 1-4% slower);
   "columns-tiles" (headdim 64): "columns-dqfirst" with tiles, in 32-column parts (step 36; planned
@@ -313,6 +314,8 @@ def backward_schedules(headdim, causal):
         found["planned-dqwarp"] = dataclasses.replace(planned, dq_warp=True)
         # ... and the stats warp's lse and D loaded a step ahead as well (stats_ahead)
         found["planned-dqwarp-ahead"] = dataclasses.replace(planned, dq_warp=True, stats_ahead=True)
+        if not planned.variant.block_mask:  # ... and each block's query tiles rotated too (all three options)
+            found["planned-all"] = dataclasses.replace(planned, dq_warp=True, stats_ahead=True, rotate=True)
     if isinstance(planned, Sm90BackwardConfig):  # the stats warp's lse and D loaded a step ahead (stats_ahead)
         found["planned-ahead"] = dataclasses.replace(planned, stats_ahead=True)
     if isinstance(planned, Sm90BackwardConfig) and planned.stages == 3:  # plain at hd 128 since step 52 was planned
