@@ -220,23 +220,19 @@ def _measured_on_sm90(variant, headdim, measured):
             and variant._replace(dropout=False, score_mod="") in (Variant(), Variant(window=True)))
 
 
-def _backward_feature(variant):
-    """The one feature of ``SM90_BACKWARD_FEATURE_HEADDIMS`` that ``variant`` adds to plain or windowed
-    attention; None for any other variant."""
-    variant = variant._replace(score_mod_grad="")
-    features = [name for name in SM90_BACKWARD_FEATURE_HEADDIMS if getattr(variant, name)]
-    if len(features) != 1 or variant._replace(**{features[0]: Variant._field_defaults[features[0]]}) not in (
-            Variant(), Variant(window=True)):
-        return None
-    return features[0]
-
-
 def _backward_features(variant):
     """The features of ``SM90_BACKWARD_FEATURE_HEADDIMS`` that ``variant`` adds to plain or windowed
     attention, sorted by name; () for any other variant."""
     features = tuple(sorted(name for name in SM90_BACKWARD_FEATURE_HEADDIMS if getattr(variant, name)))
     plain = variant._replace(score_mod_grad="", **{name: Variant._field_defaults[name] for name in features})
     return features if plain in (Variant(), Variant(window=True)) else ()
+
+
+def _backward_feature(variant):
+    """The one feature of ``SM90_BACKWARD_FEATURE_HEADDIMS`` that ``variant`` adds to plain or windowed
+    attention; None for any other variant."""
+    features = _backward_features(variant)
+    return features[0] if len(features) == 1 else None
 
 
 def _backward_measured_on_sm90(variant, headdim, deterministic=False):
@@ -250,9 +246,10 @@ def _backward_measured_on_sm90(variant, headdim, deterministic=False):
         return True
     if variant.block_mask and variant._replace(mask_mod="", block_mask=False) == Variant():
         return headdim in SM90_BACKWARD_BLOCK_MASK_HEADDIMS
-    feature = _backward_feature(variant)
-    if feature is None:
-        return not deterministic and headdim in SM90_BACKWARD_FEATURE_PAIRS.get(_backward_features(variant), ())
+    features = _backward_features(variant)
+    if len(features) != 1:
+        return not deterministic and headdim in SM90_BACKWARD_FEATURE_PAIRS.get(features, ())
+    feature = features[0]
     if deterministic and feature in SM90_BACKWARD_ATOMIC_ONLY_FEATURES:
         return False
     return headdim in SM90_BACKWARD_FEATURE_HEADDIMS[feature]
