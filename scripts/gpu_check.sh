@@ -847,6 +847,17 @@ stats-ahead)
         echo "run $run (exit $?):"; tail -14 "$out/stats_ahead_$run.log"
     done
     ;;
+ring3)
+    # step 40 at hd 64 with one set of dS^T tiles (ds_buffers=1, a barrier a step between the consumers) and
+    # a third ring stage in the bytes it frees (docs/perf-notes.md "A third ring stage for step 40 at hd 64"):
+    # the GPU grid, then both against the plan at hd 64, interleaved (RING3_RUNS="1 2" twice); about 5 minutes
+    grid ring3_tests 200 tests/test_backward_sm90.py -k "one_ds_set"
+    for run in ${RING3_RUNS:-1}; do
+        timeout 200 python3 scripts/sm90_schedules.py --backward --headdims 64 \
+            --only planned-ring3 planned-ds1 planned > "$out/ring3_$run.log" 2>&1
+        echo "run $run (exit $?):"; tail -8 "$out/ring3_$run.log"
+    done
+    ;;
 keys128-det-variants)
     # deterministic=True's dK/dV pass at 128 query rows for the masks and ALiBi
     # (configs.SM90_DETERMINISTIC_KEYS128_VARIANTS, an option): its GPU grid (bit-identical reruns), then

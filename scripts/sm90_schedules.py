@@ -60,7 +60,8 @@ Backward, each column a schedule:
   the planned kernel with its staged dQ_i added by the producer's warp 2 rather than the stats
   warp (``dq_warp``); "planned-ahead" the planned kernel with its stats warp loading step i + 1's lse
   and D before it adds step i - 1's dQ (``stats_ahead``), "planned-dqwarp-ahead" both, "planned-all" both
-  with the query tiles rotated (``rotate``) too. (Steps 30 and 31's
+  with the query tiles rotated (``rotate``) too; "planned-ds1" (step 40's kernel) with one set of dS^T
+  tiles (``ds_buffers=1``), "planned-ring3" that and a third ring stage. (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
   with commit 5b92983.) "rows-tiles" (headdim 64): the rows split with tiles (step 34, 1-4% slower);
   "columns-tiles" (headdim 64): "columns-dqfirst" with tiles, in 32-column parts (step 36; planned
@@ -309,6 +310,11 @@ def backward_schedules(headdim, causal):
             found["planned-3st"] = dataclasses.replace(planned, stages=3)
         except ValueError:
             pass
+    if isinstance(planned, Sm90BackwardConfig) and planned.dq_split == "rows":
+        # step 40 with one set of dS^T tiles (a barrier a step between the consumers, ds_buffers=1), and
+        # with the 32 KB that frees spent on a third ring stage ("A third ring stage for step 40 at hd 64")
+        found["planned-ds1"] = dataclasses.replace(planned, ds_buffers=1)
+        found["planned-ring3"] = dataclasses.replace(planned, ds_buffers=1, stages=3)
     if isinstance(planned, Sm90BackwardConfig) and planned.dq_tile_major and not planned.staged_dropout:
         # the staged dQ_i added by the producer's warp 2, apart from the stats warp's lse and D (dq_warp)
         found["planned-dqwarp"] = dataclasses.replace(planned, dq_warp=True)

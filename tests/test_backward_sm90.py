@@ -852,6 +852,15 @@ def test_keys128_configs():
         with pytest.raises(ValueError, match="block_m|rows|shared memory"):
             Sm90BackwardConfig(**kwargs)
     assert Sm90BackwardConfig("bfloat16", 40, CAUSAL, **good).headdim_padded == 64
+    # one set of dS^T tiles (ds_buffers=1) frees 32 KB: a third ring stage fits, which two sets leave short
+    one_set = Sm90BackwardConfig("float16", 64, **good, ds_buffers=1, stages=3)
+    assert config.dynamic_shared_bytes - Sm90BackwardConfig("float16", 64, **good, ds_buffers=1).dynamic_shared_bytes \
+        == 2 * config.ds_bytes
+    assert one_set.dynamic_shared_bytes <= 232448 and one_set.form_details == ("128 queries a step", "one dS^T set")
+    for kwargs in (dict(ds_buffers=3, **good), dict(ds_buffers=0, **good), dict(ds_buffers=1, dq_split="columns"),
+                   dict(ds_buffers=1, block_m=128, dq_split="none")):
+        with pytest.raises(ValueError, match="ds_buffers"):
+            Sm90BackwardConfig("float16", 64, **kwargs)
     assert Sm90BackwardConfig("float16", 64, CAUSAL, **good, rotate=True).rotate  # (not with a block mask)
     # dq_warp (warp 2 adds the staged dQ_i) takes a staged dQ_i, and warp 2 free of dropout's keep bits
     assert Sm90BackwardConfig("float16", 64, CAUSAL, **good, dq_warp=True).form_details == (
@@ -956,6 +965,39 @@ def test_backward_sm90_keys128_stats_ahead_small(rng, xp, monkeypatch):
         assert [c.stats_ahead for c in built if isinstance(c, Sm90BackwardConfig)] == [True]
     finally:
         backward._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_keys128_one_ds_set_gpu")
+def test_backward_sm90_keys128_one_ds_set_small(rng, xp, monkeypatch):
+    """Step 40's kernel with one set of dS^T tiles and a third ring stage (``ds_buffers=1, stages=3``):
+    the shape of test_backward_sm90_keys128_small (causal, GQA 2:1, two query tiles of 128 a head:
+    four steps, so slot 0 is filled twice). Consumers that take slot i % 2 fail it. (The barrier's
+    race is the GPU grid's: here a wgmma reads its operands as it is issued.)"""
+    plan_keys128(monkeypatch, ds_buffers=1, stages=3)
+    built = recorded_builds(monkeypatch)
+    try:
+        run_case(rng, xp, 1, 150, 100, 2, 1, 40, "float16", True, False, False, family="sm90",
+                 simulator_reference_forward=True)
+        assert [(c.ds_buffers, c.stages) for c in built if isinstance(c, Sm90BackwardConfig)] == [(1, 3)]
+    finally:
+        backward._kernels.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["plain", "causal", "alibi"])
+@pytest.mark.parametrize("headdim", [40, 64])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("stages", [2, 3])
+def test_backward_sm90_keys128_one_ds_set_gpu(xp, monkeypatch, stages, seqlens, headdim, name):
+    """Step 40's kernel (as planned at headdims 33-64) with one set of dS^T tiles (``ds_buffers=1``, an
+    option: the consumers meet before each step's dS^T stores), with two ring stages and with the
+    third it makes room for: plain, causal and ALiBi; GQA 2:1, tails; at 2048 x 2048 a block walks
+    64 steps, each of which the barrier must keep from the other consumer's next dS^T stores."""
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, ds_buffers=1, stages=stages)):
+        built = recorded_builds(monkeypatch)
+        run_sm90_variant(np.random.default_rng(13), xp, name, "float16", 2, *seqlens, 4, 2, headdim)
+    assert [(c.block_m, c.ds_buffers, c.stages) for c in built if isinstance(c, Sm90BackwardConfig)] == [
+        (128, 1, stages)]
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")

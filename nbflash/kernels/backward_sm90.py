@@ -387,6 +387,13 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # (``make_store_tma``; docs/perf-notes.md step 57). Not for packed sequences (a box would write
     # the next sequence's rows). An option until timed
     store_tma: bool = False
+    # dS^T's tiles: two sets, by step parity (a consumer writes step i + 1's while the other's dQ_i
+    # product may still read step i's), or one set (1; dq_split="rows" only), where the consumers
+    # meet at a named barrier before each step's dS^T stores (both past their wait for the last
+    # step's dQ product). One set frees 32 KB at hd 64, room for a third ring stage (stages=3) that
+    # two sets leave 1,096 bytes short of (docs/perf-notes.md, "A third ring stage for step 40 at hd
+    # 64"). An option until timed
+    ds_buffers: int = 2
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
     # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
@@ -430,6 +437,8 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
             raise ValueError("dq_warp=True takes dq_reduce='tiles' (a staged dQ to add), not the producer's keep "
                              "bits (warps 2 and 3) and not packed sequences (not built for them), got "
                              f"{self.dq_reduce=}, {self.dropout_bits=}, varlen={self.variant.varlen}")
+        if self.ds_buffers not in (1, 2) or (self.ds_buffers == 1 and self.dq_split != "rows"):
+            raise ValueError(f"{self.ds_buffers=} must be 2, or 1 with dq_split='rows' (got {self.dq_split!r})")
         if self.rotate and self.variant.block_mask:
             raise ValueError("rotate=True walks every query tile of a key tile; a block mask's visited pairs are "
                              "walked in order")
@@ -445,7 +454,7 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         """What launch.describe adds for this form: step 40's 128 query rows a step, dQ added by warp 2,
         the stats warp's loads a step ahead."""
         return ((("128 queries a step",) if self.block_m == 128 else ()) + (("dQ by warp 2",) if self.dq_warp else ())
-                + (("stats ahead",) if self.stats_ahead else ()))
+                + (("stats ahead",) if self.stats_ahead else ()) + (("one dS^T set",) if self.ds_buffers == 1 else ()))
 
     @property
     def dq_part_columns(self):
@@ -483,7 +492,7 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         """The tiles (and the staged dQ_i), the stats, 1 + 2 stages mbarriers (and dq_full, dq_empty),
         and 1024 bytes of slack to align the tiles."""
         return (1024 + 2 * self.kv_bytes + 2 * self.stages * self.q_bytes
-                + 2 * self.consumers * self.ds_bytes + self.dq_stage_bytes
+                + self.ds_buffers * self.consumers * self.ds_bytes + self.dq_stage_bytes
                 + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages) + (16 if self.dq_tile_major else 0))
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
@@ -1268,6 +1277,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     DQ_COLS = HDP // 2 if DQ_BY_COLUMNS else CHUNK
     HALF_OFFSET = (DQ_COLS // CHUNK) * KV_CHUNK_BYTES + (DQ_COLS % CHUNK) * 2
     HEAVY_GROUPS = config.heavy_groups
+    DS_BUFFERS = config.ds_buffers  # dS^T's sets of tiles: by step parity, or one (a barrier before the stores)
     # A parity's dS^T tiles (64 keys x 64 queries each): the consumers' side by side, so that with a
     # split over all keys dQ_i's k16 steps walk all block_n keys of one tile pair in order. With
     # block_m 128 each tile is two such 64-query chunks, QCHUNK apart: chunk j of every consumer's tile
@@ -1326,15 +1336,20 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             add_dq(dq_accum, dq_acc, b, row0, h, DQ_COLS, seqlen_q, q4)
 
     @inline_device
+    def ds_set(i):
+        """The set of dS^T tiles step i writes and reads: its parity's, or the one set."""
+        return i % 2 if DS_BUFFERS == 2 else 0
+
+    @inline_device
     def all_keys_ds(ds_tiles, i):
-        """dS over all block_n keys (a split over all keys): from step i's parity's first dS^T tile."""
-        return smem_descriptor(ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES), DS_BYTES, 1024, SWIZZLE_128B)
+        """dS over all block_n keys (a split over all keys): from step i's set's first dS^T tile."""
+        return smem_descriptor(ds_tiles + uint32(ds_set(i) * CONSUMERS * DS_BYTES), DS_BYTES, 1024, SWIZZLE_128B)
 
     @inline_device
     def rows_ds(ds_tiles, i, consumer):
         """dS of the consumer's 64 query rows over all block_n keys ("rows"): query chunk ``consumer``
-        of step i's parity's tiles."""
-        return smem_descriptor(ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES + consumer * QCHUNK), DS_BYTES, 1024,
+        of step i's set's tiles."""
+        return smem_descriptor(ds_tiles + uint32(ds_set(i) * CONSUMERS * DS_BYTES + consumer * QCHUNK), DS_BYTES, 1024,
                                SWIZZLE_128B)
 
     @inline_device
@@ -1455,7 +1470,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         q_ring = v_tile + uint32(KV_BYTES)
         do_ring = q_ring + uint32(STAGES * Q_BYTES)
         ds_tiles = do_ring + uint32(STAGES * Q_BYTES)
-        dq_stage = ds_tiles + uint32(2 * CONSUMERS * DS_BYTES)  # with STAGED_DQ: BM x HDP float32
+        dq_stage = ds_tiles + uint32(DS_BUFFERS * CONSUMERS * DS_BYTES)  # with STAGED_DQ: BM x HDP float32
         stats_ring = dq_stage + uint32(DQ_STAGE_BYTES)
         kv_full = stats_ring + uint32(STAGES * STATS_BYTES)
         qd_full = kv_full + uint32(8)  # + 8 * slot
@@ -1576,11 +1591,14 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 pack_a(dp, ds)
                 # dS^T into the tile of this step's parity: the other may still be read by the last
                 # step's dQ in another warp; every warp is past that once the barrier below is passed
+                # (with one set, the barrier before the stores waits for the last step's dQ instead)
                 ds_tile = ds_pair + uint32((i % 2) * DS_BYTES)
                 if DQ_BY_ROWS:  # ... in two 64-query chunks (the block_m 64 form below keeps its SASS)
-                    ds_tile = ds_tiles + uint32((i % 2) * CONSUMERS * DS_BYTES + consumer * DS_TILE)
+                    ds_tile = ds_tiles + uint32(ds_set(i) * CONSUMERS * DS_BYTES + consumer * DS_TILE)
                 elif DQ_ALL_KEYS:  # a parity's tiles hold dS^T of all block_n keys, rows in order
                     ds_tile = ds_tiles + uint32(((i % 2) * CONSUMERS + consumer) * DS_TILE)
+                if DS_BUFFERS == 1:  # one set: both consumers' dQ products of the last step have read it
+                    named_barrier_sync(3, CONSUMERS * GROUP)
                 if not NO_DQ:
                     store_ds_t(ds_tile, ds, warp, g, q4)
                     fence_proxy_async()  # the dS^T stores are ordered before wgmma reads them
