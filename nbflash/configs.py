@@ -799,9 +799,26 @@ def keys128_planned(headdim):
 
 def keys128_backward_config(dtype, headdim, variant):
     """Step 40's kernel: backward_sm90.py with 128 query rows a step, dQ split by query rows, first
-    and tile-major."""
-    return dataclasses.replace(sm90_backward_table_config(dtype, headdim, variant), block_m=128, dq_split="rows",
-                               dq_first=True, dq_reduce="tiles")
+    and tile-major (its staged dQ_i added by warp 2: ``staged_dq_by_warp_2``)."""
+    return staged_dq_by_warp_2(dataclasses.replace(sm90_backward_table_config(dtype, headdim, variant), block_m=128,
+                                                   dq_split="rows", dq_first=True, dq_reduce="tiles"))
+
+
+# The staged dQ_i added into dq_accum by the producer's warp 2 (``dq_warp``), the stats warp staging
+# lse and D only, and those loaded a step ahead (``stats_ahead``), wherever dQ_i is staged tile-major,
+# except with the producer's keep bits (warps 2 and 3 busy) and for packed sequences (not built).
+# Measured on an H100 (thirty-fourth session, scripts/sm90_schedules.py --backward --anchors, fp16,
+# plain and causal, 4k and 16k, two interleaved runs; docs/perf-notes.md "dq_warp and stats_ahead
+# measured"): at hd 64 (step 40) +17% to +45% over the stats warp adding it, at hd 128 +5% to +26%;
+# stats_ahead on top -1% to +4% (causal +2% to +4%).
+SM90_BACKWARD_DQ_WARP = True
+
+
+def staged_dq_by_warp_2(config):
+    """``config`` with ``dq_warp`` and ``stats_ahead`` where ``SM90_BACKWARD_DQ_WARP`` plans them."""
+    if SM90_BACKWARD_DQ_WARP and config.dq_tile_major and not config.staged_dropout and not config.variant.varlen:
+        return dataclasses.replace(config, dq_warp=True, stats_ahead=True)
+    return config
 
 
 def sm90_rows_backward_config(dtype, headdim, variant):
@@ -816,14 +833,14 @@ def sm90_rows_backward_config(dtype, headdim, variant):
 def planned_backward_sm90_config(dtype, headdim, variant):
     """backward_sm90.py's dK/dV kernel as planned: ``SM90_BACKWARD``'s row for ``headdim``
     (``sm90_backward_table_config``), its dQ tile-major where it issues dQ_i's product first
-    (``SM90_BACKWARD_DQ_TILES``; for packed sequences ``SM90_BACKWARD_VARLEN_DQ_TILES``), then with
-    three ring stages for plain attention padded to 128 columns where ``SM90_BACKWARD_PLAIN_THREE_STAGES``
+    (``SM90_BACKWARD_DQ_TILES``; for packed sequences ``SM90_BACKWARD_VARLEN_DQ_TILES``) and then added
+    by warp 2 (``staged_dq_by_warp_2``), with three ring stages for plain attention padded to 128 columns where ``SM90_BACKWARD_PLAIN_THREE_STAGES``
     (an option, off)."""
     table = sm90_backward_table_config(dtype, headdim, variant)
     if SM90_BACKWARD_DQ_TILES and table.dq_first and (SM90_BACKWARD_VARLEN_DQ_TILES or not variant.varlen):
         stages = 3 if SM90_BACKWARD_PLAIN_THREE_STAGES and table.headdim_padded == 128 and variant == Variant() else \
             table.stages
-        return dataclasses.replace(table, dq_reduce="tiles", stages=stages)
+        return staged_dq_by_warp_2(dataclasses.replace(table, dq_reduce="tiles", stages=stages))
     return table
 
 

@@ -61,7 +61,9 @@ Backward, each column a schedule:
   warp (``dq_warp``); "planned-ahead" the planned kernel with its stats warp loading step i + 1's lse
   and D before it adds step i - 1's dQ (``stats_ahead``), "planned-dqwarp-ahead" both, "planned-all" both
   with the query tiles rotated (``rotate``) too; "planned-ds1" (step 40's kernel) with one set of dS^T
-  tiles (``ds_buffers=1``), "planned-ring3" that and a third ring stage. (Steps 30 and 31's
+  tiles (``ds_buffers=1``), "planned-ring3" that and a third ring stage; "planned-statswarp" the
+  planned kernel with its stats warp adding the staged dQ_i (no dq_warp, no stats_ahead: the plan
+  until the thirty-fourth session). (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
   with commit 5b92983.) "rows-tiles" (headdim 64): the rows split with tiles (step 34, 1-4% slower);
   "columns-tiles" (headdim 64): "columns-dqfirst" with tiles, in 32-column parts (step 36; planned
@@ -315,6 +317,9 @@ def backward_schedules(headdim, causal):
         # with the 32 KB that frees spent on a third ring stage ("A third ring stage for step 40 at hd 64")
         found["planned-ds1"] = dataclasses.replace(planned, ds_buffers=1)
         found["planned-ring3"] = dataclasses.replace(planned, ds_buffers=1, stages=3)
+    if isinstance(planned, Sm90BackwardConfig) and planned.dq_warp:  # the stats warp adding the staged dQ_i too,
+        # as planned until the thirty-fourth session (without dq_warp and stats_ahead)
+        found["planned-statswarp"] = dataclasses.replace(planned, dq_warp=False, stats_ahead=False)
     if isinstance(planned, Sm90BackwardConfig) and planned.dq_tile_major and not planned.staged_dropout:
         # the staged dQ_i added by the producer's warp 2, apart from the stats warp's lse and D (dq_warp)
         found["planned-dqwarp"] = dataclasses.replace(planned, dq_warp=True)

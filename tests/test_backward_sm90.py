@@ -62,7 +62,10 @@ def test_backward_sm90_planning():
     assert isinstance(dkdv, Sm90BackwardConfig) and dkdv.block_n == 128
     # 8 key tiles of 4 pairs in one group: the planner's launch order, longest-first within groups of 4
     assert dkdv.heavy_groups == 4 and dkdv.grid(2, 8, 2, 1000, 1000) == (32, 1, 1)
-    assert launch.describe(dkdv) == "Hopper backward dK/dV (float16, headdim 128, causal/window)"
+    # its staged dQ_i added by the producer's warp 2, the stats warp's loads a step ahead
+    assert dkdv.dq_warp and dkdv.stats_ahead
+    assert launch.describe(dkdv) == ("Hopper backward dK/dV (float16, headdim 128, causal/window, dQ by warp 2, "
+                                     "stats ahead)")
     # deterministic: the sm90 dK/dV kernel without dQ, then the sm90 dQ kernel (each a fixed order)
     _, dkdv, dq = configs.plan_backward(Static("float16", 128, False, 0, CAUSAL), True, "sm90", True)
     assert isinstance(dkdv, Sm90BackwardConfig) and dkdv.dq_split == "none" and not dkdv.atomic_dq
@@ -96,6 +99,26 @@ def test_backward_sm90_planning():
     assert isinstance(plan[1], Sm90BackwardConfig)
     if SIMULATOR:  # the simulator keeps the mma family as the default
         assert isinstance(configs.plan_backward(Static("float16", 128, False, 0), False)[1], MmaBackwardConfig)
+
+
+def test_sm90_backward_plans_dq_warp(monkeypatch):
+    """configs.SM90_BACKWARD_DQ_WARP: wherever the planned dK/dV kernel stages dQ_i tile-major (step
+    40's at hd 33-64, the table's at 72-128), warp 2 adds it and the stats warp loads a step ahead;
+    not with the producer's keep bits (dropout past hd 64), not for packed sequences, not in the
+    deterministic pass (no dQ); off, none of them."""
+    monkeypatch.setattr(configs.runtime, "SIMULATOR", False)  # the planner's GPU branch (nothing runs)
+    monkeypatch.setattr(configs, "_compute_capability", lambda device=0: (9, 0))
+    for on in (True, False):
+        monkeypatch.setattr(configs, "SM90_BACKWARD_DQ_WARP", on)
+        for headdim, variant, planned in [(64, Variant(), on), (40, CAUSAL, on), (128, CAUSAL, on),
+                                          (96, Variant(alibi=True), on), (64, Variant(mask=True), on),
+                                          (128, Variant(dropout=True), False), (64, Variant(dropout=True), on),
+                                          (128, Variant(varlen=True), False), (64, Variant(varlen=True), False)]:
+            dkdv = configs.sm90_backward_config("float16", headdim, variant)
+            assert (dkdv.dq_warp, dkdv.stats_ahead) == (planned, planned), (on, headdim, variant)
+            assert dkdv.dq_tile_major or not planned
+        dkdv = configs.plan_backward(Static("float16", 128, False, 0, CAUSAL), True, "sm90", True)[1]
+        assert dkdv.dq_split == "none" and not dkdv.dq_warp
 
 
 # ---- Simulator: tiny shapes ------------------------------------------------------------------
