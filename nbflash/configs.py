@@ -809,7 +809,7 @@ def keys128_backward_config(dtype, headdim, variant):
 # except with the producer's keep bits (warps 2 and 3 busy) and for packed sequences (not built).
 # Measured on an H100 (thirty-fourth session, scripts/sm90_schedules.py --backward --anchors, fp16,
 # plain and causal, 4k and 16k, two interleaved runs; docs/perf-notes.md "dq_warp and stats_ahead
-# measured"): at hd 64 (step 40) +17% to +45% over the stats warp adding it, at hd 128 +5% to +26%;
+# measured"): at hd 64 (step 40) +17% to +45% over the stats warp adding it, at hd 128 +7% to +25%;
 # stats_ahead on top -1% to +4% (causal +2% to +4%).
 SM90_BACKWARD_DQ_WARP = True
 
