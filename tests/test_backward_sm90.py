@@ -889,10 +889,10 @@ def test_keys128_configs():
     assert Sm90BackwardConfig("float16", 64, CAUSAL, **good, dq_warp=True).form_details == (
         "128 queries a step", "dQ by warp 2")
     for kwargs in (dict(headdim=128), dict(headdim=128, variant=Variant(dropout=True), dq_split="columns",
-                                           dq_first=True, dq_reduce="tiles", dropout_bits="producer"),
-                   {**good, "headdim": 64, "variant": Variant(varlen=True)}):
+                                           dq_first=True, dq_reduce="tiles", dropout_bits="producer")):
         with pytest.raises(ValueError, match="dq_warp"):
             Sm90BackwardConfig(**{"dtype": "float16", "dq_warp": True, **kwargs})
+    assert Sm90BackwardConfig("float16", 64, Variant(varlen=True), **good, dq_warp=True).dq_warp  # packed too
     # stats_ahead (the stats warp's loads a step ahead), with or without dq_warp, and without a staged dQ_i
     assert Sm90BackwardConfig("float16", 64, CAUSAL, **good, stats_ahead=True).form_details == (
         "128 queries a step", "stats ahead")

@@ -417,6 +417,57 @@ def test_varlen_sm90_keys128(rng, xp, monkeypatch):
     assert any(getattr(c, "tile_rows", 0) == 128 for c in built)
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_varlen_sm90_dq_warp_gpu")
+def test_varlen_sm90_keys128_dq_warp(rng, xp, monkeypatch):
+    """Step 40's kernel on packed sequences with its staged dQ_i added by the producer's warp 2
+    (``dq_warp``, with ``stats_ahead``): test_varlen_sm90_keys128's sequences, GQA 2:1 (warp 2 walks
+    each key tile's steps over both query heads). Sequence 2's tile starts at dq_accum's row 384,
+    its padded first row: a warp 2 that added it at the packed row (130) or the dense one (0) fails."""
+    import dataclasses
+
+    from nbflash import backward, configs
+
+    monkeypatch.setattr(configs, "sm90_backward_config", lambda dtype, headdim, variant: dataclasses.replace(
+        configs.keys128_backward_config(dtype, headdim, variant), dq_warp=True, stats_ahead=True))
+    monkeypatch.setattr(configs, "SM90_VARLEN_DQ_TILES_MAX_PADDING", 1e9)
+    backward._kernels.cache_clear()
+    built = recorded_builds(monkeypatch)
+    try:
+        run(rng, xp, "sm90", "float16", True, False, [130, 0, 9], [70, 5, 20], 40, forward="reference",
+            heads=(2, 1))
+    finally:
+        backward._kernels.cache_clear()
+    assert any(getattr(c, "dq_warp", False) and c.variant.varlen for c in built)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("window", [None, "causal", (40, 8)], ids=["plain", "causal", "window"])
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_varlen_sm90_dq_warp_gpu(rng, xp, monkeypatch, dtype, window, headdim):
+    """The planned sm90 backward on packed sequences with ``dq_warp`` and ``stats_ahead`` (for packed
+    sequences an option): step 40's kernel at hd 64, the table's tile-major one at 128 (the padding's
+    limit lifted so that the grid's short sequences take the tiles); sequences with no query, no
+    key, one row, a tile and one, GQA 2:1; plain, causal and a two-sided window."""
+    import dataclasses
+
+    from nbflash import backward, configs
+
+    planned = configs.sm90_backward_config
+    monkeypatch.setattr(configs, "sm90_backward_config", lambda *args: dataclasses.replace(
+        planned(*args), dq_warp=True, stats_ahead=True))
+    monkeypatch.setattr(configs, "SM90_VARLEN_DQ_TILES_MAX_PADDING", 1e9)
+    backward._kernels.cache_clear()
+    built = recorded_builds(monkeypatch)
+    lengths_q, lengths_k = GPU_LENGTHS[0]
+    variant = {} if window in (None, "causal") else dict(window_size=window)
+    try:
+        run(rng, xp, "sm90", dtype, window == "causal", False, lengths_q, lengths_k, headdim, **variant)
+    finally:
+        backward._kernels.cache_clear()
+    assert any(getattr(c, "dq_warp", False) and c.variant.varlen and c.dq_tile_major for c in built)
+
+
 @pytest.mark.parametrize("lengths,tiles", [([1100, 1000], 128), ([600, 500], 64), ([1, 300, 0, 129, 64, 77], 0)])
 def test_varlen_backward_plans_dq_tiles_by_length(xp, monkeypatch, lengths, tiles):
     """flash_attn_varlen_backward asks for the tile-major dQ only where the sequences are long

@@ -359,8 +359,10 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # stages lse and D, never behind the dQ reductions' waits (``make_reduce_staged_dq``). In step
     # 40's profile at hd 64 16k the consumers waited at the ring's full barrier for a quarter of
     # their samples while the stats warp never waited for a free slot (docs/perf-notes.md, "The
-    # stats warp's two duties apart"). Not with the producer's keep bits (warps 2 and 3 busy), nor
-    # for packed sequences (not built). An option until timed
+    # stats warp's two duties apart"). Not with the producer's keep bits (warps 2 and 3 busy).
+    # Planned with stats_ahead wherever dQ_i is staged, packed sequences aside
+    # (configs.SM90_BACKWARD_DQ_WARP: +17% to +45% at hd 64, +7% to +25% at hd 128 on an H100; for packed
+    # sequences built since, not timed)
     dq_warp: bool = False
     # The stats warp loads step i + 1's lse and D (and walks to its pair) right after arriving on
     # step i's full barrier, holding them in registers until step i + 1's stores, so that the loads'
@@ -369,7 +371,7 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # In step 40's profile at hd 64 16k the stats warp waited on its own lse loads and on the staged
     # dQ's reduce-add, never for a free slot, while the consumers waited at the ring's full barrier for
     # a quarter of their samples (docs/perf-notes.md, "The stats warp's two duties apart" and "The
-    # stats warp's loads a step ahead"). With or without dq_warp. An option until timed
+    # stats warp's loads a step ahead"). With or without dq_warp; planned with it (configs.SM90_BACKWARD_DQ_WARP)
     stats_ahead: bool = False
     # Block n's walk over its query tiles starts n tiles on (mod the tiles it visits), so that the
     # blocks of a head running together add into different rows of dq_accum (``make_step_pair``;
@@ -433,10 +435,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         if self.store_tma and (self.variant.varlen or self.store_quads):
             raise ValueError("store_tma=True takes neither packed sequences (a box would write the next "
                              "sequence's rows) nor store_quads=True (another store of the same rows)")
-        if self.dq_warp and (not self.dq_tile_major or self.staged_dropout or self.variant.varlen):
-            raise ValueError("dq_warp=True takes dq_reduce='tiles' (a staged dQ to add), not the producer's keep "
-                             "bits (warps 2 and 3) and not packed sequences (not built for them), got "
-                             f"{self.dq_reduce=}, {self.dropout_bits=}, varlen={self.variant.varlen}")
+        if self.dq_warp and (not self.dq_tile_major or self.staged_dropout):
+            raise ValueError("dq_warp=True takes dq_reduce='tiles' (a staged dQ to add) and not the producer's keep "
+                             f"bits (warps 2 and 3), got {self.dq_reduce=}, {self.dropout_bits=}")
         if self.ds_buffers not in (1, 2) or (self.ds_buffers == 1 and self.dq_split != "rows"):
             raise ValueError(f"{self.ds_buffers=} must be 2, or 1 with dq_split='rows' (got {self.dq_split!r})")
         if self.rotate and self.variant.block_mask:
@@ -1001,25 +1002,31 @@ def make_add_staged_dq(config):
 
 def make_reduce_staged_dq(config, hooks):
     """``reduce_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block,
-    first_tile, tiles_per_head, steps, lane)``, the producer's warp 2 with ``dq_warp`` (dense layouts:
-    the config refuses packed sequences): walking the block's steps as the stats warp does, each
-    step's dQ from the staged tile into dq_accum (``make_add_staged_dq``: wait for the consumers'
-    parts, one bulk reduce-add, wait for its read, free the tile), so that the stats warp's staging
-    of lse and D never waits behind it."""
+    first_tile, tiles_per_head, steps, packed_rows, lane)``, the producer's warp 2 with ``dq_warp``:
+    walking the block's steps as the stats warp does, each step's dQ from the staged tile into
+    dq_accum (``make_add_staged_dq``: wait for the consumers' parts, one bulk reduce-add, wait for
+    its read, free the tile), so that the stats warp's staging of lse and D never waits behind it.
+    Packed sequences: dq_accum a batch of one, sequence b's tiles from its ``padded_first_row``
+    (``packed_rows``: the packed query rows)."""
     BM = config.block_m
     warp_visit_query_step = hooks.warp_visit_query_step
+    VARLEN, sequence = hooks.VARLEN, hooks.sequence
     add_staged_dq = make_add_staged_dq(config)
     step_pair = make_step_pair(config)
 
     @inline_device
     def reduce_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
-                         tiles_per_head, steps, lane):
+                         tiles_per_head, steps, packed_rows, lane):
+        mem_b, dq_row0 = b, 0
+        if VARLEN:  # the sequence's first whole tile of dq_accum (dq_accum_shape)
+            mem_b = 0
+            dq_row0 = padded_first_row(sequence(params, b, packed_rows, packed_rows)[0], b, BM)
         position = -1
         for i in range(steps):
             position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
                                              lane)
             h, tile = step_pair(position, hk, group, first_tile, tiles_per_head, n_block)
-            add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, tile * BM, b, lane)
+            add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, dq_row0 + tile * BM, mem_b, lane)
 
     return reduce_staged_dq
 
@@ -1513,7 +1520,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                               tiles_per_head, steps, n_start, tid - 64)
             elif DQ_WARP and warp == 2:  # the staged dQ_i into dq_accum, apart from the stats
                 reduce_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
-                                 tiles_per_head, steps, lane)
+                                 tiles_per_head, steps, lse.shape[2], lane)
             if STORE_TMA and warp == 0:  # dK and dV out of K_j's and V_j's tiles, once the consumers wrote them
                 store_tiles(k_tile, array_address(maps), mem_b, n_start, hk, seqlen_k)
         else:
