@@ -847,6 +847,18 @@ stats-ahead)
         echo "run $run (exit $?):"; tail -14 "$out/stats_ahead_$run.log"
     done
     ;;
+dq-warp-plan)
+    # the thirty-fourth session's plan (configs.SM90_BACKWARD_DQ_WARP: warp 2 adds the staged dQ_i, the
+    # stats warp loads a step ahead): dq_warp's GPU grid on packed sequences (an option there), then the
+    # GPU tests the plan moves: the sm90 backward's grids as planned, its variants, the block masks, the
+    # default backward's grid and the torch bridge's gradients (stopped at the limit); about 8 minutes
+    grid varlen_dq_warp_tests 150 tests/test_varlen.py -k "dq_warp"
+    PYTEST_ADDOPTS="-k 'not test_backward_sm90 or test_backward_sm90_gpu or keys128_gpu or keys128_variants_gpu \
+or test_backward_sm90_variants_gpu'" TESTS="tests/test_backward_sm90.py tests/test_torch_bridge.py \
+tests/test_block_mask.py tests/test_backward.py" run_tests "${2:-300}"
+    grep -aE "\] PASSED" "$out/pytest.log" | sed 's/^\[gw[0-9]*\] //;s/ *PASSED.*//' | sort > "$out/passed.txt"
+    sed 's/\[.*//' "$out/passed.txt" | uniq -c
+    ;;
 ring3)
     # step 40 at hd 64 with one set of dS^T tiles (ds_buffers=1, a barrier a step between the consumers) and
     # a third ring stage in the bytes it frees (docs/perf-notes.md "A third ring stage for step 40 at hd 64"):
