@@ -227,7 +227,8 @@ def test_backward_sm90_dq_by_steps_small(rng, xp, sm90_backward_table):
 def dq_last(monkeypatch):
     """Plan backward_sm90.py's dK/dV kernel with dQ_i's product after dV's and dK's (dq_first=False,
     the order before step 28), where it splits dQ by columns."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_first=False, dq_reduce="red")
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_first=False, dq_reduce="red",
+                                                                   dq_warp=False)
                    if getattr(config, "dq_split", "") == "columns" else config):
         yield
 
@@ -301,7 +302,8 @@ def test_backward_sm90_rotate_small(rng, xp, monkeypatch):
     rows must agree (the first GPU run of the rotate grid failed at hd 128 with dropout, whose keep
     bits were made for the unrotated tile). Two query tiles and two key tiles, both second ones
     tails, one head, fp16."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(config, rotate=True, dropout_bits="producer")):
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, rotate=True, dropout_bits="producer",
+                                                                   dq_warp=False)):
         run_sm90_variant(rng, xp, "dropout", "float16", 1, 65, 129, 1, 1, 64)
 
 
@@ -472,7 +474,7 @@ def test_backward_sm90_store_quads_gpu(xp, monkeypatch, headdim, name):
 def dq_red(monkeypatch):
     """Plan backward_sm90.py's dK/dV kernel with dQ_i added to a row-major dq_accum by the consumers'
     atomics (dq_reduce="red"), where it is planned with dq_reduce="tiles"."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_reduce="red")
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_reduce="red", dq_warp=False)
                    if getattr(config, "dq_reduce", "red") == "tiles" else config):
         yield
 
@@ -1476,7 +1478,7 @@ def dropout_forms_agree(xp, monkeypatch, seed, name, dtype, shape):
     planned = configs.sm90_backward_config
     for form in ("consumers", "producer"):
         monkeypatch.setattr(configs, "sm90_backward_config",
-                            lambda *args: dataclasses.replace(planned(*args), dropout_bits=form))
+                            lambda *args: dataclasses.replace(planned(*args), dropout_bits=form, dq_warp=False))
         backward._kernels.cache_clear()
         grads[form] = run_sm90_variant(np.random.default_rng(seed), xp, name, dtype, *shape)
     monkeypatch.setattr(configs, "sm90_backward_config", planned)
