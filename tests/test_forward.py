@@ -205,7 +205,7 @@ def test_explain_reports_the_backward(rng, xp):
         with nbflash.kernel_family("sm90"):
             backward = nbflash.explain(q, k, v, causal=True)["backward"]
         # on a GPU 128 queries a step at headdim 64 (configs.SM90_BACKWARD_KEYS128; the simulator keeps
-        # block_m 64)
-        steps = "" if SIMULATOR else ", 128 queries a step"
+        # block_m 64), the staged dQ added by warp 2 (configs.SM90_BACKWARD_DQ_WARP)
+        steps = "" if SIMULATOR else ", 128 queries a step, dQ by warp 2, stats ahead"
         assert backward["default"][1] == f"Hopper backward dK/dV (float16, headdim 64, causal/window{steps})"
         assert backward["deterministic"][2] == "Hopper backward dQ (float16, headdim 64, causal/window, deterministic)"
