@@ -812,11 +812,16 @@ def keys128_backward_config(dtype, headdim, variant):
 # measured"): at hd 64 (step 40) +17% to +45% over the stats warp adding it, at hd 128 +7% to +25%;
 # stats_ahead on top -1% to +4% (causal +2% to +4%).
 SM90_BACKWARD_DQ_WARP = True
+# ... for packed sequences too: built and through its GPU grid (test_varlen_sm90_dq_warp_gpu, 12 of 12
+# on an H100), not timed; an option until it is (gpu_check.sh packed-dq-warp)
+SM90_BACKWARD_VARLEN_DQ_WARP = False
 
 
 def staged_dq_by_warp_2(config):
-    """``config`` with ``dq_warp`` and ``stats_ahead`` where ``SM90_BACKWARD_DQ_WARP`` plans them."""
-    if SM90_BACKWARD_DQ_WARP and config.dq_tile_major and not config.staged_dropout and not config.variant.varlen:
+    """``config`` with ``dq_warp`` and ``stats_ahead`` where ``SM90_BACKWARD_DQ_WARP`` plans them (for
+    packed sequences where ``SM90_BACKWARD_VARLEN_DQ_WARP`` does)."""
+    packed_ok = SM90_BACKWARD_VARLEN_DQ_WARP or not config.variant.varlen
+    if SM90_BACKWARD_DQ_WARP and config.dq_tile_major and not config.staged_dropout and packed_ok:
         return dataclasses.replace(config, dq_warp=True, stats_ahead=True)
     return config
 

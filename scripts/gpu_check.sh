@@ -859,6 +859,23 @@ tests/test_block_mask.py tests/test_backward.py" run_tests "${2:-300}"
     grep -aE "\] PASSED" "$out/pytest.log" | sed 's/^\[gw[0-9]*\] //;s/ *PASSED.*//' | sort > "$out/passed.txt"
     sed 's/\[.*//' "$out/passed.txt" | uniq -c
     ;;
+packed-dq-warp)
+    # dq_warp and stats_ahead on packed sequences (configs.SM90_BACKWARD_VARLEN_DQ_WARP, an option; the
+    # dense plan since the thirty-fourth session): bench.py's packed backward at hd 64 (step 40) and 128
+    # (the tiles) with the option off and on, alternating, twice (each in its own process); lengths drawn
+    # up to 2048 and 4096 and four of 4096 (shorter ones take the atomics: no staged dQ); about 6 minutes
+    for run in 1 2; do
+        for option in off on; do
+            timeout 80 python3 -c "import runpy, sys; from nbflash import configs
+configs.SM90_BACKWARD_VARLEN_DQ_WARP = sys.argv[1] == 'on'
+sys.argv = ['scripts/bench.py'] + sys.argv[2:]
+runpy.run_path('scripts/bench.py', run_name='__main__')" "$option" --pass varlen --varlen-backward --headdims 64 128 \
+                --causal both --varlen-lengths uniform:16384:2048 uniform:16384:4096 4096,4096,4096,4096 --no-torch \
+                --budget 0.3 > "$out/packed_dq_warp_${option}_$run.log" 2>&1
+            echo "packed backward, dq_warp $option, run $run (exit $?):"; tail -14 "$out/packed_dq_warp_${option}_$run.log"
+        done
+    done
+    ;;
 ring3)
     # step 40 at hd 64 with one set of dS^T tiles (ds_buffers=1, a barrier a step between the consumers) and
     # a third ring stage in the bytes it frees (docs/perf-notes.md "A third ring stage for step 40 at hd 64"):

@@ -117,6 +117,10 @@ def test_sm90_backward_plans_dq_warp(monkeypatch):
             dkdv = configs.sm90_backward_config("float16", headdim, variant)
             assert (dkdv.dq_warp, dkdv.stats_ahead) == (planned, planned), (on, headdim, variant)
             assert dkdv.dq_tile_major or not planned
+        with monkeypatch.context() as packed:  # packed sequences with SM90_BACKWARD_VARLEN_DQ_WARP (an option)
+            packed.setattr(configs, "SM90_BACKWARD_VARLEN_DQ_WARP", True)
+            for headdim in (64, 128):
+                assert configs.sm90_backward_config("float16", headdim, Variant(varlen=True)).dq_warp == on
         dkdv = configs.plan_backward(Static("float16", 128, False, 0, CAUSAL), True, "sm90", True)[1]
         assert dkdv.dq_split == "none" and not dkdv.dq_warp
 
