@@ -859,6 +859,16 @@ tests/test_block_mask.py tests/test_backward.py" run_tests "${2:-300}"
     grep -aE "\] PASSED" "$out/pytest.log" | sed 's/^\[gw[0-9]*\] //;s/ *PASSED.*//' | sort > "$out/passed.txt"
     sed 's/\[.*//' "$out/passed.txt" | uniq -c
     ;;
+dq-warp-anchors)
+    # the plan (dq_warp and stats_ahead) against the plan before (the stats warp adding the staged dQ)
+    # and dq_warp alone, SDPA flash's and cuDNN's backwards in the same loop, the plan timed last of ours
+    # (the order that read slow in the thirtieth session), twice; about 4 minutes
+    for run in 1 2; do
+        timeout 110 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --anchors \
+            --only planned-statswarp planned-notahead planned > "$out/dq_warp_anchors_$run.log" 2>&1
+        echo "run $run (exit $?):"; tail -22 "$out/dq_warp_anchors_$run.log"
+    done
+    ;;
 packed-dq-warp)
     # dq_warp and stats_ahead on packed sequences (configs.SM90_BACKWARD_VARLEN_DQ_WARP, an option; the
     # dense plan since the thirty-fourth session): bench.py's packed backward at hd 64 (step 40) and 128

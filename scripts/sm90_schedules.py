@@ -63,7 +63,9 @@ Backward, each column a schedule:
   with the query tiles rotated (``rotate``) too; "planned-ds1" (step 40's kernel) with one set of dS^T
   tiles (``ds_buffers=1``), "planned-ring3" that and a third ring stage; "planned-statswarp" the
   planned kernel with its stats warp adding the staged dQ_i (no dq_warp, no stats_ahead: the plan
-  until the thirty-fourth session). (Steps 30 and 31's
+  until the thirty-fourth session), "planned-notahead" with dq_warp but not stats_ahead (where the
+  plan has both, "planned-dqwarp", "planned-dqwarp-ahead" and "planned-ahead" are not offered: they
+  are the plan). (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
   with commit 5b92983.) "rows-tiles" (headdim 64): the rows split with tiles (step 34, 1-4% slower);
   "columns-tiles" (headdim 64): "columns-dqfirst" with tiles, in 32-column parts (step 36; planned
@@ -320,16 +322,19 @@ def backward_schedules(headdim, causal):
         found["planned-ds1"] = dataclasses.replace(planned, ds_buffers=1)
         found["planned-ring3"] = dataclasses.replace(planned, ds_buffers=1, stages=3)
     if isinstance(planned, Sm90BackwardConfig) and planned.dq_warp:  # the stats warp adding the staged dQ_i too,
-        # as planned until the thirty-fourth session (without dq_warp and stats_ahead)
+        # as planned until the thirty-fourth session (without dq_warp and stats_ahead), and dq_warp alone
+        # ("planned-rotate" is then what "planned-all" was)
         found["planned-statswarp"] = dataclasses.replace(planned, dq_warp=False, stats_ahead=False)
-    if isinstance(planned, Sm90BackwardConfig) and planned.dq_tile_major and not planned.staged_dropout:
+        found["planned-notahead"] = dataclasses.replace(planned, stats_ahead=False)
+    elif isinstance(planned, Sm90BackwardConfig) and planned.dq_tile_major and not planned.staged_dropout:
         # the staged dQ_i added by the producer's warp 2, apart from the stats warp's lse and D (dq_warp)
         found["planned-dqwarp"] = dataclasses.replace(planned, dq_warp=True)
         # ... and the stats warp's lse and D loaded a step ahead as well (stats_ahead)
         found["planned-dqwarp-ahead"] = dataclasses.replace(planned, dq_warp=True, stats_ahead=True)
         if not planned.variant.block_mask:  # ... and each block's query tiles rotated too (all three options)
             found["planned-all"] = dataclasses.replace(planned, dq_warp=True, stats_ahead=True, rotate=True)
-    if isinstance(planned, Sm90BackwardConfig):  # the stats warp's lse and D loaded a step ahead (stats_ahead)
+    if isinstance(planned, Sm90BackwardConfig) and not planned.stats_ahead:  # the stats warp's lse and D loaded a
+        # step ahead (stats_ahead)
         found["planned-ahead"] = dataclasses.replace(planned, stats_ahead=True)
     if isinstance(planned, Sm90BackwardConfig) and planned.stages == 3:  # plain at hd 128 since step 52 was planned
         found["planned-2st"] = dataclasses.replace(planned, stages=2)
