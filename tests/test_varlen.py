@@ -394,15 +394,20 @@ def test_packed_sequences_plan_step_40(monkeypatch):
         Sm90ConvertDqConfig("float16", 64, 64, False, tile_rows=128)
 
 
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-def test_varlen_sm90_keys128(rng, xp, monkeypatch):
-    """Step 40's kernel on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128), causal, hd 40,
-    one head: sequence 0's 130 query rows span two 128-row tiles (dq_accum's rows 0-255), sequence 1
-    has no query, sequence 2's 9 rows start at packed row 130 and at dq_accum's row 384 (130 + 2 x
-    128, down to a whole tile), where a conversion padding to 64-row units reads row 256 (this case
-    fails then). Its first key tile crosses into sequence 1's keys."""
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_varlen_sm90_keys128_gpu and _dq_warp_gpu")
+@pytest.mark.parametrize("dq_warp", [False, True], ids=["stats-warp", "dq-warp"])
+def test_varlen_sm90_keys128(rng, xp, monkeypatch, dq_warp):
+    """Step 40's kernel on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128), causal, hd 40:
+    sequence 0's 130 query rows span two 128-row tiles (dq_accum's rows 0-255), sequence 1 has no
+    query, sequence 2's 9 rows start at packed row 130 and at dq_accum's row 384 (130 + 2 x 128, down
+    to a whole tile), where a conversion padding to 64-row units reads row 256 (this case fails
+    then). Its first key tile crosses into sequence 1's keys. One head with the staged dQ_i added by
+    the stats warp; with it added by the producer's warp 2 (configs.SM90_BACKWARD_VARLEN_DQ_WARP:
+    ``dq_warp`` with ``stats_ahead``) GQA 2:1, warp 2 walking each key tile's steps over both query
+    heads: a warp 2 that added sequence 2's tile at its packed row (130) or the dense one (0) fails."""
     from nbflash import backward, configs
 
+    monkeypatch.setattr(configs, "SM90_BACKWARD_VARLEN_DQ_WARP", dq_warp)
     monkeypatch.setattr(configs, "sm90_backward_config",
                         lambda dtype, headdim, variant: configs.keys128_backward_config(dtype, headdim, variant))
     monkeypatch.setattr(configs, "SM90_VARLEN_DQ_TILES_MAX_PADDING", 1e9)
@@ -410,34 +415,12 @@ def test_varlen_sm90_keys128(rng, xp, monkeypatch):
     built = recorded_builds(monkeypatch)
     try:
         run(rng, xp, "sm90", "float16", True, False, [130, 0, 9], [70, 5, 20], 40, forward="reference",
-            heads=(1, 1))
+            heads=(2, 1) if dq_warp else (1, 1))
     finally:
         backward._kernels.cache_clear()
-    assert any(getattr(c, "block_m", 0) == 128 and c.variant.varlen for c in built)
+    dkdv = [c for c in built if getattr(c, "block_m", 0) == 128 and c.variant.varlen]
+    assert dkdv and all(c.dq_warp == c.stats_ahead == dq_warp for c in dkdv)
     assert any(getattr(c, "tile_rows", 0) == 128 for c in built)
-
-
-@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_varlen_sm90_dq_warp_gpu")
-def test_varlen_sm90_keys128_dq_warp(rng, xp, monkeypatch):
-    """Step 40's kernel on packed sequences with its staged dQ_i added by the producer's warp 2
-    (``dq_warp``, with ``stats_ahead``): test_varlen_sm90_keys128's sequences, GQA 2:1 (warp 2 walks
-    each key tile's steps over both query heads). Sequence 2's tile starts at dq_accum's row 384,
-    its padded first row: a warp 2 that added it at the packed row (130) or the dense one (0) fails."""
-    import dataclasses
-
-    from nbflash import backward, configs
-
-    monkeypatch.setattr(configs, "sm90_backward_config", lambda dtype, headdim, variant: dataclasses.replace(
-        configs.keys128_backward_config(dtype, headdim, variant), dq_warp=True, stats_ahead=True))
-    monkeypatch.setattr(configs, "SM90_VARLEN_DQ_TILES_MAX_PADDING", 1e9)
-    backward._kernels.cache_clear()
-    built = recorded_builds(monkeypatch)
-    try:
-        run(rng, xp, "sm90", "float16", True, False, [130, 0, 9], [70, 5, 20], 40, forward="reference",
-            heads=(2, 1))
-    finally:
-        backward._kernels.cache_clear()
-    assert any(getattr(c, "dq_warp", False) and c.variant.varlen for c in built)
 
 
 @pytest.mark.gpu
@@ -445,17 +428,23 @@ def test_varlen_sm90_keys128_dq_warp(rng, xp, monkeypatch):
 @pytest.mark.parametrize("window", [None, "causal", (40, 8)], ids=["plain", "causal", "window"])
 @pytest.mark.parametrize("headdim", [64, 128])
 def test_varlen_sm90_dq_warp_gpu(rng, xp, monkeypatch, dtype, window, headdim):
-    """The planned sm90 backward on packed sequences with ``dq_warp`` and ``stats_ahead`` (for packed
-    sequences an option): step 40's kernel at hd 64, the table's tile-major one at 128 (the padding's
+    """The planned sm90 backward on packed sequences with ``dq_warp`` and ``stats_ahead``
+    (configs.SM90_BACKWARD_VARLEN_DQ_WARP, an option): step 40's kernel at hd 64, the table's tile-major one at 128 (the padding's
     limit lifted so that the grid's short sequences take the tiles); sequences with no query, no
     key, one row, a tile and one, GQA 2:1; plain, causal and a two-sided window."""
-    import dataclasses
+    from nbflash import configs
 
+    monkeypatch.setattr(configs, "SM90_BACKWARD_VARLEN_DQ_WARP", True)
+    built = run_packed_grid(rng, xp, monkeypatch, dtype, window, headdim)
+    assert any(getattr(c, "dq_warp", False) and c.variant.varlen and c.dq_tile_major for c in built)
+
+
+def run_packed_grid(rng, xp, monkeypatch, dtype, window, headdim):
+    """The sm90 backward on GPU_LENGTHS[0]'s packed sequences, GQA 2:1, with dQ's padding limit lifted
+    (so that the short sequences take the tile-major forms too); plain, "causal" or a two-sided
+    window (a tuple): the configs compiled."""
     from nbflash import backward, configs
 
-    planned = configs.sm90_backward_config
-    monkeypatch.setattr(configs, "sm90_backward_config", lambda *args: dataclasses.replace(
-        planned(*args), dq_warp=True, stats_ahead=True))
     monkeypatch.setattr(configs, "SM90_VARLEN_DQ_TILES_MAX_PADDING", 1e9)
     backward._kernels.cache_clear()
     built = recorded_builds(monkeypatch)
@@ -465,7 +454,7 @@ def test_varlen_sm90_dq_warp_gpu(rng, xp, monkeypatch, dtype, window, headdim):
         run(rng, xp, "sm90", dtype, window == "causal", False, lengths_q, lengths_k, headdim, **variant)
     finally:
         backward._kernels.cache_clear()
-    assert any(getattr(c, "dq_warp", False) and c.variant.varlen and c.dq_tile_major for c in built)
+    return built
 
 
 @pytest.mark.parametrize("lengths,tiles", [([1100, 1000], 128), ([600, 500], 64), ([1, 300, 0, 129, 64, 77], 0)])
@@ -541,18 +530,10 @@ def test_varlen_sm90_keys128_gpu(rng, xp, monkeypatch, dtype, window, headdim):
     """Step 40's kernel on packed sequences (configs.SM90_BACKWARD_VARLEN_KEYS128 on, the padding's
     limit lifted so that the grid's short sequences take it too), as planned: sequences with no
     query, no key, one row, a tile and one, GQA 2:1; plain, causal and a two-sided window."""
-    from nbflash import backward, configs
+    from nbflash import configs
 
     monkeypatch.setattr(configs, "SM90_BACKWARD_VARLEN_KEYS128", True)
-    monkeypatch.setattr(configs, "SM90_VARLEN_DQ_TILES_MAX_PADDING", 1e9)
-    backward._kernels.cache_clear()
-    built = recorded_builds(monkeypatch)
-    lengths_q, lengths_k = GPU_LENGTHS[0]
-    variant = {} if window in (None, "causal") else dict(window_size=window)
-    try:
-        run(rng, xp, "sm90", dtype, window == "causal", False, lengths_q, lengths_k, headdim, **variant)
-    finally:
-        backward._kernels.cache_clear()
+    built = run_packed_grid(rng, xp, monkeypatch, dtype, window, headdim)
     assert any(getattr(c, "block_m", 0) == 128 and c.variant.varlen for c in built)
 
 
