@@ -806,11 +806,12 @@ def keys128_backward_config(dtype, headdim, variant):
 
 # The staged dQ_i added into dq_accum by the producer's warp 2 (``dq_warp``), the stats warp staging
 # lse and D only, and those loaded a step ahead (``stats_ahead``), wherever dQ_i is staged tile-major,
-# except with the producer's keep bits (warps 2 and 3 busy) and for packed sequences (not built).
-# Measured on an H100 (thirty-fourth session, scripts/sm90_schedules.py --backward --anchors, fp16,
-# plain and causal, 4k and 16k, two interleaved runs; docs/perf-notes.md "dq_warp and stats_ahead
-# measured"): at hd 64 (step 40) +17% to +45% over the stats warp adding it, at hd 128 +7% to +25%;
-# stats_ahead on top -1% to +4% (causal +2% to +4%).
+# except with the producer's keep bits (warps 2 and 3 busy), for packed sequences only with
+# ``SM90_BACKWARD_VARLEN_DQ_WARP``. Measured on an H100 (thirty-fourth session, scripts/sm90_schedules.py
+# --backward, fp16, plain and causal, 4k and 16k, two interleaved runs, one with SDPA's backwards;
+# docs/perf-notes.md "dq_warp, stats_ahead, rotate and the third ring stage measured"): at hd 64 (step
+# 40) +17% to +45% over the stats warp adding it, at hd 128 +7% to +25%; stats_ahead's part -1% to +2%
+# plain, 0 to +4% causal.
 SM90_BACKWARD_DQ_WARP = True
 # ... for packed sequences too: built and through its GPU grid (test_varlen_sm90_dq_warp_gpu, 12 of 12
 # on an H100), not timed; an option until it is (gpu_check.sh packed-dq-warp)
@@ -839,8 +840,8 @@ def planned_backward_sm90_config(dtype, headdim, variant):
     """backward_sm90.py's dK/dV kernel as planned: ``SM90_BACKWARD``'s row for ``headdim``
     (``sm90_backward_table_config``), its dQ tile-major where it issues dQ_i's product first
     (``SM90_BACKWARD_DQ_TILES``; for packed sequences ``SM90_BACKWARD_VARLEN_DQ_TILES``) and then added
-    by warp 2 (``staged_dq_by_warp_2``), with three ring stages for plain attention padded to 128 columns where ``SM90_BACKWARD_PLAIN_THREE_STAGES``
-    (an option, off)."""
+    by warp 2 (``staged_dq_by_warp_2``), with three ring stages for plain attention padded to 128
+    columns where ``SM90_BACKWARD_PLAIN_THREE_STAGES`` (an option, off)."""
     table = sm90_backward_table_config(dtype, headdim, variant)
     if SM90_BACKWARD_DQ_TILES and table.dq_first and (SM90_BACKWARD_VARLEN_DQ_TILES or not variant.varlen):
         stages = 3 if SM90_BACKWARD_PLAIN_THREE_STAGES and table.headdim_padded == 128 and variant == Variant() else \

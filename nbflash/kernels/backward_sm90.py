@@ -360,9 +360,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # 40's profile at hd 64 16k the consumers waited at the ring's full barrier for a quarter of
     # their samples while the stats warp never waited for a free slot (docs/perf-notes.md, "The
     # stats warp's two duties apart"). Not with the producer's keep bits (warps 2 and 3 busy).
-    # Planned with stats_ahead wherever dQ_i is staged, packed sequences aside
-    # (configs.SM90_BACKWARD_DQ_WARP: +17% to +45% at hd 64, +7% to +25% at hd 128 on an H100; for packed
-    # sequences built since, not timed)
+    # Planned with stats_ahead wherever dQ_i is staged (configs.SM90_BACKWARD_DQ_WARP: +17% to +45% at
+    # hd 64, +7% to +25% at hd 128 on an H100), for packed sequences an option (built since, not timed:
+    # configs.SM90_BACKWARD_VARLEN_DQ_WARP)
     dq_warp: bool = False
     # The stats warp loads step i + 1's lse and D (and walks to its pair) right after arriving on
     # step i's full barrier, holding them in registers until step i + 1's stores, so that the loads'
