@@ -860,12 +860,14 @@ tests/test_block_mask.py tests/test_backward.py" run_tests "${2:-300}"
     sed 's/\[.*//' "$out/passed.txt" | uniq -c
     ;;
 dq-warp-anchors)
-    # the plan (dq_warp and stats_ahead) against the plan before (the stats warp adding the staged dQ)
-    # and dq_warp alone, SDPA flash's and cuDNN's backwards in the same loop, the plan timed last of ours
-    # (the order that read slow in the thirtieth session), twice; about 4 minutes
+    # the plan (dq_warp and stats_ahead) against the plan before (the stats warp adding the staged dQ),
+    # dq_warp alone and (hd 128) the plan with 16-byte dK/dV stores (step 55's quads: +0.9-3.5% in eight
+    # of eight cells before dq_warp; their grid: quads-groups), SDPA flash's and cuDNN's backwards in the
+    # same loop, the plan timed last of ours (the order that read slow in the thirtieth session), twice;
+    # about 5 minutes
     for run in 1 2; do
-        timeout 110 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --anchors \
-            --only planned-statswarp planned-notahead planned > "$out/dq_warp_anchors_$run.log" 2>&1
+        timeout 130 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --anchors \
+            --only planned-statswarp planned-notahead planned-quads planned > "$out/dq_warp_anchors_$run.log" 2>&1
         echo "run $run (exit $?):"; tail -22 "$out/dq_warp_anchors_$run.log"
     done
     ;;
