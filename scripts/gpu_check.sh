@@ -870,6 +870,10 @@ dq-warp-anchors)
             --only planned-statswarp planned-notahead planned-quads planned > "$out/dq_warp_anchors_$run.log" 2>&1
         echo "run $run (exit $?):"; tail -22 "$out/dq_warp_anchors_$run.log"
     done
+    # the planned backward's three kernels timed apart: how much of 4k's time the preprocess and the dQ
+    # conversion (and dq_accum's zeroing) take (about 6% at hd 128 by their bytes, 1.5% at 16k)
+    timeout 90 python3 scripts/sm90_schedules.py --parts --headdims 64 128 > "$out/dq_warp_parts.log" 2>&1
+    echo "parts (exit $?):"; tail -12 "$out/dq_warp_parts.log"
     ;;
 packed-dq-warp)
     # dq_warp and stats_ahead on packed sequences (configs.SM90_BACKWARD_VARLEN_DQ_WARP, an option; the
