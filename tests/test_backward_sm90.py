@@ -965,17 +965,33 @@ def test_backward_sm90_keys128_rotate_small(rng, xp, monkeypatch):
         backward._kernels.cache_clear()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["plain", "causal", "alibi"])
-@pytest.mark.parametrize("headdim", [40, 64])
-@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def keys128_option_grid(test):
+    """The GPU grid of step 40's options (run_keys128_option): plain, causal and ALiBi at headdims 40
+    and 64, three shapes."""
+    marks = (pytest.mark.gpu, pytest.mark.parametrize("name", ["plain", "causal", "alibi"]),
+             pytest.mark.parametrize("headdim", [40, 64]),
+             pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)],
+                                     ids=lambda s: f"{s[0]}x{s[1]}"))
+    for mark in reversed(marks):  # as decorators written in this order apply
+        test = mark(test)
+    return test
+
+
+@keys128_option_grid
 def test_backward_sm90_keys128_rotate_gpu(xp, monkeypatch, seqlens, headdim, name):
     """Step 40's kernel (as planned at headdims 33-64) with each block's query tiles rotated
     (``rotate``, an option): plain, causal and ALiBi; GQA 2:1, tails."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(config, rotate=True)):
+    built = run_keys128_option(xp, monkeypatch, 11, name, seqlens, headdim, rotate=True)
+    assert [(c.block_m, c.rotate) for c in built] == [(128, True)]
+
+
+def run_keys128_option(xp, monkeypatch, seed, name, seqlens, headdim, **fields):
+    """run_sm90_variant of ``name`` (batch 2, GQA 4:2, fp16) on the planned dK/dV kernel with
+    ``fields`` changed: the sm90 dK/dV configs compiled."""
+    with replanned(monkeypatch, lambda config: dataclasses.replace(config, **fields)):
         built = recorded_builds(monkeypatch)
-        run_sm90_variant(np.random.default_rng(11), xp, name, "float16", 2, *seqlens, 4, 2, headdim)
-    assert [(c.block_m, c.rotate) for c in built if isinstance(c, Sm90BackwardConfig)] == [(128, True)]
+        run_sm90_variant(np.random.default_rng(seed), xp, name, "float16", 2, *seqlens, 4, 2, headdim)
+    return [c for c in built if isinstance(c, Sm90BackwardConfig)]
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_stats_ahead_gpu")
@@ -1012,21 +1028,16 @@ def test_backward_sm90_keys128_one_ds_set_small(rng, xp, monkeypatch):
         backward._kernels.cache_clear()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["plain", "causal", "alibi"])
-@pytest.mark.parametrize("headdim", [40, 64])
-@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+@keys128_option_grid
 @pytest.mark.parametrize("stages", [2, 3])
 def test_backward_sm90_keys128_one_ds_set_gpu(xp, monkeypatch, stages, seqlens, headdim, name):
     """Step 40's kernel (as planned at headdims 33-64) with one set of dS^T tiles (``ds_buffers=1``, an
     option: the consumers meet before each step's dS^T stores), with two ring stages and with the
     third it makes room for: plain, causal and ALiBi; GQA 2:1, tails; at 2048 x 2048 a block walks
-    64 steps, each of which the barrier must keep from the other consumer's next dS^T stores."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(config, ds_buffers=1, stages=stages)):
-        built = recorded_builds(monkeypatch)
-        run_sm90_variant(np.random.default_rng(13), xp, name, "float16", 2, *seqlens, 4, 2, headdim)
-    assert [(c.block_m, c.ds_buffers, c.stages) for c in built if isinstance(c, Sm90BackwardConfig)] == [
-        (128, 1, stages)]
+    32 steps (16 query tiles, two query heads), each of which the barrier must keep from the other
+    consumer's next dS^T stores."""
+    built = run_keys128_option(xp, monkeypatch, 13, name, seqlens, headdim, ds_buffers=1, stages=stages)
+    assert [(c.block_m, c.ds_buffers, c.stages) for c in built] == [(128, 1, stages)]
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
