@@ -859,6 +859,20 @@ tests/test_block_mask.py tests/test_backward.py" run_tests "${2:-300}"
     grep -aE "\] PASSED" "$out/pytest.log" | sed 's/^\[gw[0-9]*\] //;s/ *PASSED.*//' | sort > "$out/passed.txt"
     sed 's/\[.*//' "$out/passed.txt" | uniq -c
     ;;
+plan-suite)
+    # The GPU tests that run the planned sm90 backward (dq_warp and stats_ahead since the thirty-fourth
+    # session) by default: test_backward.py's grid, the variants with gradients, the default headdims,
+    # the sm90 grid and schedules, block masks, dropout, score/mask functions, the fuzz and the torch
+    # bridge; less what NBFLASH_RESUME_LOGS reports passed. After a prebuild of the sm90 family.
+    timeout "${PREBUILD_LIMIT:-150}" python3 scripts/prebuild_cache.py --jobs 16 --dtypes float16 bfloat16 \
+        --families sm90 > "$out/prebuild.log" 2>&1
+    echo "prebuild (exit $?): $(tail -1 "$out/prebuild.log")"
+    TESTS=${TESTS:-"tests/test_backward_sm90.py::test_backward_sm90_gpu tests/test_backward.py \
+        tests/test_variants_attention.py tests/test_backward_sm90.py::test_backward_default_headdims_gpu \
+        tests/test_backward_sm90.py::test_backward_sm90_schedules_gpu tests/test_block_mask.py \
+        tests/test_dropout.py tests/test_user_functions.py tests/test_torch_bridge.py tests/test_fuzz.py"} \
+        run_tests "${2:-400}"
+    ;;
 dq-warp-anchors)
     # the plan (dq_warp and stats_ahead) against the plan before (the stats warp adding the staged dQ),
     # dq_warp alone and (hd 128) the plan with 16-byte dK/dV stores (step 55's quads: +0.9-3.5% in eight
@@ -1013,7 +1027,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8|dqwarp]]|wide|fp8|exp2|keys128 [RUNS]|planned-now|keys128-next|stats-ahead" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8|dqwarp]]|wide|fp8|exp2|keys128 [RUNS]|planned-now|keys128-next|stats-ahead|plan-suite [SECONDS]|dq-warp-anchors" >&2
     exit 2
     ;;
 esac
