@@ -963,7 +963,7 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
         if getattr(dkdv, "dq_split", "") == "rows" and dkdv.block_m > tile_limit:  # step 40's tiles need it
             dkdv = planned_backward_sm90_config(dtype, headdim, static.variant)
         if getattr(dkdv, "dq_tile_major", False) and dkdv.block_m > tile_limit:  # (no staged dQ for warp 2)
-            dkdv = dataclasses.replace(dkdv, dq_reduce="red", dq_warp=False)
+            dkdv = dkdv.replaced(dq_reduce="red")
         if getattr(dkdv, "dq_tile_major", False):  # dq_accum tile-major: the caller zeroes it
             preprocess = dataclasses.replace(preprocess, atomic_dq=False)
             varlen = static.variant.varlen  # each sequence's tiles from a whole tile of the dK/dV kernel's

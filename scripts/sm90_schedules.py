@@ -263,22 +263,20 @@ def backward_schedules(headdim, causal):
     found["steps"] = base.__class__(**{**base.__dict__, "dq_split": "steps"})
     found["3st-steps"] = base.__class__(**{**base.__dict__, "stages": 3, "dq_split": "steps"})
     if getattr(planned, "dq_split", "") == "columns":  # dQ_i's product after dV's and dK's (before dq_first)
-        found["planned-dqlast"] = planned.__class__(**{**planned.__dict__, "dq_first": False, "dq_reduce": "red",
-                                                                 "dq_warp": False})
+        found["planned-dqlast"] = planned.replaced(dq_first=False, dq_reduce="red")
     if table.dq_split == "steps":  # hd 64: backward_sm90.py by 32-column halves, dQ_i's product first
         found["columns-dqfirst"] = table.__class__(**{**table.__dict__, "dq_split": "columns", "dq_first": True})
         # ... and dQ_i tile-major, 32-column parts (step 36)
         found["columns-tiles"] = table.__class__(**{**found["columns-dqfirst"].__dict__, "dq_reduce": "tiles"})
     if getattr(planned, "dq_reduce", "") == "tiles" and planned.dq_split != "rows":  # dQ_i by the consumers'
         # atomics (before step 35; step 40's dQ split by rows is tile-major only)
-        found["planned-red"] = planned.__class__(**{**planned.__dict__, "dq_reduce": "red", "dq_warp": False})
+        found["planned-red"] = planned.replaced(dq_reduce="red")
     if DROPOUT and table.headdim_padded == 64 and table.dq_split == "columns":  # hd 64 dropout's plan before step 41
         found["planned-steps"] = table.__class__(**{**table.__dict__, "dq_split": "steps", "dq_first": False, "dq_reduce": "red"})
     for groups in (4, 8):  # longest-first within groups of (batch, KV head) pairs
         found[f"heavy-groups{groups}"] = table.__class__(**{**table.__dict__, "heavy_groups": groups})
     if DROPOUT:  # dropout's keep bits made by the producer's warps 2 and 3 instead of the consumer lanes
-        found["dropout-producer"] = planned.__class__(**{**planned.__dict__, "dropout_bits": "producer",
-                                                          "dq_warp": False})  # (warps 2 and 3 make the bits)
+        found["dropout-producer"] = planned.replaced(dropout_bits="producer")  # (warps 2 and 3 make the bits)
         found["dropout-consumers"] = planned.__class__(**{**planned.__dict__, "dropout_bits": "consumers"})
     if base.headdim_padded == 64 and not DROPOUT:
         # the query rows split between the consumers (a kernel of its own), the planner's launch order

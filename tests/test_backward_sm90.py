@@ -125,6 +125,28 @@ def test_sm90_backward_plans_dq_warp(monkeypatch):
         assert dkdv.dq_split == "none" and not dkdv.dq_warp
 
 
+def test_sm90_backward_config_replaced_drops_dq_warp():
+    """Sm90BackwardConfig.replaced: a change that takes the staged dQ (atomics, dQ last) or warps 2
+    and 3 (the producer's keep bits) from warp 2 drops dq_warp; any other change, or one that names
+    dq_warp, keeps what it says; the plain replace refuses the first kind with a named error."""
+    from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
+    hd128 = Sm90BackwardConfig("float16", 128, CAUSAL, dq_split="columns", dq_first=True, dq_reduce="tiles",
+                               dq_warp=True, stats_ahead=True)
+    assert not hd128.replaced(dq_reduce="red").dq_warp
+    assert not hd128.replaced(dq_first=False, dq_reduce="red").dq_warp
+    dropout = dataclasses.replace(hd128, variant=Variant(dropout=True))
+    assert not dropout.replaced(dropout_bits="producer").dq_warp
+    assert dropout.replaced(dropout_bits="producer").stats_ahead  # (only dq_warp goes)
+    assert hd128.replaced(rotate=True).dq_warp and hd128.replaced(stats_ahead=False).dq_warp
+    assert not hd128.replaced(dq_warp=False).dq_warp
+    with pytest.raises(ValueError, match="dq_warp=True takes dq_reduce='tiles'"):
+        hd128.replaced(dq_reduce="red", dq_warp=True)
+    with pytest.raises(ValueError, match="dq_warp=True takes dq_reduce='tiles'"):
+        dataclasses.replace(hd128, dq_reduce="red")
+    plain = Sm90BackwardConfig("float16", 64, CAUSAL)
+    assert plain.replaced(dq_split="steps") == dataclasses.replace(plain, dq_split="steps")
+
+
 # ---- Simulator: tiny shapes ------------------------------------------------------------------
 
 
@@ -231,8 +253,7 @@ def test_backward_sm90_dq_by_steps_small(rng, xp, sm90_backward_table):
 def dq_last(monkeypatch):
     """Plan backward_sm90.py's dK/dV kernel with dQ_i's product after dV's and dK's (dq_first=False,
     the order before step 28), where it splits dQ by columns."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_first=False, dq_reduce="red",
-                                                                   dq_warp=False)
+    with replanned(monkeypatch, lambda config: config.replaced(dq_first=False, dq_reduce="red")
                    if getattr(config, "dq_split", "") == "columns" else config):
         yield
 
@@ -306,8 +327,7 @@ def test_backward_sm90_rotate_small(rng, xp, monkeypatch):
     rows must agree (the first GPU run of the rotate grid failed at hd 128 with dropout, whose keep
     bits were made for the unrotated tile). Two query tiles and two key tiles, both second ones
     tails, one head, fp16."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(config, rotate=True, dropout_bits="producer",
-                                                                   dq_warp=False)):
+    with replanned(monkeypatch, lambda config: config.replaced(rotate=True, dropout_bits="producer")):
         run_sm90_variant(rng, xp, "dropout", "float16", 1, 65, 129, 1, 1, 64)
 
 
@@ -478,7 +498,7 @@ def test_backward_sm90_store_quads_gpu(xp, monkeypatch, headdim, name):
 def dq_red(monkeypatch):
     """Plan backward_sm90.py's dK/dV kernel with dQ_i added to a row-major dq_accum by the consumers'
     atomics (dq_reduce="red"), where it is planned with dq_reduce="tiles"."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(config, dq_reduce="red", dq_warp=False)
+    with replanned(monkeypatch, lambda config: config.replaced(dq_reduce="red")
                    if getattr(config, "dq_reduce", "red") == "tiles" else config):
         yield
 
@@ -1493,7 +1513,7 @@ def dropout_forms_agree(xp, monkeypatch, seed, name, dtype, shape):
     planned = configs.sm90_backward_config
     for form in ("consumers", "producer"):
         monkeypatch.setattr(configs, "sm90_backward_config",
-                            lambda *args: dataclasses.replace(planned(*args), dropout_bits=form, dq_warp=False))
+                            lambda *args: planned(*args).replaced(dropout_bits=form))
         backward._kernels.cache_clear()
         grads[form] = run_sm90_variant(np.random.default_rng(seed), xp, name, dtype, *shape)
     monkeypatch.setattr(configs, "sm90_backward_config", planned)

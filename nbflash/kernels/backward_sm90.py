@@ -131,7 +131,7 @@ sequence's rows would (0 x NaN), where the mma family never reads them.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -254,6 +254,17 @@ class Sm90BackwardBlock:
         """Bytes of the staged dQ tile (``dq_tile_major``; none otherwise): block_m x headdim_padded
         float32, unpadded (16-byte stores of consecutive threads: no bank conflicts)."""
         return self.block_m * self.headdim_padded * 4 if self.dq_tile_major else 0
+
+    def replaced(self, **changes):
+        """``dataclasses.replace(self, **changes)``, less ``dq_warp`` where the changes take away what
+        warp 2 needs (the staged dQ: atomics, dQ last; or warps 2 and 3: the producer's keep bits),
+        unless they set ``dq_warp`` themselves: the one place that switches it off for a plan changed
+        by hand (configs.plan_backward's fallback, the schedules, the tests' fixtures). Configs
+        without ``dq_warp`` (the other sm90 kernels) get the plain replace."""
+        if not getattr(self, "dq_warp", False) or "dq_warp" in changes:
+            return replace(self, **changes)
+        config = replace(self, **changes, dq_warp=False)
+        return replace(config, dq_warp=True) if config.dq_tile_major and not config.staged_dropout else config
 
     def check_dq_reduce(self):
         if self.dq_reduce not in ("red", "tiles"):
