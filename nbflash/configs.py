@@ -841,13 +841,33 @@ def planned_backward_sm90_config(dtype, headdim, variant):
     (``sm90_backward_table_config``), its dQ tile-major where it issues dQ_i's product first
     (``SM90_BACKWARD_DQ_TILES``; for packed sequences ``SM90_BACKWARD_VARLEN_DQ_TILES``) and then added
     by warp 2 (``staged_dq_by_warp_2``), with three ring stages for plain attention padded to 128
-    columns where ``SM90_BACKWARD_PLAIN_THREE_STAGES`` (an option, off)."""
+    columns where ``SM90_BACKWARD_PLAIN_THREE_STAGES`` (an option, off), and dK and dV by 16-byte
+    stores where ``SM90_BACKWARD_STORE_QUADS`` (``store_quads_planned``)."""
     table = sm90_backward_table_config(dtype, headdim, variant)
     if SM90_BACKWARD_DQ_TILES and table.dq_first and (SM90_BACKWARD_VARLEN_DQ_TILES or not variant.varlen):
         stages = 3 if SM90_BACKWARD_PLAIN_THREE_STAGES and table.headdim_padded == 128 and variant == Variant() else \
             table.stages
-        return staged_dq_by_warp_2(dataclasses.replace(table, dq_reduce="tiles", stages=stages))
+        return staged_dq_by_warp_2(dataclasses.replace(table, dq_reduce="tiles", stages=stages,
+                                                       store_quads=store_quads_planned(table)))
     return table
+
+
+# dK and dV stored 16 bytes a lane after a transpose across each quad (``store_quads``, step 55) by
+# the planned kernel padded to 128 columns (headdims 72-128) with dQ tile-major, dense sequences.
+# Measured on an H100 (thirty-fifth session: scripts/gpu_check.sh dq-warp-anchors, i.e.
+# sm90_schedules.py --backward --headdims 64 128 --anchors, two runs, fp16, hd 128, on the plan with
+# dq_warp; docs/perf-notes.md "The plan against the anchors again; the quads; the kernels apart"):
+# +1.3% to +2.3% in all eight cells (4k and 16k, plain and causal, two runs), as the thirty-second
+# session's +0.9% to +3.5% before dq_warp. Its GPU grid on that plan (test_backward_sm90_store_quads_gpu:
+# hd 72, 104 and 128; plain, causal, softcap and dropout's producer bits) 12 of 12. Packed sequences
+# keep the pairs (neither timed nor in that grid).
+SM90_BACKWARD_STORE_QUADS = True
+
+
+def store_quads_planned(table):
+    """Whether the planned kernel from ``table`` (``sm90_backward_table_config``) stores dK and dV 16
+    bytes a lane (``SM90_BACKWARD_STORE_QUADS``)."""
+    return SM90_BACKWARD_STORE_QUADS and table.headdim_padded == 128 and not table.variant.varlen
 
 
 # Plain attention (no window, no other feature) on the planned kernel padded to 128 columns (dQ

@@ -209,14 +209,15 @@ def backward_kernels():
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
         found.append((f"backward_sm90_dq_tiles_3st_{name}_hd128", dataclasses.replace(
             configs.planned_backward_sm90_config("float16", 128, variant), stages=3)))
-    # ... planned, dK and dV by 16-byte stores after the quads' transposes (an option, step 55)
+    # ... planned, dK and dV by 16-byte stores after the quads' transposes (step 55; planned since the
+    # thirty-fifth session: configs.SM90_BACKWARD_STORE_QUADS)
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
         found.append((f"backward_sm90_dq_tiles_store_quads_{name}_hd128", dataclasses.replace(
             configs.planned_backward_sm90_config("float16", 128, variant), store_quads=True)))
     # ... planned, dK and dV through K's and V's tiles and TMA stores (an option, step 57)
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
-        found.append((f"backward_sm90_dq_tiles_store_tma_{name}_hd128", dataclasses.replace(
-            configs.planned_backward_sm90_config("float16", 128, variant), store_tma=True)))
+        found.append((f"backward_sm90_dq_tiles_store_tma_{name}_hd128",
+                      configs.planned_backward_sm90_config("float16", 128, variant).replaced(store_tma=True)))
     # ... planned, the staged dQ_i added by the producer's warp 2, the stats warp only staging lse and D
     # (``dq_warp``, an option), at hd 128 and in step 40's kernel at hd 64
     for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):

@@ -50,6 +50,7 @@ Backward, each column a schedule:
   stage in its Q/dO ring, which fits beside the staged dQ tile (step 52; planned for plain
   attention, where "planned-2st" is the kernel with two); "planned-quads"
   (backward_sm90.py's kernels): dK and dV by 16-byte stores after the quads' transposes (step 55),
+  "planned-pairs" where the plan has them (headdims 72-128, dense: configs.SM90_BACKWARD_STORE_QUADS),
   and in the planned rows split (headdim 64) "rows-pairs" where it is planned with them (without a
   window), "rows-quads" where not; "planned-tma" (backward_sm90.py's kernels): dK and dV written
   into K's and V's tiles, then stored by TMA (step 57); "planned-groups1", "planned-groups2",
@@ -340,9 +341,10 @@ def backward_schedules(headdim, causal):
         found["rows-pairs" if planned.store_quads else "rows-quads"] = dataclasses.replace(
             planned, store_quads=not planned.store_quads)
     if isinstance(planned, Sm90BackwardConfig) and planned.block_m == 64:  # 16-byte dK/dV stores (step 55)
-        found["planned-quads"] = dataclasses.replace(planned, store_quads=True)
+        found["planned-pairs" if planned.store_quads else "planned-quads"] = dataclasses.replace(
+            planned, store_quads=not planned.store_quads)
         if not planned.variant.varlen:  # dK and dV through K's and V's tiles and TMA stores (step 57)
-            found["planned-tma"] = dataclasses.replace(planned, store_tma=True)
+            found["planned-tma"] = planned.replaced(store_tma=True)
     if not planned.variant.block_mask:  # each block's walk over the query tiles rotated by its key tile (step 43;
         # on step 40's 128-query kernel too: "The blocks of a head adding into one dQ tile")
         found["planned-rotate"] = planned.__class__(**{**planned.__dict__, "rotate": True})

@@ -125,10 +125,29 @@ def test_sm90_backward_plans_dq_warp(monkeypatch):
         assert dkdv.dq_split == "none" and not dkdv.dq_warp
 
 
+def test_sm90_backward_plans_store_quads(monkeypatch):
+    """configs.SM90_BACKWARD_STORE_QUADS: the planned kernel padded to 128 columns (headdims 72-128)
+    stores dK and dV 16 bytes a lane, with any variant of dense sequences; not for packed sequences,
+    not at hd 64 (step 40, built without them), not in the deterministic pass; off, nowhere."""
+    monkeypatch.setattr(configs.runtime, "SIMULATOR", False)  # the planner's GPU branch (nothing runs)
+    monkeypatch.setattr(configs, "_compute_capability", lambda device=0: (9, 0))
+    for on in (True, False):
+        monkeypatch.setattr(configs, "SM90_BACKWARD_STORE_QUADS", on)
+        for headdim, variant, planned in [(128, Variant(), on), (72, CAUSAL, on), (104, Variant(softcap=True), on),
+                                          (128, Variant(dropout=True), on), (96, Variant(block_mask=True), on),
+                                          (128, Variant(varlen=True), False), (64, Variant(), False),
+                                          (64, Variant(dropout=True), False)]:
+            dkdv = configs.sm90_backward_config("float16", headdim, variant)
+            assert dkdv.store_quads == planned and not dkdv.store_tma, (on, headdim, variant)
+        dkdv = configs.plan_backward(Static("float16", 128, False, 0, CAUSAL), True, "sm90", True)[1]
+        assert not getattr(dkdv, "store_quads", False)
+
+
 def test_sm90_backward_config_replaced_drops_dq_warp():
     """Sm90BackwardConfig.replaced: a change that takes the staged dQ (atomics, dQ last) or warps 2
-    and 3 (the producer's keep bits) from warp 2 drops dq_warp; any other change, or one that names
-    dq_warp, keeps what it says; the plain replace refuses the first kind with a named error."""
+    and 3 (the producer's keep bits) from warp 2 drops dq_warp, store_tma drops store_quads; any
+    other change, or one that names the field, keeps what it says; the plain replace refuses the
+    first kinds with a named error."""
     from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
     hd128 = Sm90BackwardConfig("float16", 128, CAUSAL, dq_split="columns", dq_first=True, dq_reduce="tiles",
                                dq_warp=True, stats_ahead=True)
@@ -145,6 +164,11 @@ def test_sm90_backward_config_replaced_drops_dq_warp():
         dataclasses.replace(hd128, dq_reduce="red")
     plain = Sm90BackwardConfig("float16", 64, CAUSAL)
     assert plain.replaced(dq_split="steps") == dataclasses.replace(plain, dq_split="steps")
+    quads = dataclasses.replace(hd128, store_quads=True)  # store_tma takes the quads' place (dK's, dV's stores)
+    assert quads.replaced(store_tma=True).store_tma and not quads.replaced(store_tma=True).store_quads
+    assert quads.replaced(store_tma=True).dq_warp and quads.replaced(rotate=True).store_quads
+    with pytest.raises(ValueError, match="store_tma=True takes neither"):
+        dataclasses.replace(quads, store_tma=True)
 
 
 # ---- Simulator: tiny shapes ------------------------------------------------------------------
@@ -386,7 +410,7 @@ def option_agrees(xp, monkeypatch, fields, seed, dtype, shape):
     time), causal, on the same draw (run_sm90_variant: each against the reference's rule): each
     option's dq, dk and dv the same to the bit as the planned kernel's (the simulator adds dq in a
     fixed order)."""
-    changes = [lambda config: config] + [lambda config, field=field: dataclasses.replace(config, **{field: True})
+    changes = [lambda config: config] + [lambda config, field=field: config.replaced(**{field: True})
                                          for field in fields]
     grads = []
     for change in changes:
@@ -477,7 +501,7 @@ def test_backward_sm90_store_tma_gpu(xp, monkeypatch, seqlens, headdim, name):
     second chunk's box clipped at the headdim) and 128, key tails (1000: the last tile's second
     consumer has 40 keys; 203: 11), GQA 2:1, every variant the planned kernel serves at those
     headdims (a block mask's steps, dropout's producer bits at 128), bfloat16 where not plain."""
-    with replanned(monkeypatch, lambda config: dataclasses.replace(config, store_tma=True)):
+    with replanned(monkeypatch, lambda config: config.replaced(store_tma=True)):
         run_sm90_variant(np.random.default_rng(14), xp, name, "float16" if name == "plain" else "bfloat16", 2,
                          *seqlens, 4, 2, headdim)
 
@@ -486,9 +510,10 @@ def test_backward_sm90_store_tma_gpu(xp, monkeypatch, seqlens, headdim, name):
 @pytest.mark.parametrize("name", ["plain", "causal", "softcap", "dropout"])
 @pytest.mark.parametrize("headdim", [72, 104, 128])
 def test_backward_sm90_store_quads_gpu(xp, monkeypatch, headdim, name):
-    """backward_sm90.py's planned kernels with ``store_quads`` (an option, step 55): headdims with a
-    set of four 8-column groups partly past headdim (72, 104: padded to 128) or none (128), tails,
-    GQA 2:1, bfloat16 where the name is not plain."""
+    """backward_sm90.py's planned kernels with ``store_quads`` (step 55; planned at these headdims
+    since the thirty-fifth session, configs.SM90_BACKWARD_STORE_QUADS): headdims with a set of four
+    8-column groups partly past headdim (72, 104: padded to 128) or none (128), tails, GQA 2:1,
+    bfloat16 where the name is not plain."""
     with replanned(monkeypatch, lambda config: dataclasses.replace(config, store_quads=True)):
         run_sm90_variant(np.random.default_rng(12), xp, name, "float16" if name == "plain" else "bfloat16", 2, 1023,
                          1000, 4, 2, headdim)

@@ -256,11 +256,14 @@ class Sm90BackwardBlock:
         return self.block_m * self.headdim_padded * 4 if self.dq_tile_major else 0
 
     def replaced(self, **changes):
-        """``dataclasses.replace(self, **changes)``, less ``dq_warp`` where the changes take away what
-        warp 2 needs (the staged dQ: atomics, dQ last; or warps 2 and 3: the producer's keep bits),
-        unless they set ``dq_warp`` themselves: the one place that switches it off for a plan changed
-        by hand (configs.plan_backward's fallback, the schedules, the tests' fixtures). Configs
-        without ``dq_warp`` (the other sm90 kernels) get the plain replace."""
+        """``dataclasses.replace(self, **changes)``, less what the changes leave no room for, unless
+        they set it themselves: ``dq_warp`` where they take away what warp 2 needs (the staged dQ:
+        atomics, dQ last; or warps 2 and 3: the producer's keep bits), ``store_quads`` where they
+        set ``store_tma`` (dK's and dV's other stores). The one place that switches a planned option
+        off for a plan changed by hand (configs.plan_backward's fallback, the schedules, the tests'
+        fixtures). Configs without those fields (the other sm90 kernels) get the plain replace."""
+        if changes.get("store_tma") and getattr(self, "store_quads", False) and "store_quads" not in changes:
+            changes = {**changes, "store_quads": False}
         if not getattr(self, "dq_warp", False) or "dq_warp" in changes:
             return replace(self, **changes)
         config = replace(self, **changes, dq_warp=False)
