@@ -864,6 +864,13 @@ def planned_backward_sm90_config(dtype, headdim, variant):
 SM90_BACKWARD_STORE_QUADS = True
 
 
+# The tile-major dQ conversion (Sm90ConvertDqConfig) storing dq 16 bytes a lane after the quads'
+# transposes (``store_quads``): an option, off, until timed (scripts/gpu_check.sh convert-quads). The
+# conversion measured 127-154 us at 4k on an H100 (thirty-fifth session, sm90_schedules.py --parts),
+# 0.46-0.57x the device-to-device copy's bandwidth: 4-5% of the call at 4k, about 1.4% at 16k.
+SM90_CONVERT_DQ_QUADS = False
+
+
 def store_quads_planned(table):
     """Whether the planned kernel from ``table`` (``sm90_backward_table_config``) stores dK and dV 16
     bytes a lane (``SM90_BACKWARD_STORE_QUADS``)."""
@@ -988,7 +995,7 @@ def plan_backward(static, deterministic, family=None, aligned=None, out_aligned=
             preprocess = dataclasses.replace(preprocess, atomic_dq=False)
             varlen = static.variant.varlen  # each sequence's tiles from a whole tile of the dK/dV kernel's
             convert = Sm90ConvertDqConfig(dtype, headdim, dkdv.dq_part_columns, varlen,
-                                          tile_rows=dkdv.block_m if varlen else 64)
+                                          tile_rows=dkdv.block_m if varlen else 64, store_quads=SM90_CONVERT_DQ_QUADS)
         return preprocess, dkdv, convert
     if sm90_dq:  # both Hopper kernels, neither with atomics: dK, dV, then dQ, each in a fixed order
         return (preprocess, *sm90_deterministic_configs(dtype, headdim, static.variant))

@@ -278,6 +278,9 @@ def backward_kernels():
                                     ("float16", 64, 32)):  # ... its dq conversion (hd 64: the rows split's
         found.append((f"backward_sm90_convert_dq_tiles_{dtype}_hd{headdim}_part{columns}",  # and the halves')
                       Sm90ConvertDqConfig(dtype, headdim, columns)))
+    for headdim in (128, 64):  # ... dq stored 16 bytes a lane (store_quads, an option: SM90_CONVERT_DQ_QUADS)
+        found.append((f"backward_sm90_convert_dq_tiles_quads_float16_hd{headdim}",
+                      Sm90ConvertDqConfig("float16", headdim, 64, store_quads=True)))
     found.append(("backward_sm90_convert_dq_tiles_varlen_float16_hd128",  # packed sequences' (step 37)
                   Sm90ConvertDqConfig("float16", 128, 64, varlen=True)))
     found.append(("backward_sm90_convert_dq_tiles_varlen_float16_hd64_rows128",  # ... after step 40's tiles

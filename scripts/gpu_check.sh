@@ -873,6 +873,27 @@ plan-suite)
         tests/test_dropout.py tests/test_user_functions.py tests/test_torch_bridge.py tests/test_fuzz.py"} \
         run_tests "${2:-400}"
     ;;
+convert-quads)
+    # the tile-major dQ conversion storing dq 16 bytes a lane (configs.SM90_CONVERT_DQ_QUADS, an option;
+    # it ran at 0.46-0.57x a copy's bandwidth, 4-5% of the call at 4k: docs/perf-notes.md, thirty-fifth
+    # session): its GPU grid, then the planned backward's kernels timed apart (--parts, which times
+    # dq_accum's zeroing too) with the option off and on, alternating, twice; then the plan (16-byte
+    # dK/dV stores at hd 128 since the thirty-fifth session) against its pairs and SDPA; about 6 minutes
+    grid convert_quads_tests 150 tests/test_backward_sm90.py tests/test_varlen.py -k "convert_quads"
+    for run in 1 2; do
+        for option in off on; do
+            timeout 70 python3 -c "import runpy, sys; from nbflash import configs
+configs.SM90_CONVERT_DQ_QUADS = sys.argv[1] == 'on'
+sys.argv = ['scripts/sm90_schedules.py'] + sys.argv[2:]
+runpy.run_path('scripts/sm90_schedules.py', run_name='__main__')" "$option" --parts --headdims 64 128 \
+                > "$out/convert_quads_${option}_$run.log" 2>&1
+            echo "parts, convert quads $option, run $run (exit $?):"; tail -9 "$out/convert_quads_${option}_$run.log"
+        done
+    done
+    timeout 130 python3 scripts/sm90_schedules.py --backward --headdims 128 64 --anchors --only planned-pairs planned \
+        > "$out/plan_anchors.log" 2>&1
+    echo "the plan against SDPA (exit $?):"; tail -22 "$out/plan_anchors.log"
+    ;;
 dq-warp-anchors)
     # the plan (dq_warp and stats_ahead) against the plan before (the stats warp adding the staged dQ),
     # dq_warp alone and (hd 128) the plan with 16-byte dK/dV stores (step 55's quads: +0.9-3.5% in eight
@@ -1027,7 +1048,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8|dqwarp]]|wide|fp8|exp2|keys128 [RUNS]|planned-now|keys128-next|stats-ahead|plan-suite [SECONDS]|dq-warp-anchors" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8|dqwarp]]|wide|fp8|exp2|keys128 [RUNS]|planned-now|keys128-next|stats-ahead|plan-suite [SECONDS]|dq-warp-anchors|convert-quads" >&2
     exit 2
     ;;
 esac

@@ -78,8 +78,9 @@ schedule's ratio to SDPA flash after the table. With --isolate S, each (shape, s
 child process with S seconds (the kernels compiled first into the on-disk cache, as always): a
 schedule that hangs the GPU costs its own cells ("hang") instead of the run, as one whose setmaxnreg
 caps asked for more registers than the block held once did (now refused by the configs).
-With --parts, the planned backward's three launches (preprocess: D and dq_accum's zeros; the dK/dV
-kernel; the dq conversion) timed one at a time on each shape, and the bytes the two row-wise
+With --parts, the planned backward's three launches (preprocess: D and, where dq_accum is
+row-major, its zeros; the dK/dV kernel; the dq conversion) and a tile-major dq_accum's zeroing (the
+launcher's cupy.zeros) timed one at a time on each shape, and the bytes the two row-wise
 kernels move over their time (GB/s), next to a device-to-device copy's; then the whole call three
 ways: alone on an idle GPU (its host work before the first launch counted), behind a forward
 queued ahead (host work hidden), and ten calls back to back (per call). --rowwise-scalar plans the
@@ -530,9 +531,9 @@ def main_parts(deterministic=False):
     copy_dst = cupy.empty_like(copy_src)
     copy_gbs = 2 * copy_src.nbytes / median_ms(lambda: copy_dst.__setitem__(Ellipsis, copy_src), 20) / 1e6
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write); deterministic={deterministic}")
-    print("| hd | seqlen | causal | plan | preprocess us | GB/s | dK/dV us | TFLOP/s | dQ pass us | GB/s or TFLOP/s "
-          "| whole call us | behind a forward us | back to back us |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| hd | seqlen | causal | plan | preprocess us | GB/s | dq_accum zeroed us | dK/dV us | TFLOP/s | dQ pass us "
+          "| GB/s or TFLOP/s | whole call us | behind a forward us | back to back us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for headdim, seqlen, causal in SHAPES:
         nheads, batch = 2048 // headdim, max(1, 16384 // seqlen)
         rng = np.random.default_rng(seqlen + headdim)
@@ -569,6 +570,8 @@ def main_parts(deterministic=False):
                                                                             dq_accum), (scale_log2, scale), params), 10),
             "last": median_ms(lambda: last.launch(last.config.grid(*shape), last_args, last_scalars, last_params),
                               10 if pair else 20),
+            # tile-major: the launcher's zeroed dq_accum (cupy.zeros: the pool's allocation and a memset)
+            "zeros": median_ms(lambda: cupy.zeros(dq_accum.shape, dq_accum.dtype), 20) if tiles else 0.0,
             "call": median_ms(call, 10),
             # the call's host work hidden behind a forward queued ahead (as the SDPA anchors are timed),
             # and ten calls back to back: against "call", what the host and the launch gaps cost
@@ -578,13 +581,14 @@ def main_parts(deterministic=False):
         }
         left, right, _ = window_bounds(seqlen, seqlen, causal, (-1, -1))
         product_flops = 2 * batch * nheads * visible_count(seqlen, seqlen, left, right) * headdim
-        pre_bytes = out.nbytes + dout.nbytes + delta.nbytes + (0 if pair else dq_accum.nbytes)  # read O, dO; write D (and dq_accum's zeros)
+        # read O, dO; write D (and dq_accum's zeros where row-major: tile-major, the launcher's cupy.zeros)
+        pre_bytes = out.nbytes + dout.nbytes + delta.nbytes + (0 if pair or tiles else dq_accum.nbytes)
         if pair:
             last_rate = f"{3 * product_flops / times['last'] / 1e9:.1f} TFLOP/s"
         else:
             last_rate = f"{(dq_accum.nbytes + dq.nbytes) / times['last'] / 1e6:.0f} GB/s"
         print(f"| {headdim} | {seqlen} | {causal} | {'pair' if pair else 'atomic'} | {1e3 * times['pre']:.0f} "
-              f"| {pre_bytes / times['pre'] / 1e6:.0f} | {1e3 * times['dkdv']:.0f} "
+              f"| {pre_bytes / times['pre'] / 1e6:.0f} | {1e3 * times['zeros']:.0f} | {1e3 * times['dkdv']:.0f} "
               f"| {(4 if pair else 5) * product_flops / times['dkdv'] / 1e9:.1f} | {1e3 * times['last']:.0f} "
               f"| {last_rate} | {1e3 * times['call']:.0f} | {1e3 * times['behind']:.0f} | {1e3 * times['row']:.0f} |",
               flush=True)

@@ -548,14 +548,18 @@ def fragment_units(tile_rows, columns):
     return units.reshape(batch, nheads, rows, hdp)
 
 
-@pytest.mark.parametrize("kernel", ["columns", "halves", "rows", "packed"])
+@pytest.mark.parametrize("kernel", ["columns", "halves", "rows", "packed", "halves-quads", "packed-quads"])
 def test_convert_dq_tiles_reads_the_fragment_order(xp, kernel):
     """The tile-major dq conversion (Sm90ConvertDqConfig) reads each element where make_stage_dq
     puts it (``fragment_units``). By columns (backward_sm90.py): headdim 96 of 128 columns, two
     parts of 64 a unit, a unit a query tile; by 32-column halves (backward_sm90.py at headdim 40 of
     64): two parts of 32; the rows split: headdim 40 of 64, one part a unit, two units a query tile
     of 128. seqlen_q 70 cuts the last tile. Packed sequences (by columns, headdim 96): lengths 70, 0,
-    40, each sequence's tiles from its padded first row (rows 0, 128 and 192)."""
+    40, each sequence's tiles from its padded first row (rows 0, 128 and 192). "-quads": dq stored
+    16 bytes a lane (``store_quads``, an option): at headdim 40 the second set of four 8-column
+    groups has one group before headdim and three past it (none stored; dq's NaN would show one)."""
+    quads = kernel.endswith("-quads")
+    kernel = kernel.removesuffix("-quads")
     if kernel in ("columns", "halves", "packed"):
         config = Sm90BackwardConfig(dtype="float16", headdim=40 if kernel == "halves" else 96,
                                     variant=Variant(varlen=kernel == "packed"), dq_split="columns", dq_first=True,
@@ -563,7 +567,7 @@ def test_convert_dq_tiles_reads_the_fragment_order(xp, kernel):
     else:
         config = Sm90RowsBackwardConfig("float16", 40, dq_reduce="tiles")
     nheads, hdp, columns = 3, config.headdim_padded, config.dq_part_columns
-    convert = Sm90ConvertDqConfig("float16", config.headdim, columns, kernel == "packed")
+    convert = Sm90ConvertDqConfig("float16", config.headdim, columns, kernel == "packed", store_quads=quads)
     generator = np.random.default_rng(0)
     if kernel == "packed":
         lengths = [70, 0, 40]
@@ -571,7 +575,8 @@ def test_convert_dq_tiles_reads_the_fragment_order(xp, kernel):
         shape = dq_accum_shape(config, len(lengths), nheads, int(cu[-1]))
         assert shape == (1, nheads, 5 * 64, hdp)  # ceil((110 + 3 x 64) / 64) tiles
         rows = generator.standard_normal((1, int(cu[-1]), nheads, hdp)).astype(np.float32)
-        tile_rows = np.full((1, shape[2], nheads, hdp), 1e30, np.float32)  # rows of no sequence: never read
+        # rows of no sequence: never stored (the quads convert them before the rows test, so a value fp16 holds)
+        tile_rows = np.full((1, shape[2], nheads, hdp), 4096.0, np.float32)
         for b, (first, length) in enumerate(zip(cu[:-1], lengths)):
             start = (first + 64 * b) // 64 * 64  # padded_first_row
             tile_rows[0, start:start + length] = rows[0, first:first + length]
@@ -1638,6 +1643,24 @@ def test_backward_sm90_gpu(rng, xp, seqlens, headdim, causal, dtype):
     index = SEQLENS.index(seqlens) + headdim // 8
     nheads, nheads_k = HEADS[index % len(HEADS)]
     run_sm90(rng, xp, 2, *seqlens, nheads, nheads_k, headdim, dtype, causal, heads_first=headdim == 96)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [40, 64, 104, 128])
+def test_backward_sm90_convert_quads_gpu(rng, xp, monkeypatch, headdim, causal, dtype):
+    """The tile-major dQ conversion storing dq 16 bytes a lane (configs.SM90_CONVERT_DQ_QUADS, an
+    option): step 40's kernel at hd 40 (the second set of four groups partly past headdim) and 64,
+    the tiles at 104 and 128; query and key tails, GQA 3:1, NaN-poisoned outputs."""
+    monkeypatch.setattr(configs, "SM90_CONVERT_DQ_QUADS", True)
+    backward._kernels.cache_clear()
+    built = recorded_builds(monkeypatch)
+    try:
+        run_sm90(rng, xp, 2, 1023, 1000, 3, 1, headdim, dtype, causal)
+    finally:
+        backward._kernels.cache_clear()
+    assert any(isinstance(c, Sm90ConvertDqConfig) and c.store_quads for c in built)
 
 
 WIDE_SEQLENS = [(1, 1), (113, 203), (203, 113), (1023, 1024), (2048, 2048)]

@@ -439,6 +439,21 @@ def test_varlen_sm90_dq_warp_gpu(rng, xp, monkeypatch, dtype, window, headdim):
     assert any(getattr(c, "dq_warp", False) and c.variant.varlen and c.dq_tile_major for c in built)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, "causal"], ids=["plain", "causal"])
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_varlen_sm90_convert_quads_gpu(rng, xp, monkeypatch, window, headdim):
+    """The sm90 backward on packed sequences with the tile-major dQ conversion storing dq 16 bytes a
+    lane (configs.SM90_CONVERT_DQ_QUADS, an option): each sequence's rows from its padded first
+    row of dq_accum, none past its end (the next sequence's rows), bfloat16, GQA 2:1."""
+    from nbflash import configs
+    from nbflash.kernels.backward_sm90 import Sm90ConvertDqConfig
+
+    monkeypatch.setattr(configs, "SM90_CONVERT_DQ_QUADS", True)
+    built = run_packed_grid(rng, xp, monkeypatch, "bfloat16", window, headdim)
+    assert any(isinstance(c, Sm90ConvertDqConfig) and c.store_quads and c.varlen for c in built)
+
+
 def run_packed_grid(rng, xp, monkeypatch, dtype, window, headdim):
     """The sm90 backward on GPU_LENGTHS[0]'s packed sequences, GQA 2:1, with dQ's padding limit lifted
     (so that the short sequences take the tile-major forms too); plain, "causal" or a two-sided

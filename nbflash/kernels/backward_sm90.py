@@ -1727,6 +1727,11 @@ class Sm90ConvertDqConfig:
     # packed sequences: the dK/dV kernel's query tile (its block_m), to which each sequence's first
     # row of dq_accum is padded (padded_first_row); its 128-row tiles are two of this kernel's units
     tile_rows: int = 64
+    # dq stored 16 bytes a lane after a transpose across each quad (``make_store_rows``'s quads, as
+    # the dK/dV kernel's ``store_quads``), instead of a 32-bit pair a store. The kernel ran at 0.46-0.57x
+    # the device-to-device copy's bandwidth on an H100 (thirty-fifth session, sm90_schedules.py
+    # --parts: 127-154 us at 4k, 4-5% of the call). An option until timed (configs.SM90_CONVERT_DQ_QUADS)
+    store_quads: bool = False
     kernel = "convert_dq"  # the backward's plan reads it (one kernel of the three)
     block_m = 64  # rows of a unit (dq_accum_shape)
     threads = GROUP
@@ -1743,6 +1748,8 @@ class Sm90ConvertDqConfig:
             raise ValueError(f"{self.part_columns=} must be a multiple of 8 dividing {self.headdim_padded}")
         if self.tile_rows not in (64, 128) or (self.tile_rows != 64 and not self.varlen):
             raise ValueError(f"{self.tile_rows=} must be 64, or 128 with packed sequences (varlen=True)")
+        if self.store_quads and self.headdim_padded % 32:
+            raise ValueError(f"store_quads=True takes whole sets of four 8-column groups, not {self.headdim_padded=}")
 
     headdim_padded = Sm90BackwardConfig.headdim_padded
 
@@ -1758,7 +1765,7 @@ def build_convert_dq_tiles(config: Sm90ConvertDqConfig):
     VECTORS = COLUMNS // 8  # a staging thread's 16-byte stores a part
     PART = 4 * BM * COLUMNS  # bytes of a part
     ACC_REGS = HDP // 2  # a thread's registers over all HDP columns
-    store_rows = make_store_rows(config.dtype, config.headdim, HDP)
+    store_rows = make_store_rows(config.dtype, config.headdim, HDP, quads=config.store_quads)
 
     @inline_device
     @unroll
