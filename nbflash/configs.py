@@ -857,7 +857,7 @@ def planned_backward_sm90_config(dtype, headdim, variant):
 # Measured on an H100 (thirty-fifth session: scripts/gpu_check.sh dq-warp-anchors, i.e.
 # sm90_schedules.py --backward --headdims 64 128 --anchors, two runs, fp16, hd 128, on the plan with
 # dq_warp; docs/perf-notes.md "The plan against the anchors again; the quads; the kernels apart"):
-# +1.3% to +2.3% in all eight cells (4k and 16k, plain and causal, two runs), as the thirty-second
+# +0.5% to +3.3% in all eight cells (4k and 16k, plain and causal, two runs), as the thirty-second
 # session's +0.9% to +3.5% before dq_warp. Its GPU grid on that plan (test_backward_sm90_store_quads_gpu:
 # hd 72, 104 and 128; plain, causal, softcap and dropout's producer bits) 12 of 12. Packed sequences
 # keep the pairs (neither timed nor in that grid).
