@@ -811,7 +811,7 @@ quads-groups)
     # more; hd 64's launch groups of 1 and 2 against its 4 at 4k, 16k and 32k, interleaved (groups of 2
     # won hd 64 16k plain by 5.8% and lost the other three cells); about 7 minutes
     grid quads_tests 200 tests/test_backward_sm90.py -k "store_quads_gpu"
-    timeout 90 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-quads planned \
+    timeout 90 python3 scripts/sm90_schedules.py --backward --headdims 128 --only planned-quads planned-pairs planned \
         > "$out/quads128.log" 2>&1
     echo "hd 128 (exit $?):"; tail -6 "$out/quads128.log"
     timeout 130 python3 scripts/sm90_schedules.py --backward --headdims 64 --seqlens 4096 16384 32768 \
@@ -897,12 +897,13 @@ runpy.run_path('scripts/sm90_schedules.py', run_name='__main__')" "$option" --pa
 dq-warp-anchors)
     # the plan (dq_warp and stats_ahead) against the plan before (the stats warp adding the staged dQ),
     # dq_warp alone and (hd 128) the plan with 16-byte dK/dV stores (step 55's quads: +0.9-3.5% in eight
-    # of eight cells before dq_warp; their grid: quads-groups), SDPA flash's and cuDNN's backwards in the
+    # of eight cells before dq_warp; their grid: quads-groups; planned since the thirty-fifth session,
+    # where "planned-pairs" is the plan without them), SDPA flash's and cuDNN's backwards in the
     # same loop, the plan timed last of ours (the order that read slow in the thirtieth session), twice;
     # about 5 minutes
     for run in 1 2; do
         timeout 130 python3 scripts/sm90_schedules.py --backward --headdims 64 128 --anchors \
-            --only planned-statswarp planned-notahead planned-quads planned > "$out/dq_warp_anchors_$run.log" 2>&1
+            --only planned-statswarp planned-notahead planned-quads planned-pairs planned > "$out/dq_warp_anchors_$run.log" 2>&1
         echo "run $run (exit $?):"; tail -22 "$out/dq_warp_anchors_$run.log"
     done
     # the planned backward's three kernels timed apart: how much of 4k's time the preprocess and the dQ
