@@ -856,8 +856,8 @@ def planned_backward_sm90_config(dtype, headdim, variant):
 # the planned kernel padded to 128 columns (headdims 72-128) with dQ tile-major, dense sequences.
 # Measured on an H100 (thirty-fifth session: scripts/gpu_check.sh dq-warp-anchors, i.e.
 # sm90_schedules.py --backward --headdims 64 128 --anchors, two runs, fp16, hd 128, on the plan with
-# dq_warp; docs/perf-notes.md "The plan against the anchors again; the quads; the kernels apart"):
-# +0.5% to +3.3% in all eight cells (4k and 16k, plain and causal, two runs), as the thirty-second
+# dq_warp; docs/perf-notes.md "The plan against the anchors again; the 16-byte dK/dV stores planned;
+# the kernels apart"): +0.5% to +3.3% in all eight cells (4k and 16k, plain and causal, two runs), as the thirty-second
 # session's +0.9% to +3.5% before dq_warp. Its GPU grid on that plan (test_backward_sm90_store_quads_gpu:
 # hd 72, 104 and 128; plain, causal, softcap and dropout's producer bits) 12 of 12. Packed sequences
 # keep the pairs (neither timed nor in that grid).
@@ -867,7 +867,7 @@ SM90_BACKWARD_STORE_QUADS = True
 # The tile-major dQ conversion (Sm90ConvertDqConfig) storing dq 16 bytes a lane after the quads'
 # transposes (``store_quads``): an option, off, until timed (scripts/gpu_check.sh convert-quads). The
 # conversion measured 127-154 us at 4k on an H100 (thirty-fifth session, sm90_schedules.py --parts),
-# 0.46-0.57x the device-to-device copy's bandwidth: 4-5% of the call at 4k, about 1.4% at 16k.
+# 0.47-0.57x the device-to-device copy's bandwidth: 4-5% of the call at 4k, about 1.4% at 16k.
 SM90_CONVERT_DQ_QUADS = False
 
 

@@ -875,7 +875,7 @@ plan-suite)
     ;;
 convert-quads)
     # the tile-major dQ conversion storing dq 16 bytes a lane (configs.SM90_CONVERT_DQ_QUADS, an option;
-    # it ran at 0.46-0.57x a copy's bandwidth, 4-5% of the call at 4k: docs/perf-notes.md, thirty-fifth
+    # it ran at 0.47-0.57x a copy's bandwidth, 4-5% of the call at 4k: docs/perf-notes.md, thirty-fifth
     # session): its GPU grid, then the planned backward's kernels timed apart (--parts, which times
     # dq_accum's zeroing too) with the option off and on, alternating, twice; then the plan (16-byte
     # dK/dV stores at hd 128 since the thirty-fifth session) against its pairs and SDPA; about 6 minutes

@@ -1728,7 +1728,7 @@ class Sm90ConvertDqConfig:
     # row of dq_accum is padded (padded_first_row); its 128-row tiles are two of this kernel's units
     tile_rows: int = 64
     # dq stored 16 bytes a lane after a transpose across each quad (``make_store_rows``'s quads, as
-    # the dK/dV kernel's ``store_quads``), instead of a 32-bit pair a store. The kernel ran at 0.46-0.57x
+    # the dK/dV kernel's ``store_quads``), instead of a 32-bit pair a store. The kernel ran at 0.47-0.57x
     # the device-to-device copy's bandwidth on an H100 (thirty-fifth session, sm90_schedules.py
     # --parts: 127-154 us at 4k, 4-5% of the call). An option until timed (configs.SM90_CONVERT_DQ_QUADS)
     store_quads: bool = False
