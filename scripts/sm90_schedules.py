@@ -129,6 +129,19 @@ SHAPES = [(128, 4096, False), (128, 16384, False), (128, 4096, True), (128, 1638
           (64, 16384, False), (64, 4096, True), (64, 16384, True)]  # (headdim, seqlen, causal)
 
 
+def chosen(found, headdim, causal):
+    """The schedules of ``found`` that --only names (all without it); the names it gives that no
+    schedule of this shape has are said on stderr (a name the plan has made "planned" or another
+    name, say), so that a run does not silently time fewer columns than asked for."""
+    if ONLY is None:
+        return found
+    missing = sorted(ONLY - set(found))
+    if missing:
+        print(f"--only: no schedule {', '.join(missing)} at hd {headdim}, {'causal' if causal else 'plain'}",
+              file=sys.stderr)
+    return {name: config for name, config in found.items() if name in ONLY}
+
+
 def schedules(headdim, causal):
     from nbflash import configs
     from nbflash.problem import Variant
@@ -144,7 +157,7 @@ def schedules(headdim, causal):
                                              "pingpong": True})
     for groups in (2, 4):  # of each row's 16 key groups, this many with P's exponentials on the FMA pipes
         found[f"fma{groups}"] = base.__class__(**{**base.__dict__, "exp2_fma_groups": groups})
-    return {name: config for name, config in found.items() if ONLY is None or name in ONLY}
+    return chosen(found, headdim, causal)
 
 
 def median_ms(call, repeats):
@@ -354,7 +367,7 @@ def backward_schedules(headdim, causal):
         for groups in (1, 2, 8):
             found[f"planned-groups{groups}"] = dataclasses.replace(planned, heavy_groups=groups)
     found["planned"] = planned
-    return {name: config for name, config in found.items() if ONLY is None or name in ONLY}
+    return chosen(found, headdim, causal)
 
 
 def main_backward():
