@@ -860,8 +860,12 @@ def planned_backward_sm90_config(dtype, headdim, variant):
 # the kernels apart"): +0.5% to +3.3% in all eight cells (4k and 16k, plain and causal, two runs), as the thirty-second
 # session's +0.9% to +3.5% before dq_warp. Its GPU grid on that plan (test_backward_sm90_store_quads_gpu:
 # hd 72, 104 and 128; plain, causal, softcap and dropout's producer bits) 12 of 12. Packed sequences
-# keep the pairs (neither timed nor in that grid).
+# keep the pairs (neither timed nor in that grid) unless ``SM90_BACKWARD_VARLEN_STORE_QUADS``.
 SM90_BACKWARD_STORE_QUADS = True
+# ... for packed sequences too (each sequence's key rows bounded as the pairs' are): an option, off,
+# until timed (scripts/gpu_check.sh packed-quads; simulator case in test_varlen_sm90_dq_tiles, GPU grid
+# test_varlen_sm90_store_quads_gpu)
+SM90_BACKWARD_VARLEN_STORE_QUADS = False
 
 
 # The tile-major dQ conversion (Sm90ConvertDqConfig) storing dq 16 bytes a lane after the quads'
@@ -873,8 +877,9 @@ SM90_CONVERT_DQ_QUADS = False
 
 def store_quads_planned(table):
     """Whether the planned kernel from ``table`` (``sm90_backward_table_config``) stores dK and dV 16
-    bytes a lane (``SM90_BACKWARD_STORE_QUADS``)."""
-    return SM90_BACKWARD_STORE_QUADS and table.headdim_padded == 128 and not table.variant.varlen
+    bytes a lane (``SM90_BACKWARD_STORE_QUADS``; for packed sequences ``SM90_BACKWARD_VARLEN_STORE_QUADS``)."""
+    packed_ok = SM90_BACKWARD_VARLEN_STORE_QUADS or not table.variant.varlen
+    return SM90_BACKWARD_STORE_QUADS and table.headdim_padded == 128 and packed_ok
 
 
 # Plain attention (no window, no other feature) on the planned kernel padded to 128 columns (dQ

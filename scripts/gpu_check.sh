@@ -894,6 +894,24 @@ runpy.run_path('scripts/sm90_schedules.py', run_name='__main__')" "$option" --pa
         > "$out/plan_anchors.log" 2>&1
     echo "the plan against SDPA (exit $?):"; tail -22 "$out/plan_anchors.log"
     ;;
+packed-quads)
+    # dK and dV by 16-byte stores on packed sequences (configs.SM90_BACKWARD_VARLEN_STORE_QUADS, an option;
+    # planned for dense sequences at hd 72-128 since the thirty-fifth session): its GPU grid, then
+    # bench.py's packed backward at hd 128 with the option off and on, alternating, twice (each in its
+    # own process); lengths drawn up to 2048 and 4096, and four of 4096; about 5 minutes
+    grid packed_quads_tests 150 tests/test_varlen.py -k "store_quads_gpu"
+    for run in 1 2; do
+        for option in off on; do
+            timeout 60 python3 -c "import runpy, sys; from nbflash import configs
+configs.SM90_BACKWARD_VARLEN_STORE_QUADS = sys.argv[1] == 'on'
+sys.argv = ['scripts/bench.py'] + sys.argv[2:]
+runpy.run_path('scripts/bench.py', run_name='__main__')" "$option" --pass varlen --varlen-backward --headdims 128 \
+                --causal both --varlen-lengths uniform:16384:2048 uniform:16384:4096 4096,4096,4096,4096 --no-torch \
+                --budget 0.3 > "$out/packed_quads_${option}_$run.log" 2>&1
+            echo "packed backward, quads $option, run $run (exit $?):"; tail -8 "$out/packed_quads_${option}_$run.log"
+        done
+    done
+    ;;
 dq-warp-anchors)
     # the plan (dq_warp and stats_ahead) against the plan before (the stats warp adding the staged dQ),
     # dq_warp alone and (hd 128) the plan with 16-byte dK/dV stores (step 55's quads: +0.9-3.5% in eight
@@ -1049,7 +1067,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8|dqwarp]]|wide|fp8|exp2|keys128 [RUNS]|planned-now|keys128-next|stats-ahead|plan-suite [SECONDS]|dq-warp-anchors|convert-quads" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8|dqwarp]]|wide|fp8|exp2|keys128 [RUNS]|planned-now|keys128-next|stats-ahead|plan-suite [SECONDS]|dq-warp-anchors|convert-quads|packed-quads" >&2
     exit 2
     ;;
 esac

@@ -127,8 +127,9 @@ def test_sm90_backward_plans_dq_warp(monkeypatch):
 
 def test_sm90_backward_plans_store_quads(monkeypatch):
     """configs.SM90_BACKWARD_STORE_QUADS: the planned kernel padded to 128 columns (headdims 72-128)
-    stores dK and dV 16 bytes a lane, with any variant of dense sequences; not for packed sequences,
-    not at hd 64 (step 40, built without them), not in the deterministic pass; off, nowhere."""
+    stores dK and dV 16 bytes a lane, with any variant of dense sequences; for packed sequences only
+    with SM90_BACKWARD_VARLEN_STORE_QUADS (an option); not at hd 64 (step 40, built without them),
+    not in the deterministic pass; off, nowhere."""
     monkeypatch.setattr(configs.runtime, "SIMULATOR", False)  # the planner's GPU branch (nothing runs)
     monkeypatch.setattr(configs, "_compute_capability", lambda device=0: (9, 0))
     for on in (True, False):
@@ -139,6 +140,9 @@ def test_sm90_backward_plans_store_quads(monkeypatch):
                                           (64, Variant(dropout=True), False)]:
             dkdv = configs.sm90_backward_config("float16", headdim, variant)
             assert dkdv.store_quads == planned and not dkdv.store_tma, (on, headdim, variant)
+        with monkeypatch.context() as packed:  # packed sequences with SM90_BACKWARD_VARLEN_STORE_QUADS (an option)
+            packed.setattr(configs, "SM90_BACKWARD_VARLEN_STORE_QUADS", True)
+            assert configs.sm90_backward_config("float16", 128, Variant(varlen=True)).store_quads == on
         dkdv = configs.plan_backward(Static("float16", 128, False, 0, CAUSAL), True, "sm90", True)[1]
         assert not getattr(dkdv, "store_quads", False)
 

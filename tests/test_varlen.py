@@ -6,6 +6,8 @@ sequence and dropout keyed by the sequence's index. Outputs are poisoned (NaN) b
 every row of every sequence must be written.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -323,15 +325,23 @@ def varlen_dq_reduce(request, monkeypatch):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs the grid below")
-def test_varlen_sm90_dq_tiles(rng, xp, monkeypatch):
+@pytest.mark.parametrize("quads", [False, True], ids=["pairs", "quads"])
+def test_varlen_sm90_dq_tiles(rng, xp, monkeypatch, quads):
     """The Hopper dK/dV kernel's tile-major dQ on packed sequences (planned): headdim 40 by 32-column halves
     (the table patched to "columns", so that dQ's product comes first), causal; sequence 0 spans two
     query tiles (dq_accum's rows 0-127), sequence 1 has no query, sequence 2's 9 rows start at packed
     row 70 and at dq_accum's row 192 (70 + 2 x 64, down to a whole tile); its key tile crosses into
-    the packed arrays' end."""
+    the packed arrays' end. "quads": dK and dV by 16-byte stores (``store_quads``; for packed
+    sequences an option, configs.SM90_BACKWARD_VARLEN_STORE_QUADS): each sequence's key rows bounded
+    (5 and 20 keys: the rows past them are the next sequence's or past the arrays), the last set of
+    four 8-column groups partly past headdim."""
     from nbflash import backward, configs
     from nbflash.kernels.backward_sm90 import Sm90ConvertDqConfig
 
+    if quads:
+        planned = configs.sm90_backward_config
+        monkeypatch.setattr(configs, "sm90_backward_config",
+                            lambda *args: dataclasses.replace(planned(*args), store_quads=True))
     monkeypatch.setattr(configs, "SM90_BACKWARD", [(128, 2, "columns")])
     monkeypatch.setattr(configs, "SM90_VARLEN_DQ_TILES_MAX_PADDING", 3.0)  # 3 x 64 rows of padding for 79
     configs.sm90_backward_table_config.cache_clear()
@@ -343,7 +353,7 @@ def test_varlen_sm90_dq_tiles(rng, xp, monkeypatch):
     finally:
         configs.sm90_backward_table_config.cache_clear()
         backward._kernels.cache_clear()
-    assert any(getattr(c, "dq_reduce", "") == "tiles" and c.variant.varlen for c in built)
+    assert any(getattr(c, "dq_reduce", "") == "tiles" and c.variant.varlen and c.store_quads == quads for c in built)
     assert Sm90ConvertDqConfig("float16", 40, 32, True) in built
 
 
@@ -452,6 +462,20 @@ def test_varlen_sm90_convert_quads_gpu(rng, xp, monkeypatch, window, headdim):
     monkeypatch.setattr(configs, "SM90_CONVERT_DQ_QUADS", True)
     built = run_packed_grid(rng, xp, monkeypatch, "bfloat16", window, headdim)
     assert any(isinstance(c, Sm90ConvertDqConfig) and c.store_quads and c.varlen for c in built)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, "causal", (40, 8)], ids=["plain", "causal", "window"])
+@pytest.mark.parametrize("headdim", [72, 128])
+def test_varlen_sm90_store_quads_gpu(rng, xp, monkeypatch, window, headdim):
+    """The planned sm90 backward on packed sequences with dK and dV by 16-byte stores
+    (configs.SM90_BACKWARD_VARLEN_STORE_QUADS, an option): each sequence's key rows bounded (no key,
+    one, a tile and one), headdim 72's last set of four groups mostly past it, bfloat16, GQA 2:1."""
+    from nbflash import configs
+
+    monkeypatch.setattr(configs, "SM90_BACKWARD_VARLEN_STORE_QUADS", True)
+    built = run_packed_grid(rng, xp, monkeypatch, "bfloat16", window, headdim)
+    assert any(getattr(c, "store_quads", False) and c.variant.varlen for c in built)
 
 
 def run_packed_grid(rng, xp, monkeypatch, dtype, window, headdim):
