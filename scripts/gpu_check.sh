@@ -644,10 +644,8 @@ tiles2)
     tail -12 "$out/tiles_dropout.log"
     # packed sequences at hd 128 (step 37): the atomics (an option), then the planned tile-major dQ
     for form in red tiles; do
-        timeout 140 python3 -c "import runpy, sys; from nbflash import configs
-configs.SM90_BACKWARD_VARLEN_DQ_TILES = sys.argv[1] == 'tiles'
-sys.argv = ['scripts/bench.py'] + sys.argv[2:]
-runpy.run_path('scripts/bench.py', run_name='__main__')" "$form" --pass varlen --varlen-backward --headdims 128 \
+        timeout 140 python3 scripts/with_configs.py SM90_BACKWARD_VARLEN_DQ_TILES=$([ "$form" = tiles ] && echo on || echo off) \
+            -- scripts/bench.py --pass varlen --varlen-backward --headdims 128 \
             --causal both --varlen-lengths uniform:16384:2048 --no-torch --budget 0.3 > "$out/varlen_$form.log" 2>&1
         echo "varlen backward, dq_reduce=$form (exit $?):"; tail -6 "$out/varlen_$form.log"
     done
@@ -657,11 +655,8 @@ packed)
     # with the tile-major dQ (the padding's limit lifted), each beside the mma backward; then hd 64
     # as planned (backward_sm90.py's "steps") beside the mma one
     for form in red tiles; do
-        timeout 200 python3 -c "import runpy, sys; from nbflash import configs
-configs.SM90_BACKWARD_VARLEN_DQ_TILES = sys.argv[1] == 'tiles'
-configs.SM90_VARLEN_DQ_TILES_MAX_PADDING = 1e9
-sys.argv = ['scripts/bench.py'] + sys.argv[2:]
-runpy.run_path('scripts/bench.py', run_name='__main__')" "$form" --pass varlen --varlen-backward --headdims 128 \
+        timeout 200 python3 scripts/with_configs.py SM90_BACKWARD_VARLEN_DQ_TILES=$([ "$form" = tiles ] && echo on || echo off) SM90_VARLEN_DQ_TILES_MAX_PADDING=1e9 \
+            -- scripts/bench.py --pass varlen --varlen-backward --headdims 128 \
             --causal both --varlen-lengths uniform:16384:64 uniform:16384:128 uniform:16384:256 uniform:16384:512 \
             --no-torch --budget 0.2 > "$out/packed_$form.log" 2>&1
         echo "packed backward, hd 128, dq_reduce=$form (exit $?):"; tail -10 "$out/packed_$form.log"
@@ -882,10 +877,8 @@ convert-quads)
     grid convert_quads_tests 150 tests/test_backward_sm90.py tests/test_varlen.py -k "convert_quads"
     for run in 1 2; do
         for option in off on; do
-            timeout 70 python3 -c "import runpy, sys; from nbflash import configs
-configs.SM90_CONVERT_DQ_QUADS = sys.argv[1] == 'on'
-sys.argv = ['scripts/sm90_schedules.py'] + sys.argv[2:]
-runpy.run_path('scripts/sm90_schedules.py', run_name='__main__')" "$option" --parts --headdims 64 128 \
+            timeout 70 python3 scripts/with_configs.py SM90_CONVERT_DQ_QUADS=$option \
+                -- scripts/sm90_schedules.py --parts --headdims 64 128 \
                 > "$out/convert_quads_${option}_$run.log" 2>&1
             echo "parts, convert quads $option, run $run (exit $?):"; tail -9 "$out/convert_quads_${option}_$run.log"
         done
@@ -902,10 +895,8 @@ packed-quads)
     grid packed_quads_tests 150 tests/test_varlen.py -k "store_quads_gpu"
     for run in 1 2; do
         for option in off on; do
-            timeout 60 python3 -c "import runpy, sys; from nbflash import configs
-configs.SM90_BACKWARD_VARLEN_STORE_QUADS = sys.argv[1] == 'on'
-sys.argv = ['scripts/bench.py'] + sys.argv[2:]
-runpy.run_path('scripts/bench.py', run_name='__main__')" "$option" --pass varlen --varlen-backward --headdims 128 \
+            timeout 60 python3 scripts/with_configs.py SM90_BACKWARD_VARLEN_STORE_QUADS=$option \
+            -- scripts/bench.py --pass varlen --varlen-backward --headdims 128 \
                 --causal both --varlen-lengths uniform:16384:2048 uniform:16384:4096 4096,4096,4096,4096 --no-torch \
                 --budget 0.3 > "$out/packed_quads_${option}_$run.log" 2>&1
             echo "packed backward, quads $option, run $run (exit $?):"; tail -8 "$out/packed_quads_${option}_$run.log"
@@ -936,10 +927,8 @@ packed-dq-warp)
     # up to 2048 and 4096 and four of 4096 (shorter ones take the atomics: no staged dQ); about 6 minutes
     for run in 1 2; do
         for option in off on; do
-            timeout 80 python3 -c "import runpy, sys; from nbflash import configs
-configs.SM90_BACKWARD_VARLEN_DQ_WARP = sys.argv[1] == 'on'
-sys.argv = ['scripts/bench.py'] + sys.argv[2:]
-runpy.run_path('scripts/bench.py', run_name='__main__')" "$option" --pass varlen --varlen-backward --headdims 64 128 \
+            timeout 80 python3 scripts/with_configs.py SM90_BACKWARD_VARLEN_DQ_WARP=$option \
+            -- scripts/bench.py --pass varlen --varlen-backward --headdims 64 128 \
                 --causal both --varlen-lengths uniform:16384:2048 uniform:16384:4096 4096,4096,4096,4096 --no-torch \
                 --budget 0.3 > "$out/packed_dq_warp_${option}_$run.log" 2>&1
             echo "packed backward, dq_warp $option, run $run (exit $?):"; tail -14 "$out/packed_dq_warp_${option}_$run.log"
@@ -973,10 +962,8 @@ packed128)
     grid packed128_tests 200 tests/test_varlen.py -k "keys128 or plan_step_40 or dq_tiles_by_length"
     for run in 1 2; do
         for option in off on; do
-            timeout 90 python3 -c "import runpy, sys; from nbflash import configs
-configs.SM90_BACKWARD_VARLEN_KEYS128 = sys.argv[1] == 'on'
-sys.argv = ['scripts/bench.py'] + sys.argv[2:]
-runpy.run_path('scripts/bench.py', run_name='__main__')" "$option" --pass varlen --varlen-backward --headdims 64 \
+            timeout 90 python3 scripts/with_configs.py SM90_BACKWARD_VARLEN_KEYS128=$option \
+            -- scripts/bench.py --pass varlen --varlen-backward --headdims 64 \
                 --causal both --varlen-lengths uniform:16384:2048 uniform:16384:4096 4096,4096,4096,4096 --no-torch \
                 --budget 0.3 > "$out/packed128_${option}_$run.log" 2>&1
             echo "packed backward, hd 64, step 40 $option, run $run (exit $?):"; tail -8 "$out/packed128_${option}_$run.log"
