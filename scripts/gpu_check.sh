@@ -270,6 +270,21 @@ bench_forward() {  # $1: time limit, then bench.py arguments
     timeout "$limit" python3 scripts/bench.py "$@" --markdown "$out/bench_forward.md" 2>> "$out/progress.log" | tail -80
 }
 
+packed_off_on() {  # $1: a configs flag, $2: the logs' name, $3: time limit, then bench.py's headdims
+    # bench.py's packed backward with the flag off and on, alternating, twice, each in its own process;
+    # lengths drawn up to 2048 and 4096, and four of 4096
+    local flag=$1 name=$2 limit=$3 run option
+    shift 3
+    for run in 1 2; do
+        for option in off on; do
+            timeout "$limit" python3 scripts/with_configs.py "$flag=$option" -- scripts/bench.py --pass varlen \
+                --varlen-backward --headdims "$@" --causal both --varlen-lengths uniform:16384:2048 \
+                uniform:16384:4096 4096,4096,4096,4096 --no-torch --budget 0.3 > "$out/${name}_${option}_$run.log" 2>&1
+            echo "packed backward, $flag $option, run $run (exit $?):"; tail -14 "$out/${name}_${option}_$run.log"
+        done
+    done
+}
+
 # The GPU grids of perf-notes steps 59 and 60: `wraps` runs the first (and the decode kernel's),
 # `walks` the second; `steps` and `verify` take their fp16 halves in one call
 WRAPS_K="(test_backward_sm90_gpu and not matches) or test_backward_sm90_variants_gpu or staged_dropout_gpu"
@@ -893,15 +908,7 @@ packed-quads)
     # bench.py's packed backward at hd 128 with the option off and on, alternating, twice (each in its
     # own process); lengths drawn up to 2048 and 4096, and four of 4096; about 5 minutes
     grid packed_quads_tests 150 tests/test_varlen.py -k "store_quads_gpu"
-    for run in 1 2; do
-        for option in off on; do
-            timeout 60 python3 scripts/with_configs.py SM90_BACKWARD_VARLEN_STORE_QUADS=$option \
-            -- scripts/bench.py --pass varlen --varlen-backward --headdims 128 \
-                --causal both --varlen-lengths uniform:16384:2048 uniform:16384:4096 4096,4096,4096,4096 --no-torch \
-                --budget 0.3 > "$out/packed_quads_${option}_$run.log" 2>&1
-            echo "packed backward, quads $option, run $run (exit $?):"; tail -8 "$out/packed_quads_${option}_$run.log"
-        done
-    done
+    packed_off_on SM90_BACKWARD_VARLEN_STORE_QUADS packed_quads 60 128
     ;;
 dq-warp-anchors)
     # the plan (dq_warp and stats_ahead) against the plan before (the stats warp adding the staged dQ),
@@ -925,15 +932,7 @@ packed-dq-warp)
     # dense plan since the thirty-fourth session): bench.py's packed backward at hd 64 (step 40) and 128
     # (the tiles) with the option off and on, alternating, twice (each in its own process); lengths drawn
     # up to 2048 and 4096 and four of 4096 (shorter ones take the atomics: no staged dQ); about 6 minutes
-    for run in 1 2; do
-        for option in off on; do
-            timeout 80 python3 scripts/with_configs.py SM90_BACKWARD_VARLEN_DQ_WARP=$option \
-            -- scripts/bench.py --pass varlen --varlen-backward --headdims 64 128 \
-                --causal both --varlen-lengths uniform:16384:2048 uniform:16384:4096 4096,4096,4096,4096 --no-torch \
-                --budget 0.3 > "$out/packed_dq_warp_${option}_$run.log" 2>&1
-            echo "packed backward, dq_warp $option, run $run (exit $?):"; tail -14 "$out/packed_dq_warp_${option}_$run.log"
-        done
-    done
+    packed_off_on SM90_BACKWARD_VARLEN_DQ_WARP packed_dq_warp 80 64 128
     ;;
 ring3)
     # step 40 at hd 64 with one set of dS^T tiles (ds_buffers=1, a barrier a step between the consumers) and
@@ -960,15 +959,7 @@ packed128)
     # option off and on, alternating, twice (each in its own process); lengths drawn up to 2048 and
     # 4096 (the 128-row padding takes mean lengths from 1024 on) and four of 4096; about 6 minutes
     grid packed128_tests 200 tests/test_varlen.py -k "keys128 or plan_step_40 or dq_tiles_by_length"
-    for run in 1 2; do
-        for option in off on; do
-            timeout 90 python3 scripts/with_configs.py SM90_BACKWARD_VARLEN_KEYS128=$option \
-            -- scripts/bench.py --pass varlen --varlen-backward --headdims 64 \
-                --causal both --varlen-lengths uniform:16384:2048 uniform:16384:4096 4096,4096,4096,4096 --no-torch \
-                --budget 0.3 > "$out/packed128_${option}_$run.log" 2>&1
-            echo "packed backward, hd 64, step 40 $option, run $run (exit $?):"; tail -8 "$out/packed128_${option}_$run.log"
-        done
-    done
+    packed_off_on SM90_BACKWARD_VARLEN_KEYS128 packed128 90 64
     ;;
 table-rotated)
     # issue 13's table on the plan of the thirtieth session (two ring stages at hd 128 again), bench.py's
