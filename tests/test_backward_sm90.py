@@ -1069,6 +1069,22 @@ def test_backward_sm90_keys128_dq_warp_small(rng, xp, monkeypatch):
         backward._kernels.cache_clear()
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_fold_dq_gpu")
+def test_backward_sm90_keys128_fold_dq_small(rng, xp, monkeypatch):
+    """Step 40's kernel with ``fold_dq`` (the conversion folded in): a query tile is two 64-row units,
+    dealt to two of the consumers' warps. Causal, 140 queries of 200 keys (both key tiles visit both
+    query tiles; the second query tile's second unit lies past seqlen_q), headdim 40, dq NaN-poisoned
+    (GQA's steps run in test_backward_sm90_fold_dq_small)."""
+    plan_keys128(monkeypatch, dq_warp=True, fold_dq=True)
+    built = recorded_builds(monkeypatch)
+    try:
+        run_case(rng, xp, 1, 140, 200, 1, 1, 40, "float16", True, False, False, family="sm90",
+                 simulator_reference_forward=True)
+        assert [c.fold_dq for c in built if isinstance(c, Sm90BackwardConfig)] == [True]
+    finally:
+        backward._kernels.cache_clear()
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_keys128_rotate_gpu")
 def test_backward_sm90_keys128_rotate_small(rng, xp, monkeypatch):
     """Step 40's kernel with each block's query tiles rotated (``rotate``): ALiBi (the consumers' score
