@@ -15,7 +15,7 @@ from .block_mask import kernel_params
 from .configs import forced_family, plan_backward
 from .dtypes import FLOAT32
 from .interface import user_functions_compile
-from .kernels.backward_sm90 import dq_accum_shape
+from .kernels.backward_sm90 import FOLD_STEPS, dq_accum_shape
 
 LOG2_E = math.log2(math.e)
 
@@ -73,12 +73,30 @@ def _kernels(static, deterministic, family, aligned, out_aligned=False, dq_tiles
 def _dq_accumulator(dkdv_config, batch, nheads, rows, row_major_shape):
     """(dq_accum, tile_major) for a call with atomics: held tile-major where the dK/dV kernel stages
     dQ (the sm90 kernel's dq_reduce="tiles": ``dq_accum_shape``, ``rows`` the query rows: seqlen_q,
-    or total_q for packed sequences), zeroed here, the preprocess (planned without atomic_dq)
-    leaving it alone and the planned conversion reading that order; else row-major
-    (``row_major_shape``), zeroed by the preprocess."""
+    or total_q for packed sequences; with ``fold_dq`` its tiles' arrival counters after them), zeroed
+    here, the preprocess (planned without atomic_dq) leaving it alone and the planned conversion
+    reading that order; else row-major (``row_major_shape``), zeroed by the preprocess."""
     if getattr(dkdv_config, "dq_tile_major", False):
         return launch.zeros(dq_accum_shape(dkdv_config, batch, nheads, rows), FLOAT32), True
     return launch.empty(row_major_shape, FLOAT32), False
+
+
+def _fold_or_not(dkdv, problem):
+    """(dkdv, folded): the planned dK/dV kernel and whether it converts dQ itself (the sm90 kernel's
+    ``fold_dq``), which it can with at most FOLD_STEPS steps a block (GQA group x query tiles) and a
+    key tile at least (no block otherwise); past that, the same kernel without it (compiled on first
+    use) and the conversion kernel after it."""
+    config, p = dkdv.config, problem
+    if not getattr(config, "fold_dq", False):
+        return dkdv, False
+    if p.nheads // p.nheads_k * -(-p.seqlen_q // config.block_m) <= FOLD_STEPS and p.seqlen_k > 0:
+        return dkdv, True
+    return launch.compiled(config.replaced(fold_dq=False), p.static.device), False
+
+
+def _dq_out(dkdv, dq):
+    """dq as the dK/dV kernel's argument after dq_accum, for the kernels that take it (``takes_dq``)."""
+    return (dq,) if getattr(dkdv.config, "takes_dq", False) else ()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -95,6 +113,7 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     # out's rows too, where the row-wise kernels' 16-byte forms are planned (they read them)
     out_aligned = configs.ROWWISE_VECTOR and validation.rows_aligned(out)
     preprocess, dkdv, dq_kernel = _kernels(p.static, deterministic, family, aligned, out_aligned)
+    dkdv, folded = _fold_or_not(dkdv, p)
     # dQ by a pass of its own (deterministic=True, or where the plan prefers it: configs.py) or atomics
     separate_dq = not dkdv.config.atomic_dq
     dq = launch.empty(q.shape, q.dtype)
@@ -111,12 +130,12 @@ def _flash_attn_backward(problem, dout, q, k, v, out, lse, deterministic=False):
 
     # D = rowsum(dO * O); with atomics, dq_accum zeroed too.
     preprocess.launch(preprocess.config.grid(*shape), (out, dout, delta, delta if tiles else dq_accum), ())
-    dkdv.launch(dkdv.config.grid(*shape), (q, k, v, dout, lse, delta, dk, dv, dq_accum), (scale_log2, scale),
-                kernel_params(p, dkdv.config))
+    dkdv.launch(dkdv.config.grid(*shape), (q, k, v, dout, lse, delta, dk, dv, dq_accum, *_dq_out(dkdv, dq)),
+                (scale_log2, scale), kernel_params(p, dkdv.config))
     if separate_dq:
         dq_kernel.launch(dq_kernel.config.grid(*shape), (q, k, v, dout, lse, delta, dq), (scale_log2, scale),
                          kernel_params(p, dq_kernel.config))
-    else:
+    elif not folded:  # (folded: the dK/dV kernel converted dQ itself)
         dq_kernel.launch(dq_kernel.config.grid(*shape), (dq_accum, dq), (scale,))
     return dq, dk, dv
 

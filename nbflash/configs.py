@@ -818,12 +818,22 @@ SM90_BACKWARD_DQ_WARP = True
 SM90_BACKWARD_VARLEN_DQ_WARP = False
 
 
+# The dQ conversion folded into the dK/dV kernel (``fold_dq``: the block whose bulk reduce-add completes a
+# query tile's dQ converts it from L2 after its loop, instead of a conversion kernel reading dq_accum
+# back; docs/perf-notes.md "The dQ conversion folded into the dK/dV kernel"), with dq_warp, dense
+# sequences without a block mask. Simulator cases (test_backward_sm90_fold_dq); an option, off, until
+# its GPU grid has run and it is timed (scripts/gpu_check.sh fold-dq)
+SM90_BACKWARD_FOLD_DQ = False
+
+
 def staged_dq_by_warp_2(config):
     """``config`` with ``dq_warp`` and ``stats_ahead`` where ``SM90_BACKWARD_DQ_WARP`` plans them (for
-    packed sequences where ``SM90_BACKWARD_VARLEN_DQ_WARP`` does)."""
+    packed sequences where ``SM90_BACKWARD_VARLEN_DQ_WARP`` does), and the conversion folded in where
+    ``SM90_BACKWARD_FOLD_DQ`` is on (dense sequences, no block mask)."""
     packed_ok = SM90_BACKWARD_VARLEN_DQ_WARP or not config.variant.varlen
     if SM90_BACKWARD_DQ_WARP and config.dq_tile_major and not config.staged_dropout and packed_ok:
-        return dataclasses.replace(config, dq_warp=True, stats_ahead=True)
+        fold = SM90_BACKWARD_FOLD_DQ and not (config.variant.varlen or config.variant.block_mask)
+        return dataclasses.replace(config, dq_warp=True, stats_ahead=True, fold_dq=fold)
     return config
 
 

@@ -373,6 +373,12 @@ if SIMULATOR:
         by the read-only path (ld.global.nc.v4: for data no thread of the running kernel writes)."""
         return tuple(np.uint32(word) for word in _global_bytes(address, 16))
 
+    def load_u32x4_cg(address):
+        """The 16 bytes at a global address (16-byte aligned) as four uint32, read at the L2 cache,
+        past this multiprocessor's L1 (ld.global.cg.v4: for data other blocks of the running kernel
+        wrote)."""
+        return tuple(np.uint32(word) for word in _global_bytes(address, 16))
+
     def store_u32x4(address, a, b, c, d):
         """Four uint32 to the 16 bytes at a global address (16-byte aligned), one vector store."""
         words = _global_bytes(address, 16)
@@ -640,6 +646,21 @@ else:
         def codegen(context, builder, signature, args):
             struct = _asm(builder, ir.LiteralStructType([_i32] * 4), list(args),
                           "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+            return _tuple(context, builder, ret, struct, 4)
+
+        return sig, codegen
+
+    @intrinsic
+    def load_u32x4_cg(typingctx, address):
+        """The 16 bytes at a global address (16-byte aligned) as four uint32, read at the L2 cache,
+        past this multiprocessor's L1 (ld.global.cg.v4.u32: for data other blocks of the running
+        kernel wrote). Ordered as a memory access (not moved above a barrier or a fence)."""
+        ret = types.UniTuple(types.uint32, 4)
+        sig = ret(types.int64)
+
+        def codegen(context, builder, signature, args):
+            struct = _asm(builder, ir.LiteralStructType([_i32] * 4), list(args),
+                          "ld.global.cg.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l,~{memory}", side_effect=True)
             return _tuple(context, builder, ret, struct, 4)
 
         return sig, codegen

@@ -643,6 +643,17 @@ if SIMULATOR:
         thread's store groups still read shared memory (emulation: nothing; stores were
         immediate)."""
 
+    def bulk_wait(pending):
+        """cp.async.bulk.wait_group N (without .read): wait until at most ``pending`` (a literal) of
+        this thread's bulk groups are incomplete, their writes to global memory done and visible to
+        this thread (a reduce-add's additions made), not only their reads of shared memory
+        (emulation: nothing; the operations were immediate)."""
+
+    def fence_proxy_async_global():
+        """fence.proxy.async.global: order this thread's async-proxy global accesses (its completed
+        bulk reduce-adds) with its later generic-proxy ones, such as the release that publishes
+        them to other blocks. Emulation: nothing (one proxy)."""
+
     # --- Shared-memory matrix descriptors: an emulated shared window --------------------------------
     # The descriptor holds 14 bits of address, which cannot name a host address. So the emulation
     # gives each shared array a descriptor touches a place in an emulated shared window of the block,
@@ -1000,6 +1011,8 @@ else:
                               (u32, types.float32, types.float32, types.float32, types.float32))
     tma_store_commit = _ptx("cp.async.bulk.commit_group;")
     tma_store_wait = _ptx_literal("cp.async.bulk.wait_group.read {};", _check_pending)
+    bulk_wait = _ptx_literal("cp.async.bulk.wait_group {};", _check_pending)
+    fence_proxy_async_global = _ptx("fence.proxy.async.global;")
 
     @intrinsic
     def array_address(typingctx, arr):

@@ -185,7 +185,8 @@ def _varlen_backward(problem, dout, q, k, v, out, lse, deterministic=False):
     shape = (p.batch, p.nheads, p.nheads_k, p.seqlen_q, p.seqlen_k)  # seqlen_*: the max_seqlen values
     views = [_batch_view(x, p.batch) for x in (q, k, v, dout, lse, delta[0], dk, dv, dq_accum[0], dq[0])]
     if getattr(dkdv.config, "varlen_batch_of_one", False):  # the Hopper kernels offset the packed rows themselves
-        dkdv.launch(dkdv.config.grid(*shape), (*views[:4], lse[None], delta, dk[None], dv[None], dq_accum),
+        dkdv.launch(dkdv.config.grid(*shape), (*views[:4], lse[None], delta, dk[None], dv[None], dq_accum,
+                                               *backward._dq_out(dkdv, dq)),
                     (scale_log2, scale), p.params)
     else:
         dkdv.launch(dkdv.config.grid(*shape), views[:9], (scale_log2, scale), p.params)

@@ -78,6 +78,12 @@ EXPECTED = {
                                     "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"],
     # the dq conversion from a tile-major dq_accum: 16-byte loads of consecutive threads
     "backward_sm90_convert_dq_tiles": ["ld.global.nc.v4.u32"],
+    # fold_dq: warp 2 waits for its reduce-adds' completion, publishes them and counts; the consumers
+    # read the completed tiles past L1
+    "backward_sm90_fold_dq": ["cp.reduce.async.bulk", "cp.async.bulk.wait_group 0", "fence.proxy.async.global",
+                              "atom.global.add.f32", "ld.global.cg.v4.u32", "bar.arrive"],
+    "backward_sm90_keys128_fold_dq": ["wgmma.mma_async.sync.aligned.m64n128k16.f32", "cp.async.bulk.wait_group 0",
+                                      "fence.proxy.async.global", "atom.global.add.f32", "ld.global.cg.v4.u32"],
     # block_m 128, dQ by query rows (step 40): S^T and dP^T 64 x 128, dQ by one bulk reduce-add a step
     "backward_sm90_keys128": ["wgmma.mma_async.sync.aligned.m64n128k16.f32", "cp.reduce.async.bulk"],
     # ... without dQ (the deterministic backward's dK/dV pass at block_m 128)
@@ -233,6 +239,12 @@ def backward_kernels():
             configs.planned_backward_sm90_config("float16", 128, Variant()), dq_warp=dq_warp, stats_ahead=True)))
         found.append((f"backward_sm90_keys128{warp2}_stats_ahead_plain_hd64", dataclasses.replace(
             configs.keys128_backward_config("float16", 64, Variant()), dq_warp=dq_warp, stats_ahead=True)))
+    # ... planned, the dQ conversion folded in (``fold_dq``, an option), at hd 128 and in step 40's kernel
+    for name, variant in (("plain", Variant()), ("causal", Variant(window=True))):
+        found.append((f"backward_sm90_fold_dq_{name}_hd128", dataclasses.replace(
+            configs.planned_backward_sm90_config("float16", 128, variant), dq_warp=True, fold_dq=True)))
+        found.append((f"backward_sm90_keys128_fold_dq_{name}_hd64", dataclasses.replace(
+            configs.keys128_backward_config("float16", 64, variant), dq_warp=True, fold_dq=True)))
     # ... step 40's kernel with each block's query tiles rotated (``rotate``, an option there)
     for name, variant in (("plain", Variant()), ("alibi", Variant(window=True, alibi=True))):
         found.append((f"backward_sm90_keys128_rotate_{name}_hd64", dataclasses.replace(

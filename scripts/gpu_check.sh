@@ -55,6 +55,8 @@
 #                                docs/runs/gpu-suite-2026-12-06-{headdims,defaults,pair}.txt report
 #                                (NBFLASH_RESUME_LOGS; TESTS overrides the files), stopped after SECONDS
 #                                (default 400)
+#   scripts/gpu_check.sh fold-dq the dQ conversion folded into the dK/dV kernel (an option): its GPU
+#                                grid, then the plan with and without it against SDPA, twice
 #   scripts/gpu_check.sh wraps [SECONDS]
 #                                backward_sm90.py's dS^T stores by shared address (perf-notes step 59):
 #                                the GPU grids of its planned kernels (202 tests) and the decode
@@ -902,6 +904,18 @@ convert-quads)
         > "$out/plan_anchors.log" 2>&1
     echo "the plan against SDPA (exit $?):"; tail -22 "$out/plan_anchors.log"
     ;;
+fold-dq)
+    # the dQ conversion folded into the dK/dV kernel (configs.SM90_BACKWARD_FOLD_DQ, an option: the block
+    # whose reduce-add completes a query tile converts it after its loop; docs/perf-notes.md, thirty-sixth
+    # session): its GPU grid, then the plan with and without it against SDPA, twice (the first
+    # run's kernels compiled on first use); about 8 minutes
+    grid fold_dq_tests 260 tests/test_backward_sm90.py -k "fold_dq_gpu"
+    for run in 1 2; do
+        timeout 150 python3 scripts/sm90_schedules.py --backward --headdims 128 64 --anchors \
+            --only planned-fold planned > "$out/fold_anchors_$run.log" 2>&1
+        echo "the plan with and without the fold, run $run (exit $?):"; tail -22 "$out/fold_anchors_$run.log"
+    done
+    ;;
 packed-quads)
     # dK and dV by 16-byte stores on packed sequences (configs.SM90_BACKWARD_VARLEN_STORE_QUADS, an option;
     # planned for dense sequences at hd 72-128 since the thirty-fifth session): its GPU grid, then
@@ -1045,7 +1059,7 @@ wide)
     echo "passed: $(grep -acE '\] PASSED' "$out/wide_tests.log")  failed: $(grep -acE '\] FAILED' "$out/wide_tests.log")"
     ;;
 *)
-    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8|dqwarp]]|wide|fp8|exp2|keys128 [RUNS]|planned-now|keys128-next|stats-ahead|plan-suite [SECONDS]|dq-warp-anchors|convert-quads|packed-quads" >&2
+    echo "usage: $0 tests|bench|all|suite [SECONDS]|defaults [SECONDS]|prebuild [SECONDS]|reliability|sanitize|fuzz [EXAMPLES]|levers|deterministic|deterministic-variants [SECONDS]|options|wraps [SECONDS]|walks [SECONDS]|wraps-time|stores|sm90 [SECONDS]|dqfirst|tiles|tiles2|issue13|dropout|stalls [HEADDIM [red|tiles|fp8|dqwarp]]|wide|fp8|exp2|keys128 [RUNS]|planned-now|keys128-next|stats-ahead|plan-suite [SECONDS]|dq-warp-anchors|convert-quads|packed-quads|fold-dq" >&2
     exit 2
     ;;
 esac

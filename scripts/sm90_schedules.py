@@ -66,7 +66,9 @@ Backward, each column a schedule:
   planned kernel with its stats warp adding the staged dQ_i (no dq_warp, no stats_ahead: the plan
   until the thirty-fourth session), "planned-notahead" with dq_warp but not stats_ahead (where the
   plan has both, "planned-dqwarp", "planned-dqwarp-ahead" and "planned-ahead" are not offered: they
-  are the plan). (Steps 30 and 31's
+  are the plan); "planned-fold" the planned kernel converting dQ itself (``fold_dq``: the block
+  whose reduce-add completes a query tile converts it after its loop; no conversion kernel),
+  "planned-nofold" without it where it is planned. (Steps 30 and 31's
   bulk reduce-adds a row, "planned-bulk", "keys-bulk" and "rows-bulk", were 13-47% slower and left
   with commit 5b92983.) "rows-tiles" (headdim 64): the rows split with tiles (step 34, 1-4% slower);
   "columns-tiles" (headdim 64): "columns-dqfirst" with tiles, in 32-column parts (step 36; planned
@@ -346,6 +348,10 @@ def backward_schedules(headdim, causal):
         found["planned-dqwarp-ahead"] = dataclasses.replace(planned, dq_warp=True, stats_ahead=True)
         if not planned.variant.block_mask:  # ... and each block's query tiles rotated too (all three options)
             found["planned-all"] = dataclasses.replace(planned, dq_warp=True, stats_ahead=True, rotate=True)
+    if (isinstance(planned, Sm90BackwardConfig) and planned.dq_warp and not planned.variant.varlen
+            and not planned.variant.block_mask):  # the dQ conversion folded into the dK/dV kernel (fold_dq) or not
+        found["planned-nofold" if planned.fold_dq else "planned-fold"] = dataclasses.replace(
+            planned, fold_dq=not planned.fold_dq)
     if isinstance(planned, Sm90BackwardConfig) and not planned.stats_ahead:  # the stats warp's lse and D loaded a
         # step ahead (stats_ahead)
         found["planned-ahead"] = dataclasses.replace(planned, stats_ahead=True)
@@ -579,8 +585,10 @@ def main_parts(deterministic=False):
         times = {
             "pre": median_ms(lambda: preprocess.launch(preprocess.config.grid(*shape),
                                                        (out, dout, delta, delta if tiles else dq_accum), ()), 20),
+            # (with fold_dq, its conversions only in the first launch: the counters are not zeroed again)
             "dkdv": median_ms(lambda: dkdv.launch(dkdv.config.grid(*shape), (q_, k_, v_, dout, lse, delta, dk, dv,
-                                                                            dq_accum), (scale_log2, scale), params), 10),
+                                                                            dq_accum, *backward._dq_out(dkdv, dq)),
+                                                  (scale_log2, scale), params), 10),
             "last": median_ms(lambda: last.launch(last.config.grid(*shape), last_args, last_scalars, last_params),
                               10 if pair else 20),
             # tile-major: the launcher's zeroed dq_accum (cupy.zeros: the pool's allocation and a memset)

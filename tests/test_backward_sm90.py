@@ -149,7 +149,8 @@ def test_sm90_backward_plans_store_quads(monkeypatch):
 
 def test_sm90_backward_config_replaced_drops_dq_warp():
     """Sm90BackwardConfig.replaced: a change that takes the staged dQ (atomics, dQ last) or warps 2
-    and 3 (the producer's keep bits) from warp 2 drops dq_warp, store_tma drops store_quads; any
+    and 3 (the producer's keep bits) from warp 2 drops dq_warp (and fold_dq with it, as dq_warp=False
+    does), store_tma drops store_quads; any
     other change, or one that names the field, keeps what it says; the plain replace refuses the
     first kinds with a named error."""
     from nbflash.kernels.backward_sm90 import Sm90BackwardConfig
@@ -173,6 +174,14 @@ def test_sm90_backward_config_replaced_drops_dq_warp():
     assert quads.replaced(store_tma=True).dq_warp and quads.replaced(rotate=True).store_quads
     with pytest.raises(ValueError, match="store_tma=True takes neither"):
         dataclasses.replace(quads, store_tma=True)
+    fold = dataclasses.replace(hd128, fold_dq=True)  # the conversion folded in goes with warp 2
+    assert not fold.replaced(dq_reduce="red").fold_dq and not fold.replaced(dq_warp=False).fold_dq
+    assert fold.replaced(rotate=True).fold_dq and fold.replaced(store_quads=True).fold_dq
+    assert not fold.replaced(fold_dq=False).fold_dq and fold.replaced(fold_dq=False).dq_warp
+    with pytest.raises(ValueError, match="fold_dq=True takes dq_warp=True"):
+        dataclasses.replace(fold, dq_warp=False)
+    with pytest.raises(ValueError, match="fold_dq=True takes dq_warp=True"):
+        dataclasses.replace(fold, variant=Variant(window=True, varlen=True))
 
 
 # ---- Simulator: tiny shapes ------------------------------------------------------------------
@@ -461,6 +470,63 @@ def test_backward_sm90_dq_warp_small(rng, xp, monkeypatch):
         dkdv = configs.plan_backward(Static("bfloat16", 72, False, 0, CAUSAL), False, "sm90", True)[1]
         assert dkdv.dq_warp and dkdv.dq_tile_major
         run_sm90_variant(rng, xp, "causal", "bfloat16", 1, 100, 40, 1, 1, 72)
+
+
+def with_fold_dq(config):
+    """``fold_dq`` (an option: the dQ conversion folded into the dK/dV kernel) where the config stages
+    dQ_i, with the dq_warp it takes."""
+    if (not getattr(config, "dq_tile_major", False) or config.staged_dropout or config.variant.varlen
+            or config.variant.block_mask):
+        return config
+    return dataclasses.replace(config, dq_warp=True, fold_dq=True)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_fold_dq_gpu")
+@pytest.mark.parametrize("name, shape, fold_steps", [("causal", (1, 100, 150, 2, 1, 72), None),
+                                                     ("causal", (1, 150, 40, 1, 1, 72), None),
+                                                     ("plain", (1, 70, 150, 1, 1, 72), None),
+                                                     ("plain", (1, 70, 150, 1, 1, 72), 1)],
+                         ids=["causal-gqa", "causal-unseen-rows", "plain", "past-fold-steps"])
+def test_backward_sm90_fold_dq_small(rng, xp, monkeypatch, name, shape, fold_steps):
+    """``fold_dq`` (an option): the block whose bulk reduce-add completes a query tile's dQ converts
+    it after its loop (warp 2 counts the arrivals; no conversion kernel), headdim 72, bfloat16,
+    NaN-poisoned dq. Causal, 100 queries of 150 keys, GQA 2:1: query tile 0 has one visiting key
+    tile, tile 1 two (a count one off either way leaves a tile unconverted, or converts it before
+    the other block's additions); causal, 150 queries of 40 keys: rows 0-109 see no key, so no block
+    visits query tile 0, whose dq block 0 writes as zeros (NaN else); plain, two key tiles for each
+    of two query tiles, the second a tail; the same with more steps a block than the marks hold (1
+    here, FOLD_STEPS): the launcher takes the kernel without the fold, then the conversion kernel."""
+    if fold_steps is not None:
+        monkeypatch.setattr(backward, "FOLD_STEPS", fold_steps)
+    built = recorded_builds(monkeypatch)
+    with replanned(monkeypatch, with_fold_dq):
+        run_sm90_variant(rng, xp, name, "bfloat16", *shape)
+    launched = [c.fold_dq for c in built if isinstance(c, Sm90BackwardConfig)]
+    assert launched == ([True] if fold_steps is None else [True, False])
+
+
+FOLD_DQ_CASES = ([(headdim, name) for headdim in (40, 64) for name in ("plain", "causal", "window-both", "alibi",
+                                                                      "document-mask-mod")]
+                 + [(128, name) for name in ("plain", "causal", "window-both", "softcap", "document-mask-mod",
+                                             "combined")])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim, name", FOLD_DQ_CASES)
+@pytest.mark.parametrize("seqlens", [(1023, 1000), (1500, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_sm90_fold_dq_gpu(xp, monkeypatch, seqlens, headdim, name):
+    """The planned kernels with ``fold_dq`` (an option: the dQ conversion folded into the dK/dV
+    kernel) where they stage dQ_i: step 40's at 40 and 64 (two 64-row units a query tile; softcap
+    and the combined variant take the table's kernel there, without staged tiles), the tile-major
+    table's at 128; the windows (a binary search for each query tile's visiting key tiles), ALiBi,
+    softcap, an element mask, the combined variant; key tails, GQA 2:1, bfloat16 where not plain;
+    1500 queries of 300 keys, where the causal and windowed rows before 1200 see no key (their dq
+    zeros, written by block 0)."""
+    built = recorded_builds(monkeypatch)
+    with replanned(monkeypatch, with_fold_dq):
+        run_sm90_variant(np.random.default_rng(17), xp, name, "float16" if name == "plain" else "bfloat16", 2,
+                         *seqlens, 4, 2, headdim)
+    assert [c.fold_dq for c in built if isinstance(c, Sm90BackwardConfig)] == [True]
 
 
 @pytest.mark.gpu
@@ -999,6 +1065,22 @@ def test_backward_sm90_keys128_dq_warp_small(rng, xp, monkeypatch):
     try:
         run_case(rng, xp, 1, 100, 100, 2, 1, 40, "float16", True, False, False, family="sm90",
                  simulator_reference_forward=True)
+    finally:
+        backward._kernels.cache_clear()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_fold_dq_gpu")
+def test_backward_sm90_keys128_fold_dq_small(rng, xp, monkeypatch):
+    """Step 40's kernel with ``fold_dq`` (the conversion folded in): a query tile is two 64-row units,
+    dealt to two of the consumers' warps. Causal, 140 queries of 200 keys (both key tiles visit both
+    query tiles; the second query tile's second unit lies past seqlen_q), headdim 40, dq NaN-poisoned
+    (GQA's steps run in test_backward_sm90_fold_dq_small)."""
+    plan_keys128(monkeypatch, dq_warp=True, fold_dq=True)
+    built = recorded_builds(monkeypatch)
+    try:
+        run_case(rng, xp, 1, 140, 200, 1, 1, 40, "float16", True, False, False, family="sm90",
+                 simulator_reference_forward=True)
+        assert [c.fold_dq for c in built if isinstance(c, Sm90BackwardConfig)] == [True]
     finally:
         backward._kernels.cache_clear()
 

@@ -85,7 +85,8 @@ Memory: q, dout (batch, seqlen_q, nheads, headdim), k, v (batch, seqlen_k, nhead
 strides that are multiples of 16 bytes with the last dimension contiguous, headdim a multiple of 8
 up to 128; float16 arrays, or uint16 arrays holding bfloat16 bits. lse, delta float32 (batch,
 nheads, seqlen_q); dk, dv like k, v (C-contiguous); dq_accum float32 like q, zeroed by the
-preprocess. ``maps`` holds the four 4-D tensor maps of q, k, v and dout (``tensor_maps``), built by
+preprocess (tile-major with dq_reduce="tiles": ``dq_accum_shape``, zeroed by the launcher); dq like q
+(C-contiguous), written only where the kernel converts dQ itself (``fold_dq``). ``maps`` holds the four 4-D tensor maps of q, k, v and dout (``tensor_maps``), built by
 the launcher. A row with lse = -inf (it sees no key) and rows past seqlen_q get lse_log2 = +inf, so
 their P is exactly 0; keys past seqlen_k are masked, and their dK, dV rows are not written.
 
@@ -143,6 +144,7 @@ from nbflash.primitives import (
     f32_as_u32,
     global_address,
     inline_device,
+    load_u32x4_cg,
     load_u32x4_nc,
     pack_bf16x2,
     pack_f16x2,
@@ -159,12 +161,14 @@ from nbflash.primitives_sm90 import (
     SWIZZLE_128B,
     array_address,
     bulk_reduce_add_f32,
+    bulk_wait,
     cached_tensor_maps,
     check_register_split,
     elect_sync,
     fence_mbarrier_init,
     fence_operands,
     fence_proxy_async,
+    fence_proxy_async_global,
     fence_proxy_tensormap_acquire,
     k_step,
     launch_bounded,
@@ -204,6 +208,9 @@ LOG2E = math.log2(math.e)
 KEYS = 64  # keys per consumer warpgroup: the M of its wgmmas
 MAX_SHARED_BYTES = 232448  # dynamic shared memory a block may have on compute capability 9.0
 MAX_HEADDIM = 128
+# With fold_dq, the steps a block may have (a bit each in shared memory: 1 KB): a GQA group of 8 query
+# heads up to 64k query rows in tiles of 64. Past it the launcher takes the conversion kernel.
+FOLD_STEPS = 8192
 # The sm90 backward serves every variant. Each feature enters through the hooks: the window, the
 # element masks (mask tensor, mask_mod: then no tile is whole, Hooks.query_tiles, except the pairs a
 # block mask calls FULL), a block mask's EMPTY pairs skipped (the steps walk the pairs visited), the
@@ -258,16 +265,22 @@ class Sm90BackwardBlock:
     def replaced(self, **changes):
         """``dataclasses.replace(self, **changes)``, less what the changes leave no room for, unless
         they set it themselves: ``dq_warp`` where they take away what warp 2 needs (the staged dQ:
-        atomics, dQ last; or warps 2 and 3: the producer's keep bits), ``store_quads`` where they
+        atomics, dQ last; or warps 2 and 3: the producer's keep bits), and ``fold_dq`` with it,
+        ``store_quads`` where they
         set ``store_tma`` (dK's and dV's other stores). The one place that switches a planned option
         off for a plan changed by hand (configs.plan_backward's fallback, the schedules, the tests'
         fixtures). Configs without those fields (the other sm90 kernels) get the plain replace."""
         if changes.get("store_tma") and getattr(self, "store_quads", False) and "store_quads" not in changes:
             changes = {**changes, "store_quads": False}
+        fold = getattr(self, "fold_dq", False)  # (warp 2's too: dropped with it)
+        if fold and changes.get("dq_warp", True) is False and "fold_dq" not in changes:
+            changes = {**changes, "fold_dq": False}
         if not getattr(self, "dq_warp", False) or "dq_warp" in changes:
             return replace(self, **changes)
-        config = replace(self, **changes, dq_warp=False)
-        return replace(config, dq_warp=True) if config.dq_tile_major and not config.staged_dropout else config
+        config = replace(self, **{**changes, "dq_warp": False, **({"fold_dq": False} if fold else {})})
+        if not config.dq_tile_major or config.staged_dropout:
+            return config
+        return replace(config, dq_warp=True, **({"fold_dq": changes.get("fold_dq", True)} if fold else {}))
 
     def check_dq_reduce(self):
         if self.dq_reduce not in ("red", "tiles"):
@@ -410,7 +423,19 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # two sets leave 1,096 bytes short of (docs/perf-notes.md, "A third ring stage for step 40 at hd
     # 64"). An option until timed
     ds_buffers: int = 2
+    # The dQ conversion folded into this kernel (``make_fold_dq``; docs/perf-notes.md "The dQ
+    # conversion folded into the dK/dV kernel"), with dq_warp: after each bulk reduce-add, warp 2
+    # waits for its completion and counts the query tile's arrival (an int32 per (batch, query head,
+    # query tile), zeroed with dq_accum); the arrival that completes the tile's count of visiting key
+    # tiles marks the step in shared memory, and once the loop is done the consumers' eight warps
+    # convert the marked tiles from L2 (dq = dq_accum * scale in the input dtype, as
+    # ``Sm90ConvertDqConfig``), so no conversion kernel reads dq_accum back from memory afterwards.
+    # The kernel then takes dq and the counters after dq_accum. Dense sequences without a block mask
+    # (whose counts the table would give); at most ``FOLD_STEPS`` steps a block (the launcher takes
+    # the conversion kernel past that). An option until timed (configs.SM90_BACKWARD_FOLD_DQ)
+    fold_dq: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
+    takes_dq = True  # the kernel takes dq after dq_accum (and writes it with fold_dq)
     # packed sequences: lse, delta, dk, dv and dq_accum come as the packed arrays (a batch of one),
     # whose rows the kernel offsets itself (nbflash/varlen.py; the module docstring)
     varlen_batch_of_one = True
@@ -452,6 +477,9 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         if self.dq_warp and (not self.dq_tile_major or self.staged_dropout):
             raise ValueError("dq_warp=True takes dq_reduce='tiles' (a staged dQ to add) and not the producer's keep "
                              f"bits (warps 2 and 3), got {self.dq_reduce=}, {self.dropout_bits=}")
+        if self.fold_dq and (not self.dq_warp or self.variant.varlen or self.variant.block_mask):
+            raise ValueError("fold_dq=True takes dq_warp=True (warp 2 counts the arrivals), dense sequences and no "
+                             f"block mask, got {self.dq_warp=}, {self.variant}")
         if self.ds_buffers not in (1, 2) or (self.ds_buffers == 1 and self.dq_split != "rows"):
             raise ValueError(f"{self.ds_buffers=} must be 2, or 1 with dq_split='rows' (got {self.dq_split!r})")
         if self.rotate and self.variant.block_mask:
@@ -469,7 +497,8 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
         """What launch.describe adds for this form: step 40's 128 query rows a step, dQ added by warp 2,
         the stats warp's loads a step ahead."""
         return ((("128 queries a step",) if self.block_m == 128 else ()) + (("dQ by warp 2",) if self.dq_warp else ())
-                + (("stats ahead",) if self.stats_ahead else ()) + (("one dS^T set",) if self.ds_buffers == 1 else ()))
+                + (("stats ahead",) if self.stats_ahead else ()) + (("one dS^T set",) if self.ds_buffers == 1 else ())
+                + (("dQ converted in the kernel",) if self.fold_dq else ()))
 
     @property
     def dq_part_columns(self):
@@ -505,10 +534,12 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     @property
     def dynamic_shared_bytes(self):
         """The tiles (and the staged dQ_i), the stats, 1 + 2 stages mbarriers (and dq_full, dq_empty),
-        and 1024 bytes of slack to align the tiles."""
+        with ``fold_dq`` a bit a step (the tiles to convert), and 1024 bytes of slack to align the
+        tiles."""
         return (1024 + 2 * self.kv_bytes + 2 * self.stages * self.q_bytes
                 + self.ds_buffers * self.consumers * self.ds_bytes + self.dq_stage_bytes
-                + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages) + (16 if self.dq_tile_major else 0))
+                + self.stages * self.stats_bytes + 8 * (1 + 2 * self.stages) + (16 if self.dq_tile_major else 0)
+                + (FOLD_STEPS // 8 if self.fold_dq else 0))
 
     def grid(self, batch, nheads, nheads_k, seqlen_q, seqlen_k):
         tiles = -(-seqlen_k // self.block_n)
@@ -548,9 +579,14 @@ def dq_accum_shape(config, batch, nheads, seqlen_q):
 
     Packed sequences (``variant.varlen``; ``seqlen_q``: the packed rows, total_q): one batch row,
     sequence b's tiles from row ``padded_first_row(q_first, b, block_m)`` on, so that each starts
-    on a whole tile: (1, nheads, ceil((total_q + batch block_m) / block_m) block_m, headdim_padded)."""
+    on a whole tile: (1, nheads, ceil((total_q + batch block_m) / block_m) block_m, headdim_padded).
+
+    With ``fold_dq``, past the tiles, each query tile's arrival counter (``fold_counter``): a
+    float32 a tile, headdim_padded a row, zeroed with the rest."""
     rows = seqlen_q + (batch * config.block_m if config.variant.varlen else 0)
-    return (1 if config.variant.varlen else batch, nheads, -(-rows // config.block_m) * config.block_m,
+    tiles = -(-rows // config.block_m)
+    counter_rows = -(-tiles // config.headdim_padded) if getattr(config, "fold_dq", False) else 0
+    return (1 if config.variant.varlen else batch, nheads, tiles * config.block_m + counter_rows,
             config.headdim_padded)
 
 
@@ -759,6 +795,7 @@ def make_store_tma(config):
 
 
 STORE_BARRIER = 5  # the named barrier of store_tma's hand-off (1-3: the consumers' dS^T, 4: K and V free)
+FOLD_BARRIER = 6  # fold_dq's: warp 2 has marked every tile to convert
 
 
 def make_init_ring(stages, full_arrivals, empty_arrivals):
@@ -1016,33 +1053,201 @@ def make_add_staged_dq(config):
 
 def make_reduce_staged_dq(config, hooks):
     """``reduce_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block,
-    first_tile, tiles_per_head, steps, packed_rows, lane)``, the producer's warp 2 with ``dq_warp``:
-    walking the block's steps as the stats warp does, each step's dQ from the staged tile into
-    dq_accum (``make_add_staged_dq``: wait for the consumers' parts, one bulk reduce-add, wait for
-    its read, free the tile), so that the stats warp's staging of lse and D never waits behind it.
-    Packed sequences: dq_accum a batch of one, sequence b's tiles from its ``padded_first_row``
-    (``packed_rows``: the packed query rows)."""
+    first_tile, tiles_per_head, steps, packed_rows, fold_marks, seqlen_q, seqlen_k, lane)``, the
+    producer's warp 2 with ``dq_warp``: walking the block's steps as the stats warp does, each step's
+    dQ from the staged tile into dq_accum (``make_add_staged_dq``: wait for the consumers' parts, one
+    bulk reduce-add, wait for its read, free the tile), so that the stats warp's staging of lse and D
+    never waits behind it. Packed sequences: dq_accum a batch of one, sequence b's tiles from its
+    ``padded_first_row`` (``packed_rows``: the packed query rows).
+
+    With ``fold_dq``, lane 0 then counts the step's arrival on its query tile (``last_arrival``) and
+    marks the steps whose arrival was the tile's last, a bit each: word w of the marks (at shared
+    address ``fold_marks`` + 4 w) holds steps 32 w .. 32 w + 31, stored once its last step is counted
+    (every word up to the last step's is written, so none needs zeroing first)."""
     BM = config.block_m
     warp_visit_query_step = hooks.warp_visit_query_step
     VARLEN, sequence = hooks.VARLEN, hooks.sequence
     add_staged_dq = make_add_staged_dq(config)
     step_pair = make_step_pair(config)
+    FOLD = getattr(config, "fold_dq", False)
+    visiting_key_tiles = make_visiting_key_tiles(hooks, BM, config.block_n)
+    last_arrival = make_last_arrival(config)
 
     @inline_device
     def reduce_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
-                         tiles_per_head, steps, packed_rows, lane):
+                         tiles_per_head, steps, packed_rows, fold_marks, seqlen_q, seqlen_k, lane):
         mem_b, dq_row0 = b, 0
         if VARLEN:  # the sequence's first whole tile of dq_accum (dq_accum_shape)
             mem_b = 0
             dq_row0 = padded_first_row(sequence(params, b, packed_rows, packed_rows)[0], b, BM)
         position = -1
+        marks = uint32(0)  # (FOLD) lane 0's marks of the current 32 steps
         for i in range(steps):
             position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
                                              lane)
             h, tile = step_pair(position, hk, group, first_tile, tiles_per_head, n_block)
             add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, dq_row0 + tile * BM, mem_b, lane)
+            if FOLD and lane == 0:
+                visits = visiting_key_tiles(tile, seqlen_q, seqlen_k, params)
+                if last_arrival(dq_accum, b, h, tile, seqlen_q, visits):
+                    marks |= uint32(1) << uint32(i % 32)
+                if i % 32 == 31 or i == steps - 1:
+                    store_shared_u32(fold_marks + uint32(4 * (i // 32)), marks)
+                    marks = uint32(0)
 
     return reduce_staged_dq
+
+
+def make_visiting_key_tiles(hooks, block_m, block_n):
+    """``visiting_key_tiles(tile, seqlen_q, seqlen_k, params) -> n``: how many key tiles' blocks
+    add into query tile ``tile``'s dQ: those whose visited query tiles [first, end) (the
+    ``hooks.query_tiles`` each dK/dV block walks) hold it. Without a window, every key tile. With one,
+    both ends of a key tile's range grow with the key (a key tile no query sees has (0, 0)), so the
+    visiting key tiles are one run: from the first whose range ends past ``tile`` to the first that
+    starts past it, two binary searches over the ranges themselves (the very ranges the blocks
+    walk, so the count cannot disagree with them)."""
+    WINDOW, query_tiles = hooks.WINDOW, hooks.query_tiles
+
+    @inline_device
+    def key_tile_range(j, seqlen_q, seqlen_k, params):
+        """Key tile j's visited query tiles [first, end), as its block's walk has them."""
+        first, _, _, end = query_tiles(j * block_n, min(j * block_n + block_n, seqlen_k), seqlen_q, seqlen_k, params,
+                                       block_m)
+        return first, end
+
+    @inline_device
+    def visiting_key_tiles(tile, seqlen_q, seqlen_k, params):
+        key_tiles = (seqlen_k + block_n - 1) // block_n
+        if not WINDOW:
+            return key_tiles
+        lo, hi = 0, key_tiles  # the first key tile whose range ends past the tile
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if key_tile_range(mid, seqlen_q, seqlen_k, params)[1] > tile:
+                hi = mid
+            else:
+                lo = mid + 1
+        start, hi = lo, key_tiles  # ... and the first from there whose range starts past it
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if key_tile_range(mid, seqlen_q, seqlen_k, params)[0] > tile:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo - start
+
+    return visiting_key_tiles
+
+
+def make_last_arrival(config):
+    """``last_arrival(dq_accum, b, h, tile, seqlen_q, visits) -> bool``, warp 2's lane 0 with
+    ``fold_dq``, right after its bulk reduce-add into query tile ``tile`` of head h: wait until the
+    additions are made (not only the staged tile read: ``bulk_wait``), publish them to every block
+    (a proxy fence, then a release), then count this block's arrival on the tile
+    (``fold_counter``); True when it is the last of the tile's ``visits`` (every block's additions
+    are then in dq_accum, and visible here after the acquire that follows). The same pattern as a
+    split decode's merge ticket (decode_mma.py)."""
+    BM, HDP = config.block_m, config.headdim_padded
+
+    @inline_device
+    def last_arrival(dq_accum, b, h, tile, seqlen_q, visits):
+        bulk_wait(0)  # this thread's bulk reduce-adds are complete
+        fence_proxy_async_global()  # ... ordered with its generic accesses
+        cuda.threadfence()  # ... and visible to every block before the count says so
+        arrived = cuda.atomic.add(dq_accum, fold_counter(b, h, tile, seqlen_q, BM, HDP), float32(1))
+        if arrived != float32(visits - 1):
+            return False
+        cuda.threadfence()  # the other blocks' additions are read after their arrivals
+        return True
+
+    return last_arrival
+
+
+@register_jitable
+def fold_counter(b, h, tile, seqlen_q, block_m, headdim_padded):
+    """With ``fold_dq``: the index in dq_accum of query tile ``tile``'s arrival counter (batch b,
+    head h), a float32 past the tiles (``dq_accum_shape``): exact up to 2^24 arrivals."""
+    tile_rows = (seqlen_q + block_m - 1) // block_m * block_m
+    return b, h, tile_rows + tile // headdim_padded, tile % headdim_padded
+
+
+def make_convert_unit(headdim_padded, part_columns, load, store_rows):
+    """``convert_unit(dq_accum, dq, mem_b, h, unit_row, dq_row, rows_end, scale, t)``: thread t's
+    share (t in 0..127) of the 64-row unit at row unit_row of a tile-major dq_accum[mem_b, h]
+    (``dq_accum_shape``) -> dq[mem_b, dq_row + ..., h] (rows before rows_end), times scale in dq's
+    dtype: the registers that staging thread t kept in each part (``make_stage_dq``: 16-byte loads,
+    consecutive t consecutive), written by ``store_rows`` (``make_store_rows``'s, as the dK/dV kernel
+    writes dK). ``load``: ``load_u32x4_nc`` for a kernel of its own, ``load_u32x4_cg`` inside the
+    kernel whose blocks wrote dq_accum (``fold_dq``)."""
+    HDP, COLUMNS = headdim_padded, part_columns
+    PARTS = HDP // COLUMNS  # the staged products of a unit
+    VECTORS = COLUMNS // 8  # a staging thread's 16-byte stores a part
+    PART = 4 * 64 * COLUMNS  # bytes of a part
+    ACC_REGS = HDP // 2  # a thread's registers over all HDP columns
+
+    @inline_device
+    @unroll
+    def convert_unit(dq_accum, dq, mem_b, h, unit_row, dq_row, rows_end, scale, t):
+        tile = global_address(dq_accum, mem_b, h, unit_row, 0)
+        # acc in the accumulator's layout over all HDP columns: part p's register r is acc[p COLUMNS / 2 + r]
+        acc = cuda.local.array(ACC_REGS, float32)
+        for p in static_range(PARTS):
+            for v in static_range(VECTORS):
+                words = load(tile + p * PART + 16 * (GROUP * v + t))
+                for e in static_range(4):
+                    acc[p * (COLUMNS // 2) + 4 * v + e] = u32_as_f32(words[e])
+        store_rows(dq, acc, mem_b, dq_row + 16 * (t // 32) + (t % 32) // 4, h, rows_end, scale, t % 4)
+
+    return convert_unit
+
+
+def make_fold_dq(config, hooks):
+    """``fold_dq(smem, marks_word0, dq_accum, dq, params, b, hk, group, n_block, first_tile,
+    tiles_per_head, steps, seqlen_q, seqlen_k, scale, warp, lane)``, the consumers' eight warps
+    (``warp`` 0..7) with ``fold_dq``, once the loop is done and warp 2 has counted every arrival:
+    each query tile whose last arrival this block made (warp 2's marks, from smem word
+    ``marks_word0`` on) -> dq, its 64-row units dealt round the warps, a warp taking a unit's 128
+    staging threads in four passes (``make_convert_unit``, reading past L1: other blocks added into
+    those tiles during this launch). With a window some query tiles may see no key at all, so no
+    block converts them: block 0 of each KV head writes their dq rows as zeros (the conversion
+    kernel would have, from dq_accum's zeros)."""
+    BM, HD, HDP, WARPS = config.block_m, config.headdim, config.headdim_padded, 4 * config.consumers
+    UNITS = BM // 64
+    store_rows = make_store_rows(config.dtype, HD, HDP, quads=config.store_quads)
+    convert_unit = make_convert_unit(HDP, config.dq_part_columns, load_u32x4_cg, store_rows)
+    step_pair = make_step_pair(config)
+    WINDOW = hooks.WINDOW
+    visiting_key_tiles = make_visiting_key_tiles(hooks, BM, config.block_n)
+
+    @inline_device
+    def zero_rows(dq, b, h, row0, rows_end, lane):
+        """dq's rows [row0, rows_end) of head h -> 0, a row a lane, 16 bytes a store."""
+        for row in range(row0 + lane, rows_end, 32):
+            for c in range(HD // 8):
+                store_u32x4(global_address(dq, b, row, h, 8 * c), uint32(0), uint32(0), uint32(0), uint32(0))
+
+    @inline_device
+    def fold_dq(smem, marks_word0, dq_accum, dq, params, b, hk, group, n_block, first_tile, tiles_per_head, steps,
+                seqlen_q, seqlen_k, scale, warp, lane):
+        marked = 0  # the marked steps so far: unit u of the k-th goes to warp (k UNITS + u) % WARPS
+        for w in range((steps + 31) // 32):
+            marks = smem[marks_word0 + w]
+            for e in range(32 if marks != 0 else 0):
+                if marks & (uint32(1) << uint32(e)):
+                    h, tile = step_pair(32 * w + e, hk, group, first_tile, tiles_per_head, n_block)
+                    for u in range(UNITS):
+                        if (marked * UNITS + u) % WARPS == warp:
+                            row = tile * BM + 64 * u
+                            for unit_warp in range(4):
+                                convert_unit(dq_accum, dq, b, h, row, row, seqlen_q, scale, 32 * unit_warp + lane)
+                    marked += 1
+        if WINDOW and n_block == 0:  # the query tiles no key tile visits
+            for tile in range(warp, (seqlen_q + BM - 1) // BM, WARPS):
+                if visiting_key_tiles(tile, seqlen_q, seqlen_k, params) == 0:
+                    for h in range(hk * group, hk * group + group):
+                        zero_rows(dq, b, h, tile * BM, min(tile * BM + BM, seqlen_q), lane)
+
+    return fold_dq
 
 
 def make_stage_dq(block_m, columns):
@@ -1385,6 +1590,8 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     stage_stats = make_stage_stats(config, hooks)  # the producer's warp 1
     DQ_WARP = config.dq_warp
     reduce_staged_dq = make_reduce_staged_dq(config, hooks)  # the producer's warp 2, with DQ_WARP
+    FOLD = config.fold_dq  # ... which then marks the query tiles this block converts, after its loop
+    fold_dq = make_fold_dq(config, hooks)
     probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT)
     stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
     # with STAGED_DQ, the consumer's part of dQ_i for the stats warp: half the columns, or its 64 rows
@@ -1465,7 +1672,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
 
     @launch_bounded(THREADS, 1)
     @unroll
-    def backward_dkdv_sm90(q, k, v, dout, lse, delta, dk, dv, dq_accum, maps, scale_log2, scale, params):
+    def backward_dkdv_sm90(q, k, v, dout, lse, delta, dk, dv, dq_accum, dq, maps, scale_log2, scale, params):
         if HEAVY_GROUPS:  # (batch, KV head) pairs in groups, key tile by key tile (geometry.py)
             n_block, pair = grouped_block(cuda.blockIdx.x, cuda.blockIdx.y, HEAVY_GROUPS)
             if pair >= q.shape[0] * k.shape[2]:
@@ -1498,6 +1705,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
         qd_empty = qd_full + uint32(8 * STAGES)
         dq_full = qd_empty + uint32(8 * STAGES)  # with STAGED_DQ: the staged tile is stored
         dq_empty = dq_full + uint32(8)  # ... and the stats warp has had it read
+        fold_marks = dq_empty + uint32(8)  # with FOLD: a bit a step, the query tiles this block converts
         stats_word0 = (stats_ring - smem_start) // uint32(4)  # smem's index of the first slot's stats
 
         # ---- Which query tiles see this key tile (geometry.py): [first_tile, end_tile), of which
@@ -1534,7 +1742,9 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                               tiles_per_head, steps, n_start, tid - 64)
             elif DQ_WARP and warp == 2:  # the staged dQ_i into dq_accum, apart from the stats
                 reduce_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
-                                 tiles_per_head, steps, lse.shape[2], lane)
+                                 tiles_per_head, steps, lse.shape[2], fold_marks, seqlen_q, seqlen_k, lane)
+                if FOLD:  # every step is counted and marked (bar.arrive orders the marks' stores before)
+                    named_barrier_arrive(FOLD_BARRIER, CONSUMERS * GROUP + 32)
             if STORE_TMA and warp == 0:  # dK and dV out of K_j's and V_j's tiles, once the consumers wrote them
                 store_tiles(k_tile, array_address(maps), mem_b, n_start, hk, seqlen_k)
         else:
@@ -1700,6 +1910,10 @@ def build_backward_sm90(config: Sm90BackwardConfig):
             else:
                 store_rows(dk, dk_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, scale, q4)
                 store_rows(dv, dv_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, float32(1), q4)
+            if FOLD:  # dq of the query tiles whose last arrival was this block's
+                named_barrier_sync(FOLD_BARRIER, CONSUMERS * GROUP + 32)
+                fold_dq(smem, (fold_marks - smem_start) // uint32(4), dq_accum, dq, params, b, hk, group, n_block,
+                        first_tile, tiles_per_head, steps, seqlen_q, seqlen_k, scale, 4 * consumer + warp, lane)
 
     return backward_dkdv_sm90
 
@@ -1759,30 +1973,10 @@ class Sm90ConvertDqConfig:
 
 @lru_cache(maxsize=None)
 def build_convert_dq_tiles(config: Sm90ConvertDqConfig):
-    BM, HDP, COLUMNS = config.block_m, config.headdim_padded, config.part_columns
+    BM = config.block_m
     TILE_ROWS = config.tile_rows  # packed sequences: the dK/dV kernel's tiles, whose padding dq_accum has
-    PARTS = HDP // COLUMNS  # the staged products of a unit
-    VECTORS = COLUMNS // 8  # a staging thread's 16-byte stores a part
-    PART = 4 * BM * COLUMNS  # bytes of a part
-    ACC_REGS = HDP // 2  # a thread's registers over all HDP columns
-    store_rows = make_store_rows(config.dtype, config.headdim, HDP, quads=config.store_quads)
-
-    @inline_device
-    @unroll
-    def convert_unit(dq_accum, dq, mem_b, h, unit_row, dq_row, rows_end, scale):
-        """The 64-row unit at row unit_row of dq_accum[mem_b, h] -> dq[mem_b, dq_row + ..., h] (rows
-        before rows_end)."""
-        t = cuda.threadIdx.x
-        warp, lane = t // 32, t % 32
-        tile = global_address(dq_accum, mem_b, h, unit_row, 0)
-        # acc in the accumulator's layout over all HDP columns: part p's register r is acc[p COLUMNS / 2 + r]
-        acc = cuda.local.array(ACC_REGS, float32)
-        for p in static_range(PARTS):
-            for v in static_range(VECTORS):
-                words = load_u32x4_nc(tile + p * PART + 16 * (GROUP * v + t))
-                for e in static_range(4):
-                    acc[p * (COLUMNS // 2) + 4 * v + e] = u32_as_f32(words[e])
-        store_rows(dq, acc, mem_b, dq_row + 16 * warp + lane // 4, h, rows_end, scale, lane % 4)
+    store_rows = make_store_rows(config.dtype, config.headdim, config.headdim_padded, quads=config.store_quads)
+    convert_unit = make_convert_unit(config.headdim_padded, config.part_columns, load_u32x4_nc, store_rows)
 
     if config.varlen:
 
@@ -1793,13 +1987,14 @@ def build_convert_dq_tiles(config: Sm90ConvertDqConfig):
             q_first, q_rows, _, _ = packed_sequence(cu_seqlens_q, cu_seqlens_q, b, dq.shape[1], dq.shape[1])
             if q_start < q_rows:  # the sequence's tile q_start / BM, from its first whole tile of dq_accum
                 first = padded_first_row(q_first, b, TILE_ROWS) + q_start
-                convert_unit(dq_accum, dq, 0, h, first, q_first + q_start, q_first + q_rows, scale)
+                convert_unit(dq_accum, dq, 0, h, first, q_first + q_start, q_first + q_rows, scale, cuda.threadIdx.x)
 
         return backward_convert_dq_tiles_varlen
 
     @launch_bounded(GROUP, 1)
     def backward_convert_dq_tiles(dq_accum, dq, scale):
         q_start = cuda.blockIdx.x * BM
-        convert_unit(dq_accum, dq, cuda.blockIdx.z, cuda.blockIdx.y, q_start, q_start, dq.shape[1], scale)
+        convert_unit(dq_accum, dq, cuda.blockIdx.z, cuda.blockIdx.y, q_start, q_start, dq.shape[1], scale,
+                     cuda.threadIdx.x)
 
     return backward_convert_dq_tiles

@@ -75,15 +75,23 @@ def _backward(config):
     return f"void({arrays}, float32, float32, {_params(config)})"
 
 
-def _backward_sm90(config):
-    """The dK/dV kernel's arguments (as the mma family's, with dq_accum), then the tensor maps of q,
-    k, v, dout (``HOST_ARGUMENTS``)."""
+def _backward_sm90(config, dq=False):
+    """The dK/dV kernel's arguments (as the mma family's, with dq_accum; with ``dq``, dq after it),
+    then the tensor maps of q, k, v, dout (``HOST_ARGUMENTS``)."""
     t = KERNEL_DTYPE[config.dtype].name
     inputs = ", ".join([f"{t}[:,:,:,:]"] * 4)  # q, k, v, dout
     # dq_accum, or without atomics (dq_split="none") a stand-in: delta, as for the other families
     accum = "float32[:,:,:,::1]" if config.atomic_dq else "float32[:,:,::1]"
+    if dq:
+        accum += f", {t}[:,:,:,::1]"
     return (f"void({inputs}, float32[:,:,:], float32[:,:,::1], {t}[:,:,:,::1], {t}[:,:,:,::1], "
             f"{accum}, uint64[:,::1], float32, float32, {_params(config)})")
+
+
+def _backward_sm90_dq(config):
+    """backward_sm90.py's dK/dV kernel: ``_backward_sm90``'s arguments with dq after dq_accum (written
+    where the kernel converts dQ itself, ``fold_dq``; left alone otherwise)."""
+    return _backward_sm90(config, dq=True)
 
 
 def _convert_dq_sm90(config):
@@ -135,7 +143,7 @@ KERNELS = {
     Sm90ForwardConfig: (build_forward_sm90, _forward_sm90),
     PortableBackwardConfig: (build_backward_portable, _backward),
     MmaBackwardConfig: (build_backward_mma, _backward),
-    Sm90BackwardConfig: (build_backward_sm90, _backward_sm90),
+    Sm90BackwardConfig: (build_backward_sm90, _backward_sm90_dq),
     Sm90RowsBackwardConfig: (build_backward_sm90_rows, _backward_sm90),  # the same arguments
     Sm90WideBackwardConfig: (build_backward_sm90_wide, _backward_sm90),  # the same arguments
     Sm90DqConfig: (build_backward_dq_sm90, _backward_dq_sm90),
