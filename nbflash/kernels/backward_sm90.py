@@ -1109,32 +1109,26 @@ def make_visiting_key_tiles(hooks, block_m, block_n):
     WINDOW, query_tiles = hooks.WINDOW, hooks.query_tiles
 
     @inline_device
-    def key_tile_range(j, seqlen_q, seqlen_k, params):
-        """Key tile j's visited query tiles [first, end), as its block's walk has them."""
-        first, _, _, end = query_tiles(j * block_n, min(j * block_n + block_n, seqlen_k), seqlen_q, seqlen_k, params,
-                                       block_m)
-        return first, end
+    def first_past(tile, end, lo, hi, seqlen_q, seqlen_k, params):
+        """The first key tile in [lo, hi) whose visited query tiles [first, end) (as its block's walk
+        has them) start past ``tile`` (or with ``end``, end past it); hi if none."""
+        while lo < hi:
+            mid = (lo + hi) // 2
+            first, _, _, last = query_tiles(mid * block_n, min(mid * block_n + block_n, seqlen_k), seqlen_q, seqlen_k,
+                                            params, block_m)
+            if (last if end else first) > tile:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     @inline_device
     def visiting_key_tiles(tile, seqlen_q, seqlen_k, params):
         key_tiles = (seqlen_k + block_n - 1) // block_n
         if not WINDOW:
             return key_tiles
-        lo, hi = 0, key_tiles  # the first key tile whose range ends past the tile
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if key_tile_range(mid, seqlen_q, seqlen_k, params)[1] > tile:
-                hi = mid
-            else:
-                lo = mid + 1
-        start, hi = lo, key_tiles  # ... and the first from there whose range starts past it
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if key_tile_range(mid, seqlen_q, seqlen_k, params)[0] > tile:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo - start
+        start = first_past(tile, True, 0, key_tiles, seqlen_q, seqlen_k, params)
+        return first_past(tile, False, start, key_tiles, seqlen_q, seqlen_k, params) - start
 
     return visiting_key_tiles
 
