@@ -1060,18 +1060,17 @@ def make_reduce_staged_dq(config, hooks):
     never waits behind it. Packed sequences: dq_accum a batch of one, sequence b's tiles from its
     ``padded_first_row`` (``packed_rows``: the packed query rows).
 
-    With ``fold_dq``, lane 0 then counts the step's arrival on its query tile (``last_arrival``) and
-    marks the steps whose arrival was the tile's last, a bit each: word w of the marks (at shared
-    address ``fold_marks`` + 4 w) holds steps 32 w .. 32 w + 31, stored once its last step is counted
-    (every word up to the last step's is written, so none needs zeroing first)."""
+    With ``fold_dq``, lane 0 then counts each step's arrival on its query tile (``count_arrival``) a
+    step late, once that step's reduce-add is complete (``bulk_wait``(1), not 0: the step's own add
+    need not have landed, so warp 2 issues the next one no later than without the fold), and the
+    last step's after the loop."""
     BM = config.block_m
     warp_visit_query_step = hooks.warp_visit_query_step
     VARLEN, sequence = hooks.VARLEN, hooks.sequence
     add_staged_dq = make_add_staged_dq(config)
     step_pair = make_step_pair(config)
     FOLD = getattr(config, "fold_dq", False)
-    visiting_key_tiles = make_visiting_key_tiles(hooks, BM, config.block_n)
-    last_arrival = make_last_arrival(config)
+    count_arrival = make_count_arrival(config, hooks)
 
     @inline_device
     def reduce_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
@@ -1082,18 +1081,22 @@ def make_reduce_staged_dq(config, hooks):
             dq_row0 = padded_first_row(sequence(params, b, packed_rows, packed_rows)[0], b, BM)
         position = -1
         marks = uint32(0)  # (FOLD) lane 0's marks of the current 32 steps
+        last_h, last_tile = hk * group, first_tile  # (FOLD) the step before's pair: counted a step late
         for i in range(steps):
             position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
                                              lane)
             h, tile = step_pair(position, hk, group, first_tile, tiles_per_head, n_block)
             add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, dq_row0 + tile * BM, mem_b, lane)
             if FOLD and lane == 0:
-                visits = visiting_key_tiles(tile, seqlen_q, seqlen_k, params)
-                if last_arrival(dq_accum, b, h, tile, seqlen_q, visits):
-                    marks |= uint32(1) << uint32(i % 32)
-                if i % 32 == 31 or i == steps - 1:
-                    store_shared_u32(fold_marks + uint32(4 * (i // 32)), marks)
-                    marks = uint32(0)
+                if i > 0:  # step i - 1's additions have had a step to complete (step i's may not yet)
+                    bulk_wait(1)
+                    marks = count_arrival(dq_accum, fold_marks, marks, b, last_h, last_tile, i - 1, steps, seqlen_q,
+                                          seqlen_k, params)
+                last_h, last_tile = h, tile
+        if FOLD and lane == 0 and steps > 0:  # the last step's
+            bulk_wait(0)
+            count_arrival(dq_accum, fold_marks, marks, b, last_h, last_tile, steps - 1, steps, seqlen_q, seqlen_k,
+                          params)
 
     return reduce_staged_dq
 
@@ -1133,28 +1136,35 @@ def make_visiting_key_tiles(hooks, block_m, block_n):
     return visiting_key_tiles
 
 
-def make_last_arrival(config):
-    """``last_arrival(dq_accum, b, h, tile, seqlen_q, visits) -> bool``, warp 2's lane 0 with
-    ``fold_dq``, right after its bulk reduce-add into query tile ``tile`` of head h: wait until the
-    additions are made (not only the staged tile read: ``bulk_wait``), publish them to every block
-    (a proxy fence, then a release), then count this block's arrival on the tile
-    (``fold_counter``); True when it is the last of the tile's ``visits`` (every block's additions
-    are then in dq_accum, and visible here after the acquire that follows). The same pattern as a
-    split decode's merge ticket (decode_mma.py)."""
+def make_count_arrival(config, hooks):
+    """``count_arrival(dq_accum, fold_marks, marks, b, h, tile, step, steps, seqlen_q, seqlen_k,
+    params) -> marks``, warp 2's lane 0 with ``fold_dq``, once its bulk reduce-add of step ``step``
+    into query tile ``tile`` of head h is complete (the caller's ``bulk_wait``): publish the additions
+    to every block (a proxy fence, then a release), count this block's arrival on the tile
+    (``fold_counter``), and if it is the last of the tile's visiting key tiles
+    (``make_visiting_key_tiles``), acquire the other blocks' additions and mark the step. The marks
+    are a bit a step: word w (at shared address ``fold_marks`` + 4 w) holds steps 32 w .. 32 w + 31,
+    stored once its last step is counted (every word up to the last step's is written, so none needs
+    zeroing first); ``marks`` carries the current word. The same pattern as a split decode's merge
+    ticket (decode_mma.py)."""
     BM, HDP = config.block_m, config.headdim_padded
+    visiting_key_tiles = make_visiting_key_tiles(hooks, BM, config.block_n)
 
     @inline_device
-    def last_arrival(dq_accum, b, h, tile, seqlen_q, visits):
-        bulk_wait(0)  # this thread's bulk reduce-adds are complete
-        fence_proxy_async_global()  # ... ordered with its generic accesses
+    def count_arrival(dq_accum, fold_marks, marks, b, h, tile, step, steps, seqlen_q, seqlen_k, params):
+        visits = visiting_key_tiles(tile, seqlen_q, seqlen_k, params)
+        fence_proxy_async_global()  # the completed additions ordered with this thread's generic accesses
         cuda.threadfence()  # ... and visible to every block before the count says so
         arrived = cuda.atomic.add(dq_accum, fold_counter(b, h, tile, seqlen_q, BM, HDP), float32(1))
-        if arrived != float32(visits - 1):
-            return False
-        cuda.threadfence()  # the other blocks' additions are read after their arrivals
-        return True
+        if arrived == float32(visits - 1):
+            cuda.threadfence()  # the other blocks' additions are read after their arrivals
+            marks |= uint32(1) << uint32(step % 32)
+        if step % 32 == 31 or step == steps - 1:
+            store_shared_u32(fold_marks + uint32(4 * (step // 32)), marks)
+            marks = uint32(0)
+        return marks
 
-    return last_arrival
+    return count_arrival
 
 
 @register_jitable
