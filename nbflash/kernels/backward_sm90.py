@@ -423,16 +423,17 @@ class Sm90BackwardConfig(Sm90BackwardBlock):
     # two sets leave 1,096 bytes short of (docs/perf-notes.md, "A third ring stage for step 40 at hd
     # 64"). An option until timed
     ds_buffers: int = 2
-    # The dQ conversion folded into this kernel (``make_fold_dq``; docs/perf-notes.md "The dQ
-    # conversion folded into the dK/dV kernel"), with dq_warp: after each bulk reduce-add, warp 2
-    # waits for its completion and counts the query tile's arrival (an int32 per (batch, query head,
-    # query tile), zeroed with dq_accum); the arrival that completes the tile's count of visiting key
-    # tiles marks the step in shared memory, and once the loop is done the consumers' eight warps
-    # convert the marked tiles from L2 (dq = dq_accum * scale in the input dtype, as
-    # ``Sm90ConvertDqConfig``), so no conversion kernel reads dq_accum back from memory afterwards.
-    # The kernel then takes dq and the counters after dq_accum. Dense sequences without a block mask
-    # (whose counts the table would give); at most ``FOLD_STEPS`` steps a block (the launcher takes
-    # the conversion kernel past that). An option until timed (configs.SM90_BACKWARD_FOLD_DQ)
+    # The dQ conversion folded into this kernel, with dq_warp (docs/perf-notes.md "The dQ conversion
+    # folded into the dK/dV kernel"): warp 2 counts each step's arrival on its query tile once the
+    # step's bulk reduce-add is complete, a step late (``make_count_arrival``: a float32 counter per
+    # (batch, query head, query tile) past the tiles in dq_accum, zeroed with it); the arrival that
+    # completes the tile's count of visiting key tiles marks the step in shared memory, and once the
+    # loop is done the consumers' eight warps convert the marked tiles from L2 (``make_convert_marked``:
+    # dq = dq_accum * scale in the input dtype, as ``Sm90ConvertDqConfig``), so no conversion kernel
+    # reads dq_accum back from memory afterwards. The kernel writes dq (its argument after dq_accum,
+    # ``takes_dq``). Dense sequences without a block mask (whose counts the table would give); at most
+    # ``FOLD_STEPS`` steps a block (the launcher takes the conversion kernel past that). An option
+    # until timed (configs.SM90_BACKWARD_FOLD_DQ)
     fold_dq: bool = False
     kernel = "dkdv"  # the backward's plan reads it (one kernel of the three)
     takes_dq = True  # the kernel takes dq after dq_accum (and writes it with fold_dq)
@@ -1205,8 +1206,8 @@ def make_convert_unit(headdim_padded, part_columns, load, store_rows):
     return convert_unit
 
 
-def make_fold_dq(config, hooks):
-    """``fold_dq(smem, marks_word0, dq_accum, dq, params, b, hk, group, n_block, first_tile,
+def make_convert_marked(config, hooks):
+    """``convert_marked(smem, marks_word0, dq_accum, dq, params, b, hk, group, n_block, first_tile,
     tiles_per_head, steps, seqlen_q, seqlen_k, scale, warp, lane)``, the consumers' eight warps
     (``warp`` 0..7) with ``fold_dq``, once the loop is done and warp 2 has counted every arrival:
     each query tile whose last arrival this block made (warp 2's marks, from smem word
@@ -1231,8 +1232,8 @@ def make_fold_dq(config, hooks):
                 store_u32x4(global_address(dq, b, row, h, 8 * c), uint32(0), uint32(0), uint32(0), uint32(0))
 
     @inline_device
-    def fold_dq(smem, marks_word0, dq_accum, dq, params, b, hk, group, n_block, first_tile, tiles_per_head, steps,
-                seqlen_q, seqlen_k, scale, warp, lane):
+    def convert_marked(smem, marks_word0, dq_accum, dq, params, b, hk, group, n_block, first_tile, tiles_per_head,
+                       steps, seqlen_q, seqlen_k, scale, warp, lane):
         marked = 0  # the marked steps so far: unit u of the k-th goes to warp (k UNITS + u) % WARPS
         for w in range((steps + 31) // 32):
             marks = smem[marks_word0 + w]
@@ -1251,7 +1252,7 @@ def make_fold_dq(config, hooks):
                     for h in range(hk * group, hk * group + group):
                         zero_rows(dq, b, h, tile * BM, min(tile * BM + BM, seqlen_q), lane)
 
-    return fold_dq
+    return convert_marked
 
 
 def make_stage_dq(block_m, columns):
@@ -1595,7 +1596,7 @@ def build_backward_sm90(config: Sm90BackwardConfig):
     DQ_WARP = config.dq_warp
     reduce_staged_dq = make_reduce_staged_dq(config, hooks)  # the producer's warp 2, with DQ_WARP
     FOLD = config.fold_dq  # ... which then marks the query tiles this block converts, after its loop
-    fold_dq = make_fold_dq(config, hooks)
+    convert_marked = make_convert_marked(config, hooks)
     probabilities_t = make_probabilities_t(hooks, BM, staged_dropout=STAGED_DROPOUT)
     stage_dropout = make_stage_dropout(config, hooks)  # the producer's warps 2 and 3, with STAGED_DROPOUT
     # with STAGED_DQ, the consumer's part of dQ_i for the stats warp: half the columns, or its 64 rows
@@ -1916,8 +1917,9 @@ def build_backward_sm90(config: Sm90BackwardConfig):
                 store_rows(dv, dv_acc, mem_b, k_row0 + key_row0, hk, k_row0 + seqlen_k, float32(1), q4)
             if FOLD:  # dq of the query tiles whose last arrival was this block's
                 named_barrier_sync(FOLD_BARRIER, CONSUMERS * GROUP + 32)
-                fold_dq(smem, (fold_marks - smem_start) // uint32(4), dq_accum, dq, params, b, hk, group, n_block,
-                        first_tile, tiles_per_head, steps, seqlen_q, seqlen_k, scale, 4 * consumer + warp, lane)
+                convert_marked(smem, (fold_marks - smem_start) // uint32(4), dq_accum, dq, params, b, hk, group,
+                               n_block, first_tile, tiles_per_head, steps, seqlen_q, seqlen_k, scale,
+                               4 * consumer + warp, lane)
 
     return backward_dkdv_sm90
 
