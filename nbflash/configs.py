@@ -821,7 +821,8 @@ SM90_BACKWARD_VARLEN_DQ_WARP = False
 # The dQ conversion folded into the dK/dV kernel (``fold_dq``: the block whose bulk reduce-add completes a
 # query tile's dQ converts it from L2 after its loop, instead of a conversion kernel reading dq_accum
 # back; docs/perf-notes.md "The dQ conversion folded into the dK/dV kernel"), with dq_warp, dense
-# sequences without a block mask. Simulator cases (test_backward_sm90_fold_dq); an option, off, until
+# sequences without a block mask. Simulator cases (test_backward_sm90_fold_dq_small,
+# test_backward_sm90_keys128_fold_dq_small); an option, off, until
 # its GPU grid has run and it is timed (scripts/gpu_check.sh fold-dq)
 SM90_BACKWARD_FOLD_DQ = False
 

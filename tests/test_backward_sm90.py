@@ -125,6 +125,28 @@ def test_sm90_backward_plans_dq_warp(monkeypatch):
         assert dkdv.dq_split == "none" and not dkdv.dq_warp
 
 
+def test_sm90_backward_plans_fold_dq(monkeypatch):
+    """configs.SM90_BACKWARD_FOLD_DQ (an option): wherever warp 2 adds the staged dQ_i of dense
+    sequences without a block mask (step 40's kernel at hd 33-64, the table's at 72-128), the kernel
+    converts dQ itself; not for packed sequences (even with their dq_warp), block masks, the producer's
+    keep bits or the deterministic pass; off, nowhere."""
+    monkeypatch.setattr(configs.runtime, "SIMULATOR", False)  # the planner's GPU branch (nothing runs)
+    monkeypatch.setattr(configs, "_compute_capability", lambda device=0: (9, 0))
+    monkeypatch.setattr(configs, "SM90_BACKWARD_VARLEN_DQ_WARP", True)
+    for on in (True, False):
+        monkeypatch.setattr(configs, "SM90_BACKWARD_FOLD_DQ", on)
+        for headdim, variant, planned in [(64, Variant(), on), (40, CAUSAL, on), (128, CAUSAL, on),
+                                          (96, Variant(alibi=True), on), (64, Variant(mask=True), on),
+                                          (64, Variant(mask_mod="g:0", block_mask=True), False),
+                                          (128, Variant(dropout=True), False), (128, Variant(varlen=True), False),
+                                          (64, Variant(window=True, varlen=True), False)]:
+            dkdv = configs.sm90_backward_config("float16", headdim, variant)
+            assert dkdv.fold_dq == planned, (on, headdim, variant)
+            assert dkdv.dq_warp or not planned
+        dkdv = configs.plan_backward(Static("float16", 128, False, 0, CAUSAL), True, "sm90", True)[1]
+        assert not getattr(dkdv, "fold_dq", False)
+
+
 def test_sm90_backward_plans_store_quads(monkeypatch):
     """configs.SM90_BACKWARD_STORE_QUADS: the planned kernel padded to 128 columns (headdims 72-128)
     stores dK and dV 16 bytes a lane, with any variant of dense sequences; for packed sequences only
