@@ -12,6 +12,7 @@ plan's fallbacks and an agreement check with the mma family.
 """
 
 import dataclasses
+import itertools
 import re
 
 import numpy as np
@@ -503,25 +504,64 @@ def with_fold_dq(config):
     return dataclasses.replace(config, dq_warp=True, fold_dq=True)
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="calls the device functions from Python")
+def test_visiting_key_tiles_count_the_blocks_walks():
+    """fold_dq's count of a query tile's visiting key tiles (``make_visiting_key_tiles``) is the number
+    of key tiles whose own walk (``query_tiles``, the ranges the dK/dV blocks take) holds the tile,
+    counted directly, for windows of every kind (causal, both sides, narrow, none on one side) and
+    lengths either way round, block_m 64 and 128: by the binary searches, and by the run warp 2
+    carries from tile to tile over the walks it takes (tiles in order, rotated, again for each query
+    head of a GQA group). A run left behind or moved too far gives a count that the simulator's
+    blocks, run one after another, may not show (a later block converts the tile again), so it is
+    checked here."""
+    from nbflash.kernels import variants
+    from nbflash.kernels.backward_sm90 import make_visiting_key_tiles
+
+    hooks = variants.hooks(Variant(window=True))
+    big = 10 ** 9
+    windows = [(big, 0), (96, 32), (3, 0), (0, 0), (200, big), (big, 1)]
+    for (seqlen_q, seqlen_k), (left, right), block_m in itertools.product(
+            [(150, 200), (200, 150), (700, 300), (64, 1000), (1000, 64)], windows, (64, 128)):
+        params = (left, right)
+        counting, run = make_visiting_key_tiles(hooks, block_m, 128)
+        key_tiles, query_tiles = -(-seqlen_k // 128), -(-seqlen_q // block_m)
+        ranges = [hooks.query_tiles(j * 128, min(j * 128 + 128, seqlen_k), seqlen_q, seqlen_k, params, block_m)
+                  for j in range(key_tiles)]
+        direct = [sum(first <= t < end for first, _, _, end in ranges) for t in range(query_tiles)]
+        case = (seqlen_q, seqlen_k, params, block_m)
+        assert [counting(t, seqlen_q, seqlen_k, params) for t in range(query_tiles)] == direct, case
+        for first, _, _, end in ranges:  # each block's walk: its tiles, in order and rotated, two heads
+            tiles = list(range(first, end))
+            for walk in (tiles * 2, (tiles[len(tiles) // 2:] + tiles[:len(tiles) // 2]) * 2):
+                start, stop, counted = 0, 0, -1
+                for t in walk:
+                    start, stop = run(t, start, stop, counted, seqlen_q, seqlen_k, params)
+                    counted = t
+                    assert stop - start == direct[t], (case, walk, t)
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_fold_dq_gpu")
-@pytest.mark.parametrize("name, shape, fold_steps", [("causal", (1, 100, 150, 2, 1, 72), None),
-                                                     ("causal", (1, 150, 40, 1, 1, 72), None),
-                                                     ("plain", (1, 70, 150, 1, 1, 72), None),
-                                                     ("plain", (1, 70, 150, 1, 1, 72), 1)],
-                         ids=["causal-gqa", "causal-unseen-rows", "plain", "past-fold-steps"])
-def test_backward_sm90_fold_dq_small(rng, xp, monkeypatch, name, shape, fold_steps):
+@pytest.mark.parametrize("name, shape, fold_steps, rotate", [("causal", (1, 150, 200, 2, 1, 72), None, True),
+                                                             ("causal", (1, 150, 40, 1, 1, 72), None, False),
+                                                             ("plain", (1, 70, 150, 1, 1, 72), None, False),
+                                                             ("plain", (1, 70, 150, 1, 1, 72), 1, False)],
+                         ids=["causal-gqa-rotated", "causal-unseen-rows", "plain", "past-fold-steps"])
+def test_backward_sm90_fold_dq_small(rng, xp, monkeypatch, name, shape, fold_steps, rotate):
     """``fold_dq`` (an option): the block whose bulk reduce-add completes a query tile's dQ converts
     it after its loop (warp 2 counts the arrivals; no conversion kernel), headdim 72, bfloat16,
-    NaN-poisoned dq. Causal, 100 queries of 150 keys, GQA 2:1: query tile 0 has one visiting key
-    tile, tile 1 two (a count one off either way leaves a tile unconverted, or converts it before
-    the other block's additions); causal, 150 queries of 40 keys: rows 0-109 see no key, so no block
-    visits query tile 0, whose dq block 0 writes as zeros (NaN else); plain, two key tiles for each
-    of two query tiles, the second a tail; the same with more steps a block than the marks hold (1
-    here, FOLD_STEPS): the launcher takes the kernel without the fold, then the conversion kernel."""
+    NaN-poisoned dq. Causal, 150 queries of 200 keys, GQA 2:1, each block's walk rotated
+    (``rotate``): query tile 0 has one visiting key tile, tiles 1 and 2 two (a count one off either
+    way leaves a tile unconverted, or converts it before the other block's additions); key tile 1
+    walks tile 2, then 1, so warp 2's run of visiting key tiles starts over where the tile goes back,
+    and again at the second query head. Causal, 150 queries of 40 keys: rows 0-109 see no key, so no
+    block visits query tile 0, whose dq block 0 writes as zeros (NaN else); its one key tile walks
+    tiles 1 and 2, the run advanced from one to the next. Plain, two key tiles for each of two query
+    tiles, the second a tail; the same with more steps a block than the marks hold (1 here,
+    FOLD_STEPS): the launcher takes the kernel without the fold, then the conversion kernel."""
     if fold_steps is not None:
         monkeypatch.setattr(backward, "FOLD_STEPS", fold_steps)
     built = recorded_builds(monkeypatch)
-    with replanned(monkeypatch, with_fold_dq):
+    with replanned(monkeypatch, lambda config: with_fold_dq(dataclasses.replace(config, rotate=rotate))):
         run_sm90_variant(rng, xp, name, "bfloat16", *shape)
     launched = [c.fold_dq for c in built if isinstance(c, Sm90BackwardConfig)]
     assert launched == ([True] if fold_steps is None else [True, False])

@@ -1071,7 +1071,8 @@ def make_reduce_staged_dq(config, hooks):
     add_staged_dq = make_add_staged_dq(config)
     step_pair = make_step_pair(config)
     FOLD = getattr(config, "fold_dq", False)
-    count_arrival = make_count_arrival(config, hooks)
+    count_arrival = make_count_arrival(config)
+    visiting_run = make_visiting_key_tiles(hooks, BM, config.block_n)[1]
 
     @inline_device
     def reduce_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
@@ -1083,6 +1084,7 @@ def make_reduce_staged_dq(config, hooks):
         position = -1
         marks = uint32(0)  # (FOLD) lane 0's marks of the current 32 steps
         last_h, last_tile = hk * group, first_tile  # (FOLD) the step before's pair: counted a step late
+        start, stop, counted = 0, 0, -1  # (FOLD) the run of key tiles visiting query tile `counted`
         for i in range(steps):
             position = warp_visit_query_step(params, b, hk, group, n_block, first_tile, tiles_per_head, i, position,
                                              lane)
@@ -1090,37 +1092,50 @@ def make_reduce_staged_dq(config, hooks):
             add_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, i, h, dq_row0 + tile * BM, mem_b, lane)
             if FOLD and lane == 0:
                 if i > 0:  # step i - 1's additions have had a step to complete (step i's may not yet)
+                    start, stop = visiting_run(last_tile, start, stop, counted, seqlen_q, seqlen_k, params)
+                    counted = last_tile
                     bulk_wait(1)
                     marks = count_arrival(dq_accum, fold_marks, marks, b, last_h, last_tile, i - 1, steps, seqlen_q,
-                                          seqlen_k, params)
+                                          stop - start)
                 last_h, last_tile = h, tile
         if FOLD and lane == 0 and steps > 0:  # the last step's
+            start, stop = visiting_run(last_tile, start, stop, counted, seqlen_q, seqlen_k, params)
             bulk_wait(0)
-            count_arrival(dq_accum, fold_marks, marks, b, last_h, last_tile, steps - 1, steps, seqlen_q, seqlen_k,
-                          params)
+            count_arrival(dq_accum, fold_marks, marks, b, last_h, last_tile, steps - 1, steps, seqlen_q, stop - start)
 
     return reduce_staged_dq
 
 
 def make_visiting_key_tiles(hooks, block_m, block_n):
-    """``visiting_key_tiles(tile, seqlen_q, seqlen_k, params) -> n``: how many key tiles' blocks
-    add into query tile ``tile``'s dQ: those whose visited query tiles [first, end) (the
-    ``hooks.query_tiles`` each dK/dV block walks) hold it. Without a window, every key tile. With one,
-    both ends of a key tile's range grow with the key (a key tile no query sees has (0, 0)), so the
-    visiting key tiles are one run: from the first whose range ends past ``tile`` to the first that
-    starts past it, two binary searches over the ranges themselves (the very ranges the blocks
-    walk, so the count cannot disagree with them)."""
+    """``(visiting_key_tiles, visiting_run)``: which key tiles' blocks add into a query tile's dQ,
+    those whose visited query tiles [first, end) (the ``hooks.query_tiles`` each dK/dV block walks)
+    hold it. Without a window, every key tile. With one, both ends of a key tile's range grow with
+    the key (a key tile no query sees has (0, 0)), so the visiting key tiles are one run [start,
+    stop): from the first whose range ends past the tile to the first that starts past it, found over
+    the ranges themselves (the very ranges the blocks walk, so the count cannot disagree with them).
+
+    ``visiting_key_tiles(tile, seqlen_q, seqlen_k, params) -> n``: the run's length, by two binary
+    searches. ``visiting_run(tile, start, stop, tile_before, seqlen_q, seqlen_k, params) -> (start,
+    stop)``: the run of ``tile`` from [start, stop), the run of ``tile_before``: both ends only move up
+    as the tile does, so a walk over consecutive tiles advances them by a key tile or so a step
+    (binary searches only where the tile goes back: a new query head, a rotated walk's wrap, or
+    tile_before < 0, the first)."""
     WINDOW, query_tiles = hooks.WINDOW, hooks.query_tiles
 
     @inline_device
+    def starts_past(j, tile, end, seqlen_q, seqlen_k, params):
+        """Key tile j's visited query tiles [first, end) (as its block's walk has them) start past
+        ``tile`` (or with ``end``, end past it)."""
+        first, _, _, last = query_tiles(j * block_n, min(j * block_n + block_n, seqlen_k), seqlen_q, seqlen_k, params,
+                                        block_m)
+        return (last if end else first) > tile
+
+    @inline_device
     def first_past(tile, end, lo, hi, seqlen_q, seqlen_k, params):
-        """The first key tile in [lo, hi) whose visited query tiles [first, end) (as its block's walk
-        has them) start past ``tile`` (or with ``end``, end past it); hi if none."""
+        """The first key tile in [lo, hi) past ``tile`` (``starts_past``); hi if none."""
         while lo < hi:
             mid = (lo + hi) // 2
-            first, _, _, last = query_tiles(mid * block_n, min(mid * block_n + block_n, seqlen_k), seqlen_q, seqlen_k,
-                                            params, block_m)
-            if (last if end else first) > tile:
+            if starts_past(mid, tile, end, seqlen_q, seqlen_k, params):
                 hi = mid
             else:
                 lo = mid + 1
@@ -1134,26 +1149,39 @@ def make_visiting_key_tiles(hooks, block_m, block_n):
         start = first_past(tile, True, 0, key_tiles, seqlen_q, seqlen_k, params)
         return first_past(tile, False, start, key_tiles, seqlen_q, seqlen_k, params) - start
 
-    return visiting_key_tiles
+    @inline_device
+    def visiting_run(tile, start, stop, tile_before, seqlen_q, seqlen_k, params):
+        key_tiles = (seqlen_k + block_n - 1) // block_n
+        if not WINDOW:
+            return 0, key_tiles
+        if tile < tile_before or tile_before < 0:
+            start = first_past(tile, True, 0, key_tiles, seqlen_q, seqlen_k, params)
+            return start, first_past(tile, False, start, key_tiles, seqlen_q, seqlen_k, params)
+        while start < key_tiles and not starts_past(start, tile, True, seqlen_q, seqlen_k, params):
+            start += 1
+        stop = max(stop, start)
+        while stop < key_tiles and not starts_past(stop, tile, False, seqlen_q, seqlen_k, params):
+            stop += 1
+        return start, stop
+
+    return visiting_key_tiles, visiting_run
 
 
-def make_count_arrival(config, hooks):
-    """``count_arrival(dq_accum, fold_marks, marks, b, h, tile, step, steps, seqlen_q, seqlen_k,
-    params) -> marks``, warp 2's lane 0 with ``fold_dq``, once its bulk reduce-add of step ``step``
-    into query tile ``tile`` of head h is complete (the caller's ``bulk_wait``): publish the additions
-    to every block (a proxy fence, then a release), count this block's arrival on the tile
-    (``fold_counter``), and if it is the last of the tile's visiting key tiles
-    (``make_visiting_key_tiles``), acquire the other blocks' additions and mark the step. The marks
+def make_count_arrival(config):
+    """``count_arrival(dq_accum, fold_marks, marks, b, h, tile, step, steps, seqlen_q, visits) ->
+    marks``, warp 2's lane 0 with ``fold_dq``, once its bulk reduce-add of step ``step`` into query
+    tile ``tile`` of head h is complete (the caller's ``bulk_wait``): publish the additions to every
+    block (a proxy fence, then a release), count this block's arrival on the tile (``fold_counter``),
+    and if it is the last of the tile's ``visits`` (its visiting key tiles, ``make_visiting_key_tiles``),
+    acquire the other blocks' additions and mark the step. The marks
     are a bit a step: word w (at shared address ``fold_marks`` + 4 w) holds steps 32 w .. 32 w + 31,
     stored once its last step is counted (every word up to the last step's is written, so none needs
     zeroing first); ``marks`` carries the current word. The same pattern as a split decode's merge
     ticket (decode_mma.py)."""
     BM, HDP = config.block_m, config.headdim_padded
-    visiting_key_tiles = make_visiting_key_tiles(hooks, BM, config.block_n)
 
     @inline_device
-    def count_arrival(dq_accum, fold_marks, marks, b, h, tile, step, steps, seqlen_q, seqlen_k, params):
-        visits = visiting_key_tiles(tile, seqlen_q, seqlen_k, params)
+    def count_arrival(dq_accum, fold_marks, marks, b, h, tile, step, steps, seqlen_q, visits):
         fence_proxy_async_global()  # the completed additions ordered with this thread's generic accesses
         cuda.threadfence()  # ... and visible to every block before the count says so
         arrived = cuda.atomic.add(dq_accum, fold_counter(b, h, tile, seqlen_q, BM, HDP), float32(1))
@@ -1222,7 +1250,7 @@ def make_convert_marked(config, hooks):
     convert_unit = make_convert_unit(HDP, config.dq_part_columns, load_u32x4_cg, store_rows)
     step_pair = make_step_pair(config)
     WINDOW = hooks.WINDOW
-    visiting_key_tiles = make_visiting_key_tiles(hooks, BM, config.block_n)
+    visiting_key_tiles = make_visiting_key_tiles(hooks, BM, config.block_n)[0]
 
     @inline_device
     def zero_rows(dq, b, h, row0, rows_end, lane):
