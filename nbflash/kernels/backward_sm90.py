@@ -86,9 +86,10 @@ strides that are multiples of 16 bytes with the last dimension contiguous, headd
 up to 128; float16 arrays, or uint16 arrays holding bfloat16 bits. lse, delta float32 (batch,
 nheads, seqlen_q); dk, dv like k, v (C-contiguous); dq_accum float32 like q, zeroed by the
 preprocess (tile-major with dq_reduce="tiles": ``dq_accum_shape``, zeroed by the launcher); dq like q
-(C-contiguous), written only where the kernel converts dQ itself (``fold_dq``). ``maps`` holds the four 4-D tensor maps of q, k, v and dout (``tensor_maps``), built by
-the launcher. A row with lse = -inf (it sees no key) and rows past seqlen_q get lse_log2 = +inf, so
-their P is exactly 0; keys past seqlen_k are masked, and their dK, dV rows are not written.
+(C-contiguous), written only where the kernel converts dQ itself (``fold_dq``). ``maps`` holds the
+four 4-D tensor maps of q, k, v and dout (``tensor_maps``), built by the launcher. A row with lse
+= -inf (it sees no key) and rows past seqlen_q get lse_log2 = +inf, so their P is exactly 0; keys
+past seqlen_k are masked, and their dK, dV rows are not written.
 
 Variants: the window (causal included); the element masks (the mask tensor, mask_mod), tested at
 the mask point of every visited tile (none is known to be whole with them, except the pairs a
