@@ -509,9 +509,9 @@ def test_visiting_key_tiles_count_the_blocks_walks():
     """fold_dq's count of a query tile's visiting key tiles (``make_visiting_key_tiles``) is the number
     of key tiles whose own walk (``query_tiles``, the ranges the dK/dV blocks take) holds the tile,
     counted directly, for windows of every kind (causal, both sides, narrow, none on one side) and
-    lengths either way round, block_m 64 and 128: by the binary searches, and by the run warp 2
-    carries from tile to tile over the walks it takes (tiles in order, rotated, again for each query
-    head of a GQA group). A run left behind or moved too far gives a count that the simulator's
+    lengths either way round, block_m 64 and 128: found afresh for each tile, and carried from tile
+    to tile over the walks warp 2 takes (tiles in order, rotated, again for each query head of a GQA
+    group) and over block 0's zeroing walk (every eighth tile). A run left behind or moved too far gives a count that the simulator's
     blocks, run one after another, may not show (a later block converts the tile again), so it is
     checked here."""
     from nbflash.kernels import variants
@@ -523,21 +523,25 @@ def test_visiting_key_tiles_count_the_blocks_walks():
     for (seqlen_q, seqlen_k), (left, right), block_m in itertools.product(
             [(150, 200), (200, 150), (700, 300), (64, 1000), (1000, 64)], windows, (64, 128)):
         params = (left, right)
-        counting, run = make_visiting_key_tiles(hooks, block_m, 128)
+        run = make_visiting_key_tiles(hooks, block_m, 128)
         key_tiles, query_tiles = -(-seqlen_k // 128), -(-seqlen_q // block_m)
         ranges = [hooks.query_tiles(j * 128, min(j * 128 + 128, seqlen_k), seqlen_q, seqlen_k, params, block_m)
                   for j in range(key_tiles)]
         direct = [sum(first <= t < end for first, _, _, end in ranges) for t in range(query_tiles)]
         case = (seqlen_q, seqlen_k, params, block_m)
-        assert [counting(t, seqlen_q, seqlen_k, params) for t in range(query_tiles)] == direct, case
+        for t in range(query_tiles):  # found afresh (no tile before)
+            start, stop = run(t, 0, 0, -1, seqlen_q, seqlen_k, params)
+            assert stop - start == direct[t], (case, t)
+        walks = [list(range(warp, query_tiles, 8)) for warp in range(8)]  # block 0's zeroing, a warp's tiles
         for first, _, _, end in ranges:  # each block's walk: its tiles, in order and rotated, two heads
             tiles = list(range(first, end))
-            for walk in (tiles * 2, (tiles[len(tiles) // 2:] + tiles[:len(tiles) // 2]) * 2):
-                start, stop, counted = 0, 0, -1
-                for t in walk:
-                    start, stop = run(t, start, stop, counted, seqlen_q, seqlen_k, params)
-                    counted = t
-                    assert stop - start == direct[t], (case, walk, t)
+            walks += [tiles * 2, (tiles[len(tiles) // 2:] + tiles[:len(tiles) // 2]) * 2]
+        for walk in walks:
+            start, stop, counted = 0, 0, -1
+            for t in walk:
+                start, stop = run(t, start, stop, counted, seqlen_q, seqlen_k, params)
+                counted = t
+                assert stop - start == direct[t], (case, walk, t)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs test_backward_sm90_fold_dq_gpu")

@@ -1073,7 +1073,7 @@ def make_reduce_staged_dq(config, hooks):
     step_pair = make_step_pair(config)
     FOLD = getattr(config, "fold_dq", False)
     count_arrival = make_count_arrival(config)
-    visiting_run = make_visiting_key_tiles(hooks, BM, config.block_n)[1]
+    visiting_run = make_visiting_key_tiles(hooks, BM, config.block_n)
 
     @inline_device
     def reduce_staged_dq(dq_accum, dq_stage, dq_full, dq_empty, params, b, hk, group, n_block, first_tile,
@@ -1108,19 +1108,16 @@ def make_reduce_staged_dq(config, hooks):
 
 
 def make_visiting_key_tiles(hooks, block_m, block_n):
-    """``(visiting_key_tiles, visiting_run)``: which key tiles' blocks add into a query tile's dQ,
-    those whose visited query tiles [first, end) (the ``hooks.query_tiles`` each dK/dV block walks)
-    hold it. Without a window, every key tile. With one, both ends of a key tile's range grow with
-    the key (a key tile no query sees has (0, 0)), so the visiting key tiles are one run [start,
-    stop): from the first whose range ends past the tile to the first that starts past it, found over
-    the ranges themselves (the very ranges the blocks walk, so the count cannot disagree with them).
-
-    ``visiting_key_tiles(tile, seqlen_q, seqlen_k, params) -> n``: the run's length, by two binary
-    searches. ``visiting_run(tile, start, stop, tile_before, seqlen_q, seqlen_k, params) -> (start,
-    stop)``: the run of ``tile`` from [start, stop), the run of ``tile_before``: both ends only move up
-    as the tile does, so a walk over consecutive tiles advances them by a key tile or so a step
-    (binary searches only where the tile goes back: a new query head, a rotated walk's wrap, or
-    tile_before < 0, the first)."""
+    """``visiting_run(tile, start, stop, tile_before, seqlen_q, seqlen_k, params) -> (start, stop)``:
+    the key tiles whose blocks add into query tile ``tile``'s dQ, those whose visited query tiles
+    [first, end) (the ``hooks.query_tiles`` each dK/dV block walks) hold it. Without a window, every
+    key tile. With one, both ends of a key tile's range grow with the key (a key tile no query sees
+    has (0, 0)), so the visiting key tiles are one run [start, stop): from the first whose range ends
+    past the tile to the first that starts past it, found over the ranges themselves (the very ranges
+    the blocks walk, so the count cannot disagree with them). It is found from [start, stop), the run
+    of ``tile_before``: both ends only move up as the tile does, so a walk over increasing tiles
+    advances them by a key tile or so a step, with two binary searches only where the tile goes back
+    (a new query head, a rotated walk's wrap) or at the first (tile_before < 0)."""
     WINDOW, query_tiles = hooks.WINDOW, hooks.query_tiles
 
     @inline_device
@@ -1143,14 +1140,6 @@ def make_visiting_key_tiles(hooks, block_m, block_n):
         return lo
 
     @inline_device
-    def visiting_key_tiles(tile, seqlen_q, seqlen_k, params):
-        key_tiles = (seqlen_k + block_n - 1) // block_n
-        if not WINDOW:
-            return key_tiles
-        start = first_past(tile, True, 0, key_tiles, seqlen_q, seqlen_k, params)
-        return first_past(tile, False, start, key_tiles, seqlen_q, seqlen_k, params) - start
-
-    @inline_device
     def visiting_run(tile, start, stop, tile_before, seqlen_q, seqlen_k, params):
         key_tiles = (seqlen_k + block_n - 1) // block_n
         if not WINDOW:
@@ -1165,7 +1154,7 @@ def make_visiting_key_tiles(hooks, block_m, block_n):
             stop += 1
         return start, stop
 
-    return visiting_key_tiles, visiting_run
+    return visiting_run
 
 
 def make_count_arrival(config):
@@ -1174,8 +1163,7 @@ def make_count_arrival(config):
     tile ``tile`` of head h is complete (the caller's ``bulk_wait``): publish the additions to every
     block (a proxy fence, then a release), count this block's arrival on the tile (``fold_counter``),
     and if it is the last of the tile's ``visits`` (its visiting key tiles, ``make_visiting_key_tiles``),
-    acquire the other blocks' additions and mark the step. The marks
-    are a bit a step: word w (at shared address ``fold_marks`` + 4 w) holds steps 32 w .. 32 w + 31,
+    acquire the other blocks' additions and mark the step. The marks are a bit a step: word w (at shared address ``fold_marks`` + 4 w) holds steps 32 w .. 32 w + 31,
     stored once its last step is counted (every word up to the last step's is written, so none needs
     zeroing first); ``marks`` carries the current word. The same pattern as a split decode's merge
     ticket (decode_mma.py)."""
@@ -1251,7 +1239,7 @@ def make_convert_marked(config, hooks):
     convert_unit = make_convert_unit(HDP, config.dq_part_columns, load_u32x4_cg, store_rows)
     step_pair = make_step_pair(config)
     WINDOW = hooks.WINDOW
-    visiting_key_tiles = make_visiting_key_tiles(hooks, BM, config.block_n)[0]
+    visiting_run = make_visiting_key_tiles(hooks, BM, config.block_n)
 
     @inline_device
     def zero_rows(dq, b, h, row0, rows_end, lane):
@@ -1275,9 +1263,12 @@ def make_convert_marked(config, hooks):
                             for unit_warp in range(4):
                                 convert_unit(dq_accum, dq, b, h, row, row, seqlen_q, scale, 32 * unit_warp + lane)
                     marked += 1
-        if WINDOW and n_block == 0:  # the query tiles no key tile visits
+        if WINDOW and n_block == 0:  # the query tiles no key tile visits (each warp's in increasing order)
+            start, stop, counted = 0, 0, -1
             for tile in range(warp, (seqlen_q + BM - 1) // BM, WARPS):
-                if visiting_key_tiles(tile, seqlen_q, seqlen_k, params) == 0:
+                start, stop = visiting_run(tile, start, stop, counted, seqlen_q, seqlen_k, params)
+                counted = tile
+                if stop == start:
                     for h in range(hk * group, hk * group + group):
                         zero_rows(dq, b, h, tile * BM, min(tile * BM + BM, seqlen_q), lane)
 
